@@ -1,0 +1,328 @@
+"""Public entry points: ``parallelize`` and the engine it returns."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from fxmeg import program
+from fxmeg.capture import LossFn, capture
+from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.errors import BatchError, ConfigError
+from fxmeg.partition import Partition, partition
+from fxmeg.passes.loss import loss as loss_pass
+from fxmeg.passes.pipeline import pipeline as pipeline_pass
+from fxmeg.runtime import schedules
+from fxmeg.runtime.executor import Executor
+from fxmeg.runtime.groups import Groups, Topology, all_reduce, build_groups
+from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one optimizer step; identical on every rank."""
+
+    loss: float
+    """Token-weighted mean loss over the global batch: sum(loss_sum) / sum(num_tokens)."""
+    num_tokens: int
+    """Tokens that counted towards the loss (labels not ignored) in the global batch."""
+    grad_norm: float
+    """Global L2 norm of the gradients before clipping."""
+    skipped: bool
+    """True when the update was skipped (parameters and optimizer state untouched)."""
+    lr: float
+    """Learning rate the step used (first parameter group)."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    """Token-weighted mean loss over the batch."""
+    num_tokens: int
+
+
+Batch = tuple[torch.Tensor, ...]
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Batch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    dp: int | None = None,
+    micro_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    schedule: str = "auto",
+    split_points: Iterable[str] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "fp32",
+    clip_grad: float = 1.0,
+    loss_fn: LossFn | None = None,
+) -> Engine:
+    """Capture ``model`` on one example micro-batch and return an engine that trains it
+    with Megatron-LM's semantics on this process's rank.
+
+    ``example_inputs`` is one micro-batch, e.g. ``(input_ids, labels)``; the model returns
+    its mean loss (or pass ``loss_fn(model, *batch) -> (loss_sum, num_tokens)``).
+    ``optimizer`` is a factory receiving parameter groups (see
+    ``fxmeg.runtime.optimizer.param_groups``); default AdamW. All checks that can fail on
+    user input run before any process-group work.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = _resolve_dp(world, tp, pp, dp)
+    parallel = ParallelConfig(
+        tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule,
+        split_points=tuple(split_points) if split_points is not None else None,
+    )
+    mbs = _batch_dim(example_inputs, micro_batch_size)
+    config = EngineConfig(
+        micro_batch_size=mbs,
+        global_batch_size=global_batch_size or mbs * dp,
+        parallel=parallel,
+        clip_grad=clip_grad,
+        precision=precision,
+    )
+    captured = capture(model, example_inputs, loss_fn=loss_fn)
+    gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
+    split = partition(gm, num_chunks=parallel.num_chunks, split_points=parallel.split_points)
+    parent = pipeline_pass(gm, num_chunks=parallel.num_chunks)
+    compute = schedules.build(
+        parallel.resolved_schedule, pp=pp, vpp=vpp, m=config.num_microbatches
+    )
+    return Engine(
+        model=model,
+        config=config,
+        parent=parent,
+        partition=split,
+        compute=compute,
+        example_inputs=example_inputs,
+        input_names=captured.input_names,
+        aliases=captured.aliases,
+        optimizer=optimizer or default_optimizer,
+    )
+
+
+class Engine:
+    """Trains this rank's chunks of a captured model; built by ``parallelize``."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        config: EngineConfig,
+        parent: fx.GraphModule,
+        partition: Partition,
+        compute: schedules.Schedule,
+        example_inputs: Batch,
+        input_names: list[str],
+        aliases: dict[str, list[str]],
+        optimizer: OptimizerFactory,
+    ) -> None:
+        par = config.parallel
+        self.config, self.partition, self.parent = config, partition, parent
+        self._model, self._aliases, self._input_names = model, aliases, input_names
+        self._example = example_inputs
+        all_chunks = program.chunks(parent)
+        self._holders = _holders(all_chunks, par.pp)
+        tied = sorted({frozenset(r) for r in self._holders.values() if len(r) > 1}, key=sorted)
+        self.groups: Groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied)
+        pp_rank = self.groups.pp_rank
+        self.chunks = {c: gm for c, gm in enumerate(all_chunks) if c % par.pp == pp_rank}
+        self.named_parameters = _unique_parameters(self.chunks.values())
+        self.device = _device(self.named_parameters, example_inputs)
+        self.optimizer = optimizer(param_groups(self.named_parameters.items()))
+        self._compute = compute
+        grad_cuts = frozenset(
+            c for c, gm in enumerate(all_chunks[1:]) if any(b.grad for b in program.chunk_spec(gm).recv)
+        )
+        self._lower = lambda sched: schedules.lower(sched, num_chunks=par.num_chunks, grad_cuts=grad_cuts)
+        self._train_steps = self._lower(compute)[pp_rank]
+        self.executor = Executor(
+            self.chunks, rank=self.groups.rank, pp=par.pp, peer=self.groups.pp_peer,
+            group=self.groups.pp, device=self.device,
+        )
+
+    # ------------------------------------------------------------ training
+
+    def train_step(self, batch: Batch | Iterator[Batch]) -> StepResult:
+        """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
+        the same on every rank) or an iterator over this rank's micro-batches."""
+        mbs = self._microbatches(batch, self.config.num_microbatches)
+        for p in self.named_parameters.values():
+            p.grad = None
+        stats = self.executor.run(self._train_steps, mbs, train=True)
+        loss_sum, num_tokens = self._reduce_stats(stats)
+        self._finalize_grads(num_tokens)
+        grad_norm = self._clip_grads()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        return StepResult(
+            loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
+            grad_norm=grad_norm, skipped=False, lr=lr,
+        )
+
+    @torch.no_grad()
+    def eval_step(self, batch: Batch | Iterator[Batch]) -> EvalResult:
+        """Forward-only pass over a batch (any multiple of micro_batch_size * dp samples);
+        token-weighted loss."""
+        per_mb = self.config.micro_batch_size * self.config.parallel.dp
+        m = batch[0].shape[0] // per_mb if isinstance(batch, tuple) else self.config.num_microbatches
+        mbs = self._microbatches(batch, m)
+        par = self.config.parallel
+        compute = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=m)
+        steps = self._lower(schedules.forward_only(compute))[self.groups.pp_rank]
+        stats = self.executor.run(steps, mbs, train=False)
+        loss_sum, num_tokens = self._reduce_stats(stats)
+        return EvalResult(loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens))
+
+    def _reduce_stats(self, stats: torch.Tensor) -> tuple[float, float]:
+        """Sum (loss_sum, num_tokens) over the last pipeline stage and all DP ranks."""
+        all_reduce(stats, self.groups.pp)  # only the last stage contributes
+        all_reduce(stats, self.groups.dp)
+        return float(stats[0]), float(stats[1])
+
+    def _finalize_grads(self, num_tokens: float) -> None:
+        """All-reduce grads of parameters held on several pipeline ranks (tied
+        embeddings), then scale by 1 / global tokens (reference §5.2, §6.3)."""
+        for name, p in self.named_parameters.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            holders = self._holders[name]
+            if len(holders) > 1:
+                all_reduce(p.grad, self.groups.tied[frozenset(holders)])
+            p.grad.mul_(1.0 / max(num_tokens, 1.0))
+
+    def _clip_grads(self) -> float:
+        """Global L2 norm over all pipeline ranks, a shared parameter counted once; scale
+        the gradients when the norm exceeds clip_grad (Megatron: clip_grad_norm_fp32)."""
+        own = [
+            p.grad for n, p in self.named_parameters.items()
+            if min(self._holders[n]) == self.groups.pp_rank
+        ]
+        norms = torch.stack([torch.linalg.vector_norm(g) for g in own]) if own else torch.zeros(1)
+        total = (norms.double() ** 2).sum().reshape(1).to(self.device)
+        all_reduce(total, self.groups.pp)
+        norm = math.sqrt(float(total))
+        clip = self.config.clip_grad
+        if clip > 0:
+            coeff = clip / (norm + 1e-6)
+            if coeff < 1.0:
+                for p in self.named_parameters.values():
+                    p.grad.mul_(coeff)
+        return norm
+
+    # ------------------------------------------------------------ batches
+
+    def _microbatches(self, batch: Batch | Iterator[Batch], m: int) -> list[Batch]:
+        mbs, dp = self.config.micro_batch_size, self.config.parallel.dp
+        if isinstance(batch, tuple):
+            self._check(batch, rows=m * mbs * dp, what="global batch")
+            r = self.groups.dp_rank
+            rows = [slice((i * dp + r) * mbs, (i * dp + r + 1) * mbs) for i in range(m)]
+            out = [tuple(t[s] for t in batch) for s in rows]
+        else:
+            out = [next(batch) for _ in range(m)]
+            for mb in out:
+                self._check(mb, rows=mbs, what="micro-batch")
+        return [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in out]
+
+    def _check(self, batch: Batch, *, rows: int, what: str) -> None:
+        if not isinstance(batch, tuple) or len(batch) != len(self._example):
+            raise BatchError(
+                f"a {what} must be a tuple of {len(self._example)} tensors "
+                f"({', '.join(self._input_names)}), like the example inputs"
+            )
+        for name, t, ex in zip(self._input_names, batch, self._example):
+            want = (rows, *ex.shape[1:])
+            if tuple(t.shape) != want or t.dtype != ex.dtype:
+                raise BatchError(
+                    f"{what} input {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                    f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
+                    f"{rows} rows = micro_batch_size x dp x micro-batches)"
+                )
+
+    # ------------------------------------------------------------ state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The user model's state_dict (every name, tied ones included) with this
+        engine's current values, gathered on every rank."""
+        canonical = {n: c for c, names in self._aliases.items() for n in names}
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in self._model.state_dict(keep_vars=True).items():
+            name = canonical.get(key, key)
+            holders = self._holders.get(name)
+            if holders is None:  # not read by the graph: the model's own value
+                out[key] = tensor.detach().clone()
+                continue
+            owner = min(holders)
+            value = self.named_parameters.get(name) if owner == self.groups.pp_rank else None
+            value = value.detach().clone() if value is not None else torch.empty_like(tensor)
+            if self.groups.pp is not None:
+                dist.broadcast(value, self.groups.pp_peer(owner), group=self.groups.pp)
+            out[key] = value
+        return out
+
+
+def _resolve_dp(world: int, tp: int, pp: int, dp: int | None) -> int:
+    if dp is None:
+        if world % (tp * pp):
+            raise ConfigError(
+                f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
+                f"a multiple of {tp * pp} ranks or change tp / pp"
+            )
+        return world // (tp * pp)
+    if tp * pp * dp != world:
+        raise ConfigError(
+            f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
+            f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
+        )
+    return dp
+
+
+def _batch_dim(example: Batch, micro_batch_size: int | None) -> int:
+    if not isinstance(example, tuple) or not example or not all(isinstance(t, torch.Tensor) for t in example):
+        raise ConfigError("example_inputs must be a non-empty tuple of tensors (one micro-batch)")
+    rows = {t.shape[0] if t.dim() else None for t in example}
+    if len(rows) != 1 or None in rows:
+        raise ConfigError(
+            f"every example input needs the same batch dimension; got shapes "
+            f"{[tuple(t.shape) for t in example]}"
+        )
+    (b,) = rows
+    if micro_batch_size is not None and micro_batch_size != b:
+        raise ConfigError(
+            f"the example inputs' batch dimension is {b}, but micro_batch_size="
+            f"{micro_batch_size}; pass one micro-batch of {micro_batch_size} samples as "
+            "example_inputs"
+        )
+    return b
+
+
+def _holders(chunks: list[fx.GraphModule], pp: int) -> dict[str, list[int]]:
+    """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
+    out: dict[str, set[int]] = {}
+    for c, gm in enumerate(chunks):
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, set()).add(c % pp)
+    return {n: sorted(r) for n, r in out.items()}
+
+
+def _unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:
+    out: dict[str, nn.Parameter] = {}
+    for gm in chunks:
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, p)
+    return out
+
+
+def _device(params: dict[str, nn.Parameter], example: Batch) -> torch.device:
+    return next(iter(params.values())).device if params else example[0].device

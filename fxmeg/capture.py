@@ -1,0 +1,239 @@
+"""Capture: torch.export (training IR) of a model and its loss on one example micro-batch.
+
+The result is a plain ``fx.GraphModule`` in the user's vocabulary:
+
+* parameters and buffers are ``get_attr`` nodes named by their original FQN (a tied
+  parameter under its first name in ``named_parameters()``), holding the user's own
+  ``nn.Parameter`` objects, so an optimizer built on them trains the user's model;
+* placeholders are the example inputs, in order;
+* the output is the flat tuple of the model's outputs (the loss first);
+* every node carries ``meta["val"]`` (a fake tensor: shape and dtype) and
+  ``meta["fxmeg"]["module"]``, the FQN of the innermost module that created it
+  (``""`` for code in the model's own ``forward``).
+
+Exported training-IR graphs keep high-level ATen ops (``aten.linear``,
+``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
+``aten.cross_entropy_loss``) that autograd differentiates like the eager model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from fxmeg.errors import CaptureError
+
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_PREFIX = "model."  # FQN prefix of the user's model inside _WithLossFn
+# Runtime metadata asserts export leaves behind; the graph's shapes are static anyway.
+_EXPORT_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+@dataclass
+class Captured:
+    """A captured model: the graph plus the naming facts later passes need."""
+
+    gm: fx.GraphModule
+    input_names: list[str]
+    """Placeholder names, one per example input, in order."""
+    aliases: dict[str, list[str]]
+    """Canonical FQN -> every name the user's ``state_dict`` has for that tensor."""
+    explicit_loss: bool
+    """True when the outputs are already ``(loss_sum, num_tokens)`` from a ``loss_fn``."""
+
+
+class _WithLossFn(nn.Module):
+    """Runs ``loss_fn(model, *inputs)`` so that export sees the user's loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss_fn(self.model, *inputs)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    loss_fn: LossFn | None = None,
+) -> Captured:
+    """Export ``model`` (or ``loss_fn(model, *inputs)``) and return it in the user's names."""
+    if not isinstance(example_inputs, tuple) or not all(
+        isinstance(t, torch.Tensor) for t in example_inputs
+    ):
+        raise CaptureError(
+            "example_inputs must be a tuple of tensors (one micro-batch, e.g. "
+            f"(input_ids, labels)); got {type(example_inputs).__name__}"
+        )
+    root = _WithLossFn(model, loss_fn) if loss_fn is not None else model
+    try:
+        ep = torch.export.export(root, example_inputs, strict=False)
+    except Exception as exc:  # export raises many types; all mean "not capturable"
+        raise CaptureError(_explain_export_failure(model, exc)) from exc
+    prefix = _PREFIX if loss_fn is not None else ""
+    gm, input_names = _unlift(ep, model, prefix)
+    aliases = _aliases(model)
+    return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
+
+
+def owning_module(node: fx.Node) -> str:
+    """FQN of the innermost module that created ``node`` ('' for top-level code)."""
+    return node.meta.get("fxmeg", {}).get("module", "")
+
+
+def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
+    reason = [line for line in str(exc).strip().splitlines() if line.strip()]
+    first = reason[0] if reason else type(exc).__name__
+    where = _failing_module(model, exc)
+    place = f" in module {where}" if where else ""
+    return (
+        f"torch.export could not capture {type(model).__name__}{place}: "
+        f"{type(exc).__name__}: {first}\n"
+        "fxmeg needs a model whose forward has no data-dependent Python control flow "
+        "(branches or loops on tensor values), returns tensors (no caches or custom "
+        "objects) and runs on the example inputs. Fixes to try: make the branch depend "
+        "on shapes or config, use torch.where / torch.cond, disable caches "
+        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way."
+    )
+
+
+def _failing_module(model: nn.Module, exc: BaseException) -> str:
+    """'fqn (Class)' of the innermost module whose forward was running when export failed."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    tb, found = exc.__traceback__, ""
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "_call_impl" and id(owner) in names:
+            found = f"{names[id(owner)] or '<root>'!r} ({type(owner).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str):
+    """Turn lifted parameter/buffer placeholders into get_attr nodes with user FQNs."""
+    sig = ep.graph_signature
+    user_outputs = _check_outputs(ep)
+    canonical = _canonical_names(model)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    getters: dict[str, fx.Node] = {}
+    for node in placeholders:  # user inputs first: they are the graph's signature
+        if node.name in sig.user_inputs:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node].meta["fxmeg"] = {"module": ""}
+            input_names.append(node.name)
+    for node in placeholders:
+        if node.name in sig.user_inputs:
+            continue
+        fqn, tensor = _lifted_tensor(ep, node.name, model, prefix)
+        fqn = canonical.get(id(tensor), fqn)
+        if fqn not in getters:  # a tied tensor is lifted once per name; keep one getter
+            attrs[fqn] = tensor
+            getters[fqn] = graph.get_attr(fqn)
+            getters[fqn].meta = {**node.meta, "fxmeg": {"module": ""}}
+        env[node] = getters[fqn]
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output") or node.target in _EXPORT_CHECKS:
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        stack = node.meta.get("nn_module_stack") or {}
+        module = list(stack.values())[-1][0] if stack else ""
+        env[node].meta["fxmeg"] = {"module": _strip(module, prefix)}
+    graph.output(tuple(env[n] for n in user_outputs))
+    for getter in getters.values():
+        if not getter.users:
+            graph.erase_node(getter)
+            attrs.pop(getter.target)
+    gm = fx.GraphModule(attrs, graph)
+    gm.graph.lint()
+    _refuse_state_updates(gm)
+    return gm, input_names
+
+
+def _refuse_state_updates(gm: fx.GraphModule) -> None:
+    """Forward must not write parameters or buffers in place (e.g. BatchNorm running
+    statistics): fxmeg replays forward per micro-batch, stage and rank."""
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        written = [
+            a for spec, a in zip(schema.arguments, node.args)
+            if spec.alias_info is not None and spec.alias_info.is_write
+        ]
+        if node.target == torch.ops.aten.batch_norm.default and node.args[5]:
+            written += [node.args[3], node.args[4]]  # training: running statistics
+        state = [a.target for a in written if isinstance(a, fx.Node) and a.op == "get_attr"]
+        if state:
+            raise _state_update_error(
+                f"module {owning_module(node)!r} updates {', '.join(state)} in place during "
+                f"forward ({schema.name}, node {node.name!r})"
+            )
+
+
+def _state_update_error(what: str) -> CaptureError:
+    return CaptureError(
+        f"{what}, e.g. BatchNorm running statistics; fxmeg replays forward per micro-batch "
+        "and pipeline stage and cannot keep such state consistent. Use a norm without "
+        "running statistics (LayerNorm, RMSNorm) or put the module in eval mode."
+    )
+
+
+def _check_outputs(ep: torch.export.ExportedProgram) -> list[fx.Node]:
+    if ep.graph_signature.buffers_to_mutate:
+        names = ", ".join(sorted(ep.graph_signature.buffers_to_mutate.values()))
+        raise _state_update_error(f"the model updates buffers {names} during forward")
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    flat = [a for a in out_node.args[0] if isinstance(a, fx.Node)]
+    if len(flat) != len(out_node.args[0]):
+        raise CaptureError("the model returns non-tensor values; return the loss tensor")
+    return flat
+
+
+def _lifted_tensor(ep, name: str, model: nn.Module, prefix: str):
+    sig = ep.graph_signature
+    if name in sig.inputs_to_parameters:
+        fqn = _strip(sig.inputs_to_parameters[name], prefix)
+        return fqn, model.get_parameter(fqn)
+    if name in sig.inputs_to_buffers:
+        fqn = _strip(sig.inputs_to_buffers[name], prefix)
+        return fqn, model.get_buffer(fqn)
+    if name in sig.inputs_to_lifted_tensor_constants:
+        const = sig.inputs_to_lifted_tensor_constants[name]
+        return f"_fxmeg_constants.{const}", ep.constants[const]
+    raise CaptureError(f"unsupported lifted input {name!r} in the exported graph")
+
+
+def _strip(fqn: str, prefix: str) -> str:
+    if prefix and fqn.startswith(prefix):
+        return fqn[len(prefix) :]
+    return "" if fqn == prefix.rstrip(".") else fqn
+
+
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(tensor) -> its first name: the one ``named_parameters()`` reports."""
+    names: dict[int, str] = {}
+    for fqn, t in (*model.named_parameters(), *model.named_buffers()):
+        names.setdefault(id(t), fqn)
+    return names
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Canonical FQN -> all state_dict names of that tensor (tied weights have several)."""
+    by_id: dict[int, list[str]] = {}
+    named = (
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    )
+    for fqn, t in named:
+        by_id.setdefault(id(t), []).append(fqn)
+    return {names[0]: names for names in by_id.values()}

@@ -1,0 +1,117 @@
+"""Configuration: frozen dataclasses that check themselves before any work starts.
+
+Every field has a one-line docstring; cross-field checks live in ``__post_init__`` and
+their messages name the field, the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fxmeg.errors import ConfigError, closest
+
+SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32",)
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks: rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+
+    tp: int = 1
+    """Tensor-parallel size (ranks that share every layer's weights)."""
+    pp: int = 1
+    """Pipeline-parallel size (ranks that each hold a run of layers)."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank (interleaved schedule when > 1)."""
+    dp: int = 1
+    """Data-parallel size (replicas that each see a slice of the global batch)."""
+    schedule: str = "auto"
+    """'auto', 'none' (pp=1), 'gpipe', '1f1b' or 'interleaved' (vpp > 1)."""
+    split_points: tuple[str, ...] | None = None
+    """Pinned chunk starts, e.g. ('layers.2',): pp*vpp - 1 block names; None = balanced."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", "pp", "vpp", "dp")
+        if self.tp > 1:
+            raise ConfigError("tp > 1 (tensor parallelism) is not implemented yet; use tp=1")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"schedule={self.schedule!r} is not one of {SCHEDULES}"
+                + closest(self.schedule, SCHEDULES)
+            )
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"vpp={self.vpp} needs pp > 1; set pp >= 2 or vpp=1")
+        if self.vpp > 1 and self.schedule not in ("auto", "interleaved"):
+            raise ConfigError(
+                f"vpp={self.vpp} runs only with schedule='interleaved' (got {self.schedule!r})"
+            )
+        if self.schedule == "interleaved" and self.vpp == 1:
+            raise ConfigError("schedule='interleaved' needs vpp > 1; set vpp=2 or use '1f1b'")
+        if self.schedule == "none" and self.pp > 1:
+            raise ConfigError(f"schedule='none' runs without a pipeline; got pp={self.pp}")
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_chunks(self) -> int:
+        """Pipeline chunks in the model: pp * vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def resolved_schedule(self) -> str:
+        """The schedule 'auto' stands for: interleaved if vpp > 1, else 1f1b, else none."""
+        if self.schedule != "auto":
+            return self.schedule
+        if self.vpp > 1:
+            return "interleaved"
+        return "1f1b" if self.pp > 1 else "none"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``fxmeg.parallelize`` needs besides the model and the optimizer."""
+
+    micro_batch_size: int
+    """Samples in one micro-batch on one rank (the example inputs' batch dimension)."""
+    global_batch_size: int
+    """Samples in one optimizer step over all data-parallel ranks."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    clip_grad: float = 1.0
+    """Clip the global L2 gradient norm to this value; 0 disables clipping."""
+    precision: str = "fp32"
+    """Parameter and compute precision."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "micro_batch_size", "global_batch_size")
+        per_step = self.micro_batch_size * self.parallel.dp
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"micro_batch_size * dp = {self.micro_batch_size} * {self.parallel.dp} = "
+                f"{per_step}; choose a multiple of {per_step}, e.g. "
+                f"{max(per_step, self.global_batch_size // per_step * per_step)}"
+            )
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.precision!r} is not supported yet; choose one of {PRECISIONS}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = global_batch_size / (micro_batch_size * dp), micro-batches per rank per step."""
+        return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)

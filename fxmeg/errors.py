@@ -1,0 +1,36 @@
+"""Errors a user can reach. Each message names the offending thing, the numbers and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FxmegError(Exception):
+    """Base class of every error fxmeg raises for bad input or an unsupported model."""
+
+
+class ConfigError(FxmegError, ValueError):
+    """An invalid or inconsistent configuration value."""
+
+
+class CaptureError(FxmegError):
+    """The model could not be captured with torch.export."""
+
+
+class PassError(FxmegError):
+    """A graph pass met a pattern it cannot transform safely."""
+
+
+class BatchError(FxmegError, ValueError):
+    """A batch handed to the engine does not match the example micro-batch."""
+
+
+class ScheduleError(FxmegError):
+    """A pipeline schedule cannot be built or failed while running."""
+
+
+def closest(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest valid name, or '' when none is near."""
+    match = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -1,0 +1,34 @@
+"""Graph-level markers the passes insert. They show by name in printed graphs.
+
+The pipeline pass marks every tensor that crosses a chunk boundary: ``recv`` where it
+enters a chunk, ``send`` where it leaves, ``deallocate`` where the producer may free it.
+Communication itself is the executor's work (lowered schedule actions RECV_F/SEND_F/...);
+when a chunk graph runs, these markers are identities, so the parent graph that chains
+all chunks in one process computes exactly what the captured model computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+
+def recv(tensor: torch.Tensor, *, src_chunk: int, shape, dtype, grad: bool) -> torch.Tensor:
+    """A boundary tensor received from ``src_chunk``; ``grad``: its gradient is sent back."""
+    return tensor
+
+
+def send(tensor: torch.Tensor, *, dst_chunk: int, grad: bool) -> torch.Tensor:
+    """A boundary tensor sent to ``dst_chunk``; ``grad``: a gradient for it comes back."""
+    return tensor
+
+
+@has_side_effect
+def deallocate(tensor: torch.Tensor) -> None:
+    """The executor frees ``tensor``'s storage once its send completed and keeps its
+    autograd node; backward runs through it anyway (Megatron: deallocate_output_tensor).
+    A no-op when the graph runs in one process."""
+
+
+for _fn in (recv, send, deallocate):
+    _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)

@@ -1,0 +1,182 @@
+"""Partition: a cost model over the captured graph and a balanced cut into pipeline chunks.
+
+Glossary:
+  block   one repeated layer, found from module FQNs: the children of the module list
+          with the most numbered children (``layers.3``, ``h.3``, ``model.layers.3``);
+  unit    a block plus the top-level code around it: code before the first block
+          (embeddings, rotary tables) joins the first unit, code after a block (final
+          norm, head, loss) joins that block's unit;
+  chunk   a contiguous run of units; chunk c runs on pipeline rank c % pp.
+
+``partition`` tags every call_function node with ``meta["fxmeg"]["chunk"]``. Chunks only
+ever read values of earlier chunks, so the pipeline pass can cut between them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxmeg.capture import owning_module
+from fxmeg.errors import ConfigError, PassError
+from fxmeg.passes.graph_utils import val
+
+aten = torch.ops.aten
+
+BYTE_COST = 32.0
+"""Cost of moving one byte, in FLOPs: a middle ground between a GPU (~300 FLOPs per byte
+of memory bandwidth) and a CPU (~10)."""
+
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+_MATMULS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which blocks each chunk holds, and what each chunk is estimated to cost."""
+
+    blocks: tuple[str, ...]
+    """Block FQNs in execution order."""
+    starts: tuple[int, ...]
+    """Index in ``blocks`` of the first block of each chunk."""
+    costs: tuple[float, ...]
+    """Estimated forward cost of each chunk (FLOPs + BYTE_COST * bytes moved)."""
+
+    def chunk_blocks(self, chunk: int) -> tuple[str, ...]:
+        end = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else len(self.blocks)
+        return self.blocks[self.starts[chunk] : end]
+
+
+def partition(
+    gm: fx.GraphModule, *, num_chunks: int, split_points: tuple[str, ...] | None = None
+) -> Partition:
+    """Cut ``gm`` into ``num_chunks`` chunks at block boundaries; tag every node's chunk."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    blocks, unit_of = _units(nodes)
+    if num_chunks == 1:
+        starts = (0,)
+    elif not blocks:
+        raise ConfigError(
+            f"pp * vpp = {num_chunks} chunks, but no repeated blocks were found in the "
+            "model (module lists such as 'layers.0', 'layers.1'); fxmeg cuts pipelines at "
+            "block boundaries"
+        )
+    elif num_chunks > len(blocks):
+        raise ConfigError(
+            f"pp * vpp = {num_chunks} chunks, but the model has only {len(blocks)} blocks "
+            f"({blocks[0]} .. {blocks[-1]}); choose pp * vpp <= {len(blocks)}"
+        )
+    unit_costs = [0.0] * max(len(blocks), 1)
+    for node in nodes:
+        unit_costs[unit_of[node]] += node_cost(node)
+    if num_chunks > 1:
+        if split_points is not None:
+            starts = _pinned_starts(blocks, split_points, num_chunks)
+        else:
+            starts = _balanced_starts(unit_costs, num_chunks)
+    chunk_of_unit = [0] * len(unit_costs)
+    for chunk, start in enumerate(starts):
+        for unit in range(start, len(unit_costs)):
+            chunk_of_unit[unit] = chunk
+    for node in nodes:
+        node.meta["fxmeg"]["chunk"] = chunk_of_unit[unit_of[node]]
+    costs = [0.0] * num_chunks
+    for unit, cost in enumerate(unit_costs):
+        costs[chunk_of_unit[unit]] += cost
+    return Partition(tuple(blocks), tuple(starts), tuple(costs))
+
+
+def node_cost(node: fx.Node) -> float:
+    """Forward cost of one node: FLOPs of matmuls and attention, else bytes moved."""
+    out = val(node)
+    ins = [val(n) for n in node.all_input_nodes]
+    flops = 0.0
+    if node.target == aten.linear.default:
+        flops = 2.0 * out.numel() * ins[0].shape[-1]
+    elif node.target in _MATMULS:
+        flops = 2.0 * out.numel() * ins[-2 if node.target == aten.addmm.default else 0].shape[-1]
+    elif node.target == aten.scaled_dot_product_attention.default:
+        q, k = ins[0], ins[1]
+        flops = 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+    moved = sum(t.numel() * t.element_size() for t in (out, *ins) if isinstance(t, torch.Tensor))
+    if node.target == aten.embedding.default:  # reads only the looked-up rows
+        moved = 2 * out.numel() * out.element_size()
+    return flops + BYTE_COST * moved
+
+
+def _units(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, int]]:
+    """Blocks in execution order, and the unit (block index) of every node."""
+    numbered = [_NUMBERED.match(owning_module(n)) for n in nodes]
+    per_list = Counter()
+    for m in {(m[1], m[2]) for m in numbered if m}:
+        per_list[m[0]] += 1
+    container = max(per_list, key=lambda c: (per_list[c], -len(c)), default=None)
+    blocks: list[str] = []
+    unit_of: dict[fx.Node, int] = {}
+    current = 0
+    for node, m in zip(nodes, numbered):
+        if m and m[1] == container:
+            name = f"{m[1]}.{m[2]}"
+            if name not in blocks:
+                blocks.append(name)
+            current = blocks.index(name)
+        unit_of[node] = current
+        if node.target.__name__ == "getitem":  # a tuple's parts stay with the tuple
+            unit_of[node] = unit_of[node.args[0]]
+        earlier = [unit_of[n] for n in node.all_input_nodes if n in unit_of]
+        if earlier and max(earlier) > unit_of[node]:
+            raise PassError(
+                f"node {node.name!r} (module {owning_module(node)!r}) reads a value of a "
+                f"later block ({blocks[max(earlier)]}); fxmeg pipelines models whose blocks "
+                "run one after the other"
+            )
+    return blocks, unit_of
+
+
+def _balanced_starts(costs: list[float], k: int) -> tuple[int, ...]:
+    """Cut ``costs`` into k contiguous non-empty runs minimising the largest run's sum."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[j][i]: minimal max-run cost of splitting units [0, i) into j runs
+    best = [[math.inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for s in range(j - 1, i):
+                cost = max(best[j - 1][s], prefix[i] - prefix[s])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, s
+    starts, i = [], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        starts.append(i)
+    return tuple(reversed(starts))
+
+
+def _pinned_starts(blocks: list[str], split_points: tuple[str, ...], k: int) -> tuple[int, ...]:
+    if len(split_points) != k - 1:
+        raise ConfigError(
+            f"split_points has {len(split_points)} entries, but pp * vpp = {k} chunks need "
+            f"{k - 1} (the first block of every chunk but the first)"
+        )
+    starts = [0]
+    for name in split_points:
+        if name not in blocks:
+            raise ConfigError(
+                f"split point {name!r} names no block; blocks are {blocks[0]} .. {blocks[-1]}"
+            )
+        starts.append(blocks.index(name))
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ConfigError(
+            f"split_points {list(split_points)} must name blocks in increasing order, "
+            f"none of them {blocks[0]}"
+        )
+    return tuple(starts)

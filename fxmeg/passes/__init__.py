@@ -1,0 +1,14 @@
+"""Graph passes, in the order fxmeg runs them. Each is ``gm -> gm``, pure (no
+torch.distributed, no I/O), and its docstring states what it requires and ensures.
+
+  loss       mean loss -> (loss_sum, num_tokens)                      passes/loss.py
+  (partition: fxmeg/partition.py tags every node with its chunk)
+  pipeline   chunk graphs with recv / send / deallocate markers       passes/pipeline.py
+
+Metadata the passes keep under ``node.meta["fxmeg"]``:
+  module     FQN of the module that created the node ('' = the model's own forward); capture
+  loss       "sum" | "count" on the two loss outputs; loss pass
+  chunk      pipeline chunk index of a call_function node; partition
+
+and on a chunk graph, ``gm.meta["fxmeg"]`` is its ``fxmeg.program.ChunkSpec``.
+"""

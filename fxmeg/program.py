@@ -1,0 +1,50 @@
+"""The program: plain data that the passes produce and the runtime executes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One tensor crossing from chunk ``src`` to chunk ``src + 1``."""
+
+    name: str
+    """Name of the value in the captured graph (the producing node)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    grad: bool
+    """Whether it requires grad, i.e. whether a gradient is sent back for it."""
+    src: int
+    """Chunk that sends it; ``src + 1`` receives it."""
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """The calling convention of one chunk graph: ``gm(*data, *recv) -> (*send[, loss_sum, num_tokens])``."""
+
+    index: int
+    data_inputs: tuple[int, ...]
+    """Indices into the micro-batch tuple of the inputs this chunk reads."""
+    recv: tuple[Boundary, ...]
+    """Tensors received from chunk ``index - 1``, in placeholder order."""
+    send: tuple[Boundary, ...]
+    """Tensors sent to chunk ``index + 1``, in output order."""
+    deallocate: tuple[bool, ...]
+    """Per sent tensor: the executor may free its storage once the send completed."""
+    is_last: bool
+    """The last chunk returns ``(loss_sum, num_tokens)`` after its sends."""
+
+
+def chunk_spec(gm: fx.GraphModule) -> ChunkSpec:
+    """The spec the pipeline pass stored on a chunk graph."""
+    return gm.meta["fxmeg"]
+
+
+def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
+    """The chunk graphs of a pipelined parent graph, in chunk order."""
+    found = {int(name.split("_")[1]): m for name, m in parent.named_children() if name.startswith("chunk_")}
+    return [found[i] for i in range(len(found))]

@@ -1,0 +1,1 @@
+"""The runtime: process groups, schedules as data, the executor, DDP and the optimizer."""

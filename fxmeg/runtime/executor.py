@@ -1,0 +1,200 @@
+"""The executor: one interpreter that runs this rank's lowered schedule.
+
+Every step is handled by one small method per action kind. Live state (received
+activations, saved forward outputs, gradients to send) is keyed by (chunk, micro-batch)
+and lives only for one ``run``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from fxmeg.errors import ScheduleError
+from fxmeg.program import ChunkSpec, chunk_spec
+from fxmeg.runtime.schedules import Action, Kind, Step, fmt
+
+_run_backward = torch.autograd.Variable._execution_engine.run_backward
+
+Key = tuple[int, int]  # (chunk, micro-batch)
+
+
+@dataclass
+class Counters:
+    """What the executor held and freed in the last run (read by tests and benchmarks)."""
+
+    peak_in_flight: int = 0
+    """Most micro-batches forwarded but not yet backwarded at once, over all chunks."""
+    sent_for_dealloc: int = 0
+    """Sent activations marked for deallocation."""
+    deallocated: int = 0
+    """Of those, the ones whose storage was freed."""
+
+
+@dataclass
+class _State:
+    inbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    grad_inbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    grad_outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    saved: dict[Key, tuple] = field(default_factory=dict)
+    stats: torch.Tensor | None = None
+
+
+class Executor:
+    """Runs this rank's lowered schedules over the chunks this rank holds."""
+
+    def __init__(
+        self,
+        chunks: dict[int, fx.GraphModule],
+        *,
+        rank: int,
+        pp: int,
+        peer: Callable[[int], int],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.chunks = chunks
+        self.specs: dict[int, ChunkSpec] = {c: chunk_spec(gm) for c, gm in chunks.items()}
+        self.rank, self.pp = rank, pp
+        self.peer, self.group, self.device = peer, group, device
+        self.counters = Counters()
+        self.before_last_backward: Callable[[int], None] | None = None
+        """Called with the chunk index before its last micro-batch's backward (DDP sync)."""
+        self._handlers = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.DEALLOC: self._deallocate,
+        }
+
+    def run(
+        self,
+        steps: list[Step],
+        microbatches: Sequence[tuple[torch.Tensor, ...]],
+        *,
+        train: bool,
+        loss_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Run lowered ``steps``; return float64 ``[sum of loss_sum, sum of num_tokens]``
+        over the micro-batches this rank's last chunk saw (zeros elsewhere)."""
+        self.steps = steps
+        self._mbs, self._train, self._scale = microbatches, train, loss_scale
+        self._last_mb = len(microbatches) - 1
+        self._state = _State(stats=torch.zeros(2, dtype=torch.float64, device=self.device))
+        self.counters = Counters()
+        with torch.set_grad_enabled(train):
+            for index, step in enumerate(self.steps):
+                try:
+                    handler = self._handlers.get(step[0].kind, self._communicate)
+                    handler(step) if handler is self._communicate else handler(step[0])
+                except Exception as exc:
+                    raise ScheduleError(self._failure(index, exc)) from exc
+        state, self._state = self._state, None
+        assert not state.saved and not state.inbox, "schedule left work unfinished"
+        return state.stats
+
+    # ------------------------------------------------------------ compute
+
+    def _forward(self, a: Action) -> None:
+        spec, key = self.specs[a.chunk], (a.chunk, a.mb)
+        data = [self._mbs[a.mb][i] for i in spec.data_inputs]
+        received = self._state.inbox.pop(key, [])
+        if self._train:
+            for t, b in zip(received, spec.recv):
+                t.requires_grad_(b.grad)
+        outs = self.chunks[a.chunk](*data, *received)
+        sends = list(outs[: len(spec.send)])
+        loss = None
+        if spec.is_last:
+            loss, num_tokens = outs[-2:]
+            self._state.stats += torch.stack([loss.detach().double(), num_tokens.double()])
+        if spec.send:
+            self._state.outbox[key] = sends
+        if self._train:
+            self._state.saved[key] = (received, sends, loss)
+            self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._state.saved))
+
+    def _backward(self, a: Action) -> None:
+        spec, key = self.specs[a.chunk], (a.chunk, a.mb)
+        if a.mb == self._last_mb and self.before_last_backward is not None:
+            self.before_last_backward(a.chunk)
+        received, sends, loss = self._state.saved.pop(key)
+        if spec.is_last:
+            roots, grads = [loss], [torch.full_like(loss, self._scale)]
+        else:
+            roots = [t for t, b in zip(sends, spec.send) if b.grad]
+            grads = self._state.grad_inbox.pop(key)
+        _run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
+                      inputs=(), allow_unreachable=True, accumulate_grad=True)
+        if a.chunk > 0 and any(b.grad for b in spec.recv):
+            self._state.grad_outbox[key] = [
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t, b in zip(received, spec.recv)
+                if b.grad
+            ]
+
+    def _deallocate(self, a: Action) -> None:
+        """Free sent activations' storage, keep their autograd nodes (Megatron:
+        deallocate_output_tensor); backward then runs through them anyway."""
+        if not self._train:
+            return
+        _, sends, _ = self._state.saved[(a.chunk, a.mb)]
+        for t, free in zip(sends, self.specs[a.chunk].deallocate):
+            if not free:
+                continue
+            self.counters.sent_for_dealloc += 1
+            if t._base is None and t.grad_fn is not None and not _saves_its_result(t):
+                t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+                self.counters.deallocated += 1
+
+    # ------------------------------------------------------------ communication
+
+    def _communicate(self, step: Step) -> None:
+        """Post every point-to-point op of the group at once, then wait for all."""
+        ops = []
+        for a in step:
+            tensors, peer_chunk, send = self._buffers(a)
+            op = dist.isend if send else dist.irecv
+            peer = self.peer(peer_chunk % self.pp)
+            ops.extend(dist.P2POp(op, t, peer, self.group) for t in tensors)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
+        key, spec = (a.chunk, a.mb), self.specs[a.chunk]
+        s = self._state
+        if a.kind is Kind.SEND_F:
+            return [t.contiguous() for t in s.outbox.pop(key)], a.chunk + 1, True
+        if a.kind is Kind.SEND_B:
+            return s.grad_outbox.pop(key), a.chunk - 1, True
+        if a.kind is Kind.RECV_F:
+            s.inbox[key] = [self._empty(b.shape, b.dtype) for b in spec.recv]
+            return s.inbox[key], a.chunk - 1, False
+        assert a.kind is Kind.RECV_B
+        s.grad_inbox[key] = [self._empty(b.shape, b.dtype) for b in spec.send if b.grad]
+        return s.grad_inbox[key], a.chunk + 1, False
+
+    def _empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    # ------------------------------------------------------------ errors
+
+    def _failure(self, index: int, exc: BaseException) -> str:
+        cells = [fmt(s) for s in self.steps]
+        cells[index] = f">>{cells[index]}<<"
+        return (
+            f"rank {self.rank}: step {index} ({fmt(self.steps[index])}) failed: "
+            f"{type(exc).__name__}: {exc}\nthis rank's schedule, failing step marked:\n"
+            + " ".join(cells)
+        )
+
+
+def _saves_its_result(t: torch.Tensor) -> bool:
+    """True when t's autograd node saved t itself (e.g. relu, exp): freeing it would
+    corrupt backward."""
+    return any(name.startswith("_saved_result") for name in dir(t.grad_fn))

@@ -1,0 +1,113 @@
+"""Process groups, built explicitly from a pure rank layout (no globals).
+
+Rank layout (Megatron's default order, tensor-parallel fastest):
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Pure arithmetic over the rank layout; testable without processes."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, *, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(tp=t, dp=d, pp=p) for p in range(self.pp)] for d, t in product(range(self.dp), range(self.tp))]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(tp=t, dp=d, pp=p) for d in range(self.dp)] for p, t in product(range(self.pp), range(self.tp))]
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(tp=t, dp=d, pp=p) for t in range(self.tp)] for p, d in product(range(self.pp), range(self.dp))]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups (tp x pp): ranks that together hold one model replica."""
+        return [[self.rank(tp=t, dp=d, pp=p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+    def subgroups(self, pp_ranks: frozenset[int]) -> list[list[int]]:
+        """For a set of pipeline ranks (e.g. the holders of a tied weight), the matching
+        global-rank group of every (dp, tp) coordinate."""
+        return [[self.rank(tp=t, dp=d, pp=p) for p in sorted(pp_ranks)] for d, t in product(range(self.dp), range(self.tp))]
+
+
+@dataclass
+class Groups:
+    """This rank's process groups. ``None`` stands for a group of one rank."""
+
+    topo: Topology
+    rank: int
+    pp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    mp: dist.ProcessGroup | None = None
+    tied: dict[frozenset[int], dist.ProcessGroup | None] = field(default_factory=dict)
+    """Pipeline-rank set holding a shared parameter -> its group for this rank."""
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topo.coords(self.rank)[2]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topo.coords(self.rank)[1]
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline."""
+        tp, dp, _ = self.topo.coords(self.rank)
+        return self.topo.rank(tp=tp, dp=dp, pp=pp_rank)
+
+
+def build_groups(topo: Topology, *, tied: list[frozenset[int]] = ()) -> Groups:
+    """Create every group in the same order on every rank (new_group is collective)."""
+    if topo.world_size == 1:
+        return Groups(topo, 0, tied={s: None for s in tied})
+    rank = dist.get_rank()
+    groups = Groups(topo, rank)
+    for name, layout in (
+        ("pp", topo.pp_groups()),
+        ("dp", topo.dp_groups()),
+        ("tp", topo.tp_groups()),
+        ("mp", topo.mp_groups()),
+    ):
+        setattr(groups, name, _make(layout, rank))
+    for pp_ranks in tied:
+        groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank)
+    return groups
+
+
+def _make(layout: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    mine = None
+    for ranks in layout:
+        if len(ranks) == 1:  # every rank skips the same singleton groups
+            continue
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce; nothing to do for a group of one."""
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)

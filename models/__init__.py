@@ -1,0 +1,1 @@
+"""Plain single-device reference models. They never import fxmeg."""
