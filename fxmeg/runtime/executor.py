@@ -89,8 +89,11 @@ class Executor:
         with torch.set_grad_enabled(train):
             for index, step in enumerate(self.steps):
                 try:
-                    handler = self._handlers.get(step[0].kind, self._communicate)
-                    handler(step) if handler is self._communicate else handler(step[0])
+                    handler = self._handlers.get(step[0].kind)
+                    if handler is None:
+                        self._communicate(step)
+                    else:
+                        handler(step[0])
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
         state, self._state = self._state, None
