@@ -65,7 +65,7 @@ def train(rank: int, world: int, args: argparse.Namespace, store_path: str) -> N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--mbs", type=int, default=4)

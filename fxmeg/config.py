@@ -42,6 +42,8 @@ class ParallelConfig:
         _positive(self, "tp", "pp", "vpp", "dp")
         if self.tp > 1:
             raise ConfigError("tp > 1 (tensor parallelism) is not implemented yet; use tp=1")
+        if self.dp > 1:
+            raise ConfigError("dp > 1 (gradient reduction across replicas) is not implemented yet")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not one of {SCHEDULES}"

@@ -18,7 +18,7 @@ def recv(tensor: torch.Tensor, *, src_chunk: int, shape, dtype, grad: bool) -> t
     return tensor
 
 
-def send(tensor: torch.Tensor, *, dst_chunk: int, grad: bool) -> torch.Tensor:
+def send(tensor: torch.Tensor, *, dst_chunk: int, shape, dtype, grad: bool) -> torch.Tensor:
     """A boundary tensor sent to ``dst_chunk``; ``grad``: a gradient for it comes back."""
     return tensor
 

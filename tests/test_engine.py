@@ -92,3 +92,14 @@ def test_batch_with_wrong_shape_is_refused():
         engine.train_step((ids[:, :15], labels))
     with pytest.raises(BatchError, match=r"'input_ids' has shape \(6, 16\)"):
         engine.train_step((torch.cat([ids, ids[:2]]), torch.cat([labels, labels[:2]])))
+
+
+def test_failure_inside_the_schedule_names_rank_step_and_action():
+    engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), global_batch_size=4)
+    ids, labels = make_batch(4, seed=0)
+    labels[3, 5] = 500  # out of the vocabulary: fails in the second micro-batch's forward
+    with pytest.raises(fxmeg.FxmegError) as err:
+        engine.train_step((ids, labels))
+    msg = str(err.value)
+    assert "rank 0: step 2 (0F1) failed: IndexError" in msg
+    assert "0F0 0B0 >>0F1<< 0B1" in msg

@@ -99,7 +99,8 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
         env[n] = graph.node_copy(n, lookup)
     outputs, deallocate = [], []
     for b, n in zip(send, send_nodes):
-        s = _marker(graph, ops.send, (env[n],), dict(dst_chunk=k + 1, grad=b.grad), f"send_{n.name}", env[n].meta)
+        info = dict(dst_chunk=k + 1, shape=list(b.shape), dtype=b.dtype, grad=b.grad)
+        s = _marker(graph, ops.send, (env[n],), info, f"send_{n.name}", env[n].meta)
         free = n in body_set and b.grad and all(u is s for u in env[n].users)
         if free:
             _marker(graph, ops.deallocate, (s,), {}, f"deallocate_{n.name}", {})

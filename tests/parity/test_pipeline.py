@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
 from tests.distributed import run_world
@@ -57,8 +59,27 @@ BITWISE = [Scenario("llama", pp, 1, "1f1b", 4, clip=0.0) for pp in (2, 4)]
 SCENARIOS = PARITY + BITWISE
 
 
+BAD_CONFIGS = {  # on 2 ranks, each must fail before any process group exists
+    "pp*vpp > blocks": (dict(pp=2, vpp=4), "pp * vpp = 8 chunks, but the model has only 4 blocks"),
+    "interleaved m": (dict(pp=2, vpp=2, global_batch_size=2 * 3),
+                      "interleaved schedule needs the micro-batch count m to be a multiple of 2"),
+    "split point": (dict(pp=2, split_points=["layers.9"]), "split point 'layers.9' names no block"),
+}
+
+
+def refuse_bad_configs() -> dict:
+    before = c10d._world.group_count
+    messages = {}
+    for name, (kwargs, _) in BAD_CONFIGS.items():
+        try:
+            fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), **kwargs)
+        except fxmeg.FxmegError as err:
+            messages[name] = str(err)
+    return dict(messages=messages, new_groups=c10d._world.group_count - before)
+
+
 def train(rank: int, scenarios: list[Scenario]) -> dict:
-    out = {}
+    out = {"refused": refuse_bad_configs()} if dist.get_world_size() == 2 else {}
     for sc in scenarios:
         batches = sc.batches()
         engine = fxmeg.parallelize(
@@ -124,3 +145,10 @@ def test_pipeline_does_not_change_the_arithmetic(results, sc):
     got = results[sc.pp][0][sc.id]
     assert [s.loss for s in got["steps"]] == losses
     assert_bitwise(got["state"], single.full_state_dict())
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONFIGS))
+def test_bad_configs_are_refused_before_process_groups(results, name):
+    for rank in results[2]:
+        assert BAD_CONFIGS[name][1] in rank["refused"]["messages"][name]
+        assert rank["refused"]["new_groups"] == 0

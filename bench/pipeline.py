@@ -1,0 +1,185 @@
+"""fxmeg vs torch.distributed.pipelining: same GPT, same pp, m and schedule, one run.
+
+Prints one JSON line: per schedule, the median tokens/s of each over alternating timed
+steps, their ratio, the speedup over one process with the same micro-batching against
+the ideal (p*m/(m+p-1) for 1F1B, p/(1+(p-1)/(v*m)) interleaved), and the peak
+activation bytes autograd saved per rank.
+
+    python bench/pipeline.py            # pp=2, m=8, mbs=2, GPT 4 layers x 128, seq 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fxmeg  # noqa: E402
+from bench.common import SavedBytes, median, spawn, timed  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+class Stage(nn.Module):
+    """A contiguous run of the GPT's blocks, with the embedding / head at the ends."""
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.wte, self.wpe = (model.wte, model.wpe) if first else (None, None)
+        self.layers = nn.ModuleList(model.layers[i] for i in blocks)
+        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def torch_pipeline(model: GPT, rank: int, pp: int, vpp: int, m: int):
+    """Schedule1F1B (vpp=1) or ScheduleInterleaved1F1B over stages c = rank + k * pp."""
+    n = pp * vpp
+    per = len(model.layers) // n
+    stages = [
+        PipelineStage(Stage(model, range(c * per, (c + 1) * per), c == 0, c == n - 1), c, n,
+                      torch.device("cpu"))
+        for c in range(rank, n, pp)
+    ]
+    sched = (Schedule1F1B(stages[0], m, loss_fn=lm_loss) if vpp == 1
+             else ScheduleInterleaved1F1B(stages, m, loss_fn=lm_loss))
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step(ids, labels):
+        opt.zero_grad()
+        args = (ids,) if rank == 0 else ()
+        kwargs = dict(target=labels, losses=[]) if rank == (n - 1) % pp else {}
+        sched.step(*args, **kwargs)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return step, params
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers,
+                    n_head=4, n_embd=args.hidden)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    rows = args.mbs * args.m
+    ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    labels = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    tokens = rows * cfg.seq_len
+    report = {}
+    single = _single_process_time(rank, base, ids, labels, args)
+    for name, vpp, split in _variants(world, args.layers):
+        engine = fxmeg.parallelize(
+            copy.deepcopy(base), (ids[: args.mbs], labels[: args.mbs]), pp=world, vpp=vpp,
+            global_batch_size=rows, split_points=split,
+            optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4))
+        peer, peer_params = torch_pipeline(copy.deepcopy(base), rank, world, vpp, args.m)
+        ours = lambda: engine.train_step((ids, labels))  # noqa: E731
+        theirs = lambda: peer(ids, labels)  # noqa: E731
+        for _ in range(args.warmup):
+            ours(), theirs()
+        t_ours, t_theirs = [], []
+        for i in range(args.steps):  # alternate who goes first: the CPUs are noisy
+            pair = [(ours, t_ours), (theirs, t_theirs)]
+            for fn, out in pair if i % 2 == 0 else pair[::-1]:
+                out.append(timed(fn))
+        mem_ours = _saved_peak(ours, engine.named_parameters.values())
+        mem_theirs = _saved_peak(theirs, peer_params)
+        ideal = world * args.m / (args.m + world - 1) if vpp == 1 else world / (1 + (world - 1) / (vpp * args.m))
+        report[name] = {
+            "fxmeg_blocks_per_chunk": [len(engine.partition.chunk_blocks(c)) for c in range(world * vpp)],
+            "fxmeg_tokens_per_s": tokens / median(t_ours),
+            "torch_tokens_per_s": tokens / median(t_theirs),
+            "ratio_fxmeg_over_torch": median(t_theirs) / median(t_ours),
+            "fxmeg_speedup_over_1_process": single / median(t_ours),
+            "torch_speedup_over_1_process": single / median(t_theirs),
+            "ideal_speedup": ideal,
+            "fxmeg_saved_activation_bytes_per_rank": mem_ours,
+            "torch_saved_activation_bytes_per_rank": mem_theirs,
+        }
+    if rank == 0:
+        print(json.dumps({
+            "bench": "pipeline", "pp": world, "m": args.m, "mbs": args.mbs,
+            "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab},
+            "steps": args.steps, "results": report,
+        }))
+
+
+def _variants(pp: int, layers: int):
+    """(name, vpp, split_points): fxmeg's own cost-balanced cut, and the peer's even cut."""
+    for name, vpp in (("1f1b", 1), ("interleaved", 2)):
+        per = layers // (pp * vpp)
+        yield name, vpp, None
+        yield f"{name}_even_split", vpp, [f"layers.{c * per}" for c in range(1, pp * vpp)]
+
+
+def _single_process_time(rank: int, base: GPT, ids, labels, args) -> float:
+    """Median step time of plain PyTorch on rank 0 alone (others wait), same micro-batching."""
+    took = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad()
+            for i in range(args.m):
+                sl = slice(i * args.mbs, (i + 1) * args.mbs)
+                (model(ids[sl], labels[sl]) / args.m).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        times = []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        took[0] = median(times[args.warmup:])
+    dist.broadcast(took, 0)
+    return float(took)
+
+
+def _saved_peak(step, params) -> list[int]:
+    meter = SavedBytes(params)
+    with meter.hooks():
+        step()
+    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([meter.peak]))
+    return [int(p) for p in peaks]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--m", type=int, default=8)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    spawn(p.parse_args().pp, run, p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Schedules as data: built, lowered and simulated without processes."""
+
+import itertools
+
+import pytest
+from expecttest import TestCase
+
+from fxmeg.errors import ScheduleError
+from fxmeg.runtime.schedules import (
+    Action,
+    Kind,
+    build,
+    compute_actions,
+    forward_only,
+    lower,
+    simulate,
+    table,
+)
+
+
+def _name(pp: int, vpp: int) -> str:
+    return "none" if pp == 1 else ("1f1b" if vpp == 1 else "interleaved")
+
+
+GRID = [(pp, vpp, m) for pp, vpp, m in itertools.product(range(1, 5), (1, 2, 3), range(1, 13))
+        if pp > 1 or vpp == 1]
+
+
+@pytest.mark.parametrize("pp,vpp,m", GRID)
+def test_grid_runs_without_deadlock(pp, vpp, m):
+    try:
+        sched = build(_name(pp, vpp), pp=pp, vpp=vpp, m=m)
+    except ScheduleError as err:  # interleaved refuses some m, with the numbers
+        assert vpp > 1 and (m < pp or m % pp) and f"got m={m}" in str(err)
+        return
+    sim = simulate(lower(sched, num_chunks=pp * vpp), pp=pp)
+    for rank in range(pp):
+        acts = compute_actions(sched, rank)
+        chunks = range(rank, pp * vpp, pp)
+        # every (chunk, micro-batch) of this rank: one forward, then one backward
+        assert sorted((a.chunk, a.mb, a.kind.value) for a in acts) == sorted(
+            (c, i, k) for c in chunks for i in range(m) for k in ("F", "B")
+        )
+        assert sim.peak_in_flight[rank] <= m * vpp
+    if vpp == 1 and pp > 1:  # 1F1B: the first stage holds at most pp micro-batches
+        assert sim.peak_in_flight[0] == min(pp, m)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+def test_1f1b_bubble_is_the_textbook_value(pp, m):
+    sim = simulate(lower(build("1f1b", pp=pp, vpp=1, m=m), num_chunks=pp), pp=pp)
+    for rank in range(pp):
+        assert abs(sim.bubble(rank) - (pp - 1) / (m + pp - 1)) < 1e-12
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(pp, vpp, m) for pp, vpp, m in GRID if vpp > 1 and m >= pp and m % pp == 0])
+def test_interleaved_bubble_is_smaller(pp, vpp, m):
+    one = simulate(lower(build("1f1b", pp=pp, vpp=1, m=m), num_chunks=pp), pp=pp)
+    # the same model cut into vpp times more chunks: each costs 1 / vpp
+    inter = simulate(lower(build("interleaved", pp=pp, vpp=vpp, m=m), num_chunks=pp * vpp),
+                     pp=pp, f_cost=1 / vpp, b_cost=1 / vpp)
+    assert inter.makespan < one.makespan
+    assert all(inter.bubble(r) < one.bubble(r) for r in range(pp))
+
+
+def test_gpipe_and_forward_only():
+    sim = simulate(lower(build("gpipe", pp=2, vpp=1, m=3), num_chunks=2), pp=2)
+    assert sim.peak_in_flight == {0: 3, 1: 3} and abs(sim.bubble(0) - 1 / 4) < 1e-12
+    fwd = forward_only(build("interleaved", pp=2, vpp=2, m=4))
+    assert all(a.kind is Kind.F for r in fwd for a in compute_actions(fwd, r))
+    simulate(lower(fwd, num_chunks=4), pp=2)
+
+
+def test_actions_print_and_parse():
+    for text in ("2F0", "0B13", "1SF3", "3RB0", "0D2"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("1SF3") == Action(1, Kind.SEND_F, 3)
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse("F2")
+
+
+def test_simulator_finds_a_deadlock():
+    # rank 0 sends only after its backward, which needs rank 1's gradient; rank 1 needs
+    # rank 0's activation first: neither can move.
+    bad = {0: [(Action(0, Kind.RECV_B, 0),), (Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),)],
+           1: [(Action(1, Kind.RECV_F, 0),), (Action(1, Kind.F, 0),), (Action(1, Kind.B, 0),),
+               (Action(1, Kind.SEND_B, 0),)]}
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0RB0, rank 1 at 1RF0"):
+        simulate(bad, pp=2)
+
+
+def test_simulator_finds_out_of_order_messages():
+    bad = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.F, 1),), (Action(0, Kind.SEND_F, 1), Action(0, Kind.SEND_F, 0))],
+           1: [(Action(1, Kind.RECV_F, 0), Action(1, Kind.RECV_F, 1))]}
+    with pytest.raises(ScheduleError, match="order mismatch: 0SF1 on rank 0 meets 1RF0 on rank 1"):
+        simulate(bad, pp=2)
+
+
+class Tables(TestCase):
+    def test_1f1b_pp2_m4(self):
+        self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2)), """\
+rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0B0       0F2       0SF2+0RB1 0D2       0B1       0F3       0SF3+0RB2 0D3       0B2       0RB3      0B3
+rank 1: 1RF0      1F0       1B0       1SB0+1RF1 1F1       1B1       1SB1+1RF2 1F2       1B2       1SB2+1RF3 1F3       1B3       1SB3""")
+
+    def test_1f1b_pp4_m4(self):
+        self.assertExpectedInline(table(lower(build("1f1b", pp=4, vpp=1, m=4), num_chunks=4)), """\
+rank 0: 0F0       0SF0      0D0       0F1       0SF1      0D1       0F2       0SF2      0D2       0F3       0SF3+0RB0 0D3       0B0       0RB1      0B1       0RB2      0B2       0RB3      0B3
+rank 1: 1RF0      1F0       1SF0+1RF1 1D0       1F1       1SF1+1RF2 1D1       1F2       1SF2+1RB0 1D2       1B0       1SB0+1RF3 1F3       1SF3+1RB1 1D3       1B1       1SB1+1RB2 1B2       1SB2+1RB3 1B3       1SB3
+rank 2: 2RF0      2F0       2SF0+2RF1 2D0       2F1       2SF1+2RB0 2D1       2B0       2SB0+2RF2 2F2       2SF2+2RB1 2D2       2B1       2SB1+2RF3 2F3       2SF3+2RB2 2D3       2B2       2SB2+2RB3 2B3       2SB3
+rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F2       3B2       3SB2+3RF3 3F3       3B3       3SB3""")
+
+    def test_interleaved_pp2_vpp2_m4(self):
+        self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4)), """\
+rank 0: 0F0                 0SF0                0D0                 0F1                 0SF1+2RF0           0D1                 2F0                 2SF0+2RF1           2D0                 2F1                 2SF1+2RB0           2D1                 0F2                 2B0                 0SF2+2SB0+2RB1      0D2                 0F3                 2B1                 0SF3+2SB1+2RF2+0RB0 0D3                 2F2                 0B0                 2SF2+2RF3+0RB1      2D2                 2F3                 0B1                 2SF3+2RB2           2D3                 2B2                 2SB2+2RB3           2B3                 2SB3+0RB2           0B2                 0RB3                0B3
+rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1B3                 1SB3""")

@@ -1,0 +1,99 @@
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from fxmeg.capture import capture, owning_module
+from fxmeg.errors import ConfigError
+from fxmeg.partition import node_cost, partition
+from fxmeg.passes.loss import loss
+from tests.helpers import make_batch, make_model
+
+
+def _graph(name="gpt", **cfg):
+    return loss(capture(make_model(name, **cfg), make_batch(2, seed=0)).gm)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_balanced_cut_is_optimal_and_keeps_ends_in_place(name, k):
+    gm = _graph(name, n_layer=6)
+    units = _unit_costs(gm)
+    p = partition(gm, num_chunks=k)
+    assert p.blocks == tuple(f"layers.{i}" for i in range(6))
+    # brute force over every way to cut the 6 units into k runs
+    best = min(max(map(sum, _runs(units, cuts))) for cuts in itertools.combinations(range(1, 6), k - 1))
+    assert max(p.costs) == pytest.approx(best)
+    assert sum(p.costs) == pytest.approx(sum(units))
+    assert {n.meta["fxmeg"]["chunk"] for n in gm.graph.nodes if n.op == "call_function"} == set(range(k))
+    embedding = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.embedding.default)
+    ce = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default)
+    assert embedding.meta["fxmeg"]["chunk"] == 0 and ce.meta["fxmeg"]["chunk"] == k - 1
+
+
+def _unit_costs(gm) -> list[float]:
+    """Cost per unit (block plus the code around it), read off a one-unit-per-chunk cut."""
+    p = partition(gm, num_chunks=len(partition(gm, num_chunks=1).blocks))
+    return list(p.costs)
+
+
+def _runs(costs, cuts):
+    bounds = (0, *cuts, len(costs))
+    return [costs[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_split_points_pin_the_cuts():
+    gm = _graph("llama")
+    p = partition(gm, num_chunks=2, split_points=("layers.1",))
+    assert p.chunk_blocks(0) == ("layers.0",) and p.chunk_blocks(1) == ("layers.1", "layers.2", "layers.3")
+    q = next(n for n in gm.graph.nodes if owning_module(n) == "layers.1.self_attn.q_proj")
+    assert q.meta["fxmeg"]["chunk"] == 1
+
+
+def test_linear_cost_counts_flops_and_bytes():
+    gm = _graph("gpt")
+    fc = next(n for n in gm.graph.nodes if owning_module(n) == "layers.0.mlp.fc")
+    # x (2, 16, 32) @ W (128, 32)^T + b (128,) -> (2, 16, 128)
+    flops = 2 * 2 * 16 * 128 * 32
+    moved = 4 * (2 * 16 * 128 + 2 * 16 * 32 + 128 * 32 + 128)
+    assert node_cost(fc) == flops + 32 * moved
+
+
+def test_too_many_chunks_names_both_numbers():
+    with pytest.raises(ConfigError, match=r"pp \* vpp = 8 chunks, but the model has only 4 blocks \(layers.0 .. layers.3\)"):
+        partition(_graph("gpt"), num_chunks=8)
+
+
+def test_split_point_naming_no_block():
+    with pytest.raises(ConfigError, match="split point 'layers.9' names no block; blocks are layers.0 .. layers.3"):
+        partition(_graph("gpt"), num_chunks=2, split_points=("layers.9",))
+    with pytest.raises(ConfigError, match="split_points has 2 entries, but pp \\* vpp = 2 chunks need 1"):
+        partition(_graph("gpt"), num_chunks=2, split_points=("layers.1", "layers.2"))
+    with pytest.raises(ConfigError, match="increasing order"):
+        partition(_graph("gpt"), num_chunks=3, split_points=("layers.2", "layers.1"))
+
+
+class _HFStyle(nn.Module):
+    """Blocks under transformer.h.N, like Hugging Face GPT-2."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(16, 8)
+        self.transformer.h = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids, labels):
+        x = self.transformer.wte(ids)
+        for block in self.transformer.h:
+            x = x + block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_blocks_found_under_any_container_name():
+    ids = torch.randint(0, 16, (2, 4))
+    gm = loss(capture(_HFStyle(), (ids, ids)).gm)
+    p = partition(gm, num_chunks=3)
+    assert p.blocks == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert p.starts == (0, 1, 2)
