@@ -67,7 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vpp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=2)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--gbs", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)

@@ -15,9 +15,11 @@ from fxmeg.capture import LossFn, capture
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import BatchError, ConfigError
 from fxmeg.partition import Partition, partition
+from fxmeg.passes.buckets import buckets as buckets_pass
 from fxmeg.passes.loss import loss as loss_pass
 from fxmeg.passes.pipeline import pipeline as pipeline_pass
 from fxmeg.runtime import schedules
+from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer, finalize_model_grads
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, all_reduce, build_groups
 from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups
@@ -64,6 +66,8 @@ def parallelize(
     optimizer: OptimizerFactory | None = None,
     precision: str = "fp32",
     clip_grad: float = 1.0,
+    overlap_grad_reduce: bool = True,
+    bucket_size: int | None = None,
     loss_fn: LossFn | None = None,
 ) -> Engine:
     """Capture ``model`` on one example micro-batch and return an engine that trains it
@@ -88,11 +92,16 @@ def parallelize(
         parallel=parallel,
         clip_grad=clip_grad,
         precision=precision,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size,
     )
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
     split = partition(gm, num_chunks=parallel.num_chunks, split_points=parallel.split_points)
     parent = pipeline_pass(gm, num_chunks=parallel.num_chunks)
+    parent = buckets_pass(
+        parent, pp=pp, dp=dp, bucket_size=config.resolved_bucket_size, shard=False
+    )
     compute = schedules.build(
         parallel.resolved_schedule, pp=pp, vpp=vpp, m=config.num_microbatches
     )
@@ -137,6 +146,11 @@ class Engine:
         self.chunks = {c: gm for c, gm in enumerate(all_chunks) if c % par.pp == pp_rank}
         self.named_parameters = _unique_parameters(self.chunks.values())
         self.device = _device(self.named_parameters, example_inputs)
+        self.ddp = self._data_parallel()
+        self._tied = [  # sorted: every holder issues these all-reduces in the same order
+            (self.named_parameters[n], self.groups.tied[frozenset(self._holders[n])])
+            for n in sorted(self.named_parameters) if len(self._holders[n]) > 1
+        ]
         self.optimizer = optimizer(param_groups(self.named_parameters.items()))
         self._compute = compute
         grad_cuts = frozenset(
@@ -148,6 +162,20 @@ class Engine:
             self.chunks, rank=self.groups.rank, pp=par.pp, peer=self.groups.pp_peer,
             group=self.groups.pp, device=self.device,
         )
+        self.executor.on_grad_sync = self.ddp.start_sync
+
+    def _data_parallel(self) -> DataParallel:
+        events = Events()
+        buffers = {
+            c: [
+                GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}",
+                           group=self.groups.dp, overlap=self.config.overlap_grad_reduce,
+                           reduce_scatter=False, events=events)
+                for layout in program.buffer_layouts(gm)
+            ]
+            for c, gm in self.chunks.items()
+        }
+        return DataParallel(buffers, events)
 
     # ------------------------------------------------------------ training
 
@@ -155,14 +183,18 @@ class Engine:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
         the same on every rank) or an iterator over this rank's micro-batches."""
         mbs = self._microbatches(batch, self.config.num_microbatches)
-        for p in self.named_parameters.values():
-            p.grad = None
+        self.ddp.zero_grad_buffer()
         stats = self.executor.run(self._train_steps, mbs, train=True)
         loss_sum, num_tokens = self._reduce_stats(stats)
-        self._finalize_grads(num_tokens)
+        finalize_model_grads(self.ddp, self._tied, num_tokens)
         grad_norm = self._clip_grads()
         lr = float(self.optimizer.param_groups[0]["lr"])
+        params = self.named_parameters.values()
+        for p in params:
+            p.grad = p.main_grad
         self.optimizer.step()
+        for p in params:  # a stale .grad would be accumulated into again next step
+            p.grad = None
         return StepResult(
             loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
             grad_norm=grad_norm, skipped=False, lr=lr,
@@ -188,22 +220,11 @@ class Engine:
         all_reduce(stats, self.groups.dp)
         return float(stats[0]), float(stats[1])
 
-    def _finalize_grads(self, num_tokens: float) -> None:
-        """All-reduce grads of parameters held on several pipeline ranks (tied
-        embeddings), then scale by 1 / global tokens (reference §5.2, §6.3)."""
-        for name, p in self.named_parameters.items():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            holders = self._holders[name]
-            if len(holders) > 1:
-                all_reduce(p.grad, self.groups.tied[frozenset(holders)])
-            p.grad.mul_(1.0 / max(num_tokens, 1.0))
-
     def _clip_grads(self) -> float:
         """Global L2 norm over all pipeline ranks, a shared parameter counted once; scale
         the gradients when the norm exceeds clip_grad (Megatron: clip_grad_norm_fp32)."""
         own = [
-            p.grad for n, p in self.named_parameters.items()
+            p.main_grad for n, p in self.named_parameters.items()
             if min(self._holders[n]) == self.groups.pp_rank
         ]
         norms = torch.stack([torch.linalg.vector_norm(g) for g in own]) if own else torch.zeros(1)
@@ -214,8 +235,8 @@ class Engine:
         if clip > 0:
             coeff = clip / (norm + 1e-6)
             if coeff < 1.0:
-                for p in self.named_parameters.values():
-                    p.grad.mul_(coeff)
+                for buf in self.ddp.all():
+                    buf.data.mul_(coeff)
         return norm
 
     # ------------------------------------------------------------ batches
@@ -252,7 +273,8 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The user model's state_dict (every name, tied ones included) with this
-        engine's current values, gathered on every rank."""
+        engine's current values, gathered on every rank. Collective: call it on every
+        rank."""
         canonical = {n: c for c, names in self._aliases.items() for n in names}
         out: dict[str, torch.Tensor] = {}
         for key, tensor in self._model.state_dict(keep_vars=True).items():

@@ -42,8 +42,6 @@ class ParallelConfig:
         _positive(self, "tp", "pp", "vpp", "dp")
         if self.tp > 1:
             raise ConfigError("tp > 1 (tensor parallelism) is not implemented yet; use tp=1")
-        if self.dp > 1:
-            raise ConfigError("dp > 1 (gradient reduction across replicas) is not implemented yet")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not one of {SCHEDULES}"
@@ -95,6 +93,10 @@ class EngineConfig:
     """Clip the global L2 gradient norm to this value; 0 disables clipping."""
     precision: str = "fp32"
     """Parameter and compute precision."""
+    overlap_grad_reduce: bool = True
+    """Reduce each gradient bucket as soon as it is complete, overlapping backward."""
+    bucket_size: int | None = None
+    """Elements per gradient bucket; None = Megatron's max(40M, 1M * dp)."""
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size")
@@ -108,10 +110,19 @@ class EngineConfig:
             )
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ConfigError(f"bucket_size must be a positive number of elements, got {self.bucket_size}")
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision={self.precision!r} is not supported yet; choose one of {PRECISIONS}"
             )
+
+    @property
+    def resolved_bucket_size(self) -> int | None:
+        """Bucket size in elements; None (one bucket per buffer) without overlap."""
+        if not self.overlap_grad_reduce:
+            return None
+        return self.bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp)
 
     @property
     def num_microbatches(self) -> int:

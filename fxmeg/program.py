@@ -48,3 +48,43 @@ def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
     """The chunk graphs of a pipelined parent graph, in chunk order."""
     found = {int(name.split("_")[1]): m for name, m in parent.named_children() if name.startswith("chunk_")}
     return [found[i] for i in range(len(found))]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter's gradient lives in its chunk's contiguous buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous range of a buffer reduced with one collective; ``end - start`` is a
+    multiple of the data-parallel size (padding included)."""
+
+    index: int
+    start: int
+    end: int
+    params: tuple[str, ...]
+    """In the order their gradients become ready in backward."""
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One chunk's gradient buffer for one gradient dtype."""
+
+    dtype: torch.dtype
+    numel: int
+    slots: tuple[Slot, ...]
+    buckets: tuple[Bucket, ...]
+
+    def slot(self, name: str) -> Slot:
+        return next(s for s in self.slots if s.name == name)
+
+
+def buffer_layouts(gm: fx.GraphModule) -> tuple[BufferLayout, ...]:
+    """The gradient buffers the bucket pass laid out for a chunk graph."""
+    return gm.meta.get("fxmeg_buffers", ())

@@ -79,3 +79,19 @@ def assert_bitwise(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for name, w in want.items():
         assert torch.equal(got[name], w), f"{name} differs"
+
+
+def assert_overlapped(log: list, layout, chunk: int) -> None:
+    """The data-parallel event log of one step, for one chunk's buffer: one reduction per
+    bucket, in bucket order, none before the chunk's GRAD_SYNC (lowered right before its
+    last micro-batch's backward), and the first issued before backward produced any
+    gradient of the last bucket."""
+    n = len(layout.buckets)
+    assert n >= 2, "the check needs several buckets"
+    issues = [w for k, w in log if k == "issue" and w.startswith(f"chunk{chunk}/")]
+    assert issues == [f"chunk{chunk}/{i}" for i in range(n)]
+    sync = log.index(("sync", f"chunk{chunk}"))
+    first_issue = log.index(("issue", f"chunk{chunk}/0"))
+    last_bucket = set(layout.buckets[-1].params)
+    first_of_last = min(i for i, (k, w) in enumerate(log) if k == "ready" and w in last_bucket)
+    assert sync < first_issue < first_of_last

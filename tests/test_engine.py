@@ -102,4 +102,4 @@ def test_failure_inside_the_schedule_names_rank_step_and_action():
         engine.train_step((ids, labels))
     msg = str(err.value)
     assert "rank 0: step 2 (0F1) failed: IndexError" in msg
-    assert "0F0 0B0 >>0F1<< 0B1" in msg
+    assert "0F0 0B0 >>0F1<< 0GS1 0B1" in msg

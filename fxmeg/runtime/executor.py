@@ -63,12 +63,13 @@ class Executor:
         self.rank, self.pp = rank, pp
         self.peer, self.group, self.device = peer, group, device
         self.counters = Counters()
-        self.before_last_backward: Callable[[int], None] | None = None
-        """Called with the chunk index before its last micro-batch's backward (DDP sync)."""
+        self.on_grad_sync: Callable[[int], None] | None = None
+        """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
             Kind.DEALLOC: self._deallocate,
+            Kind.GRAD_SYNC: self._grad_sync,
         }
 
     def run(
@@ -83,7 +84,6 @@ class Executor:
         over the micro-batches this rank's last chunk saw (zeros elsewhere)."""
         self.steps = steps
         self._mbs, self._train, self._scale = microbatches, train, loss_scale
-        self._last_mb = len(microbatches) - 1
         self._state = _State(stats=torch.zeros(2, dtype=torch.float64, device=self.device))
         self.counters = Counters()
         with torch.set_grad_enabled(train):
@@ -123,8 +123,6 @@ class Executor:
 
     def _backward(self, a: Action) -> None:
         spec, key = self.specs[a.chunk], (a.chunk, a.mb)
-        if a.mb == self._last_mb and self.before_last_backward is not None:
-            self.before_last_backward(a.chunk)
         received, sends, loss = self._state.saved.pop(key)
         if spec.is_last:
             roots, grads = [loss], [torch.full_like(loss, self._scale)]
@@ -139,6 +137,10 @@ class Executor:
                 for t, b in zip(received, spec.recv)
                 if b.grad
             ]
+
+    def _grad_sync(self, a: Action) -> None:
+        if self.on_grad_sync is not None:
+            self.on_grad_sync(a.chunk)
 
     def _deallocate(self, a: Action) -> None:
         """Free sent activations' storage, keep their autograd nodes (Megatron:

@@ -7,7 +7,8 @@ that return them in *units*: runs of compute actions with no communication in be
 schedule). ``lower`` adds communication between units, returning per rank a list of
 *steps*: a compute action, a group of point-to-point actions posted together and awaited
 together (``0SF1+0RB0``: send chunk 0's output of micro-batch 1, receive the gradient
-for micro-batch 0), or a DEALLOC of sent activations. ``simulate`` runs lowered schedules without processes:
+for micro-batch 0), a DEALLOC of sent activations, or a GRAD_SYNC (``0GS3``): from the
+chunk's last backward on, its gradient buckets are reduced as they complete. ``simulate`` runs lowered schedules without processes:
 every send must meet the matching receive in the same order on both ranks (NCCL matches
 point-to-point messages by order, not by tag), nothing may deadlock, and with unit costs
 it reports each rank's bubble and peak number of micro-batches in flight.
@@ -32,10 +33,12 @@ class Kind(Enum):
     SEND_B = "SB"
     RECV_B = "RB"
     DEALLOC = "D"
+    GRAD_SYNC = "GS"
 
 
 COMPUTE = (Kind.F, Kind.B)
-_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|D)(\d+)$")
+_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|GS|F|B|D)(\d+)$")
+_LOCAL = (Kind.DEALLOC, Kind.GRAD_SYNC)  # steps that involve no peer
 
 
 @dataclass(frozen=True)
@@ -148,16 +151,21 @@ def lower(
     neighbouring ranks never wait on each other's sends.
 
     ``grad_cuts``: cuts c (between chunks c and c+1) across which a gradient flows back;
-    default all. DEALLOC follows the group that sent a forward activation.
+    default all. DEALLOC follows the group that sent a forward activation; GRAD_SYNC
+    precedes each chunk's last backward.
     """
     grads = frozenset(range(num_chunks - 1)) if grad_cuts is None else grad_cuts
     lowered = {}
     for rank, units in schedule.items():
+        last_backward = {a.chunk: a for unit in units for a in unit if a.kind is Kind.B}
         steps: list[Step] = []
         pending: list[Action] = []
         for unit in units:
             _flush(steps, pending + [r for a in unit for r in _recvs_before(a, grads)])
-            steps.extend((a,) for a in unit)
+            for a in unit:
+                if last_backward.get(a.chunk) == a:
+                    steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
+                steps.append((a,))
             pending = [s for a in unit for s in _sends_after(a, num_chunks, grads)]
         _flush(steps, pending)
         lowered[rank] = steps
@@ -252,7 +260,7 @@ def simulate(
             cost = f_cost if a.kind is Kind.F else b_cost
             clock[rank] += cost
             busy[rank] += cost
-        elif a.kind is not Kind.DEALLOC:
+        elif a.kind not in _LOCAL:
             if (rank, pos[rank]) not in posted:
                 posted[(rank, pos[rank])] = []
                 for op in step:

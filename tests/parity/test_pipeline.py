@@ -8,49 +8,14 @@ sent activation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
 from tests.distributed import run_world
-from tests.helpers import (
-    assert_bitwise,
-    assert_losses_close,
-    assert_weights_close,
-    make_batch,
-    make_model,
-    optimizer,
-    reference,
-)
-
-MBS, STEPS = 2, 5
-
-
-@dataclass(frozen=True)
-class Scenario:
-    model: str
-    pp: int
-    vpp: int
-    schedule: str
-    m: int
-    clip: float = 1.0
-
-    @property
-    def layers(self) -> int:
-        return max(4, self.pp * self.vpp)
-
-    @property
-    def id(self) -> str:
-        return f"{self.model}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}" + (
-            "-noclip" if self.clip == 0 else ""
-        )
-
-    def batches(self):
-        return [make_batch(MBS * self.m, seed=100 + s) for s in range(STEPS)]
-
+from tests.helpers import assert_bitwise, make_batch, make_model, optimizer
+from tests.parity.scenarios import MBS, Scenario, check_parity, train
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),
            (4, 2, "interleaved", 8), (2, 1, "1f1b", 3)]
@@ -78,27 +43,15 @@ def refuse_bad_configs() -> dict:
     return dict(messages=messages, new_groups=c10d._world.group_count - before)
 
 
-def train(rank: int, scenarios: list[Scenario]) -> dict:
-    out = {"refused": refuse_bad_configs()} if dist.get_world_size() == 2 else {}
-    for sc in scenarios:
-        batches = sc.batches()
-        engine = fxmeg.parallelize(
-            make_model(sc.model, n_layer=sc.layers), tuple(t[:MBS] for t in batches[0]),
-            pp=sc.pp, vpp=sc.vpp, schedule=sc.schedule, global_batch_size=MBS * sc.m,
-            optimizer=optimizer, clip_grad=sc.clip,
-        )
-        steps, counters = [], []
-        for b in batches:
-            steps.append(engine.train_step(b))
-            counters.append(engine.executor.counters)
-        state = engine.full_state_dict()
-        out[sc.id] = dict(steps=steps, counters=counters, state=state if rank == 0 else None,
-                          pp_rank=engine.groups.pp_rank)
+def run(rank: int, scenarios: list[Scenario]) -> dict:
+    out = {sc.id: train(rank, sc) for sc in scenarios}
+    if dist.get_world_size() == 2:
+        out["refused"] = refuse_bad_configs()
     return out
 
 
 def _world(pp: int) -> list[dict]:
-    return run_world(pp, train, [s for s in SCENARIOS if s.pp == pp])
+    return run_world(pp, run, [s for s in SCENARIOS if s.pp == pp])
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +61,7 @@ def results():
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
 def test_parity(results, sc):
-    ranks = results[sc.pp]
-    ref_losses, ref_norms, ref_state = reference(make_model(sc.model, n_layer=sc.layers), sc.batches())
-    for r in ranks:  # the step's result is the same on every rank
-        assert [s.loss for s in r[sc.id]["steps"]] == [s.loss for s in ranks[0][sc.id]["steps"]]
-    steps = ranks[0][sc.id]["steps"]
-    assert_losses_close([s.loss for s in steps], ref_losses)
-    assert_losses_close([s.grad_norm for s in steps], ref_norms, rtol=1e-4)
-    assert_weights_close(ranks[0][sc.id]["state"], ref_state)
+    check_parity([r[sc.id] for r in results[sc.pp]], sc)
 
 
 @pytest.mark.parametrize("sc", [s for s in PARITY if s.schedule == "1f1b"], ids=lambda s: s.id)
@@ -139,7 +85,7 @@ def test_pipeline_does_not_change_the_arithmetic(results, sc):
     batches = sc.batches()
     single = fxmeg.parallelize(
         make_model(sc.model, n_layer=sc.layers), tuple(t[:MBS] for t in batches[0]),
-        global_batch_size=MBS * sc.m, optimizer=optimizer, clip_grad=0.0,
+        global_batch_size=sc.gbs, optimizer=optimizer, clip_grad=0.0,
     )
     losses = [single.train_step(b).loss for b in batches]
     got = results[sc.pp][0][sc.id]

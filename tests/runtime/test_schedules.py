@@ -73,7 +73,7 @@ def test_gpipe_and_forward_only():
 
 
 def test_actions_print_and_parse():
-    for text in ("2F0", "0B13", "1SF3", "3RB0", "0D2"):
+    for text in ("2F0", "0B13", "1SF3", "3RB0", "0D2", "1GS3"):
         assert str(Action.parse(text)) == text
     assert Action.parse("1SF3") == Action(1, Kind.SEND_F, 3)
     with pytest.raises(ValueError, match="not an action"):
@@ -100,17 +100,31 @@ def test_simulator_finds_out_of_order_messages():
 class Tables(TestCase):
     def test_1f1b_pp2_m4(self):
         self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2)), """\
-rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0B0       0F2       0SF2+0RB1 0D2       0B1       0F3       0SF3+0RB2 0D3       0B2       0RB3      0B3
-rank 1: 1RF0      1F0       1B0       1SB0+1RF1 1F1       1B1       1SB1+1RF2 1F2       1B2       1SB2+1RF3 1F3       1B3       1SB3""")
+rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0B0       0F2       0SF2+0RB1 0D2       0B1       0F3       0SF3+0RB2 0D3       0B2       0RB3      0GS3      0B3
+rank 1: 1RF0      1F0       1B0       1SB0+1RF1 1F1       1B1       1SB1+1RF2 1F2       1B2       1SB2+1RF3 1F3       1GS3      1B3       1SB3""")
 
     def test_1f1b_pp4_m4(self):
         self.assertExpectedInline(table(lower(build("1f1b", pp=4, vpp=1, m=4), num_chunks=4)), """\
-rank 0: 0F0       0SF0      0D0       0F1       0SF1      0D1       0F2       0SF2      0D2       0F3       0SF3+0RB0 0D3       0B0       0RB1      0B1       0RB2      0B2       0RB3      0B3
-rank 1: 1RF0      1F0       1SF0+1RF1 1D0       1F1       1SF1+1RF2 1D1       1F2       1SF2+1RB0 1D2       1B0       1SB0+1RF3 1F3       1SF3+1RB1 1D3       1B1       1SB1+1RB2 1B2       1SB2+1RB3 1B3       1SB3
-rank 2: 2RF0      2F0       2SF0+2RF1 2D0       2F1       2SF1+2RB0 2D1       2B0       2SB0+2RF2 2F2       2SF2+2RB1 2D2       2B1       2SB1+2RF3 2F3       2SF3+2RB2 2D3       2B2       2SB2+2RB3 2B3       2SB3
-rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F2       3B2       3SB2+3RF3 3F3       3B3       3SB3""")
+rank 0: 0F0       0SF0      0D0       0F1       0SF1      0D1       0F2       0SF2      0D2       0F3       0SF3+0RB0 0D3       0B0       0RB1      0B1       0RB2      0B2       0RB3      0GS3      0B3
+rank 1: 1RF0      1F0       1SF0+1RF1 1D0       1F1       1SF1+1RF2 1D1       1F2       1SF2+1RB0 1D2       1B0       1SB0+1RF3 1F3       1SF3+1RB1 1D3       1B1       1SB1+1RB2 1B2       1SB2+1RB3 1GS3      1B3       1SB3
+rank 2: 2RF0      2F0       2SF0+2RF1 2D0       2F1       2SF1+2RB0 2D1       2B0       2SB0+2RF2 2F2       2SF2+2RB1 2D2       2B1       2SB1+2RF3 2F3       2SF3+2RB2 2D3       2B2       2SB2+2RB3 2GS3      2B3       2SB3
+rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F2       3B2       3SB2+3RF3 3F3       3GS3      3B3       3SB3""")
 
     def test_interleaved_pp2_vpp2_m4(self):
         self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4)), """\
-rank 0: 0F0                 0SF0                0D0                 0F1                 0SF1+2RF0           0D1                 2F0                 2SF0+2RF1           2D0                 2F1                 2SF1+2RB0           2D1                 0F2                 2B0                 0SF2+2SB0+2RB1      0D2                 0F3                 2B1                 0SF3+2SB1+2RF2+0RB0 0D3                 2F2                 0B0                 2SF2+2RF3+0RB1      2D2                 2F3                 0B1                 2SF3+2RB2           2D3                 2B2                 2SB2+2RB3           2B3                 2SB3+0RB2           0B2                 0RB3                0B3
-rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1B3                 1SB3""")
+rank 0: 0F0                 0SF0                0D0                 0F1                 0SF1+2RF0           0D1                 2F0                 2SF0+2RF1           2D0                 2F1                 2SF1+2RB0           2D1                 0F2                 2B0                 0SF2+2SB0+2RB1      0D2                 0F3                 2B1                 0SF3+2SB1+2RF2+0RB0 0D3                 2F2                 0B0                 2SF2+2RF3+0RB1      2D2                 2F3                 0B1                 2SF3+2RB2           2D3                 2B2                 2SB2+2RB3           2GS3                2B3                 2SB3+0RB2           0B2                 0RB3                0GS3                0B3
+rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3GS3                3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1GS3                1B3                 1SB3""")
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (4, 2, 8)])
+def test_grad_sync_precedes_each_chunks_last_backward(pp, vpp, m):
+    lowered = lower(build(_name(pp, vpp), pp=pp, vpp=vpp, m=m), num_chunks=pp * vpp)
+    for rank, steps in lowered.items():
+        syncs = [i for i, s in enumerate(steps) if s[0].kind is Kind.GRAD_SYNC]
+        assert len(syncs) == vpp  # one per chunk of this rank
+        for i in syncs:
+            gs, nxt = steps[i][0], steps[i + 1][0]
+            assert nxt == Action(gs.chunk, Kind.B, m - 1)
+            assert not any(a.kind is Kind.B and a.chunk == gs.chunk for s in steps[i + 1 + 1:] for a in s)
+    fwd = lower(forward_only(build(_name(pp, vpp), pp=pp, vpp=vpp, m=m)), num_chunks=pp * vpp)
+    assert not any(s[0].kind is Kind.GRAD_SYNC for steps in fwd.values() for s in steps)

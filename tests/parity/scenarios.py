@@ -1,0 +1,89 @@
+"""Parity scenarios shared by the multi-process test modules: what each rank trains,
+what it reports, and the comparison with plain single-device PyTorch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import fxmeg
+from tests.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    make_model,
+    optimizer,
+    reference,
+)
+
+MBS, STEPS = 2, 5
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: str
+    pp: int = 1
+    vpp: int = 1
+    schedule: str = "auto"
+    m: int = 4
+    dp: int = 1
+    clip: float = 1.0
+    options: tuple = field(default=())
+    """Extra parallelize() keyword arguments, as (name, value) pairs."""
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def layers(self) -> int:
+        return max(4, self.pp * self.vpp)
+
+    @property
+    def gbs(self) -> int:
+        return MBS * self.m * self.dp
+
+    @property
+    def id(self) -> str:
+        extra = "".join(f"-{k}{v}" for k, v in self.options)
+        return (f"{self.model}-dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
+                + ("-noclip" if self.clip == 0 else "") + extra)
+
+    def batches(self):
+        return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
+
+    def engine(self):
+        batches = self.batches()
+        return fxmeg.parallelize(
+            make_model(self.model, n_layer=self.layers), tuple(t[:MBS] for t in batches[0]),
+            pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
+            optimizer=optimizer, clip_grad=self.clip, **dict(self.options),
+        )
+
+
+def train(rank: int, sc: Scenario) -> dict:
+    """Train one scenario on this rank; report what the tests compare."""
+    engine = sc.engine()
+    steps, counters, events = [], [], []
+    for b in sc.batches():
+        steps.append(engine.train_step(b))
+        counters.append(engine.executor.counters)
+        events.append(list(engine.ddp.events.log))
+    state = engine.full_state_dict()  # collective: every rank calls it
+    return dict(
+        steps=steps, counters=counters, events=events,
+        state=state if rank == 0 else None,
+        pp_rank=engine.groups.pp_rank, dp_rank=engine.groups.dp_rank,
+        layouts={c: fxmeg.program.buffer_layouts(gm) for c, gm in engine.chunks.items()},
+    )
+
+
+def check_parity(ranks: list[dict], sc: Scenario) -> None:
+    """Every rank reports the same step results, equal to single-device training."""
+    ref_losses, ref_norms, ref_state = reference(make_model(sc.model, n_layer=sc.layers), sc.batches())
+    for r in ranks:
+        assert [s.loss for s in r["steps"]] == [s.loss for s in ranks[0]["steps"]]
+        assert [s.grad_norm for s in r["steps"]] == [s.grad_norm for s in ranks[0]["steps"]]
+    steps = ranks[0]["steps"]
+    assert_losses_close([s.loss for s in steps], ref_losses)
+    assert_losses_close([s.grad_norm for s in steps], ref_norms, rtol=1e-4)
+    assert_weights_close(ranks[0]["state"], ref_state)
