@@ -42,10 +42,13 @@ def train(rank: int, world: int, args: argparse.Namespace, store_path: str) -> N
     engine = fxmeg.parallelize(
         model, example, pp=args.pp, dp=args.dp, vpp=args.vpp,
         global_batch_size=args.gbs,
-        optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3),
+        optimizer=lambda groups: torch.optim.AdamW(groups, weight_decay=0.1),
+        distributed_optimizer=True,
+        lr_schedule=fxmeg.LRSchedule(max_lr=3e-3, min_lr=3e-4, warmup_samples=4 * args.gbs,
+                                     decay_samples=args.steps * args.gbs, style="cosine"),
     )
     if rank == 0:
-        layout = f"pp={args.pp} vpp={args.vpp} dp={args.dp}"
+        layout = f"pp={args.pp} vpp={args.vpp} dp={args.dp}, distributed optimizer"
         print(f"fxmeg demo: GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, {world} rank(s), "
               f"{layout}, schedule {engine.config.parallel.resolved_schedule}, "
               f"m={engine.config.num_microbatches} micro-batches of {args.mbs}", flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -17,12 +16,15 @@ from fxmeg.errors import BatchError, ConfigError
 from fxmeg.partition import Partition, partition
 from fxmeg.passes.buckets import buckets as buckets_pass
 from fxmeg.passes.loss import loss as loss_pass
+from fxmeg.passes.param_gather import param_gather as param_gather_pass
 from fxmeg.passes.pipeline import pipeline as pipeline_pass
 from fxmeg.runtime import schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer, finalize_model_grads
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, all_reduce, build_groups
-from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups
+from fxmeg.runtime.loss_scale import LossScaleConfig, LossScaler
+from fxmeg.runtime.lr_schedule import LRSchedule, ParamScheduler
+from fxmeg.runtime.optimizer import Optimizer, OptimizerFactory, default_optimizer
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,8 @@ class StepResult:
     """Token-weighted mean loss over the global batch: sum(loss_sum) / sum(num_tokens)."""
     num_tokens: int
     """Tokens that counted towards the loss (labels not ignored) in the global batch."""
-    grad_norm: float
-    """Global L2 norm of the gradients before clipping."""
+    grad_norm: float | None
+    """Global L2 norm of the gradients before clipping; None for a skipped step."""
     skipped: bool
     """True when the update was skipped (parameters and optimizer state untouched)."""
     lr: float
@@ -68,6 +70,10 @@ def parallelize(
     clip_grad: float = 1.0,
     overlap_grad_reduce: bool = True,
     bucket_size: int | None = None,
+    distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+    loss_scale: LossScaleConfig | None = None,
+    lr_schedule: LRSchedule | None = None,
     loss_fn: LossFn | None = None,
 ) -> Engine:
     """Capture ``model`` on one example micro-batch and return an engine that trains it
@@ -78,6 +84,10 @@ def parallelize(
     ``optimizer`` is a factory receiving parameter groups (see
     ``fxmeg.runtime.optimizer.param_groups``); default AdamW. All checks that can fail on
     user input run before any process-group work.
+
+    With ``precision`` "bf16" or "fp16" the model's parameters and floating buffers are
+    cast in place (as Megatron's Float16Module), so pass the model in fp32: the fp32
+    masters start from those values.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = _resolve_dp(world, tp, pp, dp)
@@ -94,14 +104,26 @@ def parallelize(
         precision=precision,
         overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
+        distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+        loss_scale=loss_scale or LossScaleConfig(),
+        lr_schedule=lr_schedule,
     )
+    fp32_values = None
+    if config.dtype != torch.float32:
+        fp32_values = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.to(config.dtype)  # parameters and floating buffers, in place
+        example_inputs = _cast(example_inputs, config.dtype)
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
     split = partition(gm, num_chunks=parallel.num_chunks, split_points=parallel.split_points)
     parent = pipeline_pass(gm, num_chunks=parallel.num_chunks)
     parent = buckets_pass(
-        parent, pp=pp, dp=dp, bucket_size=config.resolved_bucket_size, shard=False
+        parent, pp=pp, dp=dp, bucket_size=config.resolved_bucket_size,
+        shard=config.distributed_optimizer,
     )
+    if config.overlap_param_gather:
+        parent = param_gather_pass(parent)
     compute = schedules.build(
         parallel.resolved_schedule, pp=pp, vpp=vpp, m=config.num_microbatches
     )
@@ -115,6 +137,7 @@ def parallelize(
         input_names=captured.input_names,
         aliases=captured.aliases,
         optimizer=optimizer or default_optimizer,
+        fp32_values=fp32_values,
     )
 
 
@@ -133,6 +156,7 @@ class Engine:
         input_names: list[str],
         aliases: dict[str, list[str]],
         optimizer: OptimizerFactory,
+        fp32_values: dict[str, torch.Tensor] | None,
     ) -> None:
         par = config.parallel
         self.config, self.partition, self.parent = config, partition, parent
@@ -151,7 +175,17 @@ class Engine:
             (self.named_parameters[n], self.groups.tied[frozenset(self._holders[n])])
             for n in sorted(self.named_parameters) if len(self._holders[n]) > 1
         ]
-        self.optimizer = optimizer(param_groups(self.named_parameters.items()))
+        self.optimizer = Optimizer(
+            self.named_parameters, self.ddp, optimizer, groups=self.groups,
+            holders=self._holders, distributed=config.distributed_optimizer,
+            overlap_param_gather=config.overlap_param_gather,
+            clip_grad=config.clip_grad, check_overflow=config.precision == "fp16",
+            fp32_values=fp32_values,
+        )
+        self.scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.scheduler = (
+            ParamScheduler(config.lr_schedule, self.optimizer.inner) if config.lr_schedule else None
+        )
         self._compute = compute
         grad_cuts = frozenset(
             c for c, gm in enumerate(all_chunks[1:]) if any(b.grad for b in program.chunk_spec(gm).recv)
@@ -170,7 +204,8 @@ class Engine:
             c: [
                 GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}",
                            group=self.groups.dp, overlap=self.config.overlap_grad_reduce,
-                           reduce_scatter=False, events=events)
+                           shard=self.config.distributed_optimizer, events=events,
+                           deferred=frozenset(n for n, h in self._holders.items() if len(h) > 1))
                 for layout in program.buffer_layouts(gm)
             ]
             for c, gm in self.chunks.items()
@@ -184,20 +219,19 @@ class Engine:
         the same on every rank) or an iterator over this rank's micro-batches."""
         mbs = self._microbatches(batch, self.config.num_microbatches)
         self.ddp.zero_grad_buffer()
-        stats = self.executor.run(self._train_steps, mbs, train=True)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        stats = self.executor.run(self._train_steps, mbs, train=True, loss_scale=scale)
         loss_sum, num_tokens = self._reduce_stats(stats)
-        finalize_model_grads(self.ddp, self._tied, num_tokens)
-        grad_norm = self._clip_grads()
+        finalize_model_grads(self.ddp, self._tied, max(num_tokens, 1.0) * scale)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        params = self.named_parameters.values()
-        for p in params:
-            p.grad = p.main_grad
-        self.optimizer.step()
-        for p in params:  # a stale .grad would be accumulated into again next step
-            p.grad = None
+        outcome = self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=outcome.skipped)
+        if self.scheduler is not None and not outcome.skipped:
+            self.scheduler.step(self.config.global_batch_size)
         return StepResult(
             loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
-            grad_norm=grad_norm, skipped=False, lr=lr,
+            grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
         )
 
     @torch.no_grad()
@@ -220,25 +254,6 @@ class Engine:
         all_reduce(stats, self.groups.dp)
         return float(stats[0]), float(stats[1])
 
-    def _clip_grads(self) -> float:
-        """Global L2 norm over all pipeline ranks, a shared parameter counted once; scale
-        the gradients when the norm exceeds clip_grad (Megatron: clip_grad_norm_fp32)."""
-        own = [
-            p.main_grad for n, p in self.named_parameters.items()
-            if min(self._holders[n]) == self.groups.pp_rank
-        ]
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in own]) if own else torch.zeros(1)
-        total = (norms.double() ** 2).sum().reshape(1).to(self.device)
-        all_reduce(total, self.groups.pp)
-        norm = math.sqrt(float(total))
-        clip = self.config.clip_grad
-        if clip > 0:
-            coeff = clip / (norm + 1e-6)
-            if coeff < 1.0:
-                for buf in self.ddp.all():
-                    buf.data.mul_(coeff)
-        return norm
-
     # ------------------------------------------------------------ batches
 
     def _microbatches(self, batch: Batch | Iterator[Batch], m: int) -> list[Batch]:
@@ -252,7 +267,7 @@ class Engine:
             out = [next(batch) for _ in range(m)]
             for mb in out:
                 self._check(mb, rows=mbs, what="micro-batch")
-        return [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in out]
+        return [_cast(tuple(t.to(self.device, non_blocking=True) for t in mb), self.config.dtype) for mb in out]
 
     def _check(self, batch: Batch, *, rows: int, what: str) -> None:
         if not isinstance(batch, tuple) or len(batch) != len(self._example):
@@ -262,7 +277,7 @@ class Engine:
             )
         for name, t, ex in zip(self._input_names, batch, self._example):
             want = (rows, *ex.shape[1:])
-            if tuple(t.shape) != want or t.dtype != ex.dtype:
+            if tuple(t.shape) != want or t.dtype != ex.dtype and not (t.is_floating_point() and ex.is_floating_point()):
                 raise BatchError(
                     f"{what} input {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
                     f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
@@ -275,6 +290,7 @@ class Engine:
         """The user model's state_dict (every name, tied ones included) with this
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
+        self.ddp.wait_for_params()
         canonical = {n: c for c, names in self._aliases.items() for n in names}
         out: dict[str, torch.Tensor] = {}
         for key, tensor in self._model.state_dict(keep_vars=True).items():
@@ -290,6 +306,11 @@ class Engine:
                 dist.broadcast(value, self.groups.pp_peer(owner), group=self.groups.pp)
             out[key] = value
         return out
+
+
+def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
+    """Floating inputs in the training dtype; token ids and masks as they are."""
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)
 
 
 def _resolve_dp(world: int, tp: int, pp: int, dp: int | None) -> int:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fxmeg.errors import ConfigError, closest
+from fxmeg.runtime.loss_scale import LossScaleConfig
+from fxmeg.runtime.lr_schedule import LRSchedule
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
-PRECISIONS = ("fp32",)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -92,7 +96,16 @@ class EngineConfig:
     clip_grad: float = 1.0
     """Clip the global L2 gradient norm to this value; 0 disables clipping."""
     precision: str = "fp32"
-    """Parameter and compute precision."""
+    """Parameter and compute precision: fp32, bf16 or fp16 (fp32 masters and gradients)."""
+    distributed_optimizer: bool = False
+    """ZeRO-1: each data-parallel rank keeps masters and optimizer state for its shard."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated parameters in the background and wait
+    for each bucket only just before the next forward first reads it."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 loss scaling (ignored for fp32 / bf16)."""
+    lr_schedule: LRSchedule | None = None
+    """Learning-rate / weight-decay schedule in samples; None keeps the optimizer's lr."""
     overlap_grad_reduce: bool = True
     """Reduce each gradient bucket as soon as it is complete, overlapping backward."""
     bucket_size: int | None = None
@@ -112,10 +125,20 @@ class EngineConfig:
             raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ConfigError(f"bucket_size must be a positive number of elements, got {self.bucket_size}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in DTYPES:
             raise ConfigError(
-                f"precision={self.precision!r} is not supported yet; choose one of {PRECISIONS}"
+                f"precision={self.precision!r} is not one of {tuple(DTYPES)}"
+                + closest(self.precision, DTYPES)
             )
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ConfigError(
+                "overlap_param_gather=True needs distributed_optimizer=True (only the "
+                "distributed optimizer gathers parameters)"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
 
     @property
     def resolved_bucket_size(self) -> int | None:

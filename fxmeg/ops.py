@@ -5,6 +5,10 @@ enters a chunk, ``send`` where it leaves, ``deallocate`` where the producer may 
 Communication itself is the executor's work (lowered schedule actions RECV_F/SEND_F/...);
 when a chunk graph runs, these markers are identities, so the parent graph that chains
 all chunks in one process computes exactly what the captured model computes.
+
+``wait_param_gather`` (param-gather pass) is the one marker with behaviour: it waits for
+a bucket's pending parameter all-gather, which the runtime hangs on the bucket's
+parameters as ``_fxmeg_gather``; with nothing pending it does nothing.
 """
 
 from __future__ import annotations
@@ -30,5 +34,14 @@ def deallocate(tensor: torch.Tensor) -> None:
     A no-op when the graph runs in one process."""
 
 
-for _fn in (recv, send, deallocate):
+@has_side_effect
+def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+    """Wait for the all-gather of ``bucket`` (chunk, index), which holds ``param``, before
+    forward first reads any of its parameters (Megatron: overlap_param_gather)."""
+    pending = getattr(param, "_fxmeg_gather", None)
+    if pending is not None:
+        pending.wait()
+
+
+for _fn in (recv, send, deallocate, wait_param_gather):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)

@@ -30,13 +30,18 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
+    """Computed in fp32 like Hugging Face's LlamaRMSNorm: in fp16, rsqrt's derivative at
+    small mean squares (-0.5 * v ** -1.5, ~6e4 here) overflows."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

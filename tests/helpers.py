@@ -45,11 +45,21 @@ def optimizer(groups, lr: float = 1e-3):
     return torch.optim.AdamW(groups, lr=lr, eps=1e-6)
 
 
-def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, lr: float = 1e-3):
-    """Plain single-device training: mean CE over the whole global batch, AdamW, clipping.
-    Returns (losses, grad norms, final state_dict)."""
+def sgd(groups):
+    """For clipping tests: SGD's update is proportional to the (clipped) gradient, where
+    Adam's hardly depends on its scale."""
+    return torch.optim.SGD(groups, lr=0.5)
+
+
+OPTIMIZERS = {"adamw": optimizer, "sgd": sgd}
+
+
+def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = "adamw"):
+    """Plain single-device training: mean CE over the whole global batch, the named
+    optimizer on the engine's parameter groups, clipping. Returns (losses, grad norms,
+    final state_dict)."""
     model = copy.deepcopy(model)
-    opt = optimizer(param_groups(model.named_parameters()), lr)  # same as the engine's
+    opt = OPTIMIZERS[opt](param_groups(model.named_parameters()))
     losses, norms = [], []
     for ids, labels in batches:
         opt.zero_grad()

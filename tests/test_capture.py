@@ -84,12 +84,14 @@ def forward(self, input_ids, labels):
     slice_1 = torch.ops.aten.slice.Tensor(rope_cos, 0, 0, 16);  rope_cos = None
     slice_2 = torch.ops.aten.slice.Tensor(rope_sin, 0, 0, 16);  rope_sin = None
     embedding = torch.ops.aten.embedding.default(embed_tokens_weight, input_ids);  embed_tokens_weight = input_ids = None
-    pow_1 = torch.ops.aten.pow.Tensor_Scalar(embedding, 2)
+    to = torch.ops.aten.to.dtype(embedding, torch.float32);  embedding = None
+    pow_1 = torch.ops.aten.pow.Tensor_Scalar(to, 2)
     mean = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
     add = torch.ops.aten.add.Tensor(mean, 1e-05);  mean = None
     rsqrt = torch.ops.aten.rsqrt.default(add);  add = None
-    mul = torch.ops.aten.mul.Tensor(embedding, rsqrt);  rsqrt = None
-    mul_1 = torch.ops.aten.mul.Tensor(mul, layers_0_input_layernorm_weight);  mul = layers_0_input_layernorm_weight = None
+    mul = torch.ops.aten.mul.Tensor(to, rsqrt);  rsqrt = None
+    to_1 = torch.ops.aten.to.dtype(mul, torch.float32);  mul = None
+    mul_1 = torch.ops.aten.mul.Tensor(layers_0_input_layernorm_weight, to_1);  layers_0_input_layernorm_weight = to_1 = None
     linear = torch.ops.aten.linear.default(mul_1, layers_0_self_attn_q_proj_weight);  layers_0_self_attn_q_proj_weight = None
     view = torch.ops.aten.view.default(linear, [2, 16, 4, 8]);  linear = None
     transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
@@ -121,25 +123,29 @@ def forward(self, input_ids, labels):
     transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
     reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
     linear_3 = torch.ops.aten.linear.default(reshape, layers_0_self_attn_o_proj_weight);  reshape = layers_0_self_attn_o_proj_weight = None
-    add_3 = torch.ops.aten.add.Tensor(embedding, linear_3);  embedding = linear_3 = None
-    pow_2 = torch.ops.aten.pow.Tensor_Scalar(add_3, 2)
+    add_3 = torch.ops.aten.add.Tensor(to, linear_3);  to = linear_3 = None
+    to_2 = torch.ops.aten.to.dtype(add_3, torch.float32);  add_3 = None
+    pow_2 = torch.ops.aten.pow.Tensor_Scalar(to_2, 2)
     mean_1 = torch.ops.aten.mean.dim(pow_2, [-1], True);  pow_2 = None
     add_4 = torch.ops.aten.add.Tensor(mean_1, 1e-05);  mean_1 = None
     rsqrt_1 = torch.ops.aten.rsqrt.default(add_4);  add_4 = None
-    mul_6 = torch.ops.aten.mul.Tensor(add_3, rsqrt_1);  rsqrt_1 = None
-    mul_7 = torch.ops.aten.mul.Tensor(mul_6, layers_0_post_attention_layernorm_weight);  mul_6 = layers_0_post_attention_layernorm_weight = None
+    mul_6 = torch.ops.aten.mul.Tensor(to_2, rsqrt_1);  rsqrt_1 = None
+    to_3 = torch.ops.aten.to.dtype(mul_6, torch.float32);  mul_6 = None
+    mul_7 = torch.ops.aten.mul.Tensor(layers_0_post_attention_layernorm_weight, to_3);  layers_0_post_attention_layernorm_weight = to_3 = None
     linear_4 = torch.ops.aten.linear.default(mul_7, layers_0_mlp_gate_proj_weight);  layers_0_mlp_gate_proj_weight = None
     silu = torch.ops.aten.silu.default(linear_4);  linear_4 = None
     linear_5 = torch.ops.aten.linear.default(mul_7, layers_0_mlp_up_proj_weight);  mul_7 = layers_0_mlp_up_proj_weight = None
     mul_8 = torch.ops.aten.mul.Tensor(silu, linear_5);  silu = linear_5 = None
     linear_6 = torch.ops.aten.linear.default(mul_8, layers_0_mlp_down_proj_weight);  mul_8 = layers_0_mlp_down_proj_weight = None
-    add_5 = torch.ops.aten.add.Tensor(add_3, linear_6);  add_3 = linear_6 = None
-    pow_3 = torch.ops.aten.pow.Tensor_Scalar(add_5, 2)
+    add_5 = torch.ops.aten.add.Tensor(to_2, linear_6);  to_2 = linear_6 = None
+    to_4 = torch.ops.aten.to.dtype(add_5, torch.float32);  add_5 = None
+    pow_3 = torch.ops.aten.pow.Tensor_Scalar(to_4, 2)
     mean_2 = torch.ops.aten.mean.dim(pow_3, [-1], True);  pow_3 = None
     add_6 = torch.ops.aten.add.Tensor(mean_2, 1e-05);  mean_2 = None
     rsqrt_2 = torch.ops.aten.rsqrt.default(add_6);  add_6 = None
-    mul_9 = torch.ops.aten.mul.Tensor(add_5, rsqrt_2);  add_5 = rsqrt_2 = None
-    mul_10 = torch.ops.aten.mul.Tensor(mul_9, norm_weight);  mul_9 = norm_weight = None
+    mul_9 = torch.ops.aten.mul.Tensor(to_4, rsqrt_2);  to_4 = rsqrt_2 = None
+    to_5 = torch.ops.aten.to.dtype(mul_9, torch.float32);  mul_9 = None
+    mul_10 = torch.ops.aten.mul.Tensor(norm_weight, to_5);  norm_weight = to_5 = None
     linear_7 = torch.ops.aten.linear.default(mul_10, lm_head_weight);  mul_10 = lm_head_weight = None
     flatten = torch.ops.aten.flatten.using_ints(linear_7, 0, 1);  linear_7 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None

@@ -5,6 +5,7 @@ torch.distributed, no I/O), and its docstring states what it requires and ensure
   (partition: fxmeg/partition.py tags every node with its chunk)
   pipeline   chunk graphs with recv / send / deallocate markers       passes/pipeline.py
   buckets    gradient-ready order, buffer layout, buckets              passes/buckets.py
+  param_gather  waits for parameter all-gathers (overlap_param_gather)  passes/param_gather.py
 
 Metadata the passes keep under ``node.meta["fxmeg"]``:
   module     FQN of the module that created the node ('' = the model's own forward); capture

@@ -69,6 +69,14 @@ def fake_eval(node: fx.Node) -> Any:
         return node.target(*args, **kwargs)
 
 
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
+    """``graph.node_copy`` with its own ``meta["fxmeg"]`` dict: FX copies meta shallowly,
+    and a tag added to one copy must not appear on the original or on other copies."""
+    new = graph.node_copy(node, arg_transform)
+    new.meta["fxmeg"] = dict(node.meta.get("fxmeg", {}))
+    return new
+
+
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop dead pure nodes, check the graph and regenerate code: every pass ends here."""
     gm.graph.eliminate_dead_code()

@@ -11,6 +11,9 @@ loss (reference §5.1-5.2) sums the numerators and denominators over all micro-b
 and data-parallel ranks and divides once, so micro-batches with different numbers of
 ignored labels stay exact.
 
+A class loss over half-precision logits is computed in fp32 (the logits are cast first,
+as Megatron computes cross-entropy in fp32), so loss_sum does not lose bits to bf16 sums.
+
 Recognised forms of the mean (through casts, clones and scalar views):
   cross_entropy / nll_loss, reduction='mean', no class weights -> reduction='sum',
       num_tokens = count of targets != ignore_index;
@@ -24,7 +27,7 @@ import torch
 from torch import fx
 
 from fxmeg.errors import PassError
-from fxmeg.passes.graph_utils import arg, attr, call, finish, full_args, val
+from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, finish, full_args, val
 
 aten = torch.ops.aten
 
@@ -124,7 +127,11 @@ def _class_loss(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     args = full_args(node)
     ignore_index = args[ign_idx]
     args[red_idx] = _SUM
-    node.args, node.kwargs = tuple(args), {}  # meta["val"] stays: a scalar either way
+    if val(args[0]).dtype in (torch.bfloat16, torch.float16):
+        with graph.inserting_before(node):
+            args[0] = call(graph, aten._to_copy.default, (args[0],), {"dtype": torch.float32}, like=node)
+    node.args, node.kwargs = tuple(args), {}
+    node.meta["val"] = fake_eval(node)
     keep = call(graph, aten.ne.Scalar, (target, ignore_index), like=node)
     with graph.inserting_after(keep):
         count = call(graph, aten.sum.default, (keep,), like=node, name="num_tokens")

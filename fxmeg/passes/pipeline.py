@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.passes.graph_utils import attr, finish, val
+from fxmeg.passes.graph_utils import attr, copy_node, finish, val
 from fxmeg.program import Boundary, ChunkSpec
 
 aten = torch.ops.aten
@@ -80,7 +80,7 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
         (i, p) for i, p in enumerate(inputs) if any(u in body_set for u in p.users)
     ]
     for _, p in used_inputs:
-        env[p] = graph.node_copy(p)
+        env[p] = copy_node(graph, p, lambda n: n)
     received = [graph.placeholder(n.name) for n in recv_nodes]
     for b, n, ph in zip(recv, recv_nodes, received):
         ph.meta = {"val": val(n), "fxmeg": {"module": ""}}
@@ -92,11 +92,11 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
             assert n.op == "get_attr", f"chunk {k} reads {n.name} from a later chunk"
             attrs[n.target] = attr(gm, n.target)
             env[n] = graph.get_attr(n.target)
-            env[n].meta = dict(n.meta)
+            env[n].meta = {**n.meta, "fxmeg": dict(n.meta.get("fxmeg", {}))}
         return env[n]
 
     for n in body:
-        env[n] = graph.node_copy(n, lookup)
+        env[n] = copy_node(graph, n, lookup)
     outputs, deallocate = [], []
     for b, n in zip(send, send_nodes):
         info = dict(dst_chunk=k + 1, shape=list(b.shape), dtype=b.dtype, grad=b.grad)

@@ -19,13 +19,16 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.program import Bucket, BufferLayout
+from fxmeg.runtime.groups import all_gather_, reduce_scatter_
 
 
 @dataclass
 class Events:
     """What happened in the current step, in order (for tests and traces):
     ("sync", label) at the chunk's GRAD_SYNC, ("ready", param) when a gradient of the
-    last micro-batch arrives, ("issue", "label/bucket") when a reduction is issued."""
+    last micro-batch arrives, ("issue", "label/bucket") when a reduction is issued,
+    ("gather", "label/bucket") / ("gathered", ...) when a parameter all-gather is issued /
+    waited for (distributed optimizer)."""
 
     log: list[tuple[str, str]] = field(default_factory=list)
     issued: int = 0
@@ -33,7 +36,16 @@ class Events:
 
 
 class GradBuffer:
-    """One chunk's contiguous buffer for one gradient dtype, cut into buckets."""
+    """One chunk's contiguous buffer for one gradient dtype, cut into buckets.
+
+    With the distributed optimizer (``shard=True``) buckets are reduce-scattered, and the
+    parameters themselves move into ``param_data``, a buffer with the same layout, so the
+    updated shards can be all-gathered back one bucket at a time. Buckets holding a
+    parameter in ``deferred`` (a weight tied across pipeline ranks) are reduced only in
+    ``finish_deferred``: its pipeline all-reduce must precede the reduce-scatter, since
+    after it each rank holds only its own shard, and shards of different pipeline ranks'
+    layouts do not line up.
+    """
 
     def __init__(
         self,
@@ -43,23 +55,40 @@ class GradBuffer:
         label: str,
         group: dist.ProcessGroup | None,
         overlap: bool,
-        reduce_scatter: bool,
+        shard: bool,
         events: Events,
+        deferred: frozenset[str] = frozenset(),
     ) -> None:
         self.layout, self.label, self.group = layout, label, group
-        self.overlap, self.reduce_scatter, self.events = overlap, reduce_scatter, events
+        self.overlap, self.shard, self.events = overlap, shard, events
         device = next(iter(params.values())).device
         self.data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
         self.params = {s.name: params[s.name] for s in layout.slots}
         for s in layout.slots:
             p = self.params[s.name]
             p.main_grad = self.data[s.offset : s.offset + s.numel].view(p.shape)
+        self.param_data = self._move_params_into_buffer() if shard else None
+        self._deferred = {b.index for b in layout.buckets if deferred & set(b.params)} if shard else set()
         self._bucket_of = {s.name: s.bucket for s in layout.slots}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()
         ]
         self._name_of = {id(p): n for n, p in self.params.items()}
         self.reset()
+
+    def _move_params_into_buffer(self) -> torch.Tensor:
+        """Parameters become views of one contiguous buffer laid out like the gradients
+        (Megatron's param buffer): the user's Parameter objects stay, their storage moves."""
+        dtypes = {p.dtype for p in self.params.values()}
+        assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        first = next(iter(self.params.values()))
+        data = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
+        for s in self.layout.slots:
+            p = self.params[s.name]
+            view = data[s.offset : s.offset + s.numel].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+        return data
 
     def reset(self) -> None:
         """Zero the buffer in place (never freed, reference §8) and forget the step."""
@@ -84,35 +113,82 @@ class GradBuffer:
         if self.overlap:
             self._issue_ready()
 
-    def _issue_ready(self) -> None:
+    def _issue_ready(self, *, all_left: bool = False) -> None:
+        """Issue complete buckets in index order (all of them with ``all_left``), skipping
+        deferred ones; the order is the same on every data-parallel rank."""
         buckets = self.layout.buckets
-        while self._next < len(buckets) and self._pending[self._next] == 0:
-            self._issue(buckets[self._next])
+        while self._next < len(buckets) and (all_left or self._pending[self._next] == 0):
+            if self._next not in self._deferred:
+                self._issue(buckets[self._next])
             self._next += 1
 
     def _issue(self, bucket: Bucket) -> None:
         self.events.log.append(("issue", f"{self.label}/{bucket.index}"))
         self.events.issued += 1
-        if self.group is None:
-            return
         flat = self.data[bucket.start : bucket.end]
-        if self.reduce_scatter:
-            shard = flat.numel() // dist.get_world_size(self.group)
-            mine = flat[dist.get_rank(self.group) * shard :][:shard]
-            work = dist.reduce_scatter_tensor(mine, flat, group=self.group, async_op=True)
-        else:
+        if self.shard:
+            work = reduce_scatter_(flat, self.group)
+        elif self.group is not None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._works.append(work)
+        else:
+            work = None
+        if work is not None:
+            self._works.append(work)
 
     def finish(self) -> None:
         """Issue what is left (no overlap, or a parameter without a gradient in the last
-        micro-batch) and wait for every reduction of this step."""
-        while self._next < len(self.layout.buckets):
-            self._issue(self.layout.buckets[self._next])
-            self._next += 1
+        micro-batch), except deferred buckets, and wait for every reduction issued."""
+        self._issue_ready(all_left=True)
+        self._wait()
+
+    def finish_deferred(self) -> None:
+        """Reduce the deferred buckets (after the tied weights' pipeline all-reduce)."""
+        for index in sorted(self._deferred):
+            self._issue(self.layout.buckets[index])
+        self._wait()
+
+    def _wait(self) -> None:
         for work in self._works:
             work.wait()
         self._works = []
+
+    def gather_params(self, *, overlap: bool) -> None:
+        """All-gather every bucket's updated parameter shards (distributed optimizer).
+        With ``overlap`` each bucket's gather stays pending on its parameters until the
+        next forward's ``wait_param_gather`` marker (or ``wait_for_params``) waits for it."""
+        assert self.param_data is not None
+        for b in self.layout.buckets:
+            label = f"{self.label}/{b.index}"
+            self.events.log.append(("gather", label))
+            pending = _PendingGather(all_gather_(self.param_data[b.start : b.end], self.group), label, self.events)
+            if overlap:
+                for name in b.params:
+                    self.params[name]._fxmeg_gather = pending
+            else:
+                pending.wait()
+
+    def wait_for_params(self) -> None:
+        """Wait for every pending parameter gather (before anything but forward reads them)."""
+        for p in self.params.values():
+            pending = p.__dict__.pop("_fxmeg_gather", None)
+            if pending is not None:
+                pending.wait()
+
+
+class _PendingGather:
+    """A bucket's all-gather in flight; waiting twice is harmless."""
+
+    def __init__(self, work: dist.Work | None, label: str, events: Events) -> None:
+        self.work, self.label, self.events = work, label, events
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        self.done = True
+        self.events.log.append(("gathered", self.label))
 
 
 class DataParallel:
@@ -135,9 +211,17 @@ class DataParallel:
             b.start_sync()
 
     def finish_grad_sync(self) -> None:
-        for bufs in self.buffers.values():
-            for b in bufs:
-                b.finish()
+        for b in self.all():
+            b.finish()
+
+    def finish_deferred(self) -> None:
+        for b in self.all():
+            b.finish_deferred()
+
+    def wait_for_params(self) -> None:
+        for b in self.all():
+            if b.param_data is not None:
+                b.wait_for_params()
 
     def all(self) -> list[GradBuffer]:
         return [b for bufs in self.buffers.values() for b in bufs]
@@ -146,16 +230,18 @@ class DataParallel:
 def finalize_model_grads(
     ddp: DataParallel,
     tied: list[tuple[nn.Parameter, dist.ProcessGroup | None]],
-    num_tokens: float,
+    divisor: float,
 ) -> None:
     """Megatron's finalize_model_grads (reference §6.3): wait for every bucket reduction,
     all-reduce gradients of parameters held on several pipeline ranks (a tied embedding
-    on the first and last stage; ``tied`` is in the same order on every rank), then
-    scale every gradient by 1 / global tokens (per-token loss, §5.2)."""
+    on the first and last stage; ``tied`` is in the same order on every rank; with the
+    distributed optimizer this precedes their buckets' reduce-scatter), then scale every
+    gradient by ``1 / divisor``: global tokens (per-token loss, §5.2), times the fp16 loss
+    scale (unscaling, §7)."""
     ddp.finish_grad_sync()
     for p, group in tied:
         if group is not None:
             dist.all_reduce(p.main_grad, group=group)
-    scale = 1.0 / max(num_tokens, 1.0)
+    ddp.finish_deferred()
     for buf in ddp.all():
-        buf.data.mul_(scale)
+        buf.data.mul_(1.0 / divisor)

@@ -111,3 +111,39 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
     """In-place all-reduce; nothing to do for a group of one."""
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
+
+
+# torch 2.13 renamed these (the old names warn); torch >= 2.6 has the old ones only.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shard_range(start: int, end: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's equal contiguous part [lo, hi) of [start, end)."""
+    if group is None:
+        return start, end
+    size = (end - start) // dist.get_world_size(group)
+    lo = start + dist.get_rank(group) * size
+    return lo, lo + size
+
+
+def shard_of(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's equal contiguous part of ``flat`` (all of it for a group of one)."""
+    if group is None:
+        return flat
+    size = flat.numel() // dist.get_world_size(group)
+    return flat[dist.get_rank(group) * size :][:size]
+
+
+def reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Sum ``flat`` over the group into this rank's shard of it, in place, asynchronously."""
+    if group is None:
+        return None
+    return _reduce_scatter(shard_of(flat, group), flat, group=group, async_op=True)
+
+
+def all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Fill ``flat`` with every rank's shard of it, in place, asynchronously."""
+    if group is None:
+        return None
+    return _all_gather(flat, shard_of(flat, group), group=group, async_op=True)

@@ -141,3 +141,13 @@ def test_parameter_shared_by_chunks_of_one_rank_has_one_slot():
     c2 = chunks(parent)[2]
     node = next(n for n in c2.graph.nodes if n.op == "get_attr" and n.target == "shared.weight")
     assert node.meta["fxmeg"]["bucket"][0] == 0  # points at its home chunk
+
+
+def test_tied_weight_on_two_ranks_is_tagged_with_each_holders_bucket():
+    """Each chunk's get_attr has its own metadata: tagging one copy must not retag the
+    other (FX copies node meta shallowly)."""
+    parent = _laid_out("gpt", num_chunks=2, pp=2, bucket_size=4000)
+    for c, gm in enumerate(chunks(parent)):
+        node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wte.weight")
+        (lay,) = buffer_layouts(gm)
+        assert node.meta["fxmeg"]["bucket"] == (c, torch.float32, lay.slot("wte.weight").bucket)

@@ -137,13 +137,15 @@ def forward(self, input_ids):
     slice_2 = torch.ops.aten.slice.Tensor(rope_sin, 0, 0, 16);  rope_sin = None
     embed_tokens_weight = self.embed_tokens.weight
     embedding = torch.ops.aten.embedding.default(embed_tokens_weight, input_ids);  embed_tokens_weight = input_ids = None
-    pow_1 = torch.ops.aten.pow.Tensor_Scalar(embedding, 2)
+    to = torch.ops.aten.to.dtype(embedding, torch.float32);  embedding = None
+    pow_1 = torch.ops.aten.pow.Tensor_Scalar(to, 2)
     mean = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
     add = torch.ops.aten.add.Tensor(mean, 1e-05);  mean = None
     rsqrt = torch.ops.aten.rsqrt.default(add);  add = None
-    mul = torch.ops.aten.mul.Tensor(embedding, rsqrt);  rsqrt = None
+    mul = torch.ops.aten.mul.Tensor(to, rsqrt);  rsqrt = None
+    to_1 = torch.ops.aten.to.dtype(mul, torch.float32);  mul = None
     layers_0_input_layernorm_weight = getattr(self.layers, "0").input_layernorm.weight
-    mul_1 = torch.ops.aten.mul.Tensor(mul, layers_0_input_layernorm_weight);  mul = layers_0_input_layernorm_weight = None
+    mul_1 = torch.ops.aten.mul.Tensor(layers_0_input_layernorm_weight, to_1);  layers_0_input_layernorm_weight = to_1 = None
     layers_0_self_attn_q_proj_weight = getattr(self.layers, "0").self_attn.q_proj.weight
     linear = torch.ops.aten.linear.default(mul_1, layers_0_self_attn_q_proj_weight);  layers_0_self_attn_q_proj_weight = None
     view = torch.ops.aten.view.default(linear, [2, 16, 4, 8]);  linear = None
@@ -179,14 +181,16 @@ def forward(self, input_ids):
     reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
     layers_0_self_attn_o_proj_weight = getattr(self.layers, "0").self_attn.o_proj.weight
     linear_3 = torch.ops.aten.linear.default(reshape, layers_0_self_attn_o_proj_weight);  reshape = layers_0_self_attn_o_proj_weight = None
-    add_3 = torch.ops.aten.add.Tensor(embedding, linear_3);  embedding = linear_3 = None
-    pow_2 = torch.ops.aten.pow.Tensor_Scalar(add_3, 2)
+    add_3 = torch.ops.aten.add.Tensor(to, linear_3);  to = linear_3 = None
+    to_2 = torch.ops.aten.to.dtype(add_3, torch.float32);  add_3 = None
+    pow_2 = torch.ops.aten.pow.Tensor_Scalar(to_2, 2)
     mean_1 = torch.ops.aten.mean.dim(pow_2, [-1], True);  pow_2 = None
     add_4 = torch.ops.aten.add.Tensor(mean_1, 1e-05);  mean_1 = None
     rsqrt_1 = torch.ops.aten.rsqrt.default(add_4);  add_4 = None
-    mul_6 = torch.ops.aten.mul.Tensor(add_3, rsqrt_1);  rsqrt_1 = None
+    mul_6 = torch.ops.aten.mul.Tensor(to_2, rsqrt_1);  rsqrt_1 = None
+    to_3 = torch.ops.aten.to.dtype(mul_6, torch.float32);  mul_6 = None
     layers_0_post_attention_layernorm_weight = getattr(self.layers, "0").post_attention_layernorm.weight
-    mul_7 = torch.ops.aten.mul.Tensor(mul_6, layers_0_post_attention_layernorm_weight);  mul_6 = layers_0_post_attention_layernorm_weight = None
+    mul_7 = torch.ops.aten.mul.Tensor(layers_0_post_attention_layernorm_weight, to_3);  layers_0_post_attention_layernorm_weight = to_3 = None
     layers_0_mlp_gate_proj_weight = getattr(self.layers, "0").mlp.gate_proj.weight
     linear_4 = torch.ops.aten.linear.default(mul_7, layers_0_mlp_gate_proj_weight);  layers_0_mlp_gate_proj_weight = None
     silu = torch.ops.aten.silu.default(linear_4);  linear_4 = None
@@ -195,7 +199,7 @@ def forward(self, input_ids):
     mul_8 = torch.ops.aten.mul.Tensor(silu, linear_5);  silu = linear_5 = None
     layers_0_mlp_down_proj_weight = getattr(self.layers, "0").mlp.down_proj.weight
     linear_6 = torch.ops.aten.linear.default(mul_8, layers_0_mlp_down_proj_weight);  mul_8 = layers_0_mlp_down_proj_weight = None
-    add_5 = torch.ops.aten.add.Tensor(add_3, linear_6);  add_3 = linear_6 = None
+    add_5 = torch.ops.aten.add.Tensor(to_2, linear_6);  to_2 = linear_6 = None
     send_slice_1 = fxmeg_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
     send_slice_2 = fxmeg_ops_send(slice_2, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
     send_add_5 = fxmeg_ops_send(add_5, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
@@ -207,13 +211,15 @@ def forward(self, labels, slice_1, slice_2, add_5):
     recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
     recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
     recv_add_5 = fxmeg_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
-    pow_3 = torch.ops.aten.pow.Tensor_Scalar(recv_add_5, 2)
+    to_4 = torch.ops.aten.to.dtype(recv_add_5, torch.float32);  recv_add_5 = None
+    pow_3 = torch.ops.aten.pow.Tensor_Scalar(to_4, 2)
     mean_2 = torch.ops.aten.mean.dim(pow_3, [-1], True);  pow_3 = None
     add_6 = torch.ops.aten.add.Tensor(mean_2, 1e-05);  mean_2 = None
     rsqrt_2 = torch.ops.aten.rsqrt.default(add_6);  add_6 = None
-    mul_9 = torch.ops.aten.mul.Tensor(recv_add_5, rsqrt_2);  rsqrt_2 = None
+    mul_9 = torch.ops.aten.mul.Tensor(to_4, rsqrt_2);  rsqrt_2 = None
+    to_5 = torch.ops.aten.to.dtype(mul_9, torch.float32);  mul_9 = None
     layers_1_input_layernorm_weight = getattr(self.layers, "1").input_layernorm.weight
-    mul_10 = torch.ops.aten.mul.Tensor(mul_9, layers_1_input_layernorm_weight);  mul_9 = layers_1_input_layernorm_weight = None
+    mul_10 = torch.ops.aten.mul.Tensor(layers_1_input_layernorm_weight, to_5);  layers_1_input_layernorm_weight = to_5 = None
     layers_1_self_attn_q_proj_weight = getattr(self.layers, "1").self_attn.q_proj.weight
     linear_7 = torch.ops.aten.linear.default(mul_10, layers_1_self_attn_q_proj_weight);  layers_1_self_attn_q_proj_weight = None
     view_3 = torch.ops.aten.view.default(linear_7, [2, 16, 4, 8]);  linear_7 = None
@@ -249,14 +255,16 @@ def forward(self, labels, slice_1, slice_2, add_5):
     reshape_1 = torch.ops.aten.reshape.default(transpose_7, [2, 16, 32]);  transpose_7 = None
     layers_1_self_attn_o_proj_weight = getattr(self.layers, "1").self_attn.o_proj.weight
     linear_10 = torch.ops.aten.linear.default(reshape_1, layers_1_self_attn_o_proj_weight);  reshape_1 = layers_1_self_attn_o_proj_weight = None
-    add_9 = torch.ops.aten.add.Tensor(recv_add_5, linear_10);  recv_add_5 = linear_10 = None
-    pow_4 = torch.ops.aten.pow.Tensor_Scalar(add_9, 2)
+    add_9 = torch.ops.aten.add.Tensor(to_4, linear_10);  to_4 = linear_10 = None
+    to_6 = torch.ops.aten.to.dtype(add_9, torch.float32);  add_9 = None
+    pow_4 = torch.ops.aten.pow.Tensor_Scalar(to_6, 2)
     mean_3 = torch.ops.aten.mean.dim(pow_4, [-1], True);  pow_4 = None
     add_10 = torch.ops.aten.add.Tensor(mean_3, 1e-05);  mean_3 = None
     rsqrt_3 = torch.ops.aten.rsqrt.default(add_10);  add_10 = None
-    mul_15 = torch.ops.aten.mul.Tensor(add_9, rsqrt_3);  rsqrt_3 = None
+    mul_15 = torch.ops.aten.mul.Tensor(to_6, rsqrt_3);  rsqrt_3 = None
+    to_7 = torch.ops.aten.to.dtype(mul_15, torch.float32);  mul_15 = None
     layers_1_post_attention_layernorm_weight = getattr(self.layers, "1").post_attention_layernorm.weight
-    mul_16 = torch.ops.aten.mul.Tensor(mul_15, layers_1_post_attention_layernorm_weight);  mul_15 = layers_1_post_attention_layernorm_weight = None
+    mul_16 = torch.ops.aten.mul.Tensor(layers_1_post_attention_layernorm_weight, to_7);  layers_1_post_attention_layernorm_weight = to_7 = None
     layers_1_mlp_gate_proj_weight = getattr(self.layers, "1").mlp.gate_proj.weight
     linear_11 = torch.ops.aten.linear.default(mul_16, layers_1_mlp_gate_proj_weight);  layers_1_mlp_gate_proj_weight = None
     silu_1 = torch.ops.aten.silu.default(linear_11);  linear_11 = None
@@ -265,14 +273,16 @@ def forward(self, labels, slice_1, slice_2, add_5):
     mul_17 = torch.ops.aten.mul.Tensor(silu_1, linear_12);  silu_1 = linear_12 = None
     layers_1_mlp_down_proj_weight = getattr(self.layers, "1").mlp.down_proj.weight
     linear_13 = torch.ops.aten.linear.default(mul_17, layers_1_mlp_down_proj_weight);  mul_17 = layers_1_mlp_down_proj_weight = None
-    add_11 = torch.ops.aten.add.Tensor(add_9, linear_13);  add_9 = linear_13 = None
-    pow_5 = torch.ops.aten.pow.Tensor_Scalar(add_11, 2)
+    add_11 = torch.ops.aten.add.Tensor(to_6, linear_13);  to_6 = linear_13 = None
+    to_8 = torch.ops.aten.to.dtype(add_11, torch.float32);  add_11 = None
+    pow_5 = torch.ops.aten.pow.Tensor_Scalar(to_8, 2)
     mean_4 = torch.ops.aten.mean.dim(pow_5, [-1], True);  pow_5 = None
     add_12 = torch.ops.aten.add.Tensor(mean_4, 1e-05);  mean_4 = None
     rsqrt_4 = torch.ops.aten.rsqrt.default(add_12);  add_12 = None
-    mul_18 = torch.ops.aten.mul.Tensor(add_11, rsqrt_4);  add_11 = rsqrt_4 = None
+    mul_18 = torch.ops.aten.mul.Tensor(to_8, rsqrt_4);  to_8 = rsqrt_4 = None
+    to_9 = torch.ops.aten.to.dtype(mul_18, torch.float32);  mul_18 = None
     norm_weight = self.norm.weight
-    mul_19 = torch.ops.aten.mul.Tensor(mul_18, norm_weight);  mul_18 = norm_weight = None
+    mul_19 = torch.ops.aten.mul.Tensor(norm_weight, to_9);  norm_weight = to_9 = None
     lm_head_weight = self.lm_head.weight
     linear_14 = torch.ops.aten.linear.default(mul_19, lm_head_weight);  mul_19 = lm_head_weight = None
     flatten = torch.ops.aten.flatten.using_ints(linear_14, 0, 1);  linear_14 = None
