@@ -40,7 +40,7 @@ def train(rank: int, world: int, args: argparse.Namespace, store_path: str) -> N
     model = GPT(cfg)
     example = batch(0, args.mbs, cfg)
     engine = fxmeg.parallelize(
-        model, example, pp=args.pp, dp=args.dp, vpp=args.vpp,
+        model, example, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
         global_batch_size=args.gbs,
         optimizer=lambda groups: torch.optim.AdamW(groups, weight_decay=0.1),
         distributed_optimizer=True,
@@ -48,7 +48,7 @@ def train(rank: int, world: int, args: argparse.Namespace, store_path: str) -> N
                                      decay_samples=args.steps * args.gbs, style="cosine"),
     )
     if rank == 0:
-        layout = f"pp={args.pp} vpp={args.vpp} dp={args.dp}, distributed optimizer"
+        layout = f"tp={args.tp} pp={args.pp} vpp={args.vpp} dp={args.dp}, distributed optimizer"
         print(f"fxmeg demo: GPT {cfg.n_layer} layers, hidden {cfg.n_embd}, {world} rank(s), "
               f"{layout}, schedule {engine.config.parallel.resolved_schedule}, "
               f"m={engine.config.num_microbatches} micro-batches of {args.mbs}", flush=True)
@@ -68,6 +68,7 @@ def train(rank: int, world: int, args: argparse.Namespace, store_path: str) -> N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--dp", type=int, default=2)
@@ -75,7 +76,7 @@ def main() -> None:
     p.add_argument("--gbs", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
     args = p.parse_args()
-    world = args.pp * args.dp
+    world = args.tp * args.pp * args.dp
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         if world == 1:

@@ -11,12 +11,14 @@ from torch import fx, nn
 
 from fxmeg import program
 from fxmeg.capture import LossFn, capture
+from fxmeg.collectives import TP, bind_groups
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import BatchError, ConfigError
 from fxmeg.partition import Partition, partition
 from fxmeg.passes.buckets import buckets as buckets_pass
 from fxmeg.passes.loss import loss as loss_pass
 from fxmeg.passes.param_gather import param_gather as param_gather_pass
+from fxmeg.passes.tensor_parallel import tensor_parallel as tp_pass
 from fxmeg.passes.pipeline import pipeline as pipeline_pass
 from fxmeg.runtime import schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer, finalize_model_grads
@@ -65,6 +67,8 @@ def parallelize(
     global_batch_size: int | None = None,
     schedule: str = "auto",
     split_points: Iterable[str] | None = None,
+    sequence_parallel: bool = False,
+    tp_plan: dict[str, str] | None = None,
     optimizer: OptimizerFactory | None = None,
     precision: str = "fp32",
     clip_grad: float = 1.0,
@@ -94,6 +98,7 @@ def parallelize(
     parallel = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule,
         split_points=tuple(split_points) if split_points is not None else None,
+        sequence_parallel=sequence_parallel, tp_plan=tuple((tp_plan or {}).items()),
     )
     mbs = _batch_dim(example_inputs, micro_batch_size)
     config = EngineConfig(
@@ -114,8 +119,12 @@ def parallelize(
         fp32_values = {n: p.detach().clone() for n, p in model.named_parameters()}
         model.to(config.dtype)  # parameters and floating buffers, in place
         example_inputs = _cast(example_inputs, config.dtype)
+    full_shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
+    tp_rank = Topology(tp=tp, pp=pp, dp=dp).coords(dist.get_rank() if world > 1 else 0)[0]
+    gm = tp_pass(gm, tp=tp, rank=tp_rank, plan=dict(parallel.tp_plan),
+                 sequence_parallel=sequence_parallel)
     split = partition(gm, num_chunks=parallel.num_chunks, split_points=parallel.split_points)
     parent = pipeline_pass(gm, num_chunks=parallel.num_chunks)
     parent = buckets_pass(
@@ -138,6 +147,7 @@ def parallelize(
         aliases=captured.aliases,
         optimizer=optimizer or default_optimizer,
         fp32_values=fp32_values,
+        full_shapes=full_shapes,
     )
 
 
@@ -157,10 +167,12 @@ class Engine:
         aliases: dict[str, list[str]],
         optimizer: OptimizerFactory,
         fp32_values: dict[str, torch.Tensor] | None,
+        full_shapes: dict[str, tuple[torch.Size, torch.dtype]],
     ) -> None:
         par = config.parallel
         self.config, self.partition, self.parent = config, partition, parent
         self._model, self._aliases, self._input_names = model, aliases, input_names
+        self._full_shapes = full_shapes
         self._example = example_inputs
         all_chunks = program.chunks(parent)
         self._holders = _holders(all_chunks, par.pp)
@@ -168,17 +180,25 @@ class Engine:
         self.groups: Groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied)
         pp_rank = self.groups.pp_rank
         self.chunks = {c: gm for c, gm in enumerate(all_chunks) if c % par.pp == pp_rank}
+        if self.groups.tp is not None:
+            for gm in self.chunks.values():
+                bind_groups(gm, {TP: self.groups.tp.group_name})
+        self.tp_specs = _tp_specs(self.chunks.values())
         self.named_parameters = _unique_parameters(self.chunks.values())
         self.device = _device(self.named_parameters, example_inputs)
         self.ddp = self._data_parallel()
         self._tied = [  # sorted: every holder issues these all-reduces in the same order
             (self.named_parameters[n], self.groups.tied[frozenset(self._holders[n])])
             for n in sorted(self.named_parameters) if len(self._holders[n]) > 1
+        ] + [  # replicated over tp ranks but with per-rank gradients (sequence parallelism)
+            (self.named_parameters[n], self.groups.tp)
+            for n in sorted(self.named_parameters) if self.tp_specs.get(n) == ("replicate", True)
         ]
         self.optimizer = Optimizer(
             self.named_parameters, self.ddp, optimizer, groups=self.groups,
             holders=self._holders, distributed=config.distributed_optimizer,
             overlap_param_gather=config.overlap_param_gather,
+            tp_sharded={n for n, spec in self.tp_specs.items() if spec[0] == "shard"},
             clip_grad=config.clip_grad, check_overflow=config.precision == "fp16",
             fp32_values=fp32_values,
         )
@@ -277,7 +297,8 @@ class Engine:
             )
         for name, t, ex in zip(self._input_names, batch, self._example):
             want = (rows, *ex.shape[1:])
-            if tuple(t.shape) != want or t.dtype != ex.dtype and not (t.is_floating_point() and ex.is_floating_point()):
+            same_kind = t.dtype == ex.dtype or (t.is_floating_point() and ex.is_floating_point())
+            if tuple(t.shape) != want or not same_kind:
                 raise BatchError(
                     f"{what} input {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
                     f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
@@ -300,13 +321,30 @@ class Engine:
                 out[key] = tensor.detach().clone()
                 continue
             owner = min(holders)
-            value = self.named_parameters.get(name) if owner == self.groups.pp_rank else None
-            value = value.detach().clone() if value is not None else torch.empty_like(tensor)
+            shape, dtype = self._full_shapes[key]
+            if owner == self.groups.pp_rank:
+                value = self._gather_tp(name, self.named_parameters[name].detach())
+            else:
+                value = torch.empty(shape, dtype=dtype, device=self.device)
             if self.groups.pp is not None:
                 dist.broadcast(value, self.groups.pp_peer(owner), group=self.groups.pp)
             out[key] = value
         return out
 
+    def _gather_tp(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a parameter split over tp ranks (a copy otherwise)."""
+        spec = self.tp_specs.get(name)
+        if spec is None or spec[0] != "shard" or self.groups.tp is None:
+            return local.clone()
+        _, dim, parts = spec
+        tp = self.config.parallel.tp
+        pieces = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(pieces, local.contiguous(), group=self.groups.tp)
+        blocks, offset = [], 0
+        for p in parts:  # rank r holds the r-th tp-th of every block, blocks end to end
+            blocks.extend(piece.narrow(dim, offset, p // tp) for piece in pieces)
+            offset += p // tp
+        return torch.cat(blocks, dim)
 
 def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
     """Floating inputs in the training dtype; token ids and masks as they are."""
@@ -356,6 +394,16 @@ def _holders(chunks: list[fx.GraphModule], pp: int) -> dict[str, list[int]]:
             if p.requires_grad:
                 out.setdefault(name, set()).add(c % pp)
     return {n: sorted(r) for n, r in out.items()}
+
+
+def _tp_specs(chunks: Iterable[fx.GraphModule]) -> dict[str, tuple]:
+    """Parameter FQN -> its tensor-parallel tag from the TP pass (absent for tp=1)."""
+    out = {}
+    for gm in chunks:
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
+                out[node.target] = node.meta["fxmeg"]["tp"]
+    return out
 
 
 def _unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:

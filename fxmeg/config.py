@@ -41,11 +41,17 @@ class ParallelConfig:
     """'auto', 'none' (pp=1), 'gpipe', '1f1b' or 'interleaved' (vpp > 1)."""
     split_points: tuple[str, ...] | None = None
     """Pinned chunk starts, e.g. ('layers.2',): pp*vpp - 1 block names; None = balanced."""
+    sequence_parallel: bool = False
+    """Split the residual stream, norms and dropout along the sequence over tp ranks."""
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    """Module-FQN glob -> colwise | rowwise | replicate | vocab, overriding the automatic plan."""
 
     def __post_init__(self) -> None:
         _positive(self, "tp", "pp", "vpp", "dp")
-        if self.tp > 1:
-            raise ConfigError("tp > 1 (tensor parallelism) is not implemented yet; use tp=1")
+        if isinstance(self.tp_plan, dict):
+            object.__setattr__(self, "tp_plan", tuple(self.tp_plan.items()))
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel=True needs tp > 1")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not one of {SCHEDULES}"

@@ -109,19 +109,25 @@ def node_cost(node: fx.Node) -> float:
     return flops + BYTE_COST * moved
 
 
+def find_blocks(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The block (e.g. 'layers.3') of every call_function node created inside one: blocks
+    are the numbered children of the module list with the most of them."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    numbered = {n: _NUMBERED.match(owning_module(n)) for n in nodes}
+    per_list = Counter(c for c, _ in {(m[1], m[2]) for m in numbered.values() if m})
+    container = max(per_list, key=lambda c: (per_list[c], -len(c)), default=None)
+    return {n: f"{m[1]}.{m[2]}" for n, m in numbered.items() if m and m[1] == container}
+
+
 def _units(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, int]]:
     """Blocks in execution order, and the unit (block index) of every node."""
-    numbered = [_NUMBERED.match(owning_module(n)) for n in nodes]
-    per_list = Counter()
-    for m in {(m[1], m[2]) for m in numbered if m}:
-        per_list[m[0]] += 1
-    container = max(per_list, key=lambda c: (per_list[c], -len(c)), default=None)
+    block_of = find_blocks(nodes[0].graph.owning_module) if nodes else {}
     blocks: list[str] = []
     unit_of: dict[fx.Node, int] = {}
     current = 0
-    for node, m in zip(nodes, numbered):
-        if m and m[1] == container:
-            name = f"{m[1]}.{m[2]}"
+    for node in nodes:
+        name = block_of.get(node)
+        if name is not None:
             if name not in blocks:
                 blocks.append(name)
             current = blocks.index(name)

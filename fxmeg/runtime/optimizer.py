@@ -59,7 +59,8 @@ class _Piece:
     target: torch.Tensor | None
     """Where the master is copied after the step; None when the master is that storage."""
     in_norm: bool
-    """False for a tied weight's copy on a pipeline rank that is not its first holder."""
+    """Whether the global norm counts it: False for a tied weight's copy on a later
+    pipeline holder and for a tp-replicated parameter on tp ranks other than 0."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Optimizer:
         holders: dict[str, list[int]],
         distributed: bool,
         overlap_param_gather: bool = False,
+        tp_sharded: set[str] = frozenset(),
         clip_grad: float,
         check_overflow: bool,
         fp32_values: dict[str, torch.Tensor] | None = None,
@@ -89,11 +91,15 @@ class Optimizer:
         self.overlap_param_gather = overlap_param_gather
         self.check_overflow = check_overflow
         self.ddp = ddp
-        first_holder = {n: min(h) == groups.pp_rank for n, h in holders.items()}
+        tp_rank = groups.topo.coords(groups.rank)[0]
+        counted = {  # each element once: tied weights on their first pipeline holder,
+            n: min(h) == groups.pp_rank and (n in tp_sharded or tp_rank == 0)  # replicas on tp rank 0
+            for n, h in holders.items()
+        }
         self.pieces = (
-            _sharded_pieces(ddp, groups.dp, first_holder, fp32_values)
+            _sharded_pieces(ddp, groups.dp, counted, fp32_values)
             if distributed
-            else [_full_piece(n, p, first_holder[n], fp32_values) for n, p in named.items()]
+            else [_full_piece(n, p, counted[n], fp32_values) for n, p in named.items()]
         )
         by_param: dict[int, list[torch.Tensor]] = {}
         for piece in self.pieces:
@@ -141,12 +147,14 @@ class Optimizer:
 
     def _clip(self) -> float:
         """Global L2 norm over every rank's gradients, each element counted once (tied
-        weights once, distributed-optimizer shards once); scale when above clip_grad."""
+        weights once, tp-replicated parameters once, distributed-optimizer shards once);
+        scale when above clip_grad."""
         norms = [torch.linalg.vector_norm(p.grad) for p in self.pieces if p.in_norm]
         total = (torch.stack(norms).double() ** 2).sum() if norms else torch.zeros((), dtype=torch.float64)
         total = total.reshape(1).to(self._device())
         if self.distributed:
             all_reduce(total, self.groups.dp)
+        all_reduce(total, self.groups.tp)
         all_reduce(total, self.groups.pp)
         norm = math.sqrt(float(total))
         if self.clip_grad > 0:

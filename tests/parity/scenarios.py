@@ -26,6 +26,7 @@ class Scenario:
     schedule: str = "auto"
     m: int = 4
     dp: int = 1
+    tp: int = 1
     clip: float = 1.0
     opt: str = "adamw"
     options: tuple = field(default=())
@@ -33,7 +34,7 @@ class Scenario:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.tp * self.pp * self.dp
 
     @property
     def layers(self) -> int:
@@ -48,7 +49,8 @@ class Scenario:
         extra = "".join(f"-{k}{v}" for k, v in self.options)
         clip = "" if self.clip == 1.0 else f"-clip{self.clip}"
         opt = "" if self.opt == "adamw" else f"-{self.opt}"
-        return (f"{self.model}-dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
+        tp = f"tp{self.tp}-" if self.tp > 1 else ""
+        return (f"{self.model}-{tp}dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
                 + clip + opt + extra)
 
     def batches(self):
@@ -58,7 +60,7 @@ class Scenario:
         batches = self.batches()
         return fxmeg.parallelize(
             make_model(self.model, n_layer=self.layers), tuple(t[:MBS] for t in batches[0]),
-            pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
+            tp=self.tp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
             optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, **dict(self.options),
         )
 
@@ -77,6 +79,8 @@ def train(rank: int, sc: Scenario) -> dict:
         steps=steps, counters=counters, events=events,
         state=state if rank == 0 else None,
         pp_rank=engine.groups.pp_rank, dp_rank=engine.groups.dp_rank,
+        param_elements=sum(p.numel() for p in engine.named_parameters.values()),
+        tp_specs=engine.tp_specs,
         layouts={c: fxmeg.program.buffer_layouts(gm) for c, gm in engine.chunks.items()},
     )
 

@@ -1,0 +1,529 @@
+"""Tensor-parallel pass: Megatron's column / row-parallel linears, vocab-parallel embedding
+and cross-entropy, and sequence parallelism, found and applied on the ATen graph.
+
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs; ``rank`` in [0, tp).
+Ensures, for this tp rank:
+  * inside a block (numbered module list), a linear with a replicated input becomes
+    column-parallel (weight rows split; a fused QKV output that is split into blocks is
+    split block by block) and a linear whose input is split on its feature dim becomes
+    row-parallel (weight columns split; its output all-reduced, then its bias added);
+    ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
+  * views, transposes, splits, rotary products, repeat_interleave (GQA), attention,
+    softmax and elementwise ops carry the split along; their shape arguments (number of
+    heads, KV heads, split sizes) are divided by tp;
+  * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
+    the vocabulary: out-of-range ids are masked and the looked-up rows all-reduced; the
+    loss is ``fxmeg::vocab_parallel_cross_entropy`` on the local logits, never gathered.
+    A tied embedding / head weight is split the same way for both uses;
+  * collectives are ``fxmeg::`` ops on the symbolic group "tp" (bound at run time):
+    ``tp_copy`` before column-parallel inputs, ``tp_reduce`` after row-parallel outputs;
+  * with ``sequence_parallel`` the residual stream between blocks is split along the
+    sequence: ``sp_gather`` replaces tp_copy, ``sp_scatter`` replaces tp_reduce, and a
+    replicated operand of the stream (position embeddings) is sliced to the local part;
+  * every parameter is replaced in place by this rank's shard (``param.data``); its
+    get_attr carries ``meta["fxmeg"]["tp"]`` = ("shard", dim, parts) or ("replicate",
+    reduce_grad), reduce_grad True when its gradient differs per tp rank (it touches a
+    split value: norm weights under sequence parallelism) and must be all-reduced;
+  * ``meta["val"]`` holds the local shapes.
+Anything it cannot split safely is a PassError naming the node, the module, the numbers
+and a fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import re
+
+import torch
+from torch import fx
+
+import fxmeg.collectives  # noqa: F401  (registers torch.ops.fxmeg)
+from fxmeg.capture import owning_module
+from fxmeg.collectives import TP
+from fxmeg.errors import PassError
+from fxmeg.partition import find_blocks
+from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, val
+from fxmeg.passes.tp_placement import Indivisible, Shard, block_ranges, divisors, reshape_shard
+
+aten = torch.ops.aten
+ROLES = ("colwise", "rowwise", "replicate", "vocab")
+_UNARY = {
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.neg.default, aten.tanh.default,
+    aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default,
+    aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default, aten.clone.default,
+    aten.alias.default, aten.contiguous.default, aten.dropout.default, aten.type_as.default,
+    aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar,
+}
+_ELEMENTWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
+    aten.maximum.default, aten.minimum.default, aten.pow.Tensor_Tensor,
+}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
+              aten.squeeze.default, aten.unflatten.int}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
+_CLASS_LOSS = {aten.cross_entropy_loss.default}
+
+
+def tensor_parallel(
+    gm: fx.GraphModule,
+    *,
+    tp: int,
+    rank: int,
+    plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
+) -> fx.GraphModule:
+    """Shard ``gm`` for tp rank ``rank`` of ``tp`` (see the module docstring)."""
+    if tp == 1:
+        return gm
+    _TensorParallel(gm, tp, rank, plan or {}, sequence_parallel).run()
+    return finish(gm)
+
+
+class _TensorParallel:
+    def __init__(self, gm, tp, rank, plan, sp):
+        self.gm, self.g, self.tp, self.rank, self.sp = gm, gm.graph, tp, rank, sp
+        for glob, role in plan.items():
+            if role not in ROLES:
+                raise PassError(f"tp_plan[{glob!r}] = {role!r} is not one of {ROLES}")
+        self.plan = plan
+        self.place: dict[fx.Node, object] = {}
+        self.specs: dict[str, tuple[int, tuple[int, ...]]] = {}  # param -> (dim, parts)
+        self.entries: dict[fx.Node, fx.Node] = {}
+        self.block = find_blocks(gm)
+        self.vocab, self.head = self._find_head()
+        self.seq_dim = 1
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self) -> None:
+        for node in list(self.g.nodes):
+            if node.op != "call_function":
+                continue
+            self.place[node] = self._visit(node)
+        self._shard_parameters()
+        self._refresh_values()
+
+    def _visit(self, node: fx.Node):
+        t = node.target
+        if t == aten.linear.default:
+            return self._linear(node)
+        if t == aten.embedding.default:
+            return self._embedding(node)
+        args = [self.place.get(a) for a in node.all_input_nodes]
+        if t in _CLASS_LOSS and isinstance(self.place.get(node.args[0]), Shard):
+            return self._vocab_loss(node)
+        if not any(isinstance(p, (Shard, list)) for p in args):
+            return None
+        if t is operator.getitem:
+            parts = self.place[node.args[0]]
+            return parts[node.args[1]] if isinstance(parts, list) else parts
+        if t in _UNARY:
+            return self.place[node.args[0]]
+        if t in _ELEMENTWISE:
+            return self._elementwise(node)
+        if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
+            return self._reshape(node)
+        if t in (aten.transpose.int, aten.permute.default, aten.t.default):
+            return self._permute(node)
+        if t in _SPLITS:
+            return self._split(node)
+        if t == aten.cat.default:
+            return self._cat(node)
+        if t == aten.repeat_interleave.self_int:
+            return self._repeat_interleave(node)
+        if t == aten.scaled_dot_product_attention.default:
+            return self._attention(node)
+        if t in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int):
+            return self._along(node, node.args[1], "normalizes over")
+        if t == aten.layer_norm.default:
+            return self._along(node, range(val(node).dim() - len(node.args[1]), val(node).dim()), "normalizes over")
+        if t in _REDUCTIONS:
+            return self._reduction(node)
+        raise self._unsupported(node, "fxmeg does not know how this op treats the split")
+
+    # ------------------------------------------------------------------ linears
+
+    def _role(self, node: fx.Node) -> str:
+        module = owning_module(node)
+        for glob, role in self.plan.items():
+            if fnmatch.fnmatch(module, glob):
+                return role
+        if node is self.head:
+            return "vocab"
+        if node not in self.block:
+            return "replicate"
+        x = self.place.get(node.args[0])
+        return "rowwise" if isinstance(x, Shard) and not x.seq else "colwise"
+
+    def _linear(self, node: fx.Node):
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else None
+        role, px = self._role(node), self.place.get(node.args[0])
+        if role == "replicate":
+            if isinstance(px, Shard) and not px.seq:
+                raise self._unsupported(node, "a replicated linear reads a value split over its features", px)
+            return px  # per token: a sequence shard stays one
+        if role in ("colwise", "vocab"):
+            out = val(node).shape[-1]
+            parts = (self.vocab,) if role == "vocab" else self._parts(node, out)
+            for p in parts:
+                self._check_divides(node, p, "output features of a column-parallel linear")
+            node.args = (self._entry(node, x), w, *node.args[2:])
+            self._spec(w, 0, parts, node)
+            if b is not None:
+                self._spec(b, 0, parts, node)
+            return Shard(val(node).dim() - 1, parts, vocab=role == "vocab", origin=owning_module(node))
+        if not (isinstance(px, Shard) and px.dim == val(x).dim() - 1 and not px.seq):
+            raise self._unsupported(node, "a row-parallel linear needs its input split on its last dim", px)
+        self._spec(w, 1, px.parts, node)
+        node.args = (x, w)
+        return self._reduce(node, bias=b)
+
+    def _parts(self, node: fx.Node, out: int) -> tuple[int, ...]:
+        """Blocks of a fused output: sizes it is split into along its last dim, if any."""
+        last = val(node).dim() - 1
+        for user in node.users:
+            if user.target in _SPLITS and _dim(user, val(node).dim()) == last:
+                if user.target == aten.split.Tensor:
+                    return (user.args[1],) * (out // user.args[1])
+                if user.target == aten.chunk.default:
+                    return (out // user.args[1],) * user.args[1]
+                return tuple(user.args[1])
+        return (out,)
+
+    def _entry(self, node: fx.Node, x: fx.Node) -> fx.Node:
+        """The replicated input of column-parallel linears, through Megatron's f (or an
+        all-gather of the sequence shard); one per input value."""
+        if x not in self.entries:
+            px = self.place.get(x)
+            with self.g.inserting_before(node):
+                if isinstance(px, Shard) and px.seq:
+                    op, args = torch.ops.fxmeg.sp_gather.default, (x, px.dim, self.tp, TP)
+                else:
+                    op, args = torch.ops.fxmeg.tp_copy.default, (x, TP)
+                self.entries[x] = call(self.g, op, args, like=node)
+            self.place[self.entries[x]] = None
+        return self.entries[x]
+
+    def _reduce(self, node: fx.Node, *, bias: fx.Node | None):
+        """Sum a partial output over tp ranks (or reduce-scatter it along the sequence),
+        then add the bias; later readers see the result."""
+        users = list(node.users)
+        with self.g.inserting_after(node):
+            if self.sp:
+                red = call(self.g, torch.ops.fxmeg.sp_scatter.default,
+                           (node, self.seq_dim, self.tp, TP), like=node)
+                place = Shard(self.seq_dim, (val(node).shape[self.seq_dim],), seq=True,
+                              origin=owning_module(node))
+            else:
+                red, place = call(self.g, torch.ops.fxmeg.tp_reduce.default, (node, TP), like=node), None
+        self.place[red] = place
+        out = red
+        if bias is not None:
+            with self.g.inserting_after(red):
+                out = call(self.g, aten.add.Tensor, (red, bias), like=node)
+            self.place[out] = place
+        for user in users:
+            user.replace_input_with(node, out)
+        return "partial"
+
+    # ------------------------------------------------------------------ vocabulary
+
+    def _find_head(self) -> tuple[int | None, fx.Node | None]:
+        """Vocabulary size and LM head: the linear whose output feeds the class loss."""
+        loss = next((n for n in self.g.nodes if n.target in _CLASS_LOSS), None)
+        if loss is None:
+            return None, None
+        x = loss.args[0]
+        while x.target in _RESHAPES | _VIEW_LIKE | {aten._to_copy.default, aten.to.dtype, aten.clone.default}:
+            x = x.args[0]
+        vocab = val(loss.args[0]).shape[1]
+        return vocab, (x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None)
+
+    def _embedding(self, node: fx.Node):
+        w, ids = node.args[0], node.args[1]
+        rows = val(w).shape[0]
+        role = self._embedding_role(node, rows)
+        if role == "replicate":
+            return None
+        self._check_divides(node, rows, "vocabulary rows of the embedding",
+                            f"pad the vocabulary to a multiple of {self.tp} (e.g. {-(-rows // self.tp) * self.tp})")
+        self._spec(w, 0, (rows,), node)
+        start, size = self.rank * rows // self.tp, rows // self.tp
+        with self.g.inserting_before(node):
+            below = call(self.g, aten.lt.Scalar, (ids, start), like=node)
+            above = call(self.g, aten.ge.Scalar, (ids, start + size), like=node)
+            outside = call(self.g, aten.bitwise_or.Tensor, (below, above), like=node)
+            shifted = call(self.g, aten.sub.Tensor, (ids, start), like=node)
+            local = call(self.g, aten.masked_fill.Scalar, (shifted, outside, 0), like=node)
+        node.args = (w, local, *node.args[2:])
+        users = list(node.users)
+        with self.g.inserting_after(node):
+            mask = call(self.g, aten.unsqueeze.default, (outside, -1), like=node)
+        with self.g.inserting_after(mask):
+            zeroed = call(self.g, aten.masked_fill.Scalar, (node, mask, 0.0), like=node)
+        for user in users:
+            user.replace_input_with(node, zeroed)
+        self.seq_dim = val(ids).dim() - 1
+        if self.sp:
+            self._check_divides(node, val(node).shape[self.seq_dim], "sequence length (sequence parallelism)")
+        self.place[zeroed] = "partial"
+        self._reduce(zeroed, bias=None)
+        return None
+
+    def _embedding_role(self, node: fx.Node, rows: int) -> str:
+        module = owning_module(node)
+        for glob, role in self.plan.items():
+            if fnmatch.fnmatch(module, glob):
+                return "vocab" if role != "replicate" else "replicate"
+        reads_inputs = _reaches_placeholder(node.args[1])
+        return "vocab" if rows == self.vocab and reads_inputs else "replicate"
+
+    def _vocab_loss(self, node: fx.Node):
+        logits, target = node.args[0], node.args[1]
+        args = full_args(node)
+        if args[5] != 0.0:
+            raise self._unsupported(node, "label smoothing over a split vocabulary is not implemented")
+        if val(logits).dim() != 2 or self.place[logits].dim != 1:
+            raise self._unsupported(node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits")
+        start = self.rank * self.vocab // self.tp
+        with self.g.inserting_before(node):
+            both = call(self.g, torch.ops.fxmeg.vocab_parallel_cross_entropy.default,
+                        (logits, target, start, args[4], TP), like=node)
+            per_token = call(self.g, operator.getitem, (both, 0), like=node)
+            loss_sum = call(self.g, aten.sum.default, (per_token,), like=node)
+        loss_sum.meta["fxmeg"]["loss"] = node.meta["fxmeg"].get("loss", "sum")
+        node.replace_all_uses_with(loss_sum)
+        return None
+
+    # ------------------------------------------------------------------ propagation rules
+
+    def _elementwise(self, node: fx.Node):
+        out_dim = val(node).dim()
+        shards = [(a, self.place[a]) for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)]
+        s0 = shards[0][1].moved(shards[0][1].dim + out_dim - val(shards[0][0]).dim())
+        for a, s in shards[1:]:
+            if s.moved(s.dim + out_dim - val(a).dim()) != s0:
+                raise self._unsupported(node, "its operands are split differently", s)
+        for a in node.all_input_nodes:
+            if isinstance(self.place.get(a), Shard) or val(a) is None:
+                continue
+            j = s0.dim - (out_dim - val(a).dim())
+            if j >= 0 and val(a).shape[j] != 1:  # a replicated operand spans the split dim
+                if len(s0.parts) > 1:
+                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
+                node.replace_input_with(a, self._local_slice(node, a, j))
+        return s0
+
+    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int) -> fx.Node:
+        size = val(a).shape[dim]
+        self._check_divides(node, size, f"dim {dim} of operand {a.name!r}")
+        step = size // self.tp
+        with self.g.inserting_before(node):
+            piece = call(self.g, aten.slice.Tensor, (a, dim, self.rank * step, (self.rank + 1) * step), like=node)
+        self.place[piece] = "local"  # this rank's part of a replicated value
+        return piece
+
+    def _reshape(self, node: fx.Node):
+        s = self.place[node.args[0]]
+        a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
+        if node.target == aten.expand.default:
+            lead = len(b) - len(a)
+            sizes = list(node.args[1])
+            if sizes[s.dim + lead] not in (-1,):
+                sizes[s.dim + lead] //= self.tp
+            node.args = (node.args[0], sizes, *node.args[2:])
+            return s.moved(s.dim + lead)
+        moved = reshape_shard(s, a, b, self.tp)
+        if isinstance(moved, Indivisible):  # the usual case: heads or KV heads
+            raise PassError(
+                f"tp={self.tp} does not divide {moved.size}, the number of heads (or groups) "
+                f"that node {node.name!r} ({node.target.__name__}, module "
+                f"{owning_module(node)!r}) splits the features into; choose tp in "
+                f"{[d for d in divisors(moved.size)]}"
+            )
+        if isinstance(moved, str):
+            raise self._unsupported(node, moved, s)
+        if node.target in _RESHAPES:
+            shape = list(node.args[1])
+            if shape[moved.dim] != -1:
+                shape[moved.dim] //= self.tp
+            node.args = (node.args[0], shape)
+        elif node.target == aten.unflatten.int:
+            dim, sizes = node.args[1] % len(a), list(node.args[2])
+            sizes[moved.dim - dim] //= self.tp
+            node.args = (node.args[0], node.args[1], sizes)
+        return moved
+
+    def _permute(self, node: fx.Node):
+        s, n = self.place[node.args[0]], val(node).dim()
+        if node.target == aten.transpose.int:
+            i, j = node.args[1] % n, node.args[2] % n
+            return s.moved({i: j, j: i}.get(s.dim, s.dim))
+        if node.target == aten.t.default:
+            return s.moved(1 - s.dim)
+        return s.moved([d % n for d in node.args[1]].index(s.dim))
+
+    def _split(self, node: fx.Node):
+        s = self.place[node.args[0]]
+        dim = _dim(node, val(node.args[0]).dim())
+        pieces = node.meta["val"]  # a list of fake tensors
+        if dim != s.dim:
+            return [s] * len(pieces)
+        sizes = [v.shape[dim] for v in pieces]
+        if tuple(sizes) != s.parts:
+            raise self._unsupported(node, f"it splits the dim into {sizes}, not into its blocks {s.parts}", s)
+        if node.target == aten.split.Tensor:
+            node.args = (node.args[0], node.args[1] // self.tp, *node.args[2:])
+        elif node.target == aten.split_with_sizes.default:
+            node.args = (node.args[0], [x // self.tp for x in node.args[1]], *node.args[2:])
+        return [s.moved(dim, (p,)) for p in s.parts]
+
+    def _cat(self, node: fx.Node):
+        places = {self.place.get(a) for a in node.args[0]}
+        n = val(node).dim()
+        dim = (node.args[1] if len(node.args) > 1 else 0) % n
+        if len(places) != 1 or None in places or next(iter(places)).dim == dim:
+            raise self._unsupported(node, "it concatenates along the split dim or mixes split and whole values")
+        return next(iter(places))
+
+    def _repeat_interleave(self, node: fx.Node):
+        s = self.place[node.args[0]]
+        dim = node.args[2] % val(node).dim() if len(node.args) > 2 else None
+        if dim == s.dim:  # GQA: each local KV head repeated for its local query heads
+            return s.moved(dim, (val(node).shape[dim],))
+        if dim is None:
+            raise self._unsupported(node, "it flattens the split value", s)
+        return s
+
+    def _attention(self, node: fx.Node):
+        q, k, v = (self.place.get(a) for a in node.args[:3])
+        if not (isinstance(q, Shard) and q == k == v and q.dim < val(node).dim() - 2):
+            raise self._unsupported(node, "query, key and value must be split alike over heads", q)
+        mask = node.args[3] if len(node.args) > 3 else None
+        if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
+            j = q.dim - (val(node).dim() - val(mask).dim())
+            if j >= 0 and val(mask).shape[j] != 1:
+                node.replace_input_with(mask, self._local_slice(node, mask, j))
+        return q
+
+    def _along(self, node: fx.Node, dims, what: str):
+        s, n = self.place[node.args[0]], val(node).dim()
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if s.dim in {d % n for d in dims}:
+            raise self._unsupported(node, f"it {what} dim {s.dim}, which is split over tp ranks", s)
+        return s
+
+    def _reduction(self, node: fx.Node):
+        s, n = self.place[node.args[0]], val(node.args[0]).dim()
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+        dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
+        if s.dim in dims:
+            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks", s)
+        keepdim = val(node).dim() == n
+        return s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
+
+    # ------------------------------------------------------------------ parameters
+
+    def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
+        assert w.op == "get_attr", f"{node.name}: weight is not a parameter"
+        spec = (dim, parts)
+        if self.specs.setdefault(w.target, spec) != spec:
+            raise PassError(
+                f"parameter {w.target!r} is read by node {node.name!r} (module "
+                f"{owning_module(node)!r}) split along dim {dim} in blocks {parts}, but "
+                f"elsewhere along dim {self.specs[w.target][0]} in blocks "
+                f"{self.specs[w.target][1]}; tie it only between uses split alike, or "
+                f"set tp_plan for one of them to 'replicate'"
+            )
+
+    def _shard_parameters(self) -> None:
+        for name, (dim, parts) in self.specs.items():
+            t = attr(self.gm, name)
+            pieces = [t.detach().narrow(dim, a, b - a) for a, b in block_ranges(parts, self.tp, self.rank)]
+            t.data = torch.cat(pieces, dim).clone()  # this rank's shard, in place
+        for node in self.g.nodes:
+            if node.op != "get_attr" or not isinstance(val(node), torch.Tensor):
+                continue
+            if node.target in self.specs:
+                dim, parts = self.specs[node.target]
+                node.meta["fxmeg"]["tp"] = ("shard", dim, parts)
+                node.meta["val"] = _fake_like(node, attr(self.gm, node.target))
+            elif getattr(attr(self.gm, node.target), "requires_grad", False):
+                node.meta["fxmeg"]["tp"] = ("replicate", self._touches_split(node))
+
+    def _touches_split(self, param: fx.Node) -> bool:
+        """True when the parameter's gradient differs per tp rank: it reaches a split or
+        sliced value through replicated ops, with no collective in between."""
+        todo, seen = list(param.users), set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n.target in fxmeg.collectives.OPS:
+                continue
+            seen.add(n)
+            p = self.place.get(n)
+            if isinstance(p, (Shard, list)) or p == "local":
+                return True
+            if p is None:
+                todo.extend(n.users)
+        return False
+
+    def _refresh_values(self) -> None:
+        for node in self.g.nodes:
+            if node.op == "call_function":
+                try:
+                    node.meta["val"] = fake_eval(node)
+                except Exception as exc:
+                    raise PassError(
+                        f"after tensor-parallel rewriting, node {node.name!r} (module "
+                        f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}"
+                    ) from exc
+
+    # ------------------------------------------------------------------ errors
+
+    def _check_divides(self, node: fx.Node, size: int, what: str, fix: str | None = None) -> None:
+        if size % self.tp:
+            choose = [d for d in divisors(size) if d > 1] or [1]
+            raise PassError(
+                f"tp={self.tp} does not divide the {size} {what} at node {node.name!r} (module "
+                f"{owning_module(node)!r}); {fix or f'choose tp in {choose}'}"
+            )
+
+    def _unsupported(self, node: fx.Node, why: str, s=None) -> PassError:
+        module = owning_module(node)
+        op = getattr(node.target, "__name__", str(node.target))
+        where, fix = "", "use tp=1 or set tp_plan for the linears around it"
+        if isinstance(s, Shard):
+            where = f" (split along dim {s.dim} by module {s.origin!r})"
+            glob = re.sub(r"\.\d+\.", ".*.", s.origin)
+            fix = f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
+        return PassError(
+            f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "
+            f"ranks{where}: {why}. Fix: {fix}"
+        )
+
+
+def _dim(node: fx.Node, ndim: int) -> int:
+    args = full_args(node)
+    return args[2] % ndim
+
+
+def _reaches_placeholder(node: fx.Node) -> bool:
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _fake_like(node: fx.Node, t: torch.Tensor):
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([node.meta["val"]])
+    with mode:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)

@@ -1,0 +1,103 @@
+"""Placements for the tensor-parallel pass: how a value is split over the tp ranks, and
+how view-like ops move that split between dimensions.
+
+A value is either replicated (``None``: every rank holds all of it) or a ``Shard``: split
+along ``dim`` into tp equal parts, block by block (``parts``: the global sizes of the
+blocks laid end to end along ``dim``; a fused QKV output has three blocks, and rank r
+holds the r-th tp-th of each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    """Split dimension (non-negative, in the value's own dimensions)."""
+    parts: tuple[int, ...]
+    """Global sizes of the blocks along ``dim``; each is split evenly over tp ranks."""
+    seq: bool = False
+    """The residual stream's sequence shard (sequence parallelism)."""
+    vocab: bool = False
+    """Logits over this rank's vocabulary shard."""
+    origin: str = field(default="", compare=False)
+    """Module FQN of the linear or embedding that split it (for error messages)."""
+
+    def moved(self, dim: int, parts: tuple[int, ...] | None = None) -> Shard:
+        return replace(self, dim=dim, parts=self.parts if parts is None else parts)
+
+
+def dim_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair the dims of shape ``a`` with those of shape ``b`` (same numel) whose products
+    match: ([0], [0]), ([1, 2], [1]) for (2, 4, 8) -> (2, 32)."""
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                pa, i = pa * a[i], i + 1
+                gi.append(i - 1)
+            else:
+                pb, j = pb * b[j], j + 1
+                gj.append(j - 1)
+        groups.append((gi, gj))
+    if i < len(a) or j < len(b):  # trailing size-1 dims
+        groups.append((list(range(i, len(a))), list(range(j, len(b)))))
+    return groups
+
+
+class Indivisible(str):
+    """A reshape failure because tp does not divide the new split dim (e.g. the heads)."""
+
+    size: int
+
+
+def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> Shard | str:
+    """Where a reshape from global shape ``a`` to ``b`` moves shard ``s``, or why it cannot
+    (an ``Indivisible`` when only divisibility is in the way).
+
+    The split dim must be the outermost (non-1) dim of its group; the shard moves to the
+    outermost dim of the matching output group, which must be divisible by tp. Blocks
+    survive only when the split dim is left alone.
+    """
+    for gi, gj in dim_groups(a, b):
+        if s.dim not in gi:
+            continue
+        outer_in = [d for d in gi if a[d] != 1]
+        outer_out = [d for d in gj if b[d] != 1]
+        if not outer_in or outer_in[0] != s.dim or not outer_out:
+            return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
+                    f"larger dim with dims outside it")
+        o = outer_out[0]
+        if len(outer_in) == 1 and len(outer_out) == 1:
+            return s.moved(o)  # the split dim keeps its size: blocks survive
+        if len(s.parts) > 1:
+            return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
+        if b[o] % tp:
+            why = Indivisible(f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide")
+            why.size = b[o]
+            return why
+        return s.moved(o, (b[o],))
+    raise AssertionError("dim not found in groups")
+
+
+def local_size(size: int, tp: int) -> int:
+    assert size % tp == 0
+    return size // tp
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def block_ranges(parts: tuple[int, ...], tp: int, rank: int) -> list[tuple[int, int]]:
+    """[start, end) of rank's piece of every block, in global coordinates."""
+    out, start = [], 0
+    for p in parts:
+        step = p // tp
+        out.append((start + rank * step, start + (rank + 1) * step))
+        start += p
+    return out
