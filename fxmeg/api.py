@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -11,10 +12,11 @@ from torch import fx, nn
 
 from fxmeg import program
 from fxmeg.capture import LossFn, capture
+from fxmeg.checkpoint import gather_full_state
 from fxmeg.collectives import TP, bind_groups
-from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.config import EngineConfig, ParallelConfig, batch_dim, resolve_dp
 from fxmeg.errors import BatchError, ConfigError
-from fxmeg.partition import Partition, partition
+from fxmeg.partition import Partition, node_flops, partition
 from fxmeg.passes.buckets import buckets as buckets_pass
 from fxmeg.passes.loss import loss as loss_pass
 from fxmeg.passes.param_gather import param_gather as param_gather_pass
@@ -94,13 +96,13 @@ def parallelize(
     masters start from those values.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp = _resolve_dp(world, tp, pp, dp)
+    dp = resolve_dp(world, tp, pp, dp)
     parallel = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule,
         split_points=tuple(split_points) if split_points is not None else None,
         sequence_parallel=sequence_parallel, tp_plan=tuple((tp_plan or {}).items()),
     )
-    mbs = _batch_dim(example_inputs, micro_batch_size)
+    mbs = batch_dim(example_inputs, micro_batch_size)
     config = EngineConfig(
         micro_batch_size=mbs,
         global_batch_size=global_batch_size or mbs * dp,
@@ -122,6 +124,7 @@ def parallelize(
     full_shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
+    flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
     tp_rank = Topology(tp=tp, pp=pp, dp=dp).coords(dist.get_rank() if world > 1 else 0)[0]
     gm = tp_pass(gm, tp=tp, rank=tp_rank, plan=dict(parallel.tp_plan),
                  sequence_parallel=sequence_parallel)
@@ -148,6 +151,7 @@ def parallelize(
         optimizer=optimizer or default_optimizer,
         fp32_values=fp32_values,
         full_shapes=full_shapes,
+        flops_per_microbatch=flops,
     )
 
 
@@ -168,35 +172,38 @@ class Engine:
         optimizer: OptimizerFactory,
         fp32_values: dict[str, torch.Tensor] | None,
         full_shapes: dict[str, tuple[torch.Size, torch.dtype]],
+        flops_per_microbatch: float,
     ) -> None:
         par = config.parallel
         self.config, self.partition, self.parent = config, partition, parent
-        self._model, self._aliases, self._input_names = model, aliases, input_names
-        self._full_shapes = full_shapes
+        self.model, self.aliases, self._input_names = model, aliases, input_names
+        self.full_shapes = full_shapes
+        self.flops_per_microbatch = flops_per_microbatch
+        """Forward FLOPs of the whole model on one micro-batch (matmuls and attention)."""
         self._example = example_inputs
         all_chunks = program.chunks(parent)
-        self._holders = _holders(all_chunks, par.pp)
-        tied = sorted({frozenset(r) for r in self._holders.values() if len(r) > 1}, key=sorted)
+        self.holders = program.holders(all_chunks, par.pp)
+        tied = sorted({frozenset(r) for r in self.holders.values() if len(r) > 1}, key=sorted)
         self.groups: Groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied)
         pp_rank = self.groups.pp_rank
         self.chunks = {c: gm for c, gm in enumerate(all_chunks) if c % par.pp == pp_rank}
         if self.groups.tp is not None:
             for gm in self.chunks.values():
                 bind_groups(gm, {TP: self.groups.tp.group_name})
-        self.tp_specs = _tp_specs(self.chunks.values())
-        self.named_parameters = _unique_parameters(self.chunks.values())
+        self.tp_specs = program.tp_specs(self.chunks.values())
+        self.named_parameters = program.unique_parameters(self.chunks.values())
         self.device = _device(self.named_parameters, example_inputs)
         self.ddp = self._data_parallel()
         self._tied = [  # sorted: every holder issues these all-reduces in the same order
-            (self.named_parameters[n], self.groups.tied[frozenset(self._holders[n])])
-            for n in sorted(self.named_parameters) if len(self._holders[n]) > 1
+            (self.named_parameters[n], self.groups.tied[frozenset(self.holders[n])])
+            for n in sorted(self.named_parameters) if len(self.holders[n]) > 1
         ] + [  # replicated over tp ranks but with per-rank gradients (sequence parallelism)
             (self.named_parameters[n], self.groups.tp)
             for n in sorted(self.named_parameters) if self.tp_specs.get(n) == ("replicate", True)
         ]
         self.optimizer = Optimizer(
             self.named_parameters, self.ddp, optimizer, groups=self.groups,
-            holders=self._holders, distributed=config.distributed_optimizer,
+            holders=self.holders, distributed=config.distributed_optimizer,
             overlap_param_gather=config.overlap_param_gather,
             tp_sharded={n for n, spec in self.tp_specs.items() if spec[0] == "shard"},
             clip_grad=config.clip_grad, check_overflow=config.precision == "fp16",
@@ -225,7 +232,7 @@ class Engine:
                 GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}",
                            group=self.groups.dp, overlap=self.config.overlap_grad_reduce,
                            shard=self.config.distributed_optimizer, events=events,
-                           deferred=frozenset(n for n, h in self._holders.items() if len(h) > 1))
+                           deferred=frozenset(n for n, h in self.holders.items() if len(h) > 1))
                 for layout in program.buffer_layouts(gm)
             ]
             for c, gm in self.chunks.items()
@@ -233,6 +240,31 @@ class Engine:
         return DataParallel(buffers, events)
 
     # ------------------------------------------------------------ training
+
+    @property
+    def needs_data(self) -> bool:
+        """Whether this rank's chunks read inputs; middle pipeline stages may pass None."""
+        return any(program.chunk_spec(gm).data_inputs for gm in self.chunks.values())
+
+    @property
+    def model_flops_per_step(self) -> float:
+        """Model FLOPs of one step over all ranks: 3 x forward (backward ~ 2 x) for
+        every micro-batch of every data-parallel replica."""
+        return 3.0 * self.flops_per_microbatch * self.config.num_microbatches * self.config.parallel.dp
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Train the next steps on global batches of this size (a batch-size schedule):
+        validated like the initial one, the schedule is rebuilt for the new m."""
+        config = dataclasses.replace(self.config, global_batch_size=global_batch_size)
+        par = config.parallel
+        compute = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches)
+        self.config, self._compute = config, compute
+        self._train_steps = self._lower(compute)[self.groups.pp_rank]
+
+    def params_norm(self) -> float:
+        """L2 norm of all parameters (each element once). Collective."""
+        self.ddp.wait_for_params()
+        return self.optimizer.global_norm("master")
 
     def train_step(self, batch: Batch | Iterator[Batch]) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
@@ -278,6 +310,10 @@ class Engine:
 
     def _microbatches(self, batch: Batch | Iterator[Batch], m: int) -> list[Batch]:
         mbs, dp = self.config.micro_batch_size, self.config.parallel.dp
+        if batch is None:
+            if self.needs_data:
+                raise BatchError("this rank's pipeline chunks read inputs: pass the batch, not None")
+            return [()] * m
         if isinstance(batch, tuple):
             self._check(batch, rows=m * mbs * dp, what="global batch")
             r = self.groups.dp_rank
@@ -307,112 +343,43 @@ class Engine:
 
     # ------------------------------------------------------------ state
 
+    def state_dict(self) -> dict:
+        """This rank's training state (its parameter shards, optimizer, loss scaler, lr
+        schedule), to resume under the same parallel layout."""
+        self.ddp.wait_for_params()
+        return {
+            "params": {n: p.detach().clone() for n, p in self.named_parameters.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "global_batch_size": self.config.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["params"]) != set(self.named_parameters):
+            missing = sorted(set(self.named_parameters) ^ set(state["params"]))[:3]
+            raise BatchError(f"checkpoint parameters differ from this rank's: {missing}")
+        self.ddp.wait_for_params()
+        for name, p in self.named_parameters.items():
+            p.detach().copy_(state["params"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["global_batch_size"] != self.config.global_batch_size:
+            self.set_global_batch_size(state["global_batch_size"])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The user model's state_dict (every name, tied ones included) with this
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
-        self.ddp.wait_for_params()
-        canonical = {n: c for c, names in self._aliases.items() for n in names}
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in self._model.state_dict(keep_vars=True).items():
-            name = canonical.get(key, key)
-            holders = self._holders.get(name)
-            if holders is None:  # not read by the graph: the model's own value
-                out[key] = tensor.detach().clone()
-                continue
-            owner = min(holders)
-            shape, dtype = self._full_shapes[key]
-            if owner == self.groups.pp_rank:
-                value = self._gather_tp(name, self.named_parameters[name].detach())
-            else:
-                value = torch.empty(shape, dtype=dtype, device=self.device)
-            if self.groups.pp is not None:
-                dist.broadcast(value, self.groups.pp_peer(owner), group=self.groups.pp)
-            out[key] = value
-        return out
+        return gather_full_state(self)
 
-    def _gather_tp(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of a parameter split over tp ranks (a copy otherwise)."""
-        spec = self.tp_specs.get(name)
-        if spec is None or spec[0] != "shard" or self.groups.tp is None:
-            return local.clone()
-        _, dim, parts = spec
-        tp = self.config.parallel.tp
-        pieces = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(pieces, local.contiguous(), group=self.groups.tp)
-        blocks, offset = [], 0
-        for p in parts:  # rank r holds the r-th tp-th of every block, blocks end to end
-            blocks.extend(piece.narrow(dim, offset, p // tp) for piece in pieces)
-            offset += p // tp
-        return torch.cat(blocks, dim)
 
 def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
     """Floating inputs in the training dtype; token ids and masks as they are."""
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)
-
-
-def _resolve_dp(world: int, tp: int, pp: int, dp: int | None) -> int:
-    if dp is None:
-        if world % (tp * pp):
-            raise ConfigError(
-                f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
-                f"a multiple of {tp * pp} ranks or change tp / pp"
-            )
-        return world // (tp * pp)
-    if tp * pp * dp != world:
-        raise ConfigError(
-            f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
-            f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
-        )
-    return dp
-
-
-def _batch_dim(example: Batch, micro_batch_size: int | None) -> int:
-    if not isinstance(example, tuple) or not example or not all(isinstance(t, torch.Tensor) for t in example):
-        raise ConfigError("example_inputs must be a non-empty tuple of tensors (one micro-batch)")
-    rows = {t.shape[0] if t.dim() else None for t in example}
-    if len(rows) != 1 or None in rows:
-        raise ConfigError(
-            f"every example input needs the same batch dimension; got shapes "
-            f"{[tuple(t.shape) for t in example]}"
-        )
-    (b,) = rows
-    if micro_batch_size is not None and micro_batch_size != b:
-        raise ConfigError(
-            f"the example inputs' batch dimension is {b}, but micro_batch_size="
-            f"{micro_batch_size}; pass one micro-batch of {micro_batch_size} samples as "
-            "example_inputs"
-        )
-    return b
-
-
-def _holders(chunks: list[fx.GraphModule], pp: int) -> dict[str, list[int]]:
-    """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
-    out: dict[str, set[int]] = {}
-    for c, gm in enumerate(chunks):
-        for name, p in gm.named_parameters():
-            if p.requires_grad:
-                out.setdefault(name, set()).add(c % pp)
-    return {n: sorted(r) for n, r in out.items()}
-
-
-def _tp_specs(chunks: Iterable[fx.GraphModule]) -> dict[str, tuple]:
-    """Parameter FQN -> its tensor-parallel tag from the TP pass (absent for tp=1)."""
-    out = {}
-    for gm in chunks:
-        for node in gm.graph.nodes:
-            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
-                out[node.target] = node.meta["fxmeg"]["tp"]
-    return out
-
-
-def _unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:
-    out: dict[str, nn.Parameter] = {}
-    for gm in chunks:
-        for name, p in gm.named_parameters():
-            if p.requires_grad:
-                out.setdefault(name, p)
-    return out
 
 
 def _device(params: dict[str, nn.Parameter], example: Batch) -> torch.device:

@@ -157,3 +157,38 @@ class EngineConfig:
     def num_microbatches(self) -> int:
         """m = global_batch_size / (micro_batch_size * dp), micro-batches per rank per step."""
         return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)
+
+
+def resolve_dp(world: int, tp: int, pp: int, dp: int | None) -> int:
+    if dp is None:
+        if world % (tp * pp):
+            raise ConfigError(
+                f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
+                f"a multiple of {tp * pp} ranks or change tp / pp"
+            )
+        return world // (tp * pp)
+    if tp * pp * dp != world:
+        raise ConfigError(
+            f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
+            f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
+        )
+    return dp
+
+
+def batch_dim(example: tuple[torch.Tensor, ...], micro_batch_size: int | None) -> int:
+    if not isinstance(example, tuple) or not example or not all(isinstance(t, torch.Tensor) for t in example):
+        raise ConfigError("example_inputs must be a non-empty tuple of tensors (one micro-batch)")
+    rows = {t.shape[0] if t.dim() else None for t in example}
+    if len(rows) != 1 or None in rows:
+        raise ConfigError(
+            f"every example input needs the same batch dimension; got shapes "
+            f"{[tuple(t.shape) for t in example]}"
+        )
+    (b,) = rows
+    if micro_batch_size is not None and micro_batch_size != b:
+        raise ConfigError(
+            f"the example inputs' batch dimension is {b}, but micro_batch_size="
+            f"{micro_batch_size}; pass one micro-batch of {micro_batch_size} samples as "
+            "example_inputs"
+        )
+    return b

@@ -91,22 +91,29 @@ def partition(
     return Partition(tuple(blocks), tuple(starts), tuple(costs))
 
 
-def node_cost(node: fx.Node) -> float:
-    """Forward cost of one node: FLOPs of matmuls and attention, else bytes moved."""
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of a matmul-like node (linear, matmul, attention); 0 for the rest.
+    Attention counts QK^T and AV over the full square (as Megatron's formula does)."""
     out = val(node)
     ins = [val(n) for n in node.all_input_nodes]
-    flops = 0.0
     if node.target == aten.linear.default:
-        flops = 2.0 * out.numel() * ins[0].shape[-1]
-    elif node.target in _MATMULS:
-        flops = 2.0 * out.numel() * ins[-2 if node.target == aten.addmm.default else 0].shape[-1]
-    elif node.target == aten.scaled_dot_product_attention.default:
+        return 2.0 * out.numel() * ins[0].shape[-1]
+    if node.target in _MATMULS:
+        return 2.0 * out.numel() * ins[-2 if node.target == aten.addmm.default else 0].shape[-1]
+    if node.target == aten.scaled_dot_product_attention.default:
         q, k = ins[0], ins[1]
-        flops = 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+        return 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+    return 0.0
+
+
+def node_cost(node: fx.Node) -> float:
+    """Forward cost of one node: FLOPs of matmuls and attention, plus bytes moved."""
+    out = val(node)
+    ins = [val(n) for n in node.all_input_nodes]
     moved = sum(t.numel() * t.element_size() for t in (out, *ins) if isinstance(t, torch.Tensor))
     if node.target == aten.embedding.default:  # reads only the looked-up rows
         moved = 2 * out.numel() * out.element_size()
-    return flops + BYTE_COST * moved
+    return node_flops(node) + BYTE_COST * moved
 
 
 def find_blocks(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,32 @@ class BufferLayout:
 def buffer_layouts(gm: fx.GraphModule) -> tuple[BufferLayout, ...]:
     """The gradient buffers the bucket pass laid out for a chunk graph."""
     return gm.meta.get("fxmeg_buffers", ())
+
+
+def holders(chunks: list[fx.GraphModule], pp: int) -> dict[str, list[int]]:
+    """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
+    out: dict[str, set[int]] = {}
+    for c, gm in enumerate(chunks):
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, set()).add(c % pp)
+    return {n: sorted(r) for n, r in out.items()}
+
+
+def tp_specs(chunks: Iterable[fx.GraphModule]) -> dict[str, tuple]:
+    """Parameter FQN -> its tensor-parallel tag from the TP pass (absent for tp=1)."""
+    out = {}
+    for gm in chunks:
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
+                out[node.target] = node.meta["fxmeg"]["tp"]
+    return out
+
+
+def unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:
+    out: dict[str, nn.Parameter] = {}
+    for gm in chunks:
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                out.setdefault(name, p)
+    return out

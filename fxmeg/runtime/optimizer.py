@@ -145,18 +145,22 @@ class Optimizer:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item())
 
-    def _clip(self) -> float:
-        """Global L2 norm over every rank's gradients, each element counted once (tied
-        weights once, tp-replicated parameters once, distributed-optimizer shards once);
-        scale when above clip_grad."""
-        norms = [torch.linalg.vector_norm(p.grad) for p in self.pieces if p.in_norm]
+    def global_norm(self, which: str) -> float:
+        """L2 norm over every rank of the pieces' "grad" or "master" (parameter values),
+        each element counted once: tied weights once, tp-replicated parameters once,
+        distributed-optimizer shards once. Collective over the model's ranks."""
+        norms = [torch.linalg.vector_norm(getattr(p, which)) for p in self.pieces if p.in_norm]
         total = (torch.stack(norms).double() ** 2).sum() if norms else torch.zeros((), dtype=torch.float64)
         total = total.reshape(1).to(self._device())
         if self.distributed:
             all_reduce(total, self.groups.dp)
         all_reduce(total, self.groups.tp)
         all_reduce(total, self.groups.pp)
-        norm = math.sqrt(float(total))
+        return math.sqrt(float(total))
+
+    def _clip(self) -> float:
+        """The global gradient norm; gradients scaled when it exceeds clip_grad."""
+        norm = self.global_norm("grad")
         if self.clip_grad > 0:
             coeff = self.clip_grad / (norm + 1e-6)
             if coeff < 1.0:  # Megatron: clip_grad_norm_fp32
@@ -166,6 +170,23 @@ class Optimizer:
 
     def _device(self) -> torch.device:
         return self.pieces[0].grad.device if self.pieces else torch.device("cpu")
+
+    def state_dict(self) -> dict:
+        """This rank's inner-optimizer state and its own fp32 masters (those not stored
+        in the parameters themselves), for a checkpoint of the same layout."""
+        return {
+            "inner": self.inner.state_dict(),
+            "masters": [p.master.detach().clone() for p in self.pieces if p.target is not None],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        own = [p for p in self.pieces if p.target is not None]
+        if len(own) != len(state["masters"]):
+            raise ValueError(f"checkpoint has {len(state['masters'])} master tensors, this rank {len(own)}")
+        for piece, master in zip(own, state["masters"]):
+            piece.master.detach().copy_(master)
+            piece.target.copy_(master)
+        self.inner.load_state_dict(state["inner"])
 
     def state_elements(self) -> dict[str, int]:
         """Elements of the masters and of each inner-optimizer state tensor on this rank."""

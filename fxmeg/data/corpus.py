@@ -1,0 +1,84 @@
+"""A tokenised corpus on disk: ``PREFIX.bin`` holds every document's token ids end to end,
+each followed by the end-of-document token; ``PREFIX.idx`` the int64 offset where each
+document starts; ``PREFIX.json`` the dtype, counts and tokenizer. The token array is
+memory-mapped, so a corpus larger than memory trains the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from fxmeg.data.tokenizer import Tokenizer
+
+
+class Corpus:
+    def __init__(self, prefix: str) -> None:
+        with open(prefix + ".json") as f:
+            self.meta = json.load(f)
+        self.tokens = np.memmap(prefix + ".bin", dtype=self.meta["dtype"], mode="r")
+        self.doc_starts = np.fromfile(prefix + ".idx", dtype=np.int64)
+        if len(self.tokens) != self.meta["num_tokens"]:
+            raise ValueError(
+                f"{prefix}.bin holds {len(self.tokens)} tokens but {prefix}.json says "
+                f"{self.meta['num_tokens']}: the corpus is truncated or from another run"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict:
+    """Tokenise ``documents`` into the corpus at ``prefix``; returns its metadata."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    starts, total = [], 0
+    with open(prefix + ".bin.tmp", "wb") as out:
+        for text in documents:
+            ids = tokenizer.encode(text)
+            if not ids:
+                continue
+            starts.append(total)
+            np.asarray(ids + [tokenizer.eos_id], dtype=dtype).tofile(out)
+            total += len(ids) + 1
+    np.asarray(starts, dtype=np.int64).tofile(prefix + ".idx")
+    meta = {
+        "dtype": np.dtype(dtype).name, "num_tokens": total, "num_documents": len(starts),
+        "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "tokenizer": tokenizer.name,
+    }
+    os.replace(prefix + ".bin.tmp", prefix + ".bin")
+    with open(prefix + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def read_documents(inputs: Iterable[str]) -> Iterator[str]:
+    """Documents from inputs: a text file is one document, a directory gives its .txt,
+    .md, .rst and .py files (sorted), and ``pydoc:topics`` gives each topic of the
+    Python reference that ships with CPython (no download)."""
+    for spec in inputs:
+        if spec == "pydoc:topics":
+            from pydoc_data.topics import topics
+
+            yield from (topics[k] for k in sorted(topics))
+        elif os.path.isdir(spec):
+            for root, dirs, files in os.walk(spec):
+                dirs.sort()
+                for name in sorted(files):
+                    if name.endswith((".txt", ".md", ".rst", ".py")):
+                        yield _read(os.path.join(root, name))
+        elif os.path.isfile(spec):
+            yield _read(spec)
+        else:
+            raise FileNotFoundError(f"prepare-data input {spec!r} is neither a file, a directory nor pydoc:topics")
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
