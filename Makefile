@@ -1,5 +1,6 @@
 # The README's two commands. Both set up .venv from nothing on a fresh machine.
-#   make demo   trains a small GPT in parallel on CPU, printing progress and the loss
+#   make demo   prepares a real text corpus and trains a small GPT on 8 CPU ranks
+#               (tp=2 x pp=2 x dp=2), printing progress and the validation loss
 #   make test   runs the whole test suite
 # Override the torch requirement on a CUDA machine: make demo TORCH=torch
 PYTHON ?= python3
@@ -20,7 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/fxmeg prepare-data --input pydoc:topics --input stdlib:json --input stdlib:email \
+		--output runs/demo/corpus
+	$(BIN)/fxmeg train --config examples/demo.toml
 
 test: setup
 	$(BIN)/python -m pytest tests

@@ -287,11 +287,13 @@ class Engine:
         )
 
     @torch.no_grad()
-    def eval_step(self, batch: Batch | Iterator[Batch]) -> EvalResult:
+    def eval_step(self, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None) -> EvalResult:
         """Forward-only pass over a batch (any multiple of micro_batch_size * dp samples);
-        token-weighted loss."""
+        token-weighted loss. Ranks that read no data pass None and num_microbatches."""
         per_mb = self.config.micro_batch_size * self.config.parallel.dp
-        m = batch[0].shape[0] // per_mb if isinstance(batch, tuple) else self.config.num_microbatches
+        m = num_microbatches or (
+            batch[0].shape[0] // per_mb if isinstance(batch, tuple) else self.config.num_microbatches
+        )
         mbs = self._microbatches(batch, m)
         par = self.config.parallel
         compute = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=m)

@@ -60,13 +60,21 @@ def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict
 
 def read_documents(inputs: Iterable[str]) -> Iterator[str]:
     """Documents from inputs: a text file is one document, a directory gives its .txt,
-    .md, .rst and .py files (sorted), and ``pydoc:topics`` gives each topic of the
-    Python reference that ships with CPython (no download)."""
+    .md, .rst and .py files (sorted), ``pydoc:topics`` gives each topic of the Python
+    reference that ships with CPython, and ``stdlib:PKG`` the sources of a standard-library
+    package (real text, no download)."""
     for spec in inputs:
         if spec == "pydoc:topics":
             from pydoc_data.topics import topics
 
             yield from (topics[k] for k in sorted(topics))
+        elif spec.startswith("stdlib:"):
+            import importlib.util
+
+            found = importlib.util.find_spec(spec.split(":", 1)[1])
+            if found is None or not found.submodule_search_locations:
+                raise FileNotFoundError(f"{spec!r} names no standard-library package")
+            yield from read_documents(list(found.submodule_search_locations))
         elif os.path.isdir(spec):
             for root, dirs, files in os.walk(spec):
                 dirs.sort()
@@ -76,7 +84,9 @@ def read_documents(inputs: Iterable[str]) -> Iterator[str]:
         elif os.path.isfile(spec):
             yield _read(spec)
         else:
-            raise FileNotFoundError(f"prepare-data input {spec!r} is neither a file, a directory nor pydoc:topics")
+            raise FileNotFoundError(
+                f"prepare-data input {spec!r} is neither a file, a directory, pydoc:topics nor stdlib:PKG"
+            )
 
 
 def _read(path: str) -> str:

@@ -83,3 +83,19 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def requires_grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value requires grad in training: float values that depend on a
+    trainable parameter through differentiable ops."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            if getattr(attr(gm, n.target), "requires_grad", False):
+                out.add(n)
+        elif n.op == "call_function" and n.target != torch.ops.aten.detach.default:
+            v = val(n)
+            floating = not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()
+            if floating and any(i in out for i in n.all_input_nodes):
+                out.add(n)
+    return out

@@ -30,11 +30,10 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.passes.graph_utils import attr, copy_node, finish, val
+from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 from fxmeg.program import Boundary, ChunkSpec
 
 aten = torch.ops.aten
-_NO_GRAD = {aten.detach.default}
 
 
 def pipeline(gm: fx.GraphModule, *, num_chunks: int) -> fx.GraphModule:
@@ -43,7 +42,7 @@ def pipeline(gm: fx.GraphModule, *, num_chunks: int) -> fx.GraphModule:
     chunk_of = {n: n.meta["fxmeg"]["chunk"] for n in nodes if n.op == "call_function"}
     output = gm.graph.output_node()
     last_use = {n: max((_user_chunk(u, chunk_of, num_chunks) for u in n.users), default=-1) for n in chunk_of}
-    grads = _requires_grad(gm)
+    grads = requires_grad_nodes(gm)
     # cuts[k]: values produced in chunks <= k and read after k, in graph order
     cuts = [
         [n for n in chunk_of if chunk_of[n] <= k < last_use[n]] for k in range(num_chunks - 1)
@@ -140,19 +139,3 @@ def _parent(children: dict, inputs: list[fx.Node], boundaries) -> fx.GraphModule
         carried = results[: len(spec.send)]
     graph.output(tuple(results[-2:]))
     return fx.GraphModule(children, graph)
-
-
-def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value requires grad in training: float values that depend on a
-    trainable parameter through differentiable ops."""
-    out: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            if getattr(attr(gm, n.target), "requires_grad", False):
-                out.add(n)
-        elif n.op == "call_function" and n.target not in _NO_GRAD:
-            v = val(n)
-            floating = not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()
-            if floating and any(i in out for i in n.all_input_nodes):
-                out.add(n)
-    return out

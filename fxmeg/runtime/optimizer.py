@@ -145,6 +145,7 @@ class Optimizer:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item())
 
+    @torch.no_grad()
     def global_norm(self, which: str) -> float:
         """L2 norm over every rank of the pieces' "grad" or "master" (parameter values),
         each element counted once: tied weights once, tp-replicated parameters once,

@@ -1,0 +1,180 @@
+"""The `fxmeg` command: train, prepare-data, plot.
+
+    fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
+    fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
+                --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg plot runs/run
+
+`fxmeg train` starts its own ranks with torch's elastic launcher (--nproc, default
+tp * pp * max(dp, 1)) unless it already runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import uuid
+
+from fxmeg.errors import ConfigError, closest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fxmeg", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub.add_parser("train", help="train a model (see --help)"))
+    prep = sub.add_parser("prepare-data", help="tokenise text into a corpus")
+    prep.add_argument("--input", action="append", required=True,
+                      help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
+    prep.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
+    prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
+    plot = sub.add_parser("plot", help="draw loss / lr / throughput curves of a run to PNG")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "prepare-data":
+        return _prepare(args)
+    if args.command == "plot":
+        from fxmeg.metrics import plot as draw
+
+        print(draw(args.run_dir, args.out))
+        return 0
+    return _train(args)
+
+
+# ---------------------------------------------------------------- prepare-data / plot
+
+
+def _prepare(args) -> int:
+    from fxmeg.data import load_tokenizer, prepare
+    from fxmeg.data.corpus import read_documents
+
+    meta = prepare(read_documents(args.input), args.output, load_tokenizer(args.tokenizer))
+    print(f"wrote {args.output}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} documents, "
+          f"vocabulary {meta['vocab_size']} ({meta['tokenizer']})")
+    return 0
+
+
+# ---------------------------------------------------------------- train
+
+
+def _train_parser(p: argparse.ArgumentParser) -> None:
+    from fxmeg.trainer import TrainConfig
+
+    docs = _field_docs(TrainConfig)
+    p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * pp * max(dp, 1))")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=docs.get(f.name))
+        else:
+            p.add_argument(flag, type=kind, default=None, help=f"{docs.get(f.name, '')} (default {f.default!r})")
+
+
+def config_from(args: argparse.Namespace):
+    """TrainConfig from a config file, then the flags given on the command line."""
+    from fxmeg.trainer import TrainConfig
+
+    values = _read_config(args.config) if args.config else {}
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in list(values):
+        norm = key.replace("-", "_")
+        if norm not in names:
+            raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(norm, names))
+        values[norm] = values.pop(key)
+    for name in names:
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+    if isinstance(values.get("model_args"), dict):
+        import json
+
+        values["model_args"] = json.dumps(values["model_args"])
+    return TrainConfig(**values)
+
+
+def _read_config(path: str) -> dict:
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _train(args) -> int:
+    cfg = config_from(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun already
+        _worker(cfg)
+        return 0
+    nproc = args.nproc or cfg.tp * cfg.pp * max(cfg.dp, 1)
+    if nproc == 1:
+        _worker(cfg)
+        return 0
+    return _launch(cfg, nproc)
+
+
+def _launch(cfg, nproc: int) -> int:
+    """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
+    On SIGTERM the launcher passes it to the ranks, which finish their step, save and
+    exit 0; the command then exits 0 too."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, _worker)(cfg)
+    except SignalException as exc:
+        print(f"fxmeg: {exc.sigval.name} received; ranks saved and stopped", file=sys.stderr)
+        return 0
+    return 0
+
+
+def _worker(cfg) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fxmeg.trainer import Trainer
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    try:
+        Trainer(cfg).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The one-line docstrings under each dataclass field."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value.strip().replace("%", "%%")
+    return docs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""What the trainer reports: a JSON-lines metrics file, a live console line, TensorBoard
+when it is installed, and PNG curves drawn from a run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+
+class Metrics:
+    """Rank 0's sinks; every method is a no-op on other ranks."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, total: int | None, progress: bool, tensorboard: bool):
+        self.enabled, self.total = enabled, total
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.progress = progress and enabled
+        self._tty = sys.stdout.isatty()
+        self._writer = None
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            if tensorboard:
+                self._writer = _tensorboard(run_dir)
+
+    def record(self, kind: str, values: dict) -> None:
+        """Append one record ("train", "eval", "memory", "event") to the metrics file."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "time": time.time(), **values}) + "\n")
+        if self._writer is not None and "iteration" in values:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and key != "iteration":
+                    self._writer.add_scalar(f"{kind}/{key}", value, values["iteration"])
+            self._writer.flush()
+
+    def show(self, text: str, *, iteration: int | None = None, final: bool = False) -> None:
+        """A console line: redrawn in place on a terminal, one line per call otherwise."""
+        if not self.progress:
+            return
+        bar = ""
+        if iteration is not None and self.total:
+            done = int(30 * min(iteration, self.total) / self.total)
+            bar = f"[{'=' * done}{'>' if done < 30 else ''}{' ' * (29 - done)}] {iteration}/{self.total} "
+        if self._tty and not final:
+            sys.stdout.write("\r" + bar + text + "\033[K")
+        else:
+            sys.stdout.write(bar + text + "\n")
+        sys.stdout.flush()
+
+    def say(self, text: str) -> None:
+        """A plain line (events, reports), ending any progress line first."""
+        if self.enabled:
+            sys.stdout.write(("\n" if self._tty and self.progress else "") + text + "\n")
+            sys.stdout.flush()
+
+
+def _tensorboard(run_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+
+def read(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot(run_dir: str, out: str | None = None) -> str:
+    """Loss (train and validation), learning rate and throughput curves of a run, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        axes[0].plot([r["iteration"] for r in evals], [r["valid_loss"] for r in evals], "o-", label="valid")
+    axes[0].set(title="loss", xlabel="iteration")
+    axes[0].legend()
+    axes[1].plot([r["consumed_samples"] for r in train], [r["lr"] for r in train])
+    axes[1].set(title="learning rate", xlabel="consumed samples")
+    axes[2].plot([r["iteration"] for r in train], [r["tokens_per_s"] for r in train])
+    axes[2].set(title="tokens / s", xlabel="iteration")
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))

@@ -1,0 +1,61 @@
+"""Theoretical memory per pipeline stage (reference §8): what stays resident (parameters,
+gradient buffers, optimizer state) and what flows (activations of the micro-batches in
+flight, at the schedule's peak). Computed from the chunk graphs and the schedule
+simulator, for this tensor-parallel rank; no process is asked.
+
+Optimizer state assumes Adam-like two fp32 states per element, plus an fp32 master copy
+in half precision; the distributed optimizer divides both by dp. Activations are an upper
+bound: every floating value that requires grad in a chunk, kept for its backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxmeg.passes.graph_utils import requires_grad_nodes, val
+from fxmeg.program import buffer_layouts, chunks
+from fxmeg.runtime.schedules import simulate
+
+if TYPE_CHECKING:
+    from fxmeg.api import Engine
+
+
+def activation_bytes(gm: torch.fx.GraphModule) -> int:
+    """Upper bound of one micro-batch's activations autograd keeps for a chunk."""
+    grads = requires_grad_nodes(gm)
+    total = 0
+    for node in gm.graph.nodes:
+        v = val(node)
+        if node.op == "call_function" and node in grads and v is not None and v.is_floating_point():
+            total += v.numel() * v.element_size()
+    return total
+
+
+def memory_report(engine: Engine) -> list[dict]:
+    """One entry per pipeline stage, in bytes."""
+    cfg, par = engine.config, engine.config.parallel
+    peak = simulate(engine._lower(engine._compute), pp=par.pp).peak_in_flight
+    all_chunks = chunks(engine.parent)
+    out = []
+    for stage in range(par.pp):
+        mine = [gm for c, gm in enumerate(all_chunks) if c % par.pp == stage]
+        params = {n: p for gm in mine for n, p in gm.named_parameters() if p.requires_grad}
+        elements = sum(p.numel() for p in params.values())
+        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        grad_bytes = sum(lay.numel * lay.dtype.itemsize for gm in mine for lay in buffer_layouts(gm))
+        per_state = 4 * elements / (par.dp if cfg.distributed_optimizer else 1)
+        master = per_state if cfg.precision != "fp32" else 0.0
+        act = max(activation_bytes(gm) for gm in mine)
+        out.append({
+            "stage": stage,
+            "parameters": param_bytes,
+            "gradient_buffers": grad_bytes,
+            "optimizer_state": int(2 * per_state + master),
+            "activations_per_microbatch": act,
+            "microbatches_in_flight": peak[stage],
+            "activations": act * peak[stage],
+            "total": int(param_bytes + grad_bytes + 2 * per_state + master + act * peak[stage]),
+        })
+    return out

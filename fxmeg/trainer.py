@@ -1,0 +1,411 @@
+"""The training loop (reference §1, §3, §9, §10): Megatron's pretrain() on fxmeg's engine.
+
+setup (data, model, engine, optional resume) -> loop while iteration < train_iters (or
+consumed samples < train_samples): pick the global batch size for the consumed samples,
+train_step, then log / evaluate / save on their intervals. It stops after train_iters,
+at exit_interval, after exit_duration_in_mins, or on SIGTERM (finishing the step and
+saving first); every rank takes that decision together (the flag is all-reduced each
+step), so no rank leaves a collective half-done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxmeg
+from fxmeg import checkpoint
+from fxmeg.config import resolve_dp
+from fxmeg.data import Corpus, Sampler, Samples
+from fxmeg.errors import ConfigError, closest
+from fxmeg.metrics import Metrics, perplexity
+from fxmeg.report import memory_report
+from fxmeg.runtime.lr_schedule import LRSchedule
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every option of `fxmeg train` (each field is a flag: --micro-batch-size 4)."""
+
+    model: str = "models.gpt:GPT"
+    """The model class, module:Class; built from model_args (kwargs or its config dataclass)."""
+    model_args: str = "{}"
+    """JSON object of the model's constructor or config arguments."""
+    data: str = ""
+    """Prefix of a corpus written by `fxmeg prepare-data`."""
+    seq_len: int = 128
+    """Tokens per sample (each sample reads seq_len + 1 tokens)."""
+    valid_fraction: float = 0.05
+    """Share of the corpus (at a document boundary, from the end) held out for validation."""
+    seed: int = 1234
+    """Seed of model initialisation and data shuffling."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 32
+    """Samples per step (until step_batch_size_schedule says otherwise)."""
+    step_batch_size_schedule: str = ""
+    """'THRESHOLD:BS ...': from THRESHOLD consumed samples on, train with global batch BS."""
+    train_iters: int = 0
+    """Steps to train (or train_samples)."""
+    train_samples: int = 0
+    """Samples to train (or train_iters)."""
+    exit_interval: int = 0
+    """Save and stop when the iteration is a multiple of this (0: never)."""
+    exit_duration_in_mins: float = 0.0
+    """Save and stop after this many minutes (0: never)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank."""
+    dp: int = 0
+    """Data-parallel size (0: world size / (tp * pp))."""
+    schedule: str = "auto"
+    """Pipeline schedule: auto, none, gpipe, 1f1b, interleaved."""
+    sequence_parallel: bool = False
+    """Split norms and the residual stream along the sequence over tp ranks."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_samples: int = 0
+    """Linear warmup from 0 over this many samples."""
+    lr_decay_samples: int = 0
+    """Samples by the end of decay (0: the whole run)."""
+    lr_decay_style: str = "cosine"
+    """constant, linear, cosine, inverse-square-root or WSD."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16."""
+    distributed_optimizer: bool = False
+    """ZeRO-1: shard optimizer state over data-parallel ranks."""
+    overlap_grad_reduce: bool = True
+    """Reduce gradient buckets during backward."""
+    overlap_param_gather: bool = False
+    """Gather parameters during the next forward (distributed optimizer)."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (0: only at the end)."""
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+    log_interval: int = 10
+    """Log every this many steps."""
+    run_dir: str = "runs/run"
+    """Where metrics.jsonl, TensorBoard files and plots go."""
+    tensorboard: bool = True
+    """Also write TensorBoard events (when tensorboard is installed)."""
+    progress: bool = True
+    """Show a live progress line on rank 0."""
+    save: str = ""
+    """Checkpoint directory ('' : no checkpoints)."""
+    load: str = ""
+    """Resume from the latest checkpoint in this directory, if any."""
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end and before batch-size switches)."""
+    keep_last: int = 0
+    """Keep only this many checkpoints (0: all)."""
+
+    def __post_init__(self) -> None:
+        if (self.train_iters > 0) == (self.train_samples > 0):
+            raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
+        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_interval", "eval_iters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.data:
+            raise ConfigError("data is required: the prefix of a corpus from `fxmeg prepare-data`")
+        batch_size_schedule(self)  # validates
+
+    def replace(self, **changes) -> TrainConfig:
+        unknown = [k for k in changes if k not in {f.name for f in dataclasses.fields(self)}]
+        if unknown:
+            names = [f.name for f in dataclasses.fields(self)]
+            raise ConfigError(f"unknown config key {unknown[0]!r}" + closest(unknown[0], names))
+        return dataclasses.replace(self, **changes)
+
+
+def batch_size_schedule(cfg: TrainConfig) -> list[tuple[int, int]]:
+    """(threshold in consumed samples, global batch size) from 0 on, ascending. The
+    micro-batch count may only grow (reference §3.3): a shrinking size is refused."""
+    steps = [(0, cfg.global_batch_size)]
+    for item in cfg.step_batch_size_schedule.split():
+        try:
+            threshold, size = (int(x) for x in item.split(":"))
+        except ValueError as exc:
+            raise ConfigError(
+                f"step_batch_size_schedule entry {item!r} is not THRESHOLD:BATCH_SIZE"
+            ) from exc
+        if threshold == 0:
+            steps[0] = (0, size)
+        else:
+            steps.append((threshold, size))
+    for (t0, b0), (t1, b1) in zip(steps, steps[1:]):
+        if t1 <= t0:
+            raise ConfigError(f"step_batch_size_schedule thresholds must increase: {t0} then {t1}")
+        if b1 < b0:
+            raise ConfigError(
+                f"step_batch_size_schedule would shrink the global batch from {b0} to {b1} at "
+                f"{t1} samples; the micro-batch count may only grow (Megatron §3.3)"
+            )
+    for _, size in steps:
+        if size % cfg.micro_batch_size:
+            raise ConfigError(f"global batch {size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
+    return steps
+
+
+def build_model(spec: str, args: dict) -> nn.Module:
+    """module:Class built from ``args``: as keyword arguments, or as the fields of the
+    config dataclass its constructor takes."""
+    module, _, name = spec.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    params = [p for p in inspect.signature(cls).parameters.values() if p.name != "self"]
+    if len(params) == 1 and dataclasses.is_dataclass(params[0].default):
+        config_cls = type(params[0].default)
+        known = {f.name for f in dataclasses.fields(config_cls)}
+        return cls(config_cls(**{k: v for k, v in args.items() if k in known}))
+    return cls(**args)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model: nn.Module | None = None) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp = cfg.dp or resolve_dp(world, cfg.tp, cfg.pp, None)
+        self.world = world
+        self.sizes = batch_size_schedule(cfg)
+        corpus = Corpus(cfg.data)
+        self.train_data = Samples(corpus, cfg.seq_len, split="train", valid_fraction=cfg.valid_fraction)
+        self.valid_data = Samples(corpus, cfg.seq_len, split="valid", valid_fraction=cfg.valid_fraction)
+        self.train_order = Sampler(len(self.train_data), seed=cfg.seed, shuffle=True)
+        self.valid_order = Sampler(len(self.valid_data), seed=cfg.seed, shuffle=False)
+        torch.manual_seed(cfg.seed)
+        if model is None:
+            vocab = -(-corpus.vocab_size // (128 * cfg.tp)) * 128 * cfg.tp  # Megatron's padding
+            args = {"vocab_size": vocab, "seq_len": cfg.seq_len} | json.loads(cfg.model_args)
+            model = build_model(cfg.model, args)
+        self.engine = self._engine(model)
+        total = cfg.train_iters or None
+        self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
+                               progress=cfg.progress, tensorboard=cfg.tensorboard)
+        self.iteration = self.consumed = self.valid_consumed = self.skipped = 0
+        self.last_train: dict = {}
+        self.last_eval: dict = {}
+        if cfg.load:
+            self._resume()
+        self._signal = False
+
+    def _engine(self, model: nn.Module) -> fxmeg.Engine:
+        cfg = self.cfg
+        example = self.train_data.batch(range(cfg.micro_batch_size))
+        decay = cfg.lr_decay_samples or cfg.train_samples or cfg.train_iters * self.sizes[-1][1]
+        style = cfg.lr_decay_style
+        schedule = LRSchedule(
+            max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_samples=cfg.lr_warmup_samples,
+            decay_samples=max(decay, cfg.lr_warmup_samples + 1), style=style,
+            wsd_decay_samples=max(1, decay // 10) if style == "WSD" else None,
+        )
+        betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
+        return fxmeg.parallelize(
+            model, example, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, dp=self.dp, schedule=cfg.schedule,
+            sequence_parallel=cfg.sequence_parallel, global_batch_size=self._size_at(0),
+            optimizer=lambda groups: torch.optim.AdamW(groups, betas=betas, eps=eps, weight_decay=wd),
+            precision=cfg.precision, clip_grad=cfg.clip_grad,
+            distributed_optimizer=cfg.distributed_optimizer,
+            overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
+            lr_schedule=schedule,
+        )
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict:
+        """Train until an exit condition; the last train log and evaluation numbers."""
+        cfg = self.cfg
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+        start = window_start = time.monotonic()
+        window: list = []
+        reason = "done"
+        try:
+            while not self._finished():
+                self._switch_batch_size()
+                size = self.engine.config.global_batch_size
+                result = self.engine.train_step(self._train_batch(size))
+                self.iteration += 1
+                self.consumed += size
+                self.skipped += result.skipped
+                window.append((result, size))
+                if self.iteration % cfg.log_interval == 0:
+                    self._log(window, time.monotonic() - window_start)
+                    window, window_start = [], time.monotonic()
+                if cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                    self.evaluate()
+                if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                    self.save()
+                reason = self._exit_reason(start)
+                if reason:
+                    break
+            reason = reason or "done"
+            if self.last_eval.get("iteration") != self.iteration:
+                self.evaluate()
+            if cfg.save:
+                self.save()
+            self.metrics.record("event", {"iteration": self.iteration, "exit": reason,
+                                          "consumed_samples": self.consumed})
+            self.metrics.say(f"exit ({reason}) at iteration {self.iteration}, {self.consumed} samples; "
+                             f"validation loss {self.last_eval['valid_loss']:.4f}")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        return {**self.last_train, **self.last_eval, "iteration": self.iteration,
+                "consumed_samples": self.consumed, "exit": reason}
+
+    def _finished(self) -> bool:
+        cfg = self.cfg
+        return (cfg.train_iters and self.iteration >= cfg.train_iters) or (
+            cfg.train_samples and self.consumed >= cfg.train_samples
+        )
+
+    def _exit_reason(self, start: float) -> str:
+        """Why to stop now, decided by all ranks together."""
+        cfg = self.cfg
+        local = self._signal or (cfg.exit_duration_in_mins and time.monotonic() - start > 60 * cfg.exit_duration_in_mins)
+        flags = torch.tensor([1 if self._signal else 0, 1 if local else 0])
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0]:
+            return "sigterm"
+        if flags[1]:
+            return "exit_duration_in_mins"
+        if cfg.exit_interval and self.iteration % cfg.exit_interval == 0:
+            return "exit_interval"
+        return ""
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._signal = True  # finish the step, save, exit 0
+
+    # ------------------------------------------------------------------ batches
+
+    def _size_at(self, consumed: int) -> int:
+        return [size for threshold, size in self.sizes if consumed >= threshold][-1]
+
+    def _switch_batch_size(self) -> None:
+        size = self._size_at(self.consumed)
+        old = self.engine.config.global_batch_size
+        if size == old:
+            return
+        if self.cfg.save:
+            self.save()  # reference §3.3: a checkpoint just before the switch
+        self.engine.set_global_batch_size(size)
+        self.metrics.record("event", {"iteration": self.iteration, "consumed_samples": self.consumed,
+                                      "batch_size_switch": [old, size]})
+        self.metrics.say(f"global batch size {old} -> {size} at {self.consumed} samples")
+
+    def _train_batch(self, size: int):
+        if not self.engine.needs_data:
+            return None  # a middle pipeline stage reads no data
+        return self.train_data.batch(self.train_order.indices(self.consumed, size))
+
+    # ------------------------------------------------------------------ eval, log, save
+
+    def evaluate(self) -> dict:
+        """eval_iters batches of the persistent sequential validation stream (§9)."""
+        size = self.engine.config.global_batch_size
+        m = size // (self.cfg.micro_batch_size * self.dp)
+        loss_sum = tokens = 0.0
+        for _ in range(self.cfg.eval_iters):
+            batch = None
+            if self.engine.needs_data:
+                batch = self.valid_data.batch(self.valid_order.indices(self.valid_consumed, size))
+            r = self.engine.eval_step(batch, num_microbatches=m)
+            self.valid_consumed += size
+            loss_sum += r.loss * r.num_tokens
+            tokens += r.num_tokens
+        loss = loss_sum / max(tokens, 1.0)
+        out = {"iteration": self.iteration, "valid_loss": loss, "valid_ppl": perplexity(loss)}
+        self.last_eval = out
+        self.metrics.record("eval", out)
+        self.metrics.say(f"validation at iteration {self.iteration}: loss {loss:.4f}, perplexity {out['valid_ppl']:.2f}")
+        return out
+
+    def _log(self, window: list, elapsed: float) -> dict:
+        ok = [r for r, _ in window if not r.skipped]
+        samples = sum(size for _, size in window)
+        flops = sum(self.engine.model_flops_per_step * size / self.engine.config.global_batch_size for _, size in window)
+        norms = [r.grad_norm for r in ok]
+        values = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed,
+            "loss": sum(r.loss for r in ok) / len(ok) if ok else float("nan"),
+            "lr": window[-1][0].lr,
+            "grad_norm": norms[-1] if norms else float("nan"),
+            "loss_scale": self.engine.scaler.scale if self.engine.scaler else 1.0,
+            "params_norm": self.engine.params_norm(),
+            "skipped": len(window) - len(ok),
+            "skipped_total": self.skipped,
+            "batch_size": window[-1][1],
+            "iteration_time": elapsed / len(window),
+            "tokens_per_s": samples * self.cfg.seq_len / elapsed,
+            "tflops_per_rank": flops / elapsed / self.world / 1e12,
+        }
+        if self.iteration == self.cfg.log_interval:  # the first log: the memory report
+            report = memory_report(self.engine)
+            self.metrics.record("memory", {"iteration": self.iteration, "stages": report})
+            for s in report:
+                self.metrics.say(
+                    f"memory, pipeline stage {s['stage']}: parameters {_mib(s['parameters'])}, "
+                    f"gradients {_mib(s['gradient_buffers'])}, optimizer {_mib(s['optimizer_state'])}, "
+                    f"activations {_mib(s['activations'])} ({s['microbatches_in_flight']} micro-batches "
+                    f"in flight), total {_mib(s['total'])}"
+                )
+        self.last_train = values
+        self.metrics.record("train", values)
+        self.metrics.show(
+            f"loss {values['loss']:.4f} lr {values['lr']:.2e} grad_norm {values['grad_norm']:.3f} "
+            f"{values['tokens_per_s']:,.0f} tok/s {values['tflops_per_rank'] * 1e3:.2f} GFLOP/s/rank",
+            iteration=self.iteration,
+        )
+        return values
+
+    def save(self) -> None:
+        state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
+                 "skipped": self.skipped, "config": dataclasses.asdict(self.cfg)}
+        path = checkpoint.save(self.engine, self.cfg.save, self.iteration, state, keep=self.cfg.keep_last or None)
+        self.metrics.record("event", {"iteration": self.iteration, "saved": path})
+
+    def _resume(self) -> None:
+        state = checkpoint.load(self.engine, self.cfg.load)
+        if state is None:
+            self.metrics.say(f"no checkpoint in {self.cfg.load}: starting from scratch")
+            return
+        self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
+        self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
+        self.metrics.say(f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+

@@ -1,0 +1,80 @@
+"""`fxmeg prepare-data`, `fxmeg train` (its own ranks via torch's elastic launcher),
+`fxmeg plot`, and SIGTERM, as a user runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fxmeg.metrics import read
+
+FIELDS = {"iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "params_norm",
+          "skipped", "skipped_total", "tokens_per_s", "tflops_per_rank", "iteration_time", "batch_size"}
+MODEL = '{"n_layer": 4, "n_embd": 64, "n_head": 4}'
+
+
+def fxmeg(*args, **kw):
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fxmeg.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("corpus") / "text")
+    out = fxmeg("prepare-data", "--input", "pydoc:topics", "--output", prefix)
+    assert out.returncode == 0, out.stderr
+    assert "tokens in" in out.stdout and os.path.exists(prefix + ".bin")
+    return prefix
+
+
+def test_train_on_four_ranks_and_plot(corpus, tmp_path):
+    run = str(tmp_path / "run")
+    out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2",
+                "--seq-len", "64", "--global-batch-size", "32", "--train-iters", "30", "--lr", "3e-3",
+                "--lr-warmup-samples", "64", "--eval-interval", "10", "--eval-iters", "4",
+                "--log-interval", "5", "--run-dir", run, "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = read(run)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r["valid_loss"] for r in records if r["kind"] == "eval"]
+    assert [r["iteration"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert all(FIELDS <= set(r) for r in train)
+    assert len(evals) == 3 and evals[-1] < evals[0] - 0.2  # it learns
+    (memory,) = [r for r in records if r["kind"] == "memory"]
+    assert [s["stage"] for s in memory["stages"]] == [0, 1]
+    png = fxmeg("plot", run)
+    assert png.returncode == 0, png.stderr
+    with open(png.stdout.strip(), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
+    run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fxmeg.cli", "train", "--data", corpus, "--model-args", MODEL,
+         "--dp", "2", "--seq-len", "64", "--global-batch-size", "16", "--train-iters", "100000",
+         "--log-interval", "1", "--run-dir", run, "--save", ckpt, "--no-progress"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.exists(os.path.join(run, "metrics.jsonl")) and len(
+                [r for r in read(run) if r["kind"] == "train"]) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    records = read(run)
+    (exit_event,) = [r for r in records if r.get("exit")]
+    last = max(r["iteration"] for r in records if r["kind"] == "train")
+    assert exit_event["exit"] == "sigterm" and exit_event["iteration"] == last
+    with open(os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read(), "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["iteration"] == last and meta["consumed_samples"] == 16 * last

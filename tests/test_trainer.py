@@ -1,0 +1,141 @@
+"""The trainer in one process: batch-size schedule, exits, resume, reports, config."""
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from fxmeg.cli import _train_parser, config_from
+from fxmeg.data import ByteTokenizer, prepare
+from fxmeg.data.corpus import read_documents
+from fxmeg.errors import ConfigError
+from fxmeg.metrics import read
+from fxmeg.report import memory_report
+from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
+
+MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("data") / "topics")
+    prepare(read_documents(["pydoc:topics"]), prefix, ByteTokenizer())
+    return prefix
+
+
+def _config(corpus, tmp_path, **kw):
+    base = dict(data=corpus, model_args=MODEL, seq_len=32, micro_batch_size=4, global_batch_size=8,
+                train_iters=6, log_interval=1, eval_iters=2, lr=1e-3, run_dir=str(tmp_path / "run"),
+                progress=False, tensorboard=False)
+    return TrainConfig(**(base | kw))
+
+
+def test_batch_size_schedule_is_validated():
+    ok = TrainConfig(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:32")
+    assert batch_size_schedule(ok) == [(0, 8), (64, 16), (128, 32)]
+    with pytest.raises(ConfigError, match="would shrink the global batch from 16 to 8 at 128 samples"):
+        TrainConfig(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:8")
+    with pytest.raises(ConfigError, match="'64-16' is not THRESHOLD:BATCH_SIZE"):
+        TrainConfig(data="x", train_iters=1, step_batch_size_schedule="64-16")
+
+
+def test_batch_size_switch_saves_first_and_keeps_the_lr_schedule_continuous(corpus, tmp_path):
+    cfg = _config(corpus, tmp_path, train_iters=8, step_batch_size_schedule="32:16",
+                  save=str(tmp_path / "ckpt"), lr_warmup_samples=16, lr_decay_samples=200)
+    out = Trainer(cfg).run()
+    records = read(cfg.run_dir)
+    switch = [r for r in records if "batch_size_switch" in r]
+    assert [(r["consumed_samples"], r["iteration"], r["batch_size_switch"]) for r in switch] == [(32, 4, [8, 16])]
+    saved = [r["saved"] for r in records if "saved" in r]
+    assert saved[0].endswith("iter_0000004")  # just before the switch
+    with open(os.path.join(saved[0], "meta.json")) as f:
+        assert json.load(f)["consumed_samples"] == 32
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["batch_size"] for r in train] == [8] * 4 + [16] * 4
+    schedule = LRSchedule(1e-3, 0.0, 16, decay_samples=200, style="cosine")
+    for r in train:  # the lr of each step is the schedule at the samples consumed before it
+        assert r["lr"] == pytest.approx(schedule.lr(r["consumed_samples"] - r["batch_size"]))
+    assert out["consumed_samples"] == 4 * 8 + 4 * 16
+
+
+def test_exit_interval_saves_and_stops(corpus, tmp_path):
+    cfg = _config(corpus, tmp_path, train_iters=10, exit_interval=3, save=str(tmp_path / "ckpt"))
+    out = Trainer(cfg).run()
+    assert out["exit"] == "exit_interval" and out["iteration"] == 3
+    assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000003"
+
+
+def test_resume_continues_exactly(corpus, tmp_path):
+    same = dict(lr_decay_samples=200, lr_warmup_samples=8)  # not derived from train_iters
+    whole = Trainer(_config(corpus, tmp_path / "a", train_iters=8, **same))
+    whole.run()
+    first = Trainer(_config(corpus, tmp_path / "b", train_iters=5, save=str(tmp_path / "ckpt"), **same))
+    first.run()
+    second = Trainer(_config(corpus, tmp_path / "c", train_iters=8, load=str(tmp_path / "ckpt"), **same))
+    assert (second.iteration, second.consumed) == (5, 40)
+    second.run()
+    losses = [r["loss"] for r in read(str(tmp_path / "a" / "run")) if r["kind"] == "train"]
+    resumed = [r["loss"] for r in read(str(tmp_path / "c" / "run")) if r["kind"] == "train"]
+    assert resumed == losses[5:]  # bitwise in fp32 on one process
+    sd_a, sd_c = whole.engine.full_state_dict(), second.engine.full_state_dict()
+    assert all(torch.equal(sd_a[k], sd_c[k]) for k in sd_a)
+
+
+def test_flops_match_the_closed_form(corpus, tmp_path):
+    t = Trainer(_config(corpus, tmp_path))
+    b, s, h, heads, layers, vocab = 4, 32, 32, 4, 2, 128  # vocab: 257 padded to 128 * tp... = 384
+    vocab = 384
+    per_layer = 2 * b * s * (h * 3 * h + h * h + h * 4 * h + 4 * h * h) + 4 * b * heads * s * s * (h // heads)
+    forward = layers * per_layer + 2 * b * s * h * vocab
+    assert t.engine.flops_per_microbatch == forward
+    assert t.engine.model_flops_per_step == 3 * forward * 2  # m = 8 / 4
+
+
+def test_memory_report_matches_hand_computed_bytes(corpus, tmp_path):
+    t = Trainer(_config(corpus, tmp_path))
+    (stage,) = memory_report(t.engine)
+    params = sum(p.numel() for p in t.engine.named_parameters.values())
+    assert stage["parameters"] == 4 * params
+    assert stage["gradient_buffers"] == 4 * params  # one fp32 buffer, dp = 1: no padding
+    assert stage["optimizer_state"] == 8 * params  # Adam's two fp32 states; fp32 has no master copy
+    assert stage["microbatches_in_flight"] == 1
+    # activations: an upper bound of what autograd really saves for one micro-batch
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        ids, labels = t.train_data.batch(range(4))
+        t.engine.chunks[0](ids, labels)
+    params_ptrs = {p.data_ptr() for p in t.engine.named_parameters.values()}
+    measured = sum(x.numel() * x.element_size() for x in {x.data_ptr(): x for x in saved if x.data_ptr() not in params_ptrs}.values())
+    assert measured <= stage["activations_per_microbatch"] <= 4 * measured
+
+
+def test_config_file_and_flags(corpus, tmp_path):
+    parser = argparse.ArgumentParser()
+    _train_parser(parser)
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'data = "{corpus}"\ntrain-iters = 7\nmodel_args = {{ n_layer = 2 }}\nlr = 0.01\n')
+    cfg = config_from(parser.parse_args(["--config", str(toml), "--lr", "0.02"]))
+    assert (cfg.train_iters, cfg.lr, json.loads(cfg.model_args)) == (7, 0.02, {"n_layer": 2})
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"data: {corpus}\ntrain_iters: 3\nglobal_batch_size: 16\n")
+    assert config_from(parser.parse_args(["--config", str(yaml)])).global_batch_size == 16
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'data = "{corpus}"\ntrain_iters = 3\nglobal_bach_size = 16\n')
+    with pytest.raises(ConfigError, match="unknown config key 'global_bach_size'.*did you mean 'global_batch_size'"):
+        config_from(parser.parse_args(["--config", str(bad)]))
+
+
+def test_perplexity_is_exp_of_the_validation_loss(corpus, tmp_path):
+    out = Trainer(_config(corpus, tmp_path, train_iters=2)).run()
+    assert out["valid_ppl"] == pytest.approx(math.exp(out["valid_loss"]))
+
+
+def test_exit_duration_stops_after_the_step_in_progress(corpus, tmp_path):
+    cfg = _config(corpus, tmp_path, train_iters=50, exit_duration_in_mins=1e-9, save=str(tmp_path / "ckpt"))
+    out = Trainer(cfg).run()
+    assert out["exit"] == "exit_duration_in_mins" and out["iteration"] == 1
+    assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000001"
