@@ -345,33 +345,6 @@ class Engine:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict:
-        """This rank's training state (its parameter shards, optimizer, loss scaler, lr
-        schedule), to resume under the same parallel layout."""
-        self.ddp.wait_for_params()
-        return {
-            "params": {n: p.detach().clone() for n, p in self.named_parameters.items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "global_batch_size": self.config.global_batch_size,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state["params"]) != set(self.named_parameters):
-            missing = sorted(set(self.named_parameters) ^ set(state["params"]))[:3]
-            raise BatchError(f"checkpoint parameters differ from this rank's: {missing}")
-        self.ddp.wait_for_params()
-        for name, p in self.named_parameters.items():
-            p.detach().copy_(state["params"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state["global_batch_size"] != self.config.global_batch_size:
-            self.set_global_batch_size(state["global_batch_size"])
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The user model's state_dict (every name, tied ones included) with this
         engine's current values, gathered on every rank. Collective: call it on every

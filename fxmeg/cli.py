@@ -3,6 +3,7 @@
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
                 --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg plot runs/run
 
 `fxmeg train` starts its own ranks with torch's elastic launcher (--nproc, default
@@ -30,12 +31,21 @@ def main(argv: list[str] | None = None) -> int:
                       help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
     prep.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
     prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
+    export = sub.add_parser("export", help="write a checkpoint as a plain single-device state_dict")
+    export.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
+    export.add_argument("--to", required=True, help="output .pt file, for model.load_state_dict")
     plot = sub.add_parser("plot", help="draw loss / lr / throughput curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.command == "prepare-data":
         return _prepare(args)
+    if args.command == "export":
+        from fxmeg.checkpoint import export as write
+
+        names = write(args.checkpoint, args.to)
+        print(f"wrote {args.to}: {len(names)} tensors")
+        return 0
     if args.command == "plot":
         from fxmeg.metrics import plot as draw
 

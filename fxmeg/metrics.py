@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 
@@ -19,6 +20,7 @@ class Metrics:
         self.progress = progress and enabled
         self._tty = sys.stdout.isatty()
         self._writer = None
+        self._lock = threading.Lock()  # a background checkpoint reports from its thread
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
@@ -28,7 +30,7 @@ class Metrics:
         """Append one record ("train", "eval", "memory", "event") to the metrics file."""
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with self._lock, open(self.path, "a") as f:
             f.write(json.dumps({"kind": kind, "time": time.time(), **values}) + "\n")
         if self._writer is not None and "iteration" in values:
             for key, value in values.items():

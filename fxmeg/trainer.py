@@ -122,6 +122,10 @@ class TrainConfig:
     """Save every this many steps (0: only at the end and before batch-size switches)."""
     keep_last: int = 0
     """Keep only this many checkpoints (0: all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on."""
+    init_from: str = ""
+    """Start from a plain state_dict file (e.g. one written by `fxmeg export`)."""
 
     def __post_init__(self) -> None:
         if (self.train_iters > 0) == (self.train_samples > 0):
@@ -198,13 +202,19 @@ class Trainer:
         self.valid_order = Sampler(len(self.valid_data), seed=cfg.seed, shuffle=False)
         torch.manual_seed(cfg.seed)
         if model is None:
-            vocab = -(-corpus.vocab_size // (128 * cfg.tp)) * 128 * cfg.tp  # Megatron's padding
+            # Megatron pads the vocabulary to a multiple of 128 (x tp there); without the tp
+            # factor the model's shapes do not depend on the layout, so checkpoints reshard
+            vocab = -(-corpus.vocab_size // 128) * 128
             args = {"vocab_size": vocab, "seq_len": cfg.seq_len} | json.loads(cfg.model_args)
             model = build_model(cfg.model, args)
+        if cfg.init_from:
+            model.load_state_dict(torch.load(cfg.init_from, map_location="cpu", weights_only=True))
         self.engine = self._engine(model)
+        self.checkpointer = checkpoint.Checkpointer(self.engine, keep=cfg.keep_last or None, async_save=cfg.async_save)
         total = cfg.train_iters or None
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
+        self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
         self.iteration = self.consumed = self.valid_consumed = self.skipped = 0
         self.last_train: dict = {}
         self.last_eval: dict = {}
@@ -266,6 +276,7 @@ class Trainer:
                 self.evaluate()
             if cfg.save:
                 self.save()
+            self.checkpointer.wait()
             self.metrics.record("event", {"iteration": self.iteration, "exit": reason,
                                           "consumed_samples": self.consumed})
             self.metrics.say(f"exit ({reason}) at iteration {self.iteration}, {self.consumed} samples; "
@@ -273,6 +284,7 @@ class Trainer:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            self.checkpointer.wait()  # never leave a background save behind
         return {**self.last_train, **self.last_eval, "iteration": self.iteration,
                 "consumed_samples": self.consumed, "exit": reason}
 
@@ -384,13 +396,14 @@ class Trainer:
         return values
 
     def save(self) -> None:
+        """Checkpoint this iteration (collective; in the background with async_save)."""
         state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
                  "skipped": self.skipped, "config": dataclasses.asdict(self.cfg)}
-        path = checkpoint.save(self.engine, self.cfg.save, self.iteration, state, keep=self.cfg.keep_last or None)
-        self.metrics.record("event", {"iteration": self.iteration, "saved": path})
+        path = self.checkpointer.save(self.cfg.save, self.iteration, state)
+        self.metrics.record("event", {"iteration": self.iteration, "save_started": path})
 
     def _resume(self) -> None:
-        state = checkpoint.load(self.engine, self.cfg.load)
+        state = self.checkpointer.load(self.cfg.load)
         if state is None:
             self.metrics.say(f"no checkpoint in {self.cfg.load}: starting from scratch")
             return

@@ -77,4 +77,4 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
     assert exit_event["exit"] == "sigterm" and exit_event["iteration"] == last
     with open(os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read(), "meta.json")) as f:
         meta = json.load(f)
-    assert meta["iteration"] == last and meta["consumed_samples"] == 16 * last
+    assert meta["iteration"] == last and meta["trainer"]["consumed_samples"] == 16 * last

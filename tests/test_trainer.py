@@ -53,7 +53,7 @@ def test_batch_size_switch_saves_first_and_keeps_the_lr_schedule_continuous(corp
     saved = [r["saved"] for r in records if "saved" in r]
     assert saved[0].endswith("iter_0000004")  # just before the switch
     with open(os.path.join(saved[0], "meta.json")) as f:
-        assert json.load(f)["consumed_samples"] == 32
+        assert json.load(f)["trainer"]["consumed_samples"] == 32
     train = [r for r in records if r["kind"] == "train"]
     assert [r["batch_size"] for r in train] == [8] * 4 + [16] * 4
     schedule = LRSchedule(1e-3, 0.0, 16, decay_samples=200, style="cosine")

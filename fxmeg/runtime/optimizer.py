@@ -61,6 +61,9 @@ class _Piece:
     in_norm: bool
     """Whether the global norm counts it: False for a tied weight's copy on a later
     pipeline holder and for a tp-replicated parameter on tp ranks other than 0."""
+    lo: int
+    hi: int
+    """The elements [lo, hi) of the parameter (its local shard, flattened) it covers."""
 
 
 @dataclass(frozen=True)
@@ -172,23 +175,6 @@ class Optimizer:
     def _device(self) -> torch.device:
         return self.pieces[0].grad.device if self.pieces else torch.device("cpu")
 
-    def state_dict(self) -> dict:
-        """This rank's inner-optimizer state and its own fp32 masters (those not stored
-        in the parameters themselves), for a checkpoint of the same layout."""
-        return {
-            "inner": self.inner.state_dict(),
-            "masters": [p.master.detach().clone() for p in self.pieces if p.target is not None],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        own = [p for p in self.pieces if p.target is not None]
-        if len(own) != len(state["masters"]):
-            raise ValueError(f"checkpoint has {len(state['masters'])} master tensors, this rank {len(own)}")
-        for piece, master in zip(own, state["masters"]):
-            piece.master.detach().copy_(master)
-            piece.target.copy_(master)
-        self.inner.load_state_dict(state["inner"])
-
     def state_elements(self) -> dict[str, int]:
         """Elements of the masters and of each inner-optimizer state tensor on this rank."""
         out = {"master": sum(p.master.numel() for p in self.pieces)}
@@ -201,10 +187,10 @@ class Optimizer:
 
 def _full_piece(name, param, in_norm, fp32_values) -> _Piece:
     if param.dtype == torch.float32:
-        return _Piece(name, param, param, param.main_grad, None, in_norm)
+        return _Piece(name, param, param, param.main_grad, None, in_norm, 0, param.numel())
     start = fp32_values[name] if fp32_values and name in fp32_values else param.detach()
     master = start.detach().clone().float()
-    return _Piece(name, param, master, param.main_grad, param.data, in_norm)
+    return _Piece(name, param, master, param.main_grad, param.data, in_norm, 0, param.numel())
 
 
 def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list[_Piece]:
@@ -223,8 +209,9 @@ def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list
 
 def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_values) -> _Piece:
     param, grad, storage = buf.params[name], buf.data[a:b], buf.param_data[a:b]
-    if storage.dtype == torch.float32:
-        return _Piece(name, param, storage, grad, None, in_norm)
     offset = buf.layout.slot(name).offset
-    source = fp32_values[name].reshape(-1)[a - offset : b - offset] if fp32_values and name in fp32_values else storage
-    return _Piece(name, param, source.detach().clone().float(), grad, storage, in_norm)
+    lo, hi = a - offset, b - offset
+    if storage.dtype == torch.float32:
+        return _Piece(name, param, storage, grad, None, in_norm, lo, hi)
+    source = fp32_values[name].reshape(-1)[lo:hi] if fp32_values and name in fp32_values else storage
+    return _Piece(name, param, source.detach().clone().float(), grad, storage, in_norm, lo, hi)
