@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from fxmeg import program
+from fxmeg import ops, program
 from fxmeg.capture import LossFn, capture
 from fxmeg.checkpoint import gather_full_state
 from fxmeg.collectives import TP, bind_groups
@@ -224,6 +224,8 @@ class Engine:
             group=self.groups.pp, device=self.device,
         )
         self.executor.on_grad_sync = self.ddp.start_sync
+        self._aux = next(((gm, program.token_counter(gm)) for gm in self.chunks.values()
+                          if hasattr(gm, ops.AUX_SCALE)), None)
 
     def _data_parallel(self) -> DataParallel:
         events = Events()
@@ -271,6 +273,8 @@ class Engine:
         the same on every rank) or an iterator over this rank's micro-batches."""
         mbs = self._microbatches(batch, self.config.num_microbatches)
         self.ddp.zero_grad_buffer()
+        if self._aux is not None:
+            self._weigh_aux_loss(mbs)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         stats = self.executor.run(self._train_steps, mbs, train=True, loss_scale=scale)
         loss_sum, num_tokens = self._reduce_stats(stats)
@@ -285,6 +289,19 @@ class Engine:
             loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
             grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
         )
+
+    def _weigh_aux_loss(self, mbs: list[Batch]) -> None:
+        """Each micro-batch's auxiliary loss enters the gradients with weight 1 / (m * dp)
+        (Megatron's AutoScaler, averaged over the global batch's micro-batches). Gradients
+        are divided by the global token count N at finalize, so its gradient carries
+        N / (m * dp); N is counted from the labels before the step."""
+        gm, counter = self._aux
+        spec = program.chunk_spec(gm)
+        local = sum(float(counter(*[mb[i] for i in spec.data_inputs])) for mb in mbs)
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        all_reduce(total, self.groups.dp)
+        m, dp = self.config.num_microbatches, self.config.parallel.dp
+        getattr(gm, ops.AUX_SCALE).fill_(max(float(total), 1.0) / (m * dp))
 
     @torch.no_grad()
     def eval_step(self, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None) -> EvalResult:

@@ -45,6 +45,24 @@ class Captured:
     """True when the outputs are already ``(loss_sum, num_tokens)`` from a ``loss_fn``."""
 
 
+class _HuggingFace(nn.Module):
+    """A transformers PreTrainedModel as fxmeg expects it: forward(input_ids, labels)
+    returning the loss, with the key-value cache off (export cannot return a cache).
+    Hugging Face causal LMs shift the labels themselves: pass labels = input_ids."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def is_hugging_face(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(model).__mro__)
+
+
 class _WithLossFn(nn.Module):
     """Runs ``loss_fn(model, *inputs)`` so that export sees the user's loss."""
 
@@ -71,12 +89,17 @@ def capture(
             "example_inputs must be a tuple of tensors (one micro-batch, e.g. "
             f"(input_ids, labels)); got {type(example_inputs).__name__}"
         )
-    root = _WithLossFn(model, loss_fn) if loss_fn is not None else model
+    if loss_fn is not None:
+        root = _WithLossFn(model, loss_fn)
+    elif is_hugging_face(model):
+        root = _HuggingFace(model)
+    else:
+        root = model
     try:
         ep = torch.export.export(root, example_inputs, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         raise CaptureError(_explain_export_failure(model, exc)) from exc
-    prefix = _PREFIX if loss_fn is not None else ""
+    prefix = _PREFIX if root is not model else ""
     gm, input_names = _unlift(ep, model, prefix)
     aliases = _aliases(model)
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
@@ -99,7 +122,10 @@ def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
         "(branches or loops on tensor values), returns tensors (no caches or custom "
         "objects) and runs on the example inputs. Fixes to try: make the branch depend "
         "on shapes or config, use torch.where / torch.cond, disable caches "
-        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way."
+        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way. "
+        "Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE) export only with "
+        "experts_implementation='batched_mm' or 'grouped_mm' (from_config(..., "
+        "experts_implementation='batched_mm')): the default loops over routed experts."
     )
 
 

@@ -45,3 +45,31 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
 
 for _fn in (recv, send, deallocate, wait_param_gather):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
+
+
+@torch.library.custom_op("fxmeg::scale_aux_loss", mutates_args=())
+def scale_aux_loss(loss: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``loss`` unchanged; in backward, ``aux`` receives the incoming gradient times
+    ``scale`` (Megatron's MoEAuxLossAutoScaler): an auxiliary loss (a router's load
+    balancing) enters the gradients with a weight the runtime sets, not token-weighted
+    like the language-model loss it rides on."""
+    return loss.clone()
+
+
+@scale_aux_loss.register_fake
+def _(loss, aux, scale):
+    return torch.empty_like(loss)
+
+
+def _aux_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _aux_backward(ctx, grad):
+    aux, scale = ctx.saved_tensors
+    return grad, (grad * scale).expand_as(aux).to(aux.dtype), None
+
+
+scale_aux_loss.register_autograd(_aux_backward, setup_context=_aux_setup)
+AUX_SCALE = "fxmeg_aux_loss_scale"
+"""The buffer holding the aux-loss gradient weight in a graph that has one."""

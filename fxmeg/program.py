@@ -118,3 +118,32 @@ def unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Paramete
             if p.requires_grad:
                 out.setdefault(name, p)
     return out
+
+
+def token_counter(gm: fx.GraphModule) -> fx.GraphModule:
+    """The part of the last chunk graph that computes ``num_tokens``, as a graph taking
+    the chunk's data inputs: the token count of a micro-batch without running the model
+    (needed before the step when an auxiliary loss is weighted by it)."""
+    from fxmeg.errors import PassError
+
+    spec = chunk_spec(gm)
+    target = gm.graph.output_node().args[0][-1]
+    needed, todo = set(), [target]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    data = placeholders[: len(spec.data_inputs)]
+    if any(n.op == "placeholder" and n not in data for n in needed):
+        raise PassError("num_tokens depends on a value received from another pipeline stage; "
+                        "it must be computable from the batch (labels or a mask)")
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:
+        if n in data:
+            env[n] = graph.placeholder(n.name)
+        elif n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[target])
+    return fx.GraphModule(gm, graph)

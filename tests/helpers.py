@@ -17,9 +17,40 @@ MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 
 
 def make_model(name: str, seed: int = 0, **cfg) -> torch.nn.Module:
+    if name.startswith("hf-"):
+        return hf_model(name[3:], seed=seed, **cfg)
     cls, config = MODELS[name]
     torch.manual_seed(seed)
     return cls(config(**cfg))
+
+
+def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 128) -> torch.nn.Module:
+    """A tiny Hugging Face causal LM built from a config (random init, no download, no
+    dropout: parity needs the same arithmetic on both sides)."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    configs = {
+        "llama": lambda: T.LlamaConfig(**common),
+        "qwen2": lambda: T.Qwen2Config(**common),
+        "mistral": lambda: T.MistralConfig(**common),
+        "gpt2": lambda: T.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layer, n_head=4,
+                                     n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                           output_router_logits=True, router_aux_loss_coef=0.1),
+    }
+    torch.manual_seed(seed)
+    extra = {"experts_implementation": "batched_mm"} if kind == "mixtral" else {}
+    return T.AutoModelForCausalLM.from_config(configs[kind](), **extra)
+
+
+def model_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's mean loss: positional for ours, keywords for Hugging Face's (which
+    shifts the labels itself)."""
+    if type(model).__module__.startswith("transformers."):
+        return model(input_ids=ids, labels=labels, use_cache=False).loss
+    return model(ids, labels)
 
 
 def make_batch(rows: int, *, seed: int, vocab: int = 128, seq: int = 16):
@@ -63,7 +94,7 @@ def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = 
     losses, norms = [], []
     for ids, labels in batches:
         opt.zero_grad()
-        loss = model(ids, labels)
+        loss = model_loss(model, ids, labels)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         opt.step()

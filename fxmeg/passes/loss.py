@@ -14,6 +14,12 @@ ignored labels stay exact.
 A class loss over half-precision logits is computed in fp32 (the logits are cast first,
 as Megatron computes cross-entropy in fp32), so loss_sum does not lose bits to bf16 sums.
 
+An auxiliary loss added to the mean (``loss + coef * aux``: a mixture-of-experts router's
+load-balancing loss) is kept out of the token weighting: loss_sum passes through
+``fxmeg::scale_aux_loss(loss_sum, aux, scale)``, which gives ``aux`` the gradient weight
+in the buffer ``fxmeg_aux_loss_scale`` that the runtime sets each step (Megatron's
+MoEAuxLossAutoScaler, reference §5.3).
+
 Recognised forms of the mean (through casts, clones and scalar views):
   cross_entropy / nll_loss, reduction='mean', no class weights -> reduction='sum',
       num_tokens = count of targets != ignore_index;
@@ -26,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fxmeg import ops
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, finish, full_args, val
 
@@ -66,7 +73,7 @@ def loss(gm: fx.GraphModule, *, explicit: bool = False) -> fx.GraphModule:
             )
         loss_sum, num_tokens = outputs
     else:
-        loss_sum, num_tokens = _rewrite_mean(gm.graph, outputs[0])
+        loss_sum, num_tokens = _rewrite_mean(gm, outputs[0])
     if _depends_on_parameters(num_tokens):
         raise PassError(
             f"num_tokens (node {num_tokens.name!r}) depends on parameters; the token "
@@ -74,17 +81,31 @@ def loss(gm: fx.GraphModule, *, explicit: bool = False) -> fx.GraphModule:
         )
     loss_sum.meta["fxmeg"]["loss"] = "sum"
     num_tokens.meta["fxmeg"]["loss"] = "count"
+    old = outputs[0]
     out.args = ((loss_sum, num_tokens),)
+    if old not in (loss_sum, num_tokens) and not old.users:
+        gm.graph.erase_node(old)  # an in-place `loss += aux` that DCE would keep
     return finish(gm)
 
 
-def _rewrite_mean(graph: fx.Graph, loss_node: fx.Node) -> tuple[fx.Node, fx.Node]:
+def _rewrite_mean(gm: fx.GraphModule, loss_node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    graph = gm.graph
     if not _is_scalar(loss_node):
         raise PassError(
             f"the model's first output (node {loss_node.name!r}) has shape "
             f"{_shape(loss_node)}, not a scalar loss. Return the mean loss, or pass "
             "loss_fn=lambda model, *batch: (loss_sum, num_tokens)."
         )
+    main, aux = _split_aux(loss_node)
+    if aux is not None:
+        loss_sum, num_tokens = _rewrite_mean(gm, main)
+        gm.register_buffer(ops.AUX_SCALE, torch.ones((), dtype=torch.float32), persistent=False)
+        with graph.inserting_before(loss_node):
+            scale = graph.get_attr(ops.AUX_SCALE)
+            scale.meta = {"val": _fake_scalar(loss_sum), "fxmeg": {"module": ""}}
+            loss_sum = call(graph, torch.ops.fxmeg.scale_aux_loss.default, (loss_sum, aux, scale),
+                            like=loss_node, name="loss_with_aux")
+        return loss_sum, num_tokens
     top, mean = loss_node, loss_node
     while mean.op == "call_function" and mean.target in _TRANSPARENT:
         mean = mean.args[0]
@@ -102,6 +123,29 @@ def _rewrite_mean(graph: fx.Graph, loss_node: fx.Node) -> tuple[fx.Node, fx.Node
     if top is not mean:  # keep the casts and views, now applied to the sum
         loss_sum = top
     return loss_sum, num_tokens
+
+
+def _split_aux(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(mean, aux) for ``mean + aux`` where one side is a recognised mean and the other
+    does not read it; (node, None) otherwise."""
+    if node.target not in (aten.add.Tensor, aten.add_.Tensor) or len(node.args) != 2:
+        return node, None
+    for main, aux in (node.args, node.args[::-1]):
+        core = main
+        while isinstance(core, fx.Node) and core.op == "call_function" and core.target in _TRANSPARENT:
+            core = core.args[0]
+        if isinstance(core, fx.Node) and isinstance(aux, fx.Node) and _is_scalar(aux) and (
+            core.target in _CLASS_LOSSES or core.target == aten.mean.default
+        ):
+            return main, aux
+    return node, None
+
+
+def _fake_scalar(like: fx.Node):
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode([like.meta["val"]]):
+        return torch.ones((), dtype=torch.float32)
 
 
 def _class_loss(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -64,6 +64,13 @@ _VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
               aten.squeeze.default, aten.unflatten.int}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
+# linear-like ops: (index of x, index of the weight, index of the bias or None, weight's
+# output dim). Hugging Face's Conv1D is addmm(bias, x, weight[in, out]).
+_LINEARS = {
+    aten.linear.default: (0, 1, 2, 0),
+    aten.addmm.default: (1, 2, 0, 1),
+    aten.mm.default: (0, 1, None, 1),
+}
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
 
 
@@ -108,7 +115,7 @@ class _TensorParallel:
 
     def _visit(self, node: fx.Node):
         t = node.target
-        if t == aten.linear.default:
+        if t in _LINEARS and node.args[_LINEARS[t][1]].op == "get_attr":
             return self._linear(node)
         if t == aten.embedding.default:
             return self._embedding(node)
@@ -130,6 +137,8 @@ class _TensorParallel:
             return self._permute(node)
         if t in _SPLITS:
             return self._split(node)
+        if t == aten.slice.Tensor:
+            return self._slice(node)
         if t == aten.cat.default:
             return self._cat(node)
         if t == aten.repeat_interleave.self_int:
@@ -155,43 +164,54 @@ class _TensorParallel:
             return "vocab"
         if node not in self.block:
             return "replicate"
-        x = self.place.get(node.args[0])
+        x = self.place.get(node.args[_LINEARS[node.target][0]])
         return "rowwise" if isinstance(x, Shard) and not x.seq else "colwise"
 
     def _linear(self, node: fx.Node):
-        x, w = node.args[0], node.args[1]
-        b = node.args[2] if len(node.args) > 2 else None
-        role, px = self._role(node), self.place.get(node.args[0])
+        xi, wi, bi, out_dim = _LINEARS[node.target]
+        x, w = node.args[xi], node.args[wi]
+        b = node.args[bi] if bi is not None and len(node.args) > bi else None
+        role, px = self._role(node), self.place.get(x)
         if role == "replicate":
             if isinstance(px, Shard) and not px.seq:
                 raise self._unsupported(node, "a replicated linear reads a value split over its features", px)
             return px  # per token: a sequence shard stays one
+        args = list(node.args)
         if role in ("colwise", "vocab"):
             out = val(node).shape[-1]
             parts = (self.vocab,) if role == "vocab" else self._parts(node, out)
             for p in parts:
                 self._check_divides(node, p, "output features of a column-parallel linear")
-            node.args = (self._entry(node, x), w, *node.args[2:])
-            self._spec(w, 0, parts, node)
+            args[xi] = self._entry(node, x)
+            node.args = tuple(args)
+            self._spec(w, out_dim, parts, node)
             if b is not None:
                 self._spec(b, 0, parts, node)
             return Shard(val(node).dim() - 1, parts, vocab=role == "vocab", origin=owning_module(node))
         if not (isinstance(px, Shard) and px.dim == val(x).dim() - 1 and not px.seq):
             raise self._unsupported(node, "a row-parallel linear needs its input split on its last dim", px)
-        self._spec(w, 1, px.parts, node)
-        node.args = (x, w)
+        self._spec(w, 1 - out_dim, px.parts, node)
+        if node.target == aten.addmm.default:  # the bias goes after the reduction
+            node.target, node.args = aten.mm.default, (x, w)
+        else:
+            node.args = (x, w)
         return self._reduce(node, bias=b)
 
     def _parts(self, node: fx.Node, out: int) -> tuple[int, ...]:
-        """Blocks of a fused output: sizes it is split into along its last dim, if any."""
-        last = val(node).dim() - 1
-        for user in node.users:
-            if user.target in _SPLITS and _dim(user, val(node).dim()) == last:
-                if user.target == aten.split.Tensor:
-                    return (user.args[1],) * (out // user.args[1])
-                if user.target == aten.chunk.default:
-                    return (out // user.args[1],) * user.args[1]
-                return tuple(user.args[1])
+        """Blocks of a fused output: the sizes it is split into along its last dim (after
+        reshapes that keep that dim, as Conv1D's), if any."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            for user in n.users:
+                if user.target in _RESHAPES and val(user).shape[-1] == out:
+                    todo.append(user)
+                elif user.target in _SPLITS and _dim(user, val(user.args[0]).dim()) == val(n).dim() - 1:
+                    if user.target == aten.split.Tensor:
+                        return (user.args[1],) * (out // user.args[1])
+                    if user.target == aten.chunk.default:
+                        return (out // user.args[1],) * user.args[1]
+                    return tuple(user.args[1])
         return (out,)
 
     def _entry(self, node: fx.Node, x: fx.Node) -> fx.Node:
@@ -238,7 +258,7 @@ class _TensorParallel:
         if loss is None:
             return None, None
         x = loss.args[0]
-        while x.target in _RESHAPES | _VIEW_LIKE | {aten._to_copy.default, aten.to.dtype, aten.clone.default}:
+        while x.op == "call_function" and x.target in _RESHAPES | _VIEW_LIKE | {aten._to_copy.default, aten.to.dtype, aten.clone.default}:
             x = x.args[0]
         vocab = val(loss.args[0]).shape[1]
         return vocab, (x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None)
@@ -381,6 +401,17 @@ class _TensorParallel:
         elif node.target == aten.split_with_sizes.default:
             node.args = (node.args[0], [x // self.tp for x in node.args[1]], *node.args[2:])
         return [s.moved(dim, (p,)) for p in s.parts]
+
+    def _slice(self, node: fx.Node):
+        """A slice along another dim keeps the split; along the split dim only a slice
+        of everything does (x[:, :, None] indexing)."""
+        s = self.place[node.args[0]]
+        dim, start, end, step = (full_args(node) + [None] * 5)[1:5]
+        dim = dim % val(node).dim()
+        size = val(node.args[0]).shape[dim]
+        if dim == s.dim and not ((start or 0) == 0 and (end is None or end >= size) and (step or 1) == 1):
+            raise self._unsupported(node, f"it slices the split dim {dim}", s)
+        return s
 
     def _cat(self, node: fx.Node):
         places = {self.place.get(a) for a in node.args[0]}

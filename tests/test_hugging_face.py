@@ -1,0 +1,73 @@
+"""Hugging Face models in one process: the adapter, the pipeline split's boundaries and
+what an unexportable model is told."""
+
+import pytest
+import torch
+import transformers as T
+from expecttest import TestCase
+
+import fxmeg
+from fxmeg.capture import capture
+from fxmeg.errors import CaptureError
+from fxmeg.partition import partition
+from fxmeg.passes.loss import loss
+from fxmeg.passes.pipeline import pipeline
+from fxmeg.program import chunk_spec, chunks
+from tests.helpers import hf_model
+from tests.passes.test_pipeline import _code
+
+
+def _batch():
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()
+
+
+class LlamaPipeline(TestCase):
+    def test_mask_and_rotary_tables_are_sent_along(self):
+        """HF computes the causal mask and the rotary cos / sin once before the layers;
+        they cross every cut (no gradient, never freed) next to the hidden state."""
+        gm = loss(capture(hf_model("llama", n_layer=2), _batch()).gm)
+        partition(gm, num_chunks=2)
+        parent = pipeline(gm, num_chunks=2)
+        spec = chunk_spec(chunks(parent)[0])
+        assert [(b.dtype, b.grad) for b in spec.send] == [
+            (torch.bool, False), (torch.float32, False), (torch.float32, False), (torch.float32, True)]
+        assert spec.deallocate == (False, False, False, True)
+        self.assertExpectedInline(_code(parent, boundaries_only=True), """\
+# chunk 0
+def forward(self, input_ids):
+    send_expand_2 = fxmeg_ops_send(expand_2, dst_chunk = 1, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
+    send_to_4 = fxmeg_ops_send(to_4, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
+    send_to_5 = fxmeg_ops_send(to_5, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
+    send_add_8 = fxmeg_ops_send(add_8, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
+    deallocate_add_8 = fxmeg_ops_deallocate(send_add_8);  deallocate_add_8 = None
+    return (send_expand_2, send_to_4, send_to_5, send_add_8)
+
+# chunk 1
+def forward(self, labels, expand_2, to_4, to_5, add_8):
+    recv_expand_2 = fxmeg_ops_recv(expand_2, src_chunk = 0, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
+    recv_to_4 = fxmeg_ops_recv(to_4, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
+    recv_to_5 = fxmeg_ops_recv(to_5, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
+    recv_add_8 = fxmeg_ops_recv(add_8, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
+    return (cross_entropy_loss, num_tokens)""")
+
+
+def test_parallelize_takes_the_model_as_it_comes():
+    model = hf_model("qwen2")
+    ids, labels = _batch()
+    want = model(input_ids=ids, labels=labels, use_cache=False).loss.item()
+    engine = fxmeg.parallelize(model, (ids, labels))
+    assert abs(engine.eval_step((ids, labels)).loss - want) <= 1e-6 * want
+    assert "model.layers.0.self_attn.q_proj.weight" in engine.named_parameters  # HF's names
+
+
+def test_an_unexportable_model_is_told_the_module_the_reason_and_the_fix():
+    cfg = T.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64)
+    model = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")  # loops over experts
+    with pytest.raises(CaptureError) as err:
+        capture(model, _batch())
+    msg = str(err.value)
+    assert "in module 'model.layers.0.mlp.experts' (MixtralExperts)" in msg
+    assert "data-dependent" in msg and "experts_implementation='batched_mm'" in msg
