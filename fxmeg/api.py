@@ -15,7 +15,7 @@ from fxmeg.capture import LossFn, capture
 from fxmeg.checkpoint import gather_full_state
 from fxmeg.collectives import TP, bind_groups
 from fxmeg.config import EngineConfig, ParallelConfig, batch_dim, resolve_dp
-from fxmeg.errors import BatchError, ConfigError
+from fxmeg.errors import BatchError, ConfigError, FxmegError, closest
 from fxmeg.partition import Partition, node_flops, partition
 from fxmeg.passes.buckets import buckets as buckets_pass
 from fxmeg.passes.loss import loss as loss_pass
@@ -45,6 +45,10 @@ class StepResult:
     """True when the update was skipped (parameters and optimizer state untouched)."""
     lr: float
     """Learning rate the step used (first parameter group)."""
+    skip_reason: str | None = None
+    """Why the step was skipped: 'nonfinite' (inf / NaN gradient) or 'grad_norm'."""
+    rerun_mismatch: bool | None = None
+    """With check_determinism: whether a second forward / backward differed."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ def parallelize(
     loss_scale: LossScaleConfig | None = None,
     lr_schedule: LRSchedule | None = None,
     loss_fn: LossFn | None = None,
+    **options,
 ) -> Engine:
     """Capture ``model`` on one example micro-batch and return an engine that trains it
     with Megatron-LM's semantics on this process's rank.
@@ -115,6 +120,7 @@ def parallelize(
         overlap_param_gather=overlap_param_gather,
         loss_scale=loss_scale or LossScaleConfig(),
         lr_schedule=lr_schedule,
+        **_engine_options(options),
     )
     fp32_values = None
     if config.dtype != torch.float32:
@@ -125,6 +131,7 @@ def parallelize(
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     gm = loss_pass(captured.gm, explicit=captured.explicit_loss)
     flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+    checks = program.value_checks(gm)
     tp_rank = Topology(tp=tp, pp=pp, dp=dp).coords(dist.get_rank() if world > 1 else 0)[0]
     gm = tp_pass(gm, tp=tp, rank=tp_rank, plan=dict(parallel.tp_plan),
                  sequence_parallel=sequence_parallel)
@@ -152,6 +159,7 @@ def parallelize(
         fp32_values=fp32_values,
         full_shapes=full_shapes,
         flops_per_microbatch=flops,
+        value_checks=checks,
     )
 
 
@@ -173,18 +181,21 @@ class Engine:
         fp32_values: dict[str, torch.Tensor] | None,
         full_shapes: dict[str, tuple[torch.Size, torch.dtype]],
         flops_per_microbatch: float,
+        value_checks: list[program.ValueCheck] = (),
     ) -> None:
         par = config.parallel
         self.config, self.partition, self.parent = config, partition, parent
         self.model, self.aliases, self._input_names = model, aliases, input_names
         self.full_shapes = full_shapes
         self.flops_per_microbatch = flops_per_microbatch
+        self._value_checks = value_checks
         """Forward FLOPs of the whole model on one micro-batch (matmuls and attention)."""
         self._example = example_inputs
         all_chunks = program.chunks(parent)
         self.holders = program.holders(all_chunks, par.pp)
         tied = sorted({frozenset(r) for r in self.holders.values() if len(r) > 1}, key=sorted)
-        self.groups: Groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied)
+        self.groups: Groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied,
+                                           timeout_s=config.comm_timeout_s)
         pp_rank = self.groups.pp_rank
         self.chunks = {c: gm for c, gm in enumerate(all_chunks) if c % par.pp == pp_rank}
         if self.groups.tp is not None:
@@ -206,8 +217,10 @@ class Engine:
             holders=self.holders, distributed=config.distributed_optimizer,
             overlap_param_gather=config.overlap_param_gather,
             tp_sharded={n for n, spec in self.tp_specs.items() if spec[0] == "shard"},
-            clip_grad=config.clip_grad, check_overflow=config.precision == "fp16",
-            fp32_values=fp32_values,
+            clip_grad=config.clip_grad, fp32_values=fp32_values,
+            check_nonfinite=config.check_for_nan_in_grad or config.precision == "fp16",
+            raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
+            max_grad_norm=config.skip_on_grad_norm_above,
         )
         self.scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.scheduler = (
@@ -221,9 +234,10 @@ class Engine:
         self._train_steps = self._lower(compute)[pp_rank]
         self.executor = Executor(
             self.chunks, rank=self.groups.rank, pp=par.pp, peer=self.groups.pp_peer,
-            group=self.groups.pp, device=self.device,
+            group=self.groups.pp, device=self.device, timeout_s=config.comm_timeout_s,
         )
         self.executor.on_grad_sync = self.ddp.start_sync
+        self.consecutive_skips = 0
         self._aux = next(((gm, program.token_counter(gm)) for gm in self.chunks.values()
                           if hasattr(gm, ops.AUX_SCALE)), None)
 
@@ -268,10 +282,42 @@ class Engine:
         self.ddp.wait_for_params()
         return self.optimizer.global_norm("master")
 
-    def train_step(self, batch: Batch | Iterator[Batch]) -> StepResult:
+    def train_step(self, batch: Batch | Iterator[Batch] | None, *, check_determinism: bool = False) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
-        the same on every rank) or an iterator over this rank's micro-batches."""
+        the same on every rank) or an iterator over this rank's micro-batches.
+
+        ``check_determinism`` runs forward and backward twice on the batch (Megatron's
+        rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
+        differed; the step then uses the second run."""
         mbs = self._microbatches(batch, self.config.num_microbatches)
+        mismatch = None
+        if check_determinism:
+            first = self._forward_backward(mbs)
+            grads = [b.data.clone() for b in self.ddp.all()]
+        loss_sum, num_tokens = self._forward_backward(mbs)
+        if check_determinism:
+            same = (loss_sum, num_tokens) == first and all(
+                torch.equal(g, b.data) for g, b in zip(grads, self.ddp.all()))
+            flag = torch.tensor([0.0 if same else 1.0], device=self.device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mismatch = bool(flag.item())
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        outcome = self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=outcome.skip_reason == "nonfinite")
+        if self.scheduler is not None and not outcome.skipped:
+            self.scheduler.step(self.config.global_batch_size)
+        self._count_skips(outcome)
+        return StepResult(
+            loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
+            grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
+            skip_reason=outcome.skip_reason, rerun_mismatch=mismatch,
+        )
+
+    def _forward_backward(self, mbs: list[Batch]) -> tuple[float, float]:
+        """All micro-batches through the schedule, gradients reduced and finalized;
+        the global (loss_sum, num_tokens)."""
         self.ddp.zero_grad_buffer()
         if self._aux is not None:
             self._weigh_aux_loss(mbs)
@@ -279,16 +325,17 @@ class Engine:
         stats = self.executor.run(self._train_steps, mbs, train=True, loss_scale=scale)
         loss_sum, num_tokens = self._reduce_stats(stats)
         finalize_model_grads(self.ddp, self._tied, max(num_tokens, 1.0) * scale)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        outcome = self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update(found_inf=outcome.skipped)
-        if self.scheduler is not None and not outcome.skipped:
-            self.scheduler.step(self.config.global_batch_size)
-        return StepResult(
-            loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
-            grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
-        )
+        return loss_sum, num_tokens
+
+    def _count_skips(self, outcome) -> None:
+        self.consecutive_skips = self.consecutive_skips + 1 if outcome.skipped else 0
+        limit = self.config.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            raise FxmegError(
+                f"{self.consecutive_skips} steps in a row were skipped (last: "
+                f"{outcome.skip_reason}); the run is not recovering. Lower the learning rate, "
+                "check the data, or raise max_consecutive_skips"
+            )
 
     def _weigh_aux_loss(self, mbs: list[Batch]) -> None:
         """Each micro-batch's auxiliary loss enters the gradients with weight 1 / (m * dp)
@@ -335,6 +382,7 @@ class Engine:
             return [()] * m
         if isinstance(batch, tuple):
             self._check(batch, rows=m * mbs * dp, what="global batch")
+            self._check_values(batch, "global batch")
             r = self.groups.dp_rank
             rows = [slice((i * dp + r) * mbs, (i * dp + r + 1) * mbs) for i in range(m)]
             out = [tuple(t[s] for t in batch) for s in rows]
@@ -342,6 +390,7 @@ class Engine:
             out = [next(batch) for _ in range(m)]
             for mb in out:
                 self._check(mb, rows=mbs, what="micro-batch")
+                self._check_values(mb, "micro-batch")
         return [_cast(tuple(t.to(self.device, non_blocking=True) for t in mb), self.config.dtype) for mb in out]
 
     def _check(self, batch: Batch, *, rows: int, what: str) -> None:
@@ -360,6 +409,22 @@ class Engine:
                     f"{rows} rows = micro_batch_size x dp x micro-batches)"
                 )
 
+    def _check_values(self, batch: Batch, what: str) -> None:
+        """Labels inside the loss's classes and token ids inside their embedding, checked
+        on every rank that has the batch, before any communication: out of range they
+        would fail deep in one stage's forward while the other ranks wait."""
+        for c in self._value_checks:
+            t = batch[c.index]
+            bad = (t >= c.high) | ((t < 0) & (t != c.ignore) if c.ignore is not None else (t < 0))
+            if bool(bad.any()):
+                where = tuple(int(i) for i in bad.nonzero()[0])
+                allowed = f"0..{c.high - 1}" + (f" or {c.ignore}" if c.ignore is not None else "")
+                raise BatchError(
+                    f"{what} input {self._input_names[c.index]!r} holds {int(t[where])} at "
+                    f"{where}: {c.what} must be in {allowed}; check the tokenizer's vocabulary "
+                    f"against the model's ({c.high})"
+                )
+
     # ------------------------------------------------------------ state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -367,6 +432,16 @@ class Engine:
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
         return gather_full_state(self)
+
+
+def _engine_options(options: dict) -> dict:
+    """EngineConfig fields given as keyword options; an unknown name is refused with the
+    nearest valid one."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"parallel", "micro_batch_size", "global_batch_size"}
+    for name in options:
+        if name not in fields:
+            raise ConfigError(f"parallelize() got an unknown option {name!r}" + closest(name, sorted(fields)))
+    return options
 
 
 def _cast(batch: Batch, dtype: torch.dtype) -> Batch:

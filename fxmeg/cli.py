@@ -76,6 +76,9 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     docs = _field_docs(TrainConfig)
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * pp * max(dp, 1))")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every rank this often after one fails; with --load set to the "
+                        "--save directory the run resumes from its latest complete checkpoint")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
@@ -130,10 +133,10 @@ def _train(args) -> int:
     if nproc == 1:
         _worker(cfg)
         return 0
-    return _launch(cfg, nproc)
+    return _launch(cfg, nproc, args.max_restarts)
 
 
-def _launch(cfg, nproc: int) -> int:
+def _launch(cfg, nproc: int, max_restarts: int = 0) -> int:
     """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
     On SIGTERM the launcher passes it to the ranks, which finish their step, save and
     exit 0; the command then exits 0 too."""
@@ -142,7 +145,7 @@ def _launch(cfg, nproc: int) -> int:
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn",
     )
     try:
@@ -164,12 +167,25 @@ def _worker(cfg) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
     try:
         Trainer(cfg).run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world: int):
+    """The rendezvous store, prefixed by the restart attempt. torch's elastic agent keeps
+    one store across restarts (TORCHELASTIC_USE_AGENT_STORE), so a restarted rank would
+    otherwise read the dead ranks' gloo addresses and fail with 'Connection refused'."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world, is_master=not agent and rank == 0)
+    return dist.PrefixStore(f"fxmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _field_docs(cls) -> dict[str, str]:

@@ -112,6 +112,17 @@ class EngineConfig:
     """fp16 loss scaling (ignored for fp32 / bf16)."""
     lr_schedule: LRSchedule | None = None
     """Learning-rate / weight-decay schedule in samples; None keeps the optimizer's lr."""
+    check_for_nan_in_grad: bool = True
+    """Look for inf / NaN in the reduced gradients every step (fp16 always does)."""
+    on_nonfinite: str = "skip"
+    """bf16 / fp32: 'skip' the step on every rank, or 'raise' naming parameter and rank."""
+    skip_on_grad_norm_above: float = 0.0
+    """Skip a step whose global gradient norm exceeds this (a loss-spike guard; 0: off)."""
+    max_consecutive_skips: int = 50
+    """Stop with an error after this many skipped steps in a row (0: never). fp16's first
+    steps skip while the loss scale backs off from 2^32: keep this above ~25 there."""
+    comm_timeout_s: float = 600.0
+    """Seconds a pipeline send / receive may wait before the step fails naming the peer."""
     overlap_grad_reduce: bool = True
     """Reduce each gradient bucket as soon as it is complete, overlapping backward."""
     bucket_size: int | None = None
@@ -135,6 +146,13 @@ class EngineConfig:
             raise ConfigError(
                 f"precision={self.precision!r} is not one of {tuple(DTYPES)}"
                 + closest(self.precision, DTYPES)
+            )
+        if self.on_nonfinite not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be 'skip' or 'raise'")
+        if self.skip_on_grad_norm_above < 0 or self.max_consecutive_skips < 0 or self.comm_timeout_s <= 0:
+            raise ConfigError(
+                "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
+                f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
             )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(

@@ -38,6 +38,19 @@ class Metrics:
                     self._writer.add_scalar(f"{kind}/{key}", value, values["iteration"])
             self._writer.flush()
 
+    def rewind(self, iteration: int) -> None:
+        """After resuming at ``iteration``: drop the records of steps after it (a run that
+        died after its last checkpoint logged them; the resumed run logs them again)."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with self._lock:
+            kept = [r for r in read(os.path.dirname(self.path)) if r.get("iteration", 0) <= iteration
+                    or r["kind"] not in ("train", "eval")]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(self.path + ".tmp", self.path)
+        self.record("event", {"iteration": iteration, "resumed": True})
+
     def show(self, text: str, *, iteration: int | None = None, final: bool = False) -> None:
         """A console line: redrawn in place on a terminal, one line per call otherwise."""
         if not self.progress:

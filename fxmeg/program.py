@@ -147,3 +147,52 @@ def token_counter(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[target])
     return fx.GraphModule(gm, graph)
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """Input ``index`` must hold values in [0, high) (``ignore`` allowed too)."""
+
+    index: int
+    high: int
+    ignore: int | None
+    what: str
+    """'labels (classes of the loss)' or 'token ids (rows of embedding X)'."""
+
+
+_PASS_THROUGH = {
+    "view", "reshape", "_unsafe_view", "flatten", "to", "_to_copy", "contiguous", "clone",
+    "alias", "slice", "unsqueeze", "squeeze", "pad", "constant_pad_nd", "expand",
+}
+
+
+def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
+    """Which inputs index a loss's classes or an embedding's rows (through views, casts,
+    slices and padding), with their valid range; for checking batches up front."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema else ""
+        if name in ("aten::cross_entropy_loss", "aten::nll_loss_nd", "aten::nll_loss"):
+            source = _source(node.args[1], inputs)
+            ignore = node.args[4] if len(node.args) > 4 else -100
+            if source is not None:
+                classes = node.args[0].meta["val"].shape[1 if node.args[0].meta["val"].dim() > 1 else 0]
+                out.append(ValueCheck(source, classes, ignore, "labels (classes of the loss)"))
+        elif name == "aten::embedding":
+            source = _source(node.args[1], inputs)
+            if source is not None:
+                rows = node.args[0].meta["val"].shape[0]
+                module = node.meta.get("fxmeg", {}).get("module", "")
+                out.append(ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})"))
+    return out
+
+
+def _source(node, inputs: list[fx.Node]) -> int | None:
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        base = getattr(node.target, "__name__", "").split(".")[0]
+        if base not in _PASS_THROUGH:
+            return None
+        node = node.args[0]
+    return inputs.index(node) if isinstance(node, fx.Node) and node in inputs else None

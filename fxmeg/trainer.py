@@ -126,6 +126,16 @@ class TrainConfig:
     """Write checkpoints in the background while training goes on."""
     init_from: str = ""
     """Start from a plain state_dict file (e.g. one written by `fxmeg export`)."""
+    check_determinism: bool = False
+    """Run each step's forward and backward twice and report steps that differ."""
+    on_nonfinite: str = "skip"
+    """An inf / NaN gradient (bf16 / fp32): 'skip' the step everywhere, or 'raise'."""
+    skip_on_grad_norm_above: float = 0.0
+    """Skip steps whose gradient norm exceeds this (loss-spike guard; 0: off)."""
+    max_consecutive_skips: int = 50
+    """Stop with an error after this many skipped steps in a row (0: never)."""
+    comm_timeout_s: float = 600.0
+    """Seconds a pipeline exchange or collective may wait before the run fails naming the peer."""
 
     def __post_init__(self) -> None:
         if (self.train_iters > 0) == (self.train_samples > 0):
@@ -240,7 +250,9 @@ class Trainer:
             precision=cfg.precision, clip_grad=cfg.clip_grad,
             distributed_optimizer=cfg.distributed_optimizer,
             overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
-            lr_schedule=schedule,
+            lr_schedule=schedule, on_nonfinite=cfg.on_nonfinite,
+            skip_on_grad_norm_above=cfg.skip_on_grad_norm_above,
+            max_consecutive_skips=cfg.max_consecutive_skips, comm_timeout_s=cfg.comm_timeout_s,
         )
 
     # ------------------------------------------------------------------ loop
@@ -256,10 +268,11 @@ class Trainer:
             while not self._finished():
                 self._switch_batch_size()
                 size = self.engine.config.global_batch_size
-                result = self.engine.train_step(self._train_batch(size))
+                result = self.engine.train_step(self._train_batch(size), check_determinism=cfg.check_determinism)
                 self.iteration += 1
                 self.consumed += size
                 self.skipped += result.skipped
+                self._report_step(result)
                 window.append((result, size))
                 if self.iteration % cfg.log_interval == 0:
                     self._log(window, time.monotonic() - window_start)
@@ -287,6 +300,17 @@ class Trainer:
             self.checkpointer.wait()  # never leave a background save behind
         return {**self.last_train, **self.last_eval, "iteration": self.iteration,
                 "consumed_samples": self.consumed, "exit": reason}
+
+    def _report_step(self, result) -> None:
+        """Events worth a line of their own: skipped and non-deterministic steps."""
+        if result.skipped:
+            self.metrics.record("event", {"iteration": self.iteration, "skipped": result.skip_reason,
+                                          "grad_norm": result.grad_norm})
+            self.metrics.say(f"step {self.iteration} skipped ({result.skip_reason})")
+        if result.rerun_mismatch:
+            self.metrics.record("event", {"iteration": self.iteration, "nondeterministic": True})
+            self.metrics.say(f"step {self.iteration} is not deterministic: its rerun gave a different "
+                             "loss or gradients (same batch, same parameters)")
 
     def _finished(self) -> bool:
         cfg = self.cfg
@@ -409,6 +433,7 @@ class Trainer:
             return
         self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
+        self.metrics.rewind(self.iteration)
         self.metrics.say(f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples")
 
 

@@ -78,3 +78,41 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
     with open(os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read(), "meta.json")) as f:
         meta = json.load(f)
     assert meta["iteration"] == last and meta["trainer"]["consumed_samples"] == 16 * last
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _train_args(corpus, run, ckpt):
+    return ["train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2", "--seq-len", "64",
+            "--global-batch-size", "16", "--train-iters", "20", "--lr", "3e-3", "--lr-decay-samples", "400",
+            "--save-interval", "5", "--save", ckpt, "--load", ckpt, "--log-interval", "1",
+            "--eval-iters", "1", "--run-dir", run, "--no-progress"]
+
+
+def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
+    whole = fxmeg(*_train_args(corpus, str(tmp_path / "whole"), str(tmp_path / "whole-ckpt")))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fxmeg.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        done = [r["iteration"] for r in read(run) if r["kind"] == "train"] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
+        if done and max(done) >= 12:
+            break
+        time.sleep(0.1)
+    victim = _children(proc.pid)[-1]  # one of the four ranks, mid-step
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    records = read(run)
+    assert any(r.get("resumed") for r in records)  # it did restart, from the checkpoint of step 10
+    steps = [r["iteration"] for r in records if r["kind"] == "train"]
+    assert steps == list(range(1, 21))  # no step twice, none lost
+    losses = {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+    reference = {r["iteration"]: r["loss"] for r in read(str(tmp_path / "whole")) if r["kind"] == "train"}
+    assert [losses[i] for i in range(11, 21)] == [reference[i] for i in range(11, 21)]  # exact, fp32

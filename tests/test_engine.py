@@ -96,10 +96,18 @@ def test_batch_with_wrong_shape_is_refused():
 
 def test_failure_inside_the_schedule_names_rank_step_and_action():
     engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), global_batch_size=4)
-    ids, labels = make_batch(4, seed=0)
-    labels[3, 5] = 500  # out of the vocabulary: fails in the second micro-batch's forward
+    chunk, calls = engine.chunks[0], []
+    forward = chunk.forward
+
+    def second_call_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise IndexError("index out of range in self")
+        return forward(*args)
+
+    chunk.forward = second_call_fails  # the second micro-batch's forward
     with pytest.raises(fxmeg.FxmegError) as err:
-        engine.train_step((ids, labels))
+        engine.train_step(make_batch(4, seed=0))
     msg = str(err.value)
     assert "rank 0: step 2 (0F1) failed: IndexError" in msg
     assert "0F0 0B0 >>0F1<< 0GS1 0B1" in msg

@@ -60,7 +60,9 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
     (an ``Indivisible`` when only divisibility is in the way).
 
     The split dim must be the outermost (non-1) dim of its group; the shard moves to the
-    outermost dim of the matching output group, which must be divisible by tp. Blocks
+    outermost (non-1) dim of the matching output group, which must be divisible by tp.
+    Splitting the last (feature) dim into several, as (heads, head_dim), puts the shard on
+    the first of them, a single head included (1 KV head: tp must divide 1). Blocks
     survive only when the split dim is left alone.
     """
     for gi, gj in dim_groups(a, b):
@@ -72,7 +74,9 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
                     f"larger dim with dims outside it")
         o = outer_out[0]
-        if len(outer_in) == 1 and len(outer_out) == 1:
+        if s.dim == len(a) - 1 and len(gj) > 1 and gj[-1] == len(b) - 1:
+            o = gj[0]  # features -> (heads, head_dim): the split is over heads, even one
+        elif len(outer_in) == 1 and len(outer_out) == 1:
             return s.moved(o)  # the split dim keeps its size: blocks survive
         if len(s.parts) > 1:
             return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"

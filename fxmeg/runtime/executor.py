@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,10 @@ class _State:
     stats: torch.Tensor | None = None
 
 
+class CommTimeoutError(ScheduleError):
+    """A pipeline peer did not answer within comm_timeout_s."""
+
+
 class Executor:
     """Runs this rank's lowered schedules over the chunks this rank holds."""
 
@@ -57,11 +62,14 @@ class Executor:
         peer: Callable[[int], int],
         group: dist.ProcessGroup | None,
         device: torch.device,
+        timeout_s: float = 600.0,
     ) -> None:
         self.chunks = chunks
         self.specs: dict[int, ChunkSpec] = {c: chunk_spec(gm) for c, gm in chunks.items()}
         self.rank, self.pp = rank, pp
+        self.rank_stage = min(chunks) % pp if chunks else 0
         self.peer, self.group, self.device = peer, group, device
+        self.timeout = timedelta(seconds=timeout_s)
         self.counters = Counters()
         self.on_grad_sync: Callable[[int], None] | None = None
         """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
@@ -159,16 +167,28 @@ class Executor:
     # ------------------------------------------------------------ communication
 
     def _communicate(self, step: Step) -> None:
-        """Post every point-to-point op of the group at once, then wait for all."""
-        ops = []
+        """Post every point-to-point op of the group at once, then wait for all, each
+        for at most the timeout: a peer that stops answering fails the step by name."""
+        ops, peers = [], []
         for a in step:
             tensors, peer_chunk, send = self._buffers(a)
             op = dist.isend if send else dist.irecv
             peer = self.peer(peer_chunk % self.pp)
             ops.extend(dist.P2POp(op, t, peer, self.group) for t in tensors)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            peers.extend([(a, peer_chunk % self.pp, peer)] * len(tensors))
+        if not ops:
+            return
+        for work, (a, stage, peer) in zip(dist.batch_isend_irecv(ops), peers):
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as exc:
+                what = "sending to" if a.kind in (Kind.SEND_F, Kind.SEND_B) else "receiving from"
+                raise CommTimeoutError(
+                    f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
+                    f"{what} rank {peer} (pipeline stage {stage}) for {a}; that rank stopped "
+                    f"answering (crashed, hung, or far slower). Raise comm_timeout_s if it is "
+                    f"just slow. ({exc})"
+                ) from exc
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
         key, spec = (a.chunk, a.mb), self.specs[a.chunk]

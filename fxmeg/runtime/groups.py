@@ -7,6 +7,7 @@ Rank layout (Megatron's default order, tensor-parallel fastest):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 
 import torch
@@ -78,8 +79,9 @@ class Groups:
         return self.topo.rank(tp=tp, dp=dp, pp=pp_rank)
 
 
-def build_groups(topo: Topology, *, tied: list[frozenset[int]] = ()) -> Groups:
-    """Create every group in the same order on every rank (new_group is collective)."""
+def build_groups(topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None) -> Groups:
+    """Create every group in the same order on every rank (new_group is collective);
+    their collectives fail after ``timeout_s`` instead of waiting forever."""
     if topo.world_size == 1:
         return Groups(topo, 0, tied={s: None for s in tied})
     rank = dist.get_rank()
@@ -90,18 +92,19 @@ def build_groups(topo: Topology, *, tied: list[frozenset[int]] = ()) -> Groups:
         ("tp", topo.tp_groups()),
         ("mp", topo.mp_groups()),
     ):
-        setattr(groups, name, _make(layout, rank))
+        setattr(groups, name, _make(layout, rank, timeout_s))
     for pp_ranks in tied:
-        groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank)
+        groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank, timeout_s)
     return groups
 
 
-def _make(layout: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+def _make(layout: list[list[int]], rank: int, timeout_s: float | None) -> dist.ProcessGroup | None:
     mine = None
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     for ranks in layout:
         if len(ranks) == 1:  # every rank skips the same singleton groups
             continue
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxmeg.errors import FxmegError
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
 
@@ -70,6 +71,12 @@ class _Piece:
 class StepOutcome:
     skipped: bool
     grad_norm: float | None
+    skip_reason: str | None = None
+    """'nonfinite' (inf / NaN in a gradient) or 'grad_norm' (above the spike bound)."""
+
+
+class NonFiniteGradError(FxmegError):
+    """A gradient held inf or NaN and the run asked to stop (on_nonfinite='raise')."""
 
 
 class Optimizer:
@@ -87,12 +94,15 @@ class Optimizer:
         overlap_param_gather: bool = False,
         tp_sharded: set[str] = frozenset(),
         clip_grad: float,
-        check_overflow: bool,
+        check_nonfinite: bool,
+        raise_on_nonfinite: bool = False,
+        max_grad_norm: float = 0.0,
         fp32_values: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.groups, self.distributed, self.clip_grad = groups, distributed, clip_grad
         self.overlap_param_gather = overlap_param_gather
-        self.check_overflow = check_overflow
+        self.check_nonfinite, self.raise_on_nonfinite = check_nonfinite, raise_on_nonfinite
+        self.max_grad_norm = max_grad_norm
         self.ddp = ddp
         tp_rank = groups.topo.coords(groups.rank)[0]
         counted = {  # each element once: tied weights on their first pipeline holder,
@@ -119,11 +129,24 @@ class Optimizer:
         return self.inner.param_groups
 
     def step(self) -> StepOutcome:
-        """One update from the finalized gradients (reference §7)."""
+        """One update from the finalized gradients (reference §7). Every rank takes the
+        same decision: skip on inf / NaN anywhere (or raise, naming where), skip when the
+        global norm exceeds max_grad_norm, else clip and update."""
         self.ddp.wait_for_params()  # last step's gathers must land before masters copy back
-        if self.check_overflow and self._found_inf():
-            return StepOutcome(skipped=True, grad_norm=None)
-        norm = self._clip()
+        if self.check_nonfinite:
+            where = self._nonfinite()
+            if where is not None:
+                if self.raise_on_nonfinite:
+                    rank, name = where
+                    raise NonFiniteGradError(
+                        f"gradient of {name!r} holds inf or NaN on rank {rank} (after the "
+                        f"data-parallel reduction); set on_nonfinite='skip' to skip such steps"
+                    )
+                return StepOutcome(skipped=True, grad_norm=None, skip_reason="nonfinite")
+        norm = self.global_norm("grad")
+        if self.max_grad_norm and norm > self.max_grad_norm:
+            return StepOutcome(skipped=True, grad_norm=norm, skip_reason="grad_norm")
+        self._clip(norm)
         for piece in self.pieces:
             piece.master.grad = piece.grad
         self.inner.step()
@@ -136,17 +159,21 @@ class Optimizer:
                 buf.gather_params(overlap=self.overlap_param_gather)
         return StepOutcome(skipped=False, grad_norm=norm)
 
-    def _found_inf(self) -> bool:
-        """Any inf/NaN in this rank's gradients, OR-ed over every rank (all data- and
-        model-parallel ranks skip together)."""
-        bad = torch.zeros(1, device=self._device())
-        for piece in self.pieces:
-            if not torch.isfinite(piece.grad).all():
-                bad.fill_(1.0)
-                break
-        if dist.is_initialized() and dist.get_world_size() > 1:
+    def _nonfinite(self) -> tuple[int, str] | None:
+        """(rank, parameter) of the first inf / NaN gradient over every rank (all data-
+        and model-parallel ranks see the same answer), or None."""
+        first = next((p.name for p in self.pieces if not torch.isfinite(p.grad).all()), None)
+        bad = torch.tensor([0.0 if first is None else 1.0], device=self._device())
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
+        if not bad.item():
+            return None
+        if not multi:
+            return (0, first)
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, first)
+        return next((r, name) for r, name in enumerate(found) if name is not None)
 
     @torch.no_grad()
     def global_norm(self, which: str) -> float:
@@ -162,15 +189,13 @@ class Optimizer:
         all_reduce(total, self.groups.pp)
         return math.sqrt(float(total))
 
-    def _clip(self) -> float:
-        """The global gradient norm; gradients scaled when it exceeds clip_grad."""
-        norm = self.global_norm("grad")
+    def _clip(self, norm: float) -> None:
+        """Scale the gradients when the global norm exceeds clip_grad."""
         if self.clip_grad > 0:
             coeff = self.clip_grad / (norm + 1e-6)
             if coeff < 1.0:  # Megatron: clip_grad_norm_fp32
                 for piece in self.pieces:
                     piece.grad.mul_(coeff)
-        return norm
 
     def _device(self) -> torch.device:
         return self.pieces[0].grad.device if self.pieces else torch.device("cpu")

@@ -1,0 +1,188 @@
+"""Every bad input of docs/errors.md is refused with an FxmegError that names the cause,
+on real ranks, before any process group or collective (counted)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxmeg
+from fxmeg.checkpoint import Checkpointer
+from fxmeg.cli import _train_parser, config_from
+from tests.distributed import run_world
+from tests.helpers import make_batch, make_model
+
+COUNTED = ["new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object",
+           "batch_isend_irecv", "isend", "irecv", "send", "recv", "reduce_scatter_tensor",
+           "all_gather_into_tensor", "gather", "scatter", "broadcast_object_list"]
+
+
+def _ex(rows=2, **kw):
+    return make_batch(rows, seed=0, **kw)
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 8)])
+
+    def forward(self, ids, labels):
+        return self.layers[0](ids)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 8)])
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids)
+        return h.sum() if h.sum() > 0 else h.mean()
+
+
+class _Squared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        return nn.functional.cross_entropy(self.layers[0](ids).flatten(0, 1), labels.flatten()) ** 2
+
+
+class _BatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.bn = nn.Embedding(128, 8), nn.BatchNorm1d(16)
+
+    def forward(self, ids, labels):
+        return self.bn(self.emb(ids)).mean()
+
+
+def _engine():
+    return fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=4)  # dp=2
+
+
+def _bad_batch(change):
+    ids, labels = make_batch(4, seed=1)
+    return change(ids, labels)
+
+
+def _config_file(text: str):
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    parser = argparse.ArgumentParser()
+    _train_parser(parser)
+    return config_from(parser.parse_args(["--config", f.name]))
+
+
+def _checkpoint_of_another_model():
+    directory = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-{os.getppid()}")
+    big = fxmeg.parallelize(make_model("gpt", n_layer=2), _ex(), global_batch_size=4)
+    Checkpointer(big).save(directory, 1, {})
+    small = Checkpointer(fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4))
+    return lambda: small.load(directory)
+
+
+# row id -> (set-up returning the failing call, or the failing call itself; message)
+ROWS = {
+    "world-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, dp=2),
+                   "tp * pp * dp = 1 * 2 * 2 = 4 does not match the world size 2"),
+    "global-batch": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=6),
+                     "global_batch_size=6 is not divisible by micro_batch_size * dp = 2 * 2 = 4"),
+    "pipeline-chunks": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, vpp=4),
+                        "pp * vpp = 8 chunks, but the model has only 4 blocks"),
+    "interleaved-microbatches": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, vpp=2, global_batch_size=6),
+                                 "needs the micro-batch count m to be a multiple of 2"),
+    "tp-heads": (lambda: fxmeg.parallelize(make_model("gpt", n_embd=48, n_head=3), _ex(), tp=2),
+                 "tp=2 does not divide 3, the number of heads"),
+    "tp-kv-heads": (lambda: fxmeg.parallelize(make_model("llama", n_kv_head=1), _ex(), tp=2),
+                    "tp=2 does not divide 1, the number of heads"),
+    "tp-vocabulary": (lambda: fxmeg.parallelize(make_model("gpt", vocab_size=127), _ex(vocab=127), tp=2),
+                      "pad the vocabulary to a multiple of 2 (e.g. 128)"),
+    "example-batch-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),
+                           "batch dimension is 2, but micro_batch_size=4"),
+    "example-batch-dims": (lambda: fxmeg.parallelize(make_model("gpt"), (_ex()[0], _ex(3)[1])),
+                           "every example input needs the same batch dimension"),
+    "no-scalar-loss": (lambda: fxmeg.parallelize(_Logits(), _ex()), "not a scalar loss"),
+    "uncapturable": (lambda: fxmeg.parallelize(_DataDependent(), _ex()),
+                     "torch.export could not capture _DataDependent"),
+    "unrecognised-loss": (lambda: fxmeg.parallelize(_Squared(), _ex()), "cannot recognise the loss"),
+    "buffer-update": (lambda: fxmeg.parallelize(_BatchNorm(), _ex()), "updates bn.num_batches_tracked in place"),
+    "split-point": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, split_points=["layers.9"]),
+                    "split point 'layers.9' names no block"),
+    "schedule-name": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, schedule="1f1f"),
+                      "did you mean '1f1b'"),
+    "unknown-option": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), on_nonfinit="raise"),
+                       "unknown option 'on_nonfinit' (did you mean 'on_nonfinite'?)"),
+    "sequence-parallel-without-tp": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), sequence_parallel=True),
+                                     "sequence_parallel=True needs tp > 1"),
+    "config-file-key": (lambda: _config_file('data = "x"\ntrain_iters = 1\nglobal_bach_size = 8\n'),
+                        "unknown config key 'global_bach_size'"),
+    "batch-size-schedule": (lambda: _config_file('data = "x"\ntrain_iters = 1\nstep_batch_size_schedule = "64:16 128:8"\nglobal_batch_size = 8\n'),
+                            "would shrink the global batch from 16 to 8"),
+}
+SET_UP = {  # rows whose failing call needs a working engine first: counted from the call on
+    "batch-shape": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i[:, :15], l))))(),
+                    "'input_ids' has shape (4, 15)"),
+    "batch-dtype": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i, l.float()))))(),
+                    "'labels' has shape (4, 16) and dtype torch.float32"),
+    "labels-out-of-range": (lambda: (lambda e=_engine(): lambda: e.train_step(
+        _bad_batch(lambda i, l: (i, l.index_fill(1, torch.tensor([3]), 300)))))(),
+        "'labels' holds 300 at (0, 3): labels (classes of the loss) must be in 0..127 or -100"),
+    "token-ids-out-of-range": (lambda: (lambda e=_engine(): lambda: e.train_step(
+        _bad_batch(lambda i, l: (i.index_fill(1, torch.tensor([2]), 128), l))))(),
+        "'input_ids' holds 128 at (0, 2): token ids (rows of embedding 'wte') must be in 0..127"),
+    "incompatible-checkpoint": (_checkpoint_of_another_model, "is from an incompatible model"),
+}
+
+
+def run(rank: int) -> dict:
+    counts = {name: 0 for name in COUNTED}
+    for name in COUNTED:
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    out = {}
+    for row, (make, _) in {**ROWS, **SET_UP}.items():
+        call = make() if row in SET_UP else make
+        for name in counts:
+            counts[name] = 0
+        try:
+            call()
+            out[row] = ("no error", {})
+        except fxmeg.FxmegError as err:
+            out[row] = (str(err), {k: v for k, v in counts.items() if v})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_world(2, run)
+
+
+@pytest.mark.parametrize("row", list(ROWS) + list(SET_UP))
+def test_refused_with_its_cause_before_any_collective(results, row):
+    expected = {**ROWS, **SET_UP}[row][1]
+    for rank in results:
+        message, calls = rank[row]
+        assert expected in message, message
+        assert calls == {}, f"{row}: {calls} before failing"
+
+
+def test_the_table_in_docs_lists_every_row():
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
+    with open(path) as f:
+        documented = re.findall(r"^\| `([a-z0-9-]+)` \|", f.read(), flags=re.M)
+    assert sorted(documented) == sorted(list(ROWS) + list(SET_UP))
+    assert len(documented) >= 15
