@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from fxmeg.runtime.groups import Groups, Topology, all_reduce, build_groups
 from fxmeg.runtime.loss_scale import LossScaleConfig, LossScaler
 from fxmeg.runtime.lr_schedule import LRSchedule, ParamScheduler
 from fxmeg.runtime.optimizer import Optimizer, OptimizerFactory, default_optimizer
+from fxmeg.trace import Tracer
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class Engine:
         self.tp_specs = program.tp_specs(self.chunks.values())
         self.named_parameters = program.unique_parameters(self.chunks.values())
         self.device = _device(self.named_parameters, example_inputs)
+        self.tracer = Tracer()
         self.ddp = self._data_parallel()
         self._tied = [  # sorted: every holder issues these all-reduces in the same order
             (self.named_parameters[n], self.groups.tied[frozenset(self.holders[n])])
@@ -237,6 +240,7 @@ class Engine:
             group=self.groups.pp, device=self.device, timeout_s=config.comm_timeout_s,
         )
         self.executor.on_grad_sync = self.ddp.start_sync
+        self.executor.tracer = self.tracer
         self.consecutive_skips = 0
         self._aux = next(((gm, program.token_counter(gm)) for gm in self.chunks.values()
                           if hasattr(gm, ops.AUX_SCALE)), None)
@@ -248,7 +252,8 @@ class Engine:
                 GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}",
                            group=self.groups.dp, overlap=self.config.overlap_grad_reduce,
                            shard=self.config.distributed_optimizer, events=events,
-                           deferred=frozenset(n for n, h in self.holders.items() if len(h) > 1))
+                           deferred=frozenset(n for n, h in self.holders.items() if len(h) > 1),
+                           tracer=self.tracer)
                 for layout in program.buffer_layouts(gm)
             ]
             for c, gm in self.chunks.items()
@@ -282,13 +287,18 @@ class Engine:
         self.ddp.wait_for_params()
         return self.optimizer.global_norm("master")
 
-    def train_step(self, batch: Batch | Iterator[Batch] | None, *, check_determinism: bool = False) -> StepResult:
+    def train_step(
+        self, batch: Batch | Iterator[Batch] | None, *, check_determinism: bool = False, trace: bool = False
+    ) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
         the same on every rank) or an iterator over this rank's micro-batches.
 
         ``check_determinism`` runs forward and backward twice on the batch (Megatron's
         rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
-        differed; the step then uses the second run."""
+        differed; the step then uses the second run. ``trace`` records this step's
+        timeline in ``self.tracer.events`` (see fxmeg.trace)."""
+        self.tracer.begin_step(trace)
+        step_start = time.perf_counter_ns()
         mbs = self._microbatches(batch, self.config.num_microbatches)
         mismatch = None
         if check_determinism:
@@ -303,12 +313,14 @@ class Engine:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mismatch = bool(flag.item())
         lr = float(self.optimizer.param_groups[0]["lr"])
-        outcome = self.optimizer.step()
+        with self.tracer.span("optimizer", "optimizer"):
+            outcome = self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(found_inf=outcome.skip_reason == "nonfinite")
         if self.scheduler is not None and not outcome.skipped:
             self.scheduler.step(self.config.global_batch_size)
         self._count_skips(outcome)
+        self.tracer.add("step", "step", step_start, time.perf_counter_ns())
         return StepResult(
             loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
             grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
@@ -323,8 +335,9 @@ class Engine:
             self._weigh_aux_loss(mbs)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         stats = self.executor.run(self._train_steps, mbs, train=True, loss_scale=scale)
-        loss_sum, num_tokens = self._reduce_stats(stats)
-        finalize_model_grads(self.ddp, self._tied, max(num_tokens, 1.0) * scale)
+        with self.tracer.span("finalize", "finalize"):
+            loss_sum, num_tokens = self._reduce_stats(stats)
+            finalize_model_grads(self.ddp, self._tied, max(num_tokens, 1.0) * scale)
         return loss_sum, num_tokens
 
     def _count_skips(self, outcome) -> None:

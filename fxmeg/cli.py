@@ -1,10 +1,12 @@
-"""The `fxmeg` command: train, prepare-data, plot.
+"""The `fxmeg` command: train, prepare-data, export, plot, plot-schedule.
 
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
                 --tp 2 --pp 2 --train-iters 100          # or --config run.toml
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg plot runs/run
+    fxmeg train ... --trace runs/trace --trace-interval 50
+    fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
 
 `fxmeg train` starts its own ranks with torch's elastic launcher (--nproc, default
 tp * pp * max(dp, 1)) unless it already runs under torchrun.
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="draw loss / lr / throughput curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
+    schedule = sub.add_parser("plot-schedule", help="draw a traced step (--trace) as a rank x time chart")
+    schedule.add_argument("trace", help="a step_N.json written with --trace DIR")
+    schedule.add_argument("--out", default=None, help="PNG path (default: the trace's, .png)")
     args = parser.parse_args(argv)
     if args.command == "prepare-data":
         return _prepare(args)
@@ -51,10 +56,27 @@ def main(argv: list[str] | None = None) -> int:
 
         print(draw(args.run_dir, args.out))
         return 0
+    if args.command == "plot-schedule":
+        return _plot_schedule(args)
     return _train(args)
 
 
 # ---------------------------------------------------------------- prepare-data / plot
+
+
+def _plot_schedule(args) -> int:
+    from fxmeg import trace
+
+    per_rank = trace.load(args.trace)
+    out = args.out or os.path.splitext(args.trace)[0] + ".png"
+    trace.plot(per_rank, out, title=os.path.basename(args.trace))
+    summary = trace.analyze(per_rank)
+    for r in summary["ranks"]:
+        hidden = "-" if r["dp_hidden"] is None else f"{r['dp_hidden']:.0%}"
+        print(f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} ms, "
+              f"DP reduction hidden {hidden}")
+    print(out)
+    return 0
 
 
 def _prepare(args) -> int:

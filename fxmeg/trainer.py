@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxmeg
-from fxmeg import checkpoint
+from fxmeg import checkpoint, trace
 from fxmeg.config import resolve_dp
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
@@ -136,11 +137,16 @@ class TrainConfig:
     """Stop with an error after this many skipped steps in a row (0: never)."""
     comm_timeout_s: float = 600.0
     """Seconds a pipeline exchange or collective may wait before the run fails naming the peer."""
+    trace: str = ""
+    """Write a Chrome / Perfetto timeline of traced steps to this directory ('' : off)."""
+    trace_interval: int = 1
+    """Trace every this many steps (with --trace); `fxmeg plot-schedule` draws one."""
 
     def __post_init__(self) -> None:
         if (self.train_iters > 0) == (self.train_samples > 0):
             raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
-        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_interval", "eval_iters"):
+        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_interval", "eval_iters",
+                     "trace_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.data:
@@ -268,8 +274,12 @@ class Trainer:
             while not self._finished():
                 self._switch_batch_size()
                 size = self.engine.config.global_batch_size
-                result = self.engine.train_step(self._train_batch(size), check_determinism=cfg.check_determinism)
+                traced = bool(cfg.trace) and (self.iteration + 1) % cfg.trace_interval == 0
+                result = self.engine.train_step(self._train_batch(size), check_determinism=cfg.check_determinism,
+                                                trace=traced)
                 self.iteration += 1
+                if traced:
+                    self._write_trace()
                 self.consumed += size
                 self.skipped += result.skipped
                 self._report_step(result)
@@ -311,6 +321,18 @@ class Trainer:
             self.metrics.record("event", {"iteration": self.iteration, "nondeterministic": True})
             self.metrics.say(f"step {self.iteration} is not deterministic: its rerun gave a different "
                              "loss or gradients (same batch, same parameters)")
+
+    def _write_trace(self) -> None:
+        """All ranks' spans of the step just taken, as DIR/step_N.json (rank 0 writes)."""
+        groups = self.engine.groups
+        tp, dp, pp = groups.topo.coords(groups.rank)
+        gathered = trace.gather(self.engine.tracer.events, f"pp {pp} dp {dp} tp {tp}")
+        if gathered is not None:
+            os.makedirs(self.cfg.trace, exist_ok=True)
+            path = os.path.join(self.cfg.trace, f"step_{self.iteration}.json")
+            trace.write(path, *gathered)
+            self.metrics.record("event", {"iteration": self.iteration, "trace": path,
+                                          **_summary(trace.analyze(gathered[0]))})
 
     def _finished(self) -> bool:
         cfg = self.cfg
@@ -435,6 +457,14 @@ class Trainer:
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
         self.metrics.rewind(self.iteration)
         self.metrics.say(f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples")
+
+
+def _summary(analysis: dict) -> dict:
+    """The per-step numbers read from a trace, for metrics.jsonl."""
+    ranks = analysis["ranks"]
+    hidden = [r["dp_hidden"] for r in ranks if r["dp_hidden"] is not None]
+    return {"bubble": max(r["bubble"] for r in ranks), "p2p_s": max(r["p2p_s"] for r in ranks),
+            "dp_hidden": min(hidden) if hidden else None}
 
 
 def _mib(n: float) -> str:

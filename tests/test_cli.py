@@ -37,7 +37,8 @@ def test_train_on_four_ranks_and_plot(corpus, tmp_path):
     out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2",
                 "--seq-len", "64", "--global-batch-size", "32", "--train-iters", "30", "--lr", "3e-3",
                 "--lr-warmup-samples", "64", "--eval-interval", "10", "--eval-iters", "4",
-                "--log-interval", "5", "--run-dir", run, "--no-progress")
+                "--log-interval", "5", "--run-dir", run, "--no-progress",
+                "--trace", str(tmp_path / "trace"), "--trace-interval", "15")
     assert out.returncode == 0, out.stderr[-3000:]
     records = read(run)
     train = [r for r in records if r["kind"] == "train"]
@@ -50,6 +51,33 @@ def test_train_on_four_ranks_and_plot(corpus, tmp_path):
     png = fxmeg("plot", run)
     assert png.returncode == 0, png.stderr
     with open(png.stdout.strip(), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    check_trace(tmp_path / "trace", records)
+
+
+def check_trace(trace_dir, records):
+    """--trace: one Perfetto-readable file per traced step, one track per rank, every
+    micro-batch's forward and backward on it, DP reductions issued and waited for;
+    `fxmeg plot-schedule` draws it."""
+    assert sorted(os.listdir(trace_dir)) == ["step_15.json", "step_30.json"]
+    path = str(trace_dir / "step_30.json")
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "pp 0 dp 0 tp 0", 1: "pp 0 dp 1 tp 0", 2: "pp 1 dp 0 tp 0", 3: "pp 1 dp 1 tp 0"}
+    for rank in range(4):
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        assert all(e["dur"] >= 0 and {"name", "cat", "ts"} <= set(e) for e in spans)
+        cats = [e["cat"] for e in spans]
+        # global batch 32 / dp 2 / micro-batch 4 (default) = 4 micro-batches
+        assert cats.count("forward") == cats.count("backward") == 4, cats
+        assert {"p2p", "dp_issue", "dp_wait", "optimizer", "step"} <= set(cats)
+    (event,) = [r for r in records if r.get("trace") == path]
+    assert 0.0 < event["bubble"] < 1.0 and event["dp_hidden"] is not None
+    out = fxmeg("plot-schedule", path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("bubble") == 4
+    with open(out.stdout.strip().splitlines()[-1], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 

@@ -12,6 +12,7 @@ in the same order.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +59,11 @@ class GradBuffer:
         shard: bool,
         events: Events,
         deferred: frozenset[str] = frozenset(),
+        tracer=None,
     ) -> None:
         self.layout, self.label, self.group = layout, label, group
         self.overlap, self.shard, self.events = overlap, shard, events
+        self.tracer = tracer
         device = next(iter(params.values())).device
         self.data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
         self.params = {s.name: params[s.name] for s in layout.slots}
@@ -124,6 +127,9 @@ class GradBuffer:
 
     def _issue(self, bucket: Bucket) -> None:
         self.events.log.append(("issue", f"{self.label}/{bucket.index}"))
+        if self.tracer is not None and self.tracer.on:
+            now = time.perf_counter_ns()
+            self.tracer.add(f"reduce {self.label}/{bucket.index}", "dp_issue", now, now)
         self.events.issued += 1
         flat = self.data[bucket.start : bucket.end]
         if self.shard:
@@ -148,9 +154,14 @@ class GradBuffer:
         self._wait()
 
     def _wait(self) -> None:
+        if not self._works:
+            return
+        start = time.perf_counter_ns()
         for work in self._works:
             work.wait()
         self._works = []
+        if self.tracer is not None:
+            self.tracer.add(f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns())
 
     def gather_params(self, *, overlap: bool) -> None:
         """All-gather every bucket's updated parameter shards (distributed optimizer).

@@ -7,6 +7,7 @@ and lives only for one ``run``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +19,7 @@ from torch import fx
 from fxmeg.errors import ScheduleError
 from fxmeg.program import ChunkSpec, chunk_spec
 from fxmeg.runtime.schedules import Action, Kind, Step, fmt
+from fxmeg.trace import CATEGORY, Tracer
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
 
@@ -71,6 +73,7 @@ class Executor:
         self.peer, self.group, self.device = peer, group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.counters = Counters()
+        self.tracer = Tracer()
         self.on_grad_sync: Callable[[int], None] | None = None
         """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
         self._handlers = {
@@ -94,8 +97,10 @@ class Executor:
         self._mbs, self._train, self._scale = microbatches, train, loss_scale
         self._state = _State(stats=torch.zeros(2, dtype=torch.float64, device=self.device))
         self.counters = Counters()
+        tracer = self.tracer
         with torch.set_grad_enabled(train):
             for index, step in enumerate(self.steps):
+                start = time.perf_counter_ns() if tracer.on else 0
                 try:
                     handler = self._handlers.get(step[0].kind)
                     if handler is None:
@@ -104,6 +109,9 @@ class Executor:
                         handler(step[0])
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
+                if tracer.on:
+                    kind = step[0].kind.value
+                    tracer.add(fmt(step), CATEGORY.get(kind, "p2p"), start, time.perf_counter_ns())
         state, self._state = self._state, None
         assert not state.saved and not state.inbox, "schedule left work unfinished"
         return state.stats

@@ -1,0 +1,48 @@
+"""fxmeg.trace: the Chrome trace round-trips and the numbers read from it are right on
+a timeline whose answers are known."""
+
+import json
+
+from fxmeg import trace
+
+MS = 1_000_000
+
+
+def test_round_trip_and_numbers(tmp_path):
+    # rank 0: F 0-2, idle, B 6-8      -> compute 4 of a 10 ms schedule: bubble 0.6
+    # rank 1: recv 0-2, F 2-4, B 4-6, send 6-10 -> compute 4: bubble 0.6, p2p 6 ms
+    # rank 1 reduces: issued at 5, waited 7-8 -> 1 ms of a 3 ms window exposed
+    spans = [
+        [("0F0", "forward", 0, 2 * MS), ("0B0", "backward", 6 * MS, 8 * MS)],
+        [("recv", "p2p", 0, 2 * MS), ("1F0", "forward", 2 * MS, 4 * MS), ("1B0", "backward", 4 * MS, 6 * MS),
+         ("send", "p2p", 6 * MS, 10 * MS), ("reduce", "dp_issue", 5 * MS, 5 * MS),
+         ("wait", "dp_wait", 7 * MS, 8 * MS), ("adam", "optimizer", 10 * MS, 11 * MS)],
+    ]
+    path = str(tmp_path / "t.json")
+    trace.write(path, spans, ["first", "second"])
+    with open(path) as f:
+        meta = [e for e in json.load(f)["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [(e["pid"], e["args"]["name"]) for e in meta] == [(0, "first"), (1, "second")]
+    assert trace.load(path) == spans
+    got = trace.analyze(spans)
+    assert abs(got["schedule_s"] - 0.010) < 1e-12  # the optimizer is not part of the schedule
+    r0, r1 = got["ranks"]
+    assert abs(r0["bubble"] - 0.6) < 1e-9 and abs(r1["bubble"] - 0.6) < 1e-9
+    assert abs(r1["p2p_s"] - 0.006) < 1e-12 and r0["p2p_s"] == 0
+    assert r0["dp_hidden"] is None and abs(r1["dp_hidden"] - 2 / 3) < 1e-9
+    png = trace.plot(spans, str(tmp_path / "t.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tracer_off_records_nothing():
+    t = trace.Tracer()
+    t.begin_step(False)
+    with t.span("x", "optimizer"):
+        pass
+    t.add("y", "p2p", 0, 1)
+    assert t.events is None
+    t.begin_step(True)
+    with t.span("x", "optimizer"):
+        pass
+    assert [e[:2] for e in t.events] == [("x", "optimizer")]
