@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
+from fxmeg import trace  # noqa: E402
 from bench.common import SavedBytes, median, spawn, timed  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -64,7 +65,7 @@ def torch_pipeline(model: GPT, rank: int, pp: int, vpp: int, m: int):
     sched = (Schedule1F1B(stages[0], m, loss_fn=lm_loss) if vpp == 1
              else ScheduleInterleaved1F1B(stages, m, loss_fn=lm_loss))
     params = [p for s in stages for p in s.submod.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # what fxmeg's default uses
 
     def step(ids, labels):
         opt.zero_grad()
@@ -88,11 +89,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     tokens = rows * cfg.seq_len
     report = {}
     single = _single_process_time(rank, base, ids, labels, args)
-    for name, vpp, split in _variants(world, args.layers):
+    for name, vpp, split, p2p in _variants(world, args.layers):
         engine = fxmeg.parallelize(
             copy.deepcopy(base), (ids[: args.mbs], labels[: args.mbs]), pp=world, vpp=vpp,
-            global_batch_size=rows, split_points=split,
-            optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4))
+            global_batch_size=rows, split_points=split, p2p=p2p,
+            optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
         peer, peer_params = torch_pipeline(copy.deepcopy(base), rank, world, vpp, args.m)
         ours = lambda: engine.train_step((ids, labels))  # noqa: E731
         theirs = lambda: peer(ids, labels)  # noqa: E731
@@ -103,6 +104,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             pair = [(ours, t_ours), (theirs, t_theirs)]
             for fn, out in pair if i % 2 == 0 else pair[::-1]:
                 out.append(timed(fn))
+        engine.train_step((ids, labels), trace=True)
+        gathered = trace.gather(engine.tracer.events, f"rank {rank}")
+        timeline = trace.analyze(gathered[0]) if gathered else None
         mem_ours = _saved_peak(ours, engine.named_parameters.values())
         mem_theirs = _saved_peak(theirs, peer_params)
         ideal = world * args.m / (args.m + world - 1) if vpp == 1 else world / (1 + (world - 1) / (vpp * args.m))
@@ -117,6 +121,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             "fxmeg_saved_activation_bytes_per_rank": mem_ours,
             "torch_saved_activation_bytes_per_rank": mem_theirs,
         }
+        if timeline:  # one traced step: where fxmeg's time goes, per rank
+            report[name]["fxmeg_trace"] = [
+                {"compute_s": r["compute_s"], "bubble": r["bubble"], "p2p_s": r["p2p_s"]} for r in timeline["ranks"]]
     if rank == 0:
         print(json.dumps({
             "bench": "pipeline", "pp": world, "m": args.m, "mbs": args.mbs,
@@ -126,11 +133,15 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _variants(pp: int, layers: int):
-    """(name, vpp, split_points): fxmeg's own cost-balanced cut, and the peer's even cut."""
+    """(name, vpp, split_points, p2p): fxmeg's own cost-balanced cut and the peer's even
+    cut, with eager point-to-point posting (fxmeg's choice on gloo); and Megatron's paired
+    exchange on the even cut, to show what eager posting buys."""
     for name, vpp in (("1f1b", 1), ("interleaved", 2)):
         per = layers // (pp * vpp)
-        yield name, vpp, None
-        yield f"{name}_even_split", vpp, [f"layers.{c * per}" for c in range(1, pp * vpp)]
+        even = [f"layers.{c * per}" for c in range(1, pp * vpp)]
+        yield name, vpp, None, "auto"
+        yield f"{name}_even_split", vpp, even, "auto"
+        yield f"{name}_even_split_paired_p2p", vpp, even, "paired"
 
 
 def _single_process_time(rank: int, base: GPT, ids, labels, args) -> float:

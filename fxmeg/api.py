@@ -233,7 +233,10 @@ class Engine:
         grad_cuts = frozenset(
             c for c, gm in enumerate(all_chunks[1:]) if any(b.grad for b in program.chunk_spec(gm).recv)
         )
-        self._lower = lambda sched: schedules.lower(sched, num_chunks=par.num_chunks, grad_cuts=grad_cuts)
+        p2p = config.p2p
+        if p2p == "auto":
+            p2p = "paired" if self.groups.pp is not None and dist.get_backend(self.groups.pp) == "nccl" else "eager"
+        self._lower = lambda sched: schedules.lower(sched, num_chunks=par.num_chunks, grad_cuts=grad_cuts, p2p=p2p)
         self._train_steps = self._lower(compute)[pp_rank]
         self.executor = Executor(
             self.chunks, rank=self.groups.rank, pp=par.pp, peer=self.groups.pp_peer,

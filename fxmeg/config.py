@@ -125,6 +125,10 @@ class EngineConfig:
     """Seconds a pipeline send / receive may wait before the step fails naming the peer."""
     overlap_grad_reduce: bool = True
     """Reduce each gradient bucket as soon as it is complete, overlapping backward."""
+    p2p: str = "auto"
+    """Where pipeline sends / receives are posted: 'paired' (Megatron's send+receive
+    groups between units; NCCL needs it), 'eager' (each send right after its compute,
+    receives one unit ahead; host backends such as gloo) or 'auto' (eager unless NCCL)."""
     bucket_size: int | None = None
     """Elements per gradient bucket; None = Megatron's max(40M, 1M * dp)."""
 
@@ -154,6 +158,8 @@ class EngineConfig:
                 "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
             )
+        if self.p2p not in ("auto", "paired", "eager"):
+            raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'" + closest(self.p2p, ("auto", "paired", "eager")))
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(
                 "overlap_param_gather=True needs distributed_optimizer=True (only the "

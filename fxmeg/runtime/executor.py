@@ -18,7 +18,7 @@ from torch import fx
 
 from fxmeg.errors import ScheduleError
 from fxmeg.program import ChunkSpec, chunk_spec
-from fxmeg.runtime.schedules import Action, Kind, Step, fmt
+from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
 from fxmeg.trace import CATEGORY, Tracer
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
@@ -46,6 +46,8 @@ class _State:
     grad_outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     saved: dict[Key, tuple] = field(default_factory=dict)
     stats: torch.Tensor | None = None
+    posted: dict[Action, tuple] = field(default_factory=dict)
+    """Point-to-point action -> (work, its tensors, peer rank), until awaited."""
 
 
 class CommTimeoutError(ScheduleError):
@@ -100,18 +102,25 @@ class Executor:
         tracer = self.tracer
         with torch.set_grad_enabled(train):
             for index, step in enumerate(self.steps):
-                start = time.perf_counter_ns() if tracer.on else 0
+                a = step[0]
                 try:
-                    handler = self._handlers.get(step[0].kind)
+                    if a.kind in COMPUTE:
+                        self._await(input_of(a))
+                    start = time.perf_counter_ns() if tracer.on else 0
+                    handler = self._handlers.get(a.kind)
                     if handler is None:
-                        self._communicate(step)
+                        self._post(step)
                     else:
-                        handler(step[0])
+                        handler(a)
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
                 if tracer.on:
-                    kind = step[0].kind.value
-                    tracer.add(fmt(step), CATEGORY.get(kind, "p2p"), start, time.perf_counter_ns())
+                    tracer.add(fmt(step), CATEGORY.get(a.kind.value, "p2p"), start, time.perf_counter_ns())
+            try:
+                for a in list(self._state.posted):  # sends nobody freed (gradients, eval)
+                    self._await(a)
+            except Exception as exc:
+                raise ScheduleError(self._failure(len(self.steps) - 1, exc)) from exc
         state, self._state = self._state, None
         assert not state.saved and not state.inbox, "schedule left work unfinished"
         return state.stats
@@ -161,6 +170,7 @@ class Executor:
     def _deallocate(self, a: Action) -> None:
         """Free sent activations' storage, keep their autograd nodes (Megatron:
         deallocate_output_tensor); backward then runs through them anyway."""
+        self._await(Action(a.chunk, Kind.SEND_F, a.mb))  # the send must have read it
         if not self._train:
             return
         _, sends, _ = self._state.saved[(a.chunk, a.mb)]
@@ -174,29 +184,46 @@ class Executor:
 
     # ------------------------------------------------------------ communication
 
-    def _communicate(self, step: Step) -> None:
-        """Post every point-to-point op of the group at once, then wait for all, each
-        for at most the timeout: a peer that stops answering fails the step by name."""
-        ops, peers = [], []
+    def _post(self, step: Step) -> None:
+        """Post every point-to-point op of the group at once; each is awaited where its
+        tensor is needed (``_await``)."""
+        ops, owners = [], []
         for a in step:
             tensors, peer_chunk, send = self._buffers(a)
-            op = dist.isend if send else dist.irecv
             peer = self.peer(peer_chunk % self.pp)
-            ops.extend(dist.P2POp(op, t, peer, self.group) for t in tensors)
-            peers.extend([(a, peer_chunk % self.pp, peer)] * len(tensors))
+            ops.extend(dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group) for t in tensors)
+            owners.append((a, len(tensors), tensors, peer))
         if not ops:
             return
-        for work, (a, stage, peer) in zip(dist.batch_isend_irecv(ops), peers):
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # coalesced (NCCL): one handle stands for the group
+            works = works[:1] * len(ops)
+        i = 0
+        for a, n, tensors, peer in owners:
+            self._state.posted[a] = (works[i : i + n], tensors, peer)
+            i += n
+
+    def _await(self, a: Action | None) -> None:
+        """Wait, at most the timeout, for posted action ``a`` (no-op when not posted): a
+        peer that stops answering fails the step by name."""
+        entry = self._state.posted.pop(a, None) if a is not None else None
+        if entry is None:
+            return
+        works, _, peer = entry
+        start = time.perf_counter_ns()
+        for work in works:
             try:
                 work.wait(timeout=self.timeout)
             except RuntimeError as exc:
-                what = "sending to" if a.kind in (Kind.SEND_F, Kind.SEND_B) else "receiving from"
+                stage = peer_chunk(a) % self.pp
+                what = "sending to" if is_send(a) else "receiving from"
                 raise CommTimeoutError(
                     f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
                     f"{what} rank {peer} (pipeline stage {stage}) for {a}; that rank stopped "
                     f"answering (crashed, hung, or far slower). Raise comm_timeout_s if it is "
                     f"just slow. ({exc})"
                 ) from exc
+        self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
         key, spec = (a.chunk, a.mb), self.specs[a.chunk]

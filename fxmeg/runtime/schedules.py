@@ -8,10 +8,11 @@ schedule). ``lower`` adds communication between units, returning per rank a list
 *steps*: a compute action, a group of point-to-point actions posted together and awaited
 together (``0SF1+0RB0``: send chunk 0's output of micro-batch 1, receive the gradient
 for micro-batch 0), a DEALLOC of sent activations, or a GRAD_SYNC (``0GS3``): from the
-chunk's last backward on, its gradient buckets are reduced as they complete. ``simulate`` runs lowered schedules without processes:
-every send must meet the matching receive in the same order on both ranks (NCCL matches
-point-to-point messages by order, not by tag), nothing may deadlock, and with unit costs
-it reports each rank's bubble and peak number of micro-batches in flight.
+chunk's last backward on, its gradient buckets are reduced as they complete.
+``simulate`` runs lowered schedules without processes: every send must meet the matching
+receive in the same order on both ranks (NCCL matches point-to-point messages by order,
+not by tag), nothing may deadlock, and with unit costs it reports each rank's bubble and
+peak number of micro-batches in flight.
 
 Chunk c lives on pipeline rank c % pp (Megatron's interleaved placement).
 """
@@ -38,7 +39,6 @@ class Kind(Enum):
 
 COMPUTE = (Kind.F, Kind.B)
 _ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|GS|F|B|D)(\d+)$")
-_LOCAL = (Kind.DEALLOC, Kind.GRAD_SYNC)  # steps that involve no peer
 
 
 @dataclass(frozen=True)
@@ -141,33 +141,63 @@ def _interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Schedul
 
 # ---------------------------------------------------------------- lowering
 
+PAIRED, EAGER = "paired", "eager"
+P2P_MODES = (PAIRED, EAGER)
+
 
 def lower(
-    schedule: Schedule, *, num_chunks: int, grad_cuts: frozenset[int] | None = None
+    schedule: Schedule, *, num_chunks: int, grad_cuts: frozenset[int] | None = None, p2p: str = PAIRED
 ) -> dict[int, list[Step]]:
-    """Insert communication: between two units, the sends of the first and the receives
-    of the second form one group (Megatron's send_forward_recv_backward,
-    send_backward_recv_forward, send_forward_backward_recv_forward_backward), so
-    neighbouring ranks never wait on each other's sends.
+    """Insert communication. Every point-to-point step only *posts* its messages; the
+    executor waits for a received tensor right before the compute that reads it, and for
+    a sent one before it is freed (DEALLOC) or at the end of the step.
+
+    ``p2p`` places the posts:
+      * ``"paired"`` (Megatron): between two units, the sends of the first and the
+        receives of the second form one group (send_forward_recv_backward, ...), matched
+        by the same group on the neighbour. NCCL needs this: it runs a pair's messages in
+        order on one stream and a send holds that stream until the peer receives it.
+      * ``"eager"`` (host backends such as gloo, whose sends never hold anything back):
+        each send right after the compute that made it; the receives of the next unit
+        before this unit's compute, so the data lands while this rank computes.
+    Both keep every channel's message order, so they pair up on both ends.
 
     ``grad_cuts``: cuts c (between chunks c and c+1) across which a gradient flows back;
-    default all. DEALLOC follows the group that sent a forward activation; GRAD_SYNC
-    precedes each chunk's last backward.
+    default all. DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes
+    each chunk's last backward.
     """
+    if p2p not in P2P_MODES:
+        raise ScheduleError(f"p2p={p2p!r} is not one of {P2P_MODES}")
     grads = frozenset(range(num_chunks - 1)) if grad_cuts is None else grad_cuts
     lowered = {}
     for rank, units in schedule.items():
         last_backward = {a.chunk: a for unit in units for a in unit if a.kind is Kind.B}
+        recvs = [[r for a in unit for r in _recvs_before(a, grads)] for unit in units] + [[]]
         steps: list[Step] = []
-        pending: list[Action] = []
-        for unit in units:
-            _flush(steps, pending + [r for a in unit for r in _recvs_before(a, grads)])
+        pending: list[Action] = []  # paired: sends waiting for the next group
+        sent: list[Action] = []  # forward activations sent, to free at the next unit
+        if p2p == EAGER:
+            _post(steps, recvs[0])
+        for k, unit in enumerate(units):
+            if p2p == PAIRED:
+                _post(steps, pending + recvs[k])
+            else:
+                _post(steps, recvs[k + 1])  # pre-post the next unit's receives
+            steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
+            sent = []
+            pending = []
             for a in unit:
                 if last_backward.get(a.chunk) == a:
                     steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
                 steps.append((a,))
-            pending = [s for a in unit for s in _sends_after(a, num_chunks, grads)]
-        _flush(steps, pending)
+                sends = _sends_after(a, num_chunks, grads)
+                if p2p == EAGER:
+                    _post(steps, sends)
+                else:
+                    pending += sends
+                sent += [s for s in sends if s.kind is Kind.SEND_F]
+        _post(steps, pending)
+        steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
         lowered[rank] = steps
     return lowered
 
@@ -188,10 +218,15 @@ def _sends_after(a: Action, num_chunks: int, grads: frozenset[int]) -> list[Acti
     return []
 
 
-def _flush(steps: list[Step], group: list[Action]) -> None:
+def _post(steps: list[Step], group: list[Action]) -> None:
     if group:
         steps.append(tuple(group))
-        steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in group if a.kind is Kind.SEND_F)
+
+
+def input_of(a: Action) -> Action | None:
+    """The receive whose tensor compute action ``a`` reads, if it reads one."""
+    kind = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}.get(a.kind)
+    return None if kind is None else Action(a.chunk, kind, a.mb)
 
 
 # ---------------------------------------------------------------- peers
@@ -228,26 +263,39 @@ class Simulation:
 def simulate(
     lowered: dict[int, list[Step]], *, pp: int, f_cost: float = 1.0, b_cost: float = 1.0
 ) -> Simulation:
-    """Run lowered schedules as a discrete-event simulation; raise ScheduleError on a
+    """Run lowered schedules as a discrete-event simulation of the executor: posting
+    never blocks; a compute waits until the peer has posted the send it reads, DEALLOC
+    until the peer has posted the receive of what it frees. Raise ScheduleError on a
     deadlock, an out-of-order message, or a backward before its forward."""
     pos = {r: 0 for r in lowered}
     clock = {r: 0.0 for r in lowered}
     busy = {r: 0.0 for r in lowered}
-    posted: dict[tuple[int, int], list[int]] = {}  # (rank, step index) -> op ids, once posted
-    sends: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (src, dst) FIFO
-    recvs: dict[tuple[int, int], list[tuple[Action, float]]] = {}
+    queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}  # (kind, src, dst) FIFO
+    where: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}  # posted op -> slot
     done_f: dict[int, set[tuple[int, int]]] = {r: set() for r in lowered}
     live: dict[int, int] = {r: 0 for r in lowered}
     peak: dict[int, int] = {r: 0 for r in lowered}
 
-    def channel(rank: int, a: Action) -> tuple[int, int]:
+    def slot(rank: int, a: Action) -> tuple[str, int, int]:
         other = peer_chunk(a) % pp
-        return (rank, other) if is_send(a) else (other, rank)
+        return ("send", rank, other) if is_send(a) else ("recv", other, rank)
+
+    def counterpart(rank: int, a: Action) -> tuple[Action, float] | None:
+        """The peer's matching op, once posted."""
+        (side, src, dst), index = where[(rank, a)]
+        other = queues.get(("recv" if side == "send" else "send", src, dst), [])
+        return other[index] if index < len(other) else None
 
     def advance(rank: int) -> bool:
         step = lowered[rank][pos[rank]]
         a = step[0]
         if a.kind in COMPUTE:
+            needed = input_of(a)
+            if (rank, needed) in where:
+                match = counterpart(rank, needed)
+                if match is None:
+                    return False  # the peer has not sent it yet
+                clock[rank] = max(clock[rank], match[1])
             key = (a.chunk, a.mb)
             if a.kind is Kind.B:
                 if key not in done_f[rank]:
@@ -260,27 +308,15 @@ def simulate(
             cost = f_cost if a.kind is Kind.F else b_cost
             clock[rank] += cost
             busy[rank] += cost
-        elif a.kind not in _LOCAL:
-            if (rank, pos[rank]) not in posted:
-                posted[(rank, pos[rank])] = []
-                for op in step:
-                    queue = (sends if is_send(op) else recvs).setdefault(channel(rank, op), [])
-                    posted[(rank, pos[rank])].append(len(queue))
-                    queue.append((op, clock[rank]))
-            finish = clock[rank]
-            for op, idx in zip(step, posted[(rank, pos[rank])]):
-                other = (recvs if is_send(op) else sends).get(channel(rank, op), [])
-                if idx >= len(other):
-                    return False  # the peer has not posted its side yet
-                peer_op, t = other[idx]
-                send, recv = (op, peer_op) if is_send(op) else (peer_op, op)
-                if not _matches(send, recv):
-                    raise ScheduleError(
-                        f"message order mismatch: {send} on rank {channel(rank, op)[0]} "
-                        f"meets {recv} on rank {channel(rank, op)[1]}"
-                    )
-                finish = max(finish, t)
-            clock[rank] = finish
+        elif a.kind is Kind.DEALLOC:
+            sent = Action(a.chunk, Kind.SEND_F, a.mb)
+            if (rank, sent) in where and counterpart(rank, sent) is None:
+                return False  # the receiver has not taken it yet
+        elif a.kind is not Kind.GRAD_SYNC:
+            for op in step:
+                queue = queues.setdefault(slot(rank, op), [])
+                where[(rank, op)] = (slot(rank, op), len(queue))
+                queue.append((op, clock[rank]))
         pos[rank] += 1
         return True
 
@@ -292,8 +328,17 @@ def simulate(
                 progress = True
     stuck = {r: fmt(lowered[r][pos[r]]) for r in lowered if pos[r] < len(lowered[r])}
     if stuck:
-        where = ", ".join(f"rank {r} at {s}" for r, s in stuck.items())
-        raise ScheduleError(f"schedule deadlocks: {where}")
+        at = ", ".join(f"rank {r} at {s}" for r, s in stuck.items())
+        raise ScheduleError(f"schedule deadlocks: {at}")
+    for (side, src, dst), ops in sorted(queues.items()):
+        if side != "send":
+            continue
+        received = queues.get(("recv", src, dst), [])
+        for (send, _), (recv, _) in zip(ops, received):
+            if not _matches(send, recv):
+                raise ScheduleError(f"message order mismatch: {send} on rank {src} meets {recv} on rank {dst}")
+        if len(ops) != len(received):
+            raise ScheduleError(f"rank {src} sends {len(ops)} messages to rank {dst}, which receives {len(received)}")
     return Simulation(max(clock.values()), busy, peak)
 
 

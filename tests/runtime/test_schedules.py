@@ -26,14 +26,15 @@ GRID = [(pp, vpp, m) for pp, vpp, m in itertools.product(range(1, 5), (1, 2, 3),
         if pp > 1 or vpp == 1]
 
 
+@pytest.mark.parametrize("p2p", ["paired", "eager"])
 @pytest.mark.parametrize("pp,vpp,m", GRID)
-def test_grid_runs_without_deadlock(pp, vpp, m):
+def test_grid_runs_without_deadlock(pp, vpp, m, p2p):
     try:
         sched = build(_name(pp, vpp), pp=pp, vpp=vpp, m=m)
     except ScheduleError as err:  # interleaved refuses some m, with the numbers
         assert vpp > 1 and (m < pp or m % pp) and f"got m={m}" in str(err)
         return
-    sim = simulate(lower(sched, num_chunks=pp * vpp), pp=pp)
+    sim = simulate(lower(sched, num_chunks=pp * vpp, p2p=p2p), pp=pp)
     for rank in range(pp):
         acts = compute_actions(sched, rank)
         chunks = range(rank, pp * vpp, pp)
@@ -46,10 +47,11 @@ def test_grid_runs_without_deadlock(pp, vpp, m):
         assert sim.peak_in_flight[0] == min(pp, m)
 
 
+@pytest.mark.parametrize("p2p", ["paired", "eager"])
 @pytest.mark.parametrize("pp", [2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
-def test_1f1b_bubble_is_the_textbook_value(pp, m):
-    sim = simulate(lower(build("1f1b", pp=pp, vpp=1, m=m), num_chunks=pp), pp=pp)
+def test_1f1b_bubble_is_the_textbook_value(pp, m, p2p):
+    sim = simulate(lower(build("1f1b", pp=pp, vpp=1, m=m), num_chunks=pp, p2p=p2p), pp=pp)
     for rank in range(pp):
         assert abs(sim.bubble(rank) - (pp - 1) / (m + pp - 1)) < 1e-12
 
@@ -81,13 +83,21 @@ def test_actions_print_and_parse():
 
 
 def test_simulator_finds_a_deadlock():
-    # rank 0 sends only after its backward, which needs rank 1's gradient; rank 1 needs
-    # rank 0's activation first: neither can move.
-    bad = {0: [(Action(0, Kind.RECV_B, 0),), (Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),)],
+    # rank 0 sends its activation only after its backward, which needs rank 1's
+    # gradient; rank 1 needs that activation first: neither can move.
+    bad = {0: [(Action(0, Kind.RECV_B, 0),), (Action(0, Kind.F, 0),), (Action(0, Kind.B, 0),),
+               (Action(0, Kind.SEND_F, 0),)],
            1: [(Action(1, Kind.RECV_F, 0),), (Action(1, Kind.F, 0),), (Action(1, Kind.B, 0),),
                (Action(1, Kind.SEND_B, 0),)]}
-    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0RB0, rank 1 at 1RF0"):
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0B0, rank 1 at 1F0"):
         simulate(bad, pp=2)
+    # a send nobody receives: freeing the activation waits forever
+    lost = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),), (Action(0, Kind.DEALLOC, 0),)], 1: []}
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0D0"):
+        simulate(lost, pp=2)
+    unread = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),)], 1: []}
+    with pytest.raises(ScheduleError, match="rank 0 sends 1 messages to rank 1, which receives 0"):
+        simulate(unread, pp=2)
 
 
 def test_simulator_finds_out_of_order_messages():
@@ -114,6 +124,18 @@ rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F
         self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4)), """\
 rank 0: 0F0                 0SF0                0D0                 0F1                 0SF1+2RF0           0D1                 2F0                 2SF0+2RF1           2D0                 2F1                 2SF1+2RB0           2D1                 0F2                 2B0                 0SF2+2SB0+2RB1      0D2                 0F3                 2B1                 0SF3+2SB1+2RF2+0RB0 0D3                 2F2                 0B0                 2SF2+2RF3+0RB1      2D2                 2F3                 0B1                 2SF3+2RB2           2D3                 2B2                 2SB2+2RB3           2GS3                2B3                 2SB3+0RB2           0B2                 0RB3                0GS3                0B3
 rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3GS3                3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1GS3                1B3                 1SB3""")
+
+
+    def test_eager_1f1b_pp2_m4(self):
+        # each send right after its compute; the next unit's receives posted before this one
+        self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2, p2p="eager")), """\
+rank 0: 0F0  0SF0 0RB0 0D0  0F1  0SF1 0D1  0B0  0RB1 0F2  0SF2 0D2  0B1  0RB2 0F3  0SF3 0RB3 0D3  0B2  0GS3 0B3
+rank 1: 1RF0 1F0  1RF1 1B0  1SB0 1F1  1RF2 1B1  1SB1 1F2  1RF3 1B2  1SB2 1F3  1GS3 1B3  1SB3""")
+
+    def test_eager_interleaved_pp2_vpp2_m4(self):
+        self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4, p2p="eager")), """\
+rank 0: 0F0       0SF0      2RF0      0D0       0F1       0SF1      2RF1      0D1       2F0       2SF0      2RB0      2D0       2F1       2SF1      2RB1      2D1       0F2       0SF2      2B0       2SB0      2RF2+0RB0 0D2       0F3       0SF3      2B1       2SB1      2RF3+0RB1 0D3       2F2       2SF2      0B0       2RB2      2D2       2F3       2SF3      0B1       2RB3      2D3       2B2       2SB2      0RB2      2GS3      2B3       2SB3      0RB3      0B2       0GS3      0B3
+rank 1: 1RF0      1RF1      1F0       1SF0      3RF0      1D0       1F1       1SF1      3RF1      1D1       3F0       3B0       3SB0      1RF2+1RB0 3F1       3B1       3SB1      1RF3+1RB1 1F2       1SF2      1B0       1SB0      3RF2      1D2       1F3       1SF3      1B1       1SB1      3RF3      1D3       3F2       3B2       3SB2      1RB2      3F3       3GS3      3B3       3SB3      1RB3      1B2       1SB2      1GS3      1B3       1SB3""")
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (4, 2, 8)])
