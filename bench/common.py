@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: spawning ranks, timing, saved-activation metering."""
+"""Helpers shared by the benchmarks: spawning ranks, timing; saved-activation metering
+is fxmeg.report.SavedBytes."""
 
 from __future__ import annotations
 
@@ -40,44 +41,3 @@ def timed(step: Callable[[], object]) -> float:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-class SavedBytes:
-    """Peak bytes of activations autograd saves for backward (parameters excluded),
-    counting each storage once. CPU has no allocator statistics; this is the memory a
-    pipeline schedule changes."""
-
-    def __init__(self, params) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.refs: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor)
-
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip or storage.nbytes() == 0:
-            return _Handle(t, None, self)
-        if self.refs.get(key, 0) == 0:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        return _Handle(t, (key, storage.nbytes()), self)
-
-    def release(self, key: tuple[int, int]) -> None:
-        self.refs[key[0]] -= 1
-        if self.refs[key[0]] == 0:
-            self.live -= key[1]
-
-
-class _Handle:
-    __slots__ = ("tensor", "key", "meter")
-
-    def __init__(self, tensor, key, meter) -> None:
-        self.tensor, self.key, self.meter = tensor, key, meter
-
-    def __del__(self) -> None:
-        if self.key is not None:
-            self.meter.release(self.key)

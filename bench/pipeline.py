@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from fxmeg import trace  # noqa: E402
-from bench.common import SavedBytes, median, spawn, timed  # noqa: E402
+from bench.common import median, spawn, timed  # noqa: E402
+from fxmeg.report import SavedBytes  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 

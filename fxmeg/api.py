@@ -23,6 +23,7 @@ from fxmeg.passes.loss import loss as loss_pass
 from fxmeg.passes.param_gather import param_gather as param_gather_pass
 from fxmeg.passes.tensor_parallel import tensor_parallel as tp_pass
 from fxmeg.passes.pipeline import pipeline as pipeline_pass
+from fxmeg.passes.recompute import recompute as recompute_pass
 from fxmeg.runtime import schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer, finalize_model_grads
 from fxmeg.runtime.executor import Executor
@@ -139,6 +140,8 @@ def parallelize(
                  sequence_parallel=sequence_parallel)
     split = partition(gm, num_chunks=parallel.num_chunks, split_points=parallel.split_points)
     parent = pipeline_pass(gm, num_chunks=parallel.num_chunks)
+    for chunk in program.chunks(parent):
+        recompute_pass(chunk, granularity=config.recompute, num_layers=config.recompute_num_layers)
     parent = buckets_pass(
         parent, pp=pp, dp=dp, bucket_size=config.resolved_bucket_size,
         shard=config.distributed_optimizer,
@@ -240,7 +243,7 @@ class Engine:
         self._train_steps = self._lower(compute)[pp_rank]
         self.executor = Executor(
             self.chunks, rank=self.groups.rank, pp=par.pp, peer=self.groups.pp_peer,
-            group=self.groups.pp, device=self.device, timeout_s=config.comm_timeout_s,
+            group=self.groups.pp, device=self.device, timeout_s=config.comm_timeout_s, compile=config.compile,
         )
         self.executor.on_grad_sync = self.ddp.start_sync
         self.executor.tracer = self.tracer

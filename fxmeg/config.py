@@ -131,6 +131,12 @@ class EngineConfig:
     receives one unit ahead; host backends such as gloo) or 'auto' (eager unless NCCL)."""
     bucket_size: int | None = None
     """Elements per gradient bucket; None = Megatron's max(40M, 1M * dp)."""
+    recompute: str = "none"
+    """Activation recompute: 'none', 'selective' (attention cores) or 'full' (whole blocks)."""
+    recompute_num_layers: int | None = None
+    """With recompute='full': only the first this many blocks of each chunk (None: all)."""
+    compile: bool = False
+    """Run each chunk graph through torch.compile (inductor)."""
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size")
@@ -158,6 +164,12 @@ class EngineConfig:
                 "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
             )
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
+                              + closest(self.recompute, ("none", "selective", "full")))
+        if self.recompute_num_layers is not None and (self.recompute != "full" or self.recompute_num_layers < 0):
+            raise ConfigError(f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' and a "
+                              "count >= 0 (blocks recomputed per chunk; None: all)")
         if self.p2p not in ("auto", "paired", "eager"):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'" + closest(self.p2p, ("auto", "paired", "eager")))
         if self.overlap_param_gather and not self.distributed_optimizer:

@@ -31,6 +31,7 @@ from fxmeg.errors import ConfigError, closest
 from fxmeg.metrics import Metrics, perplexity
 from fxmeg.report import memory_report
 from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.runtime.optimizer import adamw
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,14 @@ class TrainConfig:
     """Stop with an error after this many skipped steps in a row (0: never)."""
     comm_timeout_s: float = 600.0
     """Seconds a pipeline exchange or collective may wait before the run fails naming the peer."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention cores) or full (whole blocks)."""
+    recompute_num_layers: int = 0
+    """With --recompute full: only the first this many blocks of each chunk (0: all)."""
+    compile: bool = False
+    """Run each pipeline chunk through torch.compile (inductor)."""
+    p2p: str = "auto"
+    """Pipeline send/receive posting: paired (Megatron), eager, or auto (eager unless NCCL)."""
     trace: str = ""
     """Write a Chrome / Perfetto timeline of traced steps to this directory ('' : off)."""
     trace_interval: int = 1
@@ -252,13 +261,15 @@ class Trainer:
         return fxmeg.parallelize(
             model, example, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, dp=self.dp, schedule=cfg.schedule,
             sequence_parallel=cfg.sequence_parallel, global_batch_size=self._size_at(0),
-            optimizer=lambda groups: torch.optim.AdamW(groups, betas=betas, eps=eps, weight_decay=wd),
+            optimizer=lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
             precision=cfg.precision, clip_grad=cfg.clip_grad,
             distributed_optimizer=cfg.distributed_optimizer,
             overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
             lr_schedule=schedule, on_nonfinite=cfg.on_nonfinite,
             skip_on_grad_norm_above=cfg.skip_on_grad_norm_above,
             max_consecutive_skips=cfg.max_consecutive_skips, comm_timeout_s=cfg.comm_timeout_s,
+            recompute=cfg.recompute, recompute_num_layers=cfg.recompute_num_layers or None,
+            compile=cfg.compile, p2p=cfg.p2p,
         )
 
     # ------------------------------------------------------------------ loop

@@ -24,7 +24,8 @@ def make_model(name: str, seed: int = 0, **cfg) -> torch.nn.Module:
     return cls(config(**cfg))
 
 
-def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 128) -> torch.nn.Module:
+def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 128,
+             attn_implementation: str | None = None) -> torch.nn.Module:
     """A tiny Hugging Face causal LM built from a config (random init, no download, no
     dropout: parity needs the same arithmetic on both sides)."""
     import transformers as T
@@ -42,6 +43,8 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
     }
     torch.manual_seed(seed)
     extra = {"experts_implementation": "batched_mm"} if kind == "mixtral" else {}
+    if attn_implementation:
+        extra["attn_implementation"] = attn_implementation
     return T.AutoModelForCausalLM.from_config(configs[kind](), **extra)
 
 

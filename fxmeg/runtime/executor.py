@@ -67,8 +67,10 @@ class Executor:
         group: dist.ProcessGroup | None,
         device: torch.device,
         timeout_s: float = 600.0,
+        compile: bool = False,
     ) -> None:
         self.chunks = chunks
+        self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
         self.specs: dict[int, ChunkSpec] = {c: chunk_spec(gm) for c, gm in chunks.items()}
         self.rank, self.pp = rank, pp
         self.rank_stage = min(chunks) % pp if chunks else 0
@@ -134,7 +136,7 @@ class Executor:
         if self._train:
             for t, b in zip(received, spec.recv):
                 t.requires_grad_(b.grad)
-        outs = self.chunks[a.chunk](*data, *received)
+        outs = self._run[a.chunk](*data, *received)
         sends = list(outs[: len(spec.send)])
         loss = None
         if spec.is_last:

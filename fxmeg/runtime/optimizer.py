@@ -42,14 +42,18 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def default_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
-    """AdamW with PyTorch's defaults (lr 1e-3, betas (0.9, 0.999), weight decay 0.01),
-    as one fused kernel over all tensors on CPU and CUDA (7x faster than the per-tensor
-    loop on CPU for a small GPT), else the multi-tensor (foreach) path."""
+def adamw(groups: list[dict], **kwargs) -> torch.optim.Optimizer:
+    """AdamW as one fused kernel over all tensors on CPU and CUDA (7x faster than the
+    per-tensor loop on CPU for a small GPT), else the multi-tensor (foreach) path."""
     devices = {p.device.type for g in groups for p in g["params"]}
     if devices <= {"cpu", "cuda"}:
-        return torch.optim.AdamW(groups, fused=True)
-    return torch.optim.AdamW(groups, foreach=True)
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def default_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
+    """``adamw`` with PyTorch's defaults (lr 1e-3, betas (0.9, 0.999), weight decay 0.01)."""
+    return adamw(groups)
 
 
 @dataclass

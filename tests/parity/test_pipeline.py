@@ -15,11 +15,16 @@ import torch.distributed.distributed_c10d as c10d
 import fxmeg
 from tests.distributed import run_world
 from tests.helpers import assert_bitwise, make_batch, make_model, optimizer
+from fxmeg.report import SavedBytes
 from tests.parity.scenarios import MBS, Scenario, check_parity, train
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),
            (4, 2, "interleaved", 8), (2, 1, "1f1b", 3)]
-PARITY = [Scenario(model, *c) for c in CONFIGS for model in ("gpt", "llama")]
+PARITY = [Scenario(model, *c) for c in CONFIGS for model in ("gpt", "llama")] + [
+    # compiled chunks, whole blocks recomputed, sent activations freed: all at once
+    Scenario("gpt", 2, 1, "1f1b", 4, options=(("compile", True), ("recompute", "full"))),
+    Scenario("llama", 2, 2, "interleaved", 4, options=(("recompute", "full"), ("recompute_num_layers", 1))),
+]
 BITWISE = [Scenario("llama", pp, 1, "1f1b", 4, clip=0.0) for pp in (2, 4)]
 SCENARIOS = PARITY + BITWISE
 
@@ -43,10 +48,23 @@ def refuse_bad_configs() -> dict:
     return dict(messages=messages, new_groups=c10d._world.group_count - before)
 
 
+def stage_activations() -> dict:
+    """Peak bytes autograd keeps on this rank over one 1F1B step, per recompute mode."""
+    out = {}
+    for mode in ("none", "full"):
+        engine = Scenario("gpt", 2, 1, "1f1b", 4, options=(("recompute", mode),)).engine()
+        meter = SavedBytes(engine.named_parameters.values())
+        with meter.hooks():
+            engine.train_step(make_batch(MBS * 4, seed=1))
+        out[mode] = meter.peak
+    return out
+
+
 def run(rank: int, scenarios: list[Scenario]) -> dict:
     out = {sc.id: train(rank, sc) for sc in scenarios}
     if dist.get_world_size() == 2:
         out["refused"] = refuse_bad_configs()
+        out["activations"] = stage_activations()
     return out
 
 
@@ -98,3 +116,10 @@ def test_bad_configs_are_refused_before_process_groups(results, name):
     for rank in results[2]:
         assert BAD_CONFIGS[name][1] in rank["refused"]["messages"][name]
         assert rank["refused"]["new_groups"] == 0
+
+
+def test_full_recompute_keeps_under_a_third_of_stage_0_activations(results):
+    """Acceptance: with every block recomputed, the first stage (two micro-batches in
+    flight under 1F1B at pp=2) keeps at most a third of the activations it keeps without."""
+    first = next(r["activations"] for r in results[2] if r["gpt-dp1-pp2-vpp1-1f1b-m4"]["pp_rank"] == 0)
+    assert first["full"] <= first["none"] / 3, first
