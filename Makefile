@@ -2,6 +2,7 @@
 #   make demo   prepares a real text corpus and trains a small GPT on 8 CPU ranks
 #               (tp=2 x pp=2 x dp=2), printing progress and the validation loss
 #   make test   runs the whole test suite
+#   make bench  prints the benchmarks' JSON lines (bench/)
 # Override the torch requirement on a CUDA machine: make demo TORCH=torch
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test setup clean
+.PHONY: demo test bench setup clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +28,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# Performance, one JSON line per benchmark (not part of the tests: timings are noisy)
+bench: setup
+	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/data_parallel.py
+	$(BIN)/python bench/bubble.py
+	$(BIN)/python bench/compile.py
+	$(BIN)/python bench/capture.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
