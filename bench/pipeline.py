@@ -137,7 +137,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         mem_theirs = _saved_peak(theirs, peer_params)
         ideal = world * args.m / (args.m + world - 1) if vpp == 1 else world / (1 + (world - 1) / (vpp * args.m))
         report[name] = {
-            "fxmeg_blocks_per_chunk": [len(engine.partition.chunk_blocks(c)) for c in range(world * vpp)],
+            "fxmeg_chunks": [list(engine.partition.chunk_units(c)) for c in range(world * vpp)],
             "fxmeg_tokens_per_s": tokens / median(t_ours),
             "torch_tokens_per_s": tokens / median(t_theirs),
             "ratio_fxmeg_over_torch": median(t_theirs) / median(t_ours),

@@ -3,9 +3,10 @@
 Glossary:
   block   one repeated layer, found from module FQNs: the children of the module list
           with the most numbered children (``layers.3``, ``h.3``, ``model.layers.3``);
-  unit    a block plus the top-level code around it: code before the first block
-          (embeddings, rotary tables) joins the first unit, code after a block (final
-          norm, head, loss) joins that block's unit;
+  unit    what a cut may separate: a block, or the part of one from a residual-stream
+          point on (between attention and MLP; before the final norm or head), where
+          no more bytes are live than enter the block; code before the first block
+          (embeddings, rotary tables) joins the first unit;
   chunk   a contiguous run of units; chunk c runs on pipeline rank c % pp.
 
 ``partition`` tags every call_function node with ``meta["fxmeg"]["chunk"]``. Chunks only
@@ -42,22 +43,31 @@ class Partition:
 
     blocks: tuple[str, ...]
     """Block FQNs in execution order."""
+    units: tuple[str, ...]
+    """Unit names in execution order: a block (``layers.3``), or a residual-stream point
+    inside or after one (``layers.3:ln_2``: from that child of layers.3 on)."""
     starts: tuple[int, ...]
-    """Index in ``blocks`` of the first block of each chunk."""
+    """Index in ``units`` of the first unit of each chunk."""
     costs: tuple[float, ...]
     """Estimated forward cost of each chunk (FLOPs + BYTE_COST * bytes moved)."""
+    unit_costs: tuple[float, ...] = ()
+
+    def chunk_units(self, chunk: int) -> tuple[str, ...]:
+        end = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else len(self.units)
+        return self.units[self.starts[chunk] : end]
 
     def chunk_blocks(self, chunk: int) -> tuple[str, ...]:
-        end = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else len(self.blocks)
-        return self.blocks[self.starts[chunk] : end]
+        """Blocks with code in ``chunk`` (a block cut at a residual point is in two)."""
+        names = (u.split(":")[0] for u in self.chunk_units(chunk))
+        return tuple(dict.fromkeys(b for b in names if b in self.blocks))
 
 
 def partition(
     gm: fx.GraphModule, *, num_chunks: int, split_points: tuple[str, ...] | None = None
 ) -> Partition:
-    """Cut ``gm`` into ``num_chunks`` chunks at block boundaries; tag every node's chunk."""
+    """Cut ``gm`` into ``num_chunks`` chunks at unit boundaries; tag every node's chunk."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    blocks, unit_of = _units(nodes)
+    blocks, units, unit_of = _units(nodes)
     if num_chunks == 1:
         starts = (0,)
     elif not blocks:
@@ -71,12 +81,12 @@ def partition(
             f"pp * vpp = {num_chunks} chunks, but the model has only {len(blocks)} blocks "
             f"({blocks[0]} .. {blocks[-1]}); choose pp * vpp <= {len(blocks)}"
         )
-    unit_costs = [0.0] * max(len(blocks), 1)
+    unit_costs = [0.0] * max(len(units), 1)
     for node in nodes:
         unit_costs[unit_of[node]] += node_cost(node)
     if num_chunks > 1:
         if split_points is not None:
-            starts = _pinned_starts(blocks, split_points, num_chunks)
+            starts = _pinned_starts(blocks, units, split_points, num_chunks)
         else:
             starts = _balanced_starts(unit_costs, num_chunks)
     chunk_of_unit = [0] * len(unit_costs)
@@ -88,7 +98,7 @@ def partition(
     costs = [0.0] * num_chunks
     for unit, cost in enumerate(unit_costs):
         costs[chunk_of_unit[unit]] += cost
-    return Partition(tuple(blocks), tuple(starts), tuple(costs))
+    return Partition(tuple(blocks), tuple(units), tuple(starts), tuple(costs), tuple(unit_costs))
 
 
 def node_flops(node: fx.Node) -> float:
@@ -126,11 +136,17 @@ def find_blocks(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return {n: f"{m[1]}.{m[2]}" for n, m in numbered.items() if m and m[1] == container}
 
 
-def _units(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, int]]:
-    """Blocks in execution order, and the unit (block index) of every node."""
+def _units(nodes: list[fx.Node]) -> tuple[list[str], list[str], dict[fx.Node, int]]:
+    """Blocks in execution order, units in execution order, and every node's unit.
+
+    Code before the first block joins it. A unit starts at every later block, and inside
+    or after a block at each change of child module (``attn`` -> ``ln_2``, ``layers.3``
+    -> ``ln_f``) where the values live across the point take no more bytes than those
+    entering the block: the residual stream between attention and MLP, or before the
+    final norm or head. Cutting there sends no more than cutting between blocks."""
     block_of = find_blocks(nodes[0].graph.owning_module) if nodes else {}
     blocks: list[str] = []
-    unit_of: dict[fx.Node, int] = {}
+    block_index: dict[fx.Node, int] = {}
     current = 0
     for node in nodes:
         name = block_of.get(node)
@@ -138,17 +154,66 @@ def _units(nodes: list[fx.Node]) -> tuple[list[str], dict[fx.Node, int]]:
             if name not in blocks:
                 blocks.append(name)
             current = blocks.index(name)
-        unit_of[node] = current
+        block_index[node] = current
         if node.target.__name__ == "getitem":  # a tuple's parts stay with the tuple
-            unit_of[node] = unit_of[node.args[0]]
-        earlier = [unit_of[n] for n in node.all_input_nodes if n in unit_of]
-        if earlier and max(earlier) > unit_of[node]:
+            block_index[node] = block_index[node.args[0]]
+        earlier = [block_index[n] for n in node.all_input_nodes if n in block_index]
+        if earlier and max(earlier) > block_index[node]:
             raise PassError(
                 f"node {node.name!r} (module {owning_module(node)!r}) reads a value of a "
                 f"later block ({blocks[max(earlier)]}); fxmeg pipelines models whose blocks "
                 "run one after the other"
             )
-    return blocks, unit_of
+    live = _live_bytes(nodes)
+    units = [blocks[0]] if blocks else ["model"]
+    unit_of: dict[fx.Node, int] = {}
+    entering = None  # bytes live where the current block starts
+    for p, node in enumerate(nodes):
+        prev = nodes[p - 1] if p else None
+        if node in block_of and entering is None:
+            entering = live[p]  # the first block (code before it is in its unit)
+        elif prev is not None and block_index[node] != block_index[prev]:
+            units.append(blocks[block_index[node]])
+            entering = live[p]
+        elif (entering is not None and node.target.__name__ != "getitem"
+              and _part(prev, block_of) != _part(node, block_of) and live[p] <= entering):
+            part = _part(node, block_of)
+            outside = part.startswith("~")
+            name = (part[1:] or f"{blocks[-1]}:after") if outside else f"{blocks[block_index[node]]}:{part or 'residual'}"
+            units.append(name)
+        unit_of[node] = len(units) - 1
+        if node.target.__name__ == "getitem":
+            unit_of[node] = unit_of[node.args[0]]
+    return blocks, units, unit_of
+
+
+def _part(node: fx.Node, block_of: dict[fx.Node, str]) -> str:
+    """The child module of its block that ``node`` runs in ('' for the block's own code);
+    for code outside blocks, its module."""
+    module, block = owning_module(node), block_of.get(node)
+    if block is None:
+        return "~" + module
+    rest = module[len(block) + 1 :]
+    return rest.split(".")[0]
+
+
+def _live_bytes(nodes: list[fx.Node]) -> list[int]:
+    """live[p]: bytes of values made before ``nodes[p]`` and read at or after it."""
+    index = {n: i for i, n in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 2)
+    for i, node in enumerate(nodes):
+        v = val(node)
+        if v is None or not node.users:
+            continue
+        last = max(index.get(u, len(nodes)) for u in node.users)
+        if last > i:
+            delta[i + 1] += v.numel() * v.element_size()
+            delta[last + 1] -= v.numel() * v.element_size()
+    live, total = [], 0
+    for p in range(len(nodes)):
+        total += delta[p]
+        live.append(total)
+    return live
 
 
 def _balanced_starts(costs: list[float], k: int) -> tuple[int, ...]:
@@ -174,7 +239,7 @@ def _balanced_starts(costs: list[float], k: int) -> tuple[int, ...]:
     return tuple(reversed(starts))
 
 
-def _pinned_starts(blocks: list[str], split_points: tuple[str, ...], k: int) -> tuple[int, ...]:
+def _pinned_starts(blocks: list[str], units: list[str], split_points: tuple[str, ...], k: int) -> tuple[int, ...]:
     if len(split_points) != k - 1:
         raise ConfigError(
             f"split_points has {len(split_points)} entries, but pp * vpp = {k} chunks need "
@@ -182,11 +247,13 @@ def _pinned_starts(blocks: list[str], split_points: tuple[str, ...], k: int) -> 
         )
     starts = [0]
     for name in split_points:
-        if name not in blocks:
+        if name not in units:
+            inner = [u for u in units if ":" in u]
             raise ConfigError(
                 f"split point {name!r} names no block; blocks are {blocks[0]} .. {blocks[-1]}"
+                + (f" (and points inside them such as {inner[0]!r})" if inner else "")
             )
-        starts.append(blocks.index(name))
+        starts.append(units.index(name))
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise ConfigError(
             f"split_points {list(split_points)} must name blocks in increasing order, "

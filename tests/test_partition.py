@@ -19,23 +19,22 @@ def _graph(name="gpt", **cfg):
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_balanced_cut_is_optimal_and_keeps_ends_in_place(name, k):
     gm = _graph(name, n_layer=6)
-    units = _unit_costs(gm)
     p = partition(gm, num_chunks=k)
+    units = p.unit_costs
     assert p.blocks == tuple(f"layers.{i}" for i in range(6))
-    # brute force over every way to cut the 6 units into k runs
-    best = min(max(map(sum, _runs(units, cuts))) for cuts in itertools.combinations(range(1, 6), k - 1))
+    # every block starts a unit; inside each, the residual point before the MLP's norm
+    norm = "ln_2" if name == "gpt" else "post_attention_layernorm"
+    inner = [f"layers.{i}:{norm}" for i in range(6)]
+    assert [u for u in p.units if u.startswith("layers.")] == [x for i in range(6) for x in (f"layers.{i}", inner[i])]
+    # brute force over every way to cut the units into k runs
+    n = len(units)
+    best = min(max(map(sum, _runs(units, cuts))) for cuts in itertools.combinations(range(1, n), k - 1))
     assert max(p.costs) == pytest.approx(best)
     assert sum(p.costs) == pytest.approx(sum(units))
     assert {n.meta["fxmeg"]["chunk"] for n in gm.graph.nodes if n.op == "call_function"} == set(range(k))
     embedding = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.embedding.default)
     ce = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default)
     assert embedding.meta["fxmeg"]["chunk"] == 0 and ce.meta["fxmeg"]["chunk"] == k - 1
-
-
-def _unit_costs(gm) -> list[float]:
-    """Cost per unit (block plus the code around it), read off a one-unit-per-chunk cut."""
-    p = partition(gm, num_chunks=len(partition(gm, num_chunks=1).blocks))
-    return list(p.costs)
 
 
 def _runs(costs, cuts):
@@ -96,4 +95,4 @@ def test_blocks_found_under_any_container_name():
     gm = loss(capture(_HFStyle(), (ids, ids)).gm)
     p = partition(gm, num_chunks=3)
     assert p.blocks == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
-    assert p.starts == (0, 1, 2)
+    assert p.units[:3] == p.blocks and p.starts[:2] == (0, 1)
