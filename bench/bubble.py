@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import median, spawn  # noqa: E402
+from bench.common import median, parser, spawn  # noqa: E402
 from fxmeg import trace  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -29,7 +29,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden)
     per = args.layers // world
     rows = []
-    for m in args.m:
+    for m in args.ms:
         torch.manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (m * args.mbs, cfg.seq_len))
         labels = torch.randint(0, cfg.vocab_size, (m * args.mbs, cfg.seq_len))
@@ -56,16 +56,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--m", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p = parser(__doc__, pp=2, m=None, layers=8, vocab=128, steps=5)
+    p.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16], help="micro-batch counts")
     args = p.parse_args()
     spawn(args.pp, run, args)
 

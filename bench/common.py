@@ -3,6 +3,7 @@ is fxmeg.report.SavedBytes."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
@@ -41,3 +42,14 @@ def timed(step: Callable[[], object]) -> float:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def parser(doc: str, **defaults) -> argparse.ArgumentParser:
+    """The benchmarks' shared flags (model shape, micro-batching, steps); ``defaults``
+    override their values (None drops a flag), or add flags of their own (e.g. pp=2)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags = dict(m=8, mbs=2, layers=4, hidden=128, seq=128, vocab=2048, steps=10, warmup=2) | defaults
+    for name, value in flags.items():
+        if value is not None:
+            p.add_argument(f"--{name}", type=type(value), default=value)
+    return p

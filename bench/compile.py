@@ -6,7 +6,6 @@ process, steps alternated in one run. One JSON line: median step times and ratio
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -18,20 +17,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import median  # noqa: E402
+from bench.common import median, parser  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=int, default=8)
-    p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p = parser(__doc__, warmup=3)
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)

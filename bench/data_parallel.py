@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import median, spawn, timed  # noqa: E402
+from bench.common import median, parser, spawn, timed  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -104,17 +104,8 @@ def _torch_ddp(model, rank, world, ids, labels, args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--m", type=int, default=4)
-    p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=2048)
+    p = parser(__doc__, dp=2, m=4, mbs=4, hidden=256)
     p.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket (both)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     spawn(args.dp, run, args)
 

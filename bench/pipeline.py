@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from fxmeg import trace  # noqa: E402
-from bench.common import median, spawn, timed  # noqa: E402
+from bench.common import median, parser, spawn, timed  # noqa: E402
 from fxmeg.report import SavedBytes  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -208,16 +208,7 @@ def _saved_peak(step, params) -> list[int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--m", type=int, default=8)
-    p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p = parser(__doc__, pp=2)
     spawn(p.parse_args().pp, run, p.parse_args())
 
 

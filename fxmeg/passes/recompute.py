@@ -118,22 +118,21 @@ def _eager_core(softmax: fx.Node) -> list[fx.Node] | None:
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
+    return _reach(node, lambda n: n.users)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
+    return _reach(node, lambda n: n.all_input_nodes)
+
+
+def _reach(node: fx.Node, step) -> set[fx.Node]:
+    """Every node reachable from ``node`` (excluded) along ``step``."""
     seen, stack = set(), [node]
     while stack:
-        for parent in stack.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
+        for other in step(stack.pop()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
     return seen
 
 
