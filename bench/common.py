@@ -53,3 +53,18 @@ def parser(doc: str, **defaults) -> argparse.ArgumentParser:
         if value is not None:
             p.add_argument(f"--{name}", type=type(value), default=value)
     return p
+
+
+def plain_step(model, opt, ids, labels, m: int, mbs: int) -> Callable[[], None]:
+    """One step of plain single-process PyTorch over m micro-batches of mbs rows: the
+    reference every speedup is measured against."""
+
+    def step() -> None:
+        opt.zero_grad()
+        for i in range(m):
+            rows = slice(i * mbs, (i + 1) * mbs)
+            (model(ids[rows], labels[rows]) / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step

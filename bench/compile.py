@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import median, parser  # noqa: E402
+from bench.common import median, parser, plain_step  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -40,16 +40,10 @@ def main() -> None:
     plain = copy.deepcopy(base)
     opt = adam(list(plain.parameters()))
 
-    def plain_step():
-        opt.zero_grad()
-        for i in range(args.m):
-            sl = slice(i * args.mbs, (i + 1) * args.mbs)
-            (plain(ids[sl], labels[sl]) / args.m).backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
+    plain_pytorch = plain_step(plain, opt, ids, labels, args.m, args.mbs)
 
     runs = {"compiled": lambda: compiled.train_step((ids, labels)),
-            "eager": lambda: eager.train_step((ids, labels)), "plain_pytorch": plain_step}
+            "eager": lambda: eager.train_step((ids, labels)), "plain_pytorch": plain_pytorch}
     times = {k: [] for k in runs}
     for i in range(args.warmup + args.steps):
         order = list(runs) if i % 2 == 0 else list(runs)[::-1]

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from fxmeg import trace  # noqa: E402
-from bench.common import median, parser, spawn, timed  # noqa: E402
+from bench.common import median, parser, plain_step, spawn, timed  # noqa: E402
 from fxmeg.report import SavedBytes  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -178,16 +178,8 @@ def _single_process_time(rank: int, base: GPT, ids, labels, args) -> float:
     took = torch.zeros(1, dtype=torch.float64)
     if rank == 0:
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            opt.zero_grad()
-            for i in range(args.m):
-                sl = slice(i * args.mbs, (i + 1) * args.mbs)
-                (model(ids[sl], labels[sl]) / args.m).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = plain_step(model, opt, ids, labels, args.m, args.mbs)
         times = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
