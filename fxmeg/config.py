@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmeg.errors import ConfigError, closest
+from fxmeg.passes.recompute import GRANULARITIES
+from fxmeg.runtime.schedules import P2P_MODES
 from fxmeg.runtime.loss_scale import LossScaleConfig
 from fxmeg.runtime.lr_schedule import LRSchedule
 
@@ -164,14 +166,15 @@ class EngineConfig:
                 "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
             )
-        if self.recompute not in ("none", "selective", "full"):
+        if self.recompute not in GRANULARITIES:
             raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
-                              + closest(self.recompute, ("none", "selective", "full")))
+                              + closest(self.recompute, GRANULARITIES))
         if self.recompute_num_layers is not None and (self.recompute != "full" or self.recompute_num_layers < 0):
             raise ConfigError(f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' and a "
                               "count >= 0 (blocks recomputed per chunk; None: all)")
-        if self.p2p not in ("auto", "paired", "eager"):
-            raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'" + closest(self.p2p, ("auto", "paired", "eager")))
+        if self.p2p not in ("auto", *P2P_MODES):
+            raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
+                              + closest(self.p2p, ("auto", *P2P_MODES)))
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(
                 "overlap_param_gather=True needs distributed_optimizer=True (only the "

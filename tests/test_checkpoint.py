@@ -14,19 +14,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fxmeg.checkpoint import CheckpointError, check_complete, find_complete
 from fxmeg.cli import main as fxmeg_main
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("data") / "topics")
-    prepare(read_documents(["pydoc:topics"]), prefix, ByteTokenizer())
-    return prefix
 
 
 def _config(corpus, root, **kw) -> TrainConfig:

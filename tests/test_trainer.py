@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from fxmeg.cli import _train_parser, config_from
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
 from fxmeg.errors import ConfigError
 from fxmeg.metrics import read
 from fxmeg.report import memory_report
@@ -18,13 +16,6 @@ from fxmeg.runtime.lr_schedule import LRSchedule
 from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("data") / "topics")
-    prepare(read_documents(["pydoc:topics"]), prefix, ByteTokenizer())
-    return prefix
 
 
 def _config(corpus, tmp_path, **kw):

@@ -132,6 +132,7 @@ class Optimizer:
             if masters:
                 inner_groups.append({**g, "params": masters})
         self.inner = factory(inner_groups)
+        self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
 
     @property
     def param_groups(self) -> list[dict]:
@@ -191,8 +192,7 @@ class Optimizer:
         sums = torch.zeros(2, dtype=torch.float64, device=self._device())
         if tensors:
             squares = torch.stack(torch._foreach_norm(tensors)).double() ** 2
-            counted = torch.tensor([p.in_norm for p in self.pieces], device=squares.device)
-            sums = torch.stack([squares[counted].sum(), squares.sum()])
+            sums = torch.stack([squares[self._in_norm].sum(), squares.sum()])
         if self.distributed:
             all_reduce(sums, self.groups.dp)
         all_reduce(sums, self.groups.tp)
