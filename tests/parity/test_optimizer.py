@@ -7,8 +7,6 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.program import buffer_layouts
-from fxmeg.runtime.groups import shard_range
 from fxmeg.runtime.loss_scale import LossScaleConfig
 from fxmeg.runtime.lr_schedule import LRSchedule
 from tests.distributed import run_world
