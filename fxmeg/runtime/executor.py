@@ -68,6 +68,8 @@ class Executor:
         device: torch.device,
         timeout_s: float = 600.0,
         compile: bool = False,
+        on_grad_sync: Callable[[int], None] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.chunks = chunks
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
@@ -77,8 +79,8 @@ class Executor:
         self.peer, self.group, self.device = peer, group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.counters = Counters()
-        self.tracer = Tracer()
-        self.on_grad_sync: Callable[[int], None] | None = None
+        self.tracer = tracer if tracer is not None else Tracer()
+        self.on_grad_sync = on_grad_sync
         """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
         self._handlers = {
             Kind.F: self._forward,
