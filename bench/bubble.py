@@ -41,7 +41,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         bubbles = []
         for _ in range(args.steps):
             engine.train_step((ids, labels), trace=True)
-            gathered = trace.gather(engine.tracer.events, f"rank {rank}")
+            gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
             if gathered:
                 bubbles.append([r["bubble"] for r in trace.analyze(gathered[0])["ranks"]])
         if rank == 0:

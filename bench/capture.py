@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from fxmeg import program  # noqa: E402
 from fxmeg.capture import capture  # noqa: E402
-from fxmeg.partition import partition  # noqa: E402
+from fxmeg.passes.partition import partition  # noqa: E402
 from fxmeg.passes.buckets import buckets  # noqa: E402
 from fxmeg.passes.loss import loss  # noqa: E402
 from fxmeg.passes.pipeline import pipeline  # noqa: E402

@@ -44,7 +44,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     }
     waits = {True: [], False: []}
     for overlap, engine in engines.items():
-        engine.ddp.finish_grad_sync = _timing(engine.ddp.finish_grad_sync, waits[overlap])
+        engine.context.ddp.finish_grad_sync = _timing(engine.context.ddp.finish_grad_sync, waits[overlap])
     ddp_step = _torch_ddp(copy.deepcopy(base), rank, world, ids, labels, args)
     ours = lambda: engines[True].train_step((ids, labels))  # noqa: E731
     ours_no_overlap = lambda: engines[False].train_step((ids, labels))  # noqa: E731

@@ -131,7 +131,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             for fn, out in runs[k:] + runs[:k]:
                 out.append(timed(fn))
         engine.train_step((ids, labels), trace=True)
-        gathered = trace.gather(engine.tracer.events, f"rank {rank}")
+        gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
         timeline = trace.analyze(gathered[0]) if gathered else None
         mem_ours = _saved_peak(ours, engine.named_parameters.values())
         mem_theirs = _saved_peak(theirs, peer_params)

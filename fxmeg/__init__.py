@@ -2,8 +2,14 @@
 transforming their traced graphs."""
 
 from fxmeg.api import Engine, EvalResult, StepResult, parallelize
+from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import FxmegError
-from fxmeg.runtime.loss_scale import LossScaleConfig
-from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.loss_scale import LossScaleConfig
+from fxmeg.lr_schedule import LRSchedule
+from fxmeg.program import Program
+from fxmeg.transform import transform
 
-__all__ = ["Engine", "EvalResult", "FxmegError", "LRSchedule", "LossScaleConfig", "StepResult", "parallelize"]
+__all__ = [
+    "Engine", "EngineConfig", "EvalResult", "FxmegError", "LRSchedule", "LossScaleConfig",
+    "ParallelConfig", "Program", "StepResult", "parallelize", "transform",
+]

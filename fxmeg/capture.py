@@ -9,7 +9,9 @@ The result is a plain ``fx.GraphModule`` in the user's vocabulary:
 * the output is the flat tuple of the model's outputs (the loss first);
 * every node carries ``meta["val"]`` (a fake tensor: shape and dtype) and
   ``meta["fxmeg"]["module"]``, the FQN of the innermost module that created it
-  (``""`` for code in the model's own ``forward``).
+  (``""`` for code in the model's own ``forward``);
+* ``gm.meta["fxmeg"]["capture"]`` is a ``fxmeg.program.CaptureInfo``: input names and
+  shapes, the user's names of tied tensors, whether a ``loss_fn`` gave the loss.
 
 Exported training-IR graphs keep high-level ATen ops (``aten.linear``,
 ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
@@ -25,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.errors import CaptureError
+from fxmeg.program import CaptureInfo, InputSpec
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _PREFIX = "model."  # FQN prefix of the user's model inside _WithLossFn
@@ -102,6 +105,9 @@ def capture(
     prefix = _PREFIX if root is not model else ""
     gm, input_names = _unlift(ep, model, prefix)
     aliases = _aliases(model)
+    inputs = tuple(InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(input_names, example_inputs))
+    gm.meta["fxmeg"] = {"capture": CaptureInfo(
+        inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None)}
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
 
 

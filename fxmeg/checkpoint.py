@@ -20,13 +20,12 @@ and falls back to the previous complete checkpoint, with a warning, when they ar
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,10 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fxmeg.errors import FxmegError
-from fxmeg.sharding import LoadPlanner, Pieces, SavePlanner, flat_to_boxes, local_to_global, view
-
-if TYPE_CHECKING:
-    from fxmeg.api import Engine
+from fxmeg.program import Program
+from fxmeg.runtime.context import RankContext
+from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
+from fxmeg.sharding import LoadPlanner, Pieces, SavePlanner
 
 LATEST = "latest"
 META = "meta.json"
@@ -48,118 +47,11 @@ class CheckpointError(FxmegError):
     """A checkpoint that is missing, incomplete or from an incompatible model."""
 
 
-# ---------------------------------------------------------------- full state
-
-
-def gather_full_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """The user model's state_dict with the engine's current values on every rank:
-    tensor-parallel shards are all-gathered, each pipeline stage's parameters broadcast
-    from their first holder. Collective."""
-    engine.ddp.wait_for_params()
-    canonical = {n: c for c, names in engine.aliases.items() for n in names}
-    groups = engine.groups
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in engine.model.state_dict(keep_vars=True).items():
-        name = canonical.get(key, key)
-        holders = engine.holders.get(name)
-        if holders is None:  # not read by the graph: the model's own value
-            out[key] = tensor.detach().clone()
-            continue
-        owner = min(holders)
-        shape, dtype = engine.full_shapes[key]
-        if owner == groups.pp_rank:
-            value = _gather_tp(engine, name, engine.named_parameters[name].detach())
-        else:
-            value = torch.empty(shape, dtype=dtype, device=engine.device)
-        if groups.pp is not None:
-            dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
-        out[key] = value
-    return out
-
-
-def _gather_tp(engine: Engine, name: str, local: torch.Tensor) -> torch.Tensor:
-    spec = engine.tp_specs.get(name)
-    if spec is None or spec[0] != "shard" or engine.groups.tp is None:
-        return local.clone()
-    _, dim, parts = spec
-    tp = engine.config.parallel.tp
-    pieces = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(pieces, local.contiguous(), group=engine.groups.tp)
-    blocks, offset = [], 0
-    for p in parts:  # rank r holds the r-th tp-th of every block, blocks end to end
-        blocks.extend(piece.narrow(dim, offset, p // tp) for piece in pieces)
-        offset += p // tp
-    return torch.cat(blocks, dim)
-
-
-# ---------------------------------------------------------------- this rank's state
+# ---------------------------------------------------------------- rank state
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _tp_rank(engine: Engine) -> int:
-    return engine.groups.topo.coords(engine.groups.rank)[0]
-
-
-def _full_shape(engine: Engine, name: str) -> torch.Size:
-    return engine.full_shapes[name][0]
-
-
-def model_entries(engine: Engine) -> dict[str, Pieces]:
-    """``model/<fqn>`` for every parameter this rank's chunks train (its boxes), and,
-    whole, for what no chunk trains: persistent buffers, unused parameters."""
-    tp, rank = engine.config.parallel.tp, _tp_rank(engine)
-    out = {}
-    for name, p in engine.named_parameters.items():
-        local = ((0,) * p.dim(), tuple(p.shape))
-        spec = engine.tp_specs.get(name)
-        parts = [(g[0], view(p.detach(), l)) for g, l in local_to_global(local, spec, tp, rank)]
-        out[f"model/{name}"] = Pieces(_full_shape(engine, name), parts)
-    model_state = engine.model.state_dict(keep_vars=True)
-    for name in engine.aliases:
-        if name not in engine.holders and name in model_state:
-            t = model_state[name].detach()
-            out[f"model/{name}"] = Pieces(t.shape, [((0,) * t.dim(), t)])
-    return out
-
-
-def optimizer_entries(engine: Engine, keys: set[str] | None = None) -> dict[str, Pieces]:
-    """``optim/<state>/<fqn>`` for the elements this rank's optimizer updates. ``keys``
-    (on load: the states the checkpoint has) are created as zeros where missing."""
-    opt = engine.optimizer
-    tp, rank = engine.config.parallel.tp, _tp_rank(engine)
-    out: dict[str, Pieces] = {}
-    for piece in opt.pieces:
-        state = opt.inner.state.setdefault(piece.master, {})
-        for key in keys or ():
-            if key != "master" and key not in state:
-                state[key] = torch.zeros_like(piece.master)
-        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == piece.master.numel() and v.dim() > 0}
-        if piece.target is not None:
-            tensors["master"] = piece.master
-        if keys is not None:
-            tensors = {k: v for k, v in tensors.items() if k in keys}
-        shape = tuple(piece.param.shape)
-        spec = engine.tp_specs.get(piece.name)
-        for key, t in tensors.items():
-            flat = t.detach().reshape(-1)
-            entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(engine, piece.name), []))
-            for box in flat_to_boxes(shape, piece.lo, piece.hi):
-                start = _flat_index(shape, box[0]) - piece.lo
-                box_view = flat[start : start + math.prod(box[1])].view(box[1])
-                for g, l in local_to_global(box, spec, tp, rank):
-                    rel = tuple(a - b for a, b in zip(l[0], box[0]))
-                    entry.parts.append((g[0], view(box_view, (rel, l[1]))))
-    return out
-
-
-def _scalars(engine: Engine) -> dict[str, float]:
-    """Scalar optimizer states (Adam's step), the same for every parameter."""
-    for state in engine.optimizer.inner.state.values():
-        return {k: float(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-    return {}
 
 
 def _rng() -> dict:
@@ -177,35 +69,21 @@ def _set_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _flat_index(shape, offsets) -> int:
-    index = 0
-    for size, off in zip(shape, offsets):
-        index = index * size + off
-    return index
-
-
-def layout(engine: Engine) -> dict:
-    par = engine.config.parallel
-    return {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
-            "distributed_optimizer": engine.config.distributed_optimizer,
-            "precision": engine.config.precision}
-
-
-def _model_signature(engine: Engine) -> dict[str, list[int]]:
-    return {k: list(shape) for k, (shape, _) in engine.full_shapes.items()}
-
 
 # ---------------------------------------------------------------- save
 
 
 class Checkpointer:
-    """Saves (optionally in the background) and loads an engine's checkpoints."""
+    """Saves (optionally in the background) and loads the checkpoints of one Program's
+    runtime on this rank."""
 
     writer_factory = FileSystemWriter
     """Storage writer class; tests substitute a slow one."""
 
-    def __init__(self, engine: Engine, *, keep: int | None = None, async_save: bool = False) -> None:
-        self.engine, self.keep, self.async_save = engine, keep, async_save
+    def __init__(
+        self, program: Program, context: RankContext, *, keep: int | None = None, async_save: bool = False
+    ) -> None:
+        self.program, self.context, self.keep, self.async_save = program, context, keep, async_save
         multi = dist.is_initialized() and dist.get_world_size() > 1
         # a group of its own: a background save's collectives never meet training's
         self.group = dist.new_group(backend="gloo") if multi else None
@@ -218,16 +96,16 @@ class Checkpointer:
         """Write this iteration's checkpoint (in the background with async_save: the
         previous one finishes first). Collective."""
         self.wait()
-        engine = self.engine
-        engine.ddp.wait_for_params()
-        state: dict[str, Any] = {**model_entries(engine), **optimizer_entries(engine)}
-        state["optim/scalars"] = _scalars(engine)
-        state["scaler"] = engine.scaler.state_dict() if engine.scaler else None
-        state["scheduler"] = engine.scheduler.state_dict() if engine.scheduler else None
-        state["trainer"] = trainer_state | {"global_batch_size": engine.config.global_batch_size}
+        program, ctx = self.program, self.context
+        ctx.ddp.wait_for_params()
+        state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx)}
+        state["optim/scalars"] = scalars(ctx)
+        state["scaler"] = ctx.scaler.state_dict() if ctx.scaler else None
+        state["scheduler"] = ctx.scheduler.state_dict() if ctx.scheduler else None
+        state["trainer"] = trainer_state | {"global_batch_size": ctx.config.global_batch_size}
         state[f"rng/{_rank()}"] = _rng()
-        meta = {"iteration": iteration, "layout": layout(engine), "world_size": _world(),
-                "model": _model_signature(engine), "aliases": engine.aliases,
+        meta = {"iteration": iteration, "layout": layout(ctx), "world_size": _world(),
+                "model": model_signature(program), "aliases": program.aliases,
                 "trainer": {k: v for k, v in trainer_state.items() if k != "config"}}
         path = os.path.join(directory, f"iter_{iteration:07d}")
         if self.async_save:
@@ -277,39 +155,39 @@ class Checkpointer:
         path = find_complete(directory)
         if path is None:
             return None
-        engine = self.engine
+        program, ctx = self.program, self.context
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
-        _check_model(meta, engine, path)
+        _check_model(meta, program, path)
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         keys = {k.split("/")[1] for k in saved if k.startswith("optim/") and k.count("/") == 2}
-        state: dict[str, Any] = {**model_entries(engine), **optimizer_entries(engine, keys)}
-        if engine.config.precision != "fp32" and "master" not in keys:
+        state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, keys)}
+        if ctx.config.precision != "fp32" and "master" not in keys:
             raise CheckpointError(f"{path} has no fp32 masters (saved in fp32); load it with precision='fp32'")
         objects = ["optim/scalars", "scaler", "scheduler", "trainer", f"rng/{_rank()}"]
         state |= {k: None for k in objects if k in saved}
         dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                  process_group=self.group, no_dist=self.group is None)
-        for piece in engine.optimizer.pieces:
+        for piece in ctx.optimizer.pieces:
             if piece.target is not None:  # half precision: the parameters follow the masters
                 piece.target.copy_(piece.master)
-            inner = engine.optimizer.inner.state[piece.master]
+            inner = ctx.optimizer.inner.state[piece.master]
             for key, value in (state.get("optim/scalars") or {}).items():
                 inner[key] = torch.tensor(value, dtype=torch.float32)
-        if engine.scaler is not None and state.get("scaler"):
-            engine.scaler.load_state_dict(state["scaler"])
-        if engine.scheduler is not None and state.get("scheduler"):
-            engine.scheduler.load_state_dict(state["scheduler"])
+        if ctx.scaler is not None and state.get("scaler"):
+            ctx.scaler.load_state_dict(state["scaler"])
+        if ctx.scheduler is not None and state.get("scheduler"):
+            ctx.scheduler.load_state_dict(state["scheduler"])
         if f"rng/{_rank()}" in state:  # the same rank of another layout: its stream anyway
             _set_rng(state[f"rng/{_rank()}"])
         trainer = state["trainer"]
-        if trainer["global_batch_size"] != engine.config.global_batch_size:
-            engine.set_global_batch_size(trainer["global_batch_size"])
+        if trainer["global_batch_size"] != ctx.config.global_batch_size:
+            ctx.set_global_batch_size(trainer["global_batch_size"])
         return trainer | {"iteration": meta["iteration"]}
 
 
-def _check_model(meta: dict, engine: Engine, path: str) -> None:
-    mine = _model_signature(engine)
+def _check_model(meta: dict, program: Program, path: str) -> None:
+    mine = model_signature(program)
     if meta["model"] != mine:
         diff = sorted(k for k in set(meta["model"]) | set(mine) if meta["model"].get(k) != mine.get(k))
         shown = ", ".join(f"{k}: checkpoint {meta['model'].get(k)} vs model {mine.get(k)}" for k in diff[:3])

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmeg.errors import ConfigError, closest
-from fxmeg.passes.recompute import GRANULARITIES
-from fxmeg.runtime.schedules import P2P_MODES
-from fxmeg.runtime.loss_scale import LossScaleConfig
-from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.loss_scale import LossScaleConfig
+from fxmeg.lr_schedule import LRSchedule
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+GRANULARITIES = ("none", "selective", "full")
+"""Activation recompute: nothing, attention cores, or whole blocks."""
+P2P_MODES = ("paired", "eager")
+"""Where pipeline sends / receives are posted (see EngineConfig.p2p)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -150,6 +152,14 @@ class EngineConfig:
                 f"{per_step}; choose a multiple of {per_step}, e.g. "
                 f"{max(per_step, self.global_batch_size // per_step * per_step)}"
             )
+        m, pp = self.num_microbatches, self.parallel.pp
+        if self.parallel.resolved_schedule == "interleaved" and (m < pp or m % pp):
+            raise ConfigError(  # Megatron's interleaved schedule runs micro-batches in groups of pp
+                f"the interleaved schedule needs the micro-batch count m to be a multiple of "
+                f"pp={pp}; got m={m} (global_batch_size={self.global_batch_size} / "
+                f"(micro_batch_size * dp)). Choose global_batch_size so that m is one of "
+                f"{[pp * i for i in (1, 2, 3)]}"
+            )
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -231,3 +241,47 @@ def batch_dim(example: tuple[torch.Tensor, ...], micro_batch_size: int | None) -
             "example_inputs"
         )
     return b
+
+
+_LAYOUT = {f for f in ParallelConfig.__dataclass_fields__}
+
+
+def make_config(
+    example: tuple[torch.Tensor, ...],
+    *,
+    world: int | None,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    micro_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    split_points=None,
+    tp_plan: dict[str, str] | None = None,
+    **options,
+) -> EngineConfig:
+    """The EngineConfig of ``parallelize(model, example, **options)``: ParallelConfig
+    fields and EngineConfig fields as keywords; an unknown name is refused with the
+    nearest valid one. ``world`` (the launched world size) fixes dp when it is None;
+    ``world=None`` (a transform without processes) takes dp=1 unless given."""
+    for name in options:
+        if name not in _LAYOUT and name not in _ENGINE_OPTIONS:
+            raise ConfigError(
+                f"unknown option {name!r}" + closest(name, sorted(_LAYOUT | _ENGINE_OPTIONS))
+            )
+    dp = resolve_dp(world, tp, pp, dp) if world is not None else (dp or 1)
+    parallel = ParallelConfig(
+        tp=tp, pp=pp, dp=dp,
+        split_points=tuple(split_points) if split_points is not None else None,
+        tp_plan=tuple((tp_plan or {}).items()),
+        **{k: v for k, v in options.items() if k in _LAYOUT},
+    )
+    mbs = batch_dim(example, micro_batch_size)
+    return EngineConfig(
+        micro_batch_size=mbs,
+        global_batch_size=global_batch_size or mbs * dp,
+        parallel=parallel,
+        **{k: v for k, v in options.items() if k not in _LAYOUT},
+    )
+
+
+_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {"parallel", "micro_batch_size", "global_batch_size"}

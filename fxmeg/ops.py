@@ -1,14 +1,36 @@
-"""Graph-level markers the passes insert. They show by name in printed graphs.
+"""Every op and marker that fxmeg's passes write into graphs, by schema. They show by name
+in printed graphs. This module is pure: no process group is touched here; the
+torch.distributed kernels of the collectives are registered by
+``fxmeg.runtime.collectives`` (docs/design.md §2).
 
-The pipeline pass marks every tensor that crosses a chunk boundary: ``recv`` where it
-enters a chunk, ``send`` where it leaves, ``deallocate`` where the producer may free it.
-Communication itself is the executor's work (lowered schedule actions RECV_F/SEND_F/...);
-when a chunk graph runs, these markers are identities, so the parent graph that chains
-all chunks in one process computes exactly what the captured model computes.
+Pipeline markers. The pipeline pass marks every tensor that crosses a chunk boundary:
+``recv`` where it enters a chunk, ``send`` where it leaves, ``deallocate`` where the
+producer may free it. Communication itself is the executor's work (lowered schedule
+actions RECV_F/SEND_F/...); when a chunk graph runs, these markers are identities, so the
+parent graph that chains all chunks in one process computes exactly what the captured
+model computes.
 
-``wait_param_gather`` (param-gather pass) is the one marker with behaviour: it waits for
-a bucket's pending parameter all-gather, which the runtime hangs on the bucket's
-parameters as ``_fxmeg_gather``; with nothing pending it does nothing.
+``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
+parameter all-gather; unbound it does nothing, and the runtime binds it to its
+data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
+
+Tensor-parallel collectives (``torch.ops.fxmeg.*``, with autograd). Each takes the *name*
+of a process group: passes write the symbolic name ``"tp"`` (they run before any group
+exists) and the runtime binds the real group's name. Rank-dependent work (which rows of
+the vocabulary this rank holds, which slice of a replicated value is local) happens
+inside the ops, from the bound group, so the graphs are the same on every rank.
+
+  tp_copy        Megatron's f: identity forward, all-reduce of the gradient
+  tp_reduce      Megatron's g: all-reduce forward, identity backward
+  sp_gather      all-gather along a (sequence) dim forward, reduce-scatter backward
+  sp_scatter     reduce-scatter along a dim forward, all-gather backward
+                 (both also take the group's size, so shapes are known without a group)
+  tp_slice       this rank's 1/size part of a replicated value along a dim; backward
+                 pads the gradient back with zeros (``tp_pad``)
+  vocab_shard_ids  token ids relative to this rank's rows of a vocabulary-parallel
+                 embedding, and the mask of ids outside them
+  vocab_parallel_cross_entropy  per-token loss over vocabulary-sharded logits (Megatron's
+                 _VocabParallelCrossEntropy); the full logits are never gathered
 """
 
 from __future__ import annotations
@@ -37,10 +59,8 @@ def deallocate(tensor: torch.Tensor) -> None:
 @has_side_effect
 def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
     """Wait for the all-gather of ``bucket`` (chunk, index), which holds ``param``, before
-    forward first reads any of its parameters (Megatron: overlap_param_gather)."""
-    pending = getattr(param, "_fxmeg_gather", None)
-    if pending is not None:
-        pending.wait()
+    forward first reads any of its parameters (Megatron: overlap_param_gather). A no-op
+    until the runtime binds it."""
 
 
 for _fn in (recv, send, deallocate, wait_param_gather):
@@ -73,3 +93,89 @@ def _aux_backward(ctx, grad):
 scale_aux_loss.register_autograd(_aux_backward, setup_context=_aux_setup)
 AUX_SCALE = "fxmeg_aux_loss_scale"
 """The buffer holding the aux-loss gradient weight in a graph that has one."""
+
+
+# ---------------------------------------------------------------- tensor-parallel collectives
+
+TP = "tp"
+"""Symbolic group name in graphs before binding."""
+
+_LIB = torch.library.Library("fxmeg", "FRAGMENT")
+_SCHEMAS = {
+    "tp_copy": "(Tensor x, str group) -> Tensor",
+    "tp_reduce": "(Tensor x, str group) -> Tensor",
+    "sp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "sp_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "tp_slice": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "tp_pad": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "vocab_shard_ids": "(Tensor ids, int rows, str group) -> (Tensor, Tensor)",
+    # (per-token loss, softmax of the local logits, target index in the local rows or -1)
+    "vocab_parallel_cross_entropy": "(Tensor logits, Tensor target, int ignore_index, str group) -> (Tensor, Tensor, Tensor)",
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+fx_ops = torch.ops.fxmeg
+COLLECTIVES = frozenset(getattr(fx_ops, n).default for n in _SCHEMAS)
+"""Every op that takes a group name (bound by the runtime)."""
+
+
+def _resized(x, dim: int, factor: float):
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+torch.library.register_fake("fxmeg::tp_copy", lambda x, group: torch.empty_like(x))
+torch.library.register_fake("fxmeg::tp_reduce", lambda x, group: torch.empty_like(x))
+torch.library.register_fake("fxmeg::sp_gather", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake("fxmeg::tp_pad", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake("fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::tp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake(
+    "fxmeg::vocab_shard_ids",
+    lambda ids, rows, group: (torch.empty_like(ids), torch.empty_like(ids, dtype=torch.bool)),
+)
+torch.library.register_fake(
+    "fxmeg::vocab_parallel_cross_entropy",
+    lambda logits, target, ignore_index, group: (
+        logits.new_empty(target.shape, dtype=torch.float32),
+        logits.new_empty(logits.shape, dtype=torch.float32),
+        torch.empty_like(target),
+    ),
+)
+
+
+def _keep_args(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _autograd(name: str, backward) -> None:
+    torch.library.register_autograd(f"fxmeg::{name}", backward, setup_context=_keep_args)
+
+
+_autograd("tp_copy", lambda ctx, g: (fx_ops.tp_reduce(g, *ctx.args), None))
+_autograd("tp_reduce", lambda ctx, g: (g, None))
+_autograd("sp_gather", lambda ctx, g: (fx_ops.sp_scatter(g, *ctx.args), None, None, None))
+_autograd("sp_scatter", lambda ctx, g: (fx_ops.sp_gather(g, *ctx.args), None, None, None))
+_autograd("tp_slice", lambda ctx, g: (fx_ops.tp_pad(g, *ctx.args), None, None, None))
+_autograd("tp_pad", lambda ctx, g: (fx_ops.tp_slice(g, *ctx.args), None, None, None))
+
+
+def _vpce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2], inputs[1])
+    ctx.ignore_index, ctx.dtype = inputs[2], inputs[0].dtype
+
+
+def _vpce_backward(ctx, grad_loss, _grad_softmax, _grad_local):
+    """d loss / d logits = softmax - one_hot(target), on this rank's columns."""
+    softmax, local, target = ctx.saved_tensors
+    g = grad_loss.masked_fill(target == ctx.ignore_index, 0.0).unsqueeze(-1)
+    grad = softmax * g
+    rows = (local >= 0).nonzero().squeeze(-1)
+    grad[rows, local[rows]] -= g[rows, 0]
+    return grad.to(ctx.dtype), None, None, None
+
+
+torch.library.register_autograd(
+    "fxmeg::vocab_parallel_cross_entropy", _vpce_backward, setup_context=_vpce_setup
+)

@@ -1,12 +1,25 @@
-"""The program: plain data that the passes produce and the runtime executes."""
+"""The Program: the frozen record the passes produce and every rank's runtime reads
+(docs/design.md §2). It holds no rank: the same Program on every rank, from which
+``fxmeg.runtime.context.build_context`` makes this rank's objects.
+
+Metadata convention (written by the passes, read only through this module):
+  node.meta["fxmeg"]  per-node tags: module, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
+  gm.meta["fxmeg"]    per-graph record: on the captured graph "capture" (CaptureInfo),
+                      "facts" (ModelFacts), "partition" (Partition); on a chunk graph
+                      "spec" (ChunkSpec) and "buffers" (BufferLayout per gradient dtype)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
+
+if TYPE_CHECKING:
+    from fxmeg.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,8 @@ class ChunkSpec:
 
 
 def chunk_spec(gm: fx.GraphModule) -> ChunkSpec:
-    """The spec the pipeline pass stored on a chunk graph."""
-    return gm.meta["fxmeg"]
+    """The calling convention the pipeline pass stored on a chunk graph."""
+    return gm.meta["fxmeg"]["spec"]
 
 
 def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
@@ -88,36 +101,7 @@ class BufferLayout:
 
 def buffer_layouts(gm: fx.GraphModule) -> tuple[BufferLayout, ...]:
     """The gradient buffers the bucket pass laid out for a chunk graph."""
-    return gm.meta.get("fxmeg_buffers", ())
-
-
-def holders(chunks: list[fx.GraphModule], pp: int) -> dict[str, list[int]]:
-    """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
-    out: dict[str, set[int]] = {}
-    for c, gm in enumerate(chunks):
-        for name, p in gm.named_parameters():
-            if p.requires_grad:
-                out.setdefault(name, set()).add(c % pp)
-    return {n: sorted(r) for n, r in out.items()}
-
-
-def tp_specs(chunks: Iterable[fx.GraphModule]) -> dict[str, tuple]:
-    """Parameter FQN -> its tensor-parallel tag from the TP pass (absent for tp=1)."""
-    out = {}
-    for gm in chunks:
-        for node in gm.graph.nodes:
-            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
-                out[node.target] = node.meta["fxmeg"]["tp"]
-    return out
-
-
-def unique_parameters(chunks: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:
-    out: dict[str, nn.Parameter] = {}
-    for gm in chunks:
-        for name, p in gm.named_parameters():
-            if p.requires_grad:
-                out.setdefault(name, p)
-    return out
+    return gm.meta["fxmeg"].get("buffers", ())
 
 
 def token_counter(gm: fx.GraphModule) -> fx.GraphModule:
@@ -150,6 +134,62 @@ def token_counter(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 @dataclass(frozen=True)
+class Partition:
+    """Which units each chunk holds, and what each chunk is estimated to cost."""
+
+    blocks: tuple[str, ...]
+    """Block FQNs in execution order."""
+    units: tuple[str, ...]
+    """Unit names in execution order: a block (``layers.3``), or a residual-stream point
+    inside or after one (``layers.3:ln_2``: from that child of layers.3 on)."""
+    starts: tuple[int, ...]
+    """Index in ``units`` of the first unit of each chunk."""
+    costs: tuple[float, ...]
+    """Estimated forward cost of each chunk (FLOPs + BYTE_COST * bytes moved)."""
+    unit_costs: tuple[float, ...] = ()
+    placement: tuple[int, ...] = ()
+    """Pipeline rank of each chunk."""
+
+    def chunk_units(self, chunk: int) -> tuple[str, ...]:
+        end = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else len(self.units)
+        return self.units[self.starts[chunk] : end]
+
+    def chunk_blocks(self, chunk: int) -> tuple[str, ...]:
+        """Blocks with code in ``chunk`` (a block cut at a residual point is in two)."""
+        names = (u.split(":")[0] for u in self.chunk_units(chunk))
+        return tuple(dict.fromkeys(b for b in names if b in self.blocks))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of the example micro-batch: batches must match it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What capture knew about the user's model, kept on the captured graph."""
+
+    inputs: tuple[InputSpec, ...]
+    aliases: Mapping[str, tuple[str, ...]]
+    """Canonical FQN -> every name the user's ``state_dict`` has for that tensor."""
+    explicit_loss: bool
+    """The outputs already are ``(loss_sum, num_tokens)`` (a user ``loss_fn``)."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Whole-model facts the analyse pass records before the graph is split."""
+
+    flops_per_microbatch: float
+    """Forward FLOPs of the whole model on one micro-batch (matmuls and attention)."""
+    value_checks: tuple[ValueCheck, ...]
+
+
+@dataclass(frozen=True)
 class ValueCheck:
     """Input ``index`` must hold values in [0, high) (``ignore`` allowed too)."""
 
@@ -160,39 +200,81 @@ class ValueCheck:
     """'labels (classes of the loss)' or 'token ids (rows of embedding X)'."""
 
 
-_PASS_THROUGH = {
-    "view", "reshape", "_unsafe_view", "flatten", "to", "_to_copy", "contiguous", "clone",
-    "alias", "slice", "unsqueeze", "squeeze", "pad", "constant_pad_nd", "expand",
-}
+TPSpec = tuple
+"""("shard", dim, parts): split along ``dim``, each block of ``parts`` cut in tp equal
+pieces; or ("replicate", reduce_grad): whole on every tp rank, reduce_grad when its
+gradient differs per rank (it touches a split value) and is all-reduced over tp."""
 
 
-def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
-    """Which inputs index a loss's classes or an embedding's rows (through views, casts,
-    slices and padding), with their valid range; for checking batches up front."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = []
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        name = schema.name if schema else ""
-        if name in ("aten::cross_entropy_loss", "aten::nll_loss_nd", "aten::nll_loss"):
-            source = _source(node.args[1], inputs)
-            ignore = node.args[4] if len(node.args) > 4 else -100
-            if source is not None:
-                classes = node.args[0].meta["val"].shape[1 if node.args[0].meta["val"].dim() > 1 else 0]
-                out.append(ValueCheck(source, classes, ignore, "labels (classes of the loss)"))
-        elif name == "aten::embedding":
-            source = _source(node.args[1], inputs)
-            if source is not None:
-                rows = node.args[0].meta["val"].shape[0]
-                module = node.meta.get("fxmeg", {}).get("module", "")
-                out.append(ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})"))
-    return out
+@dataclass(frozen=True)
+class Program:
+    """A transformed model, identical on every rank (docs/design.md §2). Built by
+    ``fxmeg.transform``; read by ``fxmeg.runtime.context.build_context``."""
 
+    config: EngineConfig
+    """The configuration it was transformed for (the runtime may change only the global
+    batch size)."""
+    graph: fx.GraphModule
+    """The parent graph: submodules ``chunk_0 ..`` chained, computing what the model does."""
+    chunks: tuple[fx.GraphModule, ...]
+    """Chunk graphs in chunk order; their parameters are the user's, full size."""
+    specs: tuple[ChunkSpec, ...]
+    """Each chunk's calling convention."""
+    buffers: tuple[tuple[BufferLayout, ...], ...]
+    """Each chunk's gradient buffers (one per gradient dtype)."""
+    placement: tuple[int, ...]
+    """Pipeline rank of each chunk."""
+    partition: Partition
+    tp_specs: Mapping[str, TPSpec]
+    """Parameter FQN -> how the tensor-parallel pass shards it (empty for tp=1)."""
+    holders: Mapping[str, tuple[int, ...]]
+    """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
+    parameters: Mapping[str, nn.Parameter]
+    """Trainable parameter FQN -> the user's parameter (what the runtime materialises)."""
+    master_values: Mapping[str, torch.Tensor]
+    """Half precision: each parameter's fp32 value before the model was cast (empty in fp32)."""
+    untrained: Mapping[str, torch.Tensor]
+    """State-dict entries no chunk trains (buffers, frozen parameters), as the model has them."""
+    aliases: Mapping[str, tuple[str, ...]]
+    """Canonical FQN -> every name the user's ``state_dict`` has for that tensor."""
+    full_shapes: Mapping[str, tuple[torch.Size, torch.dtype]]
+    """Every state-dict name -> its full (unsharded) shape and dtype."""
+    inputs: tuple[InputSpec, ...]
+    """The example micro-batch's inputs."""
+    value_checks: tuple[ValueCheck, ...]
+    flops_per_microbatch: float
+    aux_scale: tuple[int, str] | None
+    """(chunk, buffer name) of the auxiliary-loss weight the runtime sets, if any."""
+    device: torch.device
 
-def _source(node, inputs: list[fx.Node]) -> int | None:
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        base = getattr(node.target, "__name__", "").split(".")[0]
-        if base not in _PASS_THROUGH:
-            return None
-        node = node.args[0]
-    return inputs.index(node) if isinstance(node, fx.Node) and node in inputs else None
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def chunks_of(self, pp_rank: int) -> list[int]:
+        """The chunks pipeline rank ``pp_rank`` runs, in chunk order."""
+        return [c for c, r in enumerate(self.placement) if r == pp_rank]
+
+    def __str__(self) -> str:
+        par = self.config.parallel
+        lines = [
+            f"Program: {self.num_chunks} chunk(s) over pp={par.pp} (vpp={par.vpp}), tp={par.tp}, "
+            f"dp={par.dp}; {self.flops_per_microbatch / 1e6:.1f} MFLOP forward per micro-batch"
+        ]
+        for c, spec in enumerate(self.specs):
+            units = self.partition.chunk_units(c)
+            span = f"{units[0]} .. {units[-1]}" if len(units) > 1 else (units[0] if units else "-")
+            names = [n for n in self.parameters if self.placement[c] in self.holders[n]
+                     and n in dict(self.chunks[c].named_parameters())]
+            elements = sum(self.full_shapes[n][0].numel() for n in names if n in self.full_shapes)
+            buckets = sum(len(b.buckets) for b in self.buffers[c])
+            lines.append(
+                f"  chunk {c} on pp rank {self.placement[c]}: units {span} ({len(units)}), "
+                f"{len(names)} parameters ({elements:,} elements), {buckets} bucket(s), "
+                f"recv {len(spec.recv)} / send {len(spec.send)} tensors"
+                + (", returns the loss" if spec.is_last else "")
+            )
+        for stage in range(par.pp):
+            names = [n for n, h in self.holders.items() if stage in h]
+            lines.append(f"  pp rank {stage}: {len(names)} trainable parameters")
+        return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Theoretical memory per pipeline stage (reference §8): what stays resident (parameters,
+"""Theoretical memory per pipeline stage (docs/design.md §8.8): what stays resident (parameters,
 gradient buffers, optimizer state) and what flows (activations of the micro-batches in
 flight, at the schedule's peak). Computed from the chunk graphs and the schedule
 simulator, for this tensor-parallel rank; no process is asked.
@@ -10,16 +10,12 @@ bound: every floating value that requires grad in a chunk, kept for its backward
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fxmeg.passes.graph_utils import requires_grad_nodes, val
-from fxmeg.program import buffer_layouts, chunks
+from fxmeg.program import Program
+from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.schedules import simulate
-
-if TYPE_CHECKING:
-    from fxmeg.api import Engine
 
 
 def activation_bytes(gm: torch.fx.GraphModule) -> int:
@@ -33,18 +29,21 @@ def activation_bytes(gm: torch.fx.GraphModule) -> int:
     return total
 
 
-def memory_report(engine: Engine) -> list[dict]:
-    """One entry per pipeline stage, in bytes."""
-    cfg, par = engine.config, engine.config.parallel
-    peak = simulate(engine._lower(engine._compute), pp=par.pp).peak_in_flight
-    all_chunks = chunks(engine.parent)
+def memory_report(program: Program, ctx: RankContext) -> list[dict]:
+    """One entry per pipeline stage, in bytes (this tensor-parallel rank's shards)."""
+    cfg, par = ctx.config, ctx.config.parallel
+    peak = simulate(ctx.lower(ctx.schedule), pp=par.pp).peak_in_flight
     out = []
     for stage in range(par.pp):
-        mine = [gm for c, gm in enumerate(all_chunks) if c % par.pp == stage]
-        params = {n: p for gm in mine for n, p in gm.named_parameters() if p.requires_grad}
-        elements = sum(p.numel() for p in params.values())
-        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-        grad_bytes = sum(lay.numel * lay.dtype.itemsize for gm in mine for lay in buffer_layouts(gm))
+        mine = [program.chunks[c] for c in program.chunks_of(stage)]
+        params = {}  # name -> the local (shard) shape recorded on its get_attr node
+        for gm in mine:
+            for node in gm.graph.nodes:
+                if node.op == "get_attr" and node.target in program.parameters:
+                    params[node.target] = val(node)
+        elements = sum(v.numel() for v in params.values())
+        param_bytes = sum(v.numel() * v.element_size() for v in params.values())
+        grad_bytes = sum(lay.numel * lay.dtype.itemsize for c in program.chunks_of(stage) for lay in program.buffers[c])
         per_state = 4 * elements / (par.dp if cfg.distributed_optimizer else 1)
         master = per_state if cfg.precision != "fp32" else 0.0
         act = max(activation_bytes(gm) for gm in mine)

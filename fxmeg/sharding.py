@@ -72,6 +72,19 @@ def local_to_global(box: Box, spec: tuple | None, tp: int, rank: int) -> list[tu
     return out
 
 
+def tp_shard(full: torch.Tensor, spec: tuple | None, tp: int, rank: int) -> torch.Tensor:
+    """Tensor-parallel rank ``rank``'s shard of ``full`` under ``spec`` (a new tensor):
+    along the split dim, the rank-th tp-th of every block, blocks end to end."""
+    if spec is None or spec[0] != "shard" or tp == 1:
+        return full.detach().clone()
+    _, dim, parts = spec
+    pieces, start = [], 0
+    for p in parts:
+        pieces.append(full.detach().narrow(dim, start + rank * (p // tp), p // tp))
+        start += p
+    return torch.cat(pieces, dim)
+
+
 def view(t: torch.Tensor, box: Box) -> torch.Tensor:
     """The box of ``t`` as a view."""
     for d, (o, s) in enumerate(zip(*box)):

@@ -1,4 +1,5 @@
-"""The training loop (reference §1, §3, §9, §10): Megatron's pretrain() on fxmeg's engine.
+"""The training loop (docs/design.md §8.1, §8.3, §8.9, §8.10): Megatron's pretrain() on
+fxmeg's engine.
 
 setup (data, model, engine, optional resume) -> loop while iteration < train_iters (or
 consumed samples < train_samples): pick the global batch size for the consumed samples,
@@ -30,7 +31,7 @@ from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
 from fxmeg.metrics import Metrics, perplexity
 from fxmeg.report import memory_report
-from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.lr_schedule import LRSchedule
 from fxmeg.runtime.optimizer import adamw
 
 
@@ -172,7 +173,7 @@ class TrainConfig:
 
 def batch_size_schedule(cfg: TrainConfig) -> list[tuple[int, int]]:
     """(threshold in consumed samples, global batch size) from 0 on, ascending. The
-    micro-batch count may only grow (reference §3.3): a shrinking size is refused."""
+    micro-batch count may only grow (docs/design.md §8.3.3): a shrinking size is refused."""
     steps = [(0, cfg.global_batch_size)]
     for item in cfg.step_batch_size_schedule.split():
         try:
@@ -191,7 +192,7 @@ def batch_size_schedule(cfg: TrainConfig) -> list[tuple[int, int]]:
         if b1 < b0:
             raise ConfigError(
                 f"step_batch_size_schedule would shrink the global batch from {b0} to {b1} at "
-                f"{t1} samples; the micro-batch count may only grow (Megatron §3.3)"
+                f"{t1} samples; the micro-batch count may only grow (docs/design.md §8.3.3)"
             )
     for _, size in steps:
         if size % cfg.micro_batch_size:
@@ -235,7 +236,9 @@ class Trainer:
         if cfg.init_from:
             model.load_state_dict(torch.load(cfg.init_from, map_location="cpu", weights_only=True))
         self.engine = self._engine(model)
-        self.checkpointer = checkpoint.Checkpointer(self.engine, keep=cfg.keep_last or None, async_save=cfg.async_save)
+        self.checkpointer = checkpoint.Checkpointer(
+            self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save
+        )
         total = cfg.train_iters or None
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
@@ -335,9 +338,9 @@ class Trainer:
 
     def _write_trace(self) -> None:
         """All ranks' spans of the step just taken, as DIR/step_N.json (rank 0 writes)."""
-        groups = self.engine.groups
+        groups = self.engine.context.groups
         tp, dp, pp = groups.topo.coords(groups.rank)
-        gathered = trace.gather(self.engine.tracer.events, f"pp {pp} dp {dp} tp {tp}")
+        gathered = trace.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp} tp {tp}")
         if gathered is not None:
             os.makedirs(self.cfg.trace, exist_ok=True)
             path = os.path.join(self.cfg.trace, f"step_{self.iteration}.json")
@@ -380,7 +383,7 @@ class Trainer:
         if size == old:
             return
         if self.cfg.save:
-            self.save()  # reference §3.3: a checkpoint just before the switch
+            self.save()  # docs/design.md §8.3.3: a checkpoint just before the switch
         self.engine.set_global_batch_size(size)
         self.metrics.record("event", {"iteration": self.iteration, "consumed_samples": self.consumed,
                                       "batch_size_switch": [old, size]})
@@ -394,7 +397,8 @@ class Trainer:
     # ------------------------------------------------------------------ eval, log, save
 
     def evaluate(self) -> dict:
-        """eval_iters batches of the persistent sequential validation stream (§9)."""
+        """eval_iters batches of the persistent sequential validation stream
+        (docs/design.md §8.9)."""
         size = self.engine.config.global_batch_size
         m = size // (self.cfg.micro_batch_size * self.dp)
         loss_sum = tokens = 0.0
@@ -424,7 +428,7 @@ class Trainer:
             "loss": sum(r.loss for r in ok) / len(ok) if ok else float("nan"),
             "lr": window[-1][0].lr,
             "grad_norm": norms[-1] if norms else float("nan"),
-            "loss_scale": self.engine.scaler.scale if self.engine.scaler else 1.0,
+            "loss_scale": self.engine.context.scaler.scale if self.engine.context.scaler else 1.0,
             "params_norm": self.engine.params_norm(),
             "skipped": len(window) - len(ok),
             "skipped_total": self.skipped,
@@ -434,7 +438,7 @@ class Trainer:
             "tflops_per_rank": flops / elapsed / self.world / 1e12,
         }
         if self.iteration == self.cfg.log_interval:  # the first log: the memory report
-            report = memory_report(self.engine)
+            report = memory_report(self.engine.program, self.engine.context)
             self.metrics.record("memory", {"iteration": self.iteration, "stages": report})
             for s in report:
                 self.metrics.say(

@@ -1,9 +1,14 @@
-"""Fixtures shared by the trainer and checkpoint tests."""
+"""Fixtures shared by the trainer and checkpoint tests; every test (and every rank it
+spawns) checks each pass's Ensures after the pass (fxmeg.passes.verify)."""
+
+import os
 
 import pytest
 
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
+
+os.environ["FXMEG_VERIFY"] = "1"
 
 
 @pytest.fixture(scope="module")

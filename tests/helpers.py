@@ -1,5 +1,5 @@
 """Shared test helpers: tiny models, batches with uneven ignored labels, the plain
-single-device reference and the parity assertions of DESIGN.md section 2."""
+single-device reference and the parity assertions of docs/design.md §3.9."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import torch
 
 from fxmeg.runtime.optimizer import param_groups
+from fxmeg.transform import transform
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 
@@ -46,6 +47,14 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
     if attn_implementation:
         extra["attn_implementation"] = attn_implementation
     return T.AutoModelForCausalLM.from_config(configs[kind](), **extra)
+
+
+def graph_after(model, example, stop_after: str, *, num_chunks: int = 1, pp: int | None = None, **options):
+    """The graph right after pass ``stop_after`` of fxmeg's pass list (``fxmeg.transform``):
+    ``num_chunks`` chunks over ``pp`` pipeline ranks (default one chunk per rank); other
+    options as ``parallelize`` takes them. No process group is needed."""
+    pp = pp or num_chunks
+    return transform(model, example, stop_after=stop_after, pp=pp, vpp=num_chunks // pp, **options)
 
 
 def model_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

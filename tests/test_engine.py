@@ -96,7 +96,7 @@ def test_batch_with_wrong_shape_is_refused():
 
 def test_failure_inside_the_schedule_names_rank_step_and_action():
     engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), global_batch_size=4)
-    chunk, calls = engine.chunks[0], []
+    chunk, calls = engine.context.chunks[0], []
     forward = chunk.forward
 
     def second_call_fails(*args):

@@ -9,11 +9,8 @@ from expecttest import TestCase
 import fxmeg
 from fxmeg.capture import capture
 from fxmeg.errors import CaptureError
-from fxmeg.partition import partition
-from fxmeg.passes.loss import loss
-from fxmeg.passes.pipeline import pipeline
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import hf_model
+from tests.helpers import graph_after, hf_model
 from tests.passes.test_pipeline import _code
 
 
@@ -26,9 +23,7 @@ class LlamaPipeline(TestCase):
     def test_mask_and_rotary_tables_are_sent_along(self):
         """HF computes the causal mask and the rotary cos / sin once before the layers;
         they cross every cut (no gradient, never freed) next to the hidden state."""
-        gm = loss(capture(hf_model("llama", n_layer=2), _batch()).gm)
-        partition(gm, num_chunks=2)
-        parent = pipeline(gm, num_chunks=2)
+        parent = graph_after(hf_model("llama", n_layer=2), _batch(), "pipeline", num_chunks=2)
         spec = chunk_spec(chunks(parent)[0])
         assert [(b.dtype, b.grad) for b in spec.send] == [
             (torch.bool, False), (torch.float32, False), (torch.float32, False), (torch.float32, True)]

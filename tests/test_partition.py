@@ -6,7 +6,7 @@ from torch import nn
 
 from fxmeg.capture import capture, owning_module
 from fxmeg.errors import ConfigError
-from fxmeg.partition import node_cost, partition
+from fxmeg.passes.partition import cut, node_cost
 from fxmeg.passes.loss import loss
 from tests.helpers import make_batch, make_model
 
@@ -19,7 +19,7 @@ def _graph(name="gpt", **cfg):
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_balanced_cut_is_optimal_and_keeps_ends_in_place(name, k):
     gm = _graph(name, n_layer=6)
-    p = partition(gm, num_chunks=k)
+    p = cut(gm, num_chunks=k)
     units = p.unit_costs
     assert p.blocks == tuple(f"layers.{i}" for i in range(6))
     # every block starts a unit; inside each, the residual point before the MLP's norm
@@ -44,7 +44,7 @@ def _runs(costs, cuts):
 
 def test_split_points_pin_the_cuts():
     gm = _graph("llama")
-    p = partition(gm, num_chunks=2, split_points=("layers.1",))
+    p = cut(gm, num_chunks=2, split_points=("layers.1",))
     assert p.chunk_blocks(0) == ("layers.0",) and p.chunk_blocks(1) == ("layers.1", "layers.2", "layers.3")
     q = next(n for n in gm.graph.nodes if owning_module(n) == "layers.1.self_attn.q_proj")
     assert q.meta["fxmeg"]["chunk"] == 1
@@ -61,16 +61,16 @@ def test_linear_cost_counts_flops_and_bytes():
 
 def test_too_many_chunks_names_both_numbers():
     with pytest.raises(ConfigError, match=r"pp \* vpp = 8 chunks, but the model has only 4 blocks \(layers.0 .. layers.3\)"):
-        partition(_graph("gpt"), num_chunks=8)
+        cut(_graph("gpt"), num_chunks=8)
 
 
 def test_split_point_naming_no_block():
     with pytest.raises(ConfigError, match="split point 'layers.9' names no block; blocks are layers.0 .. layers.3"):
-        partition(_graph("gpt"), num_chunks=2, split_points=("layers.9",))
+        cut(_graph("gpt"), num_chunks=2, split_points=("layers.9",))
     with pytest.raises(ConfigError, match="split_points has 2 entries, but pp \\* vpp = 2 chunks need 1"):
-        partition(_graph("gpt"), num_chunks=2, split_points=("layers.1", "layers.2"))
+        cut(_graph("gpt"), num_chunks=2, split_points=("layers.1", "layers.2"))
     with pytest.raises(ConfigError, match="increasing order"):
-        partition(_graph("gpt"), num_chunks=3, split_points=("layers.2", "layers.1"))
+        cut(_graph("gpt"), num_chunks=3, split_points=("layers.2", "layers.1"))
 
 
 class _HFStyle(nn.Module):
@@ -93,6 +93,6 @@ class _HFStyle(nn.Module):
 def test_blocks_found_under_any_container_name():
     ids = torch.randint(0, 16, (2, 4))
     gm = loss(capture(_HFStyle(), (ids, ids)).gm)
-    p = partition(gm, num_chunks=3)
+    p = cut(gm, num_chunks=3)
     assert p.blocks == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
     assert p.units[:3] == p.blocks and p.starts[:2] == (0, 1)

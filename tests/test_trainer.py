@@ -12,7 +12,7 @@ from fxmeg.cli import _train_parser, config_from
 from fxmeg.errors import ConfigError
 from fxmeg.metrics import read
 from fxmeg.report import memory_report
-from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.lr_schedule import LRSchedule
 from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
@@ -82,7 +82,7 @@ def test_flops_match_the_closed_form(corpus, tmp_path):
     vocab = 384
     per_layer = 2 * b * s * (h * 3 * h + h * h + h * 4 * h + 4 * h * h) + 4 * b * heads * s * s * (h // heads)
     forward = layers * per_layer + 2 * b * s * h * vocab
-    assert t.engine.flops_per_microbatch == forward
+    assert t.engine.program.flops_per_microbatch == forward
     assert t.engine.model_flops_per_step == 3 * forward * 2  # m = 8 / 4
 
 
@@ -98,7 +98,7 @@ def test_memory_report_matches_hand_computed_bytes(corpus, tmp_path):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
         ids, labels = t.train_data.batch(range(4))
-        t.engine.chunks[0](ids, labels)
+        t.engine.context.chunks[0](ids, labels)
     params_ptrs = {p.data_ptr() for p in t.engine.named_parameters.values()}
     measured = sum(x.numel() * x.element_size() for x in {x.data_ptr(): x for x in saved if x.data_ptr() not in params_ptrs}.values())
     assert measured <= stage["activations_per_microbatch"] <= 4 * measured

@@ -1,13 +1,14 @@
 """Loss pass: the model's mean loss becomes ``(loss_sum, num_tokens)``.
 
-Requires: a captured graph whose first output is the model's scalar loss.
+Requires: a captured graph (``fxmeg.capture``) whose first output is the model's scalar
+loss, or, with a user ``loss_fn``, whose outputs are ``(loss_sum, num_tokens)``.
 Ensures: the graph returns exactly ``(loss_sum, num_tokens)``, two scalars with
 ``loss_sum / num_tokens`` equal to the original loss; ``num_tokens`` does not depend on
 parameters. Extra model outputs are dropped. The two output nodes carry
 ``meta["fxmeg"]["loss"] = "sum" | "count"``.
 
 Why: a mean per micro-batch weights every micro-batch equally. Megatron's token-weighted
-loss (reference §5.1-5.2) sums the numerators and denominators over all micro-batches
+loss (docs/design.md §8.5.1-8.5.2) sums the numerators and denominators over all micro-batches
 and data-parallel ranks and divides once, so micro-batches with different numbers of
 ignored labels stay exact.
 
@@ -18,7 +19,7 @@ An auxiliary loss added to the mean (``loss + coef * aux``: a mixture-of-experts
 load-balancing loss) is kept out of the token weighting: loss_sum passes through
 ``fxmeg::scale_aux_loss(loss_sum, aux, scale)``, which gives ``aux`` the gradient weight
 in the buffer ``fxmeg_aux_loss_scale`` that the runtime sets each step (Megatron's
-MoEAuxLossAutoScaler, reference §5.3).
+MoEAuxLossAutoScaler, docs/design.md §8.5.3).
 
 Recognised forms of the mean (through casts, clones and scalar views):
   cross_entropy / nll_loss, reduction='mean', no class weights -> reduction='sum',
@@ -33,6 +34,7 @@ import torch
 from torch import fx
 
 from fxmeg import ops
+from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, finish, full_args, val
 
@@ -57,15 +59,15 @@ _TRANSPARENT = {  # unary ops that commute with "divide by the token count"
 _MEAN, _SUM = 1, 2  # ATen reduction enum
 
 
-def loss(gm: fx.GraphModule, *, explicit: bool = False) -> fx.GraphModule:
+def loss(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
     """Rewrite the first output (a mean loss) into ``(loss_sum, num_tokens)``.
 
-    With ``explicit=True`` the outputs already are ``(loss_sum, num_tokens)`` (a user
-    ``loss_fn``); they are only checked and tagged.
+    When capture recorded a user ``loss_fn`` the outputs already are ``(loss_sum,
+    num_tokens)``; they are only checked and tagged.
     """
     out = gm.graph.output_node()
     outputs = out.args[0]
-    if explicit:
+    if gm.meta["fxmeg"]["capture"].explicit_loss:
         if len(outputs) != 2 or not all(_is_scalar(n) for n in outputs):
             raise PassError(
                 "loss_fn must return (loss_sum, num_tokens), two scalar tensors; got "

@@ -1,6 +1,8 @@
 """Param-gather pass: wait for each bucket's parameter all-gather just before forward first
 reads one of its parameters (distributed optimizer with overlap_param_gather).
 
+Runs only with ``config.overlap_param_gather``; otherwise the graph is unchanged.
+
 Requires: the bucket pass (``meta["fxmeg"]["bucket"]`` on trainable parameters' get_attr).
 Ensures: in every chunk graph, for every bucket whose parameters the chunk reads, one
 ``fxmeg.ops.wait_param_gather(param, bucket=(chunk, index))`` node comes before the first
@@ -15,11 +17,14 @@ from __future__ import annotations
 from torch import fx
 
 from fxmeg import ops
+from fxmeg.config import EngineConfig
 from fxmeg.passes.graph_utils import finish
 from fxmeg.program import chunks
 
 
-def param_gather(parent: fx.GraphModule) -> fx.GraphModule:
+def param_gather(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    if not config.overlap_param_gather:
+        return parent
     for gm in chunks(parent):
         first_use: dict[tuple, tuple[fx.Node, fx.Node]] = {}  # bucket -> (user, param)
         for node in gm.graph.nodes:

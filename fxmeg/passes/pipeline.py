@@ -1,7 +1,7 @@
 """Pipeline pass: one graph per chunk, with explicit receive / send / deallocate nodes.
 
 Requires: outputs ``(loss_sum, num_tokens)`` (loss pass) and every call_function node
-tagged with ``meta["fxmeg"]["chunk"]`` (``fxmeg.partition``), chunks only reading values
+tagged with ``meta["fxmeg"]["chunk"]`` (partition pass), chunks only reading values
 of earlier chunks.
 
 Ensures: the result is a parent graph whose submodules ``chunk_0 .. chunk_{K-1}`` are the
@@ -19,7 +19,9 @@ For chunk k:
   * a parameter or buffer read by several chunks is a get_attr in each of them (the same
     tensor object): tied weights stay tied when chunks share a rank, and are recorded as
     tied groups for gradient all-reduce when they do not;
-  * ``gm.meta["fxmeg"]`` holds its ``fxmeg.program.ChunkSpec``.
+  * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.program.ChunkSpec``;
+  * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, partition).
+Later passes iterate the parent's chunks themselves.
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from torch import fx
 
 from fxmeg import ops
 from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
-from fxmeg.program import Boundary, ChunkSpec
+from fxmeg.config import EngineConfig
+from fxmeg.program import Boundary, ChunkSpec, chunk_spec
 
 aten = torch.ops.aten
 
 
-def pipeline(gm: fx.GraphModule, *, num_chunks: int) -> fx.GraphModule:
-    """Split the chunk-tagged graph ``gm`` into ``num_chunks`` chunk graphs under one parent."""
+def pipeline(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Split the chunk-tagged graph ``gm`` into pp * vpp chunk graphs under one parent."""
+    num_chunks = config.parallel.num_chunks
     nodes = list(gm.graph.nodes)
     chunk_of = {n: n.meta["fxmeg"]["chunk"] for n in nodes if n.op == "call_function"}
     output = gm.graph.output_node()
@@ -63,7 +67,9 @@ def pipeline(gm: fx.GraphModule, *, num_chunks: int) -> fx.GraphModule:
             gm, k, body, inputs, recv, recv_nodes, send, send_nodes,
             loss=output.args[0] if k == num_chunks - 1 else None,
         )
-    return finish(_parent(children, inputs, boundaries))
+    parent = _parent(children, inputs, boundaries)
+    parent.meta["fxmeg"] = dict(gm.meta.get("fxmeg", {}))
+    return finish(parent)
 
 
 def _user_chunk(user: fx.Node, chunk_of: dict, num_chunks: int) -> int:
@@ -109,14 +115,14 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
         outputs.extend(env[n] for n in loss)
     graph.output(tuple(outputs))
     chunk = fx.GraphModule(attrs, graph)
-    chunk.meta["fxmeg"] = ChunkSpec(
+    chunk.meta["fxmeg"] = {"spec": ChunkSpec(
         index=k,
         data_inputs=tuple(i for i, _ in used_inputs),
         recv=recv,
         send=send,
         deallocate=tuple(deallocate),
         is_last=loss is not None,
-    )
+    )}
     return finish(chunk)
 
 
@@ -132,7 +138,7 @@ def _parent(children: dict, inputs: list[fx.Node], boundaries) -> fx.GraphModule
     env = {p: graph.node_copy(p) for p in inputs}
     carried: list[fx.Node] = []
     for k, (name, chunk) in enumerate(children.items()):
-        spec = chunk.meta["fxmeg"]
+        spec = chunk_spec(chunk)
         args = [env[inputs[i]] for i in spec.data_inputs] + carried
         out = graph.call_module(name, tuple(args))
         results = [graph.call_function(operator.getitem, (out, i)) for i in range(len(spec.send) + 2 * spec.is_last)]

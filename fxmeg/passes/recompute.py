@@ -23,11 +23,12 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from fxmeg import ops
+from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.partition import find_blocks
+from fxmeg.program import chunks
+from fxmeg.passes.partition import find_blocks
 
 aten = torch.ops.aten
-GRANULARITIES = ("none", "selective", "full")
 _MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather}
 _SCORES = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
@@ -50,14 +51,22 @@ class Recompute(nn.Module):
         return checkpoint(self.region, *args, use_reentrant=False)
 
 
-def recompute(gm: fx.GraphModule, *, granularity: str, num_layers: int | None = None) -> fx.GraphModule:
-    """Move each region (see the module docstring) of chunk graph ``gm`` into a
-    ``Recompute`` submodule called in its place.
+def recompute(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Move each region (see the module docstring) of every chunk graph into a
+    ``Recompute`` submodule called in its place (``config.recompute``,
+    ``config.recompute_num_layers``).
 
-    Ensures: ``gm`` computes the same outputs and gradients as before; every node of a
-    region lives in its sub-graph; no parameter or buffer changes its name."""
-    if granularity not in GRANULARITIES:
-        raise PassError(f"recompute={granularity!r} is not one of {GRANULARITIES}")
+    Requires: the pipelined parent graph (pipeline pass).
+    Ensures: every chunk computes the same outputs and gradients as before; every node
+    of a region lives in its sub-graph; no parameter or buffer changes its name."""
+    for gm in chunks(parent):
+        recompute_chunk(gm, granularity=config.recompute, num_layers=config.recompute_num_layers)
+    return parent
+
+
+def recompute_chunk(gm: fx.GraphModule, *, granularity: str, num_layers: int | None = None) -> fx.GraphModule:
+    """The regions of one chunk graph ``gm`` (see ``recompute``)."""
+    assert granularity in GRANULARITIES, granularity  # EngineConfig checks it
     if granularity == "none":
         return gm
     regions = _blocks(gm, num_layers) if granularity == "full" else _attention_cores(gm)

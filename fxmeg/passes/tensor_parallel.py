@@ -1,8 +1,9 @@
 """Tensor-parallel pass: Megatron's column / row-parallel linears, vocab-parallel embedding
 and cross-entropy, and sequence parallelism, found and applied on the ATen graph.
 
-Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs; ``rank`` in [0, tp).
-Ensures, for this tp rank:
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs.
+Ensures, for every tp rank alike (the graph holds no rank: what differs per rank happens
+inside ``fxmeg::`` ops, from the group the runtime binds):
   * inside a block (numbered module list), a linear with a replicated input becomes
     column-parallel (weight rows split; a fused QKV output that is split into blocks is
     split block by block) and a linear whose input is split on its feature dim becomes
@@ -12,19 +13,22 @@ Ensures, for this tp rank:
     softmax and elementwise ops carry the split along; their shape arguments (number of
     heads, KV heads, split sizes) are divided by tp;
   * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
-    the vocabulary: out-of-range ids are masked and the looked-up rows all-reduced; the
-    loss is ``fxmeg::vocab_parallel_cross_entropy`` on the local logits, never gathered.
+    the vocabulary: ``fxmeg::vocab_shard_ids`` maps ids to this rank's rows and masks the
+    others, the looked-up rows are all-reduced; the loss is
+    ``fxmeg::vocab_parallel_cross_entropy`` on the local logits, never gathered.
     A tied embedding / head weight is split the same way for both uses;
   * collectives are ``fxmeg::`` ops on the symbolic group "tp" (bound at run time):
     ``tp_copy`` before column-parallel inputs, ``tp_reduce`` after row-parallel outputs;
   * with ``sequence_parallel`` the residual stream between blocks is split along the
     sequence: ``sp_gather`` replaces tp_copy, ``sp_scatter`` replaces tp_reduce, and a
-    replicated operand of the stream (position embeddings) is sliced to the local part;
-  * every parameter is replaced in place by this rank's shard (``param.data``); its
-    get_attr carries ``meta["fxmeg"]["tp"]`` = ("shard", dim, parts) or ("replicate",
-    reduce_grad), reduce_grad True when its gradient differs per tp rank (it touches a
-    split value: norm weights under sequence parallelism) and must be all-reduced;
-  * ``meta["val"]`` holds the local shapes.
+    replicated operand of the stream (position embeddings) is cut to the local part
+    (``fxmeg::tp_slice``);
+  * parameters are not touched: each trainable parameter's get_attr carries
+    ``meta["fxmeg"]["tp"]`` = ("shard", dim, parts) or ("replicate", reduce_grad),
+    reduce_grad True when its gradient differs per tp rank (it touches a split value:
+    norm weights under sequence parallelism) and must be all-reduced; the runtime
+    materialises each rank's shard from these tags (``fxmeg.runtime.context``);
+  * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
 Anything it cannot split safely is a PassError naming the node, the module, the numbers
 and a fix.
 """
@@ -38,13 +42,13 @@ import re
 import torch
 from torch import fx
 
-import fxmeg.collectives  # noqa: F401  (registers torch.ops.fxmeg)
 from fxmeg.capture import owning_module
-from fxmeg.collectives import TP
+from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.partition import find_blocks
+from fxmeg.ops import COLLECTIVES, TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, val
-from fxmeg.passes.tp_placement import Indivisible, Shard, block_ranges, divisors, reshape_shard
+from fxmeg.passes.partition import find_blocks
+from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
@@ -74,24 +78,18 @@ _LINEARS = {
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
 
 
-def tensor_parallel(
-    gm: fx.GraphModule,
-    *,
-    tp: int,
-    rank: int,
-    plan: dict[str, str] | None = None,
-    sequence_parallel: bool = False,
-) -> fx.GraphModule:
-    """Shard ``gm`` for tp rank ``rank`` of ``tp`` (see the module docstring)."""
-    if tp == 1:
+def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Shard ``gm`` over ``config.parallel.tp`` ranks (see the module docstring)."""
+    par = config.parallel
+    if par.tp == 1:
         return gm
-    _TensorParallel(gm, tp, rank, plan or {}, sequence_parallel).run()
+    _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel).run()
     return finish(gm)
 
 
 class _TensorParallel:
-    def __init__(self, gm, tp, rank, plan, sp):
-        self.gm, self.g, self.tp, self.rank, self.sp = gm, gm.graph, tp, rank, sp
+    def __init__(self, gm, tp, plan, sp):
+        self.gm, self.g, self.tp, self.sp = gm, gm.graph, tp, sp
         for glob, role in plan.items():
             if role not in ROLES:
                 raise PassError(f"tp_plan[{glob!r}] = {role!r} is not one of {ROLES}")
@@ -110,7 +108,7 @@ class _TensorParallel:
             if node.op != "call_function":
                 continue
             self.place[node] = self._visit(node)
-        self._shard_parameters()
+        self._tag_parameters()
         self._refresh_values()
 
     def _visit(self, node: fx.Node):
@@ -272,13 +270,10 @@ class _TensorParallel:
         self._check_divides(node, rows, "vocabulary rows of the embedding",
                             f"pad the vocabulary to a multiple of {self.tp} (e.g. {-(-rows // self.tp) * self.tp})")
         self._spec(w, 0, (rows,), node)
-        start, size = self.rank * rows // self.tp, rows // self.tp
         with self.g.inserting_before(node):
-            below = call(self.g, aten.lt.Scalar, (ids, start), like=node)
-            above = call(self.g, aten.ge.Scalar, (ids, start + size), like=node)
-            outside = call(self.g, aten.bitwise_or.Tensor, (below, above), like=node)
-            shifted = call(self.g, aten.sub.Tensor, (ids, start), like=node)
-            local = call(self.g, aten.masked_fill.Scalar, (shifted, outside, 0), like=node)
+            both = call(self.g, torch.ops.fxmeg.vocab_shard_ids.default, (ids, rows // self.tp, TP), like=node)
+            local = call(self.g, operator.getitem, (both, 0), like=node)
+            outside = call(self.g, operator.getitem, (both, 1), like=node)
         node.args = (w, local, *node.args[2:])
         users = list(node.users)
         with self.g.inserting_after(node):
@@ -309,10 +304,9 @@ class _TensorParallel:
             raise self._unsupported(node, "label smoothing over a split vocabulary is not implemented")
         if val(logits).dim() != 2 or self.place[logits].dim != 1:
             raise self._unsupported(node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits")
-        start = self.rank * self.vocab // self.tp
         with self.g.inserting_before(node):
             both = call(self.g, torch.ops.fxmeg.vocab_parallel_cross_entropy.default,
-                        (logits, target, start, args[4], TP), like=node)
+                        (logits, target, args[4], TP), like=node)
             per_token = call(self.g, operator.getitem, (both, 0), like=node)
             loss_sum = call(self.g, aten.sum.default, (per_token,), like=node)
         loss_sum.meta["fxmeg"]["loss"] = node.meta["fxmeg"].get("loss", "sum")
@@ -341,9 +335,8 @@ class _TensorParallel:
     def _local_slice(self, node: fx.Node, a: fx.Node, dim: int) -> fx.Node:
         size = val(a).shape[dim]
         self._check_divides(node, size, f"dim {dim} of operand {a.name!r}")
-        step = size // self.tp
         with self.g.inserting_before(node):
-            piece = call(self.g, aten.slice.Tensor, (a, dim, self.rank * step, (self.rank + 1) * step), like=node)
+            piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim, self.tp, TP), like=node)
         self.place[piece] = "local"  # this rank's part of a replicated value
         return piece
 
@@ -471,18 +464,14 @@ class _TensorParallel:
                 f"set tp_plan for one of them to 'replicate'"
             )
 
-    def _shard_parameters(self) -> None:
-        for name, (dim, parts) in self.specs.items():
-            t = attr(self.gm, name)
-            pieces = [t.detach().narrow(dim, a, b - a) for a, b in block_ranges(parts, self.tp, self.rank)]
-            t.data = torch.cat(pieces, dim).clone()  # this rank's shard, in place
+    def _tag_parameters(self) -> None:
         for node in self.g.nodes:
             if node.op != "get_attr" or not isinstance(val(node), torch.Tensor):
                 continue
             if node.target in self.specs:
                 dim, parts = self.specs[node.target]
                 node.meta["fxmeg"]["tp"] = ("shard", dim, parts)
-                node.meta["val"] = _fake_like(node, attr(self.gm, node.target))
+                node.meta["val"] = _local_fake(val(node), dim, self.tp)
             elif getattr(attr(self.gm, node.target), "requires_grad", False):
                 node.meta["fxmeg"]["tp"] = ("replicate", self._touches_split(node))
 
@@ -492,7 +481,7 @@ class _TensorParallel:
         todo, seen = list(param.users), set()
         while todo:
             n = todo.pop()
-            if n in seen or n.target in fxmeg.collectives.OPS:
+            if n in seen or n.target in COLLECTIVES:
                 continue
             seen.add(n)
             p = self.place.get(n)
@@ -552,9 +541,11 @@ def _reaches_placeholder(node: fx.Node) -> bool:
     return False
 
 
-def _fake_like(node: fx.Node, t: torch.Tensor):
+def _local_fake(full: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
+    """A fake tensor like ``full`` with ``dim`` cut to one tp rank's share."""
     from torch._guards import detect_fake_mode
 
-    mode = detect_fake_mode([node.meta["val"]])
-    with mode:
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    shape = list(full.shape)
+    shape[dim] //= tp
+    with detect_fake_mode([full]):
+        return full.new_empty(shape)

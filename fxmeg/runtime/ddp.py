@@ -1,5 +1,5 @@
 """Data parallelism: contiguous gradient buffers and bucketed reduction overlapped with
-backward (reference §3.2, §6.1-6.2; Megatron's DistributedDataParallel).
+backward (docs/design.md §6.2, §8.3.2, §8.6.1-8.6.2; Megatron's DistributedDataParallel).
 
 Every trainable parameter's ``main_grad`` is a view into its chunk's buffer. A
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and drops
@@ -77,6 +77,8 @@ class GradBuffer:
             p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()
         ]
         self._name_of = {id(p): n for n, p in self.params.items()}
+        self.pending: dict[int, _PendingGather] = {}
+        """Bucket index -> its parameter all-gather in flight (overlap_param_gather)."""
         self.reset()
 
     def _move_params_into_buffer(self) -> torch.Tensor:
@@ -94,7 +96,7 @@ class GradBuffer:
         return data
 
     def reset(self) -> None:
-        """Zero the buffer in place (never freed, reference §8) and forget the step."""
+        """Zero the buffer in place (never freed, docs/design.md §8.8) and forget the step."""
         self.data.zero_()
         self.syncing = False
         self._pending = [len(b.params) for b in self.layout.buckets]
@@ -165,25 +167,22 @@ class GradBuffer:
 
     def gather_params(self, *, overlap: bool) -> None:
         """All-gather every bucket's updated parameter shards (distributed optimizer).
-        With ``overlap`` each bucket's gather stays pending on its parameters until the
-        next forward's ``wait_param_gather`` marker (or ``wait_for_params``) waits for it."""
+        With ``overlap`` each bucket's gather stays pending until the next forward's
+        ``wait_param_gather`` marker (or ``wait_for_params``) waits for it."""
         assert self.param_data is not None
         for b in self.layout.buckets:
             label = f"{self.label}/{b.index}"
             self.events.log.append(("gather", label))
             pending = _PendingGather(all_gather_(self.param_data[b.start : b.end], self.group), label, self.events)
             if overlap:
-                for name in b.params:
-                    self.params[name]._fxmeg_gather = pending
+                self.pending[b.index] = pending
             else:
                 pending.wait()
 
     def wait_for_params(self) -> None:
         """Wait for every pending parameter gather (before anything but forward reads them)."""
-        for p in self.params.values():
-            pending = p.__dict__.pop("_fxmeg_gather", None)
-            if pending is not None:
-                pending.wait()
+        while self.pending:
+            self.pending.popitem()[1].wait()
 
 
 class _PendingGather:
@@ -231,8 +230,16 @@ class DataParallel:
 
     def wait_for_params(self) -> None:
         for b in self.all():
-            if b.param_data is not None:
-                b.wait_for_params()
+            b.wait_for_params()
+
+    def wait_param_gather(self, param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+        """What a bound ``ops.wait_param_gather`` marker calls: wait for the all-gather of
+        ``bucket`` (chunk, index) if it is still pending."""
+        chunk, index = bucket
+        for b in self.buffers.get(chunk, ()):
+            pending = b.pending.pop(index, None)
+            if pending is not None:
+                pending.wait()
 
     def all(self) -> list[GradBuffer]:
         return [b for bufs in self.buffers.values() for b in bufs]
@@ -243,12 +250,12 @@ def finalize_model_grads(
     tied: list[tuple[nn.Parameter, dist.ProcessGroup | None]],
     divisor: float,
 ) -> None:
-    """Megatron's finalize_model_grads (reference §6.3): wait for every bucket reduction,
+    """Megatron's finalize_model_grads (docs/design.md §8.6.3): wait for every bucket reduction,
     all-reduce gradients of parameters held on several pipeline ranks (a tied embedding
     on the first and last stage; ``tied`` is in the same order on every rank; with the
     distributed optimizer this precedes their buckets' reduce-scatter), then scale every
-    gradient by ``1 / divisor``: global tokens (per-token loss, §5.2), times the fp16 loss
-    scale (unscaling, §7)."""
+    gradient by ``1 / divisor``: global tokens (per-token loss, §8.5.2), times the fp16 loss
+    scale (unscaling, §8.7)."""
     ddp.finish_grad_sync()
     for p, group in tied:
         if group is not None:

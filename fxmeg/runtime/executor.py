@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fxmeg.errors import ScheduleError
-from fxmeg.program import ChunkSpec, chunk_spec
+from fxmeg.program import ChunkSpec
 from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
 from fxmeg.trace import CATEGORY, Tracer
 
@@ -61,6 +61,7 @@ class Executor:
         self,
         chunks: dict[int, fx.GraphModule],
         *,
+        specs: dict[int, ChunkSpec],
         rank: int,
         pp: int,
         peer: Callable[[int], int],
@@ -73,7 +74,7 @@ class Executor:
     ) -> None:
         self.chunks = chunks
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
-        self.specs: dict[int, ChunkSpec] = {c: chunk_spec(gm) for c, gm in chunks.items()}
+        self.specs = specs
         self.rank, self.pp = rank, pp
         self.rank_stage = min(chunks) % pp if chunks else 0
         self.peer, self.group, self.device = peer, group, device

@@ -70,6 +70,10 @@ class Groups:
         return self.topo.coords(self.rank)[2]
 
     @property
+    def tp_rank(self) -> int:
+        return self.topo.coords(self.rank)[0]
+
+    @property
     def dp_rank(self) -> int:
         return self.topo.coords(self.rank)[1]
 

@@ -1,4 +1,4 @@
-"""The optimizer around the user's inner optimizer (reference §7; Megatron's
+"""The optimizer around the user's inner optimizer (docs/design.md §8.7; Megatron's
 MixedPrecisionOptimizer, Float16OptimizerWithFloat16Params and DistributedOptimizer).
 
 The inner optimizer steps fp32 *masters*, one per piece of a parameter this rank updates:
@@ -139,7 +139,7 @@ class Optimizer:
         return self.inner.param_groups
 
     def step(self) -> StepOutcome:
-        """One update from the finalized gradients (reference §7). Every rank takes the
+        """One update from the finalized gradients (docs/design.md §8.7). Every rank takes the
         same decision: skip on inf / NaN anywhere (or raise, naming where), skip when the
         global norm exceeds max_grad_norm, else clip and update. The inf / NaN test rides
         on the norm's reduction: no extra pass over the gradients, no extra collective."""

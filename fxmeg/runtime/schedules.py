@@ -20,9 +20,11 @@ Chunk c lives on pipeline rank c % pp (Megatron's interleaved placement).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from fxmeg.config import P2P_MODES
 from fxmeg.errors import ScheduleError
 
 
@@ -70,6 +72,8 @@ def fmt(step: Step) -> str:
 
 Unit = tuple[Action, ...]
 Schedule = dict[int, list[Unit]]
+Lowering = Callable[[Schedule], dict[int, list[Step]]]
+"""A schedule's lowering for one Program (RankContext.lower)."""
 
 
 def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
@@ -141,8 +145,7 @@ def _interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Schedul
 
 # ---------------------------------------------------------------- lowering
 
-PAIRED, EAGER = "paired", "eager"
-P2P_MODES = (PAIRED, EAGER)
+PAIRED, EAGER = P2P_MODES
 
 
 def lower(
@@ -166,8 +169,7 @@ def lower(
     default all. DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes
     each chunk's last backward.
     """
-    if p2p not in P2P_MODES:
-        raise ScheduleError(f"p2p={p2p!r} is not one of {P2P_MODES}")
+    assert p2p in P2P_MODES, p2p  # EngineConfig checks it
     grads = frozenset(range(num_chunks - 1)) if grad_cuts is None else grad_cuts
     lowered = {}
     for rank, units in schedule.items():

@@ -71,17 +71,17 @@ def train(rank: int, sc: Scenario) -> dict:
     steps, counters, events = [], [], []
     for b in sc.batches():
         steps.append(engine.train_step(b))
-        counters.append(engine.executor.counters)
-        events.append(list(engine.ddp.events.log))
+        counters.append(engine.context.executor.counters)
+        events.append(list(engine.context.ddp.events.log))
     state = engine.full_state_dict()  # collective: every rank calls it
     return dict(
-        optimizer_elements=engine.optimizer.state_elements(),
+        optimizer_elements=engine.context.optimizer.state_elements(),
         steps=steps, counters=counters, events=events,
         state=state if rank == 0 else None,
-        pp_rank=engine.groups.pp_rank, dp_rank=engine.groups.dp_rank,
+        pp_rank=engine.context.groups.pp_rank, dp_rank=engine.context.groups.dp_rank,
         param_elements=sum(p.numel() for p in engine.named_parameters.values()),
-        tp_specs=engine.tp_specs,
-        layouts={c: fxmeg.program.buffer_layouts(gm) for c, gm in engine.chunks.items()},
+        tp_specs=engine.program.tp_specs,
+        layouts={c: engine.program.buffers[c] for c in engine.context.chunks},
     )
 
 

@@ -41,7 +41,7 @@ def nan_on_one_rank(rank: int, precision: str, on_nonfinite: str) -> dict:
 
 def _snapshot(engine) -> tuple:
     params = tuple(p.detach().float().clone().numpy().tobytes() for p in engine.named_parameters.values())
-    state = tuple(v.clone().numpy().tobytes() for s in engine.optimizer.inner.state.values()
+    state = tuple(v.clone().numpy().tobytes() for s in engine.context.optimizer.inner.state.values()
                   for v in s.values() if isinstance(v, torch.Tensor))
     return params, state
 
@@ -53,7 +53,7 @@ def stops_answering(rank: int) -> dict:
                                global_batch_size=8, comm_timeout_s=3)
     engine.train_step(batches[0])  # a healthy step first
     if rank == 1:
-        chunk = engine.chunks[1]
+        chunk = engine.context.chunks[1]
         calls = {"n": 0}
         original = chunk.forward
 

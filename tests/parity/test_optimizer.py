@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.runtime.loss_scale import LossScaleConfig
-from fxmeg.runtime.lr_schedule import LRSchedule
+from fxmeg.loss_scale import LossScaleConfig
+from fxmeg.lr_schedule import LRSchedule
 from tests.distributed import run_world
 from tests.helpers import make_batch, make_model, reference
 from tests.parity.scenarios import STEPS, Scenario, check_parity, train
@@ -52,8 +52,8 @@ def overflow(rank: int) -> dict:
                 p = engine.named_parameters["layers.1.mlp.fc.weight"]
                 handle = p.register_hook(lambda g: torch.full_like(g, float("inf")))
         out["steps"].append(engine.train_step(batch))
-        out["scale"].append(engine.scaler.scale)
-        out["samples"].append(engine.scheduler.samples)
+        out["scale"].append(engine.context.scaler.scale)
+        out["samples"].append(engine.context.scheduler.samples)
         if step == OVERFLOW_STEP:
             out["unchanged"] = _snapshot(engine) == before
             if handle is not None:
@@ -66,9 +66,9 @@ def _snapshot(engine) -> tuple:
     params = tuple(p.detach().clone().numpy().tobytes() for p in engine.named_parameters.values())
     state = tuple(
         v.clone().numpy().tobytes()
-        for s in engine.optimizer.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        for s in engine.context.optimizer.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
     )
-    return params, state, engine.optimizer.param_groups[0]["lr"]
+    return params, state, engine.context.optimizer.param_groups[0]["lr"]
 
 
 def run(rank: int, scenarios: list[Scenario]) -> dict:

@@ -30,9 +30,10 @@ SCENARIOS = PARITY + BITWISE
 
 
 BAD_CONFIGS = {  # on 2 ranks, each must fail before any process group exists
-    "pp*vpp > blocks": (dict(pp=2, vpp=4), "pp * vpp = 8 chunks, but the model has only 4 blocks"),
+    "pp*vpp > blocks": (dict(pp=2, vpp=4, global_batch_size=2 * 2),
+                        "pp * vpp = 8 chunks, but the model has only 4 blocks"),
     "interleaved m": (dict(pp=2, vpp=2, global_batch_size=2 * 3),
-                      "interleaved schedule needs the micro-batch count m to be a multiple of 2"),
+                      "interleaved schedule needs the micro-batch count m to be a multiple of pp=2"),
     "split point": (dict(pp=2, split_points=["layers.9"]), "split point 'layers.9' names no block"),
 }
 

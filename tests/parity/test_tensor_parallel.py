@@ -26,7 +26,7 @@ PARITY = [Scenario(m, tp=2) for m in MODELS] + [
 def compiled_collectives(rank: int) -> dict:
     """The registered ops trace through torch.compile (dynamo + AOT autograd) and give
     the eager values and gradients."""
-    from fxmeg.collectives import bind_groups  # noqa: F401  (registers the ops)
+    import fxmeg.runtime.collectives  # noqa: F401  (registers the kernels)
 
     name = dist.group.WORLD.group_name
     w = torch.full((4, 4), float(rank + 1), requires_grad=True)

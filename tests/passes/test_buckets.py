@@ -7,24 +7,13 @@ import torch
 from expecttest import TestCase
 from torch import nn
 
-from fxmeg.capture import capture
-from fxmeg.partition import partition
-from fxmeg.passes.buckets import buckets
-from fxmeg.passes.loss import loss
-from fxmeg.passes.pipeline import pipeline
 from fxmeg.program import buffer_layouts, chunks
-from tests.helpers import make_batch, make_model
-
-
-def _parent(model, example, num_chunks):
-    gm = loss(capture(model, example).gm)
-    partition(gm, num_chunks=num_chunks)
-    return pipeline(gm, num_chunks=num_chunks)
+from tests.helpers import graph_after, make_batch, make_model
 
 
 def _laid_out(name="gpt", *, num_chunks=1, pp=1, dp=2, bucket_size=None, shard=False, n_layer=2):
-    parent = _parent(make_model(name, n_layer=n_layer), make_batch(2, seed=0), num_chunks)
-    return buckets(parent, pp=pp, dp=dp, bucket_size=bucket_size, shard=shard)
+    return graph_after(make_model(name, n_layer=n_layer), make_batch(2, seed=0), "buckets", num_chunks=num_chunks,
+                       pp=pp, dp=dp, bucket_size=bucket_size, distributed_optimizer=shard)
 
 
 def describe(parent) -> str:
@@ -135,7 +124,7 @@ class _Shared(nn.Module):
 
 def test_parameter_shared_by_chunks_of_one_rank_has_one_slot():
     ids = torch.randint(0, 16, (2, 4))
-    parent = buckets(_parent(_Shared(), (ids, ids), 4), pp=2, dp=1, bucket_size=None, shard=False)
+    parent = graph_after(_Shared(), (ids, ids), "buckets", num_chunks=4, pp=2)
     slots = {c: {s.name for lay in buffer_layouts(gm) for s in lay.slots} for c, gm in enumerate(chunks(parent))}
     assert "shared.weight" in slots[0] and "shared.weight" not in slots[2]  # chunks 0, 2: rank 0
     c2 = chunks(parent)[2]

@@ -225,7 +225,7 @@ def test_explicit_loss_fn_is_kept():
     model = Logits()
     x, y = torch.randn(4, 8), torch.tensor([1, -1, 3, 2])
     c = capture(model, (x, y), loss_fn=loss_fn)
-    gm = loss(c.gm, explicit=True)
+    gm = loss(c.gm)
     loss_sum, num_tokens = gm(x, y)
     assert int(num_tokens) == 3
     torch.testing.assert_close(loss_sum, F.cross_entropy(model(x), y, ignore_index=-1) * 3)
@@ -258,4 +258,4 @@ def test_explicit_loss_fn_must_return_two_scalars():
     c = capture(model, (torch.randn(4, 8), torch.tensor([1, 2, 3, 4])),
                 loss_fn=lambda m, x, y: (m(x, y).sum(),))
     with pytest.raises(PassError, match=r"loss_fn must return \(loss_sum, num_tokens\)"):
-        loss(c.gm, explicit=True)
+        loss(c.gm)

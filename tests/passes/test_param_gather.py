@@ -1,20 +1,12 @@
 from expecttest import TestCase
 
-from fxmeg.capture import capture
-from fxmeg.partition import partition
-from fxmeg.passes.buckets import buckets
-from fxmeg.passes.loss import loss
-from fxmeg.passes.param_gather import param_gather
-from fxmeg.passes.pipeline import pipeline
 from fxmeg.program import chunks
-from tests.helpers import make_batch, make_model
+from tests.helpers import graph_after, make_batch, make_model
 
 
 def _waits(num_chunks: int) -> str:
-    gm = loss(capture(make_model("gpt", n_layer=2), make_batch(2, seed=0)).gm)
-    partition(gm, num_chunks=num_chunks)
-    parent = buckets(pipeline(gm, num_chunks=num_chunks), pp=num_chunks, dp=2, bucket_size=4000, shard=True)
-    parent = param_gather(parent)
+    parent = graph_after(make_model("gpt", n_layer=2), make_batch(2, seed=0), "param_gather", num_chunks=num_chunks,
+                         dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
     out = []
     for c, chunk in enumerate(chunks(parent)):
         lines = chunk.code.strip().splitlines()

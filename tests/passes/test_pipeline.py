@@ -4,19 +4,13 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from fxmeg.capture import capture
-from fxmeg.partition import partition
-from fxmeg.passes.loss import loss
-from fxmeg.passes.pipeline import pipeline
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import make_batch, make_model
+from tests.helpers import graph_after, make_batch, make_model
 
 
 def _pipelined(name, *, n_layer, num_chunks):
     model = make_model(name, n_layer=n_layer)
-    gm = loss(capture(model, make_batch(2, seed=0)).gm)
-    partition(gm, num_chunks=num_chunks)
-    return model, pipeline(gm, num_chunks=num_chunks)
+    return model, graph_after(model, make_batch(2, seed=0), "pipeline", num_chunks=num_chunks)
 
 
 def _code(parent, *, boundaries_only: bool = False) -> str:

@@ -1,21 +1,22 @@
-"""The tensor-parallel pass on one process: the graph of rank 0 of tp=2 (collectives name
-the symbolic group "tp", so no process group is needed), shard tags, errors."""
+"""The tensor-parallel pass on one process: the graph of tp=2 (the same on every rank:
+collectives name the symbolic group "tp" and rank-dependent work happens inside ops, so
+no process group is needed), shard tags, the runtime's materialised shards, errors."""
 
 import pytest
 import torch
 from expecttest import TestCase
 from torch import nn
 
-from fxmeg.capture import capture
 from fxmeg.errors import PassError
-from fxmeg.passes.loss import loss
-from fxmeg.passes.tensor_parallel import tensor_parallel
-from tests.helpers import make_batch, make_model
+from fxmeg.runtime.context import _materialise
+from fxmeg.runtime.groups import Groups, Topology
+from fxmeg.transform import transform
+from tests.helpers import graph_after, make_batch, make_model
 
 
-def _tp(model, tp=2, rank=0, **kw):
+def _tp(model, tp=2, **kw):
     ids, labels = make_batch(2, seed=0, vocab=model.cfg.vocab_size if hasattr(model, "cfg") else 128)
-    return tensor_parallel(loss(capture(model, (ids, labels)).gm), tp=tp, rank=rank, **kw)
+    return graph_after(model, (ids, labels), "tensor_parallel", tp=tp, **kw)
 
 
 def _tags(gm) -> dict:
@@ -23,7 +24,7 @@ def _tags(gm) -> dict:
 
 
 class ShardedGraphs(TestCase):
-    def test_gpt_rank0_of_tp2(self):
+    def test_gpt_tp2(self):
         self.assertExpectedInline(_tp(make_model("gpt", n_layer=1)).code.strip(), """\
 def forward(self, input_ids, labels):
     wte_weight = self.wte.weight
@@ -42,15 +43,13 @@ def forward(self, input_ids, labels):
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
     arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    lt_scalar = torch.ops.aten.lt.Scalar(input_ids, 0)
-    ge_scalar = torch.ops.aten.ge.Scalar(input_ids, 64)
-    bitwise_or_tensor = torch.ops.aten.bitwise_or.Tensor(lt_scalar, ge_scalar);  lt_scalar = ge_scalar = None
-    sub_tensor = torch.ops.aten.sub.Tensor(input_ids, 0);  input_ids = None
-    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(sub_tensor, bitwise_or_tensor, 0);  sub_tensor = None
-    embedding = torch.ops.aten.embedding.default(wte_weight, masked_fill_scalar);  masked_fill_scalar = None
-    unsqueeze_default = torch.ops.aten.unsqueeze.default(bitwise_or_tensor, -1);  bitwise_or_tensor = None
-    masked_fill_scalar_1 = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
-    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar_1, 'tp');  masked_fill_scalar_1 = None
+    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
+    getitem_3 = vocab_shard_ids_default[0]
+    getitem_4 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
+    embedding = torch.ops.aten.embedding.default(wte_weight, getitem_3);  getitem_3 = None
+    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_4, -1);  getitem_4 = None
+    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
+    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
     embedding_1 = torch.ops.aten.embedding.default(wpe_weight, arange);  wpe_weight = arange = None
     add = torch.ops.aten.add.Tensor(tp_reduce_default, embedding_1);  tp_reduce_default = embedding_1 = None
     layer_norm = torch.ops.aten.layer_norm.default(add, [32], layers_0_ln_1_weight, layers_0_ln_1_bias, 1e-05, False);  layers_0_ln_1_weight = layers_0_ln_1_bias = None
@@ -86,14 +85,14 @@ def forward(self, input_ids, labels):
     linear_4 = torch.ops.aten.linear.default(tp_copy_default_2, wte_weight);  tp_copy_default_2 = wte_weight = None
     flatten = torch.ops.aten.flatten.using_ints(linear_4, 0, 1);  linear_4 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
-    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, 0, -100, 'tp');  flatten = None
-    getitem_3 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
-    sum_default = torch.ops.aten.sum.default(getitem_3);  getitem_3 = None
+    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
+    getitem_5 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
+    sum_default = torch.ops.aten.sum.default(getitem_5);  getitem_5 = None
     ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
     num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
     return (sum_default, num_tokens)""")
 
-    def test_llama_rank0_of_tp2(self):
+    def test_llama_tp2(self):
         self.assertExpectedInline(_tp(make_model("llama", n_layer=1)).code.strip(), """\
 def forward(self, input_ids, labels):
     embed_tokens_weight = self.embed_tokens.weight
@@ -112,15 +111,13 @@ def forward(self, input_ids, labels):
     rope_sin = self.rope_sin
     slice_1 = torch.ops.aten.slice.Tensor(rope_cos, 0, 0, 16);  rope_cos = None
     slice_2 = torch.ops.aten.slice.Tensor(rope_sin, 0, 0, 16);  rope_sin = None
-    lt_scalar = torch.ops.aten.lt.Scalar(input_ids, 0)
-    ge_scalar = torch.ops.aten.ge.Scalar(input_ids, 64)
-    bitwise_or_tensor = torch.ops.aten.bitwise_or.Tensor(lt_scalar, ge_scalar);  lt_scalar = ge_scalar = None
-    sub_tensor = torch.ops.aten.sub.Tensor(input_ids, 0);  input_ids = None
-    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(sub_tensor, bitwise_or_tensor, 0);  sub_tensor = None
-    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, masked_fill_scalar);  embed_tokens_weight = masked_fill_scalar = None
-    unsqueeze_default = torch.ops.aten.unsqueeze.default(bitwise_or_tensor, -1);  bitwise_or_tensor = None
-    masked_fill_scalar_1 = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
-    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar_1, 'tp');  masked_fill_scalar_1 = None
+    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
+    getitem_4 = vocab_shard_ids_default[0]
+    getitem_5 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
+    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, getitem_4);  embed_tokens_weight = getitem_4 = None
+    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_5, -1);  getitem_5 = None
+    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
+    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
     to = torch.ops.aten.to.dtype(tp_reduce_default, torch.float32);  tp_reduce_default = None
     pow_1 = torch.ops.aten.pow.Tensor_Scalar(to, 2)
     mean = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
@@ -191,19 +188,23 @@ def forward(self, input_ids, labels):
     linear_7 = torch.ops.aten.linear.default(tp_copy_default_2, lm_head_weight);  tp_copy_default_2 = lm_head_weight = None
     flatten = torch.ops.aten.flatten.using_ints(linear_7, 0, 1);  linear_7 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
-    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, 0, -100, 'tp');  flatten = None
-    getitem_4 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
-    sum_default = torch.ops.aten.sum.default(getitem_4);  getitem_4 = None
+    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
+    getitem_6 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
+    sum_default = torch.ops.aten.sum.default(getitem_6);  getitem_6 = None
     ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
     num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
     return (sum_default, num_tokens)""")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_parameters_become_this_ranks_shards(rank):
+def test_runtime_materialises_this_ranks_shards(rank):
+    """The pass only tags; the runtime's bound chunk holds rank's shard, and the user's
+    model keeps its full parameters."""
     full = make_model("gpt", n_layer=1)
     ref = {k: v.clone() for k, v in full.state_dict().items()}
-    gm = _tp(full, rank=rank)
+    program = transform(full, make_batch(2, seed=0), tp=2)
+    gm = _materialise(program, Groups(Topology(tp=2, pp=1, dp=1), rank))[0][0]
+    assert all(torch.equal(v, ref[k]) for k, v in full.state_dict().items())
     qkv = gm.get_parameter("layers.0.attn.qkv.weight")
     assert qkv.shape == (48, 32)  # (3 x 32 rows) / 2, block by block: q, k and v heads
     w = ref["layers.0.attn.qkv.weight"]
@@ -212,7 +213,7 @@ def test_parameters_become_this_ranks_shards(rank):
     assert torch.equal(gm.get_parameter("wte.weight"), ref["wte.weight"][rank * 64 : (rank + 1) * 64])
     proj = gm.get_parameter("layers.0.mlp.proj.weight")
     assert torch.equal(proj, ref["layers.0.mlp.proj.weight"][:, rank * 64 : (rank + 1) * 64])
-    tags = _tags(gm)
+    tags = _tags(program.chunks[0])
     assert tags["layers.0.attn.qkv.weight"] == ("shard", 0, (32, 32, 32))
     assert tags["layers.0.mlp.proj.weight"] == ("shard", 1, (128,))
     assert tags["layers.0.mlp.proj.bias"] == ("replicate", False)  # added after the all-reduce
@@ -231,7 +232,7 @@ def test_sequence_parallel_marks_norm_weights_for_tp_reduction():
 
 
 def test_plan_overrides_the_automatic_choice():
-    gm = _tp(make_model("llama", n_layer=1), plan={"layers.*.mlp.*": "replicate"})
+    gm = _tp(make_model("llama", n_layer=1), tp_plan={"layers.*.mlp.*": "replicate"})
     tags = _tags(gm)
     assert tags["layers.0.mlp.up_proj.weight"] == ("replicate", False)
     assert tags["layers.0.self_attn.q_proj.weight"][0] == "shard"
@@ -259,7 +260,7 @@ def test_tp_not_dividing_the_vocabulary_offers_padding():
     model = make_model("gpt", n_layer=1, vocab_size=126)
     ids, labels = make_batch(2, seed=0, vocab=126)
     with pytest.raises(PassError, match=r"tp=4 does not divide the 126 vocabulary rows.*pad the vocabulary to a multiple of 4 \(e.g. 128\)"):
-        tensor_parallel(loss(capture(model, (ids, labels)).gm), tp=4, rank=0)
+        graph_after(model, (ids, labels), "tensor_parallel", tp=4)
 
 
 class _NormedMLP(nn.Module):

@@ -10,7 +10,7 @@ def _engine(**kw):
 
 def test_every_main_grad_is_a_view_of_exactly_one_buffer():
     engine = _engine(bucket_size=3000)
-    buffers = engine.ddp.all()
+    buffers = engine.context.ddp.all()
     for name, p in engine.named_parameters.items():
         owners = [b for b in buffers if p.main_grad.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()]
         assert len(owners) == 1, name
@@ -21,29 +21,29 @@ def test_every_main_grad_is_a_view_of_exactly_one_buffer():
 
 def test_buffers_survive_steps_without_reallocation():
     engine = _engine(bucket_size=3000)
-    ptrs = [b.data.data_ptr() for b in engine.ddp.all()]
+    ptrs = [b.data.data_ptr() for b in engine.context.ddp.all()]
     views = {n: p.main_grad.data_ptr() for n, p in engine.named_parameters.items()}
     for seed in range(3):
         engine.train_step(make_batch(8, seed=seed))
-    assert [b.data.data_ptr() for b in engine.ddp.all()] == ptrs
+    assert [b.data.data_ptr() for b in engine.context.ddp.all()] == ptrs
     assert {n: p.main_grad.data_ptr() for n, p in engine.named_parameters.items()} == views
     assert all(p.grad is None for p in engine.named_parameters.values())
-    engine.ddp.zero_grad_buffer()
-    assert all(float(b.data.abs().sum()) == 0.0 for b in engine.ddp.all())
+    engine.context.ddp.zero_grad_buffer()
+    assert all(float(b.data.abs().sum()) == 0.0 for b in engine.context.ddp.all())
 
 
 def test_reductions_wait_for_the_last_microbatch_and_follow_bucket_order():
     engine = _engine(bucket_size=3000)
     engine.train_step(make_batch(8, seed=0))
-    (buf,) = engine.ddp.all()
+    (buf,) = engine.context.ddp.all()
     assert len(buf.layout.buckets) >= 4
-    assert_overlapped(engine.ddp.events.log, buf.layout, chunk=0)
+    assert_overlapped(engine.context.ddp.events.log, buf.layout, chunk=0)
 
 
 def test_without_overlap_everything_is_reduced_at_the_end_in_one_bucket():
     engine = _engine(overlap_grad_reduce=False, bucket_size=3000)
     engine.train_step(make_batch(8, seed=0))
-    log = engine.ddp.events.log
-    (buf,) = engine.ddp.all()
+    log = engine.context.ddp.events.log
+    (buf,) = engine.context.ddp.all()
     assert len(buf.layout.buckets) == 1
     assert log[-1] == ("issue", "chunk0/0") and sum(k == "issue" for k, _ in log) == 1

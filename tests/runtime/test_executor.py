@@ -9,17 +9,13 @@ import copy
 import pytest
 import torch
 
-from fxmeg.capture import capture
 from fxmeg.errors import ScheduleError
-from fxmeg.partition import partition
-from fxmeg.passes.loss import loss
-from fxmeg.passes.pipeline import pipeline
-from fxmeg.program import chunks
+from fxmeg.program import chunk_spec, chunks
 from fxmeg.runtime import schedules
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.schedules import Action, Kind, fmt
 from fxmeg.trace import Tracer
-from tests.helpers import make_batch, make_model
+from tests.helpers import graph_after, make_batch, make_model
 
 M, ROWS = 4, 2  # micro-batches, rows per micro-batch
 CPU = torch.device("cpu")
@@ -28,9 +24,7 @@ CPU = torch.device("cpu")
 def build_chunks(model: torch.nn.Module, example) -> dict[int, torch.fx.GraphModule]:
     """The single chunk of ``model`` (pp=1), as fxmeg.parallelize builds it: capture, loss
     pass, partition and pipeline pass into one chunk graph sharing the model's parameters."""
-    gm = loss(capture(model, example).gm)
-    partition(gm, num_chunks=1)
-    return dict(enumerate(chunks(pipeline(gm, num_chunks=1))))
+    return dict(enumerate(chunks(graph_after(model, example, "pipeline"))))
 
 
 def lowered_steps(m: int, *, train: bool = True, name: str = "none") -> list:
@@ -42,7 +36,8 @@ def lowered_steps(m: int, *, train: bool = True, name: str = "none") -> list:
 
 
 def _executor(chunk_graphs, **kwargs) -> Executor:
-    return Executor(chunk_graphs, rank=0, pp=1, peer=lambda r: r, group=None, device=CPU, **kwargs)
+    specs = {c: chunk_spec(gm) for c, gm in chunk_graphs.items()}
+    return Executor(chunk_graphs, specs=specs, rank=0, pp=1, peer=lambda r: r, group=None, device=CPU, **kwargs)
 
 
 def _setup(seed: int = 3):

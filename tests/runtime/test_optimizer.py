@@ -7,8 +7,8 @@ import torch
 
 import fxmeg
 from fxmeg.errors import ConfigError
-from fxmeg.runtime.loss_scale import LossScaleConfig, LossScaler
-from fxmeg.runtime.lr_schedule import LRSchedule, ParamScheduler
+from fxmeg.loss_scale import LossScaleConfig, LossScaler
+from fxmeg.lr_schedule import LRSchedule, ParamScheduler
 from tests.helpers import make_batch, make_model, optimizer, reference
 
 W, D, MAX, MIN = 100, 1000, 3e-4, 3e-5
@@ -101,7 +101,7 @@ def test_bf16_tracks_fp32_for_20_steps(name):
     engine = fxmeg.parallelize(model, tuple(t[:2] for t in batches[0]), global_batch_size=8,
                                optimizer=optimizer, precision="bf16")
     assert all(p.dtype == torch.bfloat16 for p in engine.named_parameters.values())
-    assert all(p.master.dtype == torch.float32 for p in engine.optimizer.pieces)
+    assert all(p.master.dtype == torch.float32 for p in engine.context.optimizer.pieces)
     for step, (batch, want) in enumerate(zip(batches, ref_losses)):
         got = engine.train_step(batch).loss
         assert abs(got - want) <= 0.02 * want, f"step {step}: {got} vs {want}"

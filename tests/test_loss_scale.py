@@ -5,7 +5,7 @@ round trip, step by step against hand-computed scales."""
 import pytest
 
 from fxmeg.errors import ConfigError
-from fxmeg.runtime.loss_scale import LossScaleConfig, LossScaler
+from fxmeg.loss_scale import LossScaleConfig, LossScaler
 
 
 def _scales(scaler: LossScaler, found_infs) -> list[float]:

@@ -7,25 +7,31 @@ Glossary:
           point on (between attention and MLP; before the final norm or head), where
           no more bytes are live than enter the block; code before the first block
           (embeddings, rotary tables) joins the first unit;
-  chunk   a contiguous run of units; chunk c runs on pipeline rank c % pp.
+  chunk   a contiguous run of units; chunk c runs on pipeline rank placement[c]
+          (c % pp: round robin, Megatron's virtual pipeline order).
 
-``partition`` tags every call_function node with ``meta["fxmeg"]["chunk"]``. Chunks only
-ever read values of earlier chunks, so the pipeline pass can cut between them.
+Requires: the loss pass's outputs; tp-sharded shapes in ``meta["val"]`` if tp > 1.
+Ensures: every call_function node carries ``meta["fxmeg"]["chunk"]`` in
+[0, pp * vpp), non-decreasing in graph order, so chunks only ever read values of earlier
+chunks and the pipeline pass can cut between them; ``gm.meta["fxmeg"]["partition"]`` is
+the ``fxmeg.program.Partition`` (units, chunk starts, estimated costs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from fxmeg.capture import owning_module
+from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.passes.graph_utils import val
+from fxmeg.program import Partition
 
 aten = torch.ops.aten
 
@@ -37,35 +43,18 @@ _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 _MATMULS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default)
 
 
-@dataclass(frozen=True)
-class Partition:
-    """Which blocks each chunk holds, and what each chunk is estimated to cost."""
-
-    blocks: tuple[str, ...]
-    """Block FQNs in execution order."""
-    units: tuple[str, ...]
-    """Unit names in execution order: a block (``layers.3``), or a residual-stream point
-    inside or after one (``layers.3:ln_2``: from that child of layers.3 on)."""
-    starts: tuple[int, ...]
-    """Index in ``units`` of the first unit of each chunk."""
-    costs: tuple[float, ...]
-    """Estimated forward cost of each chunk (FLOPs + BYTE_COST * bytes moved)."""
-    unit_costs: tuple[float, ...] = ()
-
-    def chunk_units(self, chunk: int) -> tuple[str, ...]:
-        end = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else len(self.units)
-        return self.units[self.starts[chunk] : end]
-
-    def chunk_blocks(self, chunk: int) -> tuple[str, ...]:
-        """Blocks with code in ``chunk`` (a block cut at a residual point is in two)."""
-        names = (u.split(":")[0] for u in self.chunk_units(chunk))
-        return tuple(dict.fromkeys(b for b in names if b in self.blocks))
+def partition(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced, or at the config's
+    ``split_points``); tag every node's chunk."""
+    par = config.parallel
+    split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points)
+    placement = tuple(c % par.pp for c in range(par.num_chunks))
+    gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=placement)
+    return gm
 
 
-def partition(
-    gm: fx.GraphModule, *, num_chunks: int, split_points: tuple[str, ...] | None = None
-) -> Partition:
-    """Cut ``gm`` into ``num_chunks`` chunks at unit boundaries; tag every node's chunk."""
+def cut(gm: fx.GraphModule, *, num_chunks: int, split_points: tuple[str, ...] | None = None) -> Partition:
+    """The cut into ``num_chunks`` chunks; tags every node's chunk."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     blocks, units, unit_of = _units(nodes)
     if num_chunks == 1:

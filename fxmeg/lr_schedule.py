@@ -1,4 +1,4 @@
-"""Learning-rate and weight-decay schedules counted in samples (reference §2, §3.3;
+"""Learning-rate and weight-decay schedules counted in samples (docs/design.md §8.2, §8.3.3;
 Megatron's OptimizerParamScheduler).
 
 Counting samples, not iterations, keeps a schedule continuous when the global batch size

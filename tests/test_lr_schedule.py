@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxmeg.errors import ConfigError
-from fxmeg.runtime.lr_schedule import LRSchedule, ParamScheduler
+from fxmeg.lr_schedule import LRSchedule, ParamScheduler
 
 # warmup 100 samples from 0.1 to 1.0, decay to 0.1 by sample 1100
 DECAY = dict(max_lr=1.0, min_lr=0.1, warmup_samples=100, init_lr=0.1, decay_samples=1100)

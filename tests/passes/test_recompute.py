@@ -39,7 +39,7 @@ def train(model, batches, **options):
 
 
 def regions(engine) -> list[torch.fx.GraphModule]:
-    return [m.region for gm in engine.chunks.values() for m in gm.modules() if isinstance(m, Recompute)]
+    return [m.region for gm in engine.context.chunks.values() for m in gm.modules() if isinstance(m, Recompute)]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_full_recompute_keeps_a_third_of_the_activations_and_trains_the_same(gpt
     assert len(regions(recomputed)) == 4 and not regions(plain)  # one per block
     assert full <= none / 3, (full, none)
     # the theoretical report predicts the drop, and bounds what was measured
-    predicted = [activation_bytes(e.chunks[0]) for e in (plain, recomputed)]
+    predicted = [activation_bytes(e.context.chunks[0]) for e in (plain, recomputed)]
     assert predicted[1] <= predicted[0] / 3 and full <= predicted[1]
 
 
@@ -98,7 +98,7 @@ def test_compiled_chunks_train_the_same(gpt):
     losses, _, engine = train(model, batches, compile=True, recompute="full")
     assert_losses_close(losses, ref_losses)
     assert_weights_close(engine.full_state_dict(), ref_state)
-    assert all(hasattr(run, "_orig_mod") for run in engine.executor._run.values())  # compiled
+    assert all(hasattr(run, "_orig_mod") for run in engine.context.executor._run.values())  # compiled
 
 
 @pytest.mark.parametrize("options,message", [

@@ -1,0 +1,63 @@
+"""Analyse pass: whole-model facts that the later passes' rewrites would hide.
+
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs, on the whole (unsharded,
+unsplit) graph.
+Ensures: the graph is unchanged; ``gm.meta["fxmeg"]["facts"]`` is a
+``fxmeg.program.ModelFacts``: the forward FLOPs of one micro-batch (matmuls and
+attention, for throughput and MFU), and which inputs index a loss's classes or an
+embedding's rows with their valid range (batches are checked against them before any
+communication: out of range they would fail deep in one stage's forward while the
+other ranks wait).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from fxmeg.config import EngineConfig
+from fxmeg.passes.partition import node_flops
+from fxmeg.program import ModelFacts, ValueCheck
+
+
+def analyse(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
+    flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+    gm.meta["fxmeg"]["facts"] = ModelFacts(flops, tuple(value_checks(gm)))
+    return gm
+
+
+_PASS_THROUGH = {
+    "view", "reshape", "_unsafe_view", "flatten", "to", "_to_copy", "contiguous", "clone",
+    "alias", "slice", "unsqueeze", "squeeze", "pad", "constant_pad_nd", "expand",
+}
+
+
+def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
+    """Which inputs index a loss's classes or an embedding's rows (through views, casts,
+    slices and padding), with their valid range; for checking batches up front."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema else ""
+        if name in ("aten::cross_entropy_loss", "aten::nll_loss_nd", "aten::nll_loss"):
+            source = _source(node.args[1], inputs)
+            ignore = node.args[4] if len(node.args) > 4 else -100
+            if source is not None:
+                classes = node.args[0].meta["val"].shape[1 if node.args[0].meta["val"].dim() > 1 else 0]
+                out.append(ValueCheck(source, classes, ignore, "labels (classes of the loss)"))
+        elif name == "aten::embedding":
+            source = _source(node.args[1], inputs)
+            if source is not None:
+                rows = node.args[0].meta["val"].shape[0]
+                module = node.meta.get("fxmeg", {}).get("module", "")
+                out.append(ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})"))
+    return out
+
+
+def _source(node, inputs: list[fx.Node]) -> int | None:
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        base = getattr(node.target, "__name__", "").split(".")[0]
+        if base not in _PASS_THROUGH:
+            return None
+        node = node.args[0]
+    return inputs.index(node) if isinstance(node, fx.Node) and node in inputs else None

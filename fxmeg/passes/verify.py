@@ -1,0 +1,141 @@
+"""Checks of each pass's Ensures, run after the pass when ``FXMEG_VERIFY=1`` (the tests set
+it; ``fxmeg.transform``). A failed check is an internal error: an ``AssertionError``
+naming the pass, the chunk or node, and what does not hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fxmeg import ops
+from fxmeg.config import EngineConfig
+from fxmeg.passes.graph_utils import val
+from fxmeg.passes.recompute import Recompute
+from fxmeg.program import buffer_layouts, chunk_spec, chunks
+
+
+def after(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
+    """Check what pass ``name`` ensures on its result ``gm``."""
+    _CHECKS[name](gm, config)
+
+
+def loss(gm: fx.GraphModule, config: EngineConfig) -> None:
+    outputs = gm.graph.output_node().args[0]
+    tags = [n.meta.get("fxmeg", {}).get("loss") for n in outputs]
+    assert tags == ["sum", "count"], f"loss: outputs are tagged {tags}, not ['sum', 'count']"
+    assert all(val(n) is not None and val(n).dim() == 0 for n in outputs), "loss: outputs are not scalars"
+
+
+def analyse(gm: fx.GraphModule, config: EngineConfig) -> None:
+    facts = gm.meta["fxmeg"].get("facts")
+    assert facts is not None and facts.flops_per_microbatch >= 0, "analyse: no model facts recorded"
+
+
+def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
+    if config.parallel.tp == 1:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and getattr(gm.get_parameter(node.target) if _is_param(gm, node) else None,
+                                             "requires_grad", False):
+            assert "tp" in node.meta["fxmeg"], f"tensor_parallel: parameter {node.target!r} has no tp tag"
+        if node.target in ops.COLLECTIVES:
+            assert ops.TP in node.args, f"tensor_parallel: {node.name} is not on the symbolic group 'tp'"
+        if node.op == "call_function":
+            assert "val" in node.meta, f"tensor_parallel: {node.name} has no local value"
+
+
+def partition(gm: fx.GraphModule, config: EngineConfig) -> None:
+    k = config.parallel.num_chunks
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        c = node.meta["fxmeg"].get("chunk")
+        assert c is not None and 0 <= c < k, f"partition: {node.name} has chunk {c}"
+        for i in node.all_input_nodes:
+            ci = i.meta.get("fxmeg", {}).get("chunk", 0)
+            assert ci <= c, f"partition: {node.name} (chunk {c}) reads {i.name} of later chunk {ci}"
+    assert len(gm.meta["fxmeg"]["partition"].placement) == k, "partition: no placement per chunk"
+
+
+def pipeline(parent: fx.GraphModule, config: EngineConfig) -> None:
+    graphs = chunks(parent)
+    assert len(graphs) == config.parallel.num_chunks, "pipeline: wrong number of chunks"
+    for c, gm in enumerate(graphs):
+        spec = chunk_spec(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        assert len(placeholders) == len(spec.data_inputs) + len(spec.recv), f"pipeline: chunk {c} inputs"
+        outputs = gm.graph.output_node().args[0]
+        assert len(outputs) == len(spec.send) + 2 * spec.is_last, f"pipeline: chunk {c} outputs"
+        for b, out in zip(spec.send, outputs):
+            assert out.target is ops.send and tuple(val(out).shape) == b.shape, f"pipeline: chunk {c} sends {out}"
+        recvs = [n for n in gm.graph.nodes if n.target is ops.recv]
+        assert len(recvs) == len(spec.recv), f"pipeline: chunk {c} has {len(recvs)} recv markers"
+
+
+def recompute(parent: fx.GraphModule, config: EngineConfig) -> None:
+    for c, gm in enumerate(chunks(parent)):
+        for name, module in gm.named_children():
+            if isinstance(module, Recompute):
+                assert not list(module.parameters()), f"recompute: chunk {c} region {name} owns parameters"
+
+
+def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
+    placement = parent.meta["fxmeg"]["partition"].placement
+    dp = config.parallel.dp
+    slots: dict[tuple[int, str], int] = {}
+    for c, gm in enumerate(chunks(parent)):
+        shapes = {n.target: val(n).shape for n in gm.graph.nodes if n.op == "get_attr"}
+        for layout in buffer_layouts(gm):
+            assert layout.dtype == torch.float32, f"buckets: chunk {c} buffer is {layout.dtype}"
+            end = 0
+            for b in layout.buckets:
+                assert b.start == end and (b.end - b.start) % dp == 0, f"buckets: chunk {c} bucket {b.index}"
+                end = b.end
+            assert end == layout.numel, f"buckets: chunk {c} buckets do not cover the buffer"
+            for s in layout.slots:
+                bucket = layout.buckets[s.bucket]
+                assert bucket.start <= s.offset and s.offset + s.numel <= bucket.end, f"buckets: {s.name}"
+                assert s.numel == shapes[s.name].numel(), f"buckets: {s.name} slot is not its local size"
+                key = (placement[c], s.name)
+                assert key not in slots, f"buckets: {s.name} has two slots on pipeline rank {placement[c]}"
+                slots[key] = c
+    for c, gm in enumerate(chunks(parent)):
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                assert (placement[c], name) in slots, f"buckets: {name} (chunk {c}) has no slot"
+
+
+def param_gather(parent: fx.GraphModule, config: EngineConfig) -> None:
+    if not config.overlap_param_gather:
+        return
+    for c, gm in enumerate(chunks(parent)):
+        waited: set[tuple[int, int]] = set()
+        for node in gm.graph.nodes:
+            if node.target is ops.wait_param_gather:
+                waited.add(node.kwargs["bucket"])
+                continue
+            for arg in node.all_input_nodes:
+                tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
+                if tag is not None:
+                    assert (tag[0], tag[2]) in waited, f"param_gather: chunk {c} {node.name} reads {arg.target} unwaited"
+
+
+def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
+    try:
+        gm.get_parameter(node.target)
+    except AttributeError:
+        return False
+    return True
+
+
+_CHECKS = {
+    "loss": loss,
+    "analyse": analyse,
+    "tensor_parallel": tensor_parallel,
+    "partition": partition,
+    "pipeline": pipeline,
+    "recompute": recompute,
+    "buckets": buckets,
+    "param_gather": param_gather,
+}

@@ -1,0 +1,75 @@
+"""Splitting a global batch into this rank's micro-batches, and checking batches before
+any communication: a wrong shape or an out-of-range token id would otherwise fail deep
+in one stage's forward while the other ranks wait."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from fxmeg.errors import BatchError
+from fxmeg.program import Program
+from fxmeg.runtime.context import RankContext
+from fxmeg.transform import cast_inputs
+
+Batch = tuple[torch.Tensor, ...]
+
+
+def needs_data(program: Program, ctx: RankContext) -> bool:
+    """Whether this rank's chunks read inputs; middle pipeline stages may pass None."""
+    return any(program.specs[c].data_inputs for c in ctx.chunks)
+
+
+def microbatches(program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, m: int) -> list[Batch]:
+    """This data-parallel rank's ``m`` micro-batches of a global batch (rows
+    interleaved over dp ranks: micro-batch i of dp rank r is rows (i * dp + r) * mbs ..),
+    or the next ``m`` from an iterator of this rank's micro-batches; on the device, in
+    the training dtype."""
+    mbs, dp = ctx.config.micro_batch_size, ctx.config.parallel.dp
+    if batch is None:
+        if needs_data(program, ctx):
+            raise BatchError("this rank's pipeline chunks read inputs: pass the batch, not None")
+        return [()] * m
+    if isinstance(batch, tuple):
+        check(program, batch, rows=m * mbs * dp, what="global batch")
+        r = ctx.groups.dp_rank
+        rows = [slice((i * dp + r) * mbs, (i * dp + r + 1) * mbs) for i in range(m)]
+        out = [tuple(t[s] for t in batch) for s in rows]
+    else:
+        out = [next(batch) for _ in range(m)]
+        for mb in out:
+            check(program, mb, rows=mbs, what="micro-batch")
+    dtype = ctx.config.dtype
+    return [cast_inputs(tuple(t.to(ctx.device, non_blocking=True) for t in mb), dtype) for mb in out]
+
+
+def check(program: Program, batch: Batch, *, rows: int, what: str) -> None:
+    """Shapes and dtypes like the example micro-batch (``rows`` rows), and the values of
+    inputs that index a loss's classes or an embedding's rows inside their range."""
+    inputs = program.inputs
+    if not isinstance(batch, tuple) or len(batch) != len(inputs):
+        raise BatchError(
+            f"a {what} must be a tuple of {len(inputs)} tensors "
+            f"({', '.join(i.name for i in inputs)}), like the example inputs"
+        )
+    for t, ex in zip(batch, inputs):
+        want = (rows, *ex.shape[1:])
+        same_kind = t.dtype == ex.dtype or (t.is_floating_point() and ex.dtype.is_floating_point)
+        if tuple(t.shape) != want or not same_kind:
+            raise BatchError(
+                f"{what} input {ex.name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
+                f"{rows} rows = micro_batch_size x dp x micro-batches)"
+            )
+    for c in program.value_checks:
+        t = batch[c.index]
+        bad = (t >= c.high) | ((t < 0) & (t != c.ignore) if c.ignore is not None else (t < 0))
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            allowed = f"0..{c.high - 1}" + (f" or {c.ignore}" if c.ignore is not None else "")
+            raise BatchError(
+                f"{what} input {inputs[c.index].name!r} holds {int(t[where])} at "
+                f"{where}: {c.what} must be in {allowed}; check the tokenizer's vocabulary "
+                f"against the model's ({c.high})"
+            )

@@ -1,0 +1,124 @@
+"""torch.distributed kernels of the tensor-parallel ops that ``fxmeg.ops`` declares, and
+``bind``, which points a chunk graph's symbolic names at this rank's real objects.
+
+Importing this module registers the kernels; every runtime path that runs a
+tensor-parallel graph imports it (``fxmeg.runtime.context``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import Tensor, fx
+
+from fxmeg import ops
+from fxmeg.runtime.groups import _all_gather, _reduce_scatter
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return c10d._resolve_process_group(name)
+
+
+def _kernel(name: str):
+    return torch.library.register_kernel(f"fxmeg::{name}", None)
+
+
+@_kernel("tp_copy")
+def _tp_copy(x: Tensor, group: str) -> Tensor:
+    return x.clone()
+
+
+@_kernel("tp_reduce")
+def _tp_reduce(x: Tensor, group: str) -> Tensor:
+    y = x.clone()
+    dist.all_reduce(y, group=_group(group))
+    return y
+
+
+@_kernel("sp_gather")
+def _sp_gather(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] * size, *src.shape[1:]))
+    _all_gather(out, src, group=_group(group))
+    return out.movedim(0, dim).contiguous()
+
+
+@_kernel("sp_scatter")
+def _sp_scatter(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // size, *src.shape[1:]))
+    _reduce_scatter(out, src, group=_group(group))
+    return out.movedim(0, dim).contiguous()
+
+
+@_kernel("tp_slice")
+def _tp_slice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    step = x.shape[dim] // size
+    return x.narrow(dim, dist.get_rank(_group(group)) * step, step).clone()
+
+
+@_kernel("tp_pad")
+def _tp_pad(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] *= size
+    out = x.new_zeros(shape)
+    step = x.shape[dim]
+    out.narrow(dim, dist.get_rank(_group(group)) * step, step).copy_(x)
+    return out
+
+
+@_kernel("vocab_shard_ids")
+def _vocab_shard_ids(ids: Tensor, rows: int, group: str) -> tuple[Tensor, Tensor]:
+    """Ids relative to this rank's rows [rank * rows, (rank + 1) * rows), 0 outside them."""
+    start = dist.get_rank(_group(group)) * rows
+    outside = (ids < start) | (ids >= start + rows)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
+@_kernel("vocab_parallel_cross_entropy")
+def _vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int, group: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token loss over logits (N, V / tp) holding this rank's vocabulary rows;
+    ignored targets lose 0. Also the local softmax and each target's local column (-1
+    where another rank holds it), which backward needs."""
+    pg = _group(group)
+    x = logits.float()
+    top = x.max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=pg)
+    x = x - top.unsqueeze(-1)
+    local = target - dist.get_rank(pg) * x.shape[-1]
+    mine = (local >= 0) & (local < x.shape[-1]) & (target != ignore_index)
+    picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+    exp = x.exp()
+    total = exp.sum(dim=-1)
+    dist.all_reduce(picked, group=pg)
+    dist.all_reduce(total, group=pg)
+    loss = (total.log() - picked).masked_fill(target == ignore_index, 0.0)
+    return loss, exp / total.unsqueeze(-1), local.masked_fill(~mine, -1)
+
+
+def bind(
+    gm: fx.GraphModule,
+    groups: dict[str, str],
+    *,
+    wait_param_gather: Callable[..., None] | None = None,
+) -> None:
+    """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
+    rank's objects: symbolic group names (``"tp"``) become the real process groups'
+    names, and ``ops.wait_param_gather`` markers call ``wait_param_gather``. Only
+    arguments and call targets change; the graph's structure does not."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in ops.COLLECTIVES:
+                node.args = tuple(groups.get(a, a) if isinstance(a, str) else a for a in node.args)
+            elif node.target is ops.wait_param_gather and wait_param_gather is not None:
+                node.target = wait_param_gather
+        module.recompile()

@@ -1,0 +1,141 @@
+"""The state mapping between this rank's runtime and the user model's names
+(docs/design.md §7): the full state dict, and the boxes of every parameter and
+optimizer state this rank holds, which checkpoints save and load. Reads the Program
+and the RankContext only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fxmeg.program import Program
+from fxmeg.runtime.context import RankContext
+from fxmeg.sharding import Pieces, flat_to_boxes, local_to_global, view
+
+
+def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
+    """The user model's state_dict with the current trained values on every rank:
+    tensor-parallel shards are all-gathered, each pipeline stage's parameters broadcast
+    from their first holder. Collective."""
+    ctx.ddp.wait_for_params()
+    canonical = {n: c for c, names in program.aliases.items() for n in names}
+    groups = ctx.groups
+    out: dict[str, torch.Tensor] = {}
+    for key in program.full_shapes:  # the user's state_dict order
+        name = canonical.get(key, key)
+        holders = program.holders.get(name)
+        if holders is None:  # not trained by any chunk: the model's own value
+            out[key] = program.untrained[key].clone()
+            continue
+        owner = min(holders)
+        shape, dtype = program.full_shapes[key]
+        if owner == groups.pp_rank:
+            value = _gather_tp(program, ctx, name, ctx.named_parameters[name].detach())
+        else:
+            value = torch.empty(shape, dtype=dtype, device=ctx.device)
+        if groups.pp is not None:
+            dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
+        out[key] = value
+    return out
+
+
+def _gather_tp(program: Program, ctx: RankContext, name: str, local: torch.Tensor) -> torch.Tensor:
+    spec = program.tp_specs.get(name)
+    if spec is None or spec[0] != "shard" or ctx.groups.tp is None:
+        return local.clone()
+    _, dim, parts = spec
+    tp = ctx.config.parallel.tp
+    pieces = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(pieces, local.contiguous(), group=ctx.groups.tp)
+    blocks, offset = [], 0
+    for p in parts:  # rank r holds the r-th tp-th of every block, blocks end to end
+        blocks.extend(piece.narrow(dim, offset, p // tp) for piece in pieces)
+        offset += p // tp
+    return torch.cat(blocks, dim)
+
+
+# ---------------------------------------------------------------- this rank's state
+
+
+def _full_shape(program: Program, name: str) -> torch.Size:
+    return program.full_shapes[name][0]
+
+
+def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
+    """``model/<fqn>`` for every parameter this rank's chunks train (its boxes), and,
+    whole, for what no chunk trains: persistent buffers, unused parameters."""
+    tp, rank = ctx.config.parallel.tp, ctx.groups.tp_rank
+    out = {}
+    for name, p in ctx.named_parameters.items():
+        local = ((0,) * p.dim(), tuple(p.shape))
+        spec = program.tp_specs.get(name)
+        parts = [(g[0], view(p.detach(), l)) for g, l in local_to_global(local, spec, tp, rank)]
+        out[f"model/{name}"] = Pieces(_full_shape(program, name), parts)
+    for name in program.aliases:
+        if name not in program.holders and name in program.untrained:
+            t = program.untrained[name]
+            out[f"model/{name}"] = Pieces(t.shape, [((0,) * t.dim(), t)])
+    return out
+
+
+def optimizer_entries(program: Program, ctx: RankContext, keys: set[str] | None = None) -> dict[str, Pieces]:
+    """``optim/<state>/<fqn>`` for the elements this rank's optimizer updates. ``keys``
+    (on load: the states the checkpoint has) are created as zeros where missing."""
+    opt = ctx.optimizer
+    tp, rank = ctx.config.parallel.tp, ctx.groups.tp_rank
+    out: dict[str, Pieces] = {}
+    for piece in opt.pieces:
+        state = opt.inner.state.setdefault(piece.master, {})
+        for key in keys or ():
+            if key != "master" and key not in state:
+                state[key] = torch.zeros_like(piece.master)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == piece.master.numel() and v.dim() > 0}
+        if piece.target is not None:
+            tensors["master"] = piece.master
+        if keys is not None:
+            tensors = {k: v for k, v in tensors.items() if k in keys}
+        shape = tuple(piece.param.shape)
+        spec = program.tp_specs.get(piece.name)
+        for key, t in tensors.items():
+            flat = t.detach().reshape(-1)
+            entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), []))
+            for box in flat_to_boxes(shape, piece.lo, piece.hi):
+                start = _flat_index(shape, box[0]) - piece.lo
+                box_view = flat[start : start + math.prod(box[1])].view(box[1])
+                for g, l in local_to_global(box, spec, tp, rank):
+                    rel = tuple(a - b for a, b in zip(l[0], box[0]))
+                    entry.parts.append((g[0], view(box_view, (rel, l[1]))))
+    return out
+
+
+def scalars(ctx: RankContext) -> dict[str, float]:
+    """Scalar optimizer states (Adam's step), the same for every parameter."""
+    for state in ctx.optimizer.inner.state.values():
+        return {k: float(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+    return {}
+
+
+def _flat_index(shape, offsets) -> int:
+    index = 0
+    for size, off in zip(shape, offsets):
+        index = index * size + off
+    return index
+
+
+def layout(ctx: RankContext) -> dict:
+    par = ctx.config.parallel
+    return {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+            "distributed_optimizer": ctx.config.distributed_optimizer,
+            "precision": ctx.config.precision}
+
+
+def model_signature(program: Program) -> dict[str, list[int]]:
+    return {k: list(shape) for k, (shape, _) in program.full_shapes.items()}
+
+
+# ---------------------------------------------------------------- save
+
+

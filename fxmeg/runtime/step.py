@@ -1,0 +1,147 @@
+"""One training or evaluation step on this rank (docs/design.md §3): micro-batches through
+the schedule, the token-weighted loss reduced, gradients finalized, the optimizer step
+with its skip decisions, the loss scaler and the lr schedule advanced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fxmeg.errors import FxmegError
+from fxmeg.program import Program
+from fxmeg.runtime.batches import Batch, microbatches
+from fxmeg.runtime.context import RankContext
+from fxmeg.runtime.ddp import finalize_model_grads
+from fxmeg.runtime.groups import all_reduce
+from fxmeg.runtime.optimizer import StepOutcome
+from fxmeg.runtime.schedules import forward_only
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one optimizer step; identical on every rank."""
+
+    loss: float
+    """Token-weighted mean loss over the global batch: sum(loss_sum) / sum(num_tokens)."""
+    num_tokens: int
+    """Tokens that counted towards the loss (labels not ignored) in the global batch."""
+    grad_norm: float | None
+    """Global L2 norm of the gradients before clipping; None for a skipped step."""
+    skipped: bool
+    """True when the update was skipped (parameters and optimizer state untouched)."""
+    lr: float
+    """Learning rate the step used (first parameter group)."""
+    skip_reason: str | None = None
+    """Why the step was skipped: 'nonfinite' (inf / NaN gradient) or 'grad_norm'."""
+    rerun_mismatch: bool | None = None
+    """With check_determinism: whether a second forward / backward differed."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    """Token-weighted mean loss over the batch."""
+    num_tokens: int
+
+
+def train_step(
+    program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, *,
+    check_determinism: bool = False, trace: bool = False,
+) -> StepResult:
+    """One optimizer step (see ``fxmeg.Engine.train_step``)."""
+    ctx.tracer.begin_step(trace)
+    step_start = time.perf_counter_ns()
+    mbs = microbatches(program, ctx, batch, ctx.config.num_microbatches)
+    mismatch = None
+    if check_determinism:
+        first = forward_backward(program, ctx, mbs)
+        grads = [b.data.clone() for b in ctx.ddp.all()]
+    loss_sum, num_tokens = forward_backward(program, ctx, mbs)
+    if check_determinism:
+        same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.data) for g, b in zip(grads, ctx.ddp.all()))
+        mismatch = _any_rank(not same, ctx.device)
+    lr = float(ctx.optimizer.param_groups[0]["lr"])
+    with ctx.tracer.span("optimizer", "optimizer"):
+        outcome = ctx.optimizer.step()
+    if ctx.scaler is not None:
+        ctx.scaler.update(found_inf=outcome.skip_reason == "nonfinite")
+    if ctx.scheduler is not None and not outcome.skipped:
+        ctx.scheduler.step(ctx.config.global_batch_size)
+    _count_skips(ctx, outcome)
+    ctx.tracer.add("step", "step", step_start, time.perf_counter_ns())
+    return StepResult(
+        loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
+        grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
+        skip_reason=outcome.skip_reason, rerun_mismatch=mismatch,
+    )
+
+
+@torch.no_grad()
+def eval_step(
+    program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None
+) -> EvalResult:
+    """Forward-only pass over a batch (see ``fxmeg.Engine.eval_step``)."""
+    per_mb = ctx.config.micro_batch_size * ctx.config.parallel.dp
+    m = num_microbatches or (batch[0].shape[0] // per_mb if isinstance(batch, tuple) else ctx.config.num_microbatches)
+    mbs = microbatches(program, ctx, batch, m)
+    steps = ctx.lower(forward_only(ctx.build_schedule(m)))[ctx.groups.pp_rank]
+    stats = ctx.executor.run(steps, mbs, train=False)
+    loss_sum, num_tokens = _reduce_stats(ctx, stats)
+    return EvalResult(loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens))
+
+
+def forward_backward(program: Program, ctx: RankContext, mbs: list[Batch]) -> tuple[float, float]:
+    """All micro-batches through the schedule, gradients reduced and finalized; the
+    global (loss_sum, num_tokens)."""
+    ctx.ddp.zero_grad_buffer()
+    if ctx.aux is not None:
+        weigh_aux_loss(ctx, mbs)
+    scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
+    stats = ctx.executor.run(ctx.steps, mbs, train=True, loss_scale=scale)
+    with ctx.tracer.span("finalize", "finalize"):
+        loss_sum, num_tokens = _reduce_stats(ctx, stats)
+        finalize_model_grads(ctx.ddp, ctx.grad_reductions, max(num_tokens, 1.0) * scale)
+    return loss_sum, num_tokens
+
+
+def weigh_aux_loss(ctx: RankContext, mbs: list[Batch]) -> None:
+    """Each micro-batch's auxiliary loss enters the gradients with weight 1 / (m * dp)
+    (Megatron's AutoScaler, averaged over the global batch's micro-batches). Gradients
+    are divided by the global token count N at finalize, so its gradient carries
+    N / (m * dp); N is counted from the labels before the step."""
+    aux = ctx.aux
+    local = sum(float(aux.counter(*[mb[i] for i in aux.data_inputs])) for mb in mbs)
+    total = torch.tensor([local], dtype=torch.float64, device=ctx.device)
+    all_reduce(total, ctx.groups.dp)
+    m, dp = ctx.config.num_microbatches, ctx.config.parallel.dp
+    aux.scale.fill_(max(float(total), 1.0) / (m * dp))
+
+
+def _reduce_stats(ctx: RankContext, stats: torch.Tensor) -> tuple[float, float]:
+    """Sum (loss_sum, num_tokens) over the last pipeline stage and all DP ranks."""
+    all_reduce(stats, ctx.groups.pp)  # only the last stage contributes
+    all_reduce(stats, ctx.groups.dp)
+    return float(stats[0]), float(stats[1])
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _count_skips(ctx: RankContext, outcome: StepOutcome) -> None:
+    ctx.consecutive_skips = ctx.consecutive_skips + 1 if outcome.skipped else 0
+    limit = ctx.config.max_consecutive_skips
+    if limit and ctx.consecutive_skips >= limit:
+        raise FxmegError(
+            f"{ctx.consecutive_skips} steps in a row were skipped (last: "
+            f"{outcome.skip_reason}); the run is not recovering. Lower the learning rate, "
+            "check the data, or raise max_consecutive_skips"
+        )

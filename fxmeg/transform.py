@@ -1,0 +1,166 @@
+"""The pass driver: a model and one example micro-batch in, a ``Program`` out.
+
+The pass list is data (``PASSES``); ``transform`` captures the model, runs every pass in
+order, logs each one's time and node count, can dump each pass's graph, and collects the
+result into the frozen, rank-free ``fxmeg.program.Program`` (docs/design.md §1, §2).
+Every pass has one shape, ``(gm, config) -> gm``; passes after ``pipeline`` receive the
+parent graph and iterate its chunks themselves.
+
+    FXMEG_DUMP_GRAPHS=DIR   write DIR/NN_<pass>.py, the code of the graph after each pass
+    FXMEG_VERIFY=1          check each pass's Ensures after it runs (fxmeg.passes.verify;
+                            the tests set it)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from fxmeg.capture import LossFn, capture
+from fxmeg.config import EngineConfig, make_config
+from fxmeg.passes import verify
+from fxmeg.passes.analyse import analyse
+from fxmeg.passes.buckets import buckets
+from fxmeg.passes.loss import loss
+from fxmeg.passes.param_gather import param_gather
+from fxmeg.passes.partition import partition
+from fxmeg.passes.pipeline import pipeline
+from fxmeg.passes.recompute import recompute
+from fxmeg.passes.tensor_parallel import tensor_parallel
+from fxmeg.program import Program, buffer_layouts, chunk_spec, chunks
+from fxmeg.ops import AUX_SCALE
+
+log = logging.getLogger("fxmeg.transform")
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[fx.GraphModule, EngineConfig], fx.GraphModule]
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("loss", loss),  # mean loss -> (loss_sum, num_tokens)
+    Pass("analyse", analyse),  # whole-model FLOPs and input value checks
+    Pass("tensor_parallel", tensor_parallel),  # shard tags and TP collectives (tp > 1)
+    Pass("partition", partition),  # chunk tag on every node
+    Pass("pipeline", pipeline),  # chunk graphs under a parent, recv / send / deallocate
+    Pass("recompute", recompute),  # activation recompute regions per chunk
+    Pass("buckets", buckets),  # gradient buffer layout and buckets per chunk
+    Pass("param_gather", param_gather),  # parameter all-gather waits (overlap_param_gather)
+)
+NAMES = tuple(p.name for p in PASSES)
+
+
+def transform(
+    model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    config: EngineConfig | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    stop_after: str | None = None,
+    **options,
+) -> Program | fx.GraphModule:
+    """Capture ``model`` on ``example`` (one micro-batch) and run the passes for
+    ``config`` (or one made from ``options``: ``tp=2, pp=2, ...``, as ``parallelize``
+    takes them). Returns the Program, or with ``stop_after`` the graph right after that
+    pass (for tests and notebooks).
+
+    With precision bf16 / fp16 the model's parameters and floating buffers are cast in
+    place before capture (as Megatron's Float16Module); their fp32 values are kept in
+    ``Program.master_values``, from which each rank makes its fp32 masters.
+    """
+    if config is None:
+        config = make_config(example, world=None, **options)
+    elif options:
+        raise TypeError(f"pass either config or options, not both: {sorted(options)}")
+    if stop_after is not None and stop_after not in NAMES:
+        raise ValueError(f"stop_after={stop_after!r} is not one of {NAMES}")
+    masters = _cast(model, config.dtype)
+    example = cast_inputs(example, config.dtype)
+    start = time.perf_counter()
+    gm = capture(model, example, loss_fn=loss_fn).gm
+    _report("capture", gm, start)
+    for index, p in enumerate(PASSES):
+        start = time.perf_counter()
+        gm = p.run(gm, config)
+        _report(p.name, gm, start, index)
+        if os.environ.get("FXMEG_VERIFY"):
+            verify.after(p.name, gm, config)
+        if p.name == stop_after:
+            return gm
+    return _program(model, gm, config, masters, example)
+
+
+def cast_inputs(batch: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Floating inputs in the training dtype; token ids and masks as they are."""
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast the model in place to ``dtype``; the parameters' fp32 values before it."""
+    if dtype == torch.float32:
+        return {}
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.to(dtype)  # parameters and floating buffers, in place
+    return masters
+
+
+def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, masters: dict,
+             example: tuple[torch.Tensor, ...]) -> Program:
+    meta = parent.meta["fxmeg"]
+    info, facts, split = meta["capture"], meta["facts"], meta["partition"]
+    graphs = tuple(chunks(parent))
+    holders: dict[str, set[int]] = {}
+    parameters: dict[str, nn.Parameter] = {}
+    tp_specs: dict[str, tuple] = {}
+    for c, gm in enumerate(graphs):
+        for name, p in gm.named_parameters():
+            if p.requires_grad:
+                holders.setdefault(name, set()).add(split.placement[c])
+                parameters.setdefault(name, p)
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
+                tp_specs[node.target] = node.meta["fxmeg"]["tp"]
+    state = model.state_dict(keep_vars=True)
+    canonical = {alias: name for name, names in info.aliases.items() for alias in names}
+    aux = next(((c, AUX_SCALE) for c, gm in enumerate(graphs) if hasattr(gm, AUX_SCALE)), None)
+    return Program(
+        config=config,
+        graph=parent,
+        chunks=graphs,
+        specs=tuple(chunk_spec(gm) for gm in graphs),
+        buffers=tuple(buffer_layouts(gm) for gm in graphs),
+        placement=split.placement,
+        partition=split,
+        tp_specs=tp_specs,
+        holders={n: tuple(sorted(r)) for n, r in holders.items()},
+        parameters=parameters,
+        master_values={n: masters[n] for n in parameters if n in masters},
+        untrained={k: t.detach() for k, t in state.items() if canonical.get(k, k) not in holders},
+        aliases=info.aliases,
+        full_shapes={k: (t.shape, t.dtype) for k, t in state.items()},
+        inputs=info.inputs,
+        value_checks=facts.value_checks,
+        flops_per_microbatch=facts.flops_per_microbatch,
+        aux_scale=aux,
+        device=next(iter(parameters.values())).device if parameters else example[0].device,
+    )
+
+
+def _report(name: str, gm: fx.GraphModule, start: float, index: int = -1) -> None:
+    graphs = [(n, m) for n, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+    nodes = sum(len(g.graph.nodes) for _, g in graphs)
+    log.info("%-16s %7.3f s  %6d nodes", name, time.perf_counter() - start, nodes)
+    out = os.environ.get("FXMEG_DUMP_GRAPHS")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{index + 1:02d}_{name}.py"), "w") as f:
+            for module, g in graphs:
+                f.write(f"# ---- {module or 'graph'}\n{g.code.strip()}\n\n")
