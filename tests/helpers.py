@@ -26,13 +26,15 @@ def make_model(name: str, seed: int = 0, **cfg) -> torch.nn.Module:
 
 
 def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 128,
-             attn_implementation: str | None = None) -> torch.nn.Module:
+             attn_implementation: str | None = None, pad_token_id: int | None = None) -> torch.nn.Module:
     """A tiny Hugging Face causal LM built from a config (random init, no download, no
-    dropout: parity needs the same arithmetic on both sides)."""
+    dropout: parity needs the same arithmetic on both sides). With ``pad_token_id`` the
+    embedding has that padding_idx: its row gets no gradient."""
     import transformers as T
 
     common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  pad_token_id=pad_token_id)
     configs = {
         "llama": lambda: T.LlamaConfig(**common),
         "qwen2": lambda: T.Qwen2Config(**common),

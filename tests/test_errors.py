@@ -85,8 +85,9 @@ def _config_file(text: str):
 def _checkpoint_of_another_model():
     directory = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-{os.getppid()}")
     big = fxmeg.parallelize(make_model("gpt", n_layer=2), _ex(), global_batch_size=4)
-    Checkpointer(big).save(directory, 1, {})
-    small = Checkpointer(fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4))
+    Checkpointer(big.program, big.context).save(directory, 1, {})
+    small = fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4)
+    small = Checkpointer(small.program, small.context)
     return lambda: small.load(directory)
 
 

@@ -88,7 +88,7 @@ def test_flops_match_the_closed_form(corpus, tmp_path):
 
 def test_memory_report_matches_hand_computed_bytes(corpus, tmp_path):
     t = Trainer(_config(corpus, tmp_path))
-    (stage,) = memory_report(t.engine)
+    (stage,) = memory_report(t.engine.program, t.engine.context)
     params = sum(p.numel() for p in t.engine.named_parameters.values())
     assert stage["parameters"] == 4 * params
     assert stage["gradient_buffers"] == 4 * params  # one fp32 buffer, dp = 1: no padding

@@ -14,7 +14,8 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     heads, KV heads, split sizes) are divided by tp;
   * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
     the vocabulary: ``fxmeg::vocab_shard_ids`` maps ids to this rank's rows and masks the
-    others, the looked-up rows are all-reduced; the loss is
+    others, the looked-up rows are all-reduced; a ``padding_idx`` stays a global row whose
+    tokens pass no gradient to the weight; the loss is
     ``fxmeg::vocab_parallel_cross_entropy`` on the local logits, never gathered.
     A tied embedding / head weight is split the same way for both uses;
   * collectives are ``fxmeg::`` ops on the symbolic group "tp" (bound at run time):
@@ -45,7 +46,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.ops import COLLECTIVES, TP
+from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, val
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
@@ -76,6 +77,11 @@ _LINEARS = {
     aten.mm.default: (0, 1, None, 1),
 }
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
+fxmeg_ops = torch.ops.fxmeg
+# collectives whose backward reduces the gradient over tp ranks: a parameter reaching a split
+# value only through one of them gets the same gradient on every rank (tp_slice does not)
+_SYNCED = {fxmeg_ops.tp_copy.default, fxmeg_ops.tp_reduce.default, fxmeg_ops.sp_gather.default,
+           fxmeg_ops.sp_scatter.default, fxmeg_ops.vocab_parallel_cross_entropy.default}
 
 
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -270,16 +276,22 @@ class _TensorParallel:
         self._check_divides(node, rows, "vocabulary rows of the embedding",
                             f"pad the vocabulary to a multiple of {self.tp} (e.g. {-(-rows // self.tp) * self.tp})")
         self._spec(w, 0, (rows,), node)
+        _, _, padding_idx, by_freq, sparse = full_args(node)[:5]
+        if by_freq or sparse:
+            raise self._unsupported(node, "scale_grad_by_freq or sparse gradients over a split vocabulary "
+                                          "are not implemented")
         with self.g.inserting_before(node):
             both = call(self.g, torch.ops.fxmeg.vocab_shard_ids.default, (ids, rows // self.tp, TP), like=node)
             local = call(self.g, operator.getitem, (both, 0), like=node)
             outside = call(self.g, operator.getitem, (both, 1), like=node)
-        node.args = (w, local, *node.args[2:])
+        node.args = (w, local)  # padding_idx is a global row: it is handled below
         users = list(node.users)
         with self.g.inserting_after(node):
             mask = call(self.g, aten.unsqueeze.default, (outside, -1), like=node)
         with self.g.inserting_after(mask):
             zeroed = call(self.g, aten.masked_fill.Scalar, (node, mask, 0.0), like=node)
+        if padding_idx is not None and padding_idx >= 0:
+            zeroed = self._no_grad_where(zeroed, ids, padding_idx)
         for user in users:
             user.replace_input_with(node, zeroed)
         self.seq_dim = val(ids).dim() - 1
@@ -288,6 +300,19 @@ class _TensorParallel:
         self.place[zeroed] = "partial"
         self._reduce(zeroed, bias=None)
         return None
+
+    def _no_grad_where(self, rows: fx.Node, ids: fx.Node, padding_idx: int) -> fx.Node:
+        """``rows`` whose tokens equal ``padding_idx`` pass no gradient to the weight:
+        the embedding's padding row, in global ids (each rank's local row 0 is another
+        token, so the op's own padding_idx would freeze the wrong rows)."""
+        with self.g.inserting_after(rows):
+            pad = call(self.g, aten.eq.Scalar, (ids, padding_idx), like=rows)
+        with self.g.inserting_after(pad):
+            pad = call(self.g, aten.unsqueeze.default, (pad, -1), like=rows)
+        with self.g.inserting_after(pad):
+            frozen = call(self.g, aten.detach.default, (rows,), like=rows)
+        with self.g.inserting_after(frozen):
+            return call(self.g, aten.where.self, (pad, frozen, rows), like=rows)
 
     def _embedding_role(self, node: fx.Node, rows: int) -> str:
         module = owning_module(node)
@@ -481,7 +506,7 @@ class _TensorParallel:
         todo, seen = list(param.users), set()
         while todo:
             n = todo.pop()
-            if n in seen or n.target in COLLECTIVES:
+            if n in seen or n.target in _SYNCED:
                 continue
             seen.add(n)
             p = self.place.get(n)

@@ -31,6 +31,8 @@ class Scenario:
     opt: str = "adamw"
     options: tuple = field(default=())
     """Extra parallelize() keyword arguments, as (name, value) pairs."""
+    model_args: tuple = field(default=())
+    """Extra model (config) arguments, as (name, value) pairs."""
 
     @property
     def world(self) -> int:
@@ -46,12 +48,15 @@ class Scenario:
 
     @property
     def id(self) -> str:
-        extra = "".join(f"-{k}{v}" for k, v in self.options)
+        extra = "".join(f"-{k}{v}" for k, v in self.options + self.model_args)
         clip = "" if self.clip == 1.0 else f"-clip{self.clip}"
         opt = "" if self.opt == "adamw" else f"-{self.opt}"
         tp = f"tp{self.tp}-" if self.tp > 1 else ""
         return (f"{self.model}-{tp}dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
                 + clip + opt + extra)
+
+    def make_model(self):
+        return make_model(self.model, n_layer=self.layers, **dict(self.model_args))
 
     def batches(self):
         return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
@@ -59,7 +64,7 @@ class Scenario:
     def engine(self):
         batches = self.batches()
         return fxmeg.parallelize(
-            make_model(self.model, n_layer=self.layers), tuple(t[:MBS] for t in batches[0]),
+            self.make_model(), tuple(t[:MBS] for t in batches[0]),
             tp=self.tp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
             optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, **dict(self.options),
         )
@@ -88,7 +93,7 @@ def train(rank: int, sc: Scenario) -> dict:
 def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) -> None:
     """Every rank reports the same step results, equal to single-device training."""
     ref_losses, ref_norms, ref_state = reference(
-        make_model(sc.model, n_layer=sc.layers), sc.batches(), clip=sc.clip, opt=sc.opt
+        sc.make_model(), sc.batches(), clip=sc.clip, opt=sc.opt
     )
     for r in ranks:
         assert [s.loss for s in r["steps"]] == [s.loss for s in ranks[0]["steps"]]

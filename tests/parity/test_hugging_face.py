@@ -1,7 +1,7 @@
 """Unmodified Hugging Face models (built from a config, no download) on real gloo ranks
 vs single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2 x pp=2
 and tp=2 x pp=2 x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2;
-Mistral at pp=2 x tp=2; Mixtral (batched_mm experts) at pp=2 with its router loss."""
+Mistral at pp=2 x tp=2 and, with a pad token on either vocabulary shard, at tp=2; Mixtral (batched_mm experts) at pp=2 with its router loss."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ PARITY = [
     Scenario(f"hf-{kind}", **layout)
     for kind in ("llama", "qwen2")
     for layout in (dict(pp=2), dict(tp=2), dict(dp=2, pp=2), dict(tp=2, pp=2, dp=2))
-] + [Scenario("hf-gpt2", pp=2), Scenario("hf-gpt2", tp=2), Scenario("hf-mistral", pp=2, tp=2)]
+] + [Scenario("hf-gpt2", pp=2), Scenario("hf-gpt2", tp=2), Scenario("hf-mistral", pp=2, tp=2)] + [
+    # a pad token: the embedding's padding_idx row, on either vocabulary shard, gets no gradient
+    Scenario("hf-mistral", tp=2, model_args=(("pad_token_id", pad),)) for pad in (0, 100)
+]
 MIXTRAL = Scenario("hf-mixtral", pp=2)
 
 

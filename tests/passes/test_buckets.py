@@ -124,7 +124,7 @@ class _Shared(nn.Module):
 
 def test_parameter_shared_by_chunks_of_one_rank_has_one_slot():
     ids = torch.randint(0, 16, (2, 4))
-    parent = graph_after(_Shared(), (ids, ids), "buckets", num_chunks=4, pp=2)
+    parent = graph_after(_Shared(), (ids, ids), "buckets", num_chunks=4, pp=2, global_batch_size=4)
     slots = {c: {s.name for lay in buffer_layouts(gm) for s in lay.slots} for c, gm in enumerate(chunks(parent))}
     assert "shared.weight" in slots[0] and "shared.weight" not in slots[2]  # chunks 0, 2: rank 0
     c2 = chunks(parent)[2]
