@@ -1,7 +1,7 @@
 """Spawn real gloo ranks on localhost for a test and collect what each rank returns.
 
 One spawn is expensive here (seconds: every rank imports torch), so a test module runs
-all its scenarios for one world size in one spawn (see ``run_world``) and its tests read
+all its scenarios for one world size in one spawn (``run_worlds``) and its tests read
 the results from a module-scoped fixture.
 """
 
@@ -37,6 +37,12 @@ def run_world(world: int, fn, *args, deadline_s: float = DEADLINE_S) -> list:
                     p.kill()
                 raise TimeoutError(f"{world}-rank run of {fn.__name__} exceeded {deadline_s}s")
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_worlds(fn, scenarios, worlds) -> dict[int, list]:
+    """One spawn per world size in ``worlds``: ``fn(rank, [the scenarios of that world])``
+    (scenarios with a ``world`` attribute); {world size: the per-rank results}."""
+    return {w: run_world(w, fn, [s for s in scenarios if s.world == w]) for w in worlds}
 
 
 def _child(rank: int, world: int, tmp: str, module: str, name: str, args: tuple) -> None:

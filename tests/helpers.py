@@ -4,9 +4,11 @@ single-device reference and the parity assertions of docs/design.md §3.9."""
 from __future__ import annotations
 
 import copy
+import difflib
 
 import torch
 
+from fxmeg.program import chunks
 from fxmeg.runtime.optimizer import param_groups
 from fxmeg.transform import transform
 from models.gpt import GPT, GPTConfig
@@ -57,6 +59,26 @@ def graph_after(model, example, stop_after: str, *, num_chunks: int = 1, pp: int
     options as ``parallelize`` takes them. No process group is needed."""
     pp = pp or num_chunks
     return transform(model, example, stop_after=stop_after, pp=pp, vpp=num_chunks // pp, **options)
+
+
+def graph_diff(before: str, after: str) -> str:
+    """What a pass changed: the unified diff of two graphs' code (``gm.code``), with no
+    file header and no context lines; each hunk opens with a bare ``@@`` (no line
+    numbers, so an edit elsewhere in the graph leaves the other hunks as they were)."""
+    lines = list(difflib.unified_diff(before.strip().splitlines(), after.strip().splitlines(),
+                                      lineterm="", n=0))[2:]  # [2:]: no ---/+++ header
+    return "\n".join("@@" if ln.startswith("@@") else ln for ln in lines)
+
+
+def chunk_boundaries(parent) -> str:
+    """The pipeline's chunk graphs reduced to what the split decides: each chunk's
+    signature, its recv / send / deallocate nodes and its return."""
+    out = []
+    for c, gm in enumerate(chunks(parent)):
+        lines = [ln for ln in gm.code.strip().splitlines()
+                 if ln.startswith("def ") or "fxmeg_ops_" in ln or "return" in ln]
+        out.append(f"# chunk {c}\n" + "\n".join(lines))
+    return "\n\n".join(out)
 
 
 def model_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,3 +1,6 @@
+"""Capture: the one full snapshot of each model's graph (pass tests snapshot only what
+their pass changes, tests.helpers.graph_diff), names, ownership and refusals."""
+
 import pytest
 import torch
 from expecttest import TestCase

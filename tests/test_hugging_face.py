@@ -10,8 +10,7 @@ import fxmeg
 from fxmeg.capture import capture
 from fxmeg.errors import CaptureError
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import graph_after, hf_model
-from tests.passes.test_pipeline import _code
+from tests.helpers import chunk_boundaries, graph_after, hf_model
 
 
 def _batch():
@@ -28,7 +27,7 @@ class LlamaPipeline(TestCase):
         assert [(b.dtype, b.grad) for b in spec.send] == [
             (torch.bool, False), (torch.float32, False), (torch.float32, False), (torch.float32, True)]
         assert spec.deallocate == (False, False, False, True)
-        self.assertExpectedInline(_code(parent, boundaries_only=True), """\
+        self.assertExpectedInline(chunk_boundaries(parent), """\
 # chunk 0
 def forward(self, input_ids):
     send_expand_2 = fxmeg_ops_send(expand_2, dst_chunk = 1, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None

@@ -90,6 +90,11 @@ def train(rank: int, sc: Scenario) -> dict:
     )
 
 
+def train_each(rank: int, scenarios: list[Scenario]) -> dict:
+    """Every scenario of one spawn on this rank, by id (``run_worlds``' usual ``fn``)."""
+    return {sc.id: train(rank, sc) for sc in scenarios}
+
+
 def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) -> None:
     """Every rank reports the same step results, equal to single-device training."""
     ref_losses, ref_norms, ref_state = reference(

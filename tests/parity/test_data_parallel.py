@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_world
+from tests.distributed import run_worlds
 from tests.helpers import assert_overlapped
-from tests.parity.scenarios import MBS, Scenario, check_parity, train
+from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 SMALL_BUCKETS = (("bucket_size", 3000),)
 PARITY = [
@@ -26,13 +26,9 @@ PARITY = [
 ]
 
 
-def run(rank: int, scenarios: list[Scenario]) -> dict:
-    return {sc.id: train(rank, sc) for sc in scenarios}
-
-
 @pytest.fixture(scope="module")
 def results():
-    return {w: run_world(w, run, [s for s in PARITY if s.world == w]) for w in (2, 4)}
+    return run_worlds(train_each, PARITY, (2, 4))
 
 
 def test_ranks_see_different_token_counts():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fxmeg.runtime.optimizer import param_groups
-from tests.distributed import run_world
+from tests.distributed import run_worlds
 from tests.helpers import assert_losses_close, assert_weights_close, make_model, optimizer
-from tests.parity.scenarios import MBS, Scenario, check_parity, train
+from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 PARITY = [
     Scenario(f"hf-{kind}", **layout)
@@ -26,14 +26,9 @@ PARITY = [
 MIXTRAL = Scenario("hf-mixtral", pp=2)
 
 
-def run(rank: int, scenarios: list[Scenario]) -> dict:
-    return {sc.id: train(rank, sc) for sc in scenarios}
-
-
 @pytest.fixture(scope="module")
 def results():
-    every = PARITY + [MIXTRAL]
-    return {w: run_world(w, run, [s for s in every if s.world == w]) for w in (2, 4, 8)}
+    return run_worlds(train_each, PARITY + [MIXTRAL], (2, 4, 8))
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)

@@ -9,9 +9,9 @@ import torch
 import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
-from tests.distributed import run_world
+from tests.distributed import run_worlds
 from tests.helpers import make_batch, make_model, reference
-from tests.parity.scenarios import STEPS, Scenario, check_parity, train
+from tests.parity.scenarios import STEPS, Scenario, check_parity, train_each
 
 DISTOPT = (("distributed_optimizer", True),)
 PARITY = [
@@ -72,7 +72,7 @@ def _snapshot(engine) -> tuple:
 
 
 def run(rank: int, scenarios: list[Scenario]) -> dict:
-    out = {sc.id: train(rank, sc) for sc in scenarios}
+    out = train_each(rank, scenarios)
     if torch.distributed.get_world_size() == 2:
         out["overflow"] = overflow(rank)
     return out
@@ -80,7 +80,7 @@ def run(rank: int, scenarios: list[Scenario]) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return {w: run_world(w, run, [s for s in SCENARIOS if s.world == w]) for w in (2, 4)}
+    return run_worlds(run, SCENARIOS, (2, 4))
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)

@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
-from tests.distributed import run_world
+from tests.distributed import run_worlds
 from tests.helpers import assert_bitwise, make_batch, make_model, optimizer
 from fxmeg.report import SavedBytes
-from tests.parity.scenarios import MBS, Scenario, check_parity, train
+from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),
            (4, 2, "interleaved", 8), (2, 1, "1f1b", 3)]
@@ -62,20 +62,16 @@ def stage_activations() -> dict:
 
 
 def run(rank: int, scenarios: list[Scenario]) -> dict:
-    out = {sc.id: train(rank, sc) for sc in scenarios}
+    out = train_each(rank, scenarios)
     if dist.get_world_size() == 2:
         out["refused"] = refuse_bad_configs()
         out["activations"] = stage_activations()
     return out
 
 
-def _world(pp: int) -> list[dict]:
-    return run_world(pp, run, [s for s in SCENARIOS if s.pp == pp])
-
-
 @pytest.fixture(scope="module")
 def results():
-    return {pp: _world(pp) for pp in (2, 4)}
+    return run_worlds(run, SCENARIOS, (2, 4))  # world size = pp: keyed by pp
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)

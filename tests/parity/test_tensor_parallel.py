@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.distributed import run_worlds
 from tests.helpers import make_model
-from tests.parity.scenarios import Scenario, check_parity, train
+from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
 PARITY = [Scenario(m, tp=2) for m in MODELS] + [
@@ -46,7 +46,7 @@ def compiled_collectives(rank: int) -> dict:
 
 
 def run(rank: int, scenarios: list[Scenario]) -> dict:
-    out = {sc.id: train(rank, sc) for sc in scenarios}
+    out = train_each(rank, scenarios)
     if dist.get_world_size() == 2:
         out["compile"] = compiled_collectives(rank)
     return out
@@ -54,7 +54,7 @@ def run(rank: int, scenarios: list[Scenario]) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return {w: run_world(w, run, [s for s in PARITY if s.world == w]) for w in (2, 4, 8)}
+    return run_worlds(run, PARITY, (2, 4, 8))
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)

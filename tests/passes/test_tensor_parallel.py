@@ -1,6 +1,6 @@
-"""The tensor-parallel pass on one process: the graph of tp=2 (the same on every rank:
-collectives name the symbolic group "tp" and rank-dependent work happens inside ops, so
-no process group is needed), shard tags, the runtime's materialised shards, errors."""
+"""The tensor-parallel pass on one process: what tp=2 changes in the graph (the same on
+every rank: collectives name the symbolic group "tp" and rank-dependent work happens inside
+ops, so no process group is needed), shard tags, the runtime's materialised shards, errors."""
 
 import pytest
 import torch
@@ -11,189 +11,146 @@ from fxmeg.errors import PassError
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
 from fxmeg.transform import transform
-from tests.helpers import graph_after, make_batch, make_model
+from tests.helpers import graph_after, graph_diff, make_batch, make_model
 
 
-def _tp(model, tp=2, **kw):
+def _tp(model, tp=2, stop_after="tensor_parallel", **kw):
     ids, labels = make_batch(2, seed=0, vocab=model.cfg.vocab_size if hasattr(model, "cfg") else 128)
-    return graph_after(model, (ids, labels), "tensor_parallel", tp=tp, **kw)
+    return graph_after(model, (ids, labels), stop_after, tp=tp, **kw)
 
 
 def _tags(gm) -> dict:
     return {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
 
 
+def _tp_diff(name: str) -> str:
+    """What the tensor-parallel pass (tp=2) changes in the graph it receives."""
+    model = make_model(name, n_layer=1)
+    return graph_diff(_tp(model, stop_after="analyse").code, _tp(model).code)
+
+
 class ShardedGraphs(TestCase):
     def test_gpt_tp2(self):
-        self.assertExpectedInline(_tp(make_model("gpt", n_layer=1)).code.strip(), """\
-def forward(self, input_ids, labels):
-    wte_weight = self.wte.weight
-    wpe_weight = self.wpe.weight
-    layers_0_ln_1_weight = getattr(self.layers, "0").ln_1.weight
-    layers_0_ln_1_bias = getattr(self.layers, "0").ln_1.bias
-    layers_0_attn_qkv_weight = getattr(self.layers, "0").attn.qkv.weight
-    layers_0_attn_proj_weight = getattr(self.layers, "0").attn.proj.weight
-    layers_0_attn_proj_bias = getattr(self.layers, "0").attn.proj.bias
-    layers_0_ln_2_weight = getattr(self.layers, "0").ln_2.weight
-    layers_0_ln_2_bias = getattr(self.layers, "0").ln_2.bias
-    layers_0_mlp_fc_weight = getattr(self.layers, "0").mlp.fc.weight
-    layers_0_mlp_fc_bias = getattr(self.layers, "0").mlp.fc.bias
-    layers_0_mlp_proj_weight = getattr(self.layers, "0").mlp.proj.weight
-    layers_0_mlp_proj_bias = getattr(self.layers, "0").mlp.proj.bias
-    ln_f_weight = self.ln_f.weight
-    ln_f_bias = self.ln_f.bias
-    arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
-    getitem_3 = vocab_shard_ids_default[0]
-    getitem_4 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
-    embedding = torch.ops.aten.embedding.default(wte_weight, getitem_3);  getitem_3 = None
-    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_4, -1);  getitem_4 = None
-    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
-    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
-    embedding_1 = torch.ops.aten.embedding.default(wpe_weight, arange);  wpe_weight = arange = None
-    add = torch.ops.aten.add.Tensor(tp_reduce_default, embedding_1);  tp_reduce_default = embedding_1 = None
-    layer_norm = torch.ops.aten.layer_norm.default(add, [32], layers_0_ln_1_weight, layers_0_ln_1_bias, 1e-05, False);  layers_0_ln_1_weight = layers_0_ln_1_bias = None
-    tp_copy_default = torch.ops.fxmeg.tp_copy.default(layer_norm, 'tp');  layer_norm = None
-    linear = torch.ops.aten.linear.default(tp_copy_default, layers_0_attn_qkv_weight);  tp_copy_default = layers_0_attn_qkv_weight = None
-    split = torch.ops.aten.split.Tensor(linear, 16, 2);  linear = None
-    getitem = split[0]
-    getitem_1 = split[1]
-    getitem_2 = split[2];  split = None
-    view = torch.ops.aten.view.default(getitem, [2, 16, 2, 8]);  getitem = None
-    transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
-    view_1 = torch.ops.aten.view.default(getitem_1, [2, 16, 2, 8]);  getitem_1 = None
-    transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-    view_2 = torch.ops.aten.view.default(getitem_2, [2, 16, 2, 8]);  getitem_2 = None
-    transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
-    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, None, 0.0, True);  transpose = transpose_1 = transpose_2 = None
-    transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 16]);  transpose_3 = None
-    linear_1 = torch.ops.aten.linear.default(reshape, layers_0_attn_proj_weight);  reshape = layers_0_attn_proj_weight = None
-    tp_reduce_default_1 = torch.ops.fxmeg.tp_reduce.default(linear_1, 'tp');  linear_1 = None
-    add_tensor = torch.ops.aten.add.Tensor(tp_reduce_default_1, layers_0_attn_proj_bias);  tp_reduce_default_1 = layers_0_attn_proj_bias = None
-    add_1 = torch.ops.aten.add.Tensor(add, add_tensor);  add = add_tensor = None
-    layer_norm_1 = torch.ops.aten.layer_norm.default(add_1, [32], layers_0_ln_2_weight, layers_0_ln_2_bias, 1e-05, False);  layers_0_ln_2_weight = layers_0_ln_2_bias = None
-    tp_copy_default_1 = torch.ops.fxmeg.tp_copy.default(layer_norm_1, 'tp');  layer_norm_1 = None
-    linear_2 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_fc_weight, layers_0_mlp_fc_bias);  tp_copy_default_1 = layers_0_mlp_fc_weight = layers_0_mlp_fc_bias = None
-    gelu = torch.ops.aten.gelu.default(linear_2);  linear_2 = None
-    linear_3 = torch.ops.aten.linear.default(gelu, layers_0_mlp_proj_weight);  gelu = layers_0_mlp_proj_weight = None
-    tp_reduce_default_2 = torch.ops.fxmeg.tp_reduce.default(linear_3, 'tp');  linear_3 = None
-    add_tensor_1 = torch.ops.aten.add.Tensor(tp_reduce_default_2, layers_0_mlp_proj_bias);  tp_reduce_default_2 = layers_0_mlp_proj_bias = None
-    add_2 = torch.ops.aten.add.Tensor(add_1, add_tensor_1);  add_1 = add_tensor_1 = None
-    layer_norm_2 = torch.ops.aten.layer_norm.default(add_2, [32], ln_f_weight, ln_f_bias, 1e-05, False);  add_2 = ln_f_weight = ln_f_bias = None
-    tp_copy_default_2 = torch.ops.fxmeg.tp_copy.default(layer_norm_2, 'tp');  layer_norm_2 = None
-    linear_4 = torch.ops.aten.linear.default(tp_copy_default_2, wte_weight);  tp_copy_default_2 = wte_weight = None
-    flatten = torch.ops.aten.flatten.using_ints(linear_4, 0, 1);  linear_4 = None
-    flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
-    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
-    getitem_5 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
-    sum_default = torch.ops.aten.sum.default(getitem_5);  getitem_5 = None
-    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
-    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-    return (sum_default, num_tokens)""")
+        self.assertExpectedInline(_tp_diff("gpt"), """\
+@@
+-    embedding = torch.ops.aten.embedding.default(wte_weight, input_ids);  input_ids = None
++    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
++    getitem_3 = vocab_shard_ids_default[0]
++    getitem_4 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
++    embedding = torch.ops.aten.embedding.default(wte_weight, getitem_3);  getitem_3 = None
++    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_4, -1);  getitem_4 = None
++    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
++    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
+@@
+-    add = torch.ops.aten.add.Tensor(embedding, embedding_1);  embedding = embedding_1 = None
++    add = torch.ops.aten.add.Tensor(tp_reduce_default, embedding_1);  tp_reduce_default = embedding_1 = None
+@@
+-    linear = torch.ops.aten.linear.default(layer_norm, layers_0_attn_qkv_weight);  layer_norm = layers_0_attn_qkv_weight = None
+-    split = torch.ops.aten.split.Tensor(linear, 32, 2);  linear = None
++    tp_copy_default = torch.ops.fxmeg.tp_copy.default(layer_norm, 'tp');  layer_norm = None
++    linear = torch.ops.aten.linear.default(tp_copy_default, layers_0_attn_qkv_weight);  tp_copy_default = layers_0_attn_qkv_weight = None
++    split = torch.ops.aten.split.Tensor(linear, 16, 2);  linear = None
+@@
+-    view = torch.ops.aten.view.default(getitem, [2, 16, 4, 8]);  getitem = None
++    view = torch.ops.aten.view.default(getitem, [2, 16, 2, 8]);  getitem = None
+@@
+-    view_1 = torch.ops.aten.view.default(getitem_1, [2, 16, 4, 8]);  getitem_1 = None
++    view_1 = torch.ops.aten.view.default(getitem_1, [2, 16, 2, 8]);  getitem_1 = None
+@@
+-    view_2 = torch.ops.aten.view.default(getitem_2, [2, 16, 4, 8]);  getitem_2 = None
++    view_2 = torch.ops.aten.view.default(getitem_2, [2, 16, 2, 8]);  getitem_2 = None
+@@
+-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
+-    linear_1 = torch.ops.aten.linear.default(reshape, layers_0_attn_proj_weight, layers_0_attn_proj_bias);  reshape = layers_0_attn_proj_weight = layers_0_attn_proj_bias = None
+-    add_1 = torch.ops.aten.add.Tensor(add, linear_1);  add = linear_1 = None
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 16]);  transpose_3 = None
++    linear_1 = torch.ops.aten.linear.default(reshape, layers_0_attn_proj_weight);  reshape = layers_0_attn_proj_weight = None
++    tp_reduce_default_1 = torch.ops.fxmeg.tp_reduce.default(linear_1, 'tp');  linear_1 = None
++    add_tensor = torch.ops.aten.add.Tensor(tp_reduce_default_1, layers_0_attn_proj_bias);  tp_reduce_default_1 = layers_0_attn_proj_bias = None
++    add_1 = torch.ops.aten.add.Tensor(add, add_tensor);  add = add_tensor = None
+@@
+-    linear_2 = torch.ops.aten.linear.default(layer_norm_1, layers_0_mlp_fc_weight, layers_0_mlp_fc_bias);  layer_norm_1 = layers_0_mlp_fc_weight = layers_0_mlp_fc_bias = None
++    tp_copy_default_1 = torch.ops.fxmeg.tp_copy.default(layer_norm_1, 'tp');  layer_norm_1 = None
++    linear_2 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_fc_weight, layers_0_mlp_fc_bias);  tp_copy_default_1 = layers_0_mlp_fc_weight = layers_0_mlp_fc_bias = None
+@@
+-    linear_3 = torch.ops.aten.linear.default(gelu, layers_0_mlp_proj_weight, layers_0_mlp_proj_bias);  gelu = layers_0_mlp_proj_weight = layers_0_mlp_proj_bias = None
+-    add_2 = torch.ops.aten.add.Tensor(add_1, linear_3);  add_1 = linear_3 = None
++    linear_3 = torch.ops.aten.linear.default(gelu, layers_0_mlp_proj_weight);  gelu = layers_0_mlp_proj_weight = None
++    tp_reduce_default_2 = torch.ops.fxmeg.tp_reduce.default(linear_3, 'tp');  linear_3 = None
++    add_tensor_1 = torch.ops.aten.add.Tensor(tp_reduce_default_2, layers_0_mlp_proj_bias);  tp_reduce_default_2 = layers_0_mlp_proj_bias = None
++    add_2 = torch.ops.aten.add.Tensor(add_1, add_tensor_1);  add_1 = add_tensor_1 = None
+@@
+-    linear_4 = torch.ops.aten.linear.default(layer_norm_2, wte_weight);  layer_norm_2 = wte_weight = None
++    tp_copy_default_2 = torch.ops.fxmeg.tp_copy.default(layer_norm_2, 'tp');  layer_norm_2 = None
++    linear_4 = torch.ops.aten.linear.default(tp_copy_default_2, wte_weight);  tp_copy_default_2 = wte_weight = None
+@@
+-    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
++    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
++    getitem_5 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
++    sum_default = torch.ops.aten.sum.default(getitem_5);  getitem_5 = None
+@@
+-    return (cross_entropy_loss, num_tokens)
++    return (sum_default, num_tokens)""")
 
     def test_llama_tp2(self):
-        self.assertExpectedInline(_tp(make_model("llama", n_layer=1)).code.strip(), """\
-def forward(self, input_ids, labels):
-    embed_tokens_weight = self.embed_tokens.weight
-    layers_0_input_layernorm_weight = getattr(self.layers, "0").input_layernorm.weight
-    layers_0_self_attn_q_proj_weight = getattr(self.layers, "0").self_attn.q_proj.weight
-    layers_0_self_attn_k_proj_weight = getattr(self.layers, "0").self_attn.k_proj.weight
-    layers_0_self_attn_v_proj_weight = getattr(self.layers, "0").self_attn.v_proj.weight
-    layers_0_self_attn_o_proj_weight = getattr(self.layers, "0").self_attn.o_proj.weight
-    layers_0_post_attention_layernorm_weight = getattr(self.layers, "0").post_attention_layernorm.weight
-    layers_0_mlp_gate_proj_weight = getattr(self.layers, "0").mlp.gate_proj.weight
-    layers_0_mlp_up_proj_weight = getattr(self.layers, "0").mlp.up_proj.weight
-    layers_0_mlp_down_proj_weight = getattr(self.layers, "0").mlp.down_proj.weight
-    norm_weight = self.norm.weight
-    lm_head_weight = self.lm_head.weight
-    rope_cos = self.rope_cos
-    rope_sin = self.rope_sin
-    slice_1 = torch.ops.aten.slice.Tensor(rope_cos, 0, 0, 16);  rope_cos = None
-    slice_2 = torch.ops.aten.slice.Tensor(rope_sin, 0, 0, 16);  rope_sin = None
-    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
-    getitem_4 = vocab_shard_ids_default[0]
-    getitem_5 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
-    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, getitem_4);  embed_tokens_weight = getitem_4 = None
-    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_5, -1);  getitem_5 = None
-    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
-    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
-    to = torch.ops.aten.to.dtype(tp_reduce_default, torch.float32);  tp_reduce_default = None
-    pow_1 = torch.ops.aten.pow.Tensor_Scalar(to, 2)
-    mean = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
-    add = torch.ops.aten.add.Tensor(mean, 1e-05);  mean = None
-    rsqrt = torch.ops.aten.rsqrt.default(add);  add = None
-    mul = torch.ops.aten.mul.Tensor(to, rsqrt);  rsqrt = None
-    to_1 = torch.ops.aten.to.dtype(mul, torch.float32);  mul = None
-    mul_1 = torch.ops.aten.mul.Tensor(layers_0_input_layernorm_weight, to_1);  layers_0_input_layernorm_weight = to_1 = None
-    tp_copy_default = torch.ops.fxmeg.tp_copy.default(mul_1, 'tp');  mul_1 = None
-    linear = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_q_proj_weight);  layers_0_self_attn_q_proj_weight = None
-    view = torch.ops.aten.view.default(linear, [2, 16, 2, 8]);  linear = None
-    transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
-    linear_1 = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_k_proj_weight);  layers_0_self_attn_k_proj_weight = None
-    view_1 = torch.ops.aten.view.default(linear_1, [2, 16, 1, 8]);  linear_1 = None
-    transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-    linear_2 = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_v_proj_weight);  tp_copy_default = layers_0_self_attn_v_proj_weight = None
-    view_2 = torch.ops.aten.view.default(linear_2, [2, 16, 1, 8]);  linear_2 = None
-    transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
-    mul_2 = torch.ops.aten.mul.Tensor(transpose, slice_1)
-    chunk = torch.ops.aten.chunk.default(transpose, 2, -1);  transpose = None
-    getitem = chunk[0]
-    getitem_1 = chunk[1];  chunk = None
-    neg = torch.ops.aten.neg.default(getitem_1);  getitem_1 = None
-    cat = torch.ops.aten.cat.default([neg, getitem], -1);  neg = getitem = None
-    mul_3 = torch.ops.aten.mul.Tensor(cat, slice_2);  cat = None
-    add_1 = torch.ops.aten.add.Tensor(mul_2, mul_3);  mul_2 = mul_3 = None
-    mul_4 = torch.ops.aten.mul.Tensor(transpose_1, slice_1);  slice_1 = None
-    chunk_1 = torch.ops.aten.chunk.default(transpose_1, 2, -1);  transpose_1 = None
-    getitem_2 = chunk_1[0]
-    getitem_3 = chunk_1[1];  chunk_1 = None
-    neg_1 = torch.ops.aten.neg.default(getitem_3);  getitem_3 = None
-    cat_1 = torch.ops.aten.cat.default([neg_1, getitem_2], -1);  neg_1 = getitem_2 = None
-    mul_5 = torch.ops.aten.mul.Tensor(cat_1, slice_2);  cat_1 = slice_2 = None
-    add_2 = torch.ops.aten.add.Tensor(mul_4, mul_5);  mul_4 = mul_5 = None
-    repeat_interleave = torch.ops.aten.repeat_interleave.self_int(add_2, 2, 1);  add_2 = None
-    repeat_interleave_1 = torch.ops.aten.repeat_interleave.self_int(transpose_2, 2, 1);  transpose_2 = None
-    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_1, repeat_interleave, repeat_interleave_1, None, 0.0, True);  add_1 = repeat_interleave = repeat_interleave_1 = None
-    transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 16]);  transpose_3 = None
-    linear_3 = torch.ops.aten.linear.default(reshape, layers_0_self_attn_o_proj_weight);  reshape = layers_0_self_attn_o_proj_weight = None
-    tp_reduce_default_1 = torch.ops.fxmeg.tp_reduce.default(linear_3, 'tp');  linear_3 = None
-    add_3 = torch.ops.aten.add.Tensor(to, tp_reduce_default_1);  to = tp_reduce_default_1 = None
-    to_2 = torch.ops.aten.to.dtype(add_3, torch.float32);  add_3 = None
-    pow_2 = torch.ops.aten.pow.Tensor_Scalar(to_2, 2)
-    mean_1 = torch.ops.aten.mean.dim(pow_2, [-1], True);  pow_2 = None
-    add_4 = torch.ops.aten.add.Tensor(mean_1, 1e-05);  mean_1 = None
-    rsqrt_1 = torch.ops.aten.rsqrt.default(add_4);  add_4 = None
-    mul_6 = torch.ops.aten.mul.Tensor(to_2, rsqrt_1);  rsqrt_1 = None
-    to_3 = torch.ops.aten.to.dtype(mul_6, torch.float32);  mul_6 = None
-    mul_7 = torch.ops.aten.mul.Tensor(layers_0_post_attention_layernorm_weight, to_3);  layers_0_post_attention_layernorm_weight = to_3 = None
-    tp_copy_default_1 = torch.ops.fxmeg.tp_copy.default(mul_7, 'tp');  mul_7 = None
-    linear_4 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_gate_proj_weight);  layers_0_mlp_gate_proj_weight = None
-    silu = torch.ops.aten.silu.default(linear_4);  linear_4 = None
-    linear_5 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_up_proj_weight);  tp_copy_default_1 = layers_0_mlp_up_proj_weight = None
-    mul_8 = torch.ops.aten.mul.Tensor(silu, linear_5);  silu = linear_5 = None
-    linear_6 = torch.ops.aten.linear.default(mul_8, layers_0_mlp_down_proj_weight);  mul_8 = layers_0_mlp_down_proj_weight = None
-    tp_reduce_default_2 = torch.ops.fxmeg.tp_reduce.default(linear_6, 'tp');  linear_6 = None
-    add_5 = torch.ops.aten.add.Tensor(to_2, tp_reduce_default_2);  to_2 = tp_reduce_default_2 = None
-    to_4 = torch.ops.aten.to.dtype(add_5, torch.float32);  add_5 = None
-    pow_3 = torch.ops.aten.pow.Tensor_Scalar(to_4, 2)
-    mean_2 = torch.ops.aten.mean.dim(pow_3, [-1], True);  pow_3 = None
-    add_6 = torch.ops.aten.add.Tensor(mean_2, 1e-05);  mean_2 = None
-    rsqrt_2 = torch.ops.aten.rsqrt.default(add_6);  add_6 = None
-    mul_9 = torch.ops.aten.mul.Tensor(to_4, rsqrt_2);  to_4 = rsqrt_2 = None
-    to_5 = torch.ops.aten.to.dtype(mul_9, torch.float32);  mul_9 = None
-    mul_10 = torch.ops.aten.mul.Tensor(norm_weight, to_5);  norm_weight = to_5 = None
-    tp_copy_default_2 = torch.ops.fxmeg.tp_copy.default(mul_10, 'tp');  mul_10 = None
-    linear_7 = torch.ops.aten.linear.default(tp_copy_default_2, lm_head_weight);  tp_copy_default_2 = lm_head_weight = None
-    flatten = torch.ops.aten.flatten.using_ints(linear_7, 0, 1);  linear_7 = None
-    flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
-    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
-    getitem_6 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
-    sum_default = torch.ops.aten.sum.default(getitem_6);  getitem_6 = None
-    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
-    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-    return (sum_default, num_tokens)""")
+        self.assertExpectedInline(_tp_diff("llama"), """\
+@@
+-    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, input_ids);  embed_tokens_weight = input_ids = None
+-    to = torch.ops.aten.to.dtype(embedding, torch.float32);  embedding = None
++    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
++    getitem_4 = vocab_shard_ids_default[0]
++    getitem_5 = vocab_shard_ids_default[1];  vocab_shard_ids_default = None
++    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, getitem_4);  embed_tokens_weight = getitem_4 = None
++    unsqueeze_default = torch.ops.aten.unsqueeze.default(getitem_5, -1);  getitem_5 = None
++    masked_fill_scalar = torch.ops.aten.masked_fill.Scalar(embedding, unsqueeze_default, 0.0);  embedding = unsqueeze_default = None
++    tp_reduce_default = torch.ops.fxmeg.tp_reduce.default(masked_fill_scalar, 'tp');  masked_fill_scalar = None
++    to = torch.ops.aten.to.dtype(tp_reduce_default, torch.float32);  tp_reduce_default = None
+@@
+-    linear = torch.ops.aten.linear.default(mul_1, layers_0_self_attn_q_proj_weight);  layers_0_self_attn_q_proj_weight = None
+-    view = torch.ops.aten.view.default(linear, [2, 16, 4, 8]);  linear = None
++    tp_copy_default = torch.ops.fxmeg.tp_copy.default(mul_1, 'tp');  mul_1 = None
++    linear = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_q_proj_weight);  layers_0_self_attn_q_proj_weight = None
++    view = torch.ops.aten.view.default(linear, [2, 16, 2, 8]);  linear = None
+@@
+-    linear_1 = torch.ops.aten.linear.default(mul_1, layers_0_self_attn_k_proj_weight);  layers_0_self_attn_k_proj_weight = None
+-    view_1 = torch.ops.aten.view.default(linear_1, [2, 16, 2, 8]);  linear_1 = None
++    linear_1 = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_k_proj_weight);  layers_0_self_attn_k_proj_weight = None
++    view_1 = torch.ops.aten.view.default(linear_1, [2, 16, 1, 8]);  linear_1 = None
+@@
+-    linear_2 = torch.ops.aten.linear.default(mul_1, layers_0_self_attn_v_proj_weight);  mul_1 = layers_0_self_attn_v_proj_weight = None
+-    view_2 = torch.ops.aten.view.default(linear_2, [2, 16, 2, 8]);  linear_2 = None
++    linear_2 = torch.ops.aten.linear.default(tp_copy_default, layers_0_self_attn_v_proj_weight);  tp_copy_default = layers_0_self_attn_v_proj_weight = None
++    view_2 = torch.ops.aten.view.default(linear_2, [2, 16, 1, 8]);  linear_2 = None
+@@
+-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 16]);  transpose_3 = None
+@@
+-    add_3 = torch.ops.aten.add.Tensor(to, linear_3);  to = linear_3 = None
++    tp_reduce_default_1 = torch.ops.fxmeg.tp_reduce.default(linear_3, 'tp');  linear_3 = None
++    add_3 = torch.ops.aten.add.Tensor(to, tp_reduce_default_1);  to = tp_reduce_default_1 = None
+@@
+-    linear_4 = torch.ops.aten.linear.default(mul_7, layers_0_mlp_gate_proj_weight);  layers_0_mlp_gate_proj_weight = None
++    tp_copy_default_1 = torch.ops.fxmeg.tp_copy.default(mul_7, 'tp');  mul_7 = None
++    linear_4 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_gate_proj_weight);  layers_0_mlp_gate_proj_weight = None
+@@
+-    linear_5 = torch.ops.aten.linear.default(mul_7, layers_0_mlp_up_proj_weight);  mul_7 = layers_0_mlp_up_proj_weight = None
++    linear_5 = torch.ops.aten.linear.default(tp_copy_default_1, layers_0_mlp_up_proj_weight);  tp_copy_default_1 = layers_0_mlp_up_proj_weight = None
+@@
+-    add_5 = torch.ops.aten.add.Tensor(to_2, linear_6);  to_2 = linear_6 = None
++    tp_reduce_default_2 = torch.ops.fxmeg.tp_reduce.default(linear_6, 'tp');  linear_6 = None
++    add_5 = torch.ops.aten.add.Tensor(to_2, tp_reduce_default_2);  to_2 = tp_reduce_default_2 = None
+@@
+-    linear_7 = torch.ops.aten.linear.default(mul_10, lm_head_weight);  mul_10 = lm_head_weight = None
++    tp_copy_default_2 = torch.ops.fxmeg.tp_copy.default(mul_10, 'tp');  mul_10 = None
++    linear_7 = torch.ops.aten.linear.default(tp_copy_default_2, lm_head_weight);  tp_copy_default_2 = lm_head_weight = None
+@@
+-    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
++    vocab_parallel_cross_entropy_default = torch.ops.fxmeg.vocab_parallel_cross_entropy.default(flatten, flatten_1, -100, 'tp');  flatten = None
++    getitem_6 = vocab_parallel_cross_entropy_default[0];  vocab_parallel_cross_entropy_default = None
++    sum_default = torch.ops.aten.sum.default(getitem_6);  getitem_6 = None
+@@
+-    return (cross_entropy_loss, num_tokens)
++    return (sum_default, num_tokens)""")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
