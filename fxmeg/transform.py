@@ -9,6 +9,9 @@ parent graph and iterate its chunks themselves.
     FXMEG_DUMP_GRAPHS=DIR   write DIR/NN_<pass>.py, the code of the graph after each pass
     FXMEG_VERIFY=1          check each pass's Ensures after it runs (fxmeg.passes.verify;
                             the tests set it)
+
+The ``fxmeg.transform`` logger reports each step at INFO; its records carry ``step``,
+``seconds`` and ``nodes`` (bench/capture.py reads them).
 """
 
 from __future__ import annotations
@@ -157,7 +160,9 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
 def _report(name: str, gm: fx.GraphModule, start: float, index: int = -1) -> None:
     graphs = [(n, m) for n, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
     nodes = sum(len(g.graph.nodes) for _, g in graphs)
-    log.info("%-16s %7.3f s  %6d nodes", name, time.perf_counter() - start, nodes)
+    seconds = time.perf_counter() - start
+    record = {"step": name, "seconds": seconds, "nodes": nodes}
+    log.info("%-16s %7.3f s  %6d nodes", name, seconds, nodes, extra=record)
     out = os.environ.get("FXMEG_DUMP_GRAPHS")
     if out:
         os.makedirs(out, exist_ok=True)
