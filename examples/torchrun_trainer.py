@@ -19,8 +19,8 @@ from models.llama import Llama, LlamaConfig  # noqa: E402
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = Llama(LlamaConfig(vocab_size=384, seq_len=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128))
-config = TrainConfig(data="runs/topics", seq_len=64, micro_batch_size=4, global_batch_size=32,
-                     train_iters=40, tp=2, pp=2, lr=3e-3, lr_warmup_samples=128, eval_interval=20,
-                     eval_iters=4, log_interval=5, run_dir="runs/llama")
+config = TrainConfig.from_flat(data="runs/topics", seq_len=64, micro_batch_size=4, global_batch_size=32,
+                               train_iters=40, tp=2, pp=2, lr=3e-3, lr_warmup_samples=128, eval_interval=20,
+                               eval_iters=4, log_interval=5, run_dir="runs/llama")
 Trainer(config, model=model).run()
 dist.destroy_process_group()

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.capture import LossFn
-from fxmeg.config import EngineConfig, make_config
+from fxmeg.config import EngineConfig, batch_dim, make_config
+from fxmeg.errors import ConfigError
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
 from fxmeg.runtime.batches import Batch, needs_data
@@ -32,6 +33,7 @@ def parallelize(
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
+    config: EngineConfig | None = None,
     **options,
 ) -> Engine:
     """Capture ``model`` on one example micro-batch and return an engine that trains it
@@ -44,13 +46,23 @@ def parallelize(
     of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points, sequence_parallel,
     tp_plan) and ``EngineConfig`` (micro_batch_size, global_batch_size, precision,
     clip_grad, distributed_optimizer, ...), checked before any process-group work.
+    Or pass a whole ``config`` (an EngineConfig) instead of options: it is resolved
+    against the world size (``EngineConfig.resolve``: dp=None becomes world // (tp * pp))
+    and used as is.
 
     With ``precision`` "bf16" or "fp16" the model's parameters and floating buffers are
     cast in place (as Megatron's Float16Module), so pass the model in fp32: the fp32
     masters start from those values.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    config = make_config(example_inputs, world=world, **options)
+    if config is None:
+        config = make_config(example_inputs, world=world, **options)
+    elif options:
+        raise ConfigError(f"pass either config= or options, not both; got config and "
+                          f"{sorted(options)}: set them in the EngineConfig (dataclasses.replace)")
+    else:
+        batch_dim(example_inputs, config.micro_batch_size)
+        config = config.resolve(world)
     program = transform(model, example_inputs, config, loss_fn=loss_fn)
     return Engine(program, build_context(program, optimizer=optimizer))
 

@@ -15,12 +15,9 @@ tp * pp * max(dp, 1)) unless it already runs under torchrun.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import uuid
-
-from fxmeg.errors import ConfigError, closest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,35 +90,34 @@ def _prepare(args) -> int:
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:
-    from fxmeg.trainer import TrainConfig
+    """One flag per flat name of TrainConfig (its own fields, then EngineConfig's and
+    ParallelConfig's scalar fields), its help the field's docstring."""
+    from fxmeg.config import EngineConfig, ParallelConfig
+    from fxmeg.trainer import TrainConfig, flat_defaults, flat_fields
 
-    docs = _field_docs(TrainConfig)
+    docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
+    defaults = flat_defaults()
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * pp * max(dp, 1))")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
+    for name, (cls, kind) in flat_fields().items():
+        flag, doc = "--" + name.replace("_", "-"), docs[cls].get(name, "")
         if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=docs.get(f.name))
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
         else:
-            p.add_argument(flag, type=kind, default=None, help=f"{docs.get(f.name, '')} (default {f.default!r})")
+            p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {defaults[name]!r})")
 
 
 def config_from(args: argparse.Namespace):
-    """TrainConfig from a config file, then the flags given on the command line."""
-    from fxmeg.trainer import TrainConfig
+    """TrainConfig from a config file, then the flags given on the command line (flat
+    names both: TrainConfig.from_flat)."""
+    from fxmeg.trainer import TrainConfig, flat_fields
 
-    values = _read_config(args.config) if args.config else {}
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
-    for key in list(values):
-        norm = key.replace("-", "_")
-        if norm not in names:
-            raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(norm, names))
-        values[norm] = values.pop(key)
-    for name in names:
+    values = {key.replace("-", "_"): value for key, value in
+              (_read_config(args.config) if args.config else {}).items()}
+    for name in flat_fields():
         given = getattr(args, name)
         if given is not None:
             values[name] = given
@@ -129,7 +125,7 @@ def config_from(args: argparse.Namespace):
         import json
 
         values["model_args"] = json.dumps(values["model_args"])
-    return TrainConfig(**values)
+    return TrainConfig.from_flat(args.config or "", **values)
 
 
 def _read_config(path: str) -> dict:
@@ -151,7 +147,8 @@ def _train(args) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun already
         _worker(cfg)
         return 0
-    nproc = args.nproc or cfg.tp * cfg.pp * max(cfg.dp, 1)
+    par = cfg.engine.parallel
+    nproc = args.nproc or par.tp * par.pp * max(par.dp or 1, 1)
     if nproc == 1:
         _worker(cfg)
         return 0
@@ -220,7 +217,7 @@ def _field_docs(cls) -> dict[str, str]:
     docs = {}
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = b.value.value.strip().replace("%", "%%")
+            docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
     return docs
 
 

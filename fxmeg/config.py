@@ -6,6 +6,7 @@ their messages name the field, the numbers and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +40,9 @@ class ParallelConfig:
     """Pipeline-parallel size (ranks that each hold a run of layers)."""
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved schedule when > 1)."""
-    dp: int = 1
-    """Data-parallel size (replicas that each see a slice of the global batch)."""
+    dp: int | None = None
+    """Data-parallel size (replicas that each see a slice of the global batch); None =
+    world size // (tp * pp), fixed by ``resolve`` when the ranks exist."""
     schedule: str = "auto"
     """'auto', 'none' (pp=1), 'gpipe', '1f1b' or 'interleaved' (vpp > 1)."""
     split_points: tuple[str, ...] | None = None
@@ -51,7 +53,10 @@ class ParallelConfig:
     """Module-FQN glob -> colwise | rowwise | replicate | vocab, overriding the automatic plan."""
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "pp", "vpp", "dp")
+        _positive(self, "tp", "pp", "vpp")
+        if self.dp is not None and (type(self.dp) is not int or self.dp < 1):
+            raise ConfigError(f"dp must be a positive integer or None, got {self.dp!r}; leave dp "
+                              "unset (None) to take world size // (tp * pp)")
         if isinstance(self.tp_plan, dict):
             object.__setattr__(self, "tp_plan", tuple(self.tp_plan.items()))
         if self.sequence_parallel and self.tp == 1:
@@ -74,9 +79,23 @@ class ParallelConfig:
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+    def resolve(self, world: int) -> ParallelConfig:
+        """This layout on ``world`` ranks: dp=None becomes world // (tp * pp); a given dp
+        must make tp * pp * dp = world."""
+        tp, pp, dp = self.tp, self.pp, self.dp
+        if dp is None:
+            if world % (tp * pp):
+                raise ConfigError(
+                    f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
+                    f"a multiple of {tp * pp} ranks or change tp / pp"
+                )
+            return dataclasses.replace(self, dp=world // (tp * pp))
+        if tp * pp * dp != world:
+            raise ConfigError(
+                f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
+                f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
+            )
+        return self
 
     @property
     def num_chunks(self) -> int:
@@ -144,22 +163,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size")
-        per_step = self.micro_batch_size * self.parallel.dp
-        if self.global_batch_size % per_step:
-            raise ConfigError(
-                f"global_batch_size={self.global_batch_size} is not divisible by "
-                f"micro_batch_size * dp = {self.micro_batch_size} * {self.parallel.dp} = "
-                f"{per_step}; choose a multiple of {per_step}, e.g. "
-                f"{max(per_step, self.global_batch_size // per_step * per_step)}"
-            )
-        m, pp = self.num_microbatches, self.parallel.pp
-        if self.parallel.resolved_schedule == "interleaved" and (m < pp or m % pp):
-            raise ConfigError(  # Megatron's interleaved schedule runs micro-batches in groups of pp
-                f"the interleaved schedule needs the micro-batch count m to be a multiple of "
-                f"pp={pp}; got m={m} (global_batch_size={self.global_batch_size} / "
-                f"(micro_batch_size * dp)). Choose global_batch_size so that m is one of "
-                f"{[pp * i for i in (1, 2, 3)]}"
-            )
+        self._check_batch()
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -191,6 +195,45 @@ class EngineConfig:
                 "distributed optimizer gathers parameters)"
             )
 
+    def _check_batch(self) -> None:
+        """global_batch_size against micro_batch_size * dp and, interleaved, the
+        micro-batch count against pp; with dp still None only against micro_batch_size
+        (the rest when ``resolve`` fixes dp)."""
+        dp = self.parallel.dp
+        per_step = self.micro_batch_size * (dp or 1)
+        if self.global_batch_size % per_step:
+            what = "micro_batch_size"
+            if dp is not None:
+                what += f" * dp = {self.micro_batch_size} * {dp}"
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"{what} = {per_step}; choose a multiple of {per_step}, e.g. "
+                f"{max(per_step, self.global_batch_size // per_step * per_step)}"
+            )
+        if dp is None:
+            return
+        m, pp = self.num_microbatches, self.parallel.pp
+        if self.parallel.resolved_schedule == "interleaved" and (m < pp or m % pp):
+            raise ConfigError(  # Megatron's interleaved schedule runs micro-batches in groups of pp
+                f"the interleaved schedule needs the micro-batch count m to be a multiple of "
+                f"pp={pp}; got m={m} (global_batch_size={self.global_batch_size} / "
+                f"(micro_batch_size * dp)). Choose global_batch_size so that m is one of "
+                f"{[pp * i for i in (1, 2, 3)]}"
+            )
+
+    def resolve(self, world: int) -> EngineConfig:
+        """This configuration on ``world`` ranks: the layout resolved
+        (``ParallelConfig.resolve``) and every batch rule checked with the real dp."""
+        return dataclasses.replace(self, parallel=self.parallel.resolve(world))
+
+    @property
+    def _dp(self) -> int:
+        """The data-parallel size; an error while it is still None (unresolved)."""
+        if self.parallel.dp is None:
+            raise ConfigError("dp is not resolved yet: call config.resolve(world_size) first "
+                              "(dp=None means world size // (tp * pp))")
+        return self.parallel.dp
+
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
@@ -200,28 +243,21 @@ class EngineConfig:
         """Bucket size in elements; None (one bucket per buffer) without overlap."""
         if not self.overlap_grad_reduce:
             return None
-        return self.bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp)
+        return self.bucket_size or max(40_000_000, 1_000_000 * self._dp)
 
     @property
     def num_microbatches(self) -> int:
         """m = global_batch_size / (micro_batch_size * dp), micro-batches per rank per step."""
-        return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)
+        return self.global_batch_size // (self.micro_batch_size * self._dp)
 
 
-def resolve_dp(world: int, tp: int, pp: int, dp: int | None) -> int:
-    if dp is None:
-        if world % (tp * pp):
-            raise ConfigError(
-                f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
-                f"a multiple of {tp * pp} ranks or change tp / pp"
-            )
-        return world // (tp * pp)
-    if tp * pp * dp != world:
-        raise ConfigError(
-            f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
-            f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
-        )
-    return dp
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int}
+
+
+def scalar_fields(cls: type) -> dict[str, type]:
+    """Name -> value type of the fields of dataclass ``cls`` that one flag or config-file
+    key can set (int, float, str, bool, int | None), in declaration order."""
+    return {f.name: _FLAG_TYPES[f.type] for f in dataclasses.fields(cls) if f.type in _FLAG_TYPES}
 
 
 def batch_dim(example: tuple[torch.Tensor, ...], micro_batch_size: int | None) -> int:
@@ -268,17 +304,17 @@ def make_config(
             raise ConfigError(
                 f"unknown option {name!r}" + closest(name, sorted(_LAYOUT | _ENGINE_OPTIONS))
             )
-    dp = resolve_dp(world, tp, pp, dp) if world is not None else (dp or 1)
     parallel = ParallelConfig(
-        tp=tp, pp=pp, dp=dp,
+        tp=tp, pp=pp, dp=dp if world is not None else (dp or 1),
         split_points=tuple(split_points) if split_points is not None else None,
         tp_plan=tuple((tp_plan or {}).items()),
         **{k: v for k, v in options.items() if k in _LAYOUT},
     )
+    parallel = parallel.resolve(world) if world is not None else parallel
     mbs = batch_dim(example, micro_batch_size)
     return EngineConfig(
         micro_batch_size=mbs,
-        global_batch_size=global_batch_size or mbs * dp,
+        global_batch_size=global_batch_size or mbs * parallel.dp,
         parallel=parallel,
         **{k: v for k, v in options.items() if k not in _LAYOUT},
     )

@@ -26,7 +26,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg import checkpoint, trace
-from fxmeg.config import resolve_dp
+from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
 from fxmeg.metrics import Metrics, perplexity
@@ -35,9 +35,17 @@ from fxmeg.lr_schedule import LRSchedule
 from fxmeg.runtime.optimizer import adamw
 
 
+_ENGINE = EngineConfig(micro_batch_size=4, global_batch_size=32)
+"""The engine options of a TrainConfig that sets none: micro-batches of 4, global batches of 32."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every option of `fxmeg train` (each field is a flag: --micro-batch-size 4)."""
+    """Every option of `fxmeg train`: the trainer's own fields, and ``engine`` (an
+    EngineConfig, which holds the ParallelConfig) for everything ``fxmeg.parallelize``
+    takes. Flags and config-file keys are flat: each scalar field of the three classes
+    is one name (--micro-batch-size 4, --tp 2; ``tp = 2`` in TOML); build one from them
+    with ``TrainConfig.from_flat`` and change one with ``replace``."""
 
     model: str = "models.gpt:GPT"
     """The model class, module:Class; built from model_args (kwargs or its config dataclass)."""
@@ -51,10 +59,6 @@ class TrainConfig:
     """Share of the corpus (at a document boundary, from the end) held out for validation."""
     seed: int = 1234
     """Seed of model initialisation and data shuffling."""
-    micro_batch_size: int = 4
-    """Samples per micro-batch per data-parallel rank."""
-    global_batch_size: int = 32
-    """Samples per step (until step_batch_size_schedule says otherwise)."""
     step_batch_size_schedule: str = ""
     """'THRESHOLD:BS ...': from THRESHOLD consumed samples on, train with global batch BS."""
     train_iters: int = 0
@@ -65,18 +69,6 @@ class TrainConfig:
     """Save and stop when the iteration is a multiple of this (0: never)."""
     exit_duration_in_mins: float = 0.0
     """Save and stop after this many minutes (0: never)."""
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    vpp: int = 1
-    """Virtual pipeline chunks per pipeline rank."""
-    dp: int = 0
-    """Data-parallel size (0: world size / (tp * pp))."""
-    schedule: str = "auto"
-    """Pipeline schedule: auto, none, gpipe, 1f1b, interleaved."""
-    sequence_parallel: bool = False
-    """Split norms and the residual stream along the sequence over tp ranks."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0
@@ -95,16 +87,6 @@ class TrainConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0: off)."""
-    precision: str = "fp32"
-    """fp32, bf16 or fp16."""
-    distributed_optimizer: bool = False
-    """ZeRO-1: shard optimizer state over data-parallel ranks."""
-    overlap_grad_reduce: bool = True
-    """Reduce gradient buckets during backward."""
-    overlap_param_gather: bool = False
-    """Gather parameters during the next forward (distributed optimizer)."""
     eval_interval: int = 0
     """Evaluate every this many steps (0: only at the end)."""
     eval_iters: int = 10
@@ -131,50 +113,88 @@ class TrainConfig:
     """Start from a plain state_dict file (e.g. one written by `fxmeg export`)."""
     check_determinism: bool = False
     """Run each step's forward and backward twice and report steps that differ."""
-    on_nonfinite: str = "skip"
-    """An inf / NaN gradient (bf16 / fp32): 'skip' the step everywhere, or 'raise'."""
-    skip_on_grad_norm_above: float = 0.0
-    """Skip steps whose gradient norm exceeds this (loss-spike guard; 0: off)."""
-    max_consecutive_skips: int = 50
-    """Stop with an error after this many skipped steps in a row (0: never)."""
-    comm_timeout_s: float = 600.0
-    """Seconds a pipeline exchange or collective may wait before the run fails naming the peer."""
-    recompute: str = "none"
-    """Activation recompute: none, selective (attention cores) or full (whole blocks)."""
-    recompute_num_layers: int = 0
-    """With --recompute full: only the first this many blocks of each chunk (0: all)."""
-    compile: bool = False
-    """Run each pipeline chunk through torch.compile (inductor)."""
-    p2p: str = "auto"
-    """Pipeline send/receive posting: paired (Megatron), eager, or auto (eager unless NCCL)."""
     trace: str = ""
     """Write a Chrome / Perfetto timeline of traced steps to this directory ('' : off)."""
     trace_interval: int = 1
     """Trace every this many steps (with --trace); `fxmeg plot-schedule` draws one."""
+    engine: EngineConfig = _ENGINE
+    """Engine options and, in engine.parallel, the layout (flat names: see from_flat)."""
 
     def __post_init__(self) -> None:
         if (self.train_iters > 0) == (self.train_samples > 0):
             raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
-        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_interval", "eval_iters",
-                     "trace_interval"):
+        for name in ("seq_len", "log_interval", "eval_iters", "trace_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.data:
             raise ConfigError("data is required: the prefix of a corpus from `fxmeg prepare-data`")
+        if self.engine.lr_schedule is not None:
+            raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
+                              "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style")
         batch_size_schedule(self)  # validates
 
+    @classmethod
+    def from_flat(cls, where: str = "", /, **values) -> TrainConfig:
+        """A TrainConfig from flat names (the flags' and config files' keys): every
+        trainer field and every scalar field of EngineConfig and ParallelConfig; unset
+        ones keep their defaults. An unknown name is refused with the nearest valid one
+        (``where``, e.g. a config file, is named in that message)."""
+        own, engine = _split_flat(values, where)
+        return cls(engine=_with_flat(_ENGINE, engine), **own)
+
     def replace(self, **changes) -> TrainConfig:
-        unknown = [k for k in changes if k not in {f.name for f in dataclasses.fields(self)}]
-        if unknown:
-            names = [f.name for f in dataclasses.fields(self)]
-            raise ConfigError(f"unknown config key {unknown[0]!r}" + closest(unknown[0], names))
-        return dataclasses.replace(self, **changes)
+        """This config with some flat names (as ``from_flat`` takes them) changed."""
+        own, engine = _split_flat(changes)
+        return dataclasses.replace(self, engine=_with_flat(self.engine, engine), **own)
+
+    def flat(self) -> dict:
+        """Flat name -> value of every name ``from_flat`` takes (the scalar fields)."""
+        owners = {TrainConfig: self, EngineConfig: self.engine, ParallelConfig: self.engine.parallel}
+        return {name: getattr(owners[cls], name) for name, (cls, _) in flat_fields().items()}
 
 
-def batch_size_schedule(cfg: TrainConfig) -> list[tuple[int, int]]:
+def flat_fields() -> dict[str, tuple[type, type]]:
+    """Flat name -> (the class declaring it, its value type), in flag order: TrainConfig's
+    fields, then EngineConfig's scalar fields, then ParallelConfig's."""
+    return {name: (cls, kind) for cls in (TrainConfig, EngineConfig, ParallelConfig)
+            for name, kind in scalar_fields(cls).items()}
+
+
+def flat_defaults() -> dict:
+    """Flat name -> the value a TrainConfig takes when that name is not given."""
+    own = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "engine"}
+    owners = {EngineConfig: _ENGINE, ParallelConfig: _ENGINE.parallel}
+    return {name: own[name] if cls is TrainConfig else getattr(owners[cls], name)
+            for name, (cls, _) in flat_fields().items()}
+
+
+def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
+    """(TrainConfig's own fields, the engine's and layout's) of flat ``values``; an
+    unknown name is refused naming the nearest."""
+    names = flat_fields()
+    for name in values:
+        if name not in names:
+            place = f" in {where}" if where else ""
+            raise ConfigError(f"unknown config key {name!r}{place}" + closest(name, names))
+    own = {k: v for k, v in values.items() if names[k][0] is TrainConfig}
+    return own, {k: v for k, v in values.items() if k not in own}
+
+
+def _with_flat(engine: EngineConfig, values: dict) -> EngineConfig:
+    """``engine`` with flat EngineConfig / ParallelConfig names changed (one check, at the end)."""
+    layout = scalar_fields(ParallelConfig)
+    parallel = dataclasses.replace(engine.parallel, **{k: v for k, v in values.items() if k in layout})
+    others = {k: v for k, v in values.items() if k not in layout}
+    return dataclasses.replace(engine, parallel=parallel, **others)
+
+
+def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) -> list[tuple[int, int]]:
     """(threshold in consumed samples, global batch size) from 0 on, ascending. The
-    micro-batch count may only grow (docs/design.md §8.3.3): a shrinking size is refused."""
-    steps = [(0, cfg.global_batch_size)]
+    micro-batch count may only grow (docs/design.md §8.3.3): a shrinking size is refused.
+    Each size is checked as EngineConfig checks global_batch_size, against ``engine``
+    (default cfg.engine; pass the resolved one for the full check with dp)."""
+    engine = engine or cfg.engine
+    steps = [(0, engine.global_batch_size)]
     for item in cfg.step_batch_size_schedule.split():
         try:
             threshold, size = (int(x) for x in item.split(":"))
@@ -194,9 +214,13 @@ def batch_size_schedule(cfg: TrainConfig) -> list[tuple[int, int]]:
                 f"step_batch_size_schedule would shrink the global batch from {b0} to {b1} at "
                 f"{t1} samples; the micro-batch count may only grow (docs/design.md §8.3.3)"
             )
-    for _, size in steps:
-        if size % cfg.micro_batch_size:
-            raise ConfigError(f"global batch {size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
+    for threshold, size in steps:
+        try:
+            dataclasses.replace(engine, global_batch_size=size)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"step_batch_size_schedule, global batch {size} from {threshold} samples: {exc}"
+            ) from None
     return steps
 
 
@@ -218,9 +242,11 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.dp = cfg.dp or resolve_dp(world, cfg.tp, cfg.pp, None)
-        self.world = world
-        self.sizes = batch_size_schedule(cfg)
+        engine = cfg.engine.resolve(world)  # dp=None: world // (tp * pp); every batch rule with dp
+        self.world, self.dp = world, engine.parallel.dp
+        self.sizes = batch_size_schedule(cfg, engine)
+        self.engine_config = dataclasses.replace(
+            engine, global_batch_size=self._size_at(0), lr_schedule=self._lr_schedule())
         corpus = Corpus(cfg.data)
         self.train_data = Samples(corpus, cfg.seq_len, split="train", valid_fraction=cfg.valid_fraction)
         self.valid_data = Samples(corpus, cfg.seq_len, split="valid", valid_fraction=cfg.valid_fraction)
@@ -250,29 +276,25 @@ class Trainer:
             self._resume()
         self._signal = False
 
-    def _engine(self, model: nn.Module) -> fxmeg.Engine:
+    def _lr_schedule(self) -> LRSchedule:
+        """The lr / weight-decay schedule in samples from the lr fields; decay over the
+        whole run unless lr_decay_samples says otherwise."""
         cfg = self.cfg
-        example = self.train_data.batch(range(cfg.micro_batch_size))
         decay = cfg.lr_decay_samples or cfg.train_samples or cfg.train_iters * self.sizes[-1][1]
         style = cfg.lr_decay_style
-        schedule = LRSchedule(
+        return LRSchedule(
             max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_samples=cfg.lr_warmup_samples,
             decay_samples=max(decay, cfg.lr_warmup_samples + 1), style=style,
             wsd_decay_samples=max(1, decay // 10) if style == "WSD" else None,
         )
+
+    def _engine(self, model: nn.Module) -> fxmeg.Engine:
+        cfg = self.cfg
+        example = self.train_data.batch(range(self.engine_config.micro_batch_size))
         betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
         return fxmeg.parallelize(
-            model, example, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, dp=self.dp, schedule=cfg.schedule,
-            sequence_parallel=cfg.sequence_parallel, global_batch_size=self._size_at(0),
+            model, example, config=self.engine_config,
             optimizer=lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
-            precision=cfg.precision, clip_grad=cfg.clip_grad,
-            distributed_optimizer=cfg.distributed_optimizer,
-            overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
-            lr_schedule=schedule, on_nonfinite=cfg.on_nonfinite,
-            skip_on_grad_norm_above=cfg.skip_on_grad_norm_above,
-            max_consecutive_skips=cfg.max_consecutive_skips, comm_timeout_s=cfg.comm_timeout_s,
-            recompute=cfg.recompute, recompute_num_layers=cfg.recompute_num_layers or None,
-            compile=cfg.compile, p2p=cfg.p2p,
         )
 
     # ------------------------------------------------------------------ loop
@@ -400,7 +422,7 @@ class Trainer:
         """eval_iters batches of the persistent sequential validation stream
         (docs/design.md §8.9)."""
         size = self.engine.config.global_batch_size
-        m = size // (self.cfg.micro_batch_size * self.dp)
+        m = size // (self.engine_config.micro_batch_size * self.dp)
         loss_sum = tokens = 0.0
         for _ in range(self.cfg.eval_iters):
             batch = None

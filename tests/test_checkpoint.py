@@ -24,7 +24,7 @@ def _config(corpus, root, **kw) -> TrainConfig:
     base = dict(data=corpus, model_args=MODEL, seq_len=32, micro_batch_size=4, global_batch_size=8,
                 log_interval=1, eval_iters=1, lr=1e-3, lr_decay_samples=400, run_dir=str(root / "run"),
                 save=str(root / "ckpt"), progress=False, tensorboard=False)
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_flat(**(base | kw))
 
 
 class SlowWriter(FileSystemWriter):

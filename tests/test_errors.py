@@ -86,8 +86,8 @@ def _checkpoint_of_another_model():
     directory = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-{os.getppid()}")
     big = fxmeg.parallelize(make_model("gpt", n_layer=2), _ex(), global_batch_size=4)
     Checkpointer(big.program, big.context).save(directory, 1, {})
-    small = fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4)
-    small = Checkpointer(small.program, small.context)
+    engine = fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4)
+    small = Checkpointer(engine.program, engine.context)
     return lambda: small.load(directory)
 
 
@@ -97,10 +97,10 @@ ROWS = {
                    "tp * pp * dp = 1 * 2 * 2 = 4 does not match the world size 2"),
     "global-batch": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=6),
                      "global_batch_size=6 is not divisible by micro_batch_size * dp = 2 * 2 = 4"),
-    "pipeline-chunks": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, vpp=4),
+    "pipeline-chunks": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, vpp=4, global_batch_size=4),
                         "pp * vpp = 8 chunks, but the model has only 4 blocks"),
     "interleaved-microbatches": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, vpp=2, global_batch_size=6),
-                                 "needs the micro-batch count m to be a multiple of 2"),
+                                 "needs the micro-batch count m to be a multiple of pp=2"),
     "tp-heads": (lambda: fxmeg.parallelize(make_model("gpt", n_embd=48, n_head=3), _ex(), tp=2),
                  "tp=2 does not divide 3, the number of heads"),
     "tp-kv-heads": (lambda: fxmeg.parallelize(make_model("llama", n_kv_head=1), _ex(), tp=2),

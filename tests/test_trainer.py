@@ -22,16 +22,16 @@ def _config(corpus, tmp_path, **kw):
     base = dict(data=corpus, model_args=MODEL, seq_len=32, micro_batch_size=4, global_batch_size=8,
                 train_iters=6, log_interval=1, eval_iters=2, lr=1e-3, run_dir=str(tmp_path / "run"),
                 progress=False, tensorboard=False)
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_flat(**(base | kw))
 
 
 def test_batch_size_schedule_is_validated():
-    ok = TrainConfig(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:32")
+    ok = TrainConfig.from_flat(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:32")
     assert batch_size_schedule(ok) == [(0, 8), (64, 16), (128, 32)]
     with pytest.raises(ConfigError, match="would shrink the global batch from 16 to 8 at 128 samples"):
-        TrainConfig(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:8")
+        TrainConfig.from_flat(data="x", train_iters=1, global_batch_size=8, step_batch_size_schedule="64:16 128:8")
     with pytest.raises(ConfigError, match="'64-16' is not THRESHOLD:BATCH_SIZE"):
-        TrainConfig(data="x", train_iters=1, step_batch_size_schedule="64-16")
+        TrainConfig.from_flat(data="x", train_iters=1, step_batch_size_schedule="64-16")
 
 
 def test_batch_size_switch_saves_first_and_keeps_the_lr_schedule_continuous(corpus, tmp_path):
@@ -113,7 +113,7 @@ def test_config_file_and_flags(corpus, tmp_path):
     assert (cfg.train_iters, cfg.lr, json.loads(cfg.model_args)) == (7, 0.02, {"n_layer": 2})
     yaml = tmp_path / "run.yaml"
     yaml.write_text(f"data: {corpus}\ntrain_iters: 3\nglobal_batch_size: 16\n")
-    assert config_from(parser.parse_args(["--config", str(yaml)])).global_batch_size == 16
+    assert config_from(parser.parse_args(["--config", str(yaml)])).engine.global_batch_size == 16
     bad = tmp_path / "bad.toml"
     bad.write_text(f'data = "{corpus}"\ntrain_iters = 3\nglobal_bach_size = 16\n')
     with pytest.raises(ConfigError, match="unknown config key 'global_bach_size'.*did you mean 'global_batch_size'"):

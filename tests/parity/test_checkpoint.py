@@ -32,7 +32,7 @@ def config(root: str, name: str, **kw) -> TrainConfig:
                 micro_batch_size=2, global_batch_size=16, log_interval=1, eval_iters=1, lr=3e-3,
                 lr_warmup_samples=16, lr_decay_samples=400, run_dir=os.path.join(root, name),
                 progress=False, tensorboard=False)
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_flat(**(base | kw))
 
 
 def first(rank: int, root: str) -> dict:

@@ -1,0 +1,99 @@
+"""The configuration classes: TrainConfig composes EngineConfig / ParallelConfig, flat
+names (flags, config-file keys) map onto the nested fields, dp resolves from the world."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fxmeg.cli import _train_parser
+from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.errors import ConfigError
+from fxmeg.trainer import TrainConfig, batch_size_schedule, flat_fields
+
+
+def test_from_flat_round_trips_through_flat():
+    cfg = TrainConfig.from_flat(data="x", train_iters=3, micro_batch_size=2, global_batch_size=8,
+                                tp=2, pp=2, vpp=2, sequence_parallel=True, precision="bf16",
+                                recompute="full", recompute_num_layers=1, lr=0.1)
+    assert (cfg.engine.micro_batch_size, cfg.engine.parallel.tp, cfg.engine.parallel.vpp) == (2, 2, 2)
+    assert cfg.engine.parallel.dp is None and cfg.lr == 0.1
+    assert TrainConfig.from_flat(**cfg.flat()) == cfg
+    assert set(cfg.flat()) == set(flat_fields())
+    changed = cfg.replace(tp=1, sequence_parallel=False, lr=0.2)
+    assert (changed.engine.parallel.tp, changed.lr, changed.engine.precision) == (1, 0.2, "bf16")
+
+
+def test_unknown_flat_name_is_refused_naming_the_nearest():
+    with pytest.raises(ConfigError, match="unknown config key 'micro_bach_size'.*did you mean 'micro_batch_size'"):
+        TrainConfig.from_flat(data="x", train_iters=1, micro_bach_size=4)
+    with pytest.raises(ConfigError, match="unknown config key 'sequence_paralel' in run.toml"):
+        TrainConfig.from_flat("run.toml", data="x", train_iters=1, sequence_paralel=True)
+    cfg = TrainConfig.from_flat(data="x", train_iters=1)
+    with pytest.raises(ConfigError, match="unknown config key 'tpp'"):
+        cfg.replace(tpp=2)
+
+
+def test_dp_none_resolves_from_the_world_and_a_mismatch_is_refused():
+    par = ParallelConfig(tp=2, pp=2)
+    assert par.dp is None and par.resolve(8).dp == 2
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp \* pp = 2 \* 2"):
+        par.resolve(6)
+    with pytest.raises(ConfigError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 does not match the world size 8"):
+        dataclasses.replace(par, dp=1).resolve(8)
+    with pytest.raises(ConfigError, match="dp must be a positive integer or None"):
+        ParallelConfig(dp=0)
+
+
+def test_global_batch_rules_run_in_full_when_dp_resolves():
+    engine = EngineConfig(micro_batch_size=2, global_batch_size=6, parallel=ParallelConfig())
+    with pytest.raises(ConfigError, match="dp is not resolved yet"):
+        engine.num_microbatches
+    with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by micro_batch_size \* dp = 2 \* 2 = 4"):
+        engine.resolve(2)
+    with pytest.raises(ConfigError, match="global_batch_size=7 is not divisible by micro_batch_size = 2"):
+        EngineConfig(micro_batch_size=2, global_batch_size=7)
+    interleaved = EngineConfig(micro_batch_size=2, global_batch_size=12, parallel=ParallelConfig(pp=2, vpp=2))
+    assert interleaved.resolve(2).num_microbatches == 6  # dp = 1
+    with pytest.raises(ConfigError, match="needs the micro-batch count m to be a multiple of pp=2; got m=3"):
+        interleaved.resolve(4)  # dp = 2
+
+
+def test_batch_size_schedule_entries_are_checked_with_the_resolved_dp():
+    cfg = TrainConfig.from_flat(data="x", train_iters=1, micro_batch_size=2, global_batch_size=4, pp=2, vpp=2,
+                                step_batch_size_schedule="100:6")
+    assert batch_size_schedule(cfg) == [(0, 4), (100, 6)]  # dp unknown: multiples of micro_batch_size
+    with pytest.raises(ConfigError, match="step_batch_size_schedule, global batch 6 from 100 samples: .*got m=3"):
+        batch_size_schedule(cfg, cfg.engine.resolve(2))
+
+
+def test_every_cli_flag_maps_to_a_field():
+    parser = argparse.ArgumentParser()
+    _train_parser(parser)
+    launcher = {"help", "config", "nproc", "max_restarts"}
+    flags = {a.dest: a.option_strings for a in parser._actions if a.dest not in launcher}
+    assert set(flags) == set(flat_fields())
+    for name, (cls, _) in flat_fields().items():
+        assert name in {f.name for f in dataclasses.fields(cls)}
+        assert "--" + name.replace("_", "-") in flags[name]
+    assert {"tp", "pp", "dp", "micro_batch_size", "recompute_num_layers", "lr", "trace"} <= set(flags)
+
+
+def test_train_config_redeclares_no_engine_or_layout_field():
+    own = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not own & {f.name for f in dataclasses.fields(EngineConfig)}
+    assert not own & {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in dataclasses.fields(ParallelConfig)} == set()
+
+
+def test_parallelize_takes_a_whole_config_and_resolves_dp():
+    import fxmeg
+    from tests.helpers import make_batch, make_model
+
+    config = EngineConfig(micro_batch_size=2, global_batch_size=4)
+    engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=config)
+    assert engine.config.parallel.dp == 1 and engine.config.num_microbatches == 2
+    with pytest.raises(ConfigError, match="pass either config= or options, not both"):
+        fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=config, tp=2)
+    with pytest.raises(ConfigError, match="batch dimension is 2, but micro_batch_size=4"):
+        fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=EngineConfig(4, 8))
