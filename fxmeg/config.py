@@ -321,3 +321,9 @@ def make_config(
 
 
 _ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {"parallel", "micro_batch_size", "global_batch_size"}
+
+
+def cast_inputs(batch: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Floating inputs in the training dtype (``EngineConfig.dtype``); token ids and masks
+    as they are."""
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)

@@ -26,7 +26,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.capture import LossFn, capture
-from fxmeg.config import EngineConfig, make_config
+from fxmeg.config import EngineConfig, cast_inputs, make_config
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
@@ -99,11 +99,6 @@ def transform(
         if p.name == stop_after:
             return gm
     return _program(model, gm, config, masters, example)
-
-
-def cast_inputs(batch: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Floating inputs in the training dtype; token ids and masks as they are."""
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import torch
 
+from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
-from fxmeg.transform import cast_inputs
 
 Batch = tuple[torch.Tensor, ...]
 
