@@ -12,6 +12,7 @@ global.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +81,6 @@ class RankContext:
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Train the next steps on global batches of this size: validated like the
         first one (EngineConfig), the schedule is rebuilt for the new micro-batch count."""
-        import dataclasses
-
         self.config = dataclasses.replace(self.config, global_batch_size=global_batch_size)
         self.schedule = self.build_schedule(self.config.num_microbatches)
         self.steps = self.lower(self.schedule)[self.groups.pp_rank]
