@@ -7,6 +7,10 @@ The result is a plain ``fx.GraphModule`` in the user's vocabulary:
   ``nn.Parameter`` objects, so an optimizer built on them trains the user's model;
 * placeholders are the example inputs, in order;
 * the output is the flat tuple of the model's outputs (the loss first);
+* a higher-order op (an autocast or ``torch.no_grad()`` region inside forward, ``wrap``)
+  stays one ``call_function`` node; its body is a GraphModule under ``_fxmeg_hop``
+  (``_fxmeg_hop.autocast_0``), read by a ``get_attr`` operand, that takes the
+  parameters it uses as operands and holds no tensors itself;
 * every node carries ``meta["val"]`` (a fake tensor: shape and dtype) and
   ``meta["fxmeg"]["module"]``, the FQN of the innermost module that created it
   (``""`` for code in the model's own ``forward``);
@@ -176,10 +180,16 @@ def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str):
     for node in ep.graph.nodes:
         if node.op in ("placeholder", "output") or node.target in _EXPORT_CHECKS:
             continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-        stack = node.meta.get("nn_module_stack") or {}
-        module = list(stack.values())[-1][0] if stack else ""
-        env[node].meta["fxmeg"] = {"module": _strip(module, prefix)}
+        if node.op == "get_attr":  # the body of a higher-order op (autocast, no-grad, wrap)
+            target = _body_name(ep.graph_module, node, attrs)
+            caller = next(iter(node.users), node)
+            body = getattr(ep.graph_module, node.target)
+            attrs[target] = _body(body, prefix, _module_of(caller, prefix))
+            env[node] = graph.get_attr(target)
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node].meta["fxmeg"] = {"module": _module_of(node, prefix)}
     graph.output(tuple(env[n] for n in user_outputs))
     for getter in getters.values():
         if not getter.users:
@@ -189,6 +199,56 @@ def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str):
     gm.graph.lint()
     _refuse_state_updates(gm)
     return gm, input_names
+
+
+_BODIES = "_fxmeg_hop"  # higher-order ops' bodies live under this submodule
+
+
+def _module_of(node: fx.Node, prefix: str) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else ""
+    return _strip(module, prefix)
+
+
+def _body_name(root: nn.Module, node: fx.Node, taken: dict) -> str:
+    """``_fxmeg_hop.<region kind>_<i>`` for the body a get_attr node of the exported
+    graph names (``autocast_0``, ``set_grad_enabled_1``, ``wrap_2``)."""
+    if not isinstance(getattr(root, node.target, None), fx.GraphModule):
+        raise CaptureError(
+            f"the exported graph reads attribute {node.target!r} (node {node.name!r}), which "
+            "is not the body of a higher-order op; fxmeg cannot capture it"
+        )
+    hops = (u.target for u in node.users if isinstance(u.target, torch._ops.HigherOrderOperator))
+    hop = next(hops, None)
+    kind = hop.name().removeprefix("wrap_with_") if hop is not None else "body"
+    index = sum(name.startswith(f"{_BODIES}.") for name in taken)
+    return f"{_BODIES}.{kind}_{index}"
+
+
+def _body(module: fx.GraphModule, prefix: str, caller: str) -> fx.GraphModule:
+    """A copy of a higher-order op's body (nested bodies too) without export's runtime
+    metadata asserts; its nodes keep their metadata and get fxmeg's ``module`` tag (the
+    calling node's module where export recorded none).
+    Export's training IR passes parameters and buffers into a body as operands, so it
+    holds no tensors of its own."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, object] = {}
+    for node in module.graph.nodes:
+        if node.target in _EXPORT_CHECKS:
+            continue
+        if node.op == "get_attr":
+            value = getattr(module, node.target)
+            if not isinstance(value, fx.GraphModule):
+                raise CaptureError(
+                    f"a higher-order op's body reads attribute {node.target!r} (node "
+                    f"{node.name!r}), not a parameter passed in; fxmeg cannot capture it"
+                )
+            attrs[node.target] = _body(value, prefix, caller)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if node.op != "output":
+            env[node].meta["fxmeg"] = {"module": _module_of(node, prefix) or caller}
+    return fx.GraphModule(attrs, graph)
 
 
 def _refuse_state_updates(gm: fx.GraphModule) -> None:

@@ -12,6 +12,11 @@ no rank, no I/O), and its docstring states what it requires and ensures;
   buckets          gradient-ready order, buffer layout, buckets          passes/buckets.py
   param_gather     waits for parameter all-gathers (overlap_param_gather) passes/param_gather.py
 
+Higher-order ops (autocast and no-grad regions, ``wrap``) are single call_function nodes
+whose bodies are GraphModules under ``_fxmeg_hop``, read by get_attr operands
+(``graph_utils.is_hop`` / ``is_subgraph`` / ``subgraphs`` / ``body_call``); every pass
+keeps each body next to the nodes that call it.
+
 Metadata the passes keep under ``node.meta["fxmeg"]``:
   module     FQN of the module that created the node ('' = the model's own forward); capture
   loss       "sum" | "count" on the two loss outputs; loss pass

@@ -17,7 +17,9 @@ get_attr node carries ``meta["fxmeg"]["bucket"] = (chunk, dtype, bucket index)``
   * a parameter read by several chunks of the same pipeline rank has one slot, in the
     lowest such chunk, whose backward runs last;
   * slot sizes are the parameters' local (tensor-parallel shard) sizes, read from the
-    get_attr nodes' ``meta["val"]``.
+    get_attr nodes' ``meta["val"]``;
+  * a parameter used inside an autocast or no-grad region is an operand of the region's
+    node (export's training IR passes it in), so its first use is that node.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     layouts_of: dict[int, tuple[BufferLayout, ...]] = {}
     for c, gm in enumerate(chunks(parent)):
         names = [n for n in _ready_order(gm) if owner[(placement[c], n)] == c]
-        shapes = {n.target: val(n).shape for n in gm.graph.nodes if n.op == "get_attr"}
+        shapes = {n.target: val(n).shape for n in gm.graph.nodes
+                  if n.op == "get_attr" and val(n) is not None}  # not a region's body
         layouts_of[c] = (_layout(names, shapes, GRAD_DTYPE, dp=dp, bucket_size=size, shard=shard),) if names else ()
         gm.meta["fxmeg"]["buffers"] = layouts_of[c]
     for c, gm in enumerate(chunks(parent)):

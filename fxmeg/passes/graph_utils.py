@@ -1,12 +1,19 @@
-"""Small helpers shared by the passes: argument lookup, fake-tensor metadata, node creation."""
+"""Small helpers shared by the passes: argument lookup, fake-tensor metadata, node creation,
+and the sub-graphs of higher-order ops."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._ops import HigherOrderOperator
+
+# Higher-order ops that call their body on the arguments that follow it (export's
+# autocast and set-grad-enabled regions, dynamo's wrap, activation-checkpoint tags).
+_WRAPS = {"wrap", "wrap_with_autocast", "wrap_with_set_grad_enabled", "tag_activation_checkpoint"}
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -58,13 +65,18 @@ def call(
 
 
 def fake_eval(node: fx.Node) -> Any:
-    """Evaluate ``node`` on its inputs' fake values (no real compute)."""
+    """Evaluate ``node`` on its inputs' fake values (no real compute); a higher-order op
+    runs its body on them."""
     vals = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
     if not vals:  # a constant: borrow the mode of any value in the graph
         vals = [n.meta["val"] for n in node.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     mode = detect_fake_mode(vals)
     assert mode is not None, f"node {node.name} has no fake inputs"
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    owner = node.graph.owning_module
+    args, kwargs = fx.node.map_arg(
+        (node.args, node.kwargs),
+        lambda n: attr(owner, n.target) if is_subgraph(n) else n.meta["val"],
+    )
     with mode:
         return node.target(*args, **kwargs)
 
@@ -87,15 +99,118 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
 
 def requires_grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose value requires grad in training: float values that depend on a
-    trainable parameter through differentiable ops."""
-    out: set[fx.Node] = set()
+    trainable parameter through differentiable ops. A region under
+    ``torch.no_grad()`` (``wrap_with_set_grad_enabled(False, ...)``) returns values that
+    do not; other regions are followed into their bodies, output by output."""
+    return _grad_flow(gm, set())
+
+
+def _grad_flow(gm: fx.GraphModule, seeds: set[fx.Node]) -> set[fx.Node]:
+    out: set[fx.Node] = set(seeds)
+    per_output: dict[fx.Node, list[bool]] = {}  # higher-order op -> does output i need grad
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             if getattr(attr(gm, n.target), "requires_grad", False):
                 out.add(n)
-        elif n.op == "call_function" and n.target != torch.ops.aten.detach.default:
+        elif n.op != "call_function" or n.target == torch.ops.aten.detach.default:
+            continue
+        elif is_hop(n):
+            per_output[n] = _hop_grads(n, out)
+            if any(per_output[n]):
+                out.add(n)
+        else:
             v = val(n)
             floating = not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()
-            if floating and any(i in out for i in n.all_input_nodes):
+            if n.target is operator.getitem and n.args[0] in per_output:
+                flags = per_output[n.args[0]]
+                needs = flags[n.args[1]] if n.args[1] < len(flags) else any(flags)
+            else:
+                needs = any(i in out for i in n.all_input_nodes)
+            if floating and needs:
                 out.add(n)
     return out
+
+
+def _hop_grads(node: fx.Node, out: set[fx.Node]) -> list[bool]:
+    """Per output of higher-order op ``node``: whether it requires grad."""
+    call_ = body_call(node)
+    outputs = node.meta.get("val")
+    count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    if call_ is None:  # an op fxmeg does not look into: any grad input taints every output
+        return [any(i in out for i in node.all_input_nodes)] * count
+    body, operands = call_
+    if node.target.name() == "wrap_with_set_grad_enabled" and not node.args[0]:
+        return [False] * count
+    placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+    seeds = {p for p, a in zip(placeholders, operands) if isinstance(a, fx.Node) and a in out}
+    inner = _grad_flow(body, seeds)
+    results = body.graph.output_node().args[0]
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    return [isinstance(r, fx.Node) and r in inner for r in results]
+
+
+def inline(node: fx.Node) -> dict[int, fx.Node] | None:
+    """Replace wrap-style higher-order op ``node`` by copies of its body's nodes, dropping
+    the region's context (autocast, grad mode); its ``getitem`` users are replaced by the
+    copied results. Returns {output index: copied node}, or None (nothing changed) when
+    ``node`` is not a wrap-style op or its body calls nested bodies."""
+    found = body_call(node)
+    if found is None or any(n.op == "get_attr" for n in found[0].graph.nodes):
+        return None
+    body, operands = found
+    graph = node.graph
+    placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(zip(placeholders, operands))
+    with graph.inserting_before(node):
+        for n in body.graph.nodes:
+            if n.op not in ("placeholder", "output"):
+                env[n] = copy_node(graph, n, lambda a: env[a])
+    results = body.graph.output_node().args[0]
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    copied = {i: env[r] for i, r in enumerate(results) if isinstance(r, fx.Node)}
+    for user in list(node.users):
+        assert user.target is operator.getitem, f"{user.name} reads region {node.name} whole"
+        user.replace_all_uses_with(copied[user.args[1]])
+        graph.erase_node(user)
+    getters = [a for a in node.all_input_nodes if is_subgraph(a)]
+    graph.erase_node(node)
+    for getter in getters:  # the body, unless another region calls it too
+        if not getter.users:
+            graph.erase_node(getter)
+            if not any(n.op == "get_attr" and n.target == getter.target for n in graph.nodes):
+                graph.owning_module.delete_submodule(getter.target)
+    return copied
+
+
+def is_hop(node: fx.Node) -> bool:
+    """A call of a higher-order op (autocast / no-grad region, wrap, cond ...): it calls
+    sub-graphs that are get_attr operands naming GraphModules."""
+    return node.op == "call_function" and isinstance(node.target, HigherOrderOperator)
+
+
+def is_subgraph(node: fx.Node) -> bool:
+    """A get_attr of a GraphModule: the body of a higher-order op, not a tensor."""
+    if node.op != "get_attr":
+        return False
+    return isinstance(attr(node.graph.owning_module, node.target), fx.GraphModule)
+
+
+def subgraphs(node: fx.Node) -> list[fx.GraphModule]:
+    """The bodies higher-order op ``node`` calls (none for other nodes)."""
+    if not is_hop(node):
+        return []
+    owner = node.graph.owning_module
+    return [attr(owner, a.target) for a in node.all_input_nodes if is_subgraph(a)]
+
+
+def body_call(node: fx.Node) -> tuple[fx.GraphModule, tuple] | None:
+    """(body, operands) of a wrap-style higher-order op, which calls its body on the
+    arguments after it (``wrap_with_autocast(device, dtype, enabled, cache, body, *operands)``,
+    ``wrap_with_set_grad_enabled(enabled, body, *operands)``, ``wrap(body, *operands)``);
+    None for other nodes and other higher-order ops (cond, map, ...)."""
+    if not is_hop(node) or node.target.name() not in _WRAPS:
+        return None
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node) and is_subgraph(a):
+            return attr(node.graph.owning_module, a.target), tuple(node.args[i + 1 :])
+    return None

@@ -12,6 +12,10 @@ loss (docs/design.md §8.5.1-8.5.2) sums the numerators and denominators over al
 and data-parallel ranks and divides once, so micro-batches with different numbers of
 ignored labels stay exact.
 
+A loss computed in an autocast-disabled region (``with torch.autocast(...,
+enabled=False): loss = F.cross_entropy(logits.float(), ...)``) is inlined first: fxmeg
+never runs forward under autocast, so the region changes nothing.
+
 A class loss over half-precision logits is computed in fp32 (the logits are cast first,
 as Megatron computes cross-entropy in fp32), so loss_sum does not lose bits to bf16 sums.
 
@@ -30,13 +34,17 @@ Recognised forms of the mean (through casts, clones and scalar views):
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, finish, full_args, val
+from fxmeg.passes.graph_utils import (
+    arg, attr, call, fake_eval, finish, full_args, inline, is_hop, val,
+)
 
 aten = torch.ops.aten
 
@@ -75,6 +83,8 @@ def loss(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModu
             )
         loss_sum, num_tokens = outputs
     else:
+        _out_of_region(outputs[0])
+        outputs = out.args[0]
         loss_sum, num_tokens = _rewrite_mean(gm, outputs[0])
     if _depends_on_parameters(num_tokens):
         raise PassError(
@@ -125,6 +135,20 @@ def _rewrite_mean(gm: fx.GraphModule, loss_node: fx.Node) -> tuple[fx.Node, fx.N
     if top is not mean:  # keep the casts and views, now applied to the sum
         loss_sum = top
     return loss_sum, num_tokens
+
+
+def _out_of_region(loss_node: fx.Node) -> None:
+    """Inline the region that computes the loss when it is autocast-disabled (``with
+    torch.autocast(..., enabled=False)``, for an fp32 loss): fxmeg never runs forward under
+    autocast, so the region changes nothing. Other regions stay (``_unrecognised`` names
+    them)."""
+    core = loss_node
+    while core.op == "call_function" and core.target in _TRANSPARENT:
+        core = core.args[0]
+    if core.target is operator.getitem and is_hop(core.args[0]):
+        region = core.args[0]
+        if region.target.name() == "wrap_with_autocast" and not region.args[2]:
+            inline(region)
 
 
 def _split_aux(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -256,6 +280,15 @@ def _shape(node) -> list[int] | None:
 
 def _unrecognised(node: fx.Node) -> str:
     op = node.target._schema.name if hasattr(node.target, "_schema") else str(node.target)
+    if node.target is operator.getitem and is_hop(node.args[0]):
+        region = node.args[0]
+        return (
+            f"cannot recognise the loss: it is computed inside a {region.target.name()} region "
+            f"(node {region.name!r}, module {region.meta.get('fxmeg', {}).get('module', '')!r}: "
+            "an autocast or no-grad block of forward), which fxmeg does not look into. Compute "
+            "the loss outside the block, or pass "
+            "loss_fn=lambda model, *batch: (loss_sum, num_tokens)."
+        )
     return (
         f"cannot recognise the loss: it is computed by {op} (node {node.name!r}, module "
         f"{node.meta.get('fxmeg', {}).get('module', '')!r}), which is not a mean fxmeg can "

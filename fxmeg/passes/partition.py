@@ -10,6 +10,9 @@ Glossary:
   chunk   a contiguous run of units; chunk c runs on pipeline rank placement[c]
           (c % pp: round robin, Megatron's virtual pipeline order).
 
+A higher-order op (an autocast or no-grad region, ``wrap``) is one node of the unit it
+runs in: the nodes of its body are never cut apart, and its cost is theirs.
+
 Requires: the loss pass's outputs; tp-sharded shapes in ``meta["val"]`` if tp > 1.
 Ensures: every call_function node carries ``meta["fxmeg"]["chunk"]`` in
 [0, pp * vpp), non-decreasing in graph order, so chunks only ever read values of earlier
@@ -30,7 +33,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, PassError
-from fxmeg.passes.graph_utils import val
+from fxmeg.passes.graph_utils import is_hop, subgraphs, val
 from fxmeg.program import Partition
 
 aten = torch.ops.aten
@@ -92,7 +95,10 @@ def cut(gm: fx.GraphModule, *, num_chunks: int, split_points: tuple[str, ...] | 
 
 def node_flops(node: fx.Node) -> float:
     """Forward FLOPs of a matmul-like node (linear, matmul, attention); 0 for the rest.
-    Attention counts QK^T and AV over the full square (as Megatron's formula does)."""
+    Attention counts QK^T and AV over the full square (as Megatron's formula does). A
+    higher-order op (an autocast or no-grad region) counts its bodies' nodes."""
+    if is_hop(node):
+        return sum(node_flops(n) for n in _body_nodes(node))
     out = val(node)
     ins = [val(n) for n in node.all_input_nodes]
     if node.target == aten.linear.default:
@@ -106,13 +112,20 @@ def node_flops(node: fx.Node) -> float:
 
 
 def node_cost(node: fx.Node) -> float:
-    """Forward cost of one node: FLOPs of matmuls and attention, plus bytes moved."""
+    """Forward cost of one node: FLOPs of matmuls and attention, plus bytes moved (a
+    higher-order op: the sum over its bodies' nodes)."""
+    if is_hop(node):
+        return sum(node_cost(n) for n in _body_nodes(node))
     out = val(node)
     ins = [val(n) for n in node.all_input_nodes]
     moved = sum(t.numel() * t.element_size() for t in (out, *ins) if isinstance(t, torch.Tensor))
     if node.target == aten.embedding.default:  # reads only the looked-up rows
         moved = 2 * out.numel() * out.element_size()
     return node_flops(node) + BYTE_COST * moved
+
+
+def _body_nodes(node: fx.Node) -> list[fx.Node]:
+    return [n for body in subgraphs(node) for n in body.graph.nodes if n.op == "call_function"]
 
 
 def find_blocks(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -19,6 +19,9 @@ For chunk k:
   * a parameter or buffer read by several chunks is a get_attr in each of them (the same
     tensor object): tied weights stay tied when chunks share a rank, and are recorded as
     tied groups for gradient all-reduce when they do not;
+  * a higher-order op (an autocast or no-grad region) runs in one chunk, which holds its
+    body under the same ``_fxmeg_hop`` name; values a no-grad region returns cross
+    boundaries with ``grad`` False;
   * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.program.ChunkSpec``;
   * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, partition).
 Later passes iterate the parent's chunks themselves.

@@ -4,7 +4,8 @@ A *region* of a chunk graph is moved into a parameter-free sub-graph that runs u
 ``torch.utils.checkpoint`` (non-reentrant): forward keeps only the region's inputs for
 backward, and backward runs the region again from them (with the same random state, so
 dropout masks repeat). Parameters enter a region as inputs, so the chunk's parameters,
-state dict and gradient buckets do not change.
+state dict and gradient buckets do not change; the body of a higher-order op in a region
+(an autocast or no-grad region of the model) moves into the region's graph with it.
 
   full       each transformer block is one region; ``num_layers`` limits it to the first
              that many blocks of every chunk (Megatron's "block" method). A block then
@@ -26,6 +27,7 @@ from fxmeg import ops
 from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.program import chunks
+from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
 
 aten = torch.ops.aten
@@ -163,14 +165,20 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
                 f"{nodes[0].name}..{last.name} (module {nodes[0].meta.get('fxmeg', {}).get('module')!r}); "
                 "this block's nodes are not contiguous, so it cannot be recomputed as one region"
             )
+    bodies = [i for i in inputs if is_subgraph(i)]  # a higher-order op's body: not a value
+    inputs = [i for i in inputs if i not in bodies]
     sub = fx.Graph()
     env = {i: sub.placeholder(i.name) for i in inputs}
     for i in inputs:
         env[i].meta = dict(i.meta)
+    for b in bodies:
+        env[b] = sub.get_attr(b.target)
+        env[b].meta = dict(b.meta)
     for n in nodes:
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
-    gm.add_submodule(name, Recompute(fx.GraphModule(nn.Module(), sub)))
+    region = fx.GraphModule({b.target: attr(gm, b.target) for b in bodies}, sub)
+    gm.add_submodule(name, Recompute(region))
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
@@ -184,3 +192,6 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
         anchor = part
     for n in reversed(nodes):
         gm.graph.erase_node(n)
+    for b in bodies:
+        if not b.users:
+            gm.graph.erase_node(b)

@@ -31,7 +31,9 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     materialises each rank's shard from these tags (``fxmeg.runtime.context``);
   * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
 Anything it cannot split safely is a PassError naming the node, the module, the numbers
-and a fix.
+and a fix. A higher-order op (an autocast or no-grad region, ``wrap``) whose operands are
+all replicated stays as it is; one that reads a split value is refused (its body is not
+split).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, val
+from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
 
@@ -128,6 +130,15 @@ class _TensorParallel:
             return self._vocab_loss(node)
         if not any(isinstance(p, (Shard, list)) for p in args):
             return None
+        if is_hop(node):
+            split = next(p for p in args if isinstance(p, (Shard, list)))
+            glob = re.sub(r"\.\d+\.", ".*.", owning_module(node) + ".") + "*"
+            raise self._unsupported(
+                node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap region "
+                "of the model) that reads a value split over tp ranks, and fxmeg does not split "
+                "the region's body", split if isinstance(split, Shard) else None,
+                fix=f"keep the linears that feed it whole with tp_plan={{{glob!r}: 'replicate'}}, "
+                    "or use tp=1")
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
@@ -537,14 +548,15 @@ class _TensorParallel:
                 f"{owning_module(node)!r}); {fix or f'choose tp in {choose}'}"
             )
 
-    def _unsupported(self, node: fx.Node, why: str, s=None) -> PassError:
+    def _unsupported(self, node: fx.Node, why: str, s=None, fix: str | None = None) -> PassError:
         module = owning_module(node)
         op = getattr(node.target, "__name__", str(node.target))
-        where, fix = "", "use tp=1 or set tp_plan for the linears around it"
+        where, default = "", "use tp=1 or set tp_plan for the linears around it"
         if isinstance(s, Shard):
             where = f" (split along dim {s.dim} by module {s.origin!r})"
             glob = re.sub(r"\.\d+\.", ".*.", s.origin)
-            fix = f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
+            default = f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
+        fix = fix or default
         return PassError(
             f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "
             f"ranks{where}: {why}. Fix: {fix}"

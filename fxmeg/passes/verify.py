@@ -85,7 +85,8 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
     dp = config.parallel.dp
     slots: dict[tuple[int, str], int] = {}
     for c, gm in enumerate(chunks(parent)):
-        shapes = {n.target: val(n).shape for n in gm.graph.nodes if n.op == "get_attr"}
+        shapes = {n.target: val(n).shape for n in gm.graph.nodes
+                  if n.op == "get_attr" and val(n) is not None}  # not a region's body
         for layout in buffer_layouts(gm):
             assert layout.dtype == torch.float32, f"buckets: chunk {c} buffer is {layout.dtype}"
             end = 0
