@@ -27,8 +27,8 @@ from fxmeg.runtime import collectives, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, build_groups
-from fxmeg.runtime.optimizer import Optimizer, OptimizerFactory, default_optimizer
-from fxmeg.sharding import tp_shard
+from fxmeg.runtime.optimizer import MasterSource, Optimizer, OptimizerFactory, default_optimizer
+from fxmeg.sharding import local_range, tp_shard
 from fxmeg.trace import Tracer
 
 
@@ -99,7 +99,7 @@ def build_context(
     par = config.parallel
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
-    chunks, masters = _materialise(program, groups)
+    chunks = _materialise(program, groups)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer)
@@ -111,7 +111,7 @@ def build_context(
         named, ddp, optimizer or default_optimizer, groups=groups, holders=program.holders,
         distributed=config.distributed_optimizer, overlap_param_gather=config.overlap_param_gather,
         tp_sharded={n for n, spec in tp_specs.items() if spec[0] == "shard"},
-        clip_grad=config.clip_grad, fp32_values=masters,
+        clip_grad=config.clip_grad, fp32_source=_master_source(program, groups),
         check_nonfinite=config.check_for_nan_in_grad or config.precision == "fp16",
         raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
         max_grad_norm=config.skip_on_grad_norm_above,
@@ -131,14 +131,12 @@ def build_context(
     )
 
 
-def _materialise(program: Program, groups: Groups) -> tuple[dict[int, fx.GraphModule], dict[str, torch.Tensor]]:
+def _materialise(program: Program, groups: Groups) -> dict[int, fx.GraphModule]:
     """Copies of this pipeline rank's chunk graphs holding this tp rank's parameter
     shards (one tensor per name, shared by every chunk that reads it; unsharded
-    parameters and buffers are the user's own), and the fp32 values of those shards
-    for half-precision masters."""
+    parameters and buffers are the user's own)."""
     tp, rank = groups.topo.tp, groups.tp_rank
     memo: dict[int, torch.Tensor] = {}
-    masters: dict[str, torch.Tensor] = {}
     mine = program.chunks_of(groups.pp_rank)
     for c in mine:
         for name, p in program.chunks[c].named_parameters():
@@ -148,10 +146,21 @@ def _materialise(program: Program, groups: Groups) -> tuple[dict[int, fx.GraphMo
     for c in mine:
         for t in (*program.chunks[c].parameters(), *program.chunks[c].buffers()):
             memo.setdefault(id(t), t)
-    for name, value in program.master_values.items():
-        masters[name] = tp_shard(value, program.tp_specs.get(name), tp, rank)
-    chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
-    return chunks, masters
+    return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
+
+
+def _master_source(program: Program, groups: Groups) -> MasterSource | None:
+    """Half precision: reads the fp32 master of elements [lo, hi) of this rank's shard of a
+    parameter straight from the user's fp32 tensor (only what the rank updates is made)."""
+    if not program.master_values:
+        return None
+    tp, rank = groups.topo.tp, groups.tp_rank
+
+    def source(name: str, lo: int, hi: int) -> torch.Tensor:
+        spec = program.tp_specs.get(name)
+        return local_range(program.master_values[name], spec, tp, rank, lo, hi, torch.float32)
+
+    return source
 
 
 def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer) -> DataParallel:

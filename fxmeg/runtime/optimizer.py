@@ -27,6 +27,8 @@ from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+MasterSource = Callable[[str, int, int], torch.Tensor]
+"""(parameter, lo, hi) -> fp32 values of elements [lo, hi) of this rank's flat shard of it."""
 
 
 def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
@@ -106,7 +108,7 @@ class Optimizer:
         check_nonfinite: bool,
         raise_on_nonfinite: bool = False,
         max_grad_norm: float = 0.0,
-        fp32_values: dict[str, torch.Tensor] | None = None,
+        fp32_source: MasterSource | None = None,
     ) -> None:
         self.groups, self.distributed, self.clip_grad = groups, distributed, clip_grad
         self.overlap_param_gather = overlap_param_gather
@@ -119,9 +121,9 @@ class Optimizer:
             for n, h in holders.items()
         }
         self.pieces = (
-            _sharded_pieces(ddp, groups.dp, counted, fp32_values)
+            _sharded_pieces(ddp, groups.dp, counted, fp32_source)
             if distributed
-            else [_full_piece(n, p, counted[n], fp32_values) for n, p in named.items()]
+            else [_full_piece(n, p, counted[n], fp32_source) for n, p in named.items()]
         )
         by_param: dict[int, list[torch.Tensor]] = {}
         for piece in self.pieces:
@@ -220,15 +222,14 @@ class Optimizer:
         return out
 
 
-def _full_piece(name, param, in_norm, fp32_values) -> _Piece:
+def _full_piece(name, param, in_norm, fp32_source) -> _Piece:
     if param.dtype == torch.float32:
         return _Piece(name, param, param, param.main_grad, None, in_norm, 0, param.numel())
-    start = fp32_values[name] if fp32_values and name in fp32_values else param.detach()
-    master = start.detach().clone().float()
+    master = _master(fp32_source, name, param.detach(), 0, param.numel()).view(param.shape)
     return _Piece(name, param, master, param.main_grad, param.data, in_norm, 0, param.numel())
 
 
-def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list[_Piece]:
+def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_source) -> list[_Piece]:
     """Per bucket, the parts of parameters inside this data-parallel rank's shard."""
     pieces = []
     for buf in ddp.all():
@@ -238,15 +239,23 @@ def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list
                 slot = buf.layout.slot(name)
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if a < b:
-                    pieces.append(_shard_piece(buf, name, a, b, first_holder[name], fp32_values))
+                    pieces.append(_shard_piece(buf, name, a, b, first_holder[name], fp32_source))
     return pieces
 
 
-def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_values) -> _Piece:
+def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_source) -> _Piece:
     param, grad, storage = buf.params[name], buf.data[a:b], buf.param_data[a:b]
     offset = buf.layout.slot(name).offset
     lo, hi = a - offset, b - offset
     if storage.dtype == torch.float32:
         return _Piece(name, param, storage, grad, None, in_norm, lo, hi)
-    source = fp32_values[name].reshape(-1)[lo:hi] if fp32_values and name in fp32_values else storage
-    return _Piece(name, param, source.detach().clone().float(), grad, storage, in_norm, lo, hi)
+    return _Piece(name, param, _master(fp32_source, name, storage, lo, hi), grad, storage, in_norm, lo, hi)
+
+
+def _master(fp32_source, name: str, half: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The fp32 master of elements [lo, hi) of ``name``'s local shard: from the user's fp32
+    values when the model was cast for half precision, else from the half-precision
+    values themselves (``half`` holds exactly those elements)."""
+    if fp32_source is not None:
+        return fp32_source(name, lo, hi)
+    return half.detach().float().reshape(-1).clone()

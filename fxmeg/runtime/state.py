@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
-from fxmeg.sharding import Pieces, flat_to_boxes, local_to_global, view
+from fxmeg.sharding import Pieces, flat_index, flat_to_boxes, local_to_global, view
 
 
 def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
@@ -103,7 +103,7 @@ def optimizer_entries(program: Program, ctx: RankContext, keys: set[str] | None 
             flat = t.detach().reshape(-1)
             entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), []))
             for box in flat_to_boxes(shape, piece.lo, piece.hi):
-                start = _flat_index(shape, box[0]) - piece.lo
+                start = flat_index(shape, box[0]) - piece.lo
                 box_view = flat[start : start + math.prod(box[1])].view(box[1])
                 for g, l in local_to_global(box, spec, tp, rank):
                     rel = tuple(a - b for a, b in zip(l[0], box[0]))
@@ -116,13 +116,6 @@ def scalars(ctx: RankContext) -> dict[str, float]:
     for state in ctx.optimizer.inner.state.values():
         return {k: float(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
     return {}
-
-
-def _flat_index(shape, offsets) -> int:
-    index = 0
-    for size, off in zip(shape, offsets):
-        index = index * size + off
-    return index
 
 
 def layout(ctx: RankContext) -> dict:
