@@ -111,6 +111,18 @@ def tp_shard(full: torch.Tensor, spec: tuple | None, tp: int, rank: int) -> torc
     return torch.cat(pieces, dim)
 
 
+def tp_assemble(shards: Sequence[torch.Tensor], spec: tuple) -> torch.Tensor:
+    """The full tensor from every tp rank's shard under ``spec`` (``tp_shard``'s inverse):
+    rank r holds the r-th tp-th of every block along the split dim, blocks end to end."""
+    _, dim, parts = spec
+    tp = len(shards)
+    blocks, offset = [], 0
+    for p in parts:
+        blocks.extend(s.narrow(dim, offset, p // tp) for s in shards)
+        offset += p // tp
+    return torch.cat(blocks, dim)
+
+
 def view(t: torch.Tensor, box: Box) -> torch.Tensor:
     """The box of ``t`` as a view."""
     for d, (o, s) in enumerate(zip(*box)):
