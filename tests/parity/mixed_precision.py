@@ -21,7 +21,7 @@ device, with nothing of fxmeg but its parameter groups:
     masters, then the masters copied into the half-precision parameters.
 
 With ``dtype=torch.float64`` the same loop is plain float64 training (float64 masters,
-no scale): the yardstick of the developers' rule that a correct run is no farther from
+no scale; ``skips`` names the steps an fp16 run skipped): the yardstick of the developers' rule that a correct run is no farther from
 float64 than the oracle is.
 """
 

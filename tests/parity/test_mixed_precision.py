@@ -6,14 +6,17 @@ Llama (untied, 4 layers, hidden 32), 10 steps:
     the same loss scales (fp16: a dynamic scale that grows, then overflows and backs off);
   * every fp32 master within 1e-3 (relative norm) of the oracle's, gathered from every
     rank's optimizer pieces, for the layouts without tensor parallelism: their arithmetic
-    is the oracle's up to the order of fp32 sums (they agree to 2e-9, pipelines bitwise);
+    is the oracle's up to the order of fp32 sums (they agree to 5e-9, pipelines bitwise);
   * with tensor parallelism the half-precision partial sums of row-parallel layers are
     rounded and reduced across tp ranks (as in Megatron), a different rounding than one
-    device's, and Adam amplifies it: the masters land up to 7.5e-3 (bf16) / 4.1e-3
-    (fp16) from the oracle's on one parameter (v_proj), 9.9e-4 / 3.2e-4 over all of them,
-    while the oracle itself is 1.1e-3 / 2.7e-4 from float64. There the developers' rule
-    applies: the masters are no farther from a float64 run of the same training than
-    the oracle is, over all parameters, within FLOAT64_SLACK (measured ratios 0.70 to 1.32);
+    device's, and Adam amplifies it: the masters land up to 7.2e-3 (bf16) / 3.6e-3
+    (fp16) from the oracle's on one parameter (v_proj), 9.4e-4 / 2.7e-4 over all of them,
+    about as far as the oracle itself is from float64 (9.1e-4 to 1.1e-3 / 1.2e-4 to
+    2.2e-4). There the developers' rule applies instead: the masters, all parameters
+    together, are no farther from a float64 run of the same training (same skipped steps)
+    than the oracle's, within FLOAT64_SLACK. Measured ratios: 0.70 to 1.30 here, 0.70 to
+    1.40 with another model and data seed; stepping the half-precision parameters
+    directly gives 3.8 to 4.3 (bf16).
   * pipeline-only layouts are bitwise the same engine at world size 1;
   * masters start from the user's fp32 values, and at tp2 x dp2 each rank keeps masters
     of exactly the elements it updates.
@@ -175,10 +178,12 @@ def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_fp16_loss_scale_grows_and_skips():
     """The matrix's fp16 runs exercise both halves of the dynamic scale (per the oracle,
     which every fp16 case matches step by step: skips and scales)."""
-    ref = oracle(next(s for s in MATRIX if s.precision == "fp16"))
-    assert any(ref["skipped"]) and not all(ref["skipped"][:3])
-    assert any(b > a for a, b in zip(ref["scales"], ref["scales"][1:]))  # grew
-    assert any(b < a for a, b in zip(ref["scales"], ref["scales"][1:]))  # backed off
+    for sc in MATRIX:
+        if sc.precision == "fp16":
+            ref = oracle(sc)
+            assert 0 < sum(ref["skipped"]) <= 3, sc.id
+            assert any(b > a for a, b in zip(ref["scales"], ref["scales"][1:])), sc.id  # grew
+            assert any(b < a for a, b in zip(ref["scales"], ref["scales"][1:])), sc.id  # backed off
 
 
 def test_clipping_is_active():
@@ -229,8 +234,8 @@ def test_each_rank_keeps_masters_of_what_it_updates_only(results, sc):
     it updates: its tp shards whole without the distributed optimizer, with it its dp
     shard of every bucket, from the layout; never a parameter the rank does not hold."""
     distributed = dict(sc.options).get("distributed_optimizer", False)
-    for r in results[sc.world]:
-        r = r[sc.id]
+    ranks = [r[sc.id] for r in results[sc.world]]
+    for r in ranks:
         assert {name for name, *_ in r["pieces"]} <= set(r["params"])
         if not distributed:
             assert r["masters"] == sum(r["params"].values())
@@ -244,4 +249,6 @@ def test_each_rank_keeps_masters_of_what_it_updates_only(results, sc):
                     shard += sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset))
                                  for s in lay.slots if s.bucket == b.index)
         assert r["masters"] == shard
-        assert shard < sum(r["params"].values()) * 0.6  # about half of the rank's shards
+    if distributed:  # the dp ranks' shards partition each tp rank's parameters exactly once
+        held = sum(sum(r["params"].values()) for r in ranks)
+        assert sum(r["masters"] for r in ranks) == held // sc.dp
