@@ -42,10 +42,12 @@ def parallelize(
     ``example_inputs`` is one micro-batch, e.g. ``(input_ids, labels)``; the model returns
     its mean loss (or pass ``loss_fn(model, *batch) -> (loss_sum, num_tokens)``).
     ``optimizer`` is a factory receiving parameter groups (see
-    ``fxmeg.runtime.optimizer.param_groups``); default AdamW. ``options`` are the fields
-    of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points, sequence_parallel,
+    ``fxmeg.runtime.optimizer.param_groups``) and returning an optimizer, or several over
+    disjoint parameters (``fxmeg.runtime.optimizer.muon_adamw``); default AdamW.
+    ``options`` are the fields of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points, sequence_parallel,
     tp_plan) and ``EngineConfig`` (micro_batch_size, global_batch_size, precision,
-    clip_grad, distributed_optimizer, ...), checked before any process-group work.
+    clip_grad, distributed_optimizer, optimizer_sharding, ...), checked before any
+    process-group work.
     Or pass a whole ``config`` (an EngineConfig) instead of options: it is resolved
     against the world size (``EngineConfig.resolve``: dp=None becomes world // (tp * pp))
     and used as is.

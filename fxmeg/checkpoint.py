@@ -99,7 +99,7 @@ class Checkpointer:
         program, ctx = self.program, self.context
         ctx.ddp.wait_for_params()
         state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx)}
-        state["optim/scalars"] = scalars(ctx)
+        state["optim/scalars"] = self._scalars(ctx)
         state["scaler"] = ctx.scaler.state_dict() if ctx.scaler else None
         state["scheduler"] = ctx.scheduler.state_dict() if ctx.scheduler else None
         state["trainer"] = trainer_state | {"global_batch_size": ctx.config.global_batch_size}
@@ -116,6 +116,16 @@ class Checkpointer:
             self._write(state, path, directory, meta)
             self._raise()
         return path
+
+    def _scalars(self, ctx) -> dict[str, float]:
+        """Scalar optimizer states merged over every rank: a rank may hold no parameter of
+        some inner optimizer (layer-wise sharding), the checkpoint needs them all."""
+        mine = scalars(ctx)
+        if self.group is None:
+            return mine
+        every: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        return {k: v for s in reversed(every) for k, v in s.items()}  # the lowest rank's value wins
 
     def wait(self) -> None:
         """Block until the background save (if any) has finished; re-raise its error."""
@@ -160,17 +170,17 @@ class Checkpointer:
             meta = json.load(f)
         _check_model(meta, program, path)
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
-        keys = {k.split("/")[1] for k in saved if k.startswith("optim/") and k.count("/") == 2}
-        state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, keys)}
+        entries = {k for k in saved if k.startswith("optim/") and k.count("/") == 2}
+        keys = {k.split("/")[1] for k in entries}
+        state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, entries)}
         if ctx.config.precision != "fp32" and "master" not in keys:
             raise CheckpointError(f"{path} has no fp32 masters (saved in fp32); load it with precision='fp32'")
         objects = ["optim/scalars", "scaler", "scheduler", "trainer", f"rng/{_rank()}"]
         state |= {k: None for k in objects if k in saved}
         dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                  process_group=self.group, no_dist=self.group is None)
+        ctx.optimizer.reload()  # parameters follow loaded masters (or full-matrix masters the parameters)
         for piece in ctx.optimizer.pieces:
-            if piece.target is not None:  # half precision: the parameters follow the masters
-                piece.target.copy_(piece.master)
             inner = ctx.optimizer.inner.state[piece.master]
             for key, value in (state.get("optim/scalars") or {}).items():
                 inner[key] = torch.tensor(value, dtype=torch.float32)

@@ -21,6 +21,8 @@ GRANULARITIES = ("none", "selective", "full")
 P2P_MODES = ("paired", "eager")
 """Where pipeline sends / receives are posted (see EngineConfig.p2p)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
+"""How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -128,6 +130,11 @@ class EngineConfig:
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 masters and gradients)."""
     distributed_optimizer: bool = False
     """ZeRO-1: each data-parallel rank keeps masters and optimizer state for its shard."""
+    optimizer_sharding: str = "auto"
+    """Distributed optimizer: 'elementwise' (flat equal slices of every bucket, for
+    elementwise optimizers such as AdamW), 'layerwise' (whole parameters per rank,
+    balanced by elements, stepped with their full shape: Muon, Shampoo-like ones) or
+    'auto' (layerwise when an inner optimizer is known not to be elementwise)."""
     overlap_param_gather: bool = False
     """Distributed optimizer: all-gather updated parameters in the background and wait
     for each bucket only just before the next forward first reads it."""
@@ -189,6 +196,19 @@ class EngineConfig:
         if self.p2p not in ("auto", *P2P_MODES):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ConfigError(f"optimizer_sharding={self.optimizer_sharding!r} is not one of "
+                              f"{OPTIMIZER_SHARDINGS}" + closest(self.optimizer_sharding, OPTIMIZER_SHARDINGS))
+        if self.optimizer_sharding != "auto" and not self.distributed_optimizer:
+            raise ConfigError(
+                f"optimizer_sharding={self.optimizer_sharding!r} needs distributed_optimizer=True "
+                "(without it every data-parallel rank updates every whole parameter)"
+            )
+        if self.overlap_param_gather and self.optimizer_sharding == "layerwise":
+            raise ConfigError(
+                "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
+                "optimizer gathers whole parameters in one all-gather after the step)"
+            )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(
                 "overlap_param_gather=True needs distributed_optimizer=True (only the "

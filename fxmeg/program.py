@@ -232,7 +232,8 @@ class Program:
     parameters: Mapping[str, nn.Parameter]
     """Trainable parameter FQN -> the user's parameter (what the runtime materialises)."""
     master_values: Mapping[str, torch.Tensor]
-    """Half precision: each parameter's fp32 value before the model was cast (empty in fp32)."""
+    """Half precision: each parameter's fp32 tensor from before the model was cast (the
+    user's own storage, not a copy; empty in fp32)."""
     untrained: Mapping[str, torch.Tensor]
     """State-dict entries no chunk trains (buffers, frozen parameters), as the model has them."""
     aliases: Mapping[str, tuple[str, ...]]

@@ -72,6 +72,32 @@ def local_to_global(box: Box, spec: tuple | None, tp: int, rank: int) -> list[tu
     return out
 
 
+def flat_index(shape: Sequence[int], offsets: Sequence[int]) -> int:
+    """Row-major flat index of ``offsets`` in a tensor of ``shape``."""
+    index = 0
+    for size, off in zip(shape, offsets):
+        index = index * size + off
+    return index
+
+
+def local_range(full: torch.Tensor, spec: tuple | None, tp: int, rank: int, lo: int, hi: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Elements [lo, hi) of tp rank ``rank``'s flattened shard of ``full``, read from the
+    full tensor into a new tensor of ``dtype`` and ``hi - lo`` elements (nothing of the
+    shard outside the range is made)."""
+    shape = list(full.shape)
+    if spec is not None and spec[0] == "shard" and tp > 1:
+        shape[spec[1]] //= tp
+    out = torch.empty(hi - lo, dtype=dtype, device=full.device)
+    for box in flat_to_boxes(shape, lo, hi):
+        start = flat_index(shape, box[0]) - lo
+        dst = out[start : start + math.prod(box[1])].view(box[1])
+        for g, local in local_to_global(box, spec, tp, rank):
+            rel = tuple(a - b for a, b in zip(local[0], box[0]))
+            view(dst, (rel, local[1])).copy_(view(full.detach(), g))
+    return out
+
+
 def tp_shard(full: torch.Tensor, spec: tuple | None, tp: int, rank: int) -> torch.Tensor:
     """Tensor-parallel rank ``rank``'s shard of ``full`` under ``spec`` (a new tensor):
     along the split dim, the rank-th tp-th of every block, blocks end to end."""
@@ -83,6 +109,18 @@ def tp_shard(full: torch.Tensor, spec: tuple | None, tp: int, rank: int) -> torc
         pieces.append(full.detach().narrow(dim, start + rank * (p // tp), p // tp))
         start += p
     return torch.cat(pieces, dim)
+
+
+def tp_assemble(shards: Sequence[torch.Tensor], spec: tuple) -> torch.Tensor:
+    """The full tensor from every tp rank's shard under ``spec`` (``tp_shard``'s inverse):
+    rank r holds the r-th tp-th of every block along the split dim, blocks end to end."""
+    _, dim, parts = spec
+    tp = len(shards)
+    blocks, offset = [], 0
+    for p in parts:
+        blocks.extend(s.narrow(dim, offset, p // tp) for s in shards)
+        offset += p // tp
+    return torch.cat(blocks, dim)
 
 
 def view(t: torch.Tensor, box: Box) -> torch.Tensor:

@@ -76,8 +76,9 @@ def transform(
     pass (for tests and notebooks).
 
     With precision bf16 / fp16 the model's parameters and floating buffers are cast in
-    place before capture (as Megatron's Float16Module); their fp32 values are kept in
-    ``Program.master_values``, from which each rank makes its fp32 masters.
+    place before capture (as Megatron's Float16Module); their fp32 tensors are kept (not
+    copied) in ``Program.master_values``, from which each rank reads the fp32 masters of
+    exactly the elements it updates.
     """
     if config is None:
         config = make_config(example, world=None, **options)
@@ -102,11 +103,13 @@ def transform(
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Cast the model in place to ``dtype``; the parameters' fp32 values before it."""
+    """Cast the model in place to ``dtype``; the parameters' fp32 values from before it:
+    the user's own fp32 tensors, kept (not copied) while the parameters move to new
+    half-precision storage, so fxmeg allocates no fp32 copy of any parameter."""
     if dtype == torch.float32:
         return {}
-    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.to(dtype)  # parameters and floating buffers, in place
+    masters = {n: p.detach() for n, p in model.named_parameters()}
+    model.to(dtype)  # parameters and floating buffers, in place: `p.data` becomes a new tensor
     return masters
 
 

@@ -16,6 +16,7 @@ from torch import nn
 import fxmeg
 from fxmeg.checkpoint import Checkpointer
 from fxmeg.cli import _train_parser, config_from
+from fxmeg.runtime.optimizer import muon_adamw
 from tests.distributed import run_world
 from tests.helpers import make_batch, make_model
 
@@ -124,6 +125,9 @@ ROWS = {
                        "unknown option 'on_nonfinit' (did you mean 'on_nonfinite'?)"),
     "sequence-parallel-without-tp": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), sequence_parallel=True),
                                      "sequence_parallel=True needs tp > 1"),
+    "optimizer-sharding": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), distributed_optimizer=True,
+                                                     optimizer_sharding="elementwise", optimizer=muon_adamw()),
+                           "the inner optimizer Muon needs whole parameters; use optimizer_sharding='layerwise'"),
     "config-file-key": (lambda: _config_file('data = "x"\ntrain_iters = 1\nglobal_bach_size = 8\n'),
                         "unknown config key 'global_bach_size'"),
     "batch-size-schedule": (lambda: _config_file('data = "x"\ntrain_iters = 1\nstep_batch_size_schedule = "64:16 128:8"\nglobal_batch_size = 8\n'),

@@ -42,7 +42,8 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     """Lay out every chunk's parameter gradients (``config``: dp, bucket size, whether
     the distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
-    dp, shard, size = config.parallel.dp, config.distributed_optimizer, config.resolved_bucket_size
+    dp, size = config.parallel.dp, config.resolved_bucket_size
+    shard = config.distributed_optimizer and config.optimizer_sharding != "layerwise"  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():

@@ -1,6 +1,8 @@
 """This rank's runtime, built from the rank-free Program (docs/design.md §1, §4).
 
-``build_context(program, config)`` creates, in this order: the process groups; this
+``build_context(program, config)`` creates, in this order: the optimizer plan (what the
+factory builds, and so how the distributed optimizer shards: checked before anything
+else); the process groups; this
 rank's chunks, bound (copies of the Program's chunk graphs whose tensor-parallel
 parameters are materialised as this rank's shards, and whose symbolic group names and
 param-gather markers point at this rank's objects); the data-parallel gradient buffers;
@@ -28,8 +30,16 @@ from fxmeg.runtime import collectives, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, build_groups
-from fxmeg.runtime.optimizer import Optimizer, OptimizerFactory, default_optimizer
-from fxmeg.sharding import tp_shard
+from fxmeg.runtime.optimizer import (
+    FullSource,
+    MasterSource,
+    Optimizer,
+    OptimizerFactory,
+    default_optimizer,
+    param_groups,
+    plan_optimizers,
+)
+from fxmeg.sharding import local_range, tp_shard
 from fxmeg.trace import Tracer
 
 
@@ -96,21 +106,25 @@ def build_context(
     """This rank's runtime for ``program`` (collective: every rank calls it)."""
     config = config or program.config
     par = config.parallel
+    factory = optimizer or default_optimizer
+    template = param_groups(program.parameters.items())  # the whole model's groups, on every rank
+    plan = plan_optimizers(factory, template, program.device)
+    sharding = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
+                             overlap_param_gather=config.overlap_param_gather)
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
-    chunks, masters = _materialise(program, groups)
+    chunks = _materialise(program, groups)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
-    ddp = _data_parallel(program, config, chunks, groups, tracer)
+    ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
     names = {"tp": groups.tp.group_name} if groups.tp is not None else {}
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather)
-    tp_specs = program.tp_specs
     opt = Optimizer(
-        named, ddp, optimizer or default_optimizer, groups=groups, holders=program.holders,
-        distributed=config.distributed_optimizer, overlap_param_gather=config.overlap_param_gather,
-        tp_sharded={n for n, spec in tp_specs.items() if spec[0] == "shard"},
-        clip_grad=config.clip_grad, fp32_values=masters,
+        named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
+        sharding=sharding, tp_specs=program.tp_specs, overlap_param_gather=config.overlap_param_gather,
+        clip_grad=config.clip_grad, fp32_source=_master_source(program, groups),
+        full_source=_full_source(program),
         check_nonfinite=config.check_for_nan_in_grad or config.precision == "fp16",
         raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
         max_grad_norm=config.skip_on_grad_norm_above,
@@ -130,14 +144,12 @@ def build_context(
     )
 
 
-def _materialise(program: Program, groups: Groups) -> tuple[dict[int, fx.GraphModule], dict[str, torch.Tensor]]:
+def _materialise(program: Program, groups: Groups) -> dict[int, fx.GraphModule]:
     """Copies of this pipeline rank's chunk graphs holding this tp rank's parameter
     shards (one tensor per name, shared by every chunk that reads it; unsharded
-    parameters and buffers are the user's own), and the fp32 values of those shards
-    for half-precision masters."""
+    parameters and buffers are the user's own)."""
     tp, rank = groups.topo.tp, groups.tp_rank
     memo: dict[int, torch.Tensor] = {}
-    masters: dict[str, torch.Tensor] = {}
     mine = program.chunks_of(groups.pp_rank)
     for c in mine:
         for name, p in program.chunks[c].named_parameters():
@@ -147,19 +159,39 @@ def _materialise(program: Program, groups: Groups) -> tuple[dict[int, fx.GraphMo
     for c in mine:
         for t in (*program.chunks[c].parameters(), *program.chunks[c].buffers()):
             memo.setdefault(id(t), t)
-    for name, value in program.master_values.items():
-        masters[name] = tp_shard(value, program.tp_specs.get(name), tp, rank)
-    chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
-    return chunks, masters
+    return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
 
 
-def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer) -> DataParallel:
+def _master_source(program: Program, groups: Groups) -> MasterSource | None:
+    """Half precision: reads the fp32 master of elements [lo, hi) of this rank's shard of a
+    parameter straight from the user's fp32 tensor (only what the rank updates is made)."""
+    if not program.master_values:
+        return None
+    tp, rank = groups.topo.tp, groups.tp_rank
+
+    def source(name: str, lo: int, hi: int) -> torch.Tensor:
+        spec = program.tp_specs.get(name)
+        return local_range(program.master_values[name], spec, tp, rank, lo, hi, torch.float32)
+
+    return source
+
+
+def _full_source(program: Program) -> FullSource | None:
+    """Half precision: a parameter's full fp32 master from the user's fp32 tensor (a full
+    matrix stepped by an optimizer that needs the whole shape)."""
+    if not program.master_values:
+        return None
+    return lambda name: program.master_values[name].detach().float().clone()
+
+
+def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer, *,
+                   shard: bool) -> DataParallel:
     events = Events()
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     buffers = {
         c: [
             GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp,
-                       overlap=config.overlap_grad_reduce, shard=config.distributed_optimizer,
+                       overlap=config.overlap_grad_reduce, shard=shard,
                        events=events, deferred=deferred, tracer=tracer)
             for layout in program.buffers[c]
         ]

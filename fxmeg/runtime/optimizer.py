@@ -1,44 +1,69 @@
-"""The optimizer around the user's inner optimizer (docs/design.md §8.7; Megatron's
-MixedPrecisionOptimizer, Float16OptimizerWithFloat16Params and DistributedOptimizer).
+"""The optimizer around the user's inner optimizer(s) (docs/design.md §6.3-6.4, §8.7;
+Megatron's MixedPrecisionOptimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer
+and its layer-wise variant).
 
-The inner optimizer steps fp32 *masters*, one per piece of a parameter this rank updates:
-  * fp32 parameters, no distributed optimizer: the parameter itself;
-  * bf16 / fp16 parameters, no distributed optimizer: a full fp32 copy (every rank);
-  * distributed optimizer (ZeRO-1): only the part of each parameter that falls in this
-    data-parallel rank's shard of its bucket; for fp32 parameters that part of the
-    parameter buffer itself, for half precision an fp32 copy of it.
-A master's gradient is the matching view of the fp32 gradient buffer. ``step`` checks
-for inf/NaN (fp16) everywhere, clips the global norm, steps, copies masters back into
-the parameters and all-gathers the updated shards.
+The inner optimizers step fp32 *masters*, one per piece of a parameter this rank updates:
+  * no distributed optimizer: every parameter, whole, on every rank: fp32 parameters
+    themselves, half precision a full fp32 copy;
+  * distributed optimizer, ``optimizer_sharding='elementwise'`` (ZeRO-1): only the part of
+    each parameter that falls in this data-parallel rank's shard of its bucket; for fp32
+    parameters that part of the parameter buffer itself, for half precision an fp32 copy;
+  * distributed optimizer, ``'layerwise'``: the whole parameters assigned to this
+    data-parallel rank (``fxmeg.runtime.layerwise.assign``), as in the first case.
+A whole parameter split over tensor-parallel ranks is stepped as its *full* matrix when its
+inner optimizer is not known to be elementwise (``is_elementwise``): the tp ranks gather its
+gradient, step identical fp32 full masters and each keeps its own shard of the result.
+
+A master's gradient is the matching view of the fp32 gradient buffer (for a full matrix, the
+gathered gradient). ``step`` checks for inf/NaN (fp16) everywhere, clips the global norm,
+steps, copies masters back into the parameters and brings every data-parallel rank the
+updated values (all-gather of bucket shards, or of the layer-wise owners' parameters).
+
+The factory may return one optimizer or several over disjoint parameters (e.g. Muon for
+matrices and AdamW for the rest, ``muon_adamw``). It is called twice: once on stand-ins of
+every parameter's full shape, to learn which optimizer takes which parameter and whether it
+is elementwise (``OptimizerPlan``), then on this rank's masters; both calls must route
+every parameter to the same optimizer.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.errors import FxmegError
+from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
+from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
+from fxmeg.sharding import tp_shard
 
-OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[dict]], "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]"]
+MasterSource = Callable[[str, int, int], torch.Tensor]
+"""(parameter, lo, hi) -> fp32 values of elements [lo, hi) of this rank's flat shard of it."""
+FullSource = Callable[[str], torch.Tensor]
+"""parameter -> its full (tensor-parallel-unsharded) fp32 values, a new tensor."""
 
 
 def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
     """Megatron's default groups: weight decay for matrices, none for 1-D parameters
     (biases, norm weights); ``wd_mult`` tells a weight-decay schedule which groups it
-    drives. A factory that wants one group can flatten them:
+    drives; ``param_names`` (torch's optional group key) names each parameter. A factory
+    that wants one group can flatten them:
     ``lambda groups: AdamW([p for g in groups for p in g["params"]])``."""
-    decay, no_decay = [], []
-    for _, p in named:
+    decay, no_decay = ([], []), ([], [])
+    for name, p in named:
         if p.requires_grad:
-            (no_decay if p.dim() <= 1 else decay).append(p)
-    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+            names, params = no_decay if p.dim() <= 1 else decay
+            names.append(name)
+            params.append(p)
+    groups = [{"params": decay[1], "param_names": decay[0], "wd_mult": 1.0},
+              {"params": no_decay[1], "param_names": no_decay[0], "weight_decay": 0.0, "wd_mult": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -56,6 +81,208 @@ def default_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
     return adamw(groups)
 
 
+ADAMW_ONLY = ("*embed*", "*wte*", "*wpe*", "*lm_head*")
+"""Name patterns (fnmatch) of 2-D parameters ``muon_groups`` leaves to AdamW: input
+embeddings and the output head (Muon is meant for hidden layers' matrices)."""
+
+
+def muon_groups(groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY) -> tuple[list[dict], list[dict]]:
+    """fxmeg's parameter groups split for Muon + AdamW: (Muon's groups: 2-D parameters
+    whose name matches none of ``adamw_only``; AdamW's groups: the rest), each keeping its
+    group's options. Every group is kept on both sides, possibly empty, so every rank
+    builds the same groups whatever parameters it updates."""
+    muon, rest = [], []
+    for g in groups:
+        names = g.get("param_names")
+        if names is None:
+            raise ConfigError("muon_groups needs each group's 'param_names' (fxmeg's param_groups give them)")
+        pick = [p.dim() == 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in adamw_only)
+                for n, p in zip(names, g["params"])]
+        for side, want in ((muon, True), (rest, False)):
+            chosen = [i for i, m in enumerate(pick) if m == want]
+            side.append({**g, "params": [g["params"][i] for i in chosen],
+                         "param_names": [names[i] for i in chosen]})
+    return muon, rest
+
+
+def muon_adamw(
+    lr: float = 1e-3, weight_decay: float = 0.1, *, momentum: float = 0.95, nesterov: bool = True,
+    ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw", betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8, adamw_lr: float | None = None, adamw_only: Sequence[str] = ADAMW_ONLY,
+) -> OptimizerFactory:
+    """A factory for ``parallelize(optimizer=...)``: torch.optim.Muon on the hidden layers'
+    matrices, AdamW (``adamw``) on everything else (``muon_groups``). With Moonshot's
+    ``adjust_lr_fn='match_rms_adamw'`` one lr and weight decay serve both; ``adamw_lr``
+    gives AdamW its own lr (kept as ``lr_mult`` so an lr schedule keeps the ratio). Muon
+    refuses 1-D parameters, so it never sees biases or norms. With the distributed
+    optimizer it runs layer-wise (``optimizer_sharding='auto'`` picks it)."""
+
+    def factory(groups: list[dict]) -> list[torch.optim.Optimizer]:
+        matrices, rest = muon_groups(groups, adamw_only=adamw_only)
+        if adamw_lr is not None:
+            rest = [{**g, "lr_mult": g.get("lr_mult", 1.0) * adamw_lr / lr} for g in rest]
+        return [
+            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
+            adamw(rest, lr=lr if adamw_lr is None else adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay),
+        ]
+
+    return factory
+
+
+_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD",
+    "SparseAdam") if hasattr(torch.optim, n))
+_WHOLE = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
+
+
+def is_elementwise(optimizer) -> bool | None:
+    """True when each element's update reads only that element's gradient and state (any
+    cut into pieces steps exactly as the whole), False when it needs the parameter's whole
+    shape, None when fxmeg does not know. An optimizer declares it with a boolean
+    ``elementwise`` attribute (class or instance); else torch's own are known: SGD, Adam,
+    AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD are elementwise,
+    Muon and Adafactor (factored second moments) are not."""
+    declared = getattr(optimizer, "elementwise", None)
+    if isinstance(declared, bool):
+        return declared
+    if isinstance(optimizer, _WHOLE):
+        return False
+    if isinstance(optimizer, _ELEMENTWISE):
+        return True
+    return None
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """What the factory builds, learnt on stand-ins of every parameter's full shape."""
+
+    kinds: tuple[str, ...]
+    """Class name of each inner optimizer, in the factory's order."""
+    elementwise: tuple[bool | None, ...]
+    """``is_elementwise`` of each."""
+    route: Mapping[str, int]
+    """Parameter -> index of the inner optimizer that updates it."""
+
+    def whole(self, name: str) -> bool:
+        """Whether ``name``'s optimizer must see the whole (tp-unsharded) parameter: unless
+        it is known to be elementwise."""
+        return self.elementwise[self.route[name]] is not True
+
+    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False) -> str:
+        """'none' without the distributed optimizer, else 'elementwise' or 'layerwise'
+        ('auto': layerwise iff an inner optimizer is known not to be elementwise).
+        Raises ConfigError when the request cannot hold (before any process group)."""
+        if not distributed:
+            return "none"
+        whole = [k for k, e in zip(self.kinds, self.elementwise) if e is False]
+        chosen = requested if requested != "auto" else ("layerwise" if whole else "elementwise")
+        if chosen == "elementwise" and whole:
+            raise ConfigError(
+                f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
+                f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
+                "optimizer_sharding='layerwise' (or 'auto')"
+            )
+        if chosen == "layerwise" and overlap_param_gather:
+            raise ConfigError(
+                f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
+                f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
+                "parameters); set overlap_param_gather=False"
+            )
+        return chosen
+
+
+def plan_optimizers(factory: OptimizerFactory, template: list[dict], device: torch.device) -> OptimizerPlan:
+    """Call ``factory`` on ``template`` (fxmeg's groups of the whole model) with every
+    parameter replaced by a stand-in of its full shape that holds no memory; learn which
+    optimizer takes which parameter. Refuses a factory that leaves a parameter out or
+    gives one to two optimizers."""
+    stand_ins = {n: torch.empty((), device=device).expand(p.shape)
+                 for g in template for n, p in zip(g["param_names"], g["params"])}
+    groups = [{**g, "params": [stand_ins[n] for n in g["param_names"]]} for g in template]
+    optimizers = _as_list(factory(groups))
+    route = _route(optimizers, {id(t): n for n, t in stand_ins.items()})
+    return OptimizerPlan(tuple(type(o).__name__ for o in optimizers),
+                         tuple(is_elementwise(o) for o in optimizers), route)
+
+
+def _as_list(made) -> list:
+    if hasattr(made, "param_groups"):
+        return [made]
+    if isinstance(made, (list, tuple)) and made and all(hasattr(o, "param_groups") for o in made):
+        return list(made)
+    raise ConfigError(f"the optimizer factory must return an optimizer or a non-empty list of them; got {made!r}")
+
+
+def _route(optimizers: list, name_of: dict[int, str]) -> dict[str, int]:
+    """Parameter name -> index of the optimizer holding it; each exactly once."""
+    route: dict[str, int] = {}
+    for i, opt in enumerate(optimizers):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                name = name_of.get(id(p))
+                if name is None:
+                    raise ConfigError(f"optimizer {i} ({type(opt).__name__}) holds a tensor that is not one of "
+                                      "the parameter groups' tensors; build the optimizers from the groups given")
+                if name in route:
+                    raise ConfigError(f"parameter {name!r} is in optimizer {route[name]} and optimizer {i}; "
+                                      "several optimizers must hold disjoint parameters")
+                route[name] = i
+    missing = sorted(set(name_of.values()) - set(route))
+    if missing:
+        raise ConfigError(f"{len(missing)} parameter(s) are in no optimizer the factory returned, e.g. "
+                          f"{missing[:3]}; every parameter must be updated by exactly one")
+    return route
+
+
+class Optimizers:
+    """Several inner optimizers over disjoint parameters, used as one: their
+    ``param_groups`` end to end (the lr schedule drives them all; the first group's lr
+    is the step's reported lr), ``state`` by master, ``step`` steps each in order."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.state = _States(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+class _States(MutableMapping):
+    """The inner optimizers' states as one mapping, each master's in its own optimizer."""
+
+    def __init__(self, optimizers: list) -> None:
+        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+        self._optimizers = optimizers
+
+    def __getitem__(self, key):
+        owner = self._owner.get(id(key))
+        if owner is None or key not in owner.state:
+            raise KeyError(key)
+        return owner.state[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._owner[id(key)].state[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._owner[id(key)].state[key]
+
+    def __iter__(self) -> Iterator:
+        return (k for o in self._optimizers for k in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
 @dataclass
 class _Piece:
     """One contiguous part of a parameter that this rank's inner optimizer updates."""
@@ -65,15 +292,26 @@ class _Piece:
     master: torch.Tensor
     """What the inner optimizer steps (fp32)."""
     grad: torch.Tensor
-    """Its gradient: a view of the fp32 gradient buffer."""
+    """Its gradient: a view of the fp32 gradient buffer (for a full matrix, a buffer the
+    tp ranks' gradients are gathered into before each step)."""
     target: torch.Tensor | None
     """Where the master is copied after the step; None when the master is that storage."""
     in_norm: bool
     """Whether the global norm counts it: False for a tied weight's copy on a later
-    pipeline holder and for a tp-replicated parameter on tp ranks other than 0."""
+    pipeline holder and for a tp-replicated parameter (or a full matrix) on tp ranks
+    other than 0."""
     lo: int
     hi: int
-    """The elements [lo, hi) of the parameter (its local shard, flattened) it covers."""
+    """The elements [lo, hi) of the parameter (its local shard, flattened) it covers; for a
+    full matrix, of the full tensor."""
+    spec: tuple | None = None
+    """Set for the full matrix of a tp-split parameter: its split (the master is full,
+    the target the local shard)."""
+
+    def write_back(self, tp: int, tp_rank: int) -> None:
+        """Copy the master (its tp shard, for a full matrix) into the parameter."""
+        if self.target is not None:
+            self.target.copy_(self.master if self.spec is None else tp_shard(self.master, self.spec, tp, tp_rank))
 
 
 @dataclass(frozen=True)
@@ -98,40 +336,52 @@ class Optimizer:
         factory: OptimizerFactory,
         *,
         groups: Groups,
-        holders: dict[str, list[int]],
-        distributed: bool,
+        holders: Mapping[str, Sequence[int]],
+        template: list[dict],
+        plan: OptimizerPlan,
+        sharding: str,
+        tp_specs: Mapping[str, tuple] = {},
         overlap_param_gather: bool = False,
-        tp_sharded: set[str] = frozenset(),
         clip_grad: float,
         check_nonfinite: bool,
         raise_on_nonfinite: bool = False,
         max_grad_norm: float = 0.0,
-        fp32_values: dict[str, torch.Tensor] | None = None,
+        fp32_source: MasterSource | None = None,
+        full_source: FullSource | None = None,
     ) -> None:
-        self.groups, self.distributed, self.clip_grad = groups, distributed, clip_grad
+        self.groups, self.sharding, self.clip_grad = groups, sharding, clip_grad
+        self.distributed = sharding != "none"
         self.overlap_param_gather = overlap_param_gather
         self.check_nonfinite, self.raise_on_nonfinite = check_nonfinite, raise_on_nonfinite
         self.max_grad_norm = max_grad_norm
         self.ddp = ddp
-        tp_rank = groups.topo.coords(groups.rank)[0]
-        counted = {  # each element once: tied weights on their first pipeline holder,
-            n: min(h) == groups.pp_rank and (n in tp_sharded or tp_rank == 0)  # replicas on tp rank 0
-            for n, h in holders.items()
-        }
-        self.pieces = (
-            _sharded_pieces(ddp, groups.dp, counted, fp32_values)
-            if distributed
-            else [_full_piece(n, p, counted[n], fp32_values) for n, p in named.items()]
-        )
-        by_param: dict[int, list[torch.Tensor]] = {}
-        for piece in self.pieces:
-            by_param.setdefault(id(piece.param), []).append(piece.master)
-        inner_groups = []
-        for g in param_groups(named.items()):
-            masters = [m for p in g["params"] for m in by_param.get(id(p), [])]
-            if masters:
-                inner_groups.append({**g, "params": masters})
-        self.inner = factory(inner_groups)
+        self.tp, self.tp_rank = groups.topo.tp, groups.tp_rank
+        split = {n for n, spec in tp_specs.items() if spec[0] == "shard"}
+        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}
+        counted = {n: first[n] and (n in split or self.tp_rank == 0) for n in holders}  # each element
+        # once: tied weights on their first pipeline holder, replicas (and full matrices) on tp rank 0
+        self.owner: dict[str, int] | None = None
+        """Layer-wise: parameter -> the data-parallel rank that updates it."""
+        self.gather: ParamGather | None = None
+        if sharding == "elementwise":
+            self.pieces = _sharded_pieces(ddp, groups.dp, counted, fp32_source)
+        else:
+            if sharding == "layerwise":
+                sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
+                self.owner = assign(sizes, groups.topo.dp)
+                self.gather = ParamGather(named, self.owner, groups.dp)
+            self.pieces = []
+            for n, p in named.items():
+                if self.owner is not None and self.owner[n] != groups.dp_rank:
+                    continue
+                if n in split and groups.tp is not None and plan.whole(n):
+                    self.pieces.append(_matrix_piece(n, p, first[n] and self.tp_rank == 0, tp_specs[n],
+                                                     groups.tp, full_source))
+                else:
+                    self.pieces.append(_full_piece(n, p, counted[n], fp32_source))
+        self.optimizers = _inner_optimizers(factory, template, plan, self.pieces)
+        self.inner = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
+        self._full = [p for p in self.pieces if p.spec is not None]
         self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
 
     @property
@@ -144,6 +394,8 @@ class Optimizer:
         global norm exceeds max_grad_norm, else clip and update. The inf / NaN test rides
         on the norm's reduction: no extra pass over the gradients, no extra collective."""
         self.ddp.wait_for_params()  # last step's gathers must land before masters copy back
+        for piece in self._full:  # full matrices: every tp rank's gradient shard
+            piece.grad.copy_(gather_tp(piece.param.main_grad, piece.spec, self.groups.tp))
         norm, finite = self._norm_and_finite("grad")
         if self.check_nonfinite and not finite:
             if self.raise_on_nonfinite:
@@ -161,12 +413,25 @@ class Optimizer:
         self.inner.step()
         for piece in self.pieces:
             piece.master.grad = None
-            if piece.target is not None:
-                piece.target.copy_(piece.master)
-        if self.distributed:
+            piece.write_back(self.tp, self.tp_rank)
+        if self.sharding == "elementwise":
             for buf in self.ddp.all():
                 buf.gather_params(overlap=self.overlap_param_gather)
+        elif self.gather is not None:
+            self.gather()
         return StepOutcome(skipped=False, grad_norm=norm)
+
+    def reload(self) -> None:
+        """After a checkpoint load: in half precision the parameters follow the loaded
+        masters; an fp32 master that is a copy (a full matrix of a tp-split parameter)
+        follows the loaded parameters (collective over tp)."""
+        for piece in self.pieces:
+            if piece.target is None:
+                continue
+            if piece.param.dtype == torch.float32:
+                piece.master.copy_(gather_tp(piece.target, piece.spec, self.groups.tp))
+            else:
+                piece.write_back(self.tp, self.tp_rank)
 
     def _nonfinite(self) -> tuple[int, str]:
         """(rank, parameter) of the first inf / NaN gradient over every rank (every rank
@@ -181,7 +446,8 @@ class Optimizer:
     def global_norm(self, which: str) -> float:
         """L2 norm over every rank of the pieces' "grad" or "master" (parameter values),
         each element counted once: tied weights once, tp-replicated parameters once,
-        distributed-optimizer shards once. Collective over the model's ranks."""
+        distributed-optimizer shards and layer-wise owners once. Collective over the
+        model's ranks."""
         return self._norm_and_finite(which)[0]
 
     @torch.no_grad()
@@ -220,15 +486,47 @@ class Optimizer:
         return out
 
 
-def _full_piece(name, param, in_norm, fp32_values) -> _Piece:
+def _inner_optimizers(factory: OptimizerFactory, template: list[dict], plan: OptimizerPlan,
+                      pieces: list[_Piece]) -> list:
+    """The factory on this rank's masters, in every group of ``template`` (possibly empty:
+    the same structure on every rank); each master routed as ``plan`` says."""
+    masters = {piece.name: piece.master for piece in pieces}
+    assert len(masters) == len(pieces), "one piece per parameter"
+    groups = []
+    for g in template:
+        names = [n for n in g["param_names"] if n in masters]
+        groups.append({**g, "params": [masters[n] for n in names], "param_names": names})
+    optimizers = _as_list(factory(groups))
+    route = _route(optimizers, {id(m): n for n, m in masters.items()})
+    moved = sorted(n for n, i in route.items() if plan.route[n] != i)
+    if moved:
+        raise ConfigError(
+            f"the optimizer factory routed {moved[0]!r} to optimizer {route[moved[0]]} on this rank's "
+            f"masters but to optimizer {plan.route[moved[0]]} on full-shape stand-ins; route by "
+            "group['param_names'] (masters may be flat slices or tp shards)"
+        )
+    return optimizers
+
+
+def _full_piece(name, param, in_norm, fp32_source) -> _Piece:
     if param.dtype == torch.float32:
         return _Piece(name, param, param, param.main_grad, None, in_norm, 0, param.numel())
-    start = fp32_values[name] if fp32_values and name in fp32_values else param.detach()
-    master = start.detach().clone().float()
+    master = _master(fp32_source, name, param.detach(), 0, param.numel()).view(param.shape)
     return _Piece(name, param, master, param.main_grad, param.data, in_norm, 0, param.numel())
 
 
-def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list[_Piece]:
+def _matrix_piece(name, param, in_norm, spec, group, full_source) -> _Piece:
+    """A tp-split parameter stepped as its full matrix: a full fp32 master (the user's fp32
+    values in half precision, else gathered from the tp shards, collective), and a full
+    gradient buffer the tp ranks' gradients are gathered into before each step."""
+    if full_source is not None:
+        master = full_source(name)
+    else:
+        master = gather_tp(param.detach(), spec, group).float()
+    return _Piece(name, param, master, torch.zeros_like(master), param.data, in_norm, 0, master.numel(), spec)
+
+
+def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_source) -> list[_Piece]:
     """Per bucket, the parts of parameters inside this data-parallel rank's shard."""
     pieces = []
     for buf in ddp.all():
@@ -238,15 +536,23 @@ def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_values) -> list
                 slot = buf.layout.slot(name)
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if a < b:
-                    pieces.append(_shard_piece(buf, name, a, b, first_holder[name], fp32_values))
+                    pieces.append(_shard_piece(buf, name, a, b, first_holder[name], fp32_source))
     return pieces
 
 
-def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_values) -> _Piece:
+def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_source) -> _Piece:
     param, grad, storage = buf.params[name], buf.data[a:b], buf.param_data[a:b]
     offset = buf.layout.slot(name).offset
     lo, hi = a - offset, b - offset
     if storage.dtype == torch.float32:
         return _Piece(name, param, storage, grad, None, in_norm, lo, hi)
-    source = fp32_values[name].reshape(-1)[lo:hi] if fp32_values and name in fp32_values else storage
-    return _Piece(name, param, source.detach().clone().float(), grad, storage, in_norm, lo, hi)
+    return _Piece(name, param, _master(fp32_source, name, storage, lo, hi), grad, storage, in_norm, lo, hi)
+
+
+def _master(fp32_source, name: str, half: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The fp32 master of elements [lo, hi) of ``name``'s local shard: from the user's fp32
+    values when the model was cast for half precision, else from the half-precision
+    values themselves (``half`` holds exactly those elements)."""
+    if fp32_source is not None:
+        return fp32_source(name, lo, hi)
+    return half.detach().float().reshape(-1).clone()

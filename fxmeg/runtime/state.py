@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
-from fxmeg.sharding import Pieces, flat_to_boxes, local_to_global, view
+from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.sharding import Pieces, flat_index, flat_to_boxes, local_to_global, view
 
 
 def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
@@ -46,15 +47,7 @@ def _gather_tp(program: Program, ctx: RankContext, name: str, local: torch.Tenso
     spec = program.tp_specs.get(name)
     if spec is None or spec[0] != "shard" or ctx.groups.tp is None:
         return local.clone()
-    _, dim, parts = spec
-    tp = ctx.config.parallel.tp
-    pieces = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(pieces, local.contiguous(), group=ctx.groups.tp)
-    blocks, offset = [], 0
-    for p in parts:  # rank r holds the r-th tp-th of every block, blocks end to end
-        blocks.extend(piece.narrow(dim, offset, p // tp) for piece in pieces)
-        offset += p // tp
-    return torch.cat(blocks, dim)
+    return gather_tp(local, spec, ctx.groups.tp)
 
 
 # ---------------------------------------------------------------- this rank's state
@@ -81,29 +74,37 @@ def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
     return out
 
 
-def optimizer_entries(program: Program, ctx: RankContext, keys: set[str] | None = None) -> dict[str, Pieces]:
-    """``optim/<state>/<fqn>`` for the elements this rank's optimizer updates. ``keys``
-    (on load: the states the checkpoint has) are created as zeros where missing."""
+def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None = None) -> dict[str, Pieces]:
+    """``optim/<state>/<fqn>`` for the elements this rank's optimizer updates. ``saved``
+    (on load: the checkpoint's ``optim/<state>/<fqn>`` entries) says which states each
+    parameter has; they are created as zeros where missing (several inner optimizers keep
+    different states: Muon a momentum buffer, AdamW two moments)."""
     opt = ctx.optimizer
     tp, rank = ctx.config.parallel.tp, ctx.groups.tp_rank
+    wanted: dict[str, set[str]] = {}
+    for entry in saved or ():
+        _, key, fqn = entry.split("/", 2)
+        wanted.setdefault(fqn, set()).add(key)
     out: dict[str, Pieces] = {}
     for piece in opt.pieces:
         state = opt.inner.state.setdefault(piece.master, {})
-        for key in keys or ():
+        keys = wanted.get(piece.name, set())
+        for key in keys:
             if key != "master" and key not in state:
                 state[key] = torch.zeros_like(piece.master)
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == piece.master.numel() and v.dim() > 0}
-        if piece.target is not None:
+        if piece.param.dtype != torch.float32:  # half precision: the fp32 master is state too
             tensors["master"] = piece.master
-        if keys is not None:
+        if saved is not None:
             tensors = {k: v for k, v in tensors.items() if k in keys}
-        shape = tuple(piece.param.shape)
-        spec = program.tp_specs.get(piece.name)
+        full = piece.spec is not None  # a full matrix: its boxes are the full tensor's own
+        shape = tuple(piece.master.shape) if full else tuple(piece.param.shape)
+        spec = None if full else program.tp_specs.get(piece.name)
         for key, t in tensors.items():
             flat = t.detach().reshape(-1)
             entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), []))
             for box in flat_to_boxes(shape, piece.lo, piece.hi):
-                start = _flat_index(shape, box[0]) - piece.lo
+                start = flat_index(shape, box[0]) - piece.lo
                 box_view = flat[start : start + math.prod(box[1])].view(box[1])
                 for g, l in local_to_global(box, spec, tp, rank):
                     rel = tuple(a - b for a, b in zip(l[0], box[0]))
@@ -112,23 +113,21 @@ def optimizer_entries(program: Program, ctx: RankContext, keys: set[str] | None 
 
 
 def scalars(ctx: RankContext) -> dict[str, float]:
-    """Scalar optimizer states (Adam's step), the same for every parameter."""
+    """Scalar optimizer states (Adam's step), the same for every parameter that has them
+    (all inner optimizers step together), from every state on this rank."""
+    out: dict[str, float] = {}
     for state in ctx.optimizer.inner.state.values():
-        return {k: float(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-    return {}
-
-
-def _flat_index(shape, offsets) -> int:
-    index = 0
-    for size, off in zip(shape, offsets):
-        index = index * size + off
-    return index
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 0:
+                out.setdefault(k, float(v))
+    return out
 
 
 def layout(ctx: RankContext) -> dict:
     par = ctx.config.parallel
     return {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
             "distributed_optimizer": ctx.config.distributed_optimizer,
+            "optimizer_sharding": ctx.optimizer.sharding,
             "precision": ctx.config.precision}
 
 

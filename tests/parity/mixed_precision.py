@@ -1,0 +1,174 @@
+"""The mixed-precision oracle of the precision parity tests (issue 16), in plain PyTorch,
+and the helper that rebuilds full fp32 masters from every rank's optimizer pieces.
+
+``reference`` trains the way Megatron's Float16OptimizerWithFloat16Params does, on one
+device, with nothing of fxmeg but its parameter groups:
+  * a deep copy of the model cast to bf16 / fp16 (parameters and floating buffers, as
+    fxmeg's cast) runs forward and backward in half precision;
+  * fp32 masters start from the fp32 model's own values;
+  * each micro-batch's loss_sum (the sum of per-token losses) is backpropagated
+    (times the loss scale in fp16) and its half-precision gradients are added into fp32
+    buffers; once all micro-batches are in, the buffers are scaled by
+    1 / (global tokens x scale) in fp32: the token-weighted mean loss;
+  * the class loss is computed in fp32 over the half-precision logits, as fxmeg's loss
+    pass rewrites it (``_class_loss`` casts half logits to fp32 and turns reduction
+    'mean' into 'sum'): for the duration of a forward, torch.nn.functional.cross_entropy
+    is patched to upcast its input and sum (the models call it through ``F.``);
+  * fp16: inf / NaN in any fp32 gradient skips the step (parameters, optimizer state
+    untouched) and the scale follows fxmeg.loss_scale.LossScaler's rule (reproduced here,
+    not imported, so the oracle does not share the code it checks);
+  * clipping of the global norm of the fp32 gradients, then the inner optimizer on the
+    masters, then the masters copied into the half-precision parameters.
+
+With ``dtype=torch.float64`` the same loop is plain float64 training (float64 masters,
+no scale; ``skips`` names the steps an fp16 run skipped): the yardstick of the developers' rule that a correct run is no farther from
+float64 than the oracle is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fxmeg.loss_scale import LossScaleConfig
+from fxmeg.runtime.optimizer import param_groups
+from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
+from tests.helpers import OPTIMIZERS
+
+
+@contextlib.contextmanager
+def fp32_summed_cross_entropy():
+    """F.cross_entropy over fp32 logits with reduction 'sum' (what fxmeg's loss pass
+    makes of the model's mean cross-entropy over half-precision logits)."""
+    original = F.cross_entropy
+
+    def cross_entropy(input, target, *args, **kwargs):
+        kwargs["reduction"] = "sum"
+        return original(input.float() if input.dtype in (torch.bfloat16, torch.float16) else input,
+                        target, *args, **kwargs)
+
+    F.cross_entropy = cross_entropy
+    try:
+        yield
+    finally:
+        F.cross_entropy = original
+
+
+class Scaler:
+    """Dynamic loss scale: back off after ``hysteresis`` overflowing steps, grow after
+    ``growth_interval`` clean ones in a row (Megatron's DynamicGradScaler)."""
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self.c, self.scale = config, config.initial
+        self.growth, self.hysteresis = 0, config.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        c = self.c
+        if found_inf:
+            self.growth, self.hysteresis = 0, self.hysteresis - 1
+            if self.hysteresis <= 0:
+                self.scale = max(self.scale * c.backoff_factor, c.min_scale)
+        else:
+            self.growth += 1
+            if self.growth == c.growth_interval:
+                self.growth, self.hysteresis = 0, c.hysteresis
+                self.scale *= c.growth_factor
+
+
+def reference(model: torch.nn.Module, batches, *, dtype: torch.dtype, micro_batch_size: int,
+              clip: float = 1.0, loss_scale: LossScaleConfig | None = None, opt: str = "adamw",
+              skips: list[bool] | None = None) -> dict:
+    """Mixed-precision training of ``model`` (fp32, left untouched) on global batches of
+    (input_ids, labels). Returns per step: losses (token-weighted mean of the global
+    batch), grad norms (None when skipped), skipped, the loss scale used; and the final
+    masters (fp32, by parameter name).
+    ``skips``: skip exactly these steps (a float64 run of an fp16 training that skipped)."""
+    master_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    named = dict(model.named_parameters())
+    half = copy.deepcopy(model).to(dtype)
+    params = dict(half.named_parameters())
+    masters = {n: p.detach().to(master_dtype, copy=True).requires_grad_(True)
+               for n, p in named.items()}
+    grads = {n: torch.zeros_like(m) for n, m in masters.items()}
+    inner = OPTIMIZERS[opt](param_groups(masters.items()))
+    scaler = Scaler(loss_scale) if dtype == torch.float16 else None
+    out = {"losses": [], "norms": [], "skipped": [], "scales": []}
+    for ids, labels in batches:
+        scale = scaler.scale if scaler is not None else 1.0
+        tokens = int((labels != -100).sum())
+        loss_sum = 0.0
+        for g in grads.values():
+            g.zero_()
+        for lo in range(0, ids.shape[0], micro_batch_size):
+            with fp32_summed_cross_entropy():
+                loss = half(ids[lo : lo + micro_batch_size], labels[lo : lo + micro_batch_size])
+            (loss * scale).backward()
+            loss_sum += loss.item()
+            for n, p in params.items():
+                grads[n].add_(p.grad)
+                p.grad = None
+        for g in grads.values():
+            g.mul_(1.0 / (tokens * scale))
+        norm = math.sqrt(sum(float(g.norm()) ** 2 for g in grads.values()))
+        found_inf = not math.isfinite(norm) if skips is None else skips[len(out["losses"])]
+        if scaler is not None:
+            scaler.update(found_inf)
+        out["losses"].append(loss_sum / tokens)
+        out["scales"].append(scale)
+        out["skipped"].append(found_inf)
+        out["norms"].append(None if found_inf else norm)
+        if found_inf:
+            continue
+        coeff = clip / (norm + 1e-6)
+        for n, m in masters.items():
+            m.grad = grads[n] * coeff if clip > 0 and coeff < 1.0 else grads[n].clone()
+        inner.step()
+        with torch.no_grad():
+            for n, m in masters.items():
+                m.grad = None
+                params[n].copy_(m)
+    out["masters"] = {n: m.detach().clone() for n, m in masters.items()}
+    return out
+
+
+# ---------------------------------------------------------------- fxmeg's masters
+
+
+def master_pieces(engine) -> list[tuple[str, int, int, torch.Tensor]]:
+    """This rank's fp32 masters: (parameter, lo, hi, values) for elements [lo, hi) of
+    its local (tensor-parallel) shard, flattened."""
+    return [(p.name, p.lo, p.hi, p.master.detach().reshape(-1).clone())
+            for p in engine.context.optimizer.pieces]
+
+
+def gather_masters(ranks: list[dict], shapes: dict[str, torch.Size], tp: int) -> dict:
+    """Full fp32 masters from every rank's ``master_pieces`` (each rank's dict holds
+    "pieces", "tp_rank" and "tp_specs"). Every element must be covered, and the copies
+    several ranks keep of one element (data-parallel and tp-replicated copies, a tied
+    weight on each of its pipeline holders) must be equal."""
+    full = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
+    seen = {n: torch.zeros(s, dtype=torch.bool) for n, s in shapes.items()}
+    for r in ranks:
+        specs, rank = r["tp_specs"], r["tp_rank"]
+        for name, lo, hi, flat in r["pieces"]:
+            spec = specs.get(name)
+            local = list(shapes[name])
+            if spec is not None and spec[0] == "shard":
+                local[spec[1]] //= tp
+            for box in flat_to_boxes(local, lo, hi):
+                start = flat_index(local, box[0]) - lo
+                src = flat[start : start + math.prod(box[1])].view(box[1])
+                for g, loc in local_to_global(box, spec, tp, rank):
+                    values = view(src, (tuple(a - b for a, b in zip(loc[0], box[0])), loc[1]))
+                    dst, was = view(full[name], g), view(seen[name], g)
+                    again = was & (dst != values)
+                    assert not again.any(), f"{name}: ranks hold different masters of one element"
+                    dst.copy_(values)
+                    was.fill_(True)
+    for name, s in seen.items():
+        assert s.all(), f"{name}: {int((~s).sum())} elements have no master on any rank"
+    return full
