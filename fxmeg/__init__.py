@@ -1,7 +1,7 @@
 """fxmeg: Megatron-LM's parallel training semantics for unmodified PyTorch models, by
 transforming their traced graphs."""
 
-from fxmeg.api import Engine, EvalResult, StepResult, parallelize
+from fxmeg.api import Engine, EvalResult, StepResult, VerifyResult, parallelize
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaleConfig
@@ -11,5 +11,5 @@ from fxmeg.transform import transform
 
 __all__ = [
     "Engine", "EngineConfig", "EvalResult", "FxmegError", "LRSchedule", "LossScaleConfig",
-    "ParallelConfig", "Program", "StepResult", "parallelize", "transform",
+    "ParallelConfig", "Program", "StepResult", "VerifyResult", "parallelize", "transform",
 ]

@@ -22,9 +22,11 @@ from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory
 from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
+from fxmeg.runtime.verify import ParamError, VerifyResult
+from fxmeg.runtime.verify import verify as verify_program
 from fxmeg.transform import transform
 
-__all__ = ["Engine", "EvalResult", "StepResult", "parallelize"]
+__all__ = ["Engine", "EvalResult", "ParamError", "StepResult", "VerifyResult", "parallelize"]
 
 
 def parallelize(
@@ -72,7 +74,7 @@ def parallelize(
 class Engine:
     """Trains this rank's part of a Program. Built by ``parallelize``.
 
-    Public surface: ``train_step``, ``eval_step``, ``full_state_dict``, ``params_norm``,
+    Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``, ``params_norm``,
     ``set_global_batch_size``; ``config``, ``named_parameters``, ``partition``,
     ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
     ``context`` (this rank's RankContext) for tools that need more."""
@@ -123,6 +125,21 @@ class Engine:
         """Forward-only pass over a batch (any multiple of micro_batch_size * dp samples);
         token-weighted loss. Ranks that read no data pass None and num_microbatches."""
         return step.eval_step(self.program, self.context, batch, num_microbatches=num_microbatches)
+
+    def verify(self, batch: Batch | None, *, loss_rtol: float | None = None,
+               grad_rtol: float | None = None) -> VerifyResult:
+        """Check this layout against single-device execution on one global batch: forward
+        and backward of the parallel program (no optimizer step) and of the captured
+        single-device graph (on rank 0, with the current full parameters); compare the
+        loss and every parameter's reduced gradient, gathered whole. Returns a
+        VerifyResult (``ok``, both losses, the first parameter in graph order beyond
+        tolerance with its chunk, node and pass, the worst one, every error); identical on
+        every rank. The engine's state is left as it was: parameters, optimizer state,
+        loss scale and lr schedule untouched, gradient buffers zeroed, RNG states
+        restored. Tolerances default by precision (fxmeg.runtime.verify.TOLERANCES).
+        Collective: call it on every rank, with the global batch (a tuple) on rank 0 and
+        on every rank whose chunks read data (others may pass None)."""
+        return verify_program(self.program, self.context, batch, loss_rtol=loss_rtol, grad_rtol=grad_rtol)
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Train the next steps on global batches of this size (a batch-size schedule)."""

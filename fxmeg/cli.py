@@ -1,15 +1,20 @@
-"""The `fxmeg` command: train, prepare-data, export, plot, plot-schedule.
+"""The `fxmeg` command: train, verify, prepare-data, export, plot, plot-schedule.
 
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
                 --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
+                                                           # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
 
-`fxmeg train` starts its own ranks with torch's elastic launcher (--nproc, default
-tp * pp * max(dp, 1)) unless it already runs under torchrun.
+`fxmeg train` and `fxmeg verify` start their own ranks with torch's elastic launcher
+(--nproc, default tp * pp * max(dp, 1)) unless they already run under torchrun.
+`fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
+of the training data (or the one at the --load checkpoint) through the parallel program and
+the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub.add_parser("train", help="train a model (see --help)"))
+    _train_parser(sub.add_parser("verify", help="check a layout against single-device execution on one "
+                                                "batch (the flags of train)"))
     prep = sub.add_parser("prepare-data", help="tokenise text into a corpus")
     prep.add_argument("--input", action="append", required=True,
                       help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
@@ -55,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plot-schedule":
         return _plot_schedule(args)
+    if args.command == "verify":
+        return _verify(args)
     return _train(args)
 
 
@@ -155,10 +164,28 @@ def _train(args) -> int:
     return _launch(cfg, nproc, args.max_restarts)
 
 
-def _launch(cfg, nproc: int, max_restarts: int = 0) -> int:
+def _verify(args) -> int:
+    """`fxmeg verify`: the train command's configuration (train_iters / train_samples may
+    be left out), its launcher; exit 0 when the layout matches single-device execution."""
+    if args.train_iters is None and args.train_samples is None:
+        values = _read_config(args.config) if args.config else {}
+        if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
+            args.train_iters = 1  # required by TrainConfig, unused here
+    cfg = config_from(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return 0 if _worker(cfg, verify=True) else 1
+    par = cfg.engine.parallel
+    nproc = args.nproc or par.tp * par.pp * max(par.dp or 1, 1)
+    if nproc == 1:
+        return 0 if _worker(cfg, verify=True) else 1
+    return _launch(cfg, nproc, verify=True)
+
+
+def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: bool = False) -> int:
     """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
     On SIGTERM the launcher passes it to the ranks, which finish their step, save and
-    exit 0; the command then exits 0 too."""
+    exit 0; the command then exits 0 too. With ``verify`` the ranks run `fxmeg verify`;
+    1 when rank 0 reports a mismatch."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -168,14 +195,16 @@ def _launch(cfg, nproc: int, max_restarts: int = 0) -> int:
         monitor_interval=0.1, start_method="spawn",
     )
     try:
-        elastic_launch(config, _worker)(cfg)
+        results = elastic_launch(config, _worker)(cfg, verify)
     except SignalException as exc:
         print(f"fxmeg: {exc.sigval.name} received; ranks saved and stopped", file=sys.stderr)
         return 0
+    if verify:
+        return 0 if results.get(0) else 1
     return 0
 
 
-def _worker(cfg) -> None:
+def _worker(cfg, verify: bool = False) -> bool | None:
     import torch
     import torch.distributed as dist
 
@@ -189,10 +218,37 @@ def _worker(cfg) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
     try:
+        if verify:
+            return _verify_worker(cfg)
         Trainer(cfg).run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _verify_worker(cfg) -> bool:
+    """Set up as `fxmeg train` does (model, data, engine; --load / --init-from honoured),
+    with nothing written: run the next global batch through ``Engine.verify``; rank 0
+    prints the report. Whether the layout matched."""
+    import shutil
+    import tempfile
+
+    from fxmeg.trainer import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="fxmeg-verify-")
+    try:
+        trainer = Trainer(cfg.replace(run_dir=run_dir, save="", tensorboard=False, progress=False))
+        engine = trainer.engine
+        batch = trainer.train_data.batch(trainer.train_order.indices(trainer.consumed, engine.config.global_batch_size))
+        result = engine.verify(batch)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if trainer.rank == 0:
+        par = engine.config.parallel
+        print(f"layout tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp}, precision {engine.config.precision}, "
+              f"global batch {engine.config.global_batch_size} at {trainer.consumed} consumed samples")
+        print(result.report(), flush=True)
+    return result.ok
 
 
 def _attempt_store(rank: int, world: int):

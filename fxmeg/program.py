@@ -3,7 +3,7 @@
 ``fxmeg.runtime.context.build_context`` makes this rank's objects.
 
 Metadata convention (written by the passes, read only through this module):
-  node.meta["fxmeg"]  per-node tags: module, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
+  node.meta["fxmeg"]  per-node tags: module, pass, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
   gm.meta["fxmeg"]    per-graph record: on the captured graph "capture" (CaptureInfo),
                       "facts" (ModelFacts), "partition" (Partition); on a chunk graph
                       "spec" (ChunkSpec) and "buffers" (BufferLayout per gradient dtype)
@@ -247,6 +247,10 @@ class Program:
     aux_scale: tuple[int, str] | None
     """(chunk, buffer name) of the auxiliary-loss weight the runtime sets, if any."""
     device: torch.device
+    reference: fx.GraphModule | None = None
+    """The whole-model graph right after the analyse pass (``(loss_sum, num_tokens)``
+    outputs, no parallel rewrite), holding the user's tensors: the single-device oracle
+    of ``Engine.verify``."""
 
     @property
     def num_chunks(self) -> int:

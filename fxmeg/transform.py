@@ -16,6 +16,7 @@ The ``fxmeg.transform`` logger reports each step at INFO; its records carry ``st
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -91,15 +92,44 @@ def transform(
     start = time.perf_counter()
     gm = capture(model, example, loss_fn=loss_fn).gm
     _report("capture", gm, start)
+    reference = None
     for index, p in enumerate(PASSES):
         start = time.perf_counter()
+        before = {n.name for n in _nodes(gm)}
         gm = p.run(gm, config)
+        _tag_new_nodes(gm, before, p.name)
         _report(p.name, gm, start, index)
         if os.environ.get("FXMEG_VERIFY"):
             verify.after(p.name, gm, config)
         if p.name == stop_after:
             return gm
-    return _program(model, gm, config, masters, example)
+        if p.name == "analyse":
+            reference = _share_tensors_copy(gm)
+    return _program(model, gm, config, masters, example, reference)
+
+
+def _nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The top-level nodes of the whole-model graph, or (after the pipeline pass) of
+    every chunk graph: what ``_tag_new_nodes`` diffs by name (chunk graphs keep the
+    names of the nodes they were copied from)."""
+    graphs = [m for name, m in gm.named_children() if name.startswith("chunk_")] or [gm]
+    return [n for g in graphs for n in g.graph.nodes]
+
+
+def _tag_new_nodes(gm: fx.GraphModule, before: set[str], name: str) -> None:
+    """``node.meta["fxmeg"]["pass"] = name`` on every node pass ``name`` inserted (a node
+    name that was not there before it ran); nodes from capture carry no ``pass``. A new
+    dict: passes copy each other's metadata dicts, so no other node changes."""
+    for n in _nodes(gm):
+        if n.name not in before:
+            n.meta["fxmeg"] = {**n.meta.get("fxmeg", {}), "pass": name}
+
+
+def _share_tensors_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (graph and sub-graphs) holding the same parameter and buffer
+    tensors, so later passes, which edit graphs in place, leave it as it is."""
+    memo = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    return copy.deepcopy(gm, memo)
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -114,7 +144,7 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, masters: dict,
-             example: tuple[torch.Tensor, ...]) -> Program:
+             example: tuple[torch.Tensor, ...], reference: fx.GraphModule | None = None) -> Program:
     meta = parent.meta["fxmeg"]
     info, facts, split = meta["capture"], meta["facts"], meta["partition"]
     graphs = tuple(chunks(parent))
@@ -152,6 +182,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         flops_per_microbatch=facts.flops_per_microbatch,
         aux_scale=aux,
         device=next(iter(parameters.values())).device if parameters else example[0].device,
+        reference=reference,
     )
 
 

@@ -19,6 +19,8 @@ keeps each body next to the nodes that call it.
 
 Metadata the passes keep under ``node.meta["fxmeg"]``:
   module     FQN of the module that created the node ('' = the model's own forward); capture
+  pass       name of the pass that inserted the node (absent: from capture); the driver
+             (fxmeg/transform.py) sets it by diffing node names around each pass
   loss       "sum" | "count" on the two loss outputs; loss pass
   tp         ("shard", dim, parts) | ("replicate", reduce_grad) on a parameter's get_attr;
              tensor_parallel pass (the runtime materialises shards from it)

@@ -1,0 +1,271 @@
+"""``Engine.verify``: one global batch through the parallel program and through the
+single-device graph, losses and every parameter's gradient compared (docs/design.md §3.10).
+
+Parallel side: the engine's own forward / backward (``step.forward_backward``: schedule,
+bucketed reductions, finalize), no optimizer step; each parameter's reduced gradient (its
+``main_grad``, already divided by the global token count) is made whole as
+``gather_full_state`` makes parameters whole: tensor-parallel shards all-gathered,
+broadcast from the parameter's first pipeline holder (with the distributed optimizer each
+bucket is first all-gathered over data-parallel ranks, since after its reduce-scatter a
+rank holds only its shard). The gradient buffers are zeroed afterwards and the RNG states
+restored; parameters, optimizer state, loss scaler and lr schedule are not touched.
+
+Reference (global rank 0 only): ``Program.reference``, the graph captured from the user's
+model after the loss pass (no parallel rewrite), with the current full parameter values,
+run on each micro-batch of the global batch in order; ``loss_sum`` backward per
+micro-batch, gradients accumulated in float64 and divided by the global token count. The
+graph runs in the training dtype (its casts are the model's own; a float64 copy of a
+captured graph would break at any hard-coded cast), so the tolerances are those of two
+correct fp32 computations that sum in another order.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from fxmeg.config import cast_inputs
+from fxmeg.errors import BatchError
+from fxmeg.ops import AUX_SCALE
+from fxmeg.program import Program
+from fxmeg.runtime.batches import Batch, check, microbatches
+from fxmeg.runtime.context import RankContext
+from fxmeg.runtime.groups import all_gather_
+from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.runtime.state import gather_full_state
+from fxmeg.runtime.step import forward_backward
+
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (1e-2, 2e-2)}
+"""precision -> (loss, gradient) relative tolerance. fp32: the parity bounds of
+docs/design.md §3.9 (gradients: 1e-4, as the grad-norm parity check). Half precision: the
+parallel and the reference side each round in bf16 / fp16 (chosen, not measured: pass
+rtol= to tighten them)."""
+
+
+@dataclass(frozen=True)
+class ParamError:
+    """One parameter's gradient, parallel vs reference."""
+
+    name: str
+    error: float
+    """||g - g_ref|| / ||g_ref|| (0 when both are zero, inf when only the reference is)."""
+    norm: float
+    """||g_ref||."""
+    chunk: int
+    """The first chunk that reads the parameter."""
+    node: str
+    """Its get_attr node in that chunk graph."""
+    readers: tuple[tuple[str, str, str], ...]
+    """(node name, op, the pass that inserted it or 'capture') of the nodes reading it."""
+    tp: tuple | None
+    """Its tensor-parallel spec (set by the tensor_parallel pass), if any."""
+    pass_: str
+    """The pass that rewrote what reads it: tensor_parallel for a parameter it shards or
+    whose gradient it all-reduces over tp, else the pass that inserted its first
+    rewritten reader, else 'capture' (the graph as captured)."""
+
+    def describe(self) -> str:
+        readers = ", ".join(f"{n} ({op}, {p})" for n, op, p in self.readers)
+        tp = f"; tensor_parallel spec {self.tp}" if self.tp is not None else ""
+        return (f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
+                f"chunk {self.chunk}, node {self.node}, read by {readers}{tp}; pass {self.pass_}")
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of ``Engine.verify``; identical on every rank."""
+
+    ok: bool
+    loss: float
+    """The parallel program's token-weighted loss of the batch."""
+    reference_loss: float
+    num_tokens: int
+    reference_num_tokens: int
+    loss_error: float
+    loss_rtol: float
+    grad_rtol: float
+    first_failure: ParamError | None
+    """The first parameter, in graph order (chunk order, then node order), whose gradient
+    differs by more than grad_rtol."""
+    worst: ParamError | None
+    """The parameter with the largest relative error."""
+    errors: tuple[ParamError, ...] = field(default=(), repr=False)
+    """Every trainable parameter, in graph order."""
+
+    def report(self) -> str:
+        lines = [f"fxmeg verify: {'OK' if self.ok else 'MISMATCH'}",
+                 f"  loss {self.loss:.8g} vs reference {self.reference_loss:.8g}: relative error "
+                 f"{self.loss_error:.3e} (tolerance {self.loss_rtol:.0e}); tokens {self.num_tokens} vs "
+                 f"{self.reference_num_tokens}",
+                 f"  {len(self.errors)} parameter gradients compared (tolerance {self.grad_rtol:.0e})"]
+        if self.worst is not None:
+            lines.append(f"  worst: {self.worst.name} {self.worst.error:.3e}")
+        if self.first_failure is not None:
+            lines.append("  first mismatch in graph order: " + self.first_failure.describe())
+            bad = [e.name for e in self.errors if not e.error <= self.grad_rtol]
+            lines.append(f"  {len(bad)} parameter(s) beyond tolerance: {', '.join(bad[:10])}"
+                         + (" ..." if len(bad) > 10 else ""))
+        return "\n".join(lines)
+
+
+def verify(program: Program, ctx: RankContext, batch: Batch | None, *, loss_rtol: float | None = None,
+           grad_rtol: float | None = None) -> VerifyResult:
+    """See ``fxmeg.Engine.verify``. Collective."""
+    if program.reference is None:
+        raise BatchError("this Program has no reference graph (built by an older fxmeg): transform again")
+    rank0 = ctx.groups.rank == 0
+    m = ctx.config.num_microbatches
+    if rank0 and not isinstance(batch, tuple):
+        raise BatchError("verify needs the global batch (a tuple of tensors) on rank 0, which runs the reference")
+    rng = _rng_state()
+    ctx.ddp.wait_for_params()
+    try:
+        loss_sum, num_tokens = forward_backward(program, ctx, microbatches(program, ctx, batch, m))
+        grads = _gather_grads(program, ctx)
+    finally:
+        ctx.ddp.zero_grad_buffer()
+        _set_rng_state(rng)
+    state = gather_full_state(program, ctx)
+    result = None
+    if rank0:
+        default = TOLERANCES[ctx.config.precision]
+        result = _compare(program, ctx, batch, state, grads, loss_sum, num_tokens,
+                          loss_rtol if loss_rtol is not None else default[0],
+                          grad_rtol if grad_rtol is not None else default[1])
+        _set_rng_state(rng)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    return result
+
+
+def graph_order(program: Program) -> list[tuple[str, int, fx.Node]]:
+    """(parameter, chunk, get_attr node) of each trainable parameter at its first read."""
+    seen, out = set(), []
+    for c, gm in enumerate(program.chunks):
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in program.parameters and node.target not in seen:
+                seen.add(node.target)
+                out.append((node.target, c, node))
+    return out
+
+
+def _gather_grads(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's reduced gradient, whole, in fp32 (on every rank)."""
+    local: dict[str, torch.Tensor] = {}
+    for buf in ctx.ddp.all():
+        data = buf.data
+        if buf.shard:  # reduce-scattered: each data-parallel rank holds its shard of a bucket
+            data = data.clone()
+            for b in buf.layout.buckets:
+                work = all_gather_(data[b.start : b.end], buf.group)
+                if work is not None:
+                    work.wait()
+        for s in buf.layout.slots:
+            local[s.name] = data[s.offset : s.offset + s.numel].view(buf.params[s.name].shape)
+    groups, out = ctx.groups, {}
+    for name, _, _ in graph_order(program):
+        owner = min(program.holders[name])
+        full = program.parameters[name]
+        if owner == groups.pp_rank:
+            g = local[name].float()
+            spec = program.tp_specs.get(name)
+            value = gather_tp(g, spec, groups.tp) if spec and spec[0] == "shard" and groups.tp is not None else g.clone()
+        else:
+            value = torch.empty(full.shape, dtype=torch.float32, device=ctx.device)
+        if groups.pp is not None:
+            dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
+        out[name] = value
+    return out
+
+
+def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, num_tokens: float):
+    """The single-device graph on every micro-batch of the global batch: (loss_sum,
+    num_tokens, float64 gradients / global tokens)."""
+    ref = program.reference
+    names = {n: c for c, ns in program.aliases.items() for n in ns}
+    memo: dict[int, torch.Tensor] = {}
+    for name, p in ref.named_parameters():
+        value = state.get(name)
+        if value is None:
+            value = next(state[k] for k, c in names.items() if c == name and k in state)
+        memo[id(p)] = nn.Parameter(value.detach().clone(), requires_grad=p.requires_grad)
+    for b in ref.buffers():
+        memo.setdefault(id(b), b)
+    aux = getattr(ref, AUX_SCALE, None)
+    if aux is not None:
+        memo[id(aux)] = aux.clone()
+    gm = copy.deepcopy(ref, memo)
+    mbs, dp, m = ctx.config.micro_batch_size, ctx.config.parallel.dp, ctx.config.num_microbatches
+    if aux is not None:  # each micro-batch's aux loss weighs 1 / (m * dp) of the global tokens (step.weigh_aux_loss)
+        getattr(gm, AUX_SCALE).fill_(max(num_tokens, 1.0) / (m * dp))
+    check(program, batch, rows=m * mbs * dp, what="global batch")
+    params = {n: p for n, p in gm.named_parameters() if p.requires_grad}
+    acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
+    loss_sum = tokens = 0.0
+    for i in range(m * dp):
+        mb = cast_inputs(tuple(t[i * mbs : (i + 1) * mbs].to(ctx.device) for t in batch), ctx.config.dtype)
+        out = gm(*mb)
+        ls, nt = out[0], out[1]
+        ls.backward()
+        loss_sum += float(ls.detach().double())
+        tokens += float(nt)
+        for n, p in params.items():
+            if p.grad is not None:
+                acc[n] += p.grad.double()
+                p.grad = None
+    grads = {n: g / max(tokens, 1.0) for n, g in acc.items()}
+    return loss_sum, tokens, grads
+
+
+def _compare(program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol, grad_rtol) -> VerifyResult:
+    ref_sum, ref_tokens, ref_grads = _reference(program, ctx, batch, state, num_tokens)
+    loss, ref_loss = loss_sum / max(num_tokens, 1.0), ref_sum / max(ref_tokens, 1.0)
+    loss_error = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    errors = []
+    for name, chunk, node in graph_order(program):
+        r = ref_grads.get(name)
+        g = grads[name].double()
+        r = torch.zeros_like(g) if r is None else r.to(g.device)
+        diff, norm = float((g - r).norm()), float(r.norm())
+        err = diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+        if not math.isfinite(float(g.abs().sum())):
+            err = math.inf
+        errors.append(_describe(name, chunk, node, err, norm))
+    bad = [e for e in errors if not e.error <= grad_rtol]
+    ok = loss_error <= loss_rtol and int(num_tokens) == int(ref_tokens) and not bad
+    return VerifyResult(
+        ok=ok, loss=loss, reference_loss=ref_loss, num_tokens=int(num_tokens),
+        reference_num_tokens=int(ref_tokens), loss_error=loss_error, loss_rtol=loss_rtol,
+        grad_rtol=grad_rtol, first_failure=bad[0] if bad else None,
+        worst=max(errors, key=lambda e: e.error) if errors else None, errors=tuple(errors),
+    )
+
+
+def _describe(name: str, chunk: int, node: fx.Node, err: float, norm: float) -> ParamError:
+    meta = node.meta.get("fxmeg", {})
+    readers = tuple((u.name, str(u.target), u.meta.get("fxmeg", {}).get("pass", "capture")) for u in node.users)
+    tp = meta.get("tp")
+    rewritten = [p for _, _, p in readers if p != "capture"]
+    split = tp is not None and (tp[0] == "shard" or tp == ("replicate", True))
+    pass_ = "tensor_parallel" if split else (rewritten[0] if rewritten else "capture")
+    return ParamError(name=name, error=err, norm=norm, chunk=chunk, node=node.name, readers=readers,
+                      tp=tp, pass_=pass_)
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
