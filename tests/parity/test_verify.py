@@ -2,7 +2,9 @@
 gradients against the single-device graph on one global batch, at tp=2 x pp=2 on 4 gloo
 ranks (one spawn): a GPT and a Hugging Face Mistral with a pad token pass, the engine's
 state is untouched (its next step equals a run without verify), and an engine whose
-tensor-parallel pass drops the padding row's gradient fix fails naming the embedding."""
+tensor-parallel pass drops the padding row's gradient fix fails naming the embedding; and
+`fxmeg verify` on 2 ranks (dp=2 with the distributed optimizer: the reduce-scattered
+gradients are gathered) exits 0."""
 
 from __future__ import annotations
 
@@ -123,8 +125,8 @@ MODEL = '{"n_layer": 2, "n_embd": 32, "n_head": 4}'
 def test_cli_verify_on_two_ranks(corpus):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "fxmeg.cli", "verify", "--data", corpus, "--model-args", MODEL, "--tp", "2",
+        [sys.executable, "-m", "fxmeg.cli", "verify", "--data", corpus, "--model-args", MODEL, "--dp", "2", "--distributed-optimizer",
          "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "fxmeg verify: OK" in out.stdout and "layout tp=2 pp=1" in out.stdout
+    assert "fxmeg verify: OK" in out.stdout and "layout tp=1 pp=1 vpp=1 dp=2" in out.stdout
