@@ -238,6 +238,7 @@ def _verify_worker(cfg) -> bool:
     run_dir = tempfile.mkdtemp(prefix="fxmeg-verify-")
     try:
         trainer = Trainer(cfg.replace(run_dir=run_dir, save="", tensorboard=False, progress=False))
+        trainer._switch_batch_size()  # the batch size at the resumed position (nothing is saved)
         engine = trainer.engine
         batch = trainer.train_data.batch(trainer.train_order.indices(trainer.consumed, engine.config.global_batch_size))
         result = engine.verify(batch)

@@ -38,7 +38,7 @@ from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.groups import all_gather_
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.runtime.state import gather_full_state
-from fxmeg.runtime.step import forward_backward
+from fxmeg.runtime.step import _any_rank, forward_backward
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (1e-2, 2e-2)}
 """precision -> (loss, gradient) relative tolerance. fp32: the parity bounds of
@@ -120,7 +120,7 @@ def verify(program: Program, ctx: RankContext, batch: Batch | None, *, loss_rtol
         raise BatchError("this Program has no reference graph (built by an older fxmeg): transform again")
     rank0 = ctx.groups.rank == 0
     m = ctx.config.num_microbatches
-    if rank0 and not isinstance(batch, tuple):
+    if _any_rank(rank0 and not isinstance(batch, tuple), ctx.device):  # every rank raises, none waits
         raise BatchError("verify needs the global batch (a tuple of tensors) on rank 0, which runs the reference")
     rng = _rng_state()
     ctx.ddp.wait_for_params()
@@ -195,7 +195,7 @@ def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, nu
         value = state.get(name)
         if value is None:
             value = next(state[k] for k, c in names.items() if c == name and k in state)
-        memo[id(p)] = nn.Parameter(value.detach().clone(), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(value.detach(), requires_grad=p.requires_grad)  # a gathered copy already
     for b in ref.buffers():
         memo.setdefault(id(b), b)
     aux = getattr(ref, AUX_SCALE, None)
