@@ -263,6 +263,7 @@ def test_layer_norm_over_split_features_all_reduces_its_statistics():
     assert _local(gm, torch.ops.aten.sum.dim_IntList) == [(2, 16, 1)] * 2
     stats = [n for n in gm.graph.nodes if n.target == fx.tp_reduce.default and n.args[0].target == fx.tp_copy.default]
     assert [s.args[0].args[0].target for s in stats] == [torch.ops.aten.sum.dim_IntList] * 2
+    assert [[u.args[1] for u in s.users] for s in stats] == [[32], [32]]  # / the full size
 
 
 def test_eager_attention_matmuls_keep_the_head_split():
