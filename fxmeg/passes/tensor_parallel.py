@@ -5,13 +5,22 @@ Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs.
 Ensures, for every tp rank alike (the graph holds no rank: what differs per rank happens
 inside ``fxmeg::`` ops, from the group the runtime binds):
   * inside a block (numbered module list), a linear with a replicated input becomes
-    column-parallel (weight rows split; a fused QKV output that is split into blocks is
-    split block by block) and a linear whose input is split on its feature dim becomes
-    row-parallel (weight columns split; its output all-reduced, then its bias added);
+    column-parallel (weight rows split) and a linear whose input is split on its feature dim becomes
+    row-parallel (weight columns split; its output all-reduced, then its bias added); a
+    fused output sliced or split into pieces that tile it is split block by block;
     ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
-  * views, transposes, splits, rotary products, repeat_interleave (GQA), attention,
-    softmax and elementwise ops carry the split along; their shape arguments (number of
-    heads, KV heads, split sizes) are divided by tp;
+  * every other op carries the split by its kind (docs/design.md §4), so an op never seen
+    before is handled when its kind is known: pointwise ops (``torch.Tag.pointwise``) keep
+    their operands' split (a replicated operand spanning it is cut to this rank's part, a
+    parameter read only there, as a norm's weight, is split instead); views, transposes,
+    splits and repeat_interleave (GQA) move it, their shape arguments (heads, KV heads, split
+    sizes) divided by tp; reductions (``torch.Tag.reduction``) over other dims keep it, and
+    a sum or mean over the split dim (RMSNorm over a whole split projection; layer_norm is
+    decomposed so) is the local sum all-reduced over tp, forward and backward; the matmul
+    family (matmul, bmm, mm of activations, einsum: eager attention) passes a split batch or
+    free dim through and refuses a split contracting dim; a slice of whole blocks of a
+    fused output (Phi-3's ``qkv[..., :q]``) takes this rank's part of them; cat / stack,
+    select / index_select and attention follow one rule each;
   * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
     the vocabulary: ``fxmeg::vocab_shard_ids`` maps ids to this rank's rows and masks the
     others, the looked-up rows are all-reduced; a ``padding_idx`` stays a global row whose
@@ -72,9 +81,8 @@ _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 # ops along one dim (their ``dim`` argument): the split must lie elsewhere
 _ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
           aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
-# batched products: (operand dims, output dims) as einsum letters, from the operands' ranks
-_MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum.default,
-            aten.baddbmm.default}
+# products of activations, read as einsum (_matmul_letters, _einsum_letters)
+_MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum.default}
 # linear-like ops: (index of x, index of the weight, index of the bias or None, weight's
 # output dim). Hugging Face's Conv1D is addmm(bias, x, weight[in, out]).
 _LINEARS = {
