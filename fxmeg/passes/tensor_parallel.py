@@ -5,9 +5,9 @@ Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs.
 Ensures, for every tp rank alike (the graph holds no rank: what differs per rank happens
 inside ``fxmeg::`` ops, from the group the runtime binds):
   * inside a block (numbered module list), a linear with a replicated input becomes
-    column-parallel (weight rows split) and a linear whose input is split on its feature dim becomes
-    row-parallel (weight columns split; its output all-reduced, then its bias added); a
-    fused output sliced or split into pieces that tile it is split block by block;
+    column-parallel (weight rows split; a fused output sliced or split into pieces that
+    tile it is split block by block) and a linear whose input is split on its feature dim
+    becomes row-parallel (weight columns split; its output all-reduced, then its bias added);
     ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
   * every other op carries the split by its kind (docs/design.md §4), so an op never seen
     before is handled when its kind is known: pointwise ops (``torch.Tag.pointwise``) keep
