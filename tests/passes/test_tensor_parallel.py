@@ -364,6 +364,34 @@ def test_pointwise_ops_by_tag_keep_the_split():
     assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32,))
 
 
+class _CatStack(nn.Module):
+    """Two column-parallel outputs concatenated along the split features, stacked and
+    indexed again: the row-parallel linear after them reads both blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict(
+            {"a": nn.Linear(16, 32), "b": nn.Linear(16, 32), "down": nn.Linear(64, 16)})])
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = torch.cat([self.layers[0]["a"](x), self.layers[0]["b"](x)], -1)
+        h = torch.stack([h, h.relu()])[1]
+        x = x + self.layers[0]["down"](h)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_cat_along_the_split_dim_lays_blocks_end_to_end():
+    """Each rank holds its part of both outputs: the concatenation is split in two blocks,
+    and the row-parallel weight is split block by block along its columns."""
+    gm = _tp(_CatStack())
+    assert _local(gm, torch.ops.aten.stack.default) == [(2, 2, 16, 32)]
+    assert _local(gm, torch.ops.aten.select.int) == [(2, 16, 32)]
+    assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32, 32))
+
+
 class _SplitMax(_NormedMLP):
     """The maximum over the split hidden layer: not a sum, so not all-reduced."""
 
