@@ -341,6 +341,16 @@ def test_qk_norm_over_the_whole_projection():
         (torch.ops.aten.sum.dim_IntList, 32), (torch.ops.aten.sum.dim_IntList, 16)]
 
 
+def test_qk_norm_per_head_keeps_the_head_split():
+    """Qwen3: RMSNorm over head_dim after the view to heads reduces a dim that is not split;
+    its weight stays whole, its gradient summed over tp ranks (each rank's heads)."""
+    gm = _hf("qwen3")
+    assert _local(gm, torch.ops.aten.mean.dim)[1:3] == [(2, 16, 2, 1), (2, 16, 1, 1)]
+    assert _tags(gm)["model.layers.0.self_attn.q_norm.weight"] == ("replicate", True)
+    assert torch.ops.fxmeg.tp_reduce.default not in {u.target for n in gm.graph.nodes
+                                                      if n.target == torch.ops.aten.mean.dim for u in n.users}
+
+
 class _NewPointwise(nn.Module):
     """An MLP whose activation is ops the pass has never listed (pointwise by torch's tag)."""
 
