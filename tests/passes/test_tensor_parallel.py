@@ -274,6 +274,15 @@ def test_eager_attention_matmuls_keep_the_head_split():
     assert torch.ops.fxmeg.tp_slice.default not in _ops(gm)  # the mask broadcasts over heads
 
 
+def test_gemma2_softcapped_eager_attention_and_head():
+    """Gemma-2: tanh softcapping of the scores (per head) and of the logits (per vocabulary
+    shard: the LM head is found through it, and the tied embedding split alike)."""
+    gm = _hf("gemma2")
+    assert _local(gm, torch.ops.aten.matmul.default) == [(2, 2, 16, 16), (2, 2, 16, 8)]
+    assert _local(gm, torch.ops.aten.tanh.default) == [(2, 2, 16, 16), (2, 16, 64)]
+    assert _tags(gm)["model.embed_tokens.weight"] == ("shard", 0, (128,))
+
+
 class _EinsumAttention(nn.Module):
     """Attention written with einsum, a bias per head, and tanh softcapping."""
 
