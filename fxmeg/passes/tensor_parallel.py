@@ -116,6 +116,7 @@ class _TensorParallel:
         self.plan = plan
         self.place: dict[fx.Node, object] = {}
         self.specs: dict[str, tuple[int, tuple[int, ...]]] = {}  # param -> (dim, parts)
+        self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.block = find_blocks(gm)
@@ -213,6 +214,7 @@ class _TensorParallel:
         if role == "replicate":
             if isinstance(px, Shard) and not px.seq:
                 raise self._unsupported(node, "a replicated linear reads a value split over its features", px)
+            self._whole(w, node)
             return px  # per token: a sequence shard stays one
         args = list(node.args)
         if role in ("colwise", "vocab"):
@@ -691,9 +693,27 @@ class _TensorParallel:
 
     # ------------------------------------------------------------------ parameters
 
+    def _whole(self, w: fx.Node, node: fx.Node) -> None:
+        """``w`` is read whole by ``node`` (a replicated linear): it must not be split."""
+        self.whole.setdefault(w.target, node)
+        if w.target in self.specs:
+            self._tied(w, self.specs[w.target])
+
+    def _tied(self, w: fx.Node, split: tuple[int, tuple[int, ...]]) -> None:
+        whole = self.whole[w.target]
+        raise PassError(
+            f"parameter {w.target!r} is split along dim {split[0]} in blocks {split[1]} for one "
+            f"use but read whole by node {whole.name!r} (module {owning_module(whole)!r}), a "
+            f"replicated linear (the LM head is found only when the loss reads its output "
+            f"through views, casts and pointwise ops); set tp_plan for "
+            f"{owning_module(whole)!r} to 'vocab' or 'colwise', or tp=1"
+        )
+
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
         assert w.op == "get_attr", f"{node.name}: weight is not a parameter"
         spec = (dim, parts)
+        if w.target in self.whole:
+            self._tied(w, spec)
         if self.specs.setdefault(w.target, spec) != spec:
             raise PassError(
                 f"parameter {w.target!r} is read by node {node.name!r} (module "

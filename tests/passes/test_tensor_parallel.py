@@ -283,6 +283,14 @@ def test_gemma2_softcapped_eager_attention_and_head():
     assert _tags(gm)["model.embed_tokens.weight"] == ("shard", 0, (128,))
 
 
+def test_a_tied_weight_split_for_one_use_and_read_whole_by_another_is_refused():
+    model = make_model("hf-gemma2", n_layer=1)
+    with pytest.raises(PassError, match=r"parameter 'model.embed_tokens.weight' is split along dim 0 "
+                                        r"in blocks \(128,\) for one use but read whole by node 'linear_7' "
+                                        r"\(module 'lm_head'\)"):
+        _tp(model, tp_plan={"lm_head": "replicate"})
+
+
 class _EinsumAttention(nn.Module):
     """Attention written with einsum, a bias per head, and tanh softcapping."""
 
