@@ -624,10 +624,10 @@ class _TensorParallel:
         return s
 
     def _all_sum(self, local: fx.Node, like: fx.Node) -> fx.Node:
-        """The sum of ``local`` over tp ranks, exact in both directions: all-reduced
-        forward (tp_reduce) and its gradient all-reduced backward (tp_copy), since each rank
-        reads the total with its own split features (a norm's statistic). Checked in
-        ``_check_statistics``."""
+        """The sum of ``local`` over tp ranks: all-reduced forward (tp_reduce); backward,
+        when its readers combine it with split values (a norm's statistic), each rank holds
+        the gradient of its own part and tp_copy all-reduces it (``_check_statistics``
+        drops that for readers that are all replicated)."""
         with self.g.inserting_after(local):
             copy = call(self.g, torch.ops.fxmeg.tp_copy.default, (local, TP), like=like)
         with self.g.inserting_after(copy):
@@ -638,20 +638,35 @@ class _TensorParallel:
         return total
 
     def _check_statistics(self) -> None:
-        """Every reader of an all-reduced statistic ends at a split value (so its gradient
-        on each rank is that rank's part, which the backward all-reduce sums)."""
+        """The backward of each all-reduced statistic, by its readers: all of them reach a
+        split value (a norm): this rank's part of the gradient, summed over ranks (kept
+        tp_copy); none does (all replicated): the same gradient on every rank, passed as it
+        is (tp_copy dropped: Megatron's g); some do and some not: refused."""
         for total, origin in self.statistics:
-            todo = list(total.users)
+            split, whole, todo, seen = [], [], list(total.users), set()
             while todo:
                 n = todo.pop()
-                p = self.place.get(n)
-                if isinstance(p, Shard):
+                if n in seen:
                     continue
-                if p is not None or not n.users or n.op != "call_function":
-                    raise self._unsupported(
-                        origin, f"the statistic it sums over tp ranks reaches node {n.name!r} "
-                                "without meeting the split features it normalizes")
-                todo.extend(n.users)
+                seen.add(n)
+                p = self.place.get(n)
+                if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
+                    whole.append(n)
+                elif isinstance(p, Shard):
+                    split.append(n)
+                elif p is None and n.op == "call_function" and n.users:
+                    todo.extend(n.users)
+                else:
+                    whole.append(n)
+            if split and whole:
+                raise self._unsupported(
+                    origin, f"the sum it takes over tp ranks is read both with split values (node "
+                            f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
+                            "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
+            if not split:
+                copy = total.args[0]
+                total.replace_input_with(copy, copy.args[0])
+                self.g.erase_node(copy)
 
     def _along(self, node: fx.Node, dims, what: str):
         s, n = self.place[node.args[0]], val(node).dim()

@@ -368,6 +368,36 @@ def test_qk_norm_per_head_keeps_the_head_split():
                                                       if n.target == torch.ops.aten.mean.dim for u in n.users}
 
 
+class _SplitSum(_NormedMLP):
+    """A sum over the split hidden layer read by replicated values only (the residual
+    stream), or also with the split values themselves."""
+
+    def __init__(self, mixed=False):
+        super().__init__()
+        self.mixed = mixed
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        total = h.sum(-1, keepdim=True)
+        x = x + self.layers[0]["down"](h * total if self.mixed else h) + total
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_a_sum_read_whole_is_all_reduced_forward_only():
+    """Every rank reads the total with replicated values: its gradient is the same on every
+    rank, so the backward passes it as it is (no tp_copy, Megatron's g)."""
+    gm = _tp(_SplitSum())
+    total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    assert [u.target for u in total.users] == [torch.ops.fxmeg.tp_reduce.default]
+
+
+def test_a_sum_read_both_split_and_whole_is_refused():
+    with pytest.raises(PassError, match=r"cannot split node 'sum_1'.*by module 'layers.0.up'.*read both with split values \(node 'mul'\) "
+                                        r"and without \(node '"):
+        _tp(_SplitSum(mixed=True))
+
+
 class _NewPointwise(nn.Module):
     """An MLP whose activation is ops the pass has never listed (pointwise by torch's tag)."""
 
