@@ -16,7 +16,8 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     splits and repeat_interleave (GQA) move it, their shape arguments (heads, KV heads, split
     sizes) divided by tp; reductions (``torch.Tag.reduction``) over other dims keep it, and
     a sum or mean over the split dim (RMSNorm over a whole split projection; layer_norm is
-    decomposed so) is the local sum all-reduced over tp, forward and backward; the matmul
+    decomposed so) is the local sum all-reduced over tp (its gradient too, when it is read
+    with split values, as a norm's statistic is); the matmul
     family (matmul, bmm, mm of activations, einsum: eager attention) passes a split batch or
     free dim through and refuses a split contracting dim; a slice of whole blocks of a
     fused output (Phi-3's ``qkv[..., :q]``) takes this rank's part of them; cat / stack,
