@@ -44,6 +44,11 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
         "mistral": lambda: T.MistralConfig(**common),
         "gpt2": lambda: T.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layer, n_head=4,
                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "phi3": lambda: T.Phi3Config(**common),  # fused qkv_proj and gate_up_proj
+        "olmo2": lambda: T.Olmo2Config(**common),  # q_norm / k_norm over the whole projection
+        "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # q_norm / k_norm per head
+        # eager attention with logit softcapping, softcapped tied head
+        "gemma2": lambda: T.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8),
         "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                            output_router_logits=True, router_aux_loss_coef=0.1),
     }

@@ -66,6 +66,21 @@ class _BatchNorm(nn.Module):
         return self.bn(self.emb(ids)).mean()
 
 
+class _SplitMax(nn.Module):
+    """The maximum over a column-parallel linear's split output: not a sum, not all-reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(128, 16), nn.Linear(16, 128)
+        self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        x = x + self.layers[0]["down"](h - h.amax(-1, keepdim=True))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def _engine():
     return fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=4)  # dp=2
 
@@ -108,6 +123,8 @@ ROWS = {
                     "tp=2 does not divide 1, the number of heads"),
     "tp-vocabulary": (lambda: fxmeg.parallelize(make_model("gpt", vocab_size=127), _ex(vocab=127), tp=2),
                       "pad the vocabulary to a multiple of 2 (e.g. 128)"),
+    "tp-unsplittable": (lambda: fxmeg.parallelize(_SplitMax(), _ex(), tp=2),
+                        "it reduces over dim 2, which is split over tp ranks"),
     "example-batch-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),
                            "batch dimension is 2, but micro_batch_size=4"),
     "example-batch-dims": (lambda: fxmeg.parallelize(make_model("gpt"), (_ex()[0], _ex(3)[1])),

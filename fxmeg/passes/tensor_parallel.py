@@ -5,13 +5,23 @@ Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs.
 Ensures, for every tp rank alike (the graph holds no rank: what differs per rank happens
 inside ``fxmeg::`` ops, from the group the runtime binds):
   * inside a block (numbered module list), a linear with a replicated input becomes
-    column-parallel (weight rows split; a fused QKV output that is split into blocks is
-    split block by block) and a linear whose input is split on its feature dim becomes
-    row-parallel (weight columns split; its output all-reduced, then its bias added);
+    column-parallel (weight rows split; a fused output sliced or split into pieces that
+    tile it is split block by block) and a linear whose input is split on its feature dim
+    becomes row-parallel (weight columns split; its output all-reduced, then its bias added);
     ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
-  * views, transposes, splits, rotary products, repeat_interleave (GQA), attention,
-    softmax and elementwise ops carry the split along; their shape arguments (number of
-    heads, KV heads, split sizes) are divided by tp;
+  * every other op carries the split by its kind (docs/design.md §4), so an op never seen
+    before is handled when its kind is known: pointwise ops (``torch.Tag.pointwise``) keep
+    their operands' split (a replicated operand spanning it is cut to this rank's part, a
+    parameter read only there, as a norm's weight, is split instead); views, transposes,
+    splits and repeat_interleave (GQA) move it, their shape arguments (heads, KV heads, split
+    sizes) divided by tp; reductions (``torch.Tag.reduction``) over other dims keep it, and
+    a sum or mean over the split dim (RMSNorm over a whole split projection; layer_norm is
+    decomposed so) is the local sum all-reduced over tp (its gradient too, when it is read
+    with split values, as a norm's statistic is); the matmul
+    family (matmul, bmm, mm of activations, einsum: eager attention) passes a split batch or
+    free dim through and refuses a split contracting dim; a slice of whole blocks of a
+    fused output (Phi-3's ``qkv[..., :q]``) takes this rank's part of them; cat / stack,
+    select / index_select and attention follow one rule each;
   * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
     the vocabulary: ``fxmeg::vocab_shard_ids`` maps ids to this rank's rows and masks the
     others, the looked-up rows are all-reduced; a ``padding_idx`` stays a global row whose
@@ -55,22 +65,25 @@ from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shar
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
-_UNARY = {
-    aten.gelu.default, aten.silu.default, aten.relu.default, aten.neg.default, aten.tanh.default,
-    aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default,
-    aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default, aten.clone.default,
-    aten.alias.default, aten.contiguous.default, aten.dropout.default, aten.type_as.default,
-    aten.add.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.sub.Scalar,
+# Ops are handled by kind, not one by one: pointwise ops (torch tags them
+# ``torch.Tag.pointwise``) keep their operands' split, reductions (``torch.Tag.reduction``)
+# follow their ``dim`` argument, and the families below follow one rule over dims each.
+# _SAME: ops that keep their input's split but carry no pointwise tag.
+_SAME = {
+    aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.contiguous.default,
+    aten.dropout.default, aten.type_as.default, aten.detach.default, aten.clone.default,
 }
-_ELEMENTWISE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
-    aten.maximum.default, aten.minimum.default, aten.pow.Tensor_Tensor,
-}
+_POINTWISE = torch.Tag.pointwise
+_REDUCTION = torch.Tag.reduction
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
               aten.squeeze.default, aten.unflatten.int}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
+# ops along one dim (their ``dim`` argument): the split must lie elsewhere
+_ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+          aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
+# products of activations, read as einsum (_matmul_letters, _einsum_letters)
+_MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum.default}
 # linear-like ops: (index of x, index of the weight, index of the bias or None, weight's
 # output dim). Hugging Face's Conv1D is addmm(bias, x, weight[in, out]).
 _LINEARS = {
@@ -104,7 +117,9 @@ class _TensorParallel:
         self.plan = plan
         self.place: dict[fx.Node, object] = {}
         self.specs: dict[str, tuple[int, tuple[int, ...]]] = {}  # param -> (dim, parts)
+        self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
+        self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
@@ -116,6 +131,7 @@ class _TensorParallel:
             if node.op != "call_function":
                 continue
             self.place[node] = self._visit(node)
+        self._check_statistics()
         self._tag_parameters()
         self._refresh_values()
 
@@ -142,9 +158,10 @@ class _TensorParallel:
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
-        if t in _UNARY:
+        tags = getattr(t, "tags", ())
+        if t in _SAME:
             return self.place[node.args[0]]
-        if t in _ELEMENTWISE:
+        if _POINTWISE in tags:
             return self._elementwise(node)
         if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
             return self._reshape(node)
@@ -154,19 +171,27 @@ class _TensorParallel:
             return self._split(node)
         if t == aten.slice.Tensor:
             return self._slice(node)
-        if t == aten.cat.default:
+        if t in (aten.cat.default, aten.stack.default):
             return self._cat(node)
+        if t in (aten.select.int, aten.index_select.default):
+            return self._select(node)
         if t == aten.repeat_interleave.self_int:
             return self._repeat_interleave(node)
         if t == aten.scaled_dot_product_attention.default:
             return self._attention(node)
-        if t in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int):
-            return self._along(node, node.args[1], "normalizes over")
+        if t in _MATMULS:
+            return self._matmul(node)
+        if t in _ALONG:
+            return self._along(node, full_args(node)[1], "computes along")
         if t == aten.layer_norm.default:
-            return self._along(node, range(val(node).dim() - len(node.args[1]), val(node).dim()), "normalizes over")
-        if t in _REDUCTIONS:
+            return self._layer_norm(node)
+        if _REDUCTION in tags:
             return self._reduction(node)
-        raise self._unsupported(node, "fxmeg does not know how this op treats the split")
+        schema = getattr(t, "_schema", None)
+        kind = ("not an ATen op" if schema is None else
+                "a view" if any(r.alias_info for r in schema.returns) else "an op of no kind it knows")
+        raise self._unsupported(node, f"fxmeg has no rule for it ({kind}: not pointwise, a reduction, "
+                                      "a view, a concatenation, an index or a product)")
 
     # ------------------------------------------------------------------ linears
 
@@ -190,6 +215,7 @@ class _TensorParallel:
         if role == "replicate":
             if isinstance(px, Shard) and not px.seq:
                 raise self._unsupported(node, "a replicated linear reads a value split over its features", px)
+            self._whole(w, node)
             return px  # per token: a sequence shard stays one
         args = list(node.args)
         if role in ("colwise", "vocab"):
@@ -218,7 +244,13 @@ class _TensorParallel:
         todo = [node]
         while todo:
             n = todo.pop()
+            slices = set()
             for user in n.users:
+                if user.target == aten.slice.Tensor:
+                    dim, start, end, step = full_args(user)[1:5]
+                    if dim % val(n).dim() == val(n).dim() - 1 and step == 1:
+                        slices.add(_bounds(start, end, out))
+                    continue
                 if user.target in _RESHAPES and val(user).shape[-1] == out:
                     todo.append(user)
                 elif user.target in _SPLITS and _dim(user, val(user.args[0]).dim()) == val(n).dim() - 1:
@@ -227,6 +259,10 @@ class _TensorParallel:
                     if user.target == aten.chunk.default:
                         return (out // user.args[1],) * user.args[1]
                     return tuple(user.args[1])
+            blocks = sorted(slices - {(0, out)})
+            if blocks and blocks[0][0] == 0 and blocks[-1][1] == out and all(
+                    a[1] == b[0] for a, b in zip(blocks, blocks[1:])):
+                return tuple(e - b for b, e in blocks)  # slices that tile the output: qkv[..., :q]
         return (out,)
 
     def _entry(self, node: fx.Node, x: fx.Node) -> fx.Node:
@@ -273,8 +309,9 @@ class _TensorParallel:
         if loss is None:
             return None, None
         x = loss.args[0]
-        while x.op == "call_function" and x.target in _RESHAPES | _VIEW_LIKE | {aten._to_copy.default, aten.to.dtype, aten.clone.default}:
-            x = x.args[0]
+        while x.op == "call_function" and (x.target in _RESHAPES | _VIEW_LIKE | _SAME or (
+                _POINTWISE in getattr(x.target, "tags", ()) and len(x.all_input_nodes) == 1)):
+            x = x.args[0]  # through casts and pointwise ops of the logits alone (softcapping)
         vocab = val(loss.args[0]).shape[1]
         return vocab, (x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None)
 
@@ -363,10 +400,21 @@ class _TensorParallel:
                 continue
             j = s0.dim - (out_dim - val(a).dim())
             if j >= 0 and val(a).shape[j] != 1:  # a replicated operand spans the split dim
+                if self._own_parameter(a):  # a norm's weight over split features: shard it too
+                    self._spec(a, j, s0.parts, node)
+                    continue
                 if len(s0.parts) > 1:
                     raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
                 node.replace_input_with(a, self._local_slice(node, a, j))
         return s0
+
+    def _own_parameter(self, a: fx.Node) -> bool:
+        """``a`` is a trainable parameter read here only: it can be split with the value
+        it meets instead of being sliced per rank."""
+        if a.op != "get_attr" or not getattr(attr(self.gm, a.target), "requires_grad", False):
+            return False
+        readers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == a.target]
+        return readers == [a] and len(a.users) == 1
 
     def _local_slice(self, node: fx.Node, a: fx.Node, dim: int) -> fx.Node:
         size = val(a).shape[dim]
@@ -432,23 +480,61 @@ class _TensorParallel:
         return [s.moved(dim, (p,)) for p in s.parts]
 
     def _slice(self, node: fx.Node):
-        """A slice along another dim keeps the split; along the split dim only a slice
-        of everything does (x[:, :, None] indexing)."""
+        """A slice along another dim keeps the split; along the split dim, a slice of whole
+        blocks (a fused projection's q, k, v: ``qkv[..., :q_size]``) takes this rank's
+        part of each of them (its bounds divided by tp); a slice of everything keeps it."""
         s = self.place[node.args[0]]
-        dim, start, end, step = (full_args(node) + [None] * 5)[1:5]
+        x, dim, start, end, step = full_args(node)[:5]
         dim = dim % val(node).dim()
         size = val(node.args[0]).shape[dim]
-        if dim == s.dim and not ((start or 0) == 0 and (end is None or end >= size) and (step or 1) == 1):
-            raise self._unsupported(node, f"it slices the split dim {dim}", s)
-        return s
+        start, end = _bounds(start, end, size)
+        if dim != s.dim or (start, end, step) == (0, size, 1):
+            return s
+        edges = [sum(s.parts[:i]) for i in range(len(s.parts) + 1)]
+        if step != 1 or start not in edges or end not in edges:
+            raise self._unsupported(
+                node, f"it slices [{start}:{end}:{step}] of the split dim {dim}, which is not a run of "
+                      f"its blocks {s.parts} (a fused projection is sliced block by block)", s)
+        node.args, node.kwargs = (x, dim, start // self.tp, end // self.tp), {}
+        return s.moved(dim, s.parts[edges.index(start):edges.index(end)])
 
     def _cat(self, node: fx.Node):
-        places = {self.place.get(a) for a in node.args[0]}
-        n = val(node).dim()
-        dim = (node.args[1] if len(node.args) > 1 else 0) % n
-        if len(places) != 1 or None in places or next(iter(places)).dim == dim:
-            raise self._unsupported(node, "it concatenates along the split dim or mixes split and whole values")
-        return next(iter(places))
+        """cat / stack: operands split alike along another dim keep (move) the split, a
+        replicated one is cut to this rank's part; cat along the split dim of split
+        operands puts their blocks end to end (each rank holds its part of every block)."""
+        tensors, n = node.args[0], val(node).dim()
+        dim = full_args(node)[1] % n
+        stack = node.target == aten.stack.default
+        shards = [self.place.get(a) for a in tensors if isinstance(self.place.get(a), (Shard, list))]
+        if any(isinstance(p, list) for p in shards):
+            raise self._unsupported(node, "it concatenates an unpacked list")
+        s0 = shards[0]
+        if not stack and dim == s0.dim:
+            places = [self.place.get(a) for a in tensors]
+            if not all(isinstance(p, Shard) and p.dim == dim for p in places):
+                raise self._unsupported(node, "it concatenates along the split dim a value that is "
+                                              "not split along it", s0)
+            return s0.moved(dim, tuple(b for p in places for b in p.parts))
+        if any(p.dim != s0.dim or p.parts != s0.parts for p in shards):
+            raise self._unsupported(node, "its operands are split differently", s0)
+        for a in tensors:
+            if not isinstance(self.place.get(a), Shard):
+                if len(s0.parts) > 1:
+                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
+                node.replace_input_with(a, self._local_slice(node, a, s0.dim))
+        return s0.moved(s0.dim + (stack and dim <= s0.dim))
+
+    def _select(self, node: fx.Node):
+        """select / index_select pick along one dim: not the split one."""
+        s = self.place.get(node.args[0])
+        if not isinstance(s, Shard):
+            raise self._unsupported(node, "it indexes a replicated value with a split index")
+        dim = node.args[1] % val(node.args[0]).dim()
+        if dim == s.dim:
+            raise self._unsupported(node, f"it indexes the split dim {dim}", s)
+        if node.target == aten.select.int:
+            return s.moved(s.dim - (dim < s.dim))
+        return s
 
     def _repeat_interleave(self, node: fx.Node):
         s = self.place[node.args[0]]
@@ -470,6 +556,119 @@ class _TensorParallel:
                 node.replace_input_with(mask, self._local_slice(node, mask, j))
         return q
 
+    def _matmul(self, node: fx.Node):
+        """The matmul family as einsum: a split dim that survives in the output (a batch
+        dim such as heads, or a free dim) passes the split through, operands split alike;
+        a replicated operand spanning it is cut to this rank's part. A contracting dim
+        must not be split."""
+        if node.target == aten.einsum.default:
+            operands, (ins, out) = list(node.args[1]), _einsum_letters(node)
+        else:
+            operands = list(node.args[:2])
+            ins, out = _matmul_letters(*(val(a).dim() for a in operands))
+        split = None
+        for a, letters in zip(operands, ins):
+            p = self.place.get(a)
+            if isinstance(p, list):
+                raise self._unsupported(node, "it multiplies an unpacked list")
+            if not isinstance(p, Shard):
+                continue
+            if letters[p.dim] not in out:
+                raise self._unsupported(
+                    node, f"it contracts dim {p.dim} of {a.name!r}, which is split over tp ranks "
+                          "(a product over a split dim is a row-parallel linear's job)", p)
+            if split is not None and (split[0] != letters[p.dim] or split[1].parts != p.parts):
+                raise self._unsupported(node, "its operands are split differently", p)
+            split = (letters[p.dim], p)
+        letter, s = split
+        for a, letters in zip(operands, ins):
+            if isinstance(self.place.get(a), Shard) or letter not in letters:
+                continue
+            j = letters.index(letter)
+            if val(a).shape[j] != 1:
+                if len(s.parts) > 1:
+                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s)
+                node.replace_input_with(a, self._local_slice(node, a, j))
+        return s.moved(out.index(letter))
+
+    def _layer_norm(self, node: fx.Node):
+        """layer_norm over a split last dim: mean and variance from tp all-reduced sums,
+        then the affine weight and bias split like the features."""
+        s, n = self.place[node.args[0]], val(node).dim()
+        x, shape, w, b, eps = full_args(node)[:5]
+        if s.dim < n - len(shape):
+            return s
+        if len(shape) != 1:
+            raise self._unsupported(node, f"it normalizes over dims {list(range(n - len(shape), n))}, "
+                                          f"split along dim {s.dim}", s)
+        ops = []
+
+        def add(target, *args):
+            with self.g.inserting_before(node):
+                ops.append(call(self.g, target, args, like=node))
+            self.place[ops[-1]] = s if val(ops[-1]).dim() == n and val(ops[-1]).shape[-1] != 1 else None
+            return ops[-1]
+
+        def mean(v):
+            local = add(aten.sum.dim_IntList, v, [-1], True)
+            total = self._all_sum(local, node)
+            return add(aten.div.Tensor, total, shape[0])
+
+        xc = add(aten.sub.Tensor, x, mean(x))
+        y = add(aten.mul.Tensor, xc, add(aten.rsqrt.default, add(aten.add.Tensor, mean(add(aten.mul.Tensor, xc, xc)), eps)))
+        for p, op in ((w, aten.mul.Tensor), (b, aten.add.Tensor)):
+            if p is not None:
+                y = add(op, y, p)
+                self._elementwise(y)
+        node.replace_all_uses_with(y)
+        self.g.erase_node(node)
+        return s
+
+    def _all_sum(self, local: fx.Node, like: fx.Node) -> fx.Node:
+        """The sum of ``local`` over tp ranks: all-reduced forward (tp_reduce); backward,
+        when its readers combine it with split values (a norm's statistic), each rank holds
+        the gradient of its own part and tp_copy all-reduces it (``_check_statistics``
+        drops that for readers that are all replicated)."""
+        with self.g.inserting_after(local):
+            copy = call(self.g, torch.ops.fxmeg.tp_copy.default, (local, TP), like=like)
+        with self.g.inserting_after(copy):
+            total = call(self.g, torch.ops.fxmeg.tp_reduce.default, (copy, TP), like=like)
+        self.place[local] = self.place[copy] = "local"
+        self.place[total] = None
+        self.statistics.append((total, like))
+        return total
+
+    def _check_statistics(self) -> None:
+        """The backward of each all-reduced statistic, by its readers: all of them reach a
+        split value (a norm): this rank's part of the gradient, summed over ranks (kept
+        tp_copy); none does (all replicated): the same gradient on every rank, passed as it
+        is (tp_copy dropped: Megatron's g); some do and some not: refused."""
+        for total, origin in self.statistics:
+            split, whole, todo, seen = [], [], list(total.users), set()
+            while todo:
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                p = self.place.get(n)
+                if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
+                    whole.append(n)
+                elif isinstance(p, Shard):
+                    split.append(n)
+                elif p is None and n.op == "call_function" and n.users:
+                    todo.extend(n.users)
+                else:
+                    whole.append(n)
+            if split and whole:
+                raise self._unsupported(
+                    origin, f"the sum it takes over tp ranks is read both with split values (node "
+                            f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
+                            "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
+            if not split:
+                copy = total.args[0]
+                total.replace_input_with(copy, copy.args[0])
+                self.g.erase_node(copy)
+
     def _along(self, node: fx.Node, dims, what: str):
         s, n = self.place[node.args[0]], val(node).dim()
         dims = [dims] if isinstance(dims, int) else list(dims)
@@ -478,19 +677,59 @@ class _TensorParallel:
         return s
 
     def _reduction(self, node: fx.Node):
+        """Reductions (torch.Tag.reduction) by their ``dim`` argument: over other dims the
+        split stays (moves); a sum or mean over the split dim is a local sum all-reduced
+        over tp ranks (a mean divides it by the full size): RMSNorm's statistic."""
         s, n = self.place[node.args[0]], val(node.args[0]).dim()
-        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+        schema = [a.name for a in node.target._schema.arguments]
+        dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
+        dims = list(range(n)) if dims is None or dims == [] else dims
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
-        if s.dim in dims:
-            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks", s)
         keepdim = val(node).dim() == n
-        return s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
+        if s.dim not in dims:
+            return s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
+        sums = {aten.sum.dim_IntList: None, aten.sum.default: None,
+                aten.mean.dim: aten.sum.dim_IntList, aten.mean.default: aten.sum.default}
+        if node.target not in sums:
+            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks "
+                                          "(only a sum or a mean is all-reduced)", s)
+        users = list(node.users)
+        size = 1
+        for d in dims:
+            size *= val(node.args[0]).shape[d]
+        out = self._all_sum(node, node)
+        if sums[node.target] is not None:  # mean = all-reduced sum / full size
+            node.target = sums[node.target]
+            with self.g.inserting_after(out):
+                out = call(self.g, aten.div.Tensor, (out, size), like=node)
+            self.place[out] = None
+        for user in users:
+            user.replace_input_with(node, out)
+        return "local"
 
     # ------------------------------------------------------------------ parameters
+
+    def _whole(self, w: fx.Node, node: fx.Node) -> None:
+        """``w`` is read whole by ``node`` (a replicated linear): it must not be split."""
+        self.whole.setdefault(w.target, node)
+        if w.target in self.specs:
+            self._tied(w, self.specs[w.target])
+
+    def _tied(self, w: fx.Node, split: tuple[int, tuple[int, ...]]) -> None:
+        whole = self.whole[w.target]
+        raise PassError(
+            f"parameter {w.target!r} is split along dim {split[0]} in blocks {split[1]} for one "
+            f"use but read whole by node {whole.name!r} (module {owning_module(whole)!r}), a "
+            f"replicated linear (the LM head is found only when the loss reads its output "
+            f"through views, casts and pointwise ops); set tp_plan for "
+            f"{owning_module(whole)!r} to 'vocab' or 'colwise', or tp=1"
+        )
 
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
         assert w.op == "get_attr", f"{node.name}: weight is not a parameter"
         spec = (dim, parts)
+        if w.target in self.whole:
+            self._tied(w, spec)
         if self.specs.setdefault(w.target, spec) != spec:
             raise PassError(
                 f"parameter {w.target!r} is read by node {node.name!r} (module "
@@ -566,6 +805,40 @@ class _TensorParallel:
 def _dim(node: fx.Node, ndim: int) -> int:
     args = full_args(node)
     return args[2] % ndim
+
+
+def _bounds(start, end, size: int) -> tuple[int, int]:
+    """A slice's [start, end) within a dim of ``size``, as Python clamps it."""
+    start = 0 if start is None else start + size if start < 0 else start
+    end = size if end is None else end + size if end < 0 else end
+    return min(max(start, 0), size), min(max(end, 0), size)
+
+
+def _matmul_letters(ra: int, rb: int) -> tuple[list[str], str]:
+    """torch.matmul of operands of ranks ``ra`` and ``rb`` as einsum letters: batch dims
+    broadcast from the right, ``k`` contracted."""
+    nb = max(ra - 2, rb - 2, 0)
+    batch = "abcdefgh"[:nb]
+    a = "k" if ra == 1 else batch[nb - (ra - 2):] + "mk"
+    b = "k" if rb == 1 else batch[nb - (rb - 2):] + "kn"
+    return [a, b], batch + ("m" if ra > 1 else "") + ("n" if rb > 1 else "")
+
+
+def _einsum_letters(node: fx.Node) -> tuple[list[str], str]:
+    """An einsum's operand and output letters, '...' spelled out (in capitals)."""
+    eq, operands = node.args[0].replace(" ", ""), node.args[1]
+    ins, _, out = eq.partition("->")
+    ins = ins.split(",")
+    if not _:
+        out = "".join(sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != "."))
+    ell = max(val(a).dim() - len(t.replace("...", "")) for a, t in zip(operands, ins))
+    caps = "ABCDEFGH"[:ell]
+
+    def spell(t, rank):
+        k = rank - len(t.replace("...", ""))
+        return t.replace("...", caps[ell - k:] if k else "")
+
+    return [spell(t, val(a).dim()) for a, t in zip(operands, ins)], spell(out, val(node).dim())
 
 
 def _reaches_placeholder(node: fx.Node) -> bool:

@@ -1,7 +1,9 @@
 """Unmodified Hugging Face models (built from a config, no download) on real gloo ranks
 vs single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2 x pp=2
 and tp=2 x pp=2 x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2;
-Mistral at pp=2 x tp=2 and, with a pad token on either vocabulary shard, at tp=2; Mixtral (batched_mm experts) at pp=2 with its router loss."""
+Mistral at pp=2 x tp=2 and, with a pad token on either vocabulary shard, at tp=2; Llama with
+eager attention, Gemma-2 (eager, softcapping), Phi-3 (fused qkv_proj / gate_up_proj) and OLMo-2 (q/k norms over the whole
+projection) at tp=2; Mixtral (batched_mm experts) at pp=2 with its router loss."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ PARITY = [
 ] + [Scenario("hf-gpt2", pp=2), Scenario("hf-gpt2", tp=2), Scenario("hf-mistral", pp=2, tp=2)] + [
     # a pad token: the embedding's padding_idx row, on either vocabulary shard, gets no gradient
     Scenario("hf-mistral", tp=2, model_args=(("pad_token_id", pad),)) for pad in (0, 100)
+] + [
+    # eager attention (matmuls over head-split q, k, v), Phi-3's fused qkv_proj sliced by
+    # blocks, OLMo-2's q/k norms over the whole split projection (all-reduced statistic)
+    Scenario("hf-llama", tp=2, model_args=(("attn_implementation", "eager"),)),
+    Scenario("hf-phi3", tp=2), Scenario("hf-olmo2", tp=2),
+    Scenario("hf-gemma2", tp=2),  # eager by default, softcapped attention and tied head
 ]
 MIXTRAL = Scenario("hf-mixtral", pp=2)
 

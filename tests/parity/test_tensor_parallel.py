@@ -1,6 +1,8 @@
 """Tensor parallelism on real gloo ranks vs plain single-device PyTorch: tp=2, with
 sequence parallelism, with pp=2, and tp=2 x pp=2 x dp=2 with the distributed optimizer,
-for GPT (tied vocabulary-parallel embedding and head) and Llama (GQA)."""
+for GPT (tied vocabulary-parallel embedding and head) and Llama (GQA); and at tp=2 the small
+models of the graph tests that exercise one rule each (layer_norm over split features, a sum
+read whole, cat of split blocks, einsum attention with a per-head bias)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fxmeg
+
 from tests.distributed import run_worlds
-from tests.helpers import make_model
+from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
@@ -45,10 +50,36 @@ def compiled_collectives(rank: int) -> dict:
                 grads_equal=bool(torch.equal(x1.grad, x2.grad)), grad=x1.grad.tolist())
 
 
+RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "cat-blocks": _CatStack,
+         "einsum-bias": _EinsumAttention}
+
+
+def _rule_model(name):
+    torch.manual_seed(0)
+    return RULES[name]()
+
+
+def _rule_batches():
+    return [make_batch(8, seed=100 + s) for s in range(3)]
+
+
+def train_rules(rank: int) -> dict:
+    """Each rule's model at tp=2: losses and the gathered state."""
+    out = {}
+    for name in RULES:
+        batches = _rule_batches()
+        engine = fxmeg.parallelize(_rule_model(name), tuple(t[:2] for t in batches[0]), tp=2,
+                                   global_batch_size=8, optimizer=optimizer, clip_grad=1.0)
+        losses = [engine.train_step(b).loss for b in batches]
+        out[name] = (losses, engine.full_state_dict())
+    return out
+
+
 def run(rank: int, scenarios: list[Scenario]) -> dict:
     out = train_each(rank, scenarios)
     if dist.get_world_size() == 2:
         out["compile"] = compiled_collectives(rank)
+        out["rules"] = train_rules(rank)
     return out
 
 
@@ -79,3 +110,12 @@ def test_registered_collectives_work_under_torch_compile(results):
         assert c["eager"] == c["compiled"] and c["grads_equal"]
         # rank r's input gradient is w_r's row sum, 4 * (r + 1); f's backward all-reduces
         assert c["grad"] == [[4.0 * 1 + 4.0 * 2] * 4] * 2
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_rule_trains_like_one_device(results, name):
+    want_losses, _, want_state = reference(_rule_model(name), _rule_batches())
+    for r in results[2]:
+        losses, _ = r["rules"][name]
+        assert_losses_close(losses, want_losses)
+    assert_weights_close(results[2][0]["rules"][name][1], want_state)

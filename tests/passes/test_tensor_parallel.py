@@ -236,10 +236,233 @@ class _NormedMLP(nn.Module):
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+def _ops(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _local(gm, target) -> list:
+    """The local shapes of every ``target`` node."""
+    return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target == target]
+
+
+def _hf(kind, tp=2, **kw):
+    model = make_model(f"hf-{kind}", n_layer=1, **kw)
+    ids, labels = make_batch(2, seed=0, vocab=128)
+    return graph_after(model, (ids, labels), "tensor_parallel", tp=tp)
+
+
+def test_layer_norm_over_split_features_all_reduces_its_statistics():
+    """mean and variance over the split hidden layer: local sums, all-reduced (tp_copy's
+    backward all-reduces their gradient, tp_reduce the forward)."""
+    gm = _tp(_NormedMLP())
+    ops = _ops(gm)
+    assert torch.ops.aten.layer_norm.default not in ops
+    fx = torch.ops.fxmeg
+    # two statistics + the row-parallel down projection's output; the embedding's rows
+    assert ops.count(fx.tp_reduce.default) == 2 + 1 + 1
+    assert _local(gm, torch.ops.aten.sum.dim_IntList) == [(2, 16, 1)] * 2
+    stats = [n for n in gm.graph.nodes if n.target == fx.tp_reduce.default and n.args[0].target == fx.tp_copy.default]
+    assert [s.args[0].args[0].target for s in stats] == [torch.ops.aten.sum.dim_IntList] * 2
+    assert [[u.args[1] for u in s.users] for s in stats] == [[32], [32]]  # / the full size
+
+
+def test_eager_attention_matmuls_keep_the_head_split():
+    """q @ k^T and p @ v over head-split operands (batch dims split alike) stay local;
+    the scaling, the mask add and the softmax over keys are per head."""
+    gm = _hf("llama", attn_implementation="eager")
+    assert _local(gm, torch.ops.aten.matmul.default) == [(2, 2, 16, 16), (2, 2, 16, 8)]
+    assert torch.ops.fxmeg.tp_slice.default not in _ops(gm)  # the mask broadcasts over heads
+
+
+def test_gemma2_softcapped_eager_attention_and_head():
+    """Gemma-2: tanh softcapping of the scores (per head) and of the logits (per vocabulary
+    shard: the LM head is found through it, and the tied embedding split alike)."""
+    gm = _hf("gemma2")
+    assert _local(gm, torch.ops.aten.matmul.default) == [(2, 2, 16, 16), (2, 2, 16, 8)]
+    assert _local(gm, torch.ops.aten.tanh.default) == [(2, 2, 16, 16), (2, 16, 64)]
+    assert _tags(gm)["model.embed_tokens.weight"] == ("shard", 0, (128,))
+
+
+def test_a_tied_weight_split_for_one_use_and_read_whole_by_another_is_refused():
+    model = make_model("hf-gemma2", n_layer=1)
+    with pytest.raises(PassError, match=r"parameter 'model.embed_tokens.weight' is split along dim 0 "
+                                        r"in blocks \(128,\) for one use but read whole by node 'linear_7' "
+                                        r"\(module 'lm_head'\)"):
+        _tp(model, tp_plan={"lm_head": "replicate"})
+
+
+class _EinsumAttention(nn.Module):
+    """Attention written with einsum, a bias per head, and tanh softcapping."""
+
+    def __init__(self, contract_split=False):
+        super().__init__()
+        self.contract_split = contract_split
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"qkv": nn.Linear(16, 48), "o": nn.Linear(16, 16)})])
+        self.head = nn.Linear(16, 128)
+        self.register_buffer("bias", torch.randn(4, 1, 1))
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 4, 4).transpose(1, 2) for y in self.layers[0]["qkv"](x).split(16, -1))
+        if self.contract_split:
+            s = torch.einsum("bhqd,bhkd->bqk", q, k)[:, None]
+        else:
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k) + self.bias
+        s = 5.0 * torch.tanh(s / 5.0)
+        p = s.softmax(-1)
+        out = p @ v
+        x = x + self.layers[0]["o"](out.transpose(1, 2).reshape(b, t, 16))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_einsum_attention_with_a_mask_per_head():
+    gm = _tp(_EinsumAttention())
+    assert _local(gm, torch.ops.aten.einsum.default) == [(2, 2, 16, 16)]
+    slices = [n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.tp_slice.default]
+    assert [(s.args[0].target, s.args[1:3]) for s in slices] == [("bias", (0, 2))]  # this rank's heads
+
+
+def test_a_contraction_over_split_heads_is_refused():
+    with pytest.raises(PassError) as err:
+        _tp(_EinsumAttention(contract_split=True))
+    msg = str(err.value)
+    assert "cannot split node 'einsum'" in msg and "it contracts dim 1 of 'transpose'" in msg
+
+
+def test_fused_qkv_sliced_by_blocks():
+    """Phi-3: qkv[..., :q], [q:q+kv], [q+kv:] partition the fused output: the weight is split
+    block by block and each slice takes this rank's part of its block; gate_up's chunk(2)
+    likewise."""
+    gm = _hf("phi3")
+    tags = _tags(gm)
+    assert tags["model.layers.0.self_attn.qkv_proj.weight"] == ("shard", 0, (32, 16, 16))
+    assert tags["model.layers.0.mlp.gate_up_proj.weight"] == ("shard", 0, (64, 64))
+    slices = [n.args[1:] for n in gm.graph.nodes
+              if n.target == torch.ops.aten.slice.Tensor and n.args[0].target == torch.ops.aten.linear.default]
+    assert slices == [(2, 0, 16), (2, 16, 24), (2, 24, 32)]
+
+
+def test_qk_norm_over_the_whole_projection():
+    """OLMo-2: RMSNorm over q_proj's (and k_proj's) split output: the mean of squares is an
+    all-reduced local sum over the full size; the norm weights are split like the features."""
+    gm = _hf("olmo2")
+    tags = _tags(gm)
+    assert tags["model.layers.0.self_attn.q_norm.weight"] == ("shard", 0, (32,))
+    assert tags["model.layers.0.self_attn.k_norm.weight"] == ("shard", 0, (16,))
+    fx = torch.ops.fxmeg
+    means = [n for n in gm.graph.nodes if n.target == torch.ops.aten.div.Tensor
+             and n.args[0].target == fx.tp_reduce.default]
+    assert [(n.args[0].args[0].args[0].target, n.args[1]) for n in means] == [
+        (torch.ops.aten.sum.dim_IntList, 32), (torch.ops.aten.sum.dim_IntList, 16)]
+
+
+def test_qk_norm_per_head_keeps_the_head_split():
+    """Qwen3: RMSNorm over head_dim after the view to heads reduces a dim that is not split;
+    its weight stays whole, its gradient summed over tp ranks (each rank's heads)."""
+    gm = _hf("qwen3")
+    assert _local(gm, torch.ops.aten.mean.dim)[1:3] == [(2, 16, 2, 1), (2, 16, 1, 1)]
+    assert _tags(gm)["model.layers.0.self_attn.q_norm.weight"] == ("replicate", True)
+    assert torch.ops.fxmeg.tp_reduce.default not in {u.target for n in gm.graph.nodes
+                                                      if n.target == torch.ops.aten.mean.dim for u in n.users}
+
+
+class _SplitSum(_NormedMLP):
+    """A sum over the split hidden layer read by replicated values only (the residual
+    stream), or also with the split values themselves."""
+
+    def __init__(self, mixed=False):
+        super().__init__()
+        self.mixed = mixed
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        total = h.sum(-1, keepdim=True)
+        x = x + self.layers[0]["down"](h * total if self.mixed else h) + total
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_a_sum_read_whole_is_all_reduced_forward_only():
+    """Every rank reads the total with replicated values: its gradient is the same on every
+    rank, so the backward passes it as it is (no tp_copy, Megatron's g)."""
+    gm = _tp(_SplitSum())
+    total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    assert [u.target for u in total.users] == [torch.ops.fxmeg.tp_reduce.default]
+
+
+def test_a_sum_read_both_split_and_whole_is_refused():
+    with pytest.raises(PassError, match=r"cannot split node 'sum_1'.*by module 'layers.0.up'.*read both with split values \(node 'mul'\) "
+                                        r"and without \(node '"):
+        _tp(_SplitSum(mixed=True))
+
+
+class _NewPointwise(nn.Module):
+    """An MLP whose activation is ops the pass has never listed (pointwise by torch's tag)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        h = torch.hypot(torch.erf(h), torch.expm1(h).clamp(-1, 1))
+        x = x + self.layers[0]["down"](h)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_pointwise_ops_by_tag_keep_the_split():
+    gm = _tp(_NewPointwise())
+    assert _local(gm, torch.ops.aten.hypot.default) == [(2, 16, 16)]
+    assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32,))
+
+
+class _CatStack(nn.Module):
+    """Two column-parallel outputs concatenated along the split features, stacked and
+    indexed again: the row-parallel linear after them reads both blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict(
+            {"a": nn.Linear(16, 32), "b": nn.Linear(16, 32), "down": nn.Linear(64, 16)})])
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = torch.cat([self.layers[0]["a"](x), self.layers[0]["b"](x)], -1)
+        h = torch.stack([h, h.relu()])[1]
+        x = x + self.layers[0]["down"](h)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_cat_along_the_split_dim_lays_blocks_end_to_end():
+    """Each rank holds its part of both outputs: the concatenation is split in two blocks,
+    and the row-parallel weight is split block by block along its columns."""
+    gm = _tp(_CatStack())
+    assert _local(gm, torch.ops.aten.stack.default) == [(2, 2, 16, 32)]
+    assert _local(gm, torch.ops.aten.select.int) == [(2, 16, 32)]
+    assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32, 32))
+
+
+class _SplitMax(_NormedMLP):
+    """The maximum over the split hidden layer: not a sum, so not all-reduced."""
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        x = x + self.layers[0]["down"](h - h.amax(-1, keepdim=True))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def test_unshardable_pattern_names_node_module_and_fix():
     with pytest.raises(PassError) as err:
-        _tp(_NormedMLP())
+        _tp(_SplitMax())
     msg = str(err.value)
-    assert "cannot split node 'layer_norm'" in msg and "normalizes over dim 2" in msg
+    assert "cannot split node 'amax'" in msg and "it reduces over dim 2" in msg
     assert "split along dim 2 by module 'layers.0.up'" in msg
     assert "tp_plan={'layers.*.up': 'replicate'}" in msg
