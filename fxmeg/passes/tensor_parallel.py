@@ -61,7 +61,8 @@ from fxmeg.errors import PassError
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.partition import find_blocks
-from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
+from fxmeg.passes.tp_placement import Shard, divisors
+from fxmeg.passes.tp_rules import _RESHAPES, _SYNCED, PropagationRules, _bounds, _dim
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
@@ -75,7 +76,6 @@ _SAME = {
 }
 _POINTWISE = torch.Tag.pointwise
 _REDUCTION = torch.Tag.reduction
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
               aten.squeeze.default, aten.unflatten.int}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
@@ -92,11 +92,6 @@ _LINEARS = {
     aten.mm.default: (0, 1, None, 1),
 }
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
-fxmeg_ops = torch.ops.fxmeg
-# collectives whose backward reduces the gradient over tp ranks: a parameter reaching a split
-# value only through one of them gets the same gradient on every rank (tp_slice does not)
-_SYNCED = {fxmeg_ops.tp_copy.default, fxmeg_ops.tp_reduce.default, fxmeg_ops.sp_gather.default,
-           fxmeg_ops.sp_scatter.default, fxmeg_ops.vocab_parallel_cross_entropy.default}
 
 
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -108,7 +103,7 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     return finish(gm)
 
 
-class _TensorParallel:
+class _TensorParallel(PropagationRules):
     def __init__(self, gm, tp, plan, sp):
         self.gm, self.g, self.tp, self.sp = gm, gm.graph, tp, sp
         for glob, role in plan.items():
@@ -386,327 +381,6 @@ class _TensorParallel:
         node.replace_all_uses_with(loss_sum)
         return None
 
-    # ------------------------------------------------------------------ propagation rules
-
-    def _elementwise(self, node: fx.Node):
-        out_dim = val(node).dim()
-        shards = [(a, self.place[a]) for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)]
-        s0 = shards[0][1].moved(shards[0][1].dim + out_dim - val(shards[0][0]).dim())
-        for a, s in shards[1:]:
-            if s.moved(s.dim + out_dim - val(a).dim()) != s0:
-                raise self._unsupported(node, "its operands are split differently", s)
-        for a in node.all_input_nodes:
-            if isinstance(self.place.get(a), Shard) or val(a) is None:
-                continue
-            j = s0.dim - (out_dim - val(a).dim())
-            if j >= 0 and val(a).shape[j] != 1:  # a replicated operand spans the split dim
-                if self._own_parameter(a):  # a norm's weight over split features: shard it too
-                    self._spec(a, j, s0.parts, node)
-                    continue
-                if len(s0.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
-                node.replace_input_with(a, self._local_slice(node, a, j))
-        return s0
-
-    def _own_parameter(self, a: fx.Node) -> bool:
-        """``a`` is a trainable parameter read here only: it can be split with the value
-        it meets instead of being sliced per rank."""
-        if a.op != "get_attr" or not getattr(attr(self.gm, a.target), "requires_grad", False):
-            return False
-        readers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == a.target]
-        return readers == [a] and len(a.users) == 1
-
-    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int) -> fx.Node:
-        size = val(a).shape[dim]
-        self._check_divides(node, size, f"dim {dim} of operand {a.name!r}")
-        with self.g.inserting_before(node):
-            piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim, self.tp, TP), like=node)
-        self.place[piece] = "local"  # this rank's part of a replicated value
-        return piece
-
-    def _reshape(self, node: fx.Node):
-        s = self.place[node.args[0]]
-        a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
-        if node.target == aten.expand.default:
-            lead = len(b) - len(a)
-            sizes = list(node.args[1])
-            if sizes[s.dim + lead] not in (-1,):
-                sizes[s.dim + lead] //= self.tp
-            node.args = (node.args[0], sizes, *node.args[2:])
-            return s.moved(s.dim + lead)
-        moved = reshape_shard(s, a, b, self.tp)
-        if isinstance(moved, Indivisible):  # the usual case: heads or KV heads
-            raise PassError(
-                f"tp={self.tp} does not divide {moved.size}, the number of heads (or groups) "
-                f"that node {node.name!r} ({node.target.__name__}, module "
-                f"{owning_module(node)!r}) splits the features into; choose tp in "
-                f"{[d for d in divisors(moved.size)]}"
-            )
-        if isinstance(moved, str):
-            raise self._unsupported(node, moved, s)
-        if node.target in _RESHAPES:
-            shape = list(node.args[1])
-            if shape[moved.dim] != -1:
-                shape[moved.dim] //= self.tp
-            node.args = (node.args[0], shape)
-        elif node.target == aten.unflatten.int:
-            dim, sizes = node.args[1] % len(a), list(node.args[2])
-            sizes[moved.dim - dim] //= self.tp
-            node.args = (node.args[0], node.args[1], sizes)
-        return moved
-
-    def _permute(self, node: fx.Node):
-        s, n = self.place[node.args[0]], val(node).dim()
-        if node.target == aten.transpose.int:
-            i, j = node.args[1] % n, node.args[2] % n
-            return s.moved({i: j, j: i}.get(s.dim, s.dim))
-        if node.target == aten.t.default:
-            return s.moved(1 - s.dim)
-        return s.moved([d % n for d in node.args[1]].index(s.dim))
-
-    def _split(self, node: fx.Node):
-        s = self.place[node.args[0]]
-        dim = _dim(node, val(node.args[0]).dim())
-        pieces = node.meta["val"]  # a list of fake tensors
-        if dim != s.dim:
-            return [s] * len(pieces)
-        sizes = [v.shape[dim] for v in pieces]
-        if tuple(sizes) != s.parts:
-            raise self._unsupported(node, f"it splits the dim into {sizes}, not into its blocks {s.parts}", s)
-        if node.target == aten.split.Tensor:
-            node.args = (node.args[0], node.args[1] // self.tp, *node.args[2:])
-        elif node.target == aten.split_with_sizes.default:
-            node.args = (node.args[0], [x // self.tp for x in node.args[1]], *node.args[2:])
-        return [s.moved(dim, (p,)) for p in s.parts]
-
-    def _slice(self, node: fx.Node):
-        """A slice along another dim keeps the split; along the split dim, a slice of whole
-        blocks (a fused projection's q, k, v: ``qkv[..., :q_size]``) takes this rank's
-        part of each of them (its bounds divided by tp); a slice of everything keeps it."""
-        s = self.place[node.args[0]]
-        x, dim, start, end, step = full_args(node)[:5]
-        dim = dim % val(node).dim()
-        size = val(node.args[0]).shape[dim]
-        start, end = _bounds(start, end, size)
-        if dim != s.dim or (start, end, step) == (0, size, 1):
-            return s
-        edges = [sum(s.parts[:i]) for i in range(len(s.parts) + 1)]
-        if step != 1 or start not in edges or end not in edges:
-            raise self._unsupported(
-                node, f"it slices [{start}:{end}:{step}] of the split dim {dim}, which is not a run of "
-                      f"its blocks {s.parts} (a fused projection is sliced block by block)", s)
-        node.args, node.kwargs = (x, dim, start // self.tp, end // self.tp), {}
-        return s.moved(dim, s.parts[edges.index(start):edges.index(end)])
-
-    def _cat(self, node: fx.Node):
-        """cat / stack: operands split alike along another dim keep (move) the split, a
-        replicated one is cut to this rank's part; cat along the split dim of split
-        operands puts their blocks end to end (each rank holds its part of every block)."""
-        tensors, n = node.args[0], val(node).dim()
-        dim = full_args(node)[1] % n
-        stack = node.target == aten.stack.default
-        shards = [self.place.get(a) for a in tensors if isinstance(self.place.get(a), (Shard, list))]
-        if any(isinstance(p, list) for p in shards):
-            raise self._unsupported(node, "it concatenates an unpacked list")
-        s0 = shards[0]
-        if not stack and dim == s0.dim:
-            places = [self.place.get(a) for a in tensors]
-            if not all(isinstance(p, Shard) and p.dim == dim for p in places):
-                raise self._unsupported(node, "it concatenates along the split dim a value that is "
-                                              "not split along it", s0)
-            return s0.moved(dim, tuple(b for p in places for b in p.parts))
-        if any(p.dim != s0.dim or p.parts != s0.parts for p in shards):
-            raise self._unsupported(node, "its operands are split differently", s0)
-        for a in tensors:
-            if not isinstance(self.place.get(a), Shard):
-                if len(s0.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
-                node.replace_input_with(a, self._local_slice(node, a, s0.dim))
-        return s0.moved(s0.dim + (stack and dim <= s0.dim))
-
-    def _select(self, node: fx.Node):
-        """select / index_select pick along one dim: not the split one."""
-        s = self.place.get(node.args[0])
-        if not isinstance(s, Shard):
-            raise self._unsupported(node, "it indexes a replicated value with a split index")
-        dim = node.args[1] % val(node.args[0]).dim()
-        if dim == s.dim:
-            raise self._unsupported(node, f"it indexes the split dim {dim}", s)
-        if node.target == aten.select.int:
-            return s.moved(s.dim - (dim < s.dim))
-        return s
-
-    def _repeat_interleave(self, node: fx.Node):
-        s = self.place[node.args[0]]
-        dim = node.args[2] % val(node).dim() if len(node.args) > 2 else None
-        if dim == s.dim:  # GQA: each local KV head repeated for its local query heads
-            return s.moved(dim, (val(node).shape[dim],))
-        if dim is None:
-            raise self._unsupported(node, "it flattens the split value", s)
-        return s
-
-    def _attention(self, node: fx.Node):
-        q, k, v = (self.place.get(a) for a in node.args[:3])
-        if not (isinstance(q, Shard) and q == k == v and q.dim < val(node).dim() - 2):
-            raise self._unsupported(node, "query, key and value must be split alike over heads", q)
-        mask = node.args[3] if len(node.args) > 3 else None
-        if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
-            j = q.dim - (val(node).dim() - val(mask).dim())
-            if j >= 0 and val(mask).shape[j] != 1:
-                node.replace_input_with(mask, self._local_slice(node, mask, j))
-        return q
-
-    def _matmul(self, node: fx.Node):
-        """The matmul family as einsum: a split dim that survives in the output (a batch
-        dim such as heads, or a free dim) passes the split through, operands split alike;
-        a replicated operand spanning it is cut to this rank's part. A contracting dim
-        must not be split."""
-        if node.target == aten.einsum.default:
-            operands, (ins, out) = list(node.args[1]), _einsum_letters(node)
-        else:
-            operands = list(node.args[:2])
-            ins, out = _matmul_letters(*(val(a).dim() for a in operands))
-        split = None
-        for a, letters in zip(operands, ins):
-            p = self.place.get(a)
-            if isinstance(p, list):
-                raise self._unsupported(node, "it multiplies an unpacked list")
-            if not isinstance(p, Shard):
-                continue
-            if letters[p.dim] not in out:
-                raise self._unsupported(
-                    node, f"it contracts dim {p.dim} of {a.name!r}, which is split over tp ranks "
-                          "(a product over a split dim is a row-parallel linear's job)", p)
-            if split is not None and (split[0] != letters[p.dim] or split[1].parts != p.parts):
-                raise self._unsupported(node, "its operands are split differently", p)
-            split = (letters[p.dim], p)
-        letter, s = split
-        for a, letters in zip(operands, ins):
-            if isinstance(self.place.get(a), Shard) or letter not in letters:
-                continue
-            j = letters.index(letter)
-            if val(a).shape[j] != 1:
-                if len(s.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s)
-                node.replace_input_with(a, self._local_slice(node, a, j))
-        return s.moved(out.index(letter))
-
-    def _layer_norm(self, node: fx.Node):
-        """layer_norm over a split last dim: mean and variance from tp all-reduced sums,
-        then the affine weight and bias split like the features."""
-        s, n = self.place[node.args[0]], val(node).dim()
-        x, shape, w, b, eps = full_args(node)[:5]
-        if s.dim < n - len(shape):
-            return s
-        if len(shape) != 1:
-            raise self._unsupported(node, f"it normalizes over dims {list(range(n - len(shape), n))}, "
-                                          f"split along dim {s.dim}", s)
-        ops = []
-
-        def add(target, *args):
-            with self.g.inserting_before(node):
-                ops.append(call(self.g, target, args, like=node))
-            self.place[ops[-1]] = s if val(ops[-1]).dim() == n and val(ops[-1]).shape[-1] != 1 else None
-            return ops[-1]
-
-        def mean(v):
-            local = add(aten.sum.dim_IntList, v, [-1], True)
-            total = self._all_sum(local, node)
-            return add(aten.div.Tensor, total, shape[0])
-
-        xc = add(aten.sub.Tensor, x, mean(x))
-        y = add(aten.mul.Tensor, xc, add(aten.rsqrt.default, add(aten.add.Tensor, mean(add(aten.mul.Tensor, xc, xc)), eps)))
-        for p, op in ((w, aten.mul.Tensor), (b, aten.add.Tensor)):
-            if p is not None:
-                y = add(op, y, p)
-                self._elementwise(y)
-        node.replace_all_uses_with(y)
-        self.g.erase_node(node)
-        return s
-
-    def _all_sum(self, local: fx.Node, like: fx.Node) -> fx.Node:
-        """The sum of ``local`` over tp ranks: all-reduced forward (tp_reduce); backward,
-        when its readers combine it with split values (a norm's statistic), each rank holds
-        the gradient of its own part and tp_copy all-reduces it (``_check_statistics``
-        drops that for readers that are all replicated)."""
-        with self.g.inserting_after(local):
-            copy = call(self.g, torch.ops.fxmeg.tp_copy.default, (local, TP), like=like)
-        with self.g.inserting_after(copy):
-            total = call(self.g, torch.ops.fxmeg.tp_reduce.default, (copy, TP), like=like)
-        self.place[local] = self.place[copy] = "local"
-        self.place[total] = None
-        self.statistics.append((total, like))
-        return total
-
-    def _check_statistics(self) -> None:
-        """The backward of each all-reduced statistic, by its readers: all of them reach a
-        split value (a norm): this rank's part of the gradient, summed over ranks (kept
-        tp_copy); none does (all replicated): the same gradient on every rank, passed as it
-        is (tp_copy dropped: Megatron's g); some do and some not: refused."""
-        for total, origin in self.statistics:
-            split, whole, todo, seen = [], [], list(total.users), set()
-            while todo:
-                n = todo.pop()
-                if n in seen:
-                    continue
-                seen.add(n)
-                p = self.place.get(n)
-                if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
-                    whole.append(n)
-                elif isinstance(p, Shard):
-                    split.append(n)
-                elif p is None and n.op == "call_function" and n.users:
-                    todo.extend(n.users)
-                else:
-                    whole.append(n)
-            if split and whole:
-                raise self._unsupported(
-                    origin, f"the sum it takes over tp ranks is read both with split values (node "
-                            f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
-                            "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
-            if not split:
-                copy = total.args[0]
-                total.replace_input_with(copy, copy.args[0])
-                self.g.erase_node(copy)
-
-    def _along(self, node: fx.Node, dims, what: str):
-        s, n = self.place[node.args[0]], val(node).dim()
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        if s.dim in {d % n for d in dims}:
-            raise self._unsupported(node, f"it {what} dim {s.dim}, which is split over tp ranks", s)
-        return s
-
-    def _reduction(self, node: fx.Node):
-        """Reductions (torch.Tag.reduction) by their ``dim`` argument: over other dims the
-        split stays (moves); a sum or mean over the split dim is a local sum all-reduced
-        over tp ranks (a mean divides it by the full size): RMSNorm's statistic."""
-        s, n = self.place[node.args[0]], val(node.args[0]).dim()
-        schema = [a.name for a in node.target._schema.arguments]
-        dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
-        dims = list(range(n)) if dims is None or dims == [] else dims
-        dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
-        keepdim = val(node).dim() == n
-        if s.dim not in dims:
-            return s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
-        sums = {aten.sum.dim_IntList: None, aten.sum.default: None,
-                aten.mean.dim: aten.sum.dim_IntList, aten.mean.default: aten.sum.default}
-        if node.target not in sums:
-            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks "
-                                          "(only a sum or a mean is all-reduced)", s)
-        users = list(node.users)
-        size = 1
-        for d in dims:
-            size *= val(node.args[0]).shape[d]
-        out = self._all_sum(node, node)
-        if sums[node.target] is not None:  # mean = all-reduced sum / full size
-            node.target = sums[node.target]
-            with self.g.inserting_after(out):
-                out = call(self.g, aten.div.Tensor, (out, size), like=node)
-            self.place[out] = None
-        for user in users:
-            user.replace_input_with(node, out)
-        return "local"
-
     # ------------------------------------------------------------------ parameters
 
     def _whole(self, w: fx.Node, node: fx.Node) -> None:
@@ -800,45 +474,6 @@ class _TensorParallel:
             f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "
             f"ranks{where}: {why}. Fix: {fix}"
         )
-
-
-def _dim(node: fx.Node, ndim: int) -> int:
-    args = full_args(node)
-    return args[2] % ndim
-
-
-def _bounds(start, end, size: int) -> tuple[int, int]:
-    """A slice's [start, end) within a dim of ``size``, as Python clamps it."""
-    start = 0 if start is None else start + size if start < 0 else start
-    end = size if end is None else end + size if end < 0 else end
-    return min(max(start, 0), size), min(max(end, 0), size)
-
-
-def _matmul_letters(ra: int, rb: int) -> tuple[list[str], str]:
-    """torch.matmul of operands of ranks ``ra`` and ``rb`` as einsum letters: batch dims
-    broadcast from the right, ``k`` contracted."""
-    nb = max(ra - 2, rb - 2, 0)
-    batch = "abcdefgh"[:nb]
-    a = "k" if ra == 1 else batch[nb - (ra - 2):] + "mk"
-    b = "k" if rb == 1 else batch[nb - (rb - 2):] + "kn"
-    return [a, b], batch + ("m" if ra > 1 else "") + ("n" if rb > 1 else "")
-
-
-def _einsum_letters(node: fx.Node) -> tuple[list[str], str]:
-    """An einsum's operand and output letters, '...' spelled out (in capitals)."""
-    eq, operands = node.args[0].replace(" ", ""), node.args[1]
-    ins, _, out = eq.partition("->")
-    ins = ins.split(",")
-    if not _:
-        out = "".join(sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != "."))
-    ell = max(val(a).dim() - len(t.replace("...", "")) for a, t in zip(operands, ins))
-    caps = "ABCDEFGH"[:ell]
-
-    def spell(t, rank):
-        k = rank - len(t.replace("...", ""))
-        return t.replace("...", caps[ell - k:] if k else "")
-
-    return [spell(t, val(a).dim()) for a, t in zip(operands, ins)], spell(out, val(node).dim())
 
 
 def _reaches_placeholder(node: fx.Node) -> bool:
