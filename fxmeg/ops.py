@@ -10,6 +10,13 @@ actions RECV_F/SEND_F/...); when a chunk graph runs, these markers are identitie
 parent graph that chains all chunks in one process computes exactly what the captured
 model computes.
 
+``tp_rng_fork`` / ``tp_rng_join`` (tensor-parallel pass) bracket a random op (dropout,
+bernoulli, ``rand_like``, attention with ``dropout_p > 0``) whose output is split over tp
+ranks: between them the op draws from this tp rank's own stream, Megatron's
+model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``). Unbound they do nothing (the
+parent graph in one process draws from the default stream); the runtime binds them to
+``fxmeg.runtime.collectives.tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
+
 ``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
 parameter all-gather; unbound it does nothing, and the runtime binds it to its
 data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
@@ -63,7 +70,22 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
     until the runtime binds it."""
 
 
-for _fn in (recv, send, deallocate, wait_param_gather):
+@has_side_effect
+def tp_rng_fork(x, *, group: str):
+    """``x`` unchanged; from here to the matching ``tp_rng_join`` random ops draw from this
+    tp rank's stream (a no-op until the runtime binds it)."""
+    return x
+
+
+@has_side_effect
+def tp_rng_join(y, *, group: str):
+    """``y`` unchanged; the default random stream is back (a no-op until bound)."""
+    return y
+
+
+RNG_MARKERS = (tp_rng_fork, tp_rng_join)
+
+for _fn in (recv, send, deallocate, wait_param_gather, tp_rng_fork, tp_rng_join):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 
 

@@ -58,6 +58,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
+from fxmeg import ops as fxmeg_ops
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.partition import find_blocks
@@ -73,7 +74,13 @@ ROLES = ("colwise", "rowwise", "replicate", "vocab")
 _SAME = {
     aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.contiguous.default,
     aten.dropout.default, aten.type_as.default, aten.detach.default, aten.clone.default,
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand_like.default,
+    aten.randn_like.default,
 }
+# random ops: on a value split over tp ranks they draw from the per-rank stream
+# (``_per_rank_streams``); attention only with dropout_p > 0
+_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default,
+           aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
 _POINTWISE = torch.Tag.pointwise
 _REDUCTION = torch.Tag.reduction
 _VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
@@ -127,6 +134,7 @@ class _TensorParallel(PropagationRules):
                 continue
             self.place[node] = self._visit(node)
         self._check_statistics()
+        self._per_rank_streams()
         self._tag_parameters()
         self._refresh_values()
 
@@ -187,6 +195,36 @@ class _TensorParallel(PropagationRules):
                 "a view" if any(r.alias_info for r in schema.returns) else "an op of no kind it knows")
         raise self._unsupported(node, f"fxmeg has no rule for it ({kind}: not pointwise, a reduction, "
                                       "a view, a concatenation, an index or a product)")
+
+    def _per_rank_streams(self) -> None:
+        """Megatron's model-parallel RNG tracker: a random op whose output is split over tp
+        ranks (attention heads, a column-parallel output, a sequence-parallel slice of the
+        residual stream) draws between ``tp_rng_fork`` and ``tp_rng_join``, from this
+        rank's stream, so no two ranks use one mask for different heads or positions; one
+        on a replicated value keeps the default stream, the same on every rank."""
+        for node in list(self.g.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target == aten.scaled_dot_product_attention.default:
+                if not full_args(node)[4]:  # dropout_p
+                    continue
+            elif node.target not in _RANDOM:
+                continue
+            p = self.place.get(node)
+            if isinstance(p, list):
+                p = next((q for q in p if q is not None), None)
+            if not (isinstance(p, Shard) or p == "local"):
+                continue
+            x = node.args[0]
+            with self.g.inserting_before(node):
+                fork = call(self.g, fxmeg_ops.tp_rng_fork, (x,), {"group": TP}, like=node)
+            node.replace_input_with(x, fork)
+            users = list(node.users)
+            with self.g.inserting_after(node):
+                join = call(self.g, fxmeg_ops.tp_rng_join, (node,), {"group": TP}, like=node)
+            for user in users:
+                user.replace_input_with(node, join)
+            self.place[fork], self.place[join] = self.place.get(x), self.place[node]
 
     # ------------------------------------------------------------------ linears
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, fx
+from torch.fx.node import has_side_effect
 
 from fxmeg import ops
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
@@ -101,6 +102,49 @@ def _vocab_parallel_cross_entropy(
     return loss, exp / total.unsqueeze(-1), local.masked_fill(~mine, -1)
 
 
+# ---------------------------------------------------------------- per-tp-rank random stream
+
+TP_RNG_OFFSET = 2718
+"""Megatron's offset of the model-parallel seed (``model_parallel_cuda_manual_seed``)."""
+_forks: list[tuple[torch.Generator, torch.Tensor]] = []
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
+
+
+def _device(x) -> torch.device:
+    while isinstance(x, (tuple, list)):
+        x = x[0]
+    return x.device
+
+
+@has_side_effect
+def tp_rng_fork(x, *, group: str):
+    """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
+    drawn from the default stream (it advances the same on every rank), the default
+    state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
+    per-rank stream is thus a function of the default stream: where the default stream
+    is replayed (torch.utils.checkpoint restores it before recompute), so are the
+    per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
+    gen = _generator(_device(x))
+    s = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
+    _forks.append((gen, gen.get_state()))
+    gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
+    return x
+
+
+@has_side_effect
+def tp_rng_join(y, *, group: str):
+    """Back to the default stream where ``tp_rng_fork`` left it."""
+    gen, state = _forks.pop()
+    gen.set_state(state)
+    return y
+
+
 def bind(
     gm: fx.GraphModule,
     groups: dict[str, str],
@@ -109,7 +153,8 @@ def bind(
 ) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
-    names, and ``ops.wait_param_gather`` markers call ``wait_param_gather``. Only
+    names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
+    and ``ops.wait_param_gather`` markers call ``wait_param_gather``. Only
     arguments and call targets change; the graph's structure does not."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
@@ -117,7 +162,11 @@ def bind(
         for node in module.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target in ops.COLLECTIVES:
+            if node.target in ops.RNG_MARKERS:
+                kernel = tp_rng_fork if node.target is ops.tp_rng_fork else tp_rng_join
+                node.target = kernel
+                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
+            elif node.target in ops.COLLECTIVES:
                 node.args = tuple(groups.get(a, a) if isinstance(a, str) else a for a in node.args)
             elif node.target is ops.wait_param_gather and wait_param_gather is not None:
                 node.target = wait_param_gather

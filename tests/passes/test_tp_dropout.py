@@ -1,0 +1,82 @@
+"""Dropout under tensor parallelism, on the graph (one process): which random nodes the
+tensor-parallel pass routes through the per-tp-rank stream (``fxmeg.ops.tp_rng_fork`` /
+``tp_rng_join``, Megatron's model-parallel RNG tracker) and which keep the default stream."""
+
+import torch
+from torch import nn
+
+from fxmeg import ops
+from tests.helpers import graph_after, make_batch
+
+aten = torch.ops.aten
+
+
+class DropoutAttention(nn.Module):
+    """One block: attention with dropout on its probabilities (split over heads at tp=2),
+    an eager (matmul) or fused (SDPA, dropout_p) core, and dropout on the residual stream
+    (replicated, or a sequence slice under sequence parallelism)."""
+
+    def __init__(self, fused: bool = False, p: float = 0.5):
+        super().__init__()
+        self.fused, self.p = fused, p
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"qkv": nn.Linear(16, 48), "o": nn.Linear(16, 16)})])
+        self.attn_drop = nn.Dropout(p)
+        self.resid_drop = nn.Dropout(p)
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 4, 4).transpose(1, 2) for y in self.layers[0]["qkv"](x).split(16, -1))
+        if self.fused:
+            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+        else:
+            out = self.attn_drop((q @ k.transpose(-1, -2) / 2.0).softmax(-1)) @ v
+        x = x + self.resid_drop(self.layers[0]["o"](out.transpose(1, 2).reshape(b, t, 16)))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _graph(model, **kw):
+    ids, labels = make_batch(2, seed=0)
+    return graph_after(model, (ids, labels), "tensor_parallel", tp=2, **kw)
+
+
+def _streams(gm) -> dict[str, str]:
+    """Each random node (by target) -> 'rank' (between fork and join) or 'default'."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.target in (aten.dropout.default, aten.scaled_dot_product_attention.default):
+            forked = any(a.target is ops.tp_rng_fork for a in n.all_input_nodes)
+            joined = [u.target for u in n.users] == [ops.tp_rng_join]
+            assert forked == joined, n.format_node()
+            key = "sdpa" if n.target == aten.scaled_dot_product_attention.default else n.meta["fxmeg"]["module"]
+            out[key] = "rank" if forked else "default"
+    return out
+
+
+def test_head_split_attention_dropout_is_per_rank_residual_dropout_is_not():
+    torch.manual_seed(0)
+    assert _streams(_graph(DropoutAttention())) == {"attn_drop": "rank", "resid_drop": "default"}
+
+
+def test_sequence_parallel_residual_dropout_is_per_rank():
+    torch.manual_seed(0)
+    assert _streams(_graph(DropoutAttention(), sequence_parallel=True)) == {
+        "attn_drop": "rank", "resid_drop": "rank"}
+
+
+def test_fused_attention_with_dropout_is_per_rank():
+    torch.manual_seed(0)
+    assert _streams(_graph(DropoutAttention(fused=True))) == {"sdpa": "rank", "resid_drop": "default"}
+
+
+def test_no_tensor_parallelism_no_markers():
+    torch.manual_seed(0)
+    gm = graph_after(DropoutAttention(), make_batch(2, seed=0), "tensor_parallel", tp=1)
+    assert not [n for n in gm.graph.nodes if n.target in ops.RNG_MARKERS]
+
+
+def test_markers_are_identities_unbound():
+    x = torch.randn(3)
+    assert ops.tp_rng_fork(x, group="tp") is x and ops.tp_rng_join(x, group="tp") is x
