@@ -11,6 +11,23 @@ from tests.helpers import graph_after, make_batch
 aten = torch.ops.aten
 
 
+class Block(nn.Module):
+    def __init__(self, fused: bool, p: float):
+        super().__init__()
+        self.fused, self.p = fused, p
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.attn_drop, self.resid_drop = nn.Dropout(p), nn.Dropout(p)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 4, 4).transpose(1, 2) for y in self.qkv(x).split(16, -1))
+        if self.fused:
+            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+        else:
+            out = self.attn_drop((q @ k.transpose(-1, -2) / 2.0).softmax(-1)) @ v
+        return x + self.resid_drop(self.o(out.transpose(1, 2).reshape(b, t, 16)))
+
+
 class DropoutAttention(nn.Module):
     """One block: attention with dropout on its probabilities (split over heads at tp=2),
     an eager (matmul) or fused (SDPA, dropout_p) core, and dropout on the residual stream
@@ -18,22 +35,12 @@ class DropoutAttention(nn.Module):
 
     def __init__(self, fused: bool = False, p: float = 0.5):
         super().__init__()
-        self.fused, self.p = fused, p
         self.emb = nn.Embedding(128, 16)
-        self.layers = nn.ModuleList([nn.ModuleDict({"qkv": nn.Linear(16, 48), "o": nn.Linear(16, 16)})])
-        self.attn_drop = nn.Dropout(p)
-        self.resid_drop = nn.Dropout(p)
+        self.layers = nn.ModuleList([Block(fused, p)])
         self.head = nn.Linear(16, 128)
 
     def forward(self, ids, labels):
-        x = self.emb(ids)
-        b, t, _ = x.shape
-        q, k, v = (y.view(b, t, 4, 4).transpose(1, 2) for y in self.layers[0]["qkv"](x).split(16, -1))
-        if self.fused:
-            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
-        else:
-            out = self.attn_drop((q @ k.transpose(-1, -2) / 2.0).softmax(-1)) @ v
-        x = x + self.resid_drop(self.layers[0]["o"](out.transpose(1, 2).reshape(b, t, 16)))
+        x = self.layers[0](self.emb(ids))
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
@@ -57,18 +64,18 @@ def _streams(gm) -> dict[str, str]:
 
 def test_head_split_attention_dropout_is_per_rank_residual_dropout_is_not():
     torch.manual_seed(0)
-    assert _streams(_graph(DropoutAttention())) == {"attn_drop": "rank", "resid_drop": "default"}
+    assert _streams(_graph(DropoutAttention())) == {"layers.0.attn_drop": "rank", "layers.0.resid_drop": "default"}
 
 
 def test_sequence_parallel_residual_dropout_is_per_rank():
     torch.manual_seed(0)
     assert _streams(_graph(DropoutAttention(), sequence_parallel=True)) == {
-        "attn_drop": "rank", "resid_drop": "rank"}
+        "layers.0.attn_drop": "rank", "layers.0.resid_drop": "rank"}
 
 
 def test_fused_attention_with_dropout_is_per_rank():
     torch.manual_seed(0)
-    assert _streams(_graph(DropoutAttention(fused=True))) == {"sdpa": "rank", "resid_drop": "default"}
+    assert _streams(_graph(DropoutAttention(fused=True))) == {"sdpa": "rank", "layers.0.resid_drop": "default"}
 
 
 def test_no_tensor_parallelism_no_markers():
