@@ -34,6 +34,10 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     sequence: ``sp_gather`` replaces tp_copy, ``sp_scatter`` replaces tp_reduce, and a
     replicated operand of the stream (position embeddings) is cut to the local part
     (``fxmeg::tp_slice``);
+  * a random op (dropout, native_dropout, bernoulli, rand_like, randn_like, attention with
+    dropout_p > 0) whose output is split over tp is bracketed by ``fxmeg.ops.tp_rng_fork`` /
+    ``tp_rng_join``: it draws from this tp rank's stream (Megatron's model-parallel RNG
+    tracker); one on a replicated value keeps the default stream (docs/design.md §4);
   * parameters are not touched: each trainable parameter's get_attr carries
     ``meta["fxmeg"]["tp"]`` = ("shard", dim, parts) or ("replicate", reduce_grad),
     reduce_grad True when its gradient differs per tp rank (it touches a split value:
