@@ -87,3 +87,14 @@ def test_no_tensor_parallelism_no_markers():
 def test_markers_are_identities_unbound():
     x = torch.randn(3)
     assert ops.tp_rng_fork(x, group="tp") is x and ops.tp_rng_join(x, group="tp") is x
+
+
+def test_recompute_regions_hold_the_markers():
+    """fork and join move into the recompute region with their random op, so the region's
+    replay forks again from the replayed default stream."""
+    torch.manual_seed(0)
+    for granularity in ("full", "selective"):
+        gm = graph_after(DropoutAttention(), make_batch(2, seed=0), "recompute", tp=2, recompute=granularity)
+        regions = [m for name, m in gm.named_modules() if name.endswith("region")]
+        inside = [n.target for m in regions for n in m.graph.nodes if n.target in ops.RNG_MARKERS]
+        assert inside == [ops.tp_rng_fork, ops.tp_rng_join], granularity
