@@ -214,6 +214,10 @@ class _TensorParallel(PropagationRules):
                     continue
             elif node.target not in _RANDOM:
                 continue
+            elif node.target in (aten.dropout.default, aten.native_dropout.default):
+                p, train = full_args(node)[1:3]
+                if not p or train is False:  # draws nothing
+                    continue
             p = self.place.get(node)
             if isinstance(p, list):
                 p = next((q for q in p if q is not None), None)

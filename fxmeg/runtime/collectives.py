@@ -125,13 +125,14 @@ def _device(x) -> torch.device:
 @has_side_effect
 def tp_rng_fork(x, *, group: str):
     """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
-    drawn from the default stream (it advances the same on every rank), the default
+    drawn from the default CPU stream (it advances the same on every rank), the default
     state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
     per-rank stream is thus a function of the default stream: where the default stream
     is replayed (torch.utils.checkpoint restores it before recompute), so are the
     per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
     gen = _generator(_device(x))
-    s = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
+    # s comes from the CPU stream (no device sync; checkpoint replays it on every device)
+    s = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
     _forks.append((gen, gen.get_state()))
     gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
     return x

@@ -98,3 +98,9 @@ def test_recompute_regions_hold_the_markers():
         regions = [m for name, m in gm.named_modules() if name.endswith("region")]
         inside = [n.target for m in regions for n in m.graph.nodes if n.target in ops.RNG_MARKERS]
         assert inside == [ops.tp_rng_fork, ops.tp_rng_join], granularity
+
+
+def test_dropout_of_zero_draws_nothing_and_is_not_forked():
+    torch.manual_seed(0)
+    assert _streams(_graph(DropoutAttention(p=0.0))) == {
+        "layers.0.attn_drop": "default", "layers.0.resid_drop": "default"}
