@@ -59,6 +59,19 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
     return T.AutoModelForCausalLM.from_config(configs[kind](), **extra)
 
 
+def dp_shard_elements(layouts, dp: int, dp_rank: int) -> int:
+    """Elements of every bucket's equal dp share that data-parallel rank ``dp_rank`` updates
+    under the distributed optimizer, padding excluded: what the layout says it owns."""
+    shard = 0
+    for lay in layouts:
+        for b in lay.buckets:
+            size = (b.end - b.start) // dp
+            lo, hi = b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+            shard += sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset))
+                         for s in lay.slots if s.bucket == b.index)
+    return shard
+
+
 def graph_after(model, example, stop_after: str, *, num_chunks: int = 1, pp: int | None = None, **options):
     """The graph right after pass ``stop_after`` of fxmeg's pass list (``fxmeg.transform``):
     ``num_chunks`` chunks over ``pp`` pipeline ranks (default one chunk per rank); other

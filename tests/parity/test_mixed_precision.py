@@ -34,7 +34,7 @@ import torch
 import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from tests.distributed import run_worlds
-from tests.helpers import OPTIMIZERS, assert_bitwise, make_batch
+from tests.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
 from tests.parity.mixed_precision import gather_masters, master_pieces, reference
 from tests.parity.scenarios import MBS, Scenario
 
@@ -240,14 +240,7 @@ def test_each_rank_keeps_masters_of_what_it_updates_only(results, sc):
         if not distributed:
             assert r["masters"] == sum(r["params"].values())
             continue
-        shard = 0
-        for layouts in r["layouts"].values():
-            for lay in layouts:
-                for b in lay.buckets:
-                    size = (b.end - b.start) // sc.dp
-                    lo, hi = b.start + r["dp_rank"] * size, b.start + (r["dp_rank"] + 1) * size
-                    shard += sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset))
-                                 for s in lay.slots if s.bucket == b.index)
+        shard = sum(dp_shard_elements(lay, sc.dp, r["dp_rank"]) for lay in r["layouts"].values())
         assert r["masters"] == shard
     if distributed:  # the dp ranks' shards partition each tp rank's parameters exactly once
         held = sum(sum(r["params"].values()) for r in ranks)

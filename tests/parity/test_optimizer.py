@@ -10,7 +10,7 @@ import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 from tests.distributed import run_worlds
-from tests.helpers import make_batch, make_model, reference
+from tests.helpers import dp_shard_elements, make_batch, make_model, reference
 from tests.parity.scenarios import STEPS, Scenario, check_parity, train_each
 
 DISTOPT = (("distributed_optimizer", True),)
@@ -104,13 +104,7 @@ def test_distributed_optimizer_keeps_only_the_shard(results, sc):
     owned = []
     for r in ranks:
         (layouts,) = r["layouts"].values()
-        shard = 0  # this rank's elements of every bucket, padding excluded, from the layout
-        for lay in layouts:
-            for b in lay.buckets:
-                size = (b.end - b.start) // sc.dp
-                lo, hi = b.start + r["dp_rank"] * size, b.start + (r["dp_rank"] + 1) * size
-                shard += sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset))
-                             for s in lay.slots if s.bucket == b.index)
+        shard = dp_shard_elements(layouts, sc.dp, r["dp_rank"])  # padding excluded
         elements = r["optimizer_elements"]
         assert elements == {"master": shard, "exp_avg": shard, "exp_avg_sq": shard}
         owned.append(shard)
