@@ -17,6 +17,7 @@ fails that way: a fix shows up as a failing test to move the entry into the zoo.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 
@@ -26,10 +27,16 @@ from torch import nn
 
 import fxmeg
 from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
+from tests.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    optimizer,
+    reference,
+)
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
-LAYOUTS = {"w1": {}, "tp2-pp2": dict(tp=2, pp=2)}
+LAYOUTS = {"w1": {}, "tp2-pp2": {"tp": 2, "pp": 2}}
 XT_PLAN = {"net.attn_layers.layers.*.1.to_*": "replicate"}  # attention whole: see test_higher_order
 
 
@@ -94,8 +101,10 @@ class Llama2cLoss(nn.Module):
         return self.model.last_loss
 
 
-HF_KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo", "olmo2",
-            "granite", "stablelm", "gpt_neox", "gpt2", "starcoder2", "cohere", "phi", "glm", "smollm3")
+HF_KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "stablelm",
+            "gpt_neox", "gpt2", "starcoder2", "cohere", "phi")
+"""Also build, capture and train at world size 1 (left out to keep the zoo's spawn short):
+olmo, granite, glm, smollm3, helium, ministral, arcee."""
 ZOO: dict[str, tuple] = {}
 """name -> (builder, parallelize options at tp, ignore index of its loss)."""
 for _kind in HF_KINDS:
@@ -103,14 +112,23 @@ for _kind in HF_KINDS:
     ZOO[f"{_kind}-eager"] = (hf(_kind, "eager"), {}, -100)
 ZOO["gemma2-eager"] = (hf("gemma2", "eager", query_pre_attn_scalar=8), {}, -100)  # softcapping; no sdpa
 if importlib.util.find_spec("x_transformers") is not None:
-    ZOO["x-transformers"] = (XDecoder, dict(tp_plan=XT_PLAN), -100)
+    ZOO["x-transformers"] = (XDecoder, {"tp_plan": XT_PLAN}, -100)
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
 ZOO["llama2.c"] = (Llama2cLoss, {}, -1)
+# its rotary embedding unbinds the column-parallel q and k (KNOWN_GAPS): the plan the
+# refusal suggests keeps attention whole (the SwiGLU MLP and the vocabulary still split)
+ZOO["llama2.c-plan"] = (Llama2cLoss, {"tp_plan": {"model.layers.*.attention.w?": "replicate"}}, -1)
+TP_ONLY = {"llama2.c-plan"}  # the same training as llama2.c at world size 1
 
-KNOWN_GAPS: dict[tuple[str, str], str] = {}
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("llama2.c", "tp2-pp2"): re.escape(
+        "PassError: cannot split node 'unbind' (unbind.int, module 'model.layers.0') over tp=2 ranks: "
+        "fxmeg has no rule for it (a view: not pointwise, a reduction, a view, a concatenation, an index "
+        "or a product). Fix: use tp=1 or set tp_plan for the linears around it"),
+}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 
-CASES = [(name, layout) for name in ZOO for layout in LAYOUTS]
+CASES = [(name, layout) for name in ZOO for layout in LAYOUTS if not (layout == "w1" and name in TP_ONLY)]
 
 
 def make(name: str) -> nn.Module:
@@ -133,7 +151,7 @@ def train(name: str, layout: str):
                                    optimizer=optimizer, **options)
         steps = [engine.train_step(b) for b in data]
         return [s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict()
-    except Exception as e:  # reported, compared with KNOWN_GAPS
+    except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"
 
 
@@ -141,11 +159,16 @@ def train_zoo(rank: int, names: list[str]) -> dict:
     return {name: train(name, "tp2-pp2") for name in names}
 
 
+@functools.cache
+def single_device(name: str):
+    return reference(make(name), batches(name))
+
+
 def outcome(result, name: str) -> str | None:
     """None when ``result`` trains like single-device PyTorch; else the failure's text."""
     if isinstance(result, str):
         return result
-    ref_losses, ref_norms, ref_state = reference(make(name), batches(name))
+    ref_losses, ref_norms, ref_state = single_device(name)
     losses, norms, state = result
     try:
         assert_losses_close(losses, ref_losses)
@@ -186,5 +209,5 @@ def test_known_gap_still_fails(request, name, layout):
 
 
 def test_zoo_size():
-    hf_archs = {n.removesuffix("-eager") for n in ZOO} - {"x-transformers", "nanogpt", "llama2.c"}
+    hf_archs = {n.removesuffix("-eager") for n in ZOO} - {"x-transformers", "nanogpt", "llama2.c", "llama2.c-plan"}
     assert len(hf_archs) >= 12

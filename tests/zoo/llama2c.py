@@ -1,3 +1,4 @@
+# ruff: noqa  (third-party source, kept as published)
 """llama2.c's model.py (github.com/karpathy/llama2.c, MIT), as published: a plain-PyTorch
 Llama-2 (RMSNorm, rotary embeddings applied on real/imaginary halves of reshaped q and k,
 grouped-query attention by repeat_kv, SwiGLU FeedForward, tied output), reproduced here for

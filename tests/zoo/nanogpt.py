@@ -1,3 +1,4 @@
+# ruff: noqa  (third-party source, kept as published)
 """nanoGPT's model.py (github.com/karpathy/nanoGPT, MIT), as published: the GPT-2 style
 single-file model (fused c_attn, flash attention through
 F.scaled_dot_product_attention, tied lm_head, LayerNorm with optional bias), reproduced
