@@ -143,14 +143,16 @@ def batches(name: str):
 
 
 def train(name: str, layout: str):
-    """(losses, grad norms, full state dict) of fxmeg's training, or ``Type: message``."""
+    """(losses, grad norms, full state dict, the parameters tensor parallelism splits) of
+    fxmeg's training, or ``Type: message``."""
     try:
         data = batches(name)
         options = dict(LAYOUTS[layout]) | (ZOO[name][1] if "tp" in LAYOUTS[layout] else {})
         engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
                                    optimizer=optimizer, **options)
         steps = [engine.train_step(b) for b in data]
-        return [s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict()
+        sharded = sorted(n for n, spec in engine.program.tp_specs.items() if spec[0] == "shard")
+        return [s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict(), sharded
     except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"
 
@@ -169,7 +171,7 @@ def outcome(result, name: str) -> str | None:
     if isinstance(result, str):
         return result
     ref_losses, ref_norms, ref_state = single_device(name)
-    losses, norms, state = result
+    losses, norms, state, _ = result
     try:
         assert_losses_close(losses, ref_losses)
         assert_losses_close(norms, ref_norms, rtol=1e-4)
@@ -197,8 +199,12 @@ def _result(request, name: str, layout: str):
 
 @pytest.mark.parametrize("name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}")
 def test_zoo(request, name, layout):
-    failure = outcome(_result(request, name, layout), name)
+    result = _result(request, name, layout)
+    failure = outcome(result, name)
     assert failure is None, failure
+    if layout == "tp2-pp2":  # tensor parallelism really splits something (not all replicated)
+        print(f"{name}: {len(result[3])} parameters split over tp")
+        assert result[3], f"{name}: no parameter split over tp"
 
 
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
