@@ -49,7 +49,7 @@ def hf(kind: str, attn: str = "sdpa", **extra):
         cfg = T.AutoConfig.for_model(
             kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
-            max_position_embeddings=64, **extra)
+            max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **extra)  # ids within the vocabulary
         for key, value in cfg.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(cfg, key, 0.0)
