@@ -1,8 +1,8 @@
 # ruff: noqa  (third-party source, kept as published)
 """llama2.c's model.py (github.com/karpathy/llama2.c, MIT), as published: a plain-PyTorch
 Llama-2 (RMSNorm, rotary embeddings applied on real/imaginary halves of reshaped q and k,
-grouped-query attention by repeat_kv, SwiGLU FeedForward, tied output), reproduced here for
-the model zoo (tests/parity/test_zoo.py). Only the parts used for training are kept (no
+grouped-query attention by repeat_kv, SwiGLU FeedForward, tied output), rewritten here after the published
+file (not a byte copy: checked against nothing offline) for the model zoo (tests/parity/test_zoo.py). Only the parts used for training are kept (no
 configure_optimizers, estimate_mfu or generate); the forward, which keeps its loss in
 ``self.last_loss`` and returns the logits, is llama2.c's."""
 

@@ -1,8 +1,8 @@
 # ruff: noqa  (third-party source, kept as published)
 """nanoGPT's model.py (github.com/karpathy/nanoGPT, MIT), as published: the GPT-2 style
 single-file model (fused c_attn, flash attention through
-F.scaled_dot_product_attention, tied lm_head, LayerNorm with optional bias), reproduced
-here for the model zoo (tests/parity/test_zoo.py). Only the parts used for training are
+F.scaled_dot_product_attention, tied lm_head, LayerNorm with optional bias), rewritten
+here after the published file (not a byte copy: checked against nothing offline) for the model zoo (tests/parity/test_zoo.py). Only the parts used for training are
 kept (no from_pretrained, configure_optimizers, estimate_mfu or generate); the forward
 and its loss (``ignore_index=-1``) are nanoGPT's."""
 
