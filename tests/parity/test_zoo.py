@@ -1,5 +1,6 @@
 """The model zoo: unmodified third-party decoders trained for 3 steps at world size 1
-and at tp=2 x pp=2 (4 gloo ranks, one spawn for the whole zoo) against single-device
+and at tp=2 x pp=2 (4 gloo ranks, one spawn for the whole zoo; the cases issue 15 named
+also at plain tp=2, one 2-rank spawn) against single-device
 training of the same model (loss 1e-5 relative per step, grad norm 1e-4, weights 5e-5
 relative norm: docs/design.md §3).
 
@@ -13,7 +14,7 @@ relative norm: docs/design.md §3).
   (ignore_index=-1).
 
 Gemma-2 is eager only (transformers refuses sdpa for it). Screened and training at world
-size 1 too, left out to keep the spawn short: olmo, granite, glm, smollm3, helium,
+size 1 too, left out to keep the spawn short: olmo, glm, smollm3, helium,
 ministral, arcee. The module takes about 1.5-2 minutes on 2 cores (one 4-rank spawn).
 
 An architecture that does not train (capture error, tensor-parallel refusal, parity
@@ -41,7 +42,8 @@ from tests.helpers import (
 )
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
-LAYOUTS = {"w1": {}, "tp2-pp2": {"tp": 2, "pp": 2}}
+LAYOUTS = {"w1": {}, "tp2": {"tp": 2}, "tp2-pp2": {"tp": 2, "pp": 2}}
+WORLD = {"tp2": 2, "tp2-pp2": 4}
 XT_PLAN = {"net.attn_layers.layers.*.1.to_*": "replicate"}  # attention whole: see test_higher_order
 
 
@@ -107,9 +109,9 @@ class Llama2cLoss(nn.Module):
 
 
 HF_KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "stablelm",
-            "gpt_neox", "gpt2", "starcoder2", "cohere", "phi")
+            "gpt_neox", "gpt2", "starcoder2", "cohere", "phi", "granite")
 """Also build, capture and train at world size 1 (left out to keep the zoo's spawn short):
-olmo, granite, glm, smollm3, helium, ministral, arcee."""
+olmo, glm, smollm3, helium, ministral, arcee."""
 ZOO: dict[str, tuple] = {}
 """name -> (builder, parallelize options at tp, ignore index of its loss)."""
 for _kind in HF_KINDS:
@@ -133,7 +135,11 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 }
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 
-CASES = [(name, layout) for name in ZOO for layout in LAYOUTS if not (layout == "w1" and name in TP_ONLY)]
+ISSUE_CASES = ("mistral", "qwen3", "granite", "stablelm", "gemma", "gemma3_text",  # a pad token
+               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers")  # refused before
+"""The cases issue 15 found silently wrong, refused or not captured: also trained at plain tp=2."""
+CASES = [(name, layout) for name in ZOO for layout in LAYOUTS
+         if not (layout == "w1" and name in TP_ONLY) and (layout != "tp2" or name in ISSUE_CASES)]
 
 
 def make(name: str) -> nn.Module:
@@ -162,8 +168,8 @@ def train(name: str, layout: str):
         return f"{type(e).__name__}: {e}"
 
 
-def train_zoo(rank: int, names: list[str]) -> dict:
-    return {name: train(name, "tp2-pp2") for name in names}
+def train_zoo(rank: int, names: list[str], layout: str) -> dict:
+    return {name: train(name, layout) for name in names}
 
 
 @functools.cache
@@ -188,14 +194,19 @@ def outcome(result, name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def spawned():
-    ranks = run_world(4, train_zoo, list(ZOO))
-    return {name: [r[name] for r in ranks] for name in ZOO}
+    """Layout -> zoo name -> every rank's result: one spawn per parallel layout."""
+    out = {}
+    for layout, world in WORLD.items():
+        names = [n for n, lay in CASES if lay == layout]
+        ranks = run_world(world, train_zoo, names, layout)
+        out[layout] = {name: [r[name] for r in ranks] for name in names}
+    return out
 
 
 def _result(request, name: str, layout: str):
     if layout == "w1":  # in this process
         return train(name, layout)
-    results = request.getfixturevalue("spawned")[name]
+    results = request.getfixturevalue("spawned")[layout][name]
     for r in results[1:]:  # every rank reports the same steps
         if not isinstance(r, str):
             assert r[:2] == results[0][:2], f"{name}: ranks disagree"
@@ -207,7 +218,7 @@ def test_zoo(request, name, layout):
     result = _result(request, name, layout)
     failure = outcome(result, name)
     assert failure is None, failure
-    if layout == "tp2-pp2":  # tensor parallelism really splits something (not all replicated)
+    if "tp" in LAYOUTS[layout]:  # tensor parallelism really splits something (not all replicated)
         print(f"{name}: {len(result[3])} parameters split over tp")
         assert result[3], f"{name}: no parameter split over tp"
 
