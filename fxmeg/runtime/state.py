@@ -23,31 +23,33 @@ def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Ten
     from their first holder. Collective."""
     ctx.ddp.wait_for_params()
     canonical = {n: c for c, names in program.aliases.items() for n in names}
-    groups = ctx.groups
     out: dict[str, torch.Tensor] = {}
     for key in program.full_shapes:  # the user's state_dict order
         name = canonical.get(key, key)
-        holders = program.holders.get(name)
-        if holders is None:  # not trained by any chunk: the model's own value
+        if name not in program.holders:  # not trained by any chunk: the model's own value
             out[key] = program.untrained[key].clone()
             continue
-        owner = min(holders)
-        shape, dtype = program.full_shapes[key]
-        if owner == groups.pp_rank:
-            value = _gather_tp(program, ctx, name, ctx.named_parameters[name].detach())
-        else:
-            value = torch.empty(shape, dtype=dtype, device=ctx.device)
-        if groups.pp is not None:
-            dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
-        out[key] = value
+        local = ctx.named_parameters.get(name)
+        out[key] = gather_full(program, ctx, name, local.detach() if local is not None else None,
+                               program.full_shapes[key][1])
     return out
 
 
-def _gather_tp(program: Program, ctx: RankContext, name: str, local: torch.Tensor) -> torch.Tensor:
-    spec = program.tp_specs.get(name)
-    if spec is None or spec[0] != "shard" or ctx.groups.tp is None:
-        return local.clone()
-    return gather_tp(local, spec, ctx.groups.tp)
+def gather_full(program: Program, ctx: RankContext, name: str, local: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor of trainable parameter ``name`` (or of anything laid out like it,
+    e.g. its gradient) on every rank, from ``local``, this rank's tensor-parallel shard
+    of it (read only on the parameter's first pipeline holder): the tp shards are
+    all-gathered there, then broadcast over the pipeline. Collective."""
+    groups = ctx.groups
+    owner = min(program.holders[name])
+    if owner == groups.pp_rank:
+        value = gather_tp(local, program.tp_specs.get(name), groups.tp)
+    else:
+        value = torch.empty(program.parameters[name].shape, dtype=dtype, device=ctx.device)
+    if groups.pp is not None:
+        dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
+    return value
 
 
 # ---------------------------------------------------------------- this rank's state

@@ -36,8 +36,7 @@ from fxmeg.program import Program
 from fxmeg.runtime.batches import Batch, check, microbatches
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.groups import all_gather_
-from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.runtime.state import gather_full_state
+from fxmeg.runtime.state import gather_full, gather_full_state
 from fxmeg.runtime.step import _any_rank, forward_backward
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (1e-2, 2e-2)}
@@ -169,20 +168,9 @@ def _gather_grads(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]
                     work.wait()
         for s in buf.layout.slots:
             local[s.name] = data[s.offset : s.offset + s.numel].view(buf.params[s.name].shape)
-    groups, out = ctx.groups, {}
-    for name, _, _ in graph_order(program):
-        owner = min(program.holders[name])
-        full = program.parameters[name]
-        if owner == groups.pp_rank:
-            g = local[name].float()
-            spec = program.tp_specs.get(name)
-            value = gather_tp(g, spec, groups.tp) if spec and spec[0] == "shard" and groups.tp is not None else g.clone()
-        else:
-            value = torch.empty(full.shape, dtype=torch.float32, device=ctx.device)
-        if groups.pp is not None:
-            dist.broadcast(value, groups.pp_peer(owner), group=groups.pp)
-        out[name] = value
-    return out
+    return {name: gather_full(program, ctx, name, local[name].float() if name in local else None,
+                              torch.float32)
+            for name, _, _ in graph_order(program)}
 
 
 def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, num_tokens: float):
