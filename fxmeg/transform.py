@@ -47,11 +47,14 @@ log = logging.getLogger("fxmeg.transform")
 class Pass:
     name: str
     run: Callable[[fx.GraphModule, EngineConfig], fx.GraphModule]
+    reference: bool = False
+    """Keep a copy of the graph after this pass as ``Program.reference``: the whole model,
+    loss rewritten, nothing parallel yet (what ``Engine.verify`` compares against)."""
 
 
 PASSES: tuple[Pass, ...] = (
     Pass("loss", loss),  # mean loss -> (loss_sum, num_tokens)
-    Pass("analyse", analyse),  # whole-model FLOPs and input value checks
+    Pass("analyse", analyse, reference=True),  # whole-model FLOPs and input value checks
     Pass("tensor_parallel", tensor_parallel),  # shard tags and TP collectives (tp > 1)
     Pass("partition", partition),  # chunk tag on every node
     Pass("pipeline", pipeline),  # chunk graphs under a parent, recv / send / deallocate
@@ -103,7 +106,7 @@ def transform(
             verify.after(p.name, gm, config)
         if p.name == stop_after:
             return gm
-        if p.name == "analyse":
+        if p.reference:
             reference = _share_tensors_copy(gm)
     return _program(model, gm, config, masters, example, reference)
 
