@@ -34,3 +34,7 @@ def closest(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest valid name, or '' when none is near."""
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+class WeightsError(FxmegError):
+    """Initial weights that are missing, unreadable or do not fit the model."""
