@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, batch_dim, make_config
 from fxmeg.errors import ConfigError
+from fxmeg.materialize import InitFn, value_source
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
 from fxmeg.runtime.batches import Batch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory
+from fxmeg.runtime.release import release
 from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
@@ -36,6 +39,10 @@ def parallelize(
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
     config: EngineConfig | None = None,
+    weights=None,
+    init_fn: InitFn | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
     **options,
 ) -> Engine:
     """Capture ``model`` on one example micro-batch and return an engine that trains it
@@ -57,6 +64,20 @@ def parallelize(
     With ``precision`` "bf16" or "fp16" the model's parameters and floating buffers are
     cast in place (as Megatron's Float16Module), so pass the model in fp32: the fp32
     masters start from those values.
+
+    A model too large for one rank is built under ``with torch.device("meta"):``; each
+    rank then makes only the tensors it holds, read from ``weights`` (a state_dict, a
+    ``torch.save`` file, a Hugging Face safetensors file or directory, an fxmeg
+    checkpoint: only this rank's slices are read) or initialised module by module by
+    ``init_fn(module)`` (default ``reset_parameters()``; Hugging Face: its
+    ``_init_weights``) under generators seeded from ``(seed, module name)``, so that the
+    values do not depend on the layout (``fxmeg.materialize`` makes the same model on one
+    device). ``device`` is where a meta model computes (default: the example's device,
+    else the current accelerator, else the CPU).
+
+    After this call the user's module holds only what this rank trains: every other
+    parameter (another pipeline stage's, or the full tensor of a tensor-parallel shard)
+    is a meta tensor. Read the whole model with ``Engine.full_state_dict()``.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if config is None:
@@ -67,8 +88,10 @@ def parallelize(
     else:
         batch_dim(example_inputs, config.micro_batch_size)
         config = config.resolve(world)
-    program = transform(model, example_inputs, config, loss_fn=loss_fn)
-    return Engine(program, build_context(program, optimizer=optimizer))
+    program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
+    source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
+    context = build_context(program, optimizer=optimizer, source=source)
+    return Engine(release(model, program, context), context)
 
 
 class Engine:

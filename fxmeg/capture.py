@@ -96,6 +96,8 @@ def capture(
             "example_inputs must be a tuple of tensors (one micro-batch, e.g. "
             f"(input_ids, labels)); got {type(example_inputs).__name__}"
         )
+    if on_meta(model):  # shapes only: export the model on meta inputs too
+        example_inputs = tuple(t.to("meta") for t in example_inputs)
     if loss_fn is not None:
         root = _WithLossFn(model, loss_fn)
     elif is_hugging_face(model):
@@ -113,6 +115,41 @@ def capture(
     gm.meta["fxmeg"] = {"capture": CaptureInfo(
         inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None)}
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (shapes, no values). A model with
+    some tensors on meta and others real is refused: which values would it train from?"""
+    tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    meta = [n for n, t in tensors.items() if t.is_meta]
+    if meta and len(meta) < len(tensors):
+        real = next(n for n, t in tensors.items() if not t.is_meta)
+        raise CaptureError(
+            f"{type(model).__name__} has {len(meta)} tensor(s) on the meta device (e.g. {meta[0]!r}) and "
+            f"{len(tensors) - len(meta)} real one(s) (e.g. {real!r}); build the whole model under "
+            "`with torch.device('meta'):` (fxmeg then materialises each rank's part from weights= or "
+            "init_fn=) or entirely with real tensors"
+        )
+    return bool(meta)
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> None:
+    """Replace every ``device=meta`` argument in ``gm`` (and its sub-graphs) with
+    ``device``. A model captured on meta bakes meta into the tensors its forward creates
+    (``torch.arange(s, device=ids.device)``), and passes that copy a value's device do too.
+    Ensures: no node argument names the meta device."""
+    meta = torch.device("meta")
+
+    def swap(a):
+        return device if isinstance(a, torch.device) and a == meta else a
+
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        module.recompile()
 
 
 def owning_module(node: fx.Node) -> str:
@@ -301,6 +338,12 @@ def _lifted_tensor(ep, name: str, model: nn.Module, prefix: str):
         return fqn, model.get_buffer(fqn)
     if name in sig.inputs_to_lifted_tensor_constants:
         const = sig.inputs_to_lifted_tensor_constants[name]
+        if ep.constants[const].is_meta:
+            raise CaptureError(
+                f"forward creates a tensor constant ({const!r}) on the meta device, so its values are "
+                "lost when the model is captured on meta; create it from Python values without "
+                "device=<input>.device, or register it as a buffer the init_fn fills"
+            )
         return f"_fxmeg_constants.{const}", ep.constants[const]
     raise CaptureError(f"unsupported lifted input {name!r} in the exported graph")
 

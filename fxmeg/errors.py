@@ -36,5 +36,14 @@ def closest(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+class InitError(FxmegError):
+    """A module of a model built on meta that fxmeg cannot initialise."""
+
+    def __init__(self, message: str, module: str = "") -> None:
+        super().__init__(message)
+        self.module = module
+        """The module, quoted (``'layers.0.norm'``), for a message listing several."""
+
+
 class WeightsError(FxmegError):
     """Initial weights that are missing, unreadable or do not fit the model."""

@@ -12,6 +12,7 @@ Metadata convention (written by the passes, read only through this module):
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -251,6 +252,9 @@ class Program:
     """The whole-model graph right after the analyse pass (``(loss_sum, num_tokens)``
     outputs, no parallel rewrite), holding the user's tensors: the single-device oracle
     of ``Engine.verify``."""
+    init_dtypes: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    """Every parameter and buffer (by its first name) -> its dtype as the user built the
+    model, before the precision cast: the dtype a meta model is initialised or loaded in."""
 
     @property
     def num_chunks(self) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from fxmeg.capture import LossFn, capture
+from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, cast_inputs, make_config
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
@@ -72,6 +72,7 @@ def transform(
     *,
     loss_fn: LossFn | None = None,
     stop_after: str | None = None,
+    device: torch.device | str | None = None,
     **options,
 ) -> Program | fx.GraphModule:
     """Capture ``model`` on ``example`` (one micro-batch) and run the passes for
@@ -83,6 +84,12 @@ def transform(
     place before capture (as Megatron's Float16Module); their fp32 tensors are kept (not
     copied) in ``Program.master_values``, from which each rank reads the fp32 masters of
     exactly the elements it updates.
+
+    A model built under ``with torch.device("meta"):`` is captured and transformed on
+    shapes alone; the Program then holds meta tensors, and the runtime materialises each
+    rank's part (``fxmeg.materialize``). Tensors its forward creates go to ``device``
+    (default: the example's device, or the current accelerator when the example is on
+    meta too, else the CPU). For a model with real tensors, ``device`` is theirs.
     """
     if config is None:
         config = make_config(example, world=None, **options)
@@ -90,6 +97,9 @@ def transform(
         raise TypeError(f"pass either config or options, not both: {sorted(options)}")
     if stop_after is not None and stop_after not in NAMES:
         raise ValueError(f"stop_after={stop_after!r} is not one of {NAMES}")
+    meta = on_meta(model)
+    target = _device(model, example, device, meta)
+    dtypes = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}
     masters = _cast(model, config.dtype)
     example = cast_inputs(example, config.dtype)
     start = time.perf_counter()
@@ -108,7 +118,28 @@ def transform(
             return gm
         if p.reference:
             reference = _share_tensors_copy(gm)
-    return _program(model, gm, config, masters, example, reference)
+    if meta:
+        for graph in (gm, reference):
+            retarget(graph, target)
+    return _program(model, gm, config, masters, target, reference, dtypes)
+
+
+def _device(model: nn.Module, example: tuple[torch.Tensor, ...], device, meta: bool) -> torch.device:
+    """Where this rank computes: the model's device; for a model on meta, ``device``, the
+    example's device, or the current accelerator (the CPU when there is none)."""
+    if not meta:
+        first = next(iter((*model.parameters(), *model.buffers())), None)
+        found = first.device if first is not None else example[0].device
+        if device is not None and torch.device(device) != found:
+            raise ValueError(f"device={device!r} but the model's tensors are on {found}; move the "
+                             "model, or build it on meta and let fxmeg materialise it there")
+        return found
+    if device is not None:
+        return torch.device(device)
+    if not example[0].is_meta:
+        return example[0].device
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator if accelerator is not None else torch.device("cpu")
 
 
 def _nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -147,7 +178,7 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, masters: dict,
-             example: tuple[torch.Tensor, ...], reference: fx.GraphModule | None = None) -> Program:
+             device: torch.device, reference: fx.GraphModule | None, dtypes: dict) -> Program:
     meta = parent.meta["fxmeg"]
     info, facts, split = meta["capture"], meta["facts"], meta["partition"]
     graphs = tuple(chunks(parent))
@@ -184,8 +215,9 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         value_checks=facts.value_checks,
         flops_per_microbatch=facts.flops_per_microbatch,
         aux_scale=aux,
-        device=next(iter(parameters.values())).device if parameters else example[0].device,
+        device=device,
         reference=reference,
+        init_dtypes=dtypes,
     )
 
 

@@ -84,6 +84,17 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` itself registers, as ``__init__`` does: one
+        module at a time, e.g. for a model built on the meta device. Norms keep
+        PyTorch's default (ones, zeros)."""
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+            return
+        self._init_weights(module)
+        if any(module is b.attn.proj or module is b.mlp.proj for b in self.layers):
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

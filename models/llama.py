@@ -44,6 +44,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin tables, (seq_len, head_dim) each."""
+    head_dim = cfg.n_embd // cfg.n_head
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    freqs = torch.outer(torch.arange(cfg.seq_len, device=device).float(), inv_freq)  # (seq, head_dim / 2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (seq, head_dim)
+    return emb.cos(), emb.sin()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -107,15 +116,24 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        head_dim = cfg.n_embd // cfg.n_head
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        freqs = torch.outer(torch.arange(cfg.seq_len).float(), inv_freq)  # (seq, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (seq, head_dim)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors ``module`` itself registers, as ``__init__`` does: one
+        module at a time, e.g. for a model built on the meta device."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif module is self:
+            cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]

@@ -107,6 +107,26 @@ def _checkpoint_of_another_model():
     return lambda: small.load(directory)
 
 
+def _meta(name, **cfg):
+    with torch.device("meta"):
+        return make_model(name, **cfg)
+
+
+def _weights(change):
+    state = change(make_model("gpt").state_dict())
+    path = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-weights-{os.getpid()}.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, path)
+    return path
+
+
+def _half_meta():
+    model = make_model("gpt")
+    model.lm_head = nn.Linear(32, 128, bias=False, device="meta")
+    return model
+
+
 # row id -> (set-up returning the failing call, or the failing call itself; message)
 ROWS = {
     "world-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, dp=2),
@@ -149,6 +169,19 @@ ROWS = {
                         "unknown config key 'global_bach_size'"),
     "batch-size-schedule": (lambda: _config_file('data = "x"\ntrain_iters = 1\nstep_batch_size_schedule = "64:16 128:8"\nglobal_batch_size = 8\n'),
                             "would shrink the global batch from 16 to 8"),
+    "weights-missing": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), weights=_weights(
+        lambda sd: {k: v for k, v in sd.items() if k != "layers.1.mlp.fc.weight"})),
+        "'layers.1.mlp.fc.weight'"),
+    "weights-shape": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), weights=_weights(
+        lambda sd: {**sd, "layers.0.mlp.fc.bias": torch.zeros(64)})),
+        "(64,)"),
+    "weights-other-model": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), weights=make_model("llama").state_dict()),
+                            "another model"),
+    "init-missing": (lambda: fxmeg.parallelize(_meta("llama"), _ex()),
+                     "cannot initialise module '<root>' (Llama) of a model built on meta: Llama has no reset_parameters()"),
+    "init-unwritten": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), init_fn=lambda m: None),
+                       "init_fn left weight unwritten"),
+    "meta-mixed": (lambda: fxmeg.parallelize(_half_meta(), _ex()), "build the whole model under"),
 }
 SET_UP = {  # rows whose failing call needs a working engine first: counted from the call on
     "batch-shape": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i[:, :15], l))))(),

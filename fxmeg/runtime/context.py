@@ -39,7 +39,9 @@ from fxmeg.runtime.optimizer import (
     param_groups,
     plan_optimizers,
 )
-from fxmeg.sharding import local_range, tp_shard
+from fxmeg.materialize import Source
+from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.sharding import tp_shard
 from fxmeg.trace import Tracer
 
 
@@ -79,6 +81,9 @@ class RankContext:
     executor: Executor
     aux: AuxLoss | None
     lower: schedules.Lowering
+    whole: dict[str, torch.Tensor]
+    """A model built on meta: its buffers and untrained state, made whole on every rank
+    (small; what the full state dict and the verify reference read). Empty otherwise."""
     schedule: schedules.Schedule = field(init=False)
     """Compute actions per pipeline rank for the current micro-batch count."""
     steps: list[schedules.Step] = field(init=False)
@@ -101,9 +106,12 @@ class RankContext:
 
 
 def build_context(
-    program: Program, config: EngineConfig | None = None, *, optimizer: OptimizerFactory | None = None
+    program: Program, config: EngineConfig | None = None, *, optimizer: OptimizerFactory | None = None,
+    source: Source | None = None,
 ) -> RankContext:
-    """This rank's runtime for ``program`` (collective: every rank calls it)."""
+    """This rank's runtime for ``program`` (collective: every rank calls it). Tensors come
+    from ``source`` (weights, or the initialisation of a model built on meta) where it
+    has them, else from the Program's own (the user's) tensors."""
     config = config or program.config
     par = config.parallel
     factory = optimizer or default_optimizer
@@ -113,7 +121,9 @@ def build_context(
                              overlap_param_gather=config.overlap_param_gather)
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
-    chunks = _materialise(program, groups)
+    local = _local_values(program, groups, source)
+    chunks = _materialise(program, groups, local)
+    masters = _local_masters(program, groups, local)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
@@ -123,8 +133,8 @@ def build_context(
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, tp_specs=program.tp_specs, overlap_param_gather=config.overlap_param_gather,
-        clip_grad=config.clip_grad, fp32_source=_master_source(program, groups),
-        full_source=_full_source(program),
+        clip_grad=config.clip_grad, fp32_source=_master_source(masters),
+        full_source=_full_source(program, groups, masters),
         check_nonfinite=config.check_for_nan_in_grad or config.precision == "fp16",
         raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
         max_grad_norm=config.skip_on_grad_norm_above,
@@ -141,47 +151,106 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
+        whole={n: t for n, t in local.items() if n in _whole_names(program)},
     )
 
 
-def _materialise(program: Program, groups: Groups) -> dict[int, fx.GraphModule]:
-    """Copies of this pipeline rank's chunk graphs holding this tp rank's parameter
-    shards (one tensor per name, shared by every chunk that reads it; unsharded
-    parameters and buffers are the user's own)."""
+def _whole_names(program: Program) -> set[str]:
+    """What every rank holds whole: buffers (the reference graph reads them all) and state
+    no chunk trains, by first name."""
+    canonical = {a: n for n, names in program.aliases.items() for a in names}
+    names = {n for n, _ in program.reference.named_buffers()} if program.reference is not None else set()
+    return names | {canonical.get(k, k) for k in program.untrained}
+
+
+def _local_values(program: Program, groups: Groups, source: Source | None) -> dict[str, torch.Tensor]:
+    """This rank's values of what ``source`` provides (nothing without a source): every
+    tensor of its chunks (parameters as their tensor-parallel shards) and, when the model
+    was built on meta, the whole buffers and untrained state; in the dtype the user built
+    them in (``Program.init_dtypes``: fp32 before a half-precision cast)."""
+    if source is None:
+        return {}
+    tensors: dict[str, tuple[torch.Tensor, bool]] = {}
+    for c in program.chunks_of(groups.pp_rank):
+        gm = program.chunks[c]
+        tensors.update({n: (t, True) for n, t in gm.named_parameters()})
+        tensors.update({n: (t, False) for n, t in gm.named_buffers()})
+    state = {n: t for gm in (program.reference, program.graph) if gm is not None
+             for n, t in (*gm.named_parameters(), *gm.named_buffers())}
+    for name in _whole_names(program):
+        if name in state:
+            tensors.setdefault(name, (state[name], False))
+    wanted = {}
+    for name, (t, is_param) in tensors.items():
+        if t.is_meta or source.has(name):
+            spec = program.tp_specs.get(name) if is_param else None
+            wanted[name] = (spec if spec is not None and spec[0] == "shard" else None,
+                            program.init_dtypes.get(name, t.dtype))
+    return source.values(wanted, program.device, groups.topo.tp, groups.tp_rank)
+
+
+def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor]) -> dict[int, fx.GraphModule]:
+    """Copies of this pipeline rank's chunk graphs holding this rank's tensors: ``local``
+    values where there are some, else this tp rank's shard of the user's parameter (one
+    tensor per name, shared by every chunk that reads it); unsharded parameters and
+    buffers without a local value are the user's own."""
     tp, rank = groups.topo.tp, groups.tp_rank
     memo: dict[int, torch.Tensor] = {}
     mine = program.chunks_of(groups.pp_rank)
     for c in mine:
-        for name, p in program.chunks[c].named_parameters():
+        gm = program.chunks[c]
+        for name, t in (*gm.named_parameters(), *gm.named_buffers()):
+            if id(t) in memo:
+                continue
             spec = program.tp_specs.get(name)
-            if id(p) not in memo and spec is not None and spec[0] == "shard":
-                memo[id(p)] = nn.Parameter(tp_shard(p, spec, tp, rank), requires_grad=p.requires_grad)
-    for c in mine:
-        for t in (*program.chunks[c].parameters(), *program.chunks[c].buffers()):
-            memo.setdefault(id(t), t)
+            if name in local:
+                value = local[name].to(t.dtype)
+            elif isinstance(t, nn.Parameter) and spec is not None and spec[0] == "shard":
+                value = tp_shard(t, spec, tp, rank)
+            else:
+                value = t
+            if isinstance(t, nn.Parameter) and value is not t:
+                value = nn.Parameter(value, requires_grad=t.requires_grad)
+            memo[id(t)] = value
     return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
 
 
-def _master_source(program: Program, groups: Groups) -> MasterSource | None:
-    """Half precision: reads the fp32 master of elements [lo, hi) of this rank's shard of a
-    parameter straight from the user's fp32 tensor (only what the rank updates is made)."""
+def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Half precision: the fp32 values of this rank's shard of each trainable parameter
+    (from ``local``, or from the user's fp32 tensor); read while the optimizer is built,
+    then dropped."""
     if not program.master_values:
-        return None
+        return {}
     tp, rank = groups.topo.tp, groups.tp_rank
+    out = {}
+    for c in program.chunks_of(groups.pp_rank):
+        for name, _ in program.chunks[c].named_parameters():
+            if name in out or name not in program.master_values:
+                continue
+            if name in local:
+                out[name] = local[name]
+            else:
+                spec = program.tp_specs.get(name)
+                full = program.master_values[name]
+                out[name] = tp_shard(full, spec, tp, rank) if spec is not None and spec[0] == "shard" else full
+    return out
 
-    def source(name: str, lo: int, hi: int) -> torch.Tensor:
-        spec = program.tp_specs.get(name)
-        return local_range(program.master_values[name], spec, tp, rank, lo, hi, torch.float32)
 
-    return source
-
-
-def _full_source(program: Program) -> FullSource | None:
-    """Half precision: a parameter's full fp32 master from the user's fp32 tensor (a full
-    matrix stepped by an optimizer that needs the whole shape)."""
-    if not program.master_values:
+def _master_source(masters: dict[str, torch.Tensor]) -> MasterSource | None:
+    """Half precision: the fp32 master of elements [lo, hi) of this rank's shard of a
+    parameter (only what the rank updates is made)."""
+    if not masters:
         return None
-    return lambda name: program.master_values[name].detach().float().clone()
+    return lambda name, lo, hi: masters[name].detach().reshape(-1)[lo:hi].float().clone()
+
+
+def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tensor]) -> FullSource | None:
+    """Half precision: a tensor-parallel parameter's full fp32 master (a full matrix
+    stepped by an optimizer that needs the whole shape), gathered from the tp ranks'
+    fp32 shards. Collective over the tp group."""
+    if not masters:
+        return None
+    return lambda name: gather_tp(masters[name].detach().float(), program.tp_specs[name], groups.tp)
 
 
 def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer, *,

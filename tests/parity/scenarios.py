@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 import fxmeg
 from tests.helpers import (
     OPTIMIZERS,
+    assert_bitwise,
     assert_losses_close,
     assert_weights_close,
     make_batch,
@@ -33,6 +36,9 @@ class Scenario:
     """Extra parallelize() keyword arguments, as (name, value) pairs."""
     model_args: tuple = field(default=())
     """Extra model (config) arguments, as (name, value) pairs."""
+    meta: bool = False
+    """Build the model on the meta device: parallelize makes each rank's part
+    (init_fn=model.init_weights, seed=0) and the reference trains its materialised twin."""
 
     @property
     def world(self) -> int:
@@ -53,18 +59,28 @@ class Scenario:
         opt = "" if self.opt == "adamw" else f"-{self.opt}"
         tp = f"tp{self.tp}-" if self.tp > 1 else ""
         return (f"{self.model}-{tp}dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
-                + clip + opt + extra)
+                + clip + opt + extra + ("-meta" if self.meta else ""))
 
     def make_model(self):
-        return make_model(self.model, n_layer=self.layers, **dict(self.model_args))
+        """The single-device model (for a meta scenario: the materialised twin)."""
+        if not self.meta:
+            return make_model(self.model, n_layer=self.layers, **dict(self.model_args))
+        model = self.meta_model()
+        return fxmeg.materialize(model, init_fn=model.init_weights, seed=0)
+
+    def meta_model(self):
+        with torch.device("meta"):
+            return make_model(self.model, n_layer=self.layers, **dict(self.model_args))
 
     def batches(self):
         return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
 
     def engine(self):
         batches = self.batches()
+        model = self.meta_model() if self.meta else self.make_model()
+        init = dict(init_fn=model.init_weights, seed=0) if self.meta else {}
         return fxmeg.parallelize(
-            self.make_model(), tuple(t[:MBS] for t in batches[0]),
+            model, tuple(t[:MBS] for t in batches[0]), **init,
             tp=self.tp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
             optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, **dict(self.options),
         )
@@ -73,6 +89,7 @@ class Scenario:
 def train(rank: int, sc: Scenario) -> dict:
     """Train one scenario on this rank; report what the tests compare."""
     engine = sc.engine()
+    initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events = [], [], []
     for b in sc.batches():
         steps.append(engine.train_step(b))
@@ -83,6 +100,7 @@ def train(rank: int, sc: Scenario) -> dict:
         optimizer_elements=engine.context.optimizer.state_elements(),
         steps=steps, counters=counters, events=events,
         state=state if rank == 0 else None,
+        initial=initial if rank == 0 else None,
         pp_rank=engine.context.groups.pp_rank, dp_rank=engine.context.groups.dp_rank,
         param_elements=sum(p.numel() for p in engine.named_parameters.values()),
         tp_specs=engine.program.tp_specs,
@@ -107,3 +125,5 @@ def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) ->
     assert_losses_close([s.loss for s in steps], ref_losses)
     assert_losses_close([s.grad_norm for s in steps], ref_norms, rtol=norm_rtol)
     assert_weights_close(ranks[0]["state"], ref_state)
+    if sc.meta:  # each rank made its part exactly as the single-device twin
+        assert_bitwise(ranks[0]["initial"], sc.make_model().state_dict())

@@ -1,0 +1,106 @@
+"""Models larger than one rank (issue 17) on real gloo ranks: a model built on the meta
+device, each rank making only its part, trains exactly like its materialised
+single-device twin; a Hugging Face checkpoint in several safetensors shards loads at
+tp2 x pp2 with each rank reading only its tensors; and a model passed with real tensors
+keeps, after parallelize, only what the rank holds."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fxmeg
+from fxmeg.weights import open_weights
+from tests.distributed import run_world, run_worlds
+from tests.helpers import assert_bitwise, hf_model, make_batch, make_model
+from tests.parity.scenarios import Scenario, check_parity, train_each
+
+MODELS = ("gpt", "llama")
+PARITY = [
+    *(Scenario(m, pp=2, schedule="1f1b", meta=True) for m in MODELS),
+    *(Scenario(m, tp=2, meta=True) for m in MODELS),
+    *(Scenario(m, tp=2, pp=2, dp=2, schedule="1f1b", options=(("distributed_optimizer", True),), meta=True)
+      for m in MODELS),
+]
+
+
+def _world_2(rank: int, scenarios) -> dict:
+    return {**train_each(rank, scenarios), "released": _released(rank)}
+
+
+def _released(rank: int) -> dict:
+    """A real GPT at pp=2: after parallelize the user's module holds this stage's
+    parameters (the engine's own objects) and meta tensors for the other stage's; the
+    released full tensors are freed."""
+    model = make_model("gpt")
+    ids, labels = make_batch(2, seed=0)
+    refs = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    engine = fxmeg.parallelize(model, (ids, labels), pp=2, schedule="1f1b")
+    gc.collect()
+    mine = engine.named_parameters
+    return dict(
+        meta=sorted(n for n, p in model.named_parameters() if p.is_meta),
+        shared=sorted(n for n, p in model.named_parameters() if n in mine and p is mine[n]),
+        mine=sorted(mine),
+        freed=sorted(n for n, r in refs.items() if r() is None),
+        every=sorted(n for n, _ in model.named_parameters()),
+    )
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_worlds(_world_2, [s for s in PARITY if s.world == 2], [2]) | run_worlds(
+        train_each, [s for s in PARITY if s.world == 8], [8])
+
+
+@pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
+def test_meta_model_trains_like_its_materialised_twin(results, sc):
+    check_parity([r[sc.id] for r in results[sc.world]], sc)
+
+
+def test_real_model_keeps_only_what_the_rank_holds(results):
+    ranks = [r["released"] for r in results[2]]
+    for r in ranks:
+        assert r["shared"] == r["mine"], "the user's module holds the engine's own parameters"
+        assert r["meta"] == sorted(set(r["every"]) - set(r["mine"]))
+        assert r["freed"] == r["meta"], "a released parameter's memory is freed"
+    assert ranks[0]["meta"] and ranks[1]["meta"], "each stage releases the other stage's weights"
+
+
+# ---------------------------------------------------------------- Hugging Face weights
+
+
+def _load_hf(rank: int, path: str) -> dict:
+    """A meta-built copy of the saved Llama loads its weights at tp2 x pp2."""
+    weights = open_weights(path)
+    with torch.device("meta"):
+        model = hf_model("llama")
+    ids, _ = make_batch(4, seed=3)
+    engine = fxmeg.parallelize(model, (ids[:2], ids[:2]), weights=weights, tp=2, pp=2, global_batch_size=4)
+    state = engine.full_state_dict()
+    needed = {n for gm in engine.context.chunks.values() for n, _ in gm.named_parameters()}
+    loss = engine.train_step((ids, ids)).loss
+    return dict(state=state if rank == 0 else None, reads=dict(weights.reads), needed=needed,
+                shards=sorted(weights.opened_files), loss=loss)
+
+
+def test_hugging_face_checkpoint_loads_sharded(tmp_path):
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").exists()
+    ranks = run_world(4, _load_hf, str(tmp_path))
+    assert_bitwise(ranks[0]["state"], model.state_dict())
+    for r in ranks:
+        assert set(r["reads"]) == r["needed"], "each rank reads exactly its own tensors"
+        assert set(r["reads"].values()) == {1}, "each tensor once"
+        assert len(r["shards"]) < len(shards), "and opens only the shards that hold them"
+    every = set(model.state_dict())
+    assert all(r["needed"] < every for r in ranks)
+    ids, _ = make_batch(4, seed=3)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss.item()
+    assert ranks[0]["loss"] == pytest.approx(want, rel=1e-5)
