@@ -11,6 +11,7 @@ step), so no rank leaves a collective half-done.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -110,7 +111,9 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints in the background while training goes on."""
     init_from: str = ""
-    """Start from a plain state_dict file (e.g. one written by `fxmeg export`)."""
+    """Start from these weights: a state_dict file (e.g. one written by `fxmeg export`), a
+    safetensors file or Hugging Face directory, or an fxmeg checkpoint. The model is built
+    on the meta device and each rank reads only its slices."""
     check_determinism: bool = False
     """Run each step's forward and backward twice and report steps that differ."""
     trace: str = ""
@@ -258,9 +261,9 @@ class Trainer:
             # factor the model's shapes do not depend on the layout, so checkpoints reshard
             vocab = -(-corpus.vocab_size // 128) * 128
             args = {"vocab_size": vocab, "seq_len": cfg.seq_len} | json.loads(cfg.model_args)
-            model = build_model(cfg.model, args)
-        if cfg.init_from:
-            model.load_state_dict(torch.load(cfg.init_from, map_location="cpu", weights_only=True))
+            # --init-from: built on meta, each rank reads only its slices of the weights
+            with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
+                model = build_model(cfg.model, args)
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save
@@ -293,7 +296,7 @@ class Trainer:
         example = self.train_data.batch(range(self.engine_config.micro_batch_size))
         betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
         return fxmeg.parallelize(
-            model, example, config=self.engine_config,
+            model, example, config=self.engine_config, weights=cfg.init_from or None,
             optimizer=lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
         )
 

@@ -113,6 +113,7 @@ def test_export_then_init_from(corpus, tmp_path):
     exported = torch.load(out)
     full = t.engine.full_state_dict()
     assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
-    fresh = Trainer(_config(corpus, tmp_path / "again", train_iters=1, init_from=out, save=""))
-    start = fresh.engine.full_state_dict()
-    assert all(torch.equal(start[k], full[k]) for k in full)
+    for source in (out, str(tmp_path / "ckpt")):  # the exported file, or the checkpoint itself
+        fresh = Trainer(_config(corpus, tmp_path / "again", train_iters=1, init_from=source, save=""))
+        start = fresh.engine.full_state_dict()
+        assert all(torch.equal(start[k], full[k]) for k in full)
