@@ -22,7 +22,6 @@ from fxmeg.runtime import step
 from fxmeg.runtime.batches import Batch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory
-from fxmeg.runtime.release import release
 from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
@@ -90,8 +89,7 @@ def parallelize(
         config = config.resolve(world)
     program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
     source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
-    context = build_context(program, optimizer=optimizer, source=source)
-    return Engine(release(model, program, context), context)
+    return Engine(program, build_context(program, optimizer=optimizer, source=source, model=model))
 
 
 class Engine:

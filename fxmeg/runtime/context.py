@@ -41,6 +41,7 @@ from fxmeg.runtime.optimizer import (
 )
 from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.runtime.release import release
 from fxmeg.sharding import tp_shard
 from fxmeg.trace import Tracer
 
@@ -107,15 +108,17 @@ class RankContext:
 
 def build_context(
     program: Program, config: EngineConfig | None = None, *, optimizer: OptimizerFactory | None = None,
-    source: Source | None = None,
+    source: Source | None = None, model: nn.Module | None = None,
 ) -> RankContext:
     """This rank's runtime for ``program`` (collective: every rank calls it). Tensors come
     from ``source`` (weights, or the initialisation of a model built on meta) where it
-    has them, else from the Program's own (the user's) tensors."""
+    has them, else from the Program's own (the user's) tensors. With ``model`` (the
+    user's module), everything this rank does not hold is released in it and in
+    ``program`` as soon as this rank's tensors are made (``runtime/release.py``)."""
     config = config or program.config
     par = config.parallel
     factory = optimizer or default_optimizer
-    template = param_groups(program.parameters.items())  # the whole model's groups, on every rank
+    template = param_groups(_shapes(program.parameters))  # the whole model's groups, on every rank
     plan = plan_optimizers(factory, template, program.device)
     sharding = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
                              overlap_param_gather=config.overlap_param_gather)
@@ -124,6 +127,9 @@ def build_context(
     local = _local_values(program, groups, source)
     chunks = _materialise(program, groups, local)
     masters = _local_masters(program, groups, local)
+    whole = {n: t for n, t in local.items() if n in _whole_names(program)}
+    if model is not None:
+        release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
@@ -151,8 +157,14 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole={n: t for n, t in local.items() if n in _whole_names(program)},
+        whole=whole,
     )
+
+
+def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:
+    """(name, a meta tensor like the parameter): what the optimizer's group template
+    needs, holding no reference to the user's tensors."""
+    return [(n, torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)) for n, p in parameters.items()]
 
 
 def _whole_names(program: Program) -> set[str]:

@@ -1,0 +1,137 @@
+"""Peak memory of a rank against plain single-process training (issue 17). One JSON line.
+
+The model: GPT, 24 layers, hidden 1024, vocabulary 8192 (about 310M parameters), seq 128,
+micro-batch 1, fp32, AdamW, distributed optimizer off, a few steps. Each process measures
+its peak resident set (``ru_maxrss``) above its own baseline (after imports, before the
+model is built), so the interpreter and torch's libraries do not count.
+
+  plain          one process, the model trained with plain PyTorch (the reference)
+  real-pp4       fxmeg at pp=4, the model built with real tensors on every rank
+  real-tp2pp2    fxmeg at tp=2 x pp=2, real tensors
+  meta-pp4       fxmeg at pp=4, the model built on meta (init_fn, seed)
+  meta-tp2pp2    fxmeg at tp=2 x pp=2, built on meta
+
+``ratio`` is a run's largest rank peak over plain's peak. For the meta runs,
+``largest_module_bytes`` is the largest module's parameters (the most a rank ever makes
+full size at once) and ``share_bytes`` the most-loaded rank's parameters + gradients +
+Adam state: a meta run's peak should stay under their sum plus activations.
+
+    python bench/memory.py [--layers 24 --hidden 1024 --vocab 8192 --steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fxmeg  # noqa: E402
+from bench.common import spawn  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def rss() -> int:
+    """Current resident set, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak() -> int:
+    """Peak resident set of this process so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=16, n_embd=args.hidden)
+
+
+def batch(args, rows: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (rows, args.seq), generator=g)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def plain(args, out: str) -> None:
+    torch.set_num_threads(1)
+    base = rss()
+    torch.manual_seed(0)
+    model = GPT(config(args))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids, labels = batch(args, args.m)
+    for _ in range(args.steps):
+        opt.zero_grad()
+        for i in range(args.m):
+            model(ids[i : i + 1], labels[i : i + 1]).div(args.m).backward()
+        opt.step()
+    with open(out, "w") as f:
+        json.dump({"peak": peak() - base, "params": sum(p.numel() for p in model.parameters())}, f)
+
+
+def parallel(rank: int, world: int, args, layout: dict, meta: bool, out: str) -> None:
+    base = rss()
+    with torch.device("meta") if meta else torch.device("cpu"):
+        torch.manual_seed(0)
+        model = GPT(config(args))
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    ids, labels = batch(args, args.m)
+    init = dict(init_fn=model.init_weights, seed=0) if meta else {}
+    engine = fxmeg.parallelize(model, (ids[:1], labels[:1]), global_batch_size=args.m, **layout, **init,
+                               optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+    for _ in range(args.steps):
+        engine.train_step((ids, labels) if engine.needs_data else None)
+    held = sum(p.numel() * p.element_size() for p in engine.named_parameters.values())
+    report = {"rank": rank, "peak": peak() - base, "largest_module_bytes": largest, "share_bytes": 4 * held}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--m", type=int, default=4, help="micro-batches (of 1 row) per step")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--runs", default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2")
+    args = p.parse_args()
+    layouts = {"pp4": dict(pp=4, schedule="1f1b"), "tp2pp2": dict(tp=2, pp=2, schedule="1f1b")}
+    result = {"model": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in args.runs.split(","):
+            out = os.path.join(tmp, f"{run}.json")
+            if run == "plain":  # a fresh process: its peak is its own
+                proc = multiprocessing.get_context("spawn").Process(target=plain, args=(args, out))
+                proc.start(), proc.join()
+                with open(out) as f:
+                    result["plain"] = json.load(f)
+                continue
+            kind, layout = run.split("-")
+            spawn(4, parallel, args, layouts[layout], kind == "meta", out)
+            with open(out) as f:
+                ranks = json.load(f)
+            worst = max(ranks, key=lambda r: r["peak"])
+            result[run] = {"peak_per_rank": [r["peak"] for r in ranks], "worst": worst["peak"],
+                           "largest_module_bytes": worst["largest_module_bytes"],
+                           "share_bytes": max(r["share_bytes"] for r in ranks)}
+    if "plain" in result:
+        for run, r in result.items():
+            if isinstance(r, dict) and "worst" in r:
+                r["ratio"] = round(r["worst"] / result["plain"]["peak"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
