@@ -6,10 +6,11 @@ from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.plan import Plan, plan
 from fxmeg.program import Program
 from fxmeg.transform import transform
 
 __all__ = [
     "Engine", "EngineConfig", "EvalResult", "FxmegError", "LRSchedule", "LossScaleConfig",
-    "ParallelConfig", "Program", "StepResult", "VerifyResult", "parallelize", "transform",
+    "ParallelConfig", "Plan", "Program", "StepResult", "VerifyResult", "parallelize", "plan", "transform",
 ]
