@@ -1,6 +1,6 @@
 """Plan a layout before running it: per pipeline stage, the memory one rank holds, its
 forward FLOPs and the schedule's bubble, from the Program alone (docs/design.md §8.8,
-§8.11). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
+§8.8.1). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
 transforms a copy of the model on the meta device, so a 70B model plans in seconds.
 
 Per stage, for one tensor-parallel rank (every tp rank holds the same shapes: the
@@ -112,29 +112,29 @@ class Plan:
     def __str__(self) -> str:
         cfg, par = self.config, self.config.parallel
         unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
-        size = lambda n: f"{n / scale:,.2f}"  # noqa: E731
+        sp = " (sequence parallel)" if par.sequence_parallel else ""
         head = [
-            f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} pp={par.pp} vpp={par.vpp} "
-            f"dp={par.dp}{' (sequence parallel)' if par.sequence_parallel else ''}, {cfg.precision}, "
-            f"distributed optimizer {'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}",
-            f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
-            f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward per "
-            "micro-batch (whole model)",
-            f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer; bubble with "
-            f"forward {F_COST:g} / backward {B_COST:g}",
+            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} pp={par.pp} vpp={par.vpp} "
+             f"dp={par.dp}{sp}, {cfg.precision}, distributed optimizer "
+             f"{'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}"),
+            (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
+             f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward "
+             "per micro-batch (whole model)"),
+            (f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer; bubble with "
+             f"forward {F_COST:g} / backward {B_COST:g}"),
         ]
         columns = ("stage", "units", "params", "weights", "grads", "optim", "act/mb", "in flight",
                    "acts", "total", "FLOP/mb", "bubble")
         rows = [columns] + [(
-            str(s.stage), s.units, _si(s.parameter_elements), size(s.parameters),
-            size(s.gradient_buffers), size(s.optimizer_state), size(s.activations_per_microbatch),
-            str(s.microbatches_in_flight), size(s.activations), size(s.total),
+            str(s.stage), s.units, _si(s.parameter_elements),
+            *(f"{n / scale:,.2f}" for n in (s.parameters, s.gradient_buffers, s.optimizer_state,
+                                            s.activations_per_microbatch)),
+            str(s.microbatches_in_flight), f"{s.activations / scale:,.2f}", f"{s.total / scale:,.2f}",
             _si(s.flops_per_microbatch, "G"), f"{s.bubble:.1%}",
         ) for s in self.stages]
         widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
-        left = {1}  # the units column reads left-aligned
-        lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                 for r in rows]
+        lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # units read left-aligned
+                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         return "\n".join(head + lines)
 
 
@@ -243,7 +243,7 @@ def _span(units: tuple[str, ...]) -> str:
     if first == last:
         return first
     prefix = first.rpartition(".")[0] + "."
-    return f"{first}..{last[len(prefix):] if last.startswith(prefix) else last}"
+    return f"{first}..{last.removeprefix(prefix)}"
 
 
 def _si(n: float, billion: str = "B") -> str:
