@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python bench/bubble.py
 	$(BIN)/python bench/compile.py
 	$(BIN)/python bench/capture.py
+	$(BIN)/python bench/plan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

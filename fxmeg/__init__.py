@@ -7,10 +7,12 @@ from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.materialize import materialize
+from fxmeg.plan import Plan, plan
 from fxmeg.program import Program
 from fxmeg.transform import transform
 
 __all__ = [
     "Engine", "EngineConfig", "EvalResult", "FxmegError", "LRSchedule", "LossScaleConfig",
-    "ParallelConfig", "Program", "StepResult", "VerifyResult", "materialize", "parallelize", "transform",
+    "ParallelConfig", "Plan", "Program", "StepResult", "VerifyResult", "materialize", "parallelize",
+    "plan", "transform",
 ]

@@ -1,4 +1,4 @@
-"""The `fxmeg` command: train, verify, prepare-data, export, plot, plot-schedule.
+"""The `fxmeg` command: train, verify, plan, prepare-data, export, plot, plot-schedule.
 
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
@@ -9,12 +9,18 @@
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
+    fxmeg plan --model models.llama:Llama --model-args '{"n_layer": 80, ...}' --tp 8 --pp 8 \
+               --vpp 2 --seq-len 4096 --precision bf16     # per-stage memory, FLOPs, bubble
+    fxmeg plan --hf-config LlamaConfig num_hidden_layers=80 hidden_size=8192 ... --tp 8 --json
 
 `fxmeg train` and `fxmeg verify` start their own ranks with torch's elastic launcher
 (--nproc, default tp * pp * max(dp, 1)) unless they already run under torchrun.
 `fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
 of the training data (or the one at the --load checkpoint) through the parallel program and
 the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch.
+`fxmeg plan` takes the model and layout flags of `fxmeg train` (or its --config file) and
+prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/plan.py); the model is
+built on the meta device, so no memory is allocated and no process is started.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub.add_parser("train", help="train a model (see --help)"))
     _train_parser(sub.add_parser("verify", help="check a layout against single-device execution on one "
                                                 "batch (the flags of train)"))
+    _plan_parser(sub.add_parser("plan", help="per-stage memory, FLOPs and bubble of a layout, with no "
+                                             "process and no real tensor"))
     prep = sub.add_parser("prepare-data", help="tokenise text into a corpus")
     prep.add_argument("--input", action="append", required=True,
                       help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
@@ -64,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plot_schedule(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "plan":
+        return _plan(args)
     return _train(args)
 
 
@@ -95,24 +105,132 @@ def _prepare(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- plan
+
+PLAN_MODEL = ("model", "model_args", "seq_len")
+"""The trainer's own flat names `fxmeg plan` reads (the rest: engine and layout names)."""
+
+
+def _plan_parser(p: argparse.ArgumentParser) -> None:
+    from fxmeg.trainer import TrainConfig, flat_fields
+
+    p.add_argument("--config", help="a `fxmeg train` TOML or YAML file: its model and layout keys are "
+                                    "read, the trainer's other keys ignored (flags override it)")
+    p.add_argument("--hf-config", nargs="+", metavar="NAME_OR_JSON",
+                   help="a Hugging Face causal LM instead of --model: a config.json file, a transformers "
+                        "config class (LlamaConfig) or model type (llama), then KEY=VALUE overrides "
+                        "(values read as JSON), e.g. LlamaConfig num_hidden_layers=80 hidden_size=8192")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _flags(p, [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL])
+
+
+def _plan(args) -> int:
+    """`fxmeg plan`: build the model on the meta device, print its Plan."""
+    import json
+
+    import torch
+
+    from fxmeg.plan import plan
+    from fxmeg.trainer import build_model, engine_from_flat, flat_defaults
+
+    values = _plan_values(args)
+    model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}
+    engine = engine_from_flat(**values)
+    with torch.device("meta"):
+        if args.hf_config:
+            import transformers
+
+            net = transformers.AutoModelForCausalLM.from_config(hf_config(args.hf_config))
+        else:
+            extra = model["model_args"]
+            extra = extra if isinstance(extra, dict) else json.loads(extra)
+            net = build_model(model["model"], {"seq_len": model["seq_len"]} | extra)
+    shape = (engine.micro_batch_size, model["seq_len"])
+    ids, labels = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
+    result = plan(net, (ids, labels), config=engine)
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def _plan_values(args) -> dict:
+    """Flat names from --config (the trainer's own keys but the model's dropped), then
+    the flags given."""
+    from fxmeg.errors import ConfigError, closest
+    from fxmeg.trainer import TrainConfig, flat_fields
+
+    names, values = flat_fields(), {}
+    for key, value in (_read_config(args.config) if args.config else {}).items():
+        key = key.replace("-", "_")
+        if key not in names:
+            raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(key, names))
+        if names[key][0] is not TrainConfig or key in PLAN_MODEL:
+            values[key] = value
+    return values | {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def hf_config(spec: list[str]):
+    """A transformers config from ``[NAME_OR_JSON, KEY=VALUE, ...]``: a config.json file
+    (its ``model_type`` picks the class), a config class name (``LlamaConfig``) or a
+    model type (``llama``); each override's value is read as JSON, else kept as text.
+    Nothing is downloaded."""
+    import json
+
+    import transformers
+
+    from fxmeg.errors import ConfigError
+
+    source, *pairs = spec
+    overrides = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    if source.endswith(".json") or os.path.isfile(source):
+        with open(source) as f:
+            values = json.load(f)
+        if "model_type" not in values:
+            raise ConfigError(f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config")
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **(values | overrides))
+    cls = getattr(transformers, source, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
+        return cls(**overrides)
+    try:
+        return transformers.AutoConfig.for_model(source, **overrides)
+    except ValueError:
+        raise ConfigError(f"--hf-config {source!r} is neither a JSON file, a transformers config class "
+                          "(LlamaConfig) nor a model type (llama)") from None
+
+
 # ---------------------------------------------------------------- train
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:
     """One flag per flat name of TrainConfig (its own fields, then EngineConfig's and
     ParallelConfig's scalar fields), its help the field's docstring."""
-    from fxmeg.config import EngineConfig, ParallelConfig
-    from fxmeg.trainer import TrainConfig, flat_defaults, flat_fields
+    from fxmeg.trainer import flat_fields
 
-    docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
-    defaults = flat_defaults()
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * pp * max(dp, 1))")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
-    for name, (cls, kind) in flat_fields().items():
-        flag, doc = "--" + name.replace("_", "-"), docs[cls].get(name, "")
+    _flags(p, flat_fields())
+
+
+def _flags(p: argparse.ArgumentParser, names) -> None:
+    """One flag per flat name (default None: not given), its help the field's docstring."""
+    from fxmeg.config import EngineConfig, ParallelConfig
+    from fxmeg.trainer import TrainConfig, flat_defaults, flat_fields
+
+    docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
+    defaults, fields = flat_defaults(), flat_fields()
+    for name in names:
+        (cls, kind), flag = fields[name], "--" + name.replace("_", "-")
+        doc = docs[cls].get(name, "")
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
         else:

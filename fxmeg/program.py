@@ -264,6 +264,12 @@ class Program:
         """The chunks pipeline rank ``pp_rank`` runs, in chunk order."""
         return [c for c, r in enumerate(self.placement) if r == pp_rank]
 
+    @property
+    def grad_cuts(self) -> frozenset[int]:
+        """Cuts c (between chunks c and c + 1) across which a gradient flows back: what
+        the schedule's lowering sends and receives in backward."""
+        return frozenset(c for c, spec in enumerate(self.specs[1:]) if any(b.grad for b in spec.recv))
+
     def __str__(self) -> str:
         par = self.config.parallel
         lines = [

@@ -30,9 +30,9 @@ from fxmeg import checkpoint, trace
 from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
-from fxmeg.metrics import Metrics, perplexity
-from fxmeg.report import memory_report
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.metrics import Metrics, perplexity
+from fxmeg.plan import memory_report
 from fxmeg.runtime.optimizer import adamw
 
 
@@ -169,6 +169,15 @@ def flat_defaults() -> dict:
     owners = {EngineConfig: _ENGINE, ParallelConfig: _ENGINE.parallel}
     return {name: own[name] if cls is TrainConfig else getattr(owners[cls], name)
             for name, (cls, _) in flat_fields().items()}
+
+
+def engine_from_flat(**values) -> EngineConfig:
+    """The EngineConfig of a TrainConfig given these flat EngineConfig / ParallelConfig
+    names (``fxmeg plan`` takes the layout flags of ``fxmeg train``)."""
+    own, engine = _split_flat(values)
+    if own:
+        raise ConfigError(f"{sorted(own)} are options of the trainer, not of the engine or the layout")
+    return _with_flat(_ENGINE, engine)
 
 
 def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:

@@ -11,7 +11,7 @@ import torch
 from fxmeg.cli import _train_parser, config_from
 from fxmeg.errors import ConfigError
 from fxmeg.metrics import read
-from fxmeg.report import memory_report
+from fxmeg.plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
 

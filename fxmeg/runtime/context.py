@@ -299,7 +299,7 @@ def _aux_loss(program: Program, chunks: dict[int, fx.GraphModule]) -> AuxLoss | 
 
 
 def _lowering(program: Program, config: EngineConfig, groups: Groups) -> schedules.Lowering:
-    grad_cuts = frozenset(c for c, spec in enumerate(program.specs[1:]) if any(b.grad for b in spec.recv))
+    grad_cuts = program.grad_cuts
     p2p = config.p2p
     if p2p == "auto":
         nccl = groups.pp is not None and dist.get_backend(groups.pp) == "nccl"

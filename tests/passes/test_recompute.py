@@ -12,7 +12,8 @@ import torch
 import fxmeg
 from fxmeg.errors import ConfigError
 from fxmeg.passes.recompute import Recompute
-from fxmeg.report import SavedBytes, activation_bytes
+from fxmeg.plan import activation_bytes
+from fxmeg.report import SavedBytes
 from tests.helpers import (
     assert_losses_close,
     assert_weights_close,

@@ -1,0 +1,254 @@
+"""Plan a layout before running it: per pipeline stage, the memory one rank holds, its
+forward FLOPs and the schedule's bubble, from the Program alone (docs/design.md §8.8,
+§8.8.1). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
+transforms a copy of the model on the meta device, so a 70B model plans in seconds.
+
+Per stage, for one tensor-parallel rank (every tp rank holds the same shapes: the
+tensor-parallel pass needs tp to divide every split dimension, so shards never differ):
+
+  parameters         each trainable parameter once per stage, in its local (tp shard)
+                     shape: the get_attr node's ``meta["val"]`` after the tp pass
+  gradient buffers   the stage's contiguous buffers (``Program.buffers``: fp32 whatever
+                     the precision, padding for dp and the distributed optimizer included)
+  optimizer state    Adam-like: two fp32 states per element, plus an fp32 master copy in
+                     bf16 / fp16; the distributed optimizer divides them by dp
+  activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
+                     largest chunk, times the micro-batches in flight at the schedule's
+                     peak (the simulator's count of forwards not yet backwarded)
+  FLOPs              forward matmul / attention FLOPs of one micro-batch on this rank
+  bubble             idle share of the rank in the schedule simulator, with a forward
+                     costing 1 and a backward 2 on every chunk (F_COST, B_COST)
+
+``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx, nn
+
+from fxmeg.capture import LossFn
+from fxmeg.config import EngineConfig, batch_dim
+from fxmeg.errors import ConfigError
+from fxmeg.passes.graph_utils import is_hop, requires_grad_nodes, val
+from fxmeg.passes.partition import node_flops
+from fxmeg.program import Program
+from fxmeg.runtime import schedules
+from fxmeg.transform import transform
+
+if TYPE_CHECKING:
+    from fxmeg.runtime.context import RankContext
+
+ADAM_STATES = 2
+"""fp32 optimizer states per element (Adam's two moments)."""
+F_COST, B_COST = 1.0, 2.0
+"""Simulated cost of one chunk's forward and backward (backward ~ 2 x forward)."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage on one tensor-parallel rank; sizes in bytes."""
+
+    stage: int
+    chunks: tuple[int, ...]
+    units: str
+    """The units (blocks) of each chunk, e.g. 'layers.0..4, layers.8..12'."""
+    parameter_elements: int
+    parameters: int
+    gradient_buffers: int
+    optimizer_state: int
+    activations_per_microbatch: int
+    microbatches_in_flight: int
+    activations: int
+    total: int
+    flops_per_microbatch: float
+    """Forward FLOPs of one micro-batch on this rank (matmuls and attention)."""
+    bubble: float
+
+    @property
+    def weights_and_optimizer(self) -> int:
+        """What Megatron's compute_weight_and_optimizer_memory counts: parameters,
+        gradients and optimizer state."""
+        return self.parameters + self.gradient_buffers + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout's per-stage memory, FLOPs and bubble. ``str(plan)`` is a table."""
+
+    config: EngineConfig
+    stages: tuple[StagePlan, ...]
+    total_parameters: int
+    """Trainable elements of the whole model, full shapes, each tensor once."""
+    flops_per_microbatch: float
+    """Forward FLOPs of one micro-batch of the whole model (all tp ranks)."""
+
+    def to_dict(self) -> dict:
+        cfg, par = self.config, self.config.parallel
+        return {
+            "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+                       "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
+            "precision": cfg.precision,
+            "distributed_optimizer": cfg.distributed_optimizer,
+            "recompute": cfg.recompute,
+            "micro_batch_size": cfg.micro_batch_size,
+            "global_batch_size": cfg.global_batch_size,
+            "num_microbatches": cfg.num_microbatches,
+            "total_parameters": self.total_parameters,
+            "flops_per_microbatch": self.flops_per_microbatch,
+            "bubble_costs": {"forward": F_COST, "backward": B_COST},
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        cfg, par = self.config, self.config.parallel
+        unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
+        sp = " (sequence parallel)" if par.sequence_parallel else ""
+        head = [
+            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} pp={par.pp} vpp={par.vpp} "
+             f"dp={par.dp}{sp}, {cfg.precision}, distributed optimizer "
+             f"{'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}"),
+            (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
+             f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward "
+             "per micro-batch (whole model)"),
+            (f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer; bubble with "
+             f"forward {F_COST:g} / backward {B_COST:g}"),
+        ]
+        columns = ("stage", "units", "params", "weights", "grads", "optim", "act/mb", "in flight",
+                   "acts", "total", "FLOP/mb", "bubble")
+        rows = [columns] + [(
+            str(s.stage), s.units, _si(s.parameter_elements),
+            *(f"{n / scale:,.2f}" for n in (s.parameters, s.gradient_buffers, s.optimizer_state,
+                                            s.activations_per_microbatch)),
+            str(s.microbatches_in_flight), f"{s.activations / scale:,.2f}", f"{s.total / scale:,.2f}",
+            _si(s.flops_per_microbatch, "G"), f"{s.bubble:.1%}",
+        ) for s in self.stages]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+        lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # units read left-aligned
+                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        return "\n".join(head + lines)
+
+
+def plan(model: nn.Module, example: tuple[torch.Tensor, ...], *, loss_fn: LossFn | None = None,
+         config: EngineConfig | None = None, **options) -> Plan:
+    """The plan of training ``model`` on micro-batches like ``example`` under ``config``
+    (or ``options``: ``tp=8, pp=8, vpp=2, global_batch_size=64, precision="bf16", ...`` as
+    ``parallelize`` takes them; dp defaults to 1). The model and the example are copied
+    to the meta device first: the user's model is left as it is (no cast, no move), and
+    no tensor is allocated, however large the model. No process group is created."""
+    if not isinstance(example, tuple) or not all(isinstance(t, torch.Tensor) for t in example):
+        raise ConfigError("example must be a tuple of tensors (one micro-batch; shapes and dtypes are what counts)")
+    example = tuple(t.to("meta") for t in example)
+    if config is not None and options:
+        raise ConfigError(f"pass either config= or options, not both; got config and {sorted(options)}")
+    if config is not None:
+        batch_dim(example, config.micro_batch_size)
+        par = config.parallel
+        config = config.resolve(par.tp * par.pp * (par.dp or 1))  # dp=None: one replica
+    program = transform(meta_copy(model), example, config, loss_fn=loss_fn, **options)
+    return plan_of(program)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same
+    shapes and dtypes (ties kept); nothing of the original's storage is copied."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def plan_of(program: Program, config: EngineConfig | None = None) -> Plan:
+    """The plan of a transformed ``program`` under ``config`` (default its own; the
+    runtime may change only the global batch size)."""
+    config = config or program.config
+    par = config.parallel
+    schedule = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches)
+    # the in-flight count follows each rank's compute order alone, which p2p does not change
+    lowered = schedules.lower(schedule, num_chunks=program.num_chunks, grad_cuts=program.grad_cuts, p2p="eager")
+    sim = schedules.simulate(lowered, pp=par.pp, f_cost=F_COST, b_cost=B_COST)
+    stages = tuple(_stage(program, config, stage, sim) for stage in range(par.pp))
+    total = sum(program.full_shapes[n][0].numel() for n in program.parameters)
+    return Plan(config, stages, total, program.flops_per_microbatch)
+
+
+def _stage(program: Program, config: EngineConfig, stage: int, sim: schedules.Simulation) -> StagePlan:
+    mine = program.chunks_of(stage)
+    graphs = [program.chunks[c] for c in mine]
+    local = {}  # name -> the local (shard) value recorded on its get_attr node
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in program.parameters and val(node) is not None:
+                local[node.target] = val(node)
+    elements = sum(v.numel() for v in local.values())
+    params = sum(v.numel() * v.element_size() for v in local.values())
+    grads = sum(lay.numel * lay.dtype.itemsize for c in mine for lay in program.buffers[c])
+    per_state = 4 * elements / (config.parallel.dp if config.distributed_optimizer else 1)
+    states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
+    optimizer = int(states * per_state)
+    act = max(activation_bytes(gm) for gm in graphs)
+    peak = sim.peak_in_flight[stage]
+    return StagePlan(
+        stage=stage, chunks=tuple(mine), units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
+        parameter_elements=elements, parameters=params, gradient_buffers=grads, optimizer_state=optimizer,
+        activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
+        total=params + grads + optimizer + act * peak,
+        flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
+    )
+
+
+def activation_bytes(gm: fx.GraphModule) -> int:
+    """Upper bound of one micro-batch's activations autograd keeps for a chunk: every
+    floating value that requires grad (a recompute region's output stands for it)."""
+    grads = requires_grad_nodes(gm)
+    total = 0
+    for node in gm.graph.nodes:
+        v = val(node)
+        if node.op == "call_function" and node in grads and v is not None and v.is_floating_point():
+            total += v.numel() * v.element_size()
+    return total
+
+
+def graph_flops(gm: fx.GraphModule) -> float:
+    """Forward FLOPs of a chunk graph: its nodes and those of every sub-graph in it
+    (recompute regions, higher-order ops' bodies), each counted once."""
+    return sum(node_flops(n) for m in gm.modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function" and not is_hop(n))
+
+
+def memory_report(program: Program, ctx: RankContext) -> list[dict]:
+    """The trainer's memory report: one dict per pipeline stage (``StagePlan``'s fields)
+    for the configuration in force. Every tensor-parallel rank holds the same shapes, so
+    this is ``ctx``'s tp rank's too."""
+    return [dataclasses.asdict(s) for s in plan_of(program, ctx.config).stages]
+
+
+def _span(units: tuple[str, ...]) -> str:
+    """'layers.0..4' for a chunk from layers.0 to the end of layers.4 (its last unit may
+    be a residual point inside layers.4: the chunk runs to that block's end); '-' for none."""
+    if not units:
+        return "-"
+    first, last = units[0], units[-1].split(":")[0]
+    if first == last:
+        return first
+    prefix = first.rpartition(".")[0] + "."
+    return f"{first}..{last.removeprefix(prefix)}"
+
+
+def _si(n: float, billion: str = "B") -> str:
+    """'70.6B', '1.20M', '45.3K', '512': three significant digits (``billion``: 'G' for FLOPs)."""
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, billion), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.3g}"

@@ -1,0 +1,182 @@
+"""fxmeg.plan and `fxmeg plan`: per-stage memory, FLOPs and bubble without a process group
+or a real tensor, checked against Megatron-LM's weight-and-optimizer formula, the
+Program's own records, the closed-form pipeline bubble, and the real (non-meta) program."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxmeg
+from fxmeg.cli import main
+from fxmeg.errors import ConfigError
+from fxmeg.plan import plan_of
+from fxmeg.transform import transform
+from models.llama import Llama, LlamaConfig
+from tests.helpers import make_model
+
+
+def _batch(rows: int = 2, seq: int = 16, vocab: int = 128):
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()
+
+
+def megatron_weight_and_optimizer_bytes(*, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int,
+                                        vocab: int, tp: int, pp: int, dp: int, distributed_optimizer: bool) -> float:
+    """Megatron-LM's ``compute_weight_and_optimizer_memory``
+    (megatron/training/theoretical_memory_usage.py, read at NVIDIA/Megatron-LM 00caa53a)
+    for a dense GQA model with RMSNorm, SwiGLU and an untied output layer (no MoE, MTP
+    or MLA), in our words: the most loaded pipeline stage holds 1/pp of the transformer
+    block (the final norm included) and the input embedding, all divided by tp, at 18
+    bytes per parameter (bf16 weight 2, fp32 gradient 4, fp32 master 4 + Adam's two
+    fp32 moments 8), or 6 + 12/dp with the distributed optimizer."""
+    kv_channels = hidden // heads
+    query_projection = kv_channels * heads
+    attention = 2 * hidden * hidden * (1 + kv_heads / heads) * (query_projection / hidden)  # q, o and k, v
+    layer = 2 * hidden * (ffn * 3 / 2 + 1) + attention  # SwiGLU (gate, up, down) + two RMSNorms
+    block = layer * layers + hidden  # + the final RMSNorm
+    embedding = hidden * vocab
+    params = (block / pp + embedding) / tp
+    if pp == 1:  # the untied output layer shares the only stage
+        params += embedding / tp
+    return params * (6 + 12 / dp if distributed_optimizer else 18)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_first_stage_agrees_with_megatrons_weight_and_optimizer_formula(distributed_optimizer):
+    """What the plan counts that the formula does not: each tp rank keeps the norms whole
+    (the formula divides them by tp too); the final norm sits on the last stage (the
+    formula spreads it over every stage's 1/pp); with the distributed optimizer the
+    gradient buffer is padded (64-element parameter starts, buckets to lcm(dp, 128)).
+    fxmeg's gradient buffers are fp32 in bf16 (passes/buckets.py GRAD_DTYPE), as the
+    formula assumes, so the byte counts compare like with like."""
+    shape = dict(hidden=512, ffn=1408, heads=8, kv_heads=2, layers=8, vocab=32768)
+    tp, pp, dp = 2, 2, 2
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=shape["vocab"], n_layer=shape["layers"], n_embd=shape["hidden"],
+                                  n_head=shape["heads"], n_kv_head=shape["kv_heads"], ffn_hidden=shape["ffn"],
+                                  seq_len=256))
+    ids = torch.zeros((1, 256), dtype=torch.long, device="meta")
+    plan = fxmeg.plan(model, (ids, ids.clone()), tp=tp, pp=pp, dp=dp, global_batch_size=8, precision="bf16",
+                      distributed_optimizer=distributed_optimizer, split_points=("layers.4",))  # formula: L/pp each
+    first = plan.stages[0]
+    want = megatron_weight_and_optimizer_bytes(**shape, tp=tp, pp=pp, dp=dp,
+                                               distributed_optimizer=distributed_optimizer)
+    # the differences named above come to ~0.01% here: 1% still leaves room for other shapes
+    assert abs(first.weights_and_optimizer - want) <= 0.01 * want, (first.weights_and_optimizer, want)
+    # the parts as the formula prices them: 2 + 4 + 12 (or 12 / dp) bytes per local element
+    n = first.parameter_elements
+    assert first.parameters == 2 * n
+    assert first.gradient_buffers >= 4 * n
+    assert first.optimizer_state == 12 * n // (dp if distributed_optimizer else 1)
+    assert not dist.is_initialized()
+
+
+def test_parameters_are_each_counted_once_per_stage_in_their_local_shape():
+    """GPT's embedding is tied (read on the first and the last stage); pp=2 x vpp=2 puts two
+    chunks on each stage. Expected counts come from the Program's holders, tp specs and
+    full shapes, not from the get_attr nodes the plan reads."""
+    tp = 2
+    program = transform(make_model("gpt", n_layer=4, n_embd=64, vocab_size=256), _batch(vocab=256),
+                        tp=tp, pp=2, vpp=2, global_batch_size=4)
+    plan = plan_of(program)
+    for s in plan.stages:
+        want = 0
+        for name, holders in program.holders.items():
+            if s.stage in holders:
+                full = program.full_shapes[name][0].numel()
+                want += full // tp if program.tp_specs[name][0] == "shard" else full
+        assert s.parameter_elements == want
+        assert s.parameters == 4 * want  # fp32
+        assert s.gradient_buffers == 4 * want  # fp32, dp=1: no padding
+        assert s.optimizer_state == 8 * want  # Adam's two states; fp32 has no master copy
+        assert s.activations == s.activations_per_microbatch * s.microbatches_in_flight
+        assert s.total == s.parameters + s.gradient_buffers + s.optimizer_state + s.activations
+    assert plan.stages[0].units.startswith("layers.0") and "," in plan.stages[0].units  # two chunks
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_stage_flops_add_up_to_the_whole_model_over_tensor_parallel_ranks(recompute):
+    """Every Llama matmul is split over tp, so the stages' local forward FLOPs times tp are
+    the whole model's (counted by the analyse pass before any rewrite); under full
+    recompute the blocks sit in checkpointed sub-graphs and must still be counted."""
+    tp = 2
+    program = transform(make_model("llama", n_layer=4), _batch(), tp=tp, pp=2, global_batch_size=4,
+                        recompute=recompute)
+    plan = plan_of(program)
+    assert all(s.flops_per_microbatch > 0 for s in plan.stages)
+    assert sum(s.flops_per_microbatch for s in plan.stages) * tp == plan.flops_per_microbatch
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 8), (4, 1, 2), (2, 2, 4)])
+def test_in_flight_and_bubble_follow_the_schedule(pp, vpp, m):
+    program = transform(make_model("llama", n_layer=4), _batch(), pp=pp, vpp=vpp, global_batch_size=2 * m)
+    stages = plan_of(program).stages
+    bubble = (pp - 1) / (vpp * m + pp - 1)  # uniform chunk costs: Megatron's (p - 1) / (v m + p - 1)
+    assert all(s.bubble == pytest.approx(bubble) for s in stages)
+    if vpp == 1:  # 1F1B: stage s warms up with pp - s forwards (at most m)
+        assert [s.microbatches_in_flight for s in stages] == [min(pp - s, m) for s in range(pp)]
+    else:  # interleaved keeps more (chunk, micro-batch) pairs on the first stage
+        assert stages[0].microbatches_in_flight > stages[-1].microbatches_in_flight >= vpp
+
+
+def test_meta_plan_equals_the_plan_of_the_real_program_and_leaves_the_model_alone():
+    model = make_model("llama", n_layer=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    options = dict(tp=2, pp=2, dp=2, global_batch_size=8, precision="bf16", distributed_optimizer=True)
+    planned = fxmeg.plan(model, _batch(), **options)
+    real = plan_of(transform(copy.deepcopy(model), _batch(), **options))
+    assert planned == real
+    assert not dist.is_initialized()
+    state = model.state_dict()  # not cast to bf16, not moved to meta
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], v) for k, v in before.items())
+
+
+def test_table_and_json():
+    plan = fxmeg.plan(make_model("llama", n_layer=4), _batch(), pp=2, global_batch_size=4)
+    table = str(plan).splitlines()
+    assert "pp=2" in table[0] and len(table) == 4 + len(plan.stages)  # 3 header lines, column names, a row each
+    assert [line.split()[0] for line in table[-2:]] == ["0", "1"]
+    data = json.loads(plan.to_json())
+    assert data["layout"]["pp"] == 2 and data["num_microbatches"] == 2
+    assert [s["total"] for s in data["stages"]] == [s.total for s in plan.stages]
+
+
+def test_options_or_config_not_both():
+    model, batch = make_model("llama", n_layer=2), _batch()
+    with pytest.raises(ConfigError, match="either config= or options"):
+        fxmeg.plan(model, batch, config=fxmeg.EngineConfig(micro_batch_size=2, global_batch_size=2), pp=2)
+
+
+def test_cli_plans_an_fxmeg_model_as_the_python_api_does(capsys):
+    args = {"vocab_size": 256, "n_layer": 4, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 128}
+    assert main(["plan", "--model", "models.llama:Llama", "--model-args", json.dumps(args), "--seq-len", "32",
+                 "--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
+                 "--precision", "bf16", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = torch.zeros((2, 32), dtype=torch.long)
+    want = fxmeg.plan(Llama(LlamaConfig(seq_len=32, **args)), (ids, ids.clone()), tp=2, pp=2,
+                      global_batch_size=8, precision="bf16")
+    assert got == json.loads(want.to_json())
+    assert not dist.is_initialized()
+
+
+def test_cli_builds_hugging_face_models_from_a_json_file_or_a_config_class(tmp_path, capsys):
+    import transformers as T
+
+    small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8, **small}))
+    layout = ["--seq-len", "32", "--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "4", "--json"]
+    assert main(["plan", "--hf-config", str(path), "num_hidden_layers=4", *layout]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    pairs = [f"{k}={v}" for k, v in small.items()]
+    assert main(["plan", "--hf-config", "LlamaConfig", "num_hidden_layers=4", *pairs, *layout]) == 0
+    assert json.loads(capsys.readouterr().out) == from_file
+    real = T.AutoModelForCausalLM.from_config(T.LlamaConfig(num_hidden_layers=4, **small))
+    assert from_file["total_parameters"] == sum(p.numel() for p in real.parameters())
+    with pytest.raises(ConfigError, match="neither a JSON file"):
+        main(["plan", "--hf-config", "NoSuchConfig", *layout])
