@@ -231,10 +231,14 @@ class Program:
     holders: Mapping[str, tuple[int, ...]]
     """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
     parameters: Mapping[str, nn.Parameter]
-    """Trainable parameter FQN -> the user's parameter (what the runtime materialises)."""
+    """Trainable parameter FQN -> the user's parameter (what the runtime materialises; a
+    meta tensor for a model built on meta). Once ``build_context(..., model=)`` made this
+    rank's tensors: the rank's own Parameter, or a meta tensor for what it does not hold
+    (runtime/release.py; so are the graphs' tensors)."""
     master_values: Mapping[str, torch.Tensor]
     """Half precision: each parameter's fp32 tensor from before the model was cast (the
-    user's own storage, not a copy; empty in fp32)."""
+    user's own storage, not a copy; empty in fp32, and emptied once the rank's masters
+    are made)."""
     untrained: Mapping[str, torch.Tensor]
     """State-dict entries no chunk trains (buffers, frozen parameters), as the model has them."""
     aliases: Mapping[str, tuple[str, ...]]

@@ -1,4 +1,4 @@
-"""The user's module and the Program keep only what this rank holds (docs/design.md §2.3).
+"""The user's module and the Program keep only what this rank holds (docs/design.md §2.1).
 
 A rank trains its own chunks' parameters, some as tensor-parallel shards. As soon as
 they are made (``build_context``, before gradient buffers and optimizer state are
@@ -11,6 +11,8 @@ engine trains); buffers and untrained state stay whole on every rank.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch import fx, nn
@@ -48,6 +50,10 @@ def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule
         for key, t in table.items():
             table[key] = memo.get(id(t), t)
     program.master_values.clear()
+    # torch.export's program, garbage in reference cycles, still holds the model's
+    # tensors: collect it now, so their memory is free before gradient buffers and
+    # optimizer state are allocated
+    gc.collect()
 
 
 def _held_whole(program: Program, chunks: dict[int, fx.GraphModule]) -> dict[str, nn.Parameter]:
