@@ -14,7 +14,9 @@ model is built), so the interpreter and torch's libraries do not count.
 ``ratio`` is a run's largest rank peak over plain's peak. For the meta runs,
 ``largest_module_bytes`` is the largest module's parameters (the most a rank ever makes
 full size at once) and ``share_bytes`` the most-loaded rank's parameters + gradients +
-Adam state: a meta run's peak should stay under their sum plus activations.
+Adam state. ``peak_after_parallelize`` is a rank's peak once parallelize returned
+(parameters and gradient buffers made, Adam's state not yet): for a meta run it stays
+far below the full model (``plain.params`` x 4 bytes), i.e. no rank ever made it whole.
 
     python bench/memory.py [--layers 24 --hidden 1024 --vocab 8192 --steps 3]
 """
@@ -86,10 +88,12 @@ def parallel(rank: int, world: int, args, layout: dict, meta: bool, out: str) ->
     init = dict(init_fn=model.init_weights, seed=0) if meta else {}
     engine = fxmeg.parallelize(model, (ids[:1], labels[:1]), global_batch_size=args.m, **layout, **init,
                                optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+    built = peak() - base  # parameters and gradient buffers exist; Adam's state comes with the first step
     for _ in range(args.steps):
         engine.train_step((ids, labels) if engine.needs_data else None)
     held = sum(p.numel() * p.element_size() for p in engine.named_parameters.values())
-    report = {"rank": rank, "peak": peak() - base, "largest_module_bytes": largest, "share_bytes": 4 * held}
+    report = {"rank": rank, "peak": peak() - base, "peak_after_parallelize": built,
+              "largest_module_bytes": largest, "share_bytes": 4 * held, "params_bytes": held}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     if rank == 0:
@@ -124,6 +128,8 @@ def main() -> None:
                 ranks = json.load(f)
             worst = max(ranks, key=lambda r: r["peak"])
             result[run] = {"peak_per_rank": [r["peak"] for r in ranks], "worst": worst["peak"],
+                           "peak_after_parallelize": max(r["peak_after_parallelize"] for r in ranks),
+                           "params_bytes_per_rank": [r["params_bytes"] for r in ranks],
                            "largest_module_bytes": worst["largest_module_bytes"],
                            "share_bytes": max(r["share_bytes"] for r in ranks)}
     if "plain" in result:

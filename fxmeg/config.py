@@ -16,6 +16,8 @@ from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zbh1", "zbv", "dualpipev")
+"""Schedules that run each backward as input-gradient (I) and weight-gradient (W) work."""
 GRANULARITIES = ("none", "selective", "full")
 """Activation recompute: nothing, attention cores, or whole blocks."""
 P2P_MODES = ("paired", "eager")
@@ -103,6 +105,11 @@ class ParallelConfig:
     def num_chunks(self) -> int:
         """Pipeline chunks in the model: pp * vpp."""
         return self.pp * self.vpp
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs backward as separate I and W actions."""
+        return self.resolved_schedule in ZERO_BUBBLE
 
     @property
     def resolved_schedule(self) -> str:

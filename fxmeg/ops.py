@@ -189,12 +189,14 @@ def _vpce_setup(ctx, inputs, output):
 
 
 def _vpce_backward(ctx, grad_loss, _grad_softmax, _grad_local):
-    """d loss / d logits = softmax - one_hot(target), on this rank's columns."""
+    """d loss / d logits = softmax - one_hot(target), on this rank's columns. Static
+    shapes (no nonzero), so AOT autograd can trace it: rows whose target is another
+    rank's add 0."""
     softmax, local, target = ctx.saved_tensors
     g = grad_loss.masked_fill(target == ctx.ignore_index, 0.0).unsqueeze(-1)
     grad = softmax * g
-    rows = (local >= 0).nonzero().squeeze(-1)
-    grad[rows, local[rows]] -= g[rows, 0]
+    mine = (local >= 0).unsqueeze(-1)
+    grad = grad.scatter_add(-1, local.clamp_min(0).unsqueeze(-1), torch.where(mine, -g, torch.zeros_like(g)))
     return grad.to(ctx.dtype), None, None, None
 
 

@@ -54,6 +54,35 @@ class ChunkSpec:
     """The last chunk returns ``(loss_sum, num_tokens)`` after its sends."""
 
 
+@dataclass(frozen=True)
+class SplitSpec:
+    """The calling conventions of a chunk's forward, input-gradient and weight-gradient
+    graphs (the split_backward pass, zero-bubble schedules):
+
+      zb_forward(*state, *data, *recv) -> (*outputs, *saved)
+      zb_input(*saved, *tangents)      -> (*recv_grads, *carry)
+      zb_weight(*carry)                -> (*weight_grads)
+
+    ``outputs`` are the chunk's own (sends, then loss_sum and num_tokens on the last);
+    ``recv_grads`` one per received tensor that sends a gradient back (None where it
+    gets none); ``weight_grads`` one per name in ``weights``."""
+
+    state: tuple[str, ...]
+    """Parameters then buffers, by name: the first inputs of zb_forward."""
+    saved: int
+    tangents: int
+    outputs: int
+    weights: tuple[str, ...]
+    carry: int
+    tangent_of: tuple[int, ...]
+    """For each tangent, the index of the output it is the gradient of."""
+
+
+def split_spec(gm: fx.GraphModule) -> SplitSpec | None:
+    """The split the split_backward pass stored on a chunk graph, if any."""
+    return gm.meta["fxmeg"].get("split")
+
+
 def chunk_spec(gm: fx.GraphModule) -> ChunkSpec:
     """The calling convention the pipeline pass stored on a chunk graph."""
     return gm.meta["fxmeg"]["spec"]

@@ -36,6 +36,7 @@ from fxmeg.passes.param_gather import param_gather
 from fxmeg.passes.partition import partition
 from fxmeg.passes.pipeline import pipeline
 from fxmeg.passes.recompute import recompute
+from fxmeg.passes.split_backward import split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
 from fxmeg.program import Program, buffer_layouts, chunk_spec, chunks
 from fxmeg.ops import AUX_SCALE
@@ -61,6 +62,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("recompute", recompute),  # activation recompute regions per chunk
     Pass("buckets", buckets),  # gradient buffer layout and buckets per chunk
     Pass("param_gather", param_gather),  # parameter all-gather waits (overlap_param_gather)
+    Pass("split_backward", split_backward),  # zero bubble: forward, input- and weight-gradient graphs
 )
 NAMES = tuple(p.name for p in PASSES)
 

@@ -148,7 +148,8 @@ def build_context(
     executor = Executor(
         chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=par.pp,
         peer=groups.pp_peer, group=groups.pp, device=program.device, timeout_s=config.comm_timeout_s,
-        compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
+        compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer, accumulate=ddp.accumulate,
+        wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
     )
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,

@@ -108,8 +108,14 @@ class GradBuffer:
         self.syncing = True
 
     def _accumulate(self, p: nn.Parameter) -> None:
-        p.main_grad.add_(p.grad)
+        """Autograd's post-accumulate-grad hook."""
+        self.accumulate(p, p.grad)
         p.grad = None
+
+    def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` into ``p.main_grad`` and count it toward its bucket (the autograd
+        hook, or a weight-gradient graph's output under a zero-bubble schedule)."""
+        p.main_grad.add_(grad)
         if not self.syncing:
             return
         name = self._name_of[id(p)]
@@ -206,6 +212,11 @@ class DataParallel:
 
     def __init__(self, buffers: dict[int, list[GradBuffer]], events: Events) -> None:
         self.buffers, self.events = buffers, events
+        self._home = {id(p): b for b in self.all() for p in b.params.values()}
+
+    def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a gradient computed outside autograd (a W action) to ``param``'s buffer."""
+        self._home[id(param)].accumulate(param, grad)
 
     def zero_grad_buffer(self) -> None:
         self.events.log.clear()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fxmeg.errors import ScheduleError
-from fxmeg.program import ChunkSpec
+from fxmeg.program import ChunkSpec, split_spec
 from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
 from fxmeg.trace import CATEGORY, Tracer
 
@@ -45,6 +45,8 @@ class _State:
     outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     grad_outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     saved: dict[Key, tuple] = field(default_factory=dict)
+    carry: dict[Key, tuple] = field(default_factory=dict)
+    """Zero bubble: what a micro-batch's W needs, from its I."""
     stats: torch.Tensor | None = None
     posted: dict[Action, tuple] = field(default_factory=dict)
     """Point-to-point action -> (work, its tensors, peer rank), until awaited."""
@@ -71,9 +73,14 @@ class Executor:
         compile: bool = False,
         on_grad_sync: Callable[[int], None] | None = None,
         tracer: Tracer | None = None,
+        accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
+        wait_params: Callable[[], None] | None = None,
     ) -> None:
         self.chunks = chunks
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
+        self.split = {c: _SplitChunk(gm, compile) for c, gm in chunks.items() if split_spec(gm) is not None}
+        """Chunks whose backward runs as input- and weight-gradient graphs (zero bubble)."""
+        self.accumulate, self.wait_params = accumulate, wait_params
         self.specs = specs
         self.rank, self.pp = rank, pp
         self.rank_stage = min(chunks) % pp if chunks else 0
@@ -127,7 +134,7 @@ class Executor:
             except Exception as exc:
                 raise ScheduleError(self._failure(len(self.steps) - 1, exc)) from exc
         state, self._state = self._state, None
-        assert not state.saved and not state.inbox, "schedule left work unfinished"
+        assert not state.saved and not state.inbox and not state.carry, "schedule left work unfinished"
         return state.stats
 
     # ------------------------------------------------------------ compute
@@ -136,6 +143,8 @@ class Executor:
         spec, key = self.specs[a.chunk], (a.chunk, a.mb)
         data = [self._mbs[a.mb][i] for i in spec.data_inputs]
         received = self._state.inbox.pop(key, [])
+        if self._train and a.chunk in self.split:
+            return self._forward_split(a, data, received)
         if self._train:
             for t, b in zip(received, spec.recv):
                 t.requires_grad_(b.grad)
@@ -152,6 +161,10 @@ class Executor:
             self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._state.saved))
 
     def _backward(self, a: Action) -> None:
+        if a.chunk in self.split:
+            self._input_grad(a)
+            self._weight_grad(a)
+            return
         spec, key = self.specs[a.chunk], (a.chunk, a.mb)
         received, sends, loss = self._state.saved.pop(key)
         if spec.is_last:
@@ -168,6 +181,55 @@ class Executor:
                 if b.grad
             ]
 
+    # ------------------------------------------------------------ zero bubble
+
+    def _forward_split(self, a: Action, data: list, received: list) -> None:
+        """F of a split chunk: its forward graph, outside autograd; the tensors backward
+        needs are kept with the micro-batch."""
+        spec, key, chunk = self.specs[a.chunk], (a.chunk, a.mb), self.split[a.chunk]
+        if self.wait_params is not None:  # the forward graph has no param-gather markers
+            self.wait_params()
+        with torch.no_grad():
+            outs = chunk.forward(*chunk.state(), *data, *received)
+        n = chunk.spec.outputs
+        sends, saved = list(outs[: len(spec.send)]), outs[n:]
+        loss = None
+        if spec.is_last:
+            loss, num_tokens = outs[n - 2 : n]
+            self._state.stats += torch.stack([loss.double(), num_tokens.double()])
+        if spec.send:
+            self._state.outbox[key] = sends
+        self._state.saved[key] = (saved, sends, loss)
+        self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._state.saved))
+
+    def _input_grad(self, a: Action) -> None:
+        """I: the gradients of the chunk's received inputs (sent upstream); keeps only
+        what W needs."""
+        spec, key, chunk = self.specs[a.chunk], (a.chunk, a.mb), self.split[a.chunk]
+        saved, sends, loss = self._state.saved.pop(key)
+        if spec.is_last:
+            upstream = [torch.full_like(loss, self._scale)]
+        else:
+            upstream = self._state.grad_inbox.pop(key)
+        with torch.no_grad():
+            outs = chunk.input(*saved, *upstream)
+        wanted = [b for b in spec.recv if b.grad]
+        grads, self._state.carry[key] = outs[: len(wanted)], outs[len(wanted):]
+        if a.chunk > 0 and wanted:
+            self._state.grad_outbox[key] = [
+                g if g is not None else torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+                for g, b in zip(grads, wanted)
+            ]
+
+    def _weight_grad(self, a: Action) -> None:
+        """W: the chunk's weight gradients, added to their gradient buffers."""
+        chunk = self.split[a.chunk]
+        with torch.no_grad():
+            grads = chunk.weight(*self._state.carry.pop((a.chunk, a.mb)))
+        for p, g in zip(chunk.weights, grads):
+            if g is not None:
+                self.accumulate(p, g)
+
     def _grad_sync(self, a: Action) -> None:
         if self.on_grad_sync is not None:
             self.on_grad_sync(a.chunk)
@@ -178,12 +240,18 @@ class Executor:
         self._await(Action(a.chunk, Kind.SEND_F, a.mb))  # the send must have read it
         if not self._train:
             return
-        _, sends, _ = self._state.saved[(a.chunk, a.mb)]
+        saved, sends, _ = self._state.saved[(a.chunk, a.mb)]
+        split = a.chunk in self.split
+        kept = {t.untyped_storage().data_ptr() for t in saved} if split else set()
         for t, free in zip(sends, self.specs[a.chunk].deallocate):
             if not free:
                 continue
             self.counters.sent_for_dealloc += 1
-            if t._base is None and t.grad_fn is not None and not _saves_its_result(t):
+            if split:  # the forward graph's outputs: free unless backward reads the storage
+                if t._base is None and t.untyped_storage().data_ptr() not in kept:
+                    t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+                    self.counters.deallocated += 1
+            elif t._base is None and t.grad_fn is not None and not _saves_its_result(t):
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                 self.counters.deallocated += 1
 
@@ -261,6 +329,24 @@ class Executor:
             f"{type(exc).__name__}: {exc}\nthis rank's schedule, failing step marked:\n"
             + " ".join(cells)
         )
+
+
+class _SplitChunk:
+    """A chunk's forward, input-gradient and weight-gradient graphs (split_backward pass)
+    and the tensors they take, in their calling convention (program.SplitSpec)."""
+
+    def __init__(self, gm: fx.GraphModule, compile: bool) -> None:
+        self.spec = split_spec(gm)
+        tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
+        self._state = [tensors[n] for n in self.spec.state]
+        self.weights = [tensors[n] for n in self.spec.weights]
+        wrap = (lambda g: torch.compile(g, dynamic=False)) if compile else (lambda g: g)
+        self.forward, self.input, self.weight = wrap(gm.zb_forward), wrap(gm.zb_input), wrap(gm.zb_weight)
+
+    def state(self) -> list[torch.Tensor]:
+        """Parameters then buffers, as their current values (a distributed optimizer moves
+        parameters' storage; the objects stay)."""
+        return [t.detach() for t in self._state]
 
 
 def _saves_its_result(t: torch.Tensor) -> bool:

@@ -1,0 +1,221 @@
+"""Backward split into input-gradient and weight-gradient work (zero-bubble schedules).
+
+Zero-bubble schedules (Qi et al., ICLR 2024) run each chunk's backward in two parts: I,
+the gradient of the chunk's received inputs (on the pipeline's critical path, sent
+upstream at once), and W, the gradients of its weights (deferrable, filling the bubble).
+This pass derives both, statically, from the chunk's joint forward/backward graph:
+
+1. AOT autograd traces the chunk as ``f(*params, *buffers, *data, *recv)`` into one
+   joint graph (forward and backward ATen ops, primals and tangents as inputs);
+2. its partitioner cuts it into a forward graph, returning the chunk's outputs and the
+   tensors backward needs, and a backward graph;
+3. the backward graph is split by what each output needs: the input gradients' ancestors
+   form the I graph, the weight gradients' remaining ancestors the W graph. The values
+   W reads from the I part (and the saved tensors and tangents only W reads) are extra
+   outputs of I, so after I a micro-batch keeps only what W needs.
+
+A recompute region (``Recompute`` submodules of the recompute pass) is inlined with its
+nodes tagged MUST_RECOMPUTE, and the min-cut partitioner recomputes them in backward
+instead of saving their outputs: the same memory semantics as checkpointing.
+
+Requires: pipeline (chunk graphs with a ChunkSpec); recompute, buckets, param_gather may
+have run. Ensures: when the schedule runs I / W actions (``config.parallel.splits_backward``),
+every chunk graph has three parameter-free submodules ``zb_forward``, ``zb_input``,
+``zb_weight`` and ``gm.meta["fxmeg"]["split"]``, a ``fxmeg.program.SplitSpec`` (their
+calling conventions); ``zb_input`` then ``zb_weight`` compute exactly the gradients the
+chunk's autograd backward does. Otherwise the graphs are unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx
+from torch._functorch.aot_autograd import aot_export_joint_simple
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxmeg import ops
+from fxmeg.config import EngineConfig
+from fxmeg.errors import PassError
+from fxmeg.passes.graph_utils import val
+from fxmeg.passes.recompute import Recompute
+from fxmeg.program import SplitSpec, chunk_spec, chunks
+
+
+def split_backward(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """See the module docstring."""
+    if not config.parallel.splits_backward:
+        return parent
+    for c, gm in enumerate(chunks(parent)):
+        try:
+            _split_chunk(gm)
+        except PassError:
+            raise
+        except Exception as exc:  # AOT autograd raises many types; all mean "cannot split"
+            raise PassError(
+                f"cannot split chunk {c}'s backward into input- and weight-gradient graphs for "
+                f"schedule {config.parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
+                "Use schedule='1f1b' or 'interleaved'."
+            ) from exc
+    return parent
+
+
+def _split_chunk(gm: fx.GraphModule) -> None:
+    spec = chunk_spec(gm)
+    rng = [n.name for m in gm.modules() if isinstance(m, fx.GraphModule)
+           for n in m.graph.nodes if n.target in ops.RNG_MARKERS]
+    if rng:
+        raise PassError(f"node {rng[0]!r} draws random numbers per tensor-parallel rank (dropout under tp), "
+                        "which the split graphs cannot keep")
+    params = [n for n, _ in gm.named_parameters()]
+    buffers = [n for n, _ in gm.named_buffers()]
+    flat, recompute = _inline_regions(gm)
+    _own_outputs(flat)
+    placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    num_data = len(spec.data_inputs)
+    tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
+    names = params + buffers
+
+    def chunk_fn(*args):
+        state = dict(zip(names, args[: len(names)]))
+        return tuple(torch.func.functional_call(flat, state, tuple(args[len(names):])))
+
+    local = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr" and val(n) is not None}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:  # parameters in their local (tensor-parallel shard) shapes
+        args = [_fake(local.get(n, tensors[n]), tensors[n].requires_grad and n in params) for n in names]
+        args += [_fake(val(p), i >= num_data and spec.recv[i - num_data].grad) for i, p in enumerate(placeholders)]
+    with fx.traceback.preserve_node_meta():
+        joint = aot_export_joint_simple(chunk_fn, args, trace_joint=True)
+    outputs = len(spec.send) + (2 if spec.is_last else 0)
+    partition = min_cut_rematerialization_partition if recompute else default_partition
+    kwargs = {"compiler": "aot_eager"} if recompute else {}
+    forward, backward = partition(joint, args, num_fwd_outputs=outputs, **kwargs)
+    grads = backward.graph.output_node().args[0]
+    recv_at = len(names) + num_data
+    input_grads = [i for i in range(recv_at, len(args)) if spec.recv[i - recv_at].grad]
+    weight_grads = [i for i, n in enumerate(params) if tensors[n].requires_grad]
+    inputs_graph, weights_graph, carry = _split(backward, [grads[i] for i in input_grads],
+                                               [grads[i] for i in weight_grads])
+    saved = len([n for n in forward.graph.output_node().args[0]]) - outputs
+    tangents = [n.name for n in backward.graph.nodes if n.op == "placeholder"][saved:]
+    tangent_of = tuple(i for i, b in enumerate(spec.send) if b.grad) + ((len(spec.send),) if spec.is_last else ())
+    if len(tangent_of) != len(tangents):
+        raise PassError(f"the joint graph has {len(tangents)} tangents for {len(tangent_of)} outputs with a gradient")
+    gm.add_submodule("zb_forward", forward)
+    gm.add_submodule("zb_input", inputs_graph)
+    gm.add_submodule("zb_weight", weights_graph)
+    gm.meta["fxmeg"]["split"] = SplitSpec(
+        state=tuple(names), saved=saved, tangents=len(tangents), outputs=outputs,
+        weights=tuple(params[i] for i in weight_grads), carry=carry,
+        tangent_of=tangent_of,
+    )
+
+
+def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    mode = torch._guards.detect_fake_mode()
+    empty = torch.empty(t.shape, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
+    return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
+
+
+def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
+    """A copy of ``gm`` with every ``Recompute`` region's nodes inlined, tagged
+    MUST_RECOMPUTE (one ``ac_graph_id`` per region), and whether there were any."""
+    regions = {n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recompute)}
+    if not regions:
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph)), False
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node not in regions:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            continue
+        body = gm.get_submodule(node.target).region
+        inner: dict[fx.Node, fx.Node] = {}
+        args = iter(node.args)
+        for n in body.graph.nodes:
+            if n.op == "placeholder":
+                inner[n] = env[next(args)]
+            elif n.op == "output":
+                env[node] = _output_value(graph, n.args[0], inner)
+            else:
+                inner[n] = graph.node_copy(n, lambda a: inner[a])
+                inner[n].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                inner[n].meta["ac_graph_id"] = hash(node.name) & 0xFFFF
+    flat = fx.GraphModule(gm, graph)
+    return flat, True
+
+
+def _own_outputs(gm: fx.GraphModule) -> None:
+    """Clone each output that is a view of an input or a buffer (a rotary table sliced and
+    sent on, a relayed value): AOT autograd's joint export needs outputs that own their
+    storage. Only such (small, or relayed) values are copied."""
+    output = gm.graph.output_node()
+    for value in output.args[0]:
+        source = value
+        while source.op == "call_function" and (source.target in (ops.send, ops.recv) or getattr(source.target, "is_view", False)):
+            source = source.args[0]
+        if source.op in ("placeholder", "get_attr"):
+            with gm.graph.inserting_before(output):
+                clone = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+            clone.meta = dict(value.meta)
+            output.replace_input_with(value, clone)
+    gm.recompile()
+
+
+def _output_value(graph: fx.Graph, out, inner: dict) -> fx.Node:
+    """A region returns a node or a tuple of them; the caller indexes a tuple with getitem."""
+    if isinstance(out, fx.Node):
+        return inner[out]
+    return graph.call_function(tuple, (tuple(inner[o] for o in out),))
+
+
+def _split(backward: fx.GraphModule, input_grads: list, weight_grads: list):
+    """Split ``backward`` into the I graph computing ``input_grads`` (plus the values the
+    W graph reads from it, returned after them) and the W graph computing
+    ``weight_grads`` from those values. Returns (I graph, W graph, number of carried values)."""
+    need_i = _ancestors([g for g in input_grads if isinstance(g, fx.Node)])
+    need_w = _ancestors([g for g in weight_grads if isinstance(g, fx.Node)])
+    only_w = [n for n in backward.graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"]
+    carried = [n for n in backward.graph.nodes
+               if (n in need_i or n.op == "placeholder") and any(u in only_w for u in n.users)]
+    i_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in backward.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = i_graph.node_copy(n)
+        elif n in need_i and n.op != "output":
+            env[n] = i_graph.node_copy(n, lambda a: env[a])
+    i_graph.output(tuple(_zero_or(env, g) for g in input_grads) + tuple(env[n] for n in carried))
+    w_graph = fx.Graph()
+    wenv: dict[fx.Node, fx.Node] = {}
+    for n in carried:
+        wenv[n] = w_graph.placeholder(n.name)
+        wenv[n].meta = dict(n.meta)
+    for n in only_w:
+        wenv[n] = w_graph.node_copy(n, lambda a: wenv[a])
+    w_graph.output(tuple(wenv[g] if isinstance(g, fx.Node) else None for g in weight_grads))
+    i_module, w_module = fx.GraphModule(backward, i_graph), fx.GraphModule(backward, w_graph)
+    for g in (i_module, w_module):
+        g.graph.eliminate_dead_code()
+        g.graph.lint()
+        g.recompile()
+    return i_module, w_module, len(carried)
+
+
+def _zero_or(env: dict, g):
+    return env[g] if isinstance(g, fx.Node) else None
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
