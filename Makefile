@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/data_parallel.py
 	$(BIN)/python bench/bubble.py
+	$(BIN)/python bench/p2p.py
 	$(BIN)/python bench/compile.py
 	$(BIN)/python bench/capture.py
 	$(BIN)/python bench/plan.py

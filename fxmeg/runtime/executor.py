@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import fx
 
 from fxmeg.errors import ScheduleError
-from fxmeg.program import ChunkSpec, split_spec
+from fxmeg.program import Boundary, ChunkSpec, split_spec
+from fxmeg.runtime.packing import Layout
 from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
 from fxmeg.trace import CATEGORY, Tracer
 
@@ -75,6 +76,7 @@ class Executor:
         tracer: Tracer | None = None,
         accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
         wait_params: Callable[[], None] | None = None,
+        pack: bool = True,
     ) -> None:
         self.chunks = chunks
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
@@ -90,6 +92,10 @@ class Executor:
         self.tracer = tracer if tracer is not None else Tracer()
         self.on_grad_sync = on_grad_sync
         """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
+        self.pack = pack
+        """Send the tensors crossing a cut (one direction, one micro-batch) as one packed
+        message (runtime/packing.py); False: one message per tensor (tests, benchmarks)."""
+        self._layouts: dict[tuple[int, Kind], Layout] = {}
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -303,18 +309,42 @@ class Executor:
         self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
-        key, spec = (a.chunk, a.mb), self.specs[a.chunk]
-        s = self._state
+        """What action ``a`` puts on the wire, its peer chunk, and whether it sends. A
+        receive leaves the tensors the compute reads in the inbox: views into the buffer
+        it posts when the cut is packed."""
+        key, s, layout = (a.chunk, a.mb), self._state, self._layout(a)
         if a.kind is Kind.SEND_F:
-            return [t.contiguous() for t in s.outbox.pop(key)], a.chunk + 1, True
+            return self._wire(layout, s.outbox.pop(key)), a.chunk + 1, True
         if a.kind is Kind.SEND_B:
-            return s.grad_outbox.pop(key), a.chunk - 1, True
+            return self._wire(layout, s.grad_outbox.pop(key)), a.chunk - 1, True
+        if self._packs(layout):
+            wire = [self._empty((layout.nbytes,), torch.uint8)]
+            tensors = layout.unpack(wire[0])
+        else:
+            wire = tensors = [self._empty(p.shape, p.dtype) for p in layout.pieces]
         if a.kind is Kind.RECV_F:
-            s.inbox[key] = [self._empty(b.shape, b.dtype) for b in spec.recv]
-            return s.inbox[key], a.chunk - 1, False
+            s.inbox[key] = tensors
+            return wire, a.chunk - 1, False
         assert a.kind is Kind.RECV_B
-        s.grad_inbox[key] = [self._empty(b.shape, b.dtype) for b in spec.send if b.grad]
-        return s.grad_inbox[key], a.chunk + 1, False
+        s.grad_inbox[key] = tensors
+        return wire, a.chunk + 1, False
+
+    def _wire(self, layout: Layout, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers that carry ``tensors``: one packed copy, or the tensors themselves.
+        The packed copy lives until the send is awaited; ``_deallocate`` still frees the
+        originals."""
+        return [layout.pack(tensors)] if self._packs(layout) else [t.contiguous() for t in tensors]
+
+    def _packs(self, layout: Layout) -> bool:
+        # one tensor goes as it is: packing it would only add a copy
+        return self.pack and len(layout.pieces) > 1
+
+    def _layout(self, a: Action) -> Layout:
+        """The message layout of a point-to-point action, the same at both ends of the cut."""
+        key = (a.chunk, a.kind)
+        if key not in self._layouts:
+            self._layouts[key] = Layout.of(_crossing(self.specs[a.chunk], a.kind))
+        return self._layouts[key]
 
     def _empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -347,6 +377,13 @@ class _SplitChunk:
         """Parameters then buffers, as their current values (a distributed optimizer moves
         parameters' storage; the objects stay)."""
         return [t.detach() for t in self._state]
+
+
+def _crossing(spec: ChunkSpec, kind: Kind) -> tuple[Boundary, ...]:
+    """The tensors a point-to-point action of ``spec``'s chunk carries, in order."""
+    if kind in (Kind.SEND_F, Kind.RECV_B):
+        return tuple(b for b in spec.send if kind is Kind.SEND_F or b.grad)
+    return tuple(b for b in spec.recv if kind is Kind.RECV_F or b.grad)
 
 
 def _saves_its_result(t: torch.Tensor) -> bool:
