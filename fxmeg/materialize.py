@@ -21,6 +21,7 @@ naming it: found by recording which storages the call writes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -133,23 +134,35 @@ def _no_init(module: nn.Module, name: str, why: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def _fresh(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor]):
+    """For the duration, each tensor ``module`` registers itself is replaced by
+    ``make(attr, tensor)`` (a Parameter stays a Parameter); restored afterwards, whatever
+    ``init_fn`` did to the module's tables."""
+    params, buffers = dict(module._parameters), dict(module._buffers)
+    try:
+        for attr, t in _tensors(module).items():
+            fresh = make(attr, t)
+            if attr in params:
+                module._parameters[attr] = nn.Parameter(fresh, requires_grad=t.requires_grad)
+            else:
+                module._buffers[attr] = fresh
+        yield
+    finally:
+        module._parameters.clear(), module._parameters.update(params)
+        module._buffers.clear(), module._buffers.update(buffers)
+
+
 def init_module(module: nn.Module, name: str, init_fn: InitFn, seed: int, device: torch.device,
                 dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
     """Module ``name``'s own tensors (attribute -> tensor), made full size on ``device``
     in ``dtypes[attr]`` (default: as registered) and filled by ``init_fn``. The module
     itself is left as it was (its meta tensors back in place)."""
-    params, buffers = dict(module._parameters), dict(module._buffers)
-    try:
-        for attr, t in _tensors(module).items():
-            fresh = torch.empty(t.shape, dtype=dtypes.get(attr, t.dtype), device=device)
-            if attr in params:
-                module._parameters[attr] = nn.Parameter(fresh, requires_grad=t.requires_grad)
-            else:
-                module._buffers[attr] = fresh
+    def empty(attr: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtypes.get(attr, t.dtype), device=device)
+
+    with _fresh(module, empty):
         return {k: t.detach() for k, t in _run_init(module, name, init_fn, seed).items()}
-    finally:
-        module._parameters.clear(), module._parameters.update(params)
-        module._buffers.clear(), module._buffers.update(buffers)
 
 
 def check_init(model: nn.Module, modules: Iterable[str], init_fn: InitFn) -> None:
@@ -160,22 +173,13 @@ def check_init(model: nn.Module, modules: Iterable[str], init_fn: InitFn) -> Non
     failed = []
     for name in modules:
         module = model.get_submodule(name)
-        params, buffers = dict(module._parameters), dict(module._buffers)
-        try:
-            for attr, t in _tensors(module).items():  # fresh meta tensors: the model stays untouched
-                fresh = torch.empty_like(t, device="meta")
-                if attr in params:
-                    module._parameters[attr] = nn.Parameter(fresh, requires_grad=t.requires_grad)
-                else:
-                    module._buffers[attr] = fresh
-            _run_init(module, name, init_fn, 0)
+        try:  # fresh meta tensors: the model stays untouched
+            with _fresh(module, lambda attr, t: torch.empty_like(t, device="meta")):
+                _run_init(module, name, init_fn, 0)
         except InitError as exc:
             failed.append(exc)
         except (NotImplementedError, RuntimeError):
             pass  # no meta kernel: checked when it runs on the device
-        finally:
-            module._parameters.clear(), module._parameters.update(params)
-            module._buffers.clear(), module._buffers.update(buffers)
     if failed:
         more = f" ({len(failed) - 1} more module(s) too: {', '.join(e.module for e in failed[1:4])}" + (
             ", ...)" if len(failed) > 4 else ")") if len(failed) > 1 else ""

@@ -12,7 +12,7 @@ from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import buffer_layouts, chunk_spec, chunks
+from fxmeg.program import buffer_layouts, chunk_spec, chunks, split_spec
 
 
 def after(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
@@ -130,6 +130,22 @@ def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
     return True
 
 
+def split_backward(parent: fx.GraphModule, config: EngineConfig) -> None:
+    for c, gm in enumerate(chunks(parent)):
+        split = split_spec(gm)
+        if not config.parallel.splits_backward:
+            assert split is None, f"split_backward: chunk {c} split for schedule {config.parallel.schedule!r}"
+            continue
+        assert split is not None, f"split_backward: chunk {c} has no split"
+        for name in ("zb_forward", "zb_input", "zb_weight"):
+            sub = getattr(gm, name)
+            assert not list(sub.parameters()) and not list(sub.buffers()), f"split_backward: {name} holds tensors"
+        inputs = [n for n in gm.zb_weight.graph.nodes if n.op == "placeholder"]
+        assert len(inputs) == split.carry, f"split_backward: chunk {c}'s W takes {len(inputs)} values, I carries {split.carry}"
+        outputs = gm.zb_weight.graph.output_node().args[0]
+        assert len(outputs) == len(split.weights), f"split_backward: chunk {c}'s W returns {len(outputs)} gradients"
+
+
 _CHECKS = {
     "loss": loss,
     "analyse": analyse,
@@ -139,4 +155,5 @@ _CHECKS = {
     "recompute": recompute,
     "buckets": buckets,
     "param_gather": param_gather,
+    "split_backward": split_backward,
 }
