@@ -32,6 +32,7 @@ test: setup
 # Performance, one JSON line per benchmark (not part of the tests: timings are noisy)
 bench: setup
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/zero_bubble.py
 	$(BIN)/python bench/data_parallel.py
 	$(BIN)/python bench/bubble.py
 	$(BIN)/python bench/p2p.py
