@@ -67,6 +67,7 @@ class Executor:
         peer: Callable[[int], int],
         group: dist.ProcessGroup | None,
         device: torch.device,
+        placement: Sequence[int] | None = None,
         timeout_s: float = 600.0,
         compile: bool = False,
         on_grad_sync: Callable[[int], None] | None = None,
@@ -76,7 +77,10 @@ class Executor:
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
         self.specs = specs
         self.rank, self.pp = rank, pp
-        self.rank_stage = min(chunks) % pp if chunks else 0
+        rounds = range(max(chunks, default=0) + 2)  # every chunk this rank holds or talks to
+        self.placement = tuple(placement) if placement is not None else tuple(c % pp for c in rounds)
+        """Each chunk's pipeline rank (``fxmeg.config.placement``; default round robin)."""
+        self.rank_stage = self.placement[min(chunks)] if chunks else 0
         self.peer, self.group, self.device = peer, group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.counters = Counters()
@@ -117,6 +121,8 @@ class Executor:
                         self._post(step)
                     else:
                         handler(a)
+                    if a.kind in COMPUTE:
+                        self._hand_off(a)
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
                 if tracer.on:
@@ -195,7 +201,7 @@ class Executor:
         ops, owners = [], []
         for a in step:
             tensors, peer_chunk, send = self._buffers(a)
-            peer = self.peer(peer_chunk % self.pp)
+            peer = self.peer(self.placement[peer_chunk])
             ops.extend(dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group) for t in tensors)
             owners.append((a, len(tensors), tensors, peer))
         if not ops:
@@ -224,7 +230,7 @@ class Executor:
             try:
                 work.wait(timeout=self.timeout)
             except RuntimeError as exc:
-                stage = peer_chunk(a) % self.pp
+                stage = self.placement[peer_chunk(a)]
                 what = "sending to" if is_send(a) else "receiving from"
                 raise CommTimeoutError(
                     f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
@@ -233,6 +239,16 @@ class Executor:
                     f"just slow. ({exc})"
                 ) from exc
         self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
+
+    def _hand_off(self, a: Action) -> None:
+        """Chunks next to each other on this rank (chunks pp-1 and pp of a V placement)
+        exchange no message: what ``a`` made for the neighbour goes straight to its inbox,
+        detached like a received tensor, so each chunk's backward stops at its inputs."""
+        key, s = (a.chunk, a.mb), self._state
+        if key in s.outbox and a.chunk + 1 in self.chunks:
+            s.inbox[(a.chunk + 1, a.mb)] = [t.detach() for t in s.outbox.pop(key)]
+        if key in s.grad_outbox and a.chunk - 1 in self.chunks:
+            s.grad_inbox[(a.chunk - 1, a.mb)] = s.grad_outbox.pop(key)
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
         key, spec = (a.chunk, a.mb), self.specs[a.chunk]
