@@ -15,7 +15,9 @@ from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 
-SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that place two chunks per rank in a V (see ``placement``)."""
 ZERO_BUBBLE = ("zbh1", "zbv", "dualpipev")
 """Schedules that run each backward as input-gradient (I) and weight-gradient (W) work."""
 GRANULARITIES = ("none", "selective", "full")
@@ -25,6 +27,18 @@ P2P_MODES = ("paired", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
 """How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
+
+
+def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
+    """The pipeline rank of each of the pp * vpp chunks. Round robin (chunk c on rank
+    c % pp: Megatron's interleaving) except for the V schedules, whose two chunks per
+    rank run down the ranks and back up (chunk c on rank c for c < pp, else on
+    2 * pp - 1 - c): the first and the last chunk share rank 0, chunks pp - 1 and pp
+    share rank pp - 1 (ZB-V, DualPipeV)."""
+    if schedule in V_SCHEDULES:
+        assert vpp == 2, vpp  # ParallelConfig refuses other vpp
+        return tuple(c if c < pp else 2 * pp - 1 - c for c in range(2 * pp))
+    return tuple(c % pp for c in range(pp * vpp))
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -43,12 +57,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size (ranks that each hold a run of layers)."""
     vpp: int = 1
-    """Virtual pipeline chunks per pipeline rank (interleaved schedule when > 1)."""
+    """Virtual pipeline chunks per pipeline rank (interleaved, zbv or dualpipev when > 1)."""
     dp: int | None = None
     """Data-parallel size (replicas that each see a slice of the global batch); None =
     world size // (tp * pp), fixed by ``resolve`` when the ranks exist."""
     schedule: str = "auto"
-    """'auto', 'none' (pp=1), 'gpipe', '1f1b' or 'interleaved' (vpp > 1)."""
+    """'auto', 'none' (pp=1), 'gpipe', '1f1b', 'interleaved' (vpp > 1), or zero bubble:
+    'zbh1' (vpp=1), 'zbv' or 'dualpipev' (vpp=2, chunks placed in a V)."""
     split_points: tuple[str, ...] | None = None
     """Pinned chunk starts, e.g. ('layers.2',): pp*vpp - 1 block names; None = balanced."""
     sequence_parallel: bool = False
@@ -72,12 +87,20 @@ class ParallelConfig:
             )
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp={self.vpp} needs pp > 1; set pp >= 2 or vpp=1")
-        if self.vpp > 1 and self.schedule not in ("auto", "interleaved"):
+        if self.vpp > 1 and self.schedule not in ("auto", "interleaved", *V_SCHEDULES):
             raise ConfigError(
-                f"vpp={self.vpp} runs only with schedule='interleaved' (got {self.schedule!r})"
+                f"vpp={self.vpp} runs only with schedule='interleaved', 'zbv' or 'dualpipev' "
+                f"(got {self.schedule!r}); set vpp=1 or change the schedule"
             )
         if self.schedule == "interleaved" and self.vpp == 1:
             raise ConfigError("schedule='interleaved' needs vpp > 1; set vpp=2 or use '1f1b'")
+        if self.schedule in V_SCHEDULES and (self.vpp != 2 or self.pp == 1):
+            raise ConfigError(
+                f"schedule={self.schedule!r} runs two chunks per pipeline rank in a V: it needs "
+                f"vpp=2 and pp > 1; got vpp={self.vpp}, pp={self.pp}. Set vpp=2 (and pp >= 2)"
+            )
+        if self.schedule == "zbh1" and self.pp == 1:
+            raise ConfigError("schedule='zbh1' needs pp > 1; set pp >= 2 or schedule='none'")
         if self.schedule == "none" and self.pp > 1:
             raise ConfigError(f"schedule='none' runs without a pipeline; got pp={self.pp}")
         if self.split_points is not None:
@@ -119,6 +142,11 @@ class ParallelConfig:
         if self.vpp > 1:
             return "interleaved"
         return "1f1b" if self.pp > 1 else "none"
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The pipeline rank of each chunk under the resolved schedule (``placement``)."""
+        return placement(self.resolved_schedule, pp=self.pp, vpp=self.vpp)
 
 
 @dataclass(frozen=True)
@@ -223,8 +251,8 @@ class EngineConfig:
             )
 
     def _check_batch(self) -> None:
-        """global_batch_size against micro_batch_size * dp and, interleaved, the
-        micro-batch count against pp; with dp still None only against micro_batch_size
+        """global_batch_size against micro_batch_size * dp and, interleaved or
+        dualpipev, the micro-batch count against pp; with dp still None only against micro_batch_size
         (the rest when ``resolve`` fixes dp)."""
         dp = self.parallel.dp
         per_step = self.micro_batch_size * (dp or 1)
@@ -246,6 +274,12 @@ class EngineConfig:
                 f"pp={pp}; got m={m} (global_batch_size={self.global_batch_size} / "
                 f"(micro_batch_size * dp)). Choose global_batch_size so that m is one of "
                 f"{[pp * i for i in (1, 2, 3)]}"
+            )
+        if self.parallel.resolved_schedule == "dualpipev" and m < 2 * pp:
+            raise ConfigError(  # DeepSeek's DualPipe: at least one micro-batch per chunk (2 * pp)
+                f"the dualpipev schedule needs at least 2 * pp = {2 * pp} micro-batches; got m={m} "
+                f"(global_batch_size={self.global_batch_size} / (micro_batch_size * dp)). Choose "
+                f"global_batch_size so that m >= {2 * pp}, or schedule='zbv'"
             )
 
     def resolve(self, world: int) -> EngineConfig:

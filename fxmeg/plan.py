@@ -14,10 +14,12 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
                      bf16 / fp16; the distributed optimizer divides them by dp
   activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
                      largest chunk, times the micro-batches in flight at the schedule's
-                     peak (the simulator's count of forwards not yet backwarded)
+                     peak (the simulator's count of forwards whose backward, or
+                     with zero bubble whose weight gradient W, has not run)
   FLOPs              forward matmul / attention FLOPs of one micro-batch on this rank
   bubble             idle share of the rank in the schedule simulator, with a forward
-                     costing 1 and a backward 2 on every chunk (F_COST, B_COST)
+                     costing 1 and a backward 2 on every chunk (F_COST, B_COST; a
+                     split backward's I and W 1 each)
 
 ``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
 """
@@ -39,7 +41,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.passes.graph_utils import is_hop, requires_grad_nodes, val
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import Program
-from fxmeg.runtime import schedules
+from fxmeg.runtime import schedules, simulator
 from fxmeg.transform import transform
 
 if TYPE_CHECKING:
@@ -176,14 +178,15 @@ def plan_of(program: Program, config: EngineConfig | None = None) -> Plan:
     par = config.parallel
     schedule = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches)
     # the in-flight count follows each rank's compute order alone, which p2p does not change
-    lowered = schedules.lower(schedule, num_chunks=program.num_chunks, grad_cuts=program.grad_cuts, p2p="eager")
-    sim = schedules.simulate(lowered, pp=par.pp, f_cost=F_COST, b_cost=B_COST)
+    lowered = schedules.lower(schedule, num_chunks=program.num_chunks, grad_cuts=program.grad_cuts, p2p="eager",
+                              placement=program.placement)
+    sim = simulator.simulate(lowered, pp=par.pp, placement=program.placement, f_cost=F_COST, b_cost=B_COST)
     stages = tuple(_stage(program, config, stage, sim) for stage in range(par.pp))
     total = sum(program.full_shapes[n][0].numel() for n in program.parameters)
     return Plan(config, stages, total, program.flops_per_microbatch)
 
 
-def _stage(program: Program, config: EngineConfig, stage: int, sim: schedules.Simulation) -> StagePlan:
+def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Simulation) -> StagePlan:
     mine = program.chunks_of(stage)
     graphs = [program.chunks[c] for c in mine]
     local = {}  # name -> the local (shard) value recorded on its get_attr node
@@ -198,7 +201,7 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: schedules.Si
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     optimizer = int(states * per_state)
     act = max(activation_bytes(gm) for gm in graphs)
-    peak = sim.peak_in_flight[stage]
+    peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
     return StagePlan(
         stage=stage, chunks=tuple(mine), units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
         parameter_elements=elements, parameters=params, gradient_buffers=grads, optimizer_state=optimizer,

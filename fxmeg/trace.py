@@ -15,7 +15,10 @@ import json
 import time
 from contextlib import contextmanager
 
-CATEGORY = {"F": "forward", "B": "backward", "D": "dealloc", "GS": "grad_sync"}
+CATEGORY = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad", "D": "dealloc",
+            "GS": "grad_sync"}
+COMPUTE = ("forward", "backward", "input_grad", "weight_grad")
+"""Categories of compute spans (a zero-bubble backward splits into input_grad and weight_grad)."""
 
 
 class Tracer:
@@ -82,13 +85,13 @@ def analyze(per_rank: list[list[tuple]]) -> dict:
     share of data-parallel reduction time hidden behind backward (1 - the wait left for
     the reductions after backward / the time from the first bucket issued to the
     reductions done)."""
-    sched = [[s for s in spans if s[1] in ("forward", "backward", "p2p", "dealloc", "grad_sync")] for spans in per_rank]
+    sched = [[s for s in spans if s[1] in (*COMPUTE, "p2p", "dealloc", "grad_sync")] for spans in per_rank]
     start = min(s[2] for spans in sched for s in spans)
     end = max(s[3] for spans in sched for s in spans)
     makespan = end - start
     out = {"schedule_s": makespan / 1e9, "ranks": []}
     for rank, spans in enumerate(per_rank):
-        compute = sum(s[3] - s[2] for s in spans if s[1] in ("forward", "backward"))
+        compute = sum(s[3] - s[2] for s in spans if s[1] in COMPUTE)
         p2p = sum(s[3] - s[2] for s in spans if s[1] == "p2p")
         issues = [s[2] for s in spans if s[1] == "dp_issue"]
         waits = [s for s in spans if s[1] == "dp_wait"]
@@ -109,7 +112,8 @@ def plot(per_rank: list[list[tuple]], out: str, title: str = "") -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"forward": "#4c72b0", "backward": "#dd8452", "p2p": "#c0c0c0", "dealloc": "#8c8c8c",
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "input_grad": "#e3a33b", "weight_grad": "#64b5cd",
+              "p2p": "#c0c0c0", "dealloc": "#8c8c8c",
               "grad_sync": "#55a868", "dp_wait": "#c44e52", "dp_issue": "#c44e52",
               "optimizer": "#8172b3", "finalize": "#937860"}
     t0 = min(s[2] for spans in per_rank for s in spans)
@@ -120,14 +124,18 @@ def plot(per_rank: list[list[tuple]], out: str, title: str = "") -> str:
                 continue
             ax.broken_barh([((a - t0) / 1e6, max((b - a) / 1e6, 0.02))], (rank - 0.4, 0.8),
                            color=colors.get(cat, "#cccccc"))
-            if cat in ("forward", "backward") and (b - a) / 1e6 > 0.02 * ((max(s[3] for s in spans) - t0) / 1e6):
+            if cat in COMPUTE and (b - a) / 1e6 > 0.02 * ((max(s[3] for s in spans) - t0) / 1e6):
                 ax.text((a + b) / 2e6 - t0 / 1e6, rank, name, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title or "schedule")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in ("forward", "backward", "p2p", "dp_wait", "finalize", "optimizer")]
-    ax.legend(handles, ["forward", "backward", "send / recv", "DP wait", "finalize grads", "optimizer"], loc="upper right", fontsize=7)
+    shown = [c for c in (*COMPUTE, "p2p", "dp_wait", "finalize", "optimizer")
+             if c not in ("input_grad", "weight_grad") or any(s[1] == c for spans in per_rank for s in spans)]
+    labels = {"input_grad": "input grad (I)", "weight_grad": "weight grad (W)", "p2p": "send / recv",
+              "dp_wait": "DP wait", "finalize": "finalize grads"}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in shown]
+    ax.legend(handles, [labels.get(c, c) for c in shown], loc="upper right", fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

@@ -97,3 +97,24 @@ def test_parallelize_takes_a_whole_config_and_resolves_dp():
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=config, tp=2)
     with pytest.raises(ConfigError, match="batch dimension is 2, but micro_batch_size=4"):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=EngineConfig(4, 8))
+
+
+def test_zero_bubble_schedules_check_vpp_and_micro_batches():
+    assert ParallelConfig(pp=2, schedule="zbh1").placement == (0, 1)
+    assert ParallelConfig(pp=3, vpp=2, schedule="zbv").placement == (0, 1, 2, 2, 1, 0)
+    assert ParallelConfig(pp=2, vpp=2).placement == (0, 1, 0, 1)  # round robin
+    with pytest.raises(ConfigError, match="schedule='zbv' runs two chunks per pipeline rank in a V: it needs "
+                                          "vpp=2 and pp > 1; got vpp=1, pp=2. Set vpp=2"):
+        ParallelConfig(pp=2, schedule="zbv")
+    with pytest.raises(ConfigError, match="got vpp=4, pp=2"):
+        ParallelConfig(pp=2, vpp=4, schedule="dualpipev")
+    with pytest.raises(ConfigError, match=r"vpp=2 runs only with schedule='interleaved', 'zbv' or 'dualpipev' "
+                                          r"\(got 'zbh1'\); set vpp=1"):
+        ParallelConfig(pp=2, vpp=2, schedule="zbh1")
+    with pytest.raises(ConfigError, match="schedule='zbh1' needs pp > 1"):
+        ParallelConfig(schedule="zbh1")
+    dual = EngineConfig(micro_batch_size=1, global_batch_size=8, parallel=ParallelConfig(pp=4, vpp=2, schedule="dualpipev"))
+    assert dual.resolve(4).num_microbatches == 8
+    with pytest.raises(ConfigError, match=r"dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=4"):
+        dual.resolve(8)  # dp = 2
+    EngineConfig(micro_batch_size=1, global_batch_size=3, parallel=ParallelConfig(pp=4, vpp=2, schedule="zbv")).resolve(4)

@@ -46,3 +46,13 @@ def test_tracer_off_records_nothing():
     with t.span("x", "optimizer"):
         pass
     assert [e[:2] for e in t.events] == [("x", "optimizer")]
+
+
+def test_split_backward_counts_as_compute_and_has_its_colours(tmp_path):
+    # ZB: F 0-2, I 2-3, idle, W 4-5 of a 5 ms schedule -> bubble 0.2
+    spans = [[("0F0", "forward", 0, 2 * MS), ("0I0", "input_grad", 2 * MS, 3 * MS),
+              ("0W0", "weight_grad", 4 * MS, 5 * MS)]]
+    assert (trace.CATEGORY["I"], trace.CATEGORY["W"]) == ("input_grad", "weight_grad")
+    assert abs(trace.analyze(spans)["ranks"][0]["bubble"] - 0.2) < 1e-9
+    with open(trace.plot(spans, str(tmp_path / "zb.png")), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,8 @@ Glossary:
           no more bytes are live than enter the block; code before the first block
           (embeddings, rotary tables) joins the first unit;
   chunk   a contiguous run of units; chunk c runs on pipeline rank placement[c]
-          (c % pp: round robin, Megatron's virtual pipeline order).
+          (``ParallelConfig.placement``: c % pp, round robin, Megatron's virtual
+          pipeline order; a V for the zbv and dualpipev schedules).
 
 A higher-order op (an autocast or no-grad region, ``wrap``) is one node of the unit it
 runs in: the nodes of its body are never cut apart, and its cost is theirs.
@@ -51,8 +52,7 @@ def partition(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     ``split_points``); tag every node's chunk."""
     par = config.parallel
     split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points)
-    placement = tuple(c % par.pp for c in range(par.num_chunks))
-    gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=placement)
+    gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=par.placement)
     return gm
 
 

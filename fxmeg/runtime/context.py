@@ -147,9 +147,9 @@ def build_context(
     )
     executor = Executor(
         chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=par.pp,
-        peer=groups.pp_peer, group=groups.pp, device=program.device, timeout_s=config.comm_timeout_s,
-        compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer, accumulate=ddp.accumulate,
-        wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+        peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
+        timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
+        accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
     )
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,
@@ -305,5 +305,6 @@ def _lowering(program: Program, config: EngineConfig, groups: Groups) -> schedul
     if p2p == "auto":
         nccl = groups.pp is not None and dist.get_backend(groups.pp) == "nccl"
         p2p = "paired" if nccl else "eager"
-    num_chunks = program.num_chunks
-    return lambda schedule: schedules.lower(schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p)
+    num_chunks, placement = program.num_chunks, program.placement
+    return lambda schedule: schedules.lower(schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p,
+                                            placement=placement)

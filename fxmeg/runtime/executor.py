@@ -70,6 +70,7 @@ class Executor:
         peer: Callable[[int], int],
         group: dist.ProcessGroup | None,
         device: torch.device,
+        placement: Sequence[int] | None = None,
         timeout_s: float = 600.0,
         compile: bool = False,
         on_grad_sync: Callable[[int], None] | None = None,
@@ -85,7 +86,10 @@ class Executor:
         self.accumulate, self.wait_params = accumulate, wait_params
         self.specs = specs
         self.rank, self.pp = rank, pp
-        self.rank_stage = min(chunks) % pp if chunks else 0
+        rounds = range(max(chunks, default=0) + 2)  # every chunk this rank holds or talks to
+        self.placement = tuple(placement) if placement is not None else tuple(c % pp for c in rounds)
+        """Each chunk's pipeline rank (``fxmeg.config.placement``; default round robin)."""
+        self.rank_stage = self.placement[min(chunks)] if chunks else 0
         self.peer, self.group, self.device = peer, group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.counters = Counters()
@@ -99,6 +103,8 @@ class Executor:
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
+            Kind.I: self._input_grad,
+            Kind.W: self._weight_grad,
             Kind.DEALLOC: self._deallocate,
             Kind.GRAD_SYNC: self._grad_sync,
         }
@@ -130,6 +136,8 @@ class Executor:
                         self._post(step)
                     else:
                         handler(a)
+                    if a.kind in COMPUTE:
+                        self._hand_off(a)
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
                 if tracer.on:
@@ -269,7 +277,7 @@ class Executor:
         ops, owners = [], []
         for a in step:
             tensors, peer_chunk, send = self._buffers(a)
-            peer = self.peer(peer_chunk % self.pp)
+            peer = self.peer(self.placement[peer_chunk])
             ops.extend(dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group) for t in tensors)
             owners.append((a, len(tensors), tensors, peer))
         if not ops:
@@ -298,7 +306,7 @@ class Executor:
             try:
                 work.wait(timeout=self.timeout)
             except RuntimeError as exc:
-                stage = peer_chunk(a) % self.pp
+                stage = self.placement[peer_chunk(a)]
                 what = "sending to" if is_send(a) else "receiving from"
                 raise CommTimeoutError(
                     f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
@@ -307,6 +315,16 @@ class Executor:
                     f"just slow. ({exc})"
                 ) from exc
         self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
+
+    def _hand_off(self, a: Action) -> None:
+        """Chunks next to each other on this rank (chunks pp-1 and pp of a V placement)
+        exchange no message: what ``a`` made for the neighbour goes straight to its inbox,
+        detached like a received tensor, so each chunk's backward stops at its inputs."""
+        key, s = (a.chunk, a.mb), self._state
+        if key in s.outbox and a.chunk + 1 in self.chunks:
+            s.inbox[(a.chunk + 1, a.mb)] = [t.detach() for t in s.outbox.pop(key)]
+        if key in s.grad_outbox and a.chunk - 1 in self.chunks:
+            s.grad_inbox[(a.chunk - 1, a.mb)] = s.grad_outbox.pop(key)
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
         """What action ``a`` puts on the wire, its peer chunk, and whether it sends. A

@@ -1,36 +1,40 @@
 """Pipeline schedules as data.
 
 A schedule is, per pipeline rank, the list of compute actions it runs: ``2F0`` is the
-forward of chunk 2 on micro-batch 0, ``2B0`` its backward. Builders are pure functions
-that return them in *units*: runs of compute actions with no communication in between
-(one action, or Megatron's steady-state (forward, backward) pair of the interleaved
-schedule). ``lower`` adds communication between units, returning per rank a list of
+forward of chunk 2 on micro-batch 0, ``2B0`` its whole backward. Zero-bubble schedules
+split a backward in two: ``2I0`` the gradient of the chunk's inputs (on the critical
+path: the previous chunk waits for it) and ``2W0`` the gradient of its weights (deferred
+into the bubble); B = I + W at once. Builders are pure functions that return them in
+*units*: runs of compute actions with no communication in between (one action, or the
+steady-state (forward, backward) pair of the interleaved schedule and of DualPipeV). ``lower`` adds communication between units, returning per rank a list of
 *steps*: a compute action, a group of point-to-point actions posted together and awaited
 together (``0SF1+0RB0``: send chunk 0's output of micro-batch 1, receive the gradient
 for micro-batch 0), a DEALLOC of sent activations, or a GRAD_SYNC (``0GS3``): from the
-chunk's last backward on, its gradient buckets are reduced as they complete.
-``simulate`` runs lowered schedules without processes: every send must meet the matching
-receive in the same order on both ranks (NCCL matches point-to-point messages by order,
-not by tag), nothing may deadlock, and with unit costs it reports each rank's bubble and
-peak number of micro-batches in flight.
+chunk's last weight gradient (B or W) on, its gradient buckets are reduced as they
+complete. ``fxmeg.runtime.simulator`` runs lowered schedules without processes.
 
-Chunk c lives on pipeline rank c % pp (Megatron's interleaved placement).
+Chunk c lives on pipeline rank ``placement[c]`` (``fxmeg.config.placement``): c % pp
+(Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
+share rank pp - 1: that boundary is a hand-off inside the rank, not a message.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from fxmeg.config import P2P_MODES
+from fxmeg.config import P2P_MODES, V_SCHEDULES
 from fxmeg.errors import ScheduleError
 
 
 class Kind(Enum):
     F = "F"
     B = "B"
+    I = "I"  # the paper's name: input gradient
+    W = "W"
     SEND_F = "SF"
     RECV_F = "RF"
     SEND_B = "SB"
@@ -39,8 +43,12 @@ class Kind(Enum):
     GRAD_SYNC = "GS"
 
 
-COMPUTE = (Kind.F, Kind.B)
-_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|GS|F|B|D)(\d+)$")
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+BACKWARD = (Kind.B, Kind.I)
+"""The kinds that compute a chunk's input gradient (read RECV_B, feed SEND_B)."""
+WEIGHT = (Kind.B, Kind.W)
+"""The kinds that compute (accumulate) a chunk's weight gradient."""
+_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|GS|F|B|I|W|D)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -82,11 +90,23 @@ def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
         assert pp == 1 and vpp == 1
         return {0: _singles(a for i in range(m) for a in (Action(0, Kind.F, i), Action(0, Kind.B, i)))}
     if name == "gpipe":
-        return {r: _singles(Action(r, k, i) for k in COMPUTE for i in range(m)) for r in range(pp)}
+        return {r: _singles(Action(r, k, i) for k in (Kind.F, Kind.B) for i in range(m)) for r in range(pp)}
     if name == "1f1b":
         return {r: _one_f_one_b(r, pp, m) for r in range(pp)}
     if name == "interleaved":
         return _interleaved(pp, vpp, m)
+    if name == "zbh1":
+        return {r: _zbh1(r, pp, m) for r in range(pp)}
+    if name in V_SCHEDULES:
+        if vpp != 2:
+            raise ScheduleError(f"schedule {name!r} runs two chunks per rank in a V: vpp=2, got vpp={vpp}")
+        if name == "dualpipev" and m < 2 * pp:
+            raise ScheduleError(
+                f"DualPipeV needs at least 2 * pp = {2 * pp} micro-batches (one per chunk); got "
+                f"m={m}. Choose global_batch_size so that m >= {2 * pp}, or schedule='zbv'"
+            )
+        builder = _zbv if name == "zbv" else _dualpipev
+        return {r: builder(r, pp, m) for r in range(pp)}
     raise ScheduleError(f"unknown schedule {name!r}")
 
 
@@ -143,13 +163,129 @@ def _interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Schedul
     return out
 
 
+# ---------------------------------------------------------------- zero bubble
+# Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024): with F = I = W, ZB-H1 cuts
+# 1F1B's bubble to a third at the same peak memory; ZB-V (two chunks per rank in a V)
+# to near zero at 1F1B's memory. DualPipeV is DeepSeek's DualPipe (DeepSeek-V3 report)
+# folded onto the same V.
+
+
+class _Order:
+    """A rank's compute units in order; each (chunk, kind) numbers its own micro-batches
+    (a whole backward B counts as an I and a W). Split backwards' Ws wait in ``deferred``."""
+
+    def __init__(self) -> None:
+        self.units: list[Unit] = []
+        self.count: Counter[tuple[int, Kind]] = Counter()
+        self.deferred: deque[Action] = deque()
+
+    def unit(self, *pairs: tuple[int, Kind]) -> None:
+        """One unit of (chunk, kind) computes."""
+        self.units.append(tuple(self._next(c, k) for c, k in pairs))
+
+    def each(self, *pairs: tuple[int, Kind]) -> None:
+        """Each (chunk, kind) as a unit of its own."""
+        for pair in pairs:
+            self.unit(pair)
+
+    def oldest_weight(self) -> None:
+        """The W of the oldest split backward whose W has not run, if any."""
+        if self.deferred:
+            self.units.append((self.deferred.popleft(),))
+
+    def _next(self, chunk: int, kind: Kind) -> Action:
+        a = Action(chunk, kind, self.count[chunk, Kind.I if kind is Kind.B else kind])
+        for k in {Kind.B: (Kind.I, Kind.W)}.get(kind, (kind,)):
+            self.count[chunk, k] += 1
+        if kind is Kind.I:
+            self.deferred.append(Action(chunk, Kind.W, a.mb))
+        elif kind is Kind.W:
+            self.deferred.remove(a)
+        return a
+
+
+def _zbh1(rank: int, pp: int, m: int) -> list[Unit]:
+    """ZB-H1: 1F1B with each backward split, rank r deferring its W by r steady steps so
+    the Ws fill the cooldown. Rank r holds 1F1B's pp - r micro-batches before their I,
+    and at most pp (the first rank's 1F1B peak) before their W."""
+    warmup = min(pp - rank - 1, m)
+    order = [Action(rank, Kind.F, i) for i in range(warmup)]
+    for k in range(m):
+        if warmup + k < m:
+            order.append(Action(rank, Kind.F, warmup + k))
+        order.append(Action(rank, Kind.I, k))
+        if k >= rank:
+            order.append(Action(rank, Kind.W, k - rank))
+    order += [Action(rank, Kind.W, i) for i in range(max(m - rank, 0), m)]
+    return _singles(order)
+
+
+def _zbv(rank: int, pp: int, m: int) -> list[Unit]:
+    """ZB-V (the paper's §6; torch's ScheduleZBVZeroBubble): rank r runs chunk a = r on
+    the way down and b = 2pp-1-r on the way back. Built for at least 2pp - 1 micro-batches
+    (what fills the V), then the missing ones are dropped."""
+    a, b, n = rank, 2 * pp - 1 - rank, max(2 * pp - 1, m)
+    F, I, W = Kind.F, Kind.I, Kind.W
+    o = _Order()
+    o.each(*[(a, F)] * (2 * (pp - rank) - 1), *[(b, F), (a, F)] * rank, *[(b, F), (b, I), (b, W)] * (pp - rank))
+    while o.count[b, F] < o.count[a, F] or o.count[a, F] < n:  # steady
+        if o.count[a, F] < n:
+            o.each((a, F))
+        o.each((a, I), (a, W), (b, F), (b, I), (b, W))
+    o.each(*[(a, I), (b, I)] * rank, *[(a, I), (a, W)] * (pp - rank))  # cooldown: Is first
+    o.each(*[(b, W)] * (o.count[b, I] - o.count[b, W]), *[(a, W)] * (o.count[a, I] - o.count[a, W]))
+    return [u for u in o.units if u[0].mb < m]
+
+
+def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
+    """DualPipeV (deepseek-ai/DualPipe; torch's ScheduleDualPipeV), for m >= 2pp: rank r
+    runs chunk a = r and b = 2pp-1-r. Its steady state runs a forward of one chunk
+    together with the whole backward of the other (one unit: DualPipe overlaps the two);
+    the warmup and the drain split backwards and run the Ws in the gaps."""
+    a, b = rank, 2 * pp - 1 - rank
+    F, B, I = Kind.F, Kind.B, Kind.I
+    o = _Order()
+    o.each(*[(a, F)] * (2 * (pp - rank - 1)), *[(a, F), (b, F)] * (rank + 1))
+    for _ in range(pp - rank - 1):
+        o.each((b, I))
+        o.oldest_weight()
+        o.each((b, F))
+    for i in range(m - 2 * pp + rank + 1):  # steady: F of one chunk with B of the other
+        if i == 0 and rank == pp - 1:  # the V's tip: not overlapped, a shorter bubble
+            o.each((a, F), (b, B))
+        else:
+            o.unit((a, F), (b, B))
+        o.unit((b, F), (a, B))
+    for _ in range(pp - rank - 1):
+        o.each((b, B))
+        o.unit((b, F), (a, B))
+    split, half = False, (rank + 1) // 2
+    for i in range(rank + 1):  # drain: from the middle on, split backwards
+        split |= i == half and rank % 2 == 1
+        o.each((b, I if split else B))
+        split |= i == half and rank % 2 == 0
+        o.each((a, I if split else B))
+    for _ in range(pp - rank - 1):
+        o.oldest_weight()
+        o.each((a, I if split else B))
+    for _ in range(rank + 1):
+        o.oldest_weight()
+    assert not o.deferred, o.deferred
+    return o.units
+
+
 # ---------------------------------------------------------------- lowering
 
 PAIRED, EAGER = P2P_MODES
 
 
 def lower(
-    schedule: Schedule, *, num_chunks: int, grad_cuts: frozenset[int] | None = None, p2p: str = PAIRED
+    schedule: Schedule,
+    *,
+    num_chunks: int,
+    grad_cuts: frozenset[int] | None = None,
+    p2p: str = PAIRED,
+    placement: tuple[int, ...] | None = None,
 ) -> dict[int, list[Step]]:
     """Insert communication. Every point-to-point step only *posts* its messages; the
     executor waits for a received tensor right before the compute that reads it, and for
@@ -166,56 +302,145 @@ def lower(
     Both keep every channel's message order, so they pair up on both ends.
 
     ``grad_cuts``: cuts c (between chunks c and c+1) across which a gradient flows back;
-    default all. DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes
-    each chunk's last backward.
+    default all. ``placement``: each chunk's pipeline rank, default round robin; a cut
+    between two chunks of one rank gets no message (the executor hands the tensors
+    over). DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes each
+    chunk's last weight gradient (its last B or W).
     """
     assert p2p in P2P_MODES, p2p  # EngineConfig checks it
-    grads = frozenset(range(num_chunks - 1)) if grad_cuts is None else grad_cuts
+    round_robin = tuple(c % len(schedule) for c in range(num_chunks))
+    where = placement or round_robin
+    cuts = frozenset(c for c in range(num_chunks - 1) if where[c] != where[c + 1])
+    grads = cuts if grad_cuts is None else cuts & grad_cuts
+    channels = _channels(schedule, where, cuts, grads) if where != round_robin else None
     lowered = {}
     for rank, units in schedule.items():
-        last_backward = {a.chunk: a for unit in units for a in unit if a.kind is Kind.B}
-        recvs = [[r for a in unit for r in _recvs_before(a, grads)] for unit in units] + [[]]
+        last_weight = {a.chunk: a for unit in units for a in unit if a.kind in WEIGHT}
+        recvs = [[r for a in unit for r in _recvs_before(a, cuts, grads)] for unit in units] + [[]]
+        ahead = int(p2p == EAGER)  # eager: the next unit's receives before this unit
+        if channels is not None:
+            recvs, ahead = _lookahead(recvs, channels, rank), 0
         steps: list[Step] = []
         pending: list[Action] = []  # paired: sends waiting for the next group
         sent: list[Action] = []  # forward activations sent, to free at the next unit
-        if p2p == EAGER:
+        if ahead:
             _post(steps, recvs[0])
         for k, unit in enumerate(units):
             if p2p == PAIRED:
                 _post(steps, pending + recvs[k])
             else:
-                _post(steps, recvs[k + 1])  # pre-post the next unit's receives
+                _post(steps, recvs[k + ahead])
             steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
             sent = []
             pending = []
             for a in unit:
-                if last_backward.get(a.chunk) == a:
+                if last_weight.get(a.chunk) == a:
                     steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
                 steps.append((a,))
-                sends = _sends_after(a, num_chunks, grads)
+                sends = _sends_after(a, cuts, grads)
                 if p2p == EAGER:
                     _post(steps, sends)
                 else:
                     pending += sends
-                sent += [s for s in sends if s.kind is Kind.SEND_F]
+                if channels is None:
+                    sent += [s for s in sends if s.kind is Kind.SEND_F]
         _post(steps, pending)
         steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
         lowered[rank] = steps
-    return lowered
+    return lowered if channels is None else _free_when_received(lowered, where)
 
 
-def _recvs_before(a: Action, grads: frozenset[int]) -> list[Action]:
-    if a.kind is Kind.F and a.chunk > 0:
+def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) -> dict[int, list[Step]]:
+    """The lowered steps of a V placement with its DEALLOCs, each where the receive of
+    what it frees is surely posted, so that waiting for the send never waits on a rank
+    that waits on this one: after this rank read a message that the receiver sent once
+    it had posted that receive. None where that comes only after the backward of the
+    same micro-batch, which frees the activation anyway."""
+    frees: dict[int, dict[int, list[Step]]] = {r: {} for r in lowered}  # rank -> before step i
+    for rank, steps in lowered.items():
+        for i, send in ((i, a) for i, step in enumerate(steps) for a in step if a.kind is Kind.SEND_F):
+            q = _reply_read(lowered, where, _receive_of(send), rank)  # this rank reads the reply
+            j = next((k for k in range(max(i, q) + 1, len(steps)) if steps[k][0].kind in COMPUTE), len(steps))
+            backward = [Action(send.chunk, k, send.mb) for k in BACKWARD]
+            if any(step[0] in backward for step in steps[:j]):
+                continue
+            frees[rank].setdefault(j, []).append((Action(send.chunk, Kind.DEALLOC, send.mb),))
+    return {r: [s for i, step in enumerate(steps) for s in (*frees[r].get(i, []), step)]
+            + frees[r].get(len(steps), []) for r, steps in lowered.items()}
+
+
+def _reply_read(lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Action, rank: int) -> int:
+    """The index of ``rank``'s compute that reads the first message to ``rank`` that the
+    owner of ``recv`` posts from ``recv``'s post on (len of the steps when none)."""
+    peer, mine = where[recv.chunk], lowered[rank]
+    posted = next(i for i, step in enumerate(lowered[peer]) if recv in step)
+    reply = next((a for step in lowered[peer][posted:] for a in step
+                  if is_send(a) and where[peer_chunk(a)] == rank), None)
+    if reply is None:
+        return len(mine)
+    wanted = _receive_of(reply)
+    return next(i for i, step in enumerate(mine) if step[0].kind in COMPUTE and input_of(step[0]) == wanted)
+
+
+def _receive_of(send: Action) -> Action:
+    kind = Kind.RECV_F if send.kind is Kind.SEND_F else Kind.RECV_B
+    return Action(peer_chunk(send), kind, send.mb)
+
+
+def _channels(
+    schedule: Schedule, where: tuple[int, ...], cuts: frozenset[int], grads: frozenset[int]
+) -> dict[tuple[int, int], list[Action]]:
+    """Per (sender, receiver) rank pair, the receives of its messages in the sender's order."""
+    out: dict[tuple[int, int], list[Action]] = {}
+    for rank, units in schedule.items():
+        for a in (a for unit in units for a in unit):
+            for send in _sends_after(a, cuts, grads):
+                recv = _receive_of(send)
+                out.setdefault((rank, where[recv.chunk]), []).append(recv)
+    return out
+
+
+def _lookahead(
+    needs: list[list[Action]], channels: dict[tuple[int, int], list[Action]], rank: int
+) -> list[list[Action]]:
+    """The receives to post before each unit when a channel's order is not the
+    receiver's (the V: one rank pair carries forward activations one way and gradients
+    of the other leg, interleaved as the sender computes them): each channel's receives
+    in the sender's order, the next one posted as soon as the last posted one is read,
+    or earlier when a unit needs it. Receives of unit k are in ``needs[k]``."""
+    mine = {src: msgs for (src, dst), msgs in channels.items() if dst == rank}
+    index = {r: (src, j) for src, msgs in mine.items() for j, r in enumerate(msgs)}
+    posted = dict.fromkeys(mine, 0)
+    plan: list[list[Action]] = [[] for _ in needs]
+
+    def upto(src: int, j: int, k: int) -> None:
+        while posted[src] <= min(j, len(mine[src]) - 1):
+            plan[k].append(mine[src][posted[src]])
+            posted[src] += 1
+
+    for src in mine:
+        upto(src, 0, 0)
+    for k, unit in enumerate(needs[:-1]):
+        for r in unit:
+            upto(*index[r], k)
+        for r in unit:
+            src, j = index[r]
+            upto(src, j + 1, k + 1)
+    return plan
+
+
+def _recvs_before(a: Action, cuts: frozenset[int], grads: frozenset[int]) -> list[Action]:
+    if a.kind is Kind.F and a.chunk - 1 in cuts:
         return [Action(a.chunk, Kind.RECV_F, a.mb)]
-    if a.kind is Kind.B and a.chunk in grads:
+    if a.kind in BACKWARD and a.chunk in grads:
         return [Action(a.chunk, Kind.RECV_B, a.mb)]
     return []
 
 
-def _sends_after(a: Action, num_chunks: int, grads: frozenset[int]) -> list[Action]:
-    if a.kind is Kind.F and a.chunk < num_chunks - 1:
+def _sends_after(a: Action, cuts: frozenset[int], grads: frozenset[int]) -> list[Action]:
+    if a.kind is Kind.F and a.chunk in cuts:
         return [Action(a.chunk, Kind.SEND_F, a.mb)]
-    if a.kind is Kind.B and a.chunk - 1 in grads:
+    if a.kind in BACKWARD and a.chunk - 1 in grads:
         return [Action(a.chunk, Kind.SEND_B, a.mb)]
     return []
 
@@ -227,11 +452,11 @@ def _post(steps: list[Step], group: list[Action]) -> None:
 
 def input_of(a: Action) -> Action | None:
     """The receive whose tensor compute action ``a`` reads, if it reads one."""
-    kind = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}.get(a.kind)
+    kind = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}.get(a.kind)
     return None if kind is None else Action(a.chunk, kind, a.mb)
 
 
-# ---------------------------------------------------------------- peers
+# ---------------------------------------------------------------- peers and printing
 
 
 def peer_chunk(a: Action) -> int:
@@ -241,107 +466,6 @@ def peer_chunk(a: Action) -> int:
 
 def is_send(a: Action) -> bool:
     return a.kind in (Kind.SEND_F, Kind.SEND_B)
-
-
-def _matches(send: Action, recv: Action) -> bool:
-    kinds = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
-    return kinds[send.kind] is recv.kind and peer_chunk(send) == recv.chunk and send.mb == recv.mb
-
-
-# ---------------------------------------------------------------- simulation
-
-
-@dataclass(frozen=True)
-class Simulation:
-    makespan: float
-    busy: dict[int, float]
-    peak_in_flight: dict[int, int]
-    """Per rank, the most micro-batches (over all its chunks) forwarded but not yet backwarded."""
-
-    def bubble(self, rank: int) -> float:
-        return 1.0 - self.busy[rank] / self.makespan
-
-
-def simulate(
-    lowered: dict[int, list[Step]], *, pp: int, f_cost: float = 1.0, b_cost: float = 1.0
-) -> Simulation:
-    """Run lowered schedules as a discrete-event simulation of the executor: posting
-    never blocks; a compute waits until the peer has posted the send it reads, DEALLOC
-    until the peer has posted the receive of what it frees. Raise ScheduleError on a
-    deadlock, an out-of-order message, or a backward before its forward."""
-    pos = {r: 0 for r in lowered}
-    clock = {r: 0.0 for r in lowered}
-    busy = {r: 0.0 for r in lowered}
-    queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}  # (kind, src, dst) FIFO
-    where: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}  # posted op -> slot
-    done_f: dict[int, set[tuple[int, int]]] = {r: set() for r in lowered}
-    live: dict[int, int] = {r: 0 for r in lowered}
-    peak: dict[int, int] = {r: 0 for r in lowered}
-
-    def slot(rank: int, a: Action) -> tuple[str, int, int]:
-        other = peer_chunk(a) % pp
-        return ("send", rank, other) if is_send(a) else ("recv", other, rank)
-
-    def counterpart(rank: int, a: Action) -> tuple[Action, float] | None:
-        """The peer's matching op, once posted."""
-        (side, src, dst), index = where[(rank, a)]
-        other = queues.get(("recv" if side == "send" else "send", src, dst), [])
-        return other[index] if index < len(other) else None
-
-    def advance(rank: int) -> bool:
-        step = lowered[rank][pos[rank]]
-        a = step[0]
-        if a.kind in COMPUTE:
-            needed = input_of(a)
-            if (rank, needed) in where:
-                match = counterpart(rank, needed)
-                if match is None:
-                    return False  # the peer has not sent it yet
-                clock[rank] = max(clock[rank], match[1])
-            key = (a.chunk, a.mb)
-            if a.kind is Kind.B:
-                if key not in done_f[rank]:
-                    raise ScheduleError(f"rank {rank} runs {a} before its forward")
-                live[rank] -= 1
-            else:
-                done_f[rank].add(key)
-                live[rank] += 1
-                peak[rank] = max(peak[rank], live[rank])
-            cost = f_cost if a.kind is Kind.F else b_cost
-            clock[rank] += cost
-            busy[rank] += cost
-        elif a.kind is Kind.DEALLOC:
-            sent = Action(a.chunk, Kind.SEND_F, a.mb)
-            if (rank, sent) in where and counterpart(rank, sent) is None:
-                return False  # the receiver has not taken it yet
-        elif a.kind is not Kind.GRAD_SYNC:
-            for op in step:
-                queue = queues.setdefault(slot(rank, op), [])
-                where[(rank, op)] = (slot(rank, op), len(queue))
-                queue.append((op, clock[rank]))
-        pos[rank] += 1
-        return True
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in lowered:
-            while pos[rank] < len(lowered[rank]) and advance(rank):
-                progress = True
-    stuck = {r: fmt(lowered[r][pos[r]]) for r in lowered if pos[r] < len(lowered[r])}
-    if stuck:
-        at = ", ".join(f"rank {r} at {s}" for r, s in stuck.items())
-        raise ScheduleError(f"schedule deadlocks: {at}")
-    for (side, src, dst), ops in sorted(queues.items()):
-        if side != "send":
-            continue
-        received = queues.get(("recv", src, dst), [])
-        for (send, _), (recv, _) in zip(ops, received):
-            if not _matches(send, recv):
-                raise ScheduleError(f"message order mismatch: {send} on rank {src} meets {recv} on rank {dst}")
-        if len(ops) != len(received):
-            raise ScheduleError(f"rank {src} sends {len(ops)} messages to rank {dst}, which receives {len(received)}")
-    return Simulation(max(clock.values()), busy, peak)
 
 
 def table(lowered: dict[int, list[Step]]) -> str:

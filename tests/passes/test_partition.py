@@ -6,7 +6,8 @@ from torch import nn
 
 from fxmeg.capture import capture, owning_module
 from fxmeg.errors import ConfigError
-from fxmeg.passes.partition import cut, node_cost
+from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.passes.partition import cut, node_cost, partition
 from fxmeg.passes.loss import loss
 from tests.helpers import make_batch, make_model
 
@@ -96,3 +97,12 @@ def test_blocks_found_under_any_container_name():
     p = cut(gm, num_chunks=3)
     assert p.blocks == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
     assert p.units[:3] == p.blocks and p.starts[:2] == (0, 1)
+
+
+@pytest.mark.parametrize("schedule,vpp,want", [("interleaved", 2, (0, 1, 0, 1)), ("zbv", 2, (0, 1, 1, 0)),
+                                               ("dualpipev", 2, (0, 1, 1, 0)), ("zbh1", 1, (0, 1))])
+def test_placement_follows_the_schedule(schedule, vpp, want):
+    # ZB-V / DualPipeV run the chunks down the ranks and back up: the loss's chunk on rank 0
+    config = EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(pp=2, vpp=vpp, schedule=schedule))
+    gm = partition(_graph(n_layer=4), config)
+    assert gm.meta["fxmeg"]["partition"].placement == want

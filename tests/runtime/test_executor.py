@@ -172,3 +172,24 @@ def test_a_schedule_that_leaves_forwards_unbackwarded_is_refused():
     ex = _executor(build_chunks(model, mbs[0]))
     with pytest.raises(AssertionError, match="schedule left work unfinished"):
         ex.run(lowered_steps(M, train=False), mbs, train=True)
+
+
+def test_neighbour_chunks_on_one_rank_hand_off_without_messages():
+    # two chunks on one rank, as chunks pp-1 and pp of a V placement: chunk 0's outputs go
+    # straight to chunk 1's inbox and chunk 1's input gradients back, with no SEND / RECV
+    model, plain, mbs = _setup(seed=11)
+    want_loss, want_tokens, want_grads = _plain_sums(plain, mbs)
+    two = dict(enumerate(chunks(graph_after(model, mbs[0], "pipeline", num_chunks=2))))
+    order = [Action(c, Kind.F, i) for i in range(M) for c in (0, 1)]  # all forwards, then backwards
+    order += [Action(c, Kind.B, i) for i in range(M) for c in (1, 0)]
+    steps = schedules.lower({0: [(a,) for a in order]}, num_chunks=2, placement=(0, 0))[0]
+    assert {a.kind for s in steps for a in s} == {Kind.F, Kind.B, Kind.GRAD_SYNC}
+    ex = _executor(two, placement=(0, 0))
+    stats = ex.run(steps, mbs, train=True)
+    assert stats[1].item() == want_tokens and abs(stats[0].item() - want_loss) <= 1e-5 * want_loss
+    for k, g in want_grads.items():
+        torch.testing.assert_close(model.get_parameter(k).grad, g, rtol=1e-4, atol=1e-6, msg=k)
+    assert ex.counters.peak_in_flight == 2 * M
+    evaluation = schedules.lower(schedules.forward_only({0: [(a,) for a in order]}), num_chunks=2, placement=(0, 0))
+    stats = ex.run(evaluation[0], mbs, train=False)
+    assert abs(stats[0].item() - want_loss) <= 1e-5 * want_loss

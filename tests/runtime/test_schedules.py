@@ -13,9 +13,9 @@ from fxmeg.runtime.schedules import (
     compute_actions,
     forward_only,
     lower,
-    simulate,
     table,
 )
+from fxmeg.runtime.simulator import simulate
 
 
 def _name(pp: int, vpp: int) -> str:

@@ -1,0 +1,174 @@
+"""Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) as data: split backwards (I, W), the V
+placement, lowering and the unit-cost simulator (F = I = W = 1, B = 2), without processes."""
+
+import itertools
+
+import pytest
+from expecttest import TestCase
+
+from fxmeg.config import placement
+from fxmeg.errors import ScheduleError
+from fxmeg.runtime.schedules import Action, Kind, build, compute_actions, forward_only, lower, table
+from fxmeg.runtime.simulator import simulate
+
+ZERO_BUBBLE = {"zbh1": 1, "zbv": 2, "dualpipev": 2}  # name -> vpp
+UNIT = {"f_cost": 1, "b_cost": 2, "i_cost": 1, "w_cost": 1}
+
+
+def _run(name: str, pp: int, m: int, p2p: str = "paired"):
+    """(compute schedule, lowered, unit-cost simulation) of ``name`` at pp, m."""
+    vpp = ZERO_BUBBLE.get(name, 2 if name == "interleaved" else 1)
+    where = placement(name, pp=pp, vpp=vpp)
+    sched = build(name, pp=pp, vpp=vpp, m=m)
+    lowered = lower(sched, num_chunks=pp * vpp, p2p=p2p, placement=where)
+    return sched, lowered, simulate(lowered, pp=pp, placement=where, **UNIT)
+
+
+def _bubble(sim, pp: int) -> float:
+    return max(sim.bubble(r) for r in range(pp))
+
+
+GRID = list(itertools.product(ZERO_BUBBLE, range(2, 5), range(1, 17)))
+
+
+@pytest.mark.parametrize("p2p", ["paired", "eager"])
+@pytest.mark.parametrize("name,pp,m", GRID)
+def test_grid_runs_every_pass_once_in_order(name, pp, m, p2p):
+    try:
+        sched, _, sim = _run(name, pp, m, p2p)
+    except ScheduleError as err:  # DualPipeV needs a micro-batch per chunk
+        assert name == "dualpipev" and m < 2 * pp and f"got m={m}" in str(err)
+        return
+    vpp = ZERO_BUBBLE[name]
+    where = placement(name, pp=pp, vpp=vpp)
+    for rank in range(pp):
+        mine = {c for c in range(pp * vpp) if where[c] == rank}
+        # every (chunk, micro-batch) of this rank: F, I and W once each (B is I + W at once)
+        passes = sorted((a.chunk, a.mb, k) for a in compute_actions(sched, rank)
+                        for k in ({"B": "IW"}.get(a.kind.value, a.kind.value)))
+        assert passes == sorted((c, i, k) for c in mine for i in range(m) for k in "FIW")
+        assert sim.peak_held[rank] <= m * vpp
+    if name != "dualpipev":  # ZB-H1 and ZB-V split every backward
+        assert not any(a.kind is Kind.B for r in sched for a in compute_actions(sched, r))
+    start = {a: s for a, (s, _) in sim.spans.items()}
+    end = {a: e for a, (_, e) in sim.spans.items()}
+    for c, i in itertools.product(range(pp * vpp), range(m)):
+        f, grad = Action(c, Kind.F, i), _input_grad(end, c, i)
+        w = Action(c, Kind.W, i) if Action(c, Kind.W, i) in end else grad
+        assert end[f] <= start[grad] and end[grad] <= end[w]  # F, then I, then W
+        if c + 1 < pp * vpp:  # forwards down the chunks, input gradients back up
+            assert start[Action(c + 1, Kind.F, i)] >= end[f]
+            assert start[grad] >= end[_input_grad(end, c + 1, i)]
+
+
+def _input_grad(end: dict, c: int, i: int) -> Action:
+    """The action computing chunk c's input gradient of micro-batch i: its I or its B."""
+    return Action(c, Kind.I, i) if Action(c, Kind.I, i) in end else Action(c, Kind.B, i)
+
+
+@pytest.mark.parametrize("pp,m", itertools.product(range(2, 5), range(1, 17)))
+def test_zbh1_holds_1f1b_memory_at_a_third_of_its_bubble(pp, m):
+    *_, one = _run("1f1b", pp, m)
+    *_, zb = _run("zbh1", pp, m)
+    assert zb.peak_in_flight == one.peak_in_flight  # micro-batches before their I: 1F1B's
+    assert max(zb.peak_held.values()) == max(one.peak_held.values())  # before W: 1F1B's peak
+    assert _bubble(zb, pp) <= _bubble(one, pp) / 3 + 1 / m
+    if m >= pp:  # enough Ws to fill it: idle (pp-1)(F + I - W) instead of (pp-1)(F + B)
+        assert zb.makespan - 3 * m == pytest.approx((one.makespan - 3 * m) / 3)
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in itertools.product(range(2, 5), range(1, 17)) if m % pp == 0])
+def test_zbv_bubble_is_below_interleaved(pp, m):
+    *_, inter = _run("interleaved", pp, m)
+    *_, zbv = _run("zbv", pp, m)
+    assert all(zbv.bubble(r) < inter.bubble(r) for r in range(pp))
+    # two chunks of half the size, so twice 1F1B's count: the same activation memory
+    assert max(zbv.peak_in_flight.values()) <= 2 * pp
+
+
+def test_v_placement_hands_off_inside_a_rank():
+    assert placement("zbv", pp=4, vpp=2) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert placement("dualpipev", pp=2, vpp=2) == (0, 1, 1, 0)
+    assert placement("interleaved", pp=2, vpp=2) == (0, 1, 0, 1) and placement("zbh1", pp=3, vpp=1) == (0, 1, 2)
+    for name in ("zbv", "dualpipev"):
+        _, lowered, _ = _run(name, 4, 8)
+        p2p = {a for steps in lowered.values() for s in steps for a in s if a.kind.value in ("SF", "RF", "SB", "RB")}
+        # chunks 3 and 4 share rank 3: no message crosses between them
+        assert not {a for a in p2p if (a.chunk, a.kind.value) in {(3, "SF"), (4, "RF"), (4, "SB"), (3, "RB")}}
+        assert {a.chunk for a in p2p if a.kind is Kind.SEND_F} == {0, 1, 2, 4, 5, 6}
+    # evaluation runs the same placement forward only
+    where = placement("zbv", pp=2, vpp=2)
+    simulate(lower(forward_only(build("zbv", pp=2, vpp=2, m=4)), num_chunks=4, placement=where),
+             pp=2, placement=where)
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_grad_sync_precedes_each_chunks_last_weight_gradient(name):
+    m = 8
+    _, lowered, _ = _run(name, 4, m)
+    for steps in lowered.values():
+        syncs = [i for i, s in enumerate(steps) if s[0].kind is Kind.GRAD_SYNC]
+        assert len(syncs) == ZERO_BUBBLE[name]
+        for i in syncs:
+            c, nxt = steps[i][0].chunk, steps[i + 1][0]
+            assert nxt.chunk == c and nxt.kind in (Kind.W, Kind.B)
+            later = [a for s in steps[i + 2:] for a in s if a.chunk == c and a.kind in (Kind.W, Kind.B)]
+            assert not later
+            # every input gradient of the chunk has run by then: only weights are left
+            assert not [a for s in steps[i + 1:] for a in s if a.chunk == c and a.kind is Kind.I]
+
+
+def test_split_actions_print_and_parse():
+    for text in ("2I0", "0W13"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("1I3") == Action(1, Kind.I, 3) and Action.parse("1W3").kind is Kind.W
+
+
+def test_simulator_refuses_a_weight_gradient_before_its_input_gradient():
+    bad = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.W, 0),), (Action(0, Kind.I, 0),)]}
+    with pytest.raises(ScheduleError, match="rank 0 runs 0W0 before its input gradient 0I0"):
+        simulate(bad, pp=1)
+
+
+def test_simulator_refuses_a_wrong_order_inside_a_rank():
+    # chunks 0 and 1 on one rank: 1F0 reads 0F0's output, 0I0 reads 1I0's gradient
+    where = (0, 0)
+    ahead = {0: [(Action(1, Kind.F, 0),), (Action(0, Kind.F, 0),)]}
+    with pytest.raises(ScheduleError, match="runs 1F0 before 0F0, which feeds it on this rank"):
+        simulate(ahead, pp=1, placement=where)
+    early = {0: [(Action(0, Kind.F, 0),), (Action(1, Kind.F, 0),), (Action(0, Kind.I, 0),), (Action(1, Kind.I, 0),)]}
+    with pytest.raises(ScheduleError, match="runs 0I0 before 1I0 / 1B0"):
+        simulate(early, pp=1, placement=where)
+
+
+def test_simulator_refuses_freeing_an_activation_after_its_backward():
+    late = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),), (Action(0, Kind.RECV_B, 0),),
+                (Action(0, Kind.I, 0),), (Action(0, Kind.DEALLOC, 0),), (Action(0, Kind.W, 0),)],
+            1: [(Action(1, Kind.RECV_F, 0),), (Action(1, Kind.F, 0),), (Action(1, Kind.B, 0),),
+                (Action(1, Kind.SEND_B, 0),)]}
+    with pytest.raises(ScheduleError, match="rank 0 frees 0D0 after the backward of its micro-batch"):
+        simulate(late, pp=2)
+
+
+def test_dualpipev_needs_a_micro_batch_per_chunk():
+    with pytest.raises(ScheduleError, match=r"at least 2 \* pp = 8 micro-batches .* got m=7"):
+        build("dualpipev", pp=4, vpp=2, m=7)
+    with pytest.raises(ScheduleError, match="vpp=2, got vpp=3"):
+        build("zbv", pp=2, vpp=3, m=4)
+
+
+class Tables(TestCase):
+    def test_zbh1_pp2_m4(self):
+        self.assertExpectedInline(table(_run("zbh1", 2, 4)[1]), """\
+rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0I0       0W0       0F2       0SF2+0RB1 0D2       0I1       0W1       0F3       0SF3+0RB2 0D3       0I2       0W2       0RB3      0I3       0GS3      0W3
+rank 1: 1RF0      1F0       1I0       1SB0+1RF1 1F1       1I1       1SB1      1W0       1RF2      1F2       1I2       1SB2      1W1       1RF3      1F3       1I3       1SB3      1W2       1GS3      1W3""")
+
+    def test_zbv_pp2_m4(self):
+        self.assertExpectedInline(table(_run("zbv", 2, 4)[1]), """\
+rank 0: 3RF0      0F0       0SF0      0F1       0SF1      0F2       0SF2      3F0       3RF1      0D0       0D1       3I0       3SB0      3W0       3F1       0RB0      0D2       3I1       3SB1      3W1       0F3       0SF3      0I0       3RF2      0W0       3F2       0RB1      3I2       3SB2      3W2       0I1       3RF3      0D3       0W1       3F3       0RB2      3I3       3SB3      3GS3      3W3       0I2       0RB3      0W2       0I3       0GS3      0W3
+rank 1: 1RF0      1F0       1RF1      2F0       2SF0      2D0       1F1       1RF2      2F1       2SF1+2RB0 2I0       2RB1      2D1       2W0       1F2       1I0       1SB0      1W0       2F2       2SF2      2I1       1RF3      2W1       1F3       2RB2      1I1       1SB1      1W1       2F3       2SF3      2I2       2RB3      2W2       1I2       1SB2      2I3       1I3       1SB3      1W2       2GS3      2W3       1GS3      1W3""")
+
+    def test_dualpipev_pp2_m4(self):
+        self.assertExpectedInline(table(_run("dualpipev", 2, 4)[1]), """\
+rank 0: 3RF0           0F0            0SF0           0F1            0SF1           0F2            0SF2           3F0            3RF1           0D0            0D1            3I0            3SB0           3W0            3F1            3RF2           0D2            0F3            3B1            0SF3+3SB1+0RB0 3F2            0D3            0B0            3RF3           3B2            3SB2+0RB1      3F3            0B1            0RB2           3GS3           3B3            3SB3           0I2            0RB3           0W2            0I3            0GS3           0W3
+rank 1: 1RF0           1F0            1RF1           2F0            2SF0           2D0            1F1            1RF2           2F1            2SF1           1F2            2RB0           2B0            1RF3           2D1            2F2            1B0            2SF2+1SB0+2RB1 1F3            2D2            2B1            2RB2           2F3            1B1            2SF3+1SB1      2B2            2RB3           2D3            1B2            1SB2           2I3            1I3            1SB3           2GS3           2W3            1GS3           1W3""")
