@@ -79,9 +79,11 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
     names = params + buffers
 
-    def chunk_fn(*args):
+    def chunk_fn(*args):  # an Interpreter, so each traced op inherits its node's recompute tag
         state = dict(zip(names, args[: len(names)]))
-        return tuple(torch.func.functional_call(flat, state, tuple(args[len(names):])))
+        run = lambda *inputs: fx.Interpreter(flat).run(*inputs)  # noqa: E731
+        with torch.nn.utils.stateless._reparametrize_module(flat, state):
+            return tuple(run(*args[len(names):]))
 
     local = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr" and val(n) is not None}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -93,7 +95,8 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     outputs = len(spec.send) + (2 if spec.is_last else 0)
     partition = min_cut_rematerialization_partition if recompute else default_partition
     kwargs = {"compiler": "aot_eager"} if recompute else {}
-    forward, backward = partition(joint, args, num_fwd_outputs=outputs, **kwargs)
+    with mode:  # the min-cut partitioner makes fake RNG states for recomputed random ops
+        forward, backward = partition(joint, args, num_fwd_outputs=outputs, **kwargs)
     grads = backward.graph.output_node().args[0]
     recv_at = len(names) + num_data
     input_grads = [i for i in range(recv_at, len(args)) if spec.recv[i - recv_at].grad]
