@@ -160,7 +160,7 @@ def test_runtime_materialises_this_ranks_shards(rank):
     full = make_model("gpt", n_layer=1)
     ref = {k: v.clone() for k, v in full.state_dict().items()}
     program = transform(full, make_batch(2, seed=0), tp=2)
-    gm = _materialise(program, Groups(Topology(tp=2, pp=1, dp=1), rank))[0]
+    gm = _materialise(program, Groups(Topology(tp=2, pp=1, dp=1), rank), {})[0]
     assert all(torch.equal(v, ref[k]) for k, v in full.state_dict().items())
     qkv = gm.get_parameter("layers.0.attn.qkv.weight")
     assert qkv.shape == (48, 32)  # (3 x 32 rows) / 2, block by block: q, k and v heads
