@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -41,11 +42,80 @@ def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
     return tuple(c % pp for c in range(pp * vpp))
 
 
-def _positive(owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+class Size(NamedTuple):
+    """The rule of one integer field: its least value, what it counts and, for a field
+    typed ``int | None``, what None means (the words of the error messages)."""
+
+    minimum: int
+    what: str
+    none: str = ""
+
+
+def check_size(name: str, value: object, size: Size) -> None:
+    """Refuse ``value`` for the integer field ``name`` unless it is an int of at least
+    ``size.minimum`` (or None where the field allows it). bool, float and str are refused
+    too: True is an int to Python, but not a size; '2' and 2.0 are near misses the
+    message corrects."""
+    if value is None and size.none:
+        return
+    unset = f", or None ({size.none})" if size.none else ""
+    if type(value) is not int:
+        raise ConfigError(
+            f"{name}={value!r}: {size.what} must be an int, got {type(value).__name__} "
+            f"{value!r}; pass {name}={_meant(value, size)}{unset}"
+        )
+    if value < size.minimum:
+        rule = "a positive integer" if size.minimum == 1 else f"an integer >= {size.minimum}"
+        raise ConfigError(
+            f"{name}={value}: {size.what} must be {rule} (got {value}); "
+            f"pass {name}={size.minimum} or more{unset}"
+        )
+
+
+def _meant(value: object, size: Size) -> int:
+    """The int a mistyped size stands for ('2' -> 2, 2.0 -> 2), else the least valid one."""
+    least = max(size.minimum, 1)
+    if isinstance(value, bool):
+        return least
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return least
+    return int(number) if number.is_integer() and number >= size.minimum else least
+
+
+def check_numbers(owner: object) -> None:
+    """Check every int and float field of the dataclass ``owner`` before any rule reads
+    it, so a wrong type is a ConfigError naming the field, not a TypeError later: ints
+    by their ``Size`` in ``type(owner).SIZES`` (every int field has one), floats by type."""
+    sizes = type(owner).SIZES
+    for f in dataclasses.fields(owner):
+        value, optional = getattr(owner, f.name), f.type.endswith(" | None")
+        if f.type in ("int", "int | None"):
+            size = sizes.get(f.name)
+            assert size is not None, f"{type(owner).__name__}.{f.name} needs a Size in SIZES"
+            assert optional == bool(size.none), f"{f.name}: say in its Size what None means"
+            check_size(f.name, value, size)
+        elif f.type in ("float", "float | None") and not _is_number(value, optional=optional):
+            raise ConfigError(
+                f"{f.name}={value!r} must be a number, got {type(value).__name__} {value!r}; "
+                f"pass {f.name}={_meant_float(value, f.default)}"
+            )
+
+
+def _is_number(value: object, *, optional: bool) -> bool:
+    """An int or a float (not a bool), or None where the field allows it."""
+    if value is None:
+        return optional
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _meant_float(value: object, default: object) -> object:
+    """The float a mistyped number stands for ('0.5' -> 0.5), else the field's default."""
+    try:
+        return float(value) if isinstance(value, str) else default
+    except ValueError:
+        return default
 
 
 @dataclass(frozen=True)
@@ -71,11 +141,16 @@ class ParallelConfig:
     tp_plan: tuple[tuple[str, str], ...] = ()
     """Module-FQN glob -> colwise | rowwise | replicate | vocab, overriding the automatic plan."""
 
+    SIZES: ClassVar[dict[str, Size]] = {
+        "tp": Size(1, "tensor-parallel size"),
+        "pp": Size(1, "pipeline-parallel size"),
+        "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
+        "dp": Size(1, "data-parallel size", "world size // (tp * pp)"),
+    }
+    """The rule of each integer field (``check_numbers``)."""
+
     def __post_init__(self) -> None:
-        _positive(self, "tp", "pp", "vpp")
-        if self.dp is not None and (type(self.dp) is not int or self.dp < 1):
-            raise ConfigError(f"dp must be a positive integer or None, got {self.dp!r}; leave dp "
-                              "unset (None) to take world size // (tp * pp)")
+        check_numbers(self)
         if isinstance(self.tp_plan, dict):
             object.__setattr__(self, "tp_plan", tuple(self.tp_plan.items()))
         if self.sequence_parallel and self.tp == 1:
@@ -203,13 +278,20 @@ class EngineConfig:
     compile: bool = False
     """Run each chunk graph through torch.compile (inductor)."""
 
+    SIZES: ClassVar[dict[str, Size]] = {
+        "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
+        "global_batch_size": Size(1, "global batch size (samples per optimizer step)"),
+        "max_consecutive_skips": Size(0, "skipped steps allowed in a row (0: no limit)"),
+        "bucket_size": Size(1, "gradient bucket size (elements)", "Megatron's max(40M, 1M * dp)"),
+        "recompute_num_layers": Size(0, "number of blocks recomputed per chunk", "all of them"),
+    }
+    """The rule of each integer field (``check_numbers``)."""
+
     def __post_init__(self) -> None:
-        _positive(self, "micro_batch_size", "global_batch_size")
+        check_numbers(self)
         self._check_batch()
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ConfigError(f"bucket_size must be a positive number of elements, got {self.bucket_size}")
         if self.precision not in DTYPES:
             raise ConfigError(
                 f"precision={self.precision!r} is not one of {tuple(DTYPES)}"
@@ -217,17 +299,19 @@ class EngineConfig:
             )
         if self.on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be 'skip' or 'raise'")
-        if self.skip_on_grad_norm_above < 0 or self.max_consecutive_skips < 0 or self.comm_timeout_s <= 0:
+        if self.skip_on_grad_norm_above < 0 or self.comm_timeout_s <= 0:
             raise ConfigError(
-                "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
-                f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
+                "skip_on_grad_norm_above must be >= 0 and comm_timeout_s > 0; "
+                f"got {self.skip_on_grad_norm_above} and {self.comm_timeout_s}"
             )
         if self.recompute not in GRANULARITIES:
             raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
                               + closest(self.recompute, GRANULARITIES))
-        if self.recompute_num_layers is not None and (self.recompute != "full" or self.recompute_num_layers < 0):
-            raise ConfigError(f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' and a "
-                              "count >= 0 (blocks recomputed per chunk; None: all)")
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            raise ConfigError(
+                f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' (got "
+                f"recompute={self.recompute!r}); set recompute='full' or leave it None"
+            )
         if self.p2p not in ("auto", *P2P_MODES):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
@@ -331,6 +415,8 @@ def batch_dim(example: tuple[torch.Tensor, ...], micro_batch_size: int | None) -
             f"{[tuple(t.shape) for t in example]}"
         )
     (b,) = rows
+    if micro_batch_size is not None:
+        check_size("micro_batch_size", micro_batch_size, EngineConfig.SIZES["micro_batch_size"])
     if micro_batch_size is not None and micro_batch_size != b:
         raise ConfigError(
             f"the example inputs' batch dimension is {b}, but micro_batch_size="
@@ -366,7 +452,7 @@ def make_config(
                 f"unknown option {name!r}" + closest(name, sorted(_LAYOUT | _ENGINE_OPTIONS))
             )
     parallel = ParallelConfig(
-        tp=tp, pp=pp, dp=dp if world is not None else (dp or 1),
+        tp=tp, pp=pp, dp=1 if world is None and dp is None else dp,
         split_points=tuple(split_points) if split_points is not None else None,
         tp_plan=tuple((tp_plan or {}).items()),
         **{k: v for k, v in options.items() if k in _LAYOUT},
@@ -375,7 +461,7 @@ def make_config(
     mbs = batch_dim(example, micro_batch_size)
     return EngineConfig(
         micro_batch_size=mbs,
-        global_batch_size=global_batch_size or mbs * parallel.dp,
+        global_batch_size=mbs * parallel.dp if global_batch_size is None else global_batch_size,
         parallel=parallel,
         **{k: v for k, v in options.items() if k not in _LAYOUT},
     )

@@ -20,6 +20,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg import checkpoint, trace
-from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
+from fxmeg.config import EngineConfig, ParallelConfig, Size, check_numbers, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
 from fxmeg.lr_schedule import LRSchedule
@@ -123,12 +124,27 @@ class TrainConfig:
     engine: EngineConfig = _ENGINE
     """Engine options and, in engine.parallel, the layout (flat names: see from_flat)."""
 
+    SIZES: ClassVar[dict[str, Size]] = {
+        "seq_len": Size(1, "sequence length (tokens per sample)"),
+        "seed": Size(0, "random seed"),
+        "train_iters": Size(0, "number of training steps"),
+        "train_samples": Size(0, "number of training samples"),
+        "exit_interval": Size(0, "save-and-stop interval in steps (0: never)"),
+        "lr_warmup_samples": Size(0, "learning-rate warmup in samples"),
+        "lr_decay_samples": Size(0, "learning-rate decay in samples (0: the whole run)"),
+        "eval_interval": Size(0, "evaluation interval in steps (0: only at the end)"),
+        "eval_iters": Size(1, "number of validation batches per evaluation"),
+        "log_interval": Size(1, "log interval in steps"),
+        "save_interval": Size(0, "checkpoint interval in steps (0: only at the end)"),
+        "keep_last": Size(0, "number of checkpoints kept (0: all)"),
+        "trace_interval": Size(1, "trace interval in steps"),
+    }
+    """The rule of each integer field (``check_numbers``)."""
+
     def __post_init__(self) -> None:
+        check_numbers(self)
         if (self.train_iters > 0) == (self.train_samples > 0):
             raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
-        for name in ("seq_len", "log_interval", "eval_iters", "trace_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.data:
             raise ConfigError("data is required: the prefix of a corpus from `fxmeg prepare-data`")
         if self.engine.lr_schedule is not None:

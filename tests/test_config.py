@@ -3,10 +3,12 @@ names (flags, config-file keys) map onto the nested fields, dp resolves from the
 
 import argparse
 import dataclasses
+import re
+import tempfile
 
 import pytest
 
-from fxmeg.cli import _train_parser
+from fxmeg.cli import _train_parser, main
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError
 from fxmeg.trainer import TrainConfig, batch_size_schedule, flat_fields
@@ -41,7 +43,8 @@ def test_dp_none_resolves_from_the_world_and_a_mismatch_is_refused():
         par.resolve(6)
     with pytest.raises(ConfigError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 does not match the world size 8"):
         dataclasses.replace(par, dp=1).resolve(8)
-    with pytest.raises(ConfigError, match="dp must be a positive integer or None"):
+    with pytest.raises(ConfigError, match=r"dp=0: data-parallel size must be a positive integer \(got 0\); "
+                                          r"pass dp=1 or more, or None \(world size // \(tp \* pp\)\)"):
         ParallelConfig(dp=0)
 
 
@@ -118,3 +121,103 @@ def test_zero_bubble_schedules_check_vpp_and_micro_batches():
     with pytest.raises(ConfigError, match=r"dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=4"):
         dual.resolve(8)  # dp = 2
     EngineConfig(micro_batch_size=1, global_batch_size=3, parallel=ParallelConfig(pp=4, vpp=2, schedule="zbv")).resolve(4)
+
+
+# ---------------------------------------------------------------- sizes and numbers
+
+CLASSES = (ParallelConfig, EngineConfig, TrainConfig)
+REQUIRED = {EngineConfig: {"micro_batch_size": 2, "global_batch_size": 4},
+            TrainConfig: {"data": "x", "train_iters": 1}}
+"""The fields each class cannot be built without."""
+CONTEXT = {"train_iters": {"train_samples": 8}, "recompute_num_layers": {"recompute": "full"},
+           "global_batch_size": {"micro_batch_size": 1}}
+"""Other fields that a field's least value needs to pass the cross-field rules."""
+INTS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("int", "int | None")}
+FLOATS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("float", "float | None")}
+
+
+def _build(cls, **values):
+    """``cls`` with ``values`` set directly, and a TrainConfig with them set through the
+    flat names of `fxmeg train` (flags, config-file keys)."""
+    direct = cls(**{**REQUIRED.get(cls, {}), **values})
+    flat = TrainConfig.from_flat(**{**REQUIRED[TrainConfig], **values})
+    return direct, flat
+
+
+def _refused(cls, name, value, message):
+    """Both ways of setting ``name`` (as ``_build``) fail with a message starting ``message``."""
+    for way in (lambda: cls(**{**REQUIRED.get(cls, {}), name: value}),
+                lambda: TrainConfig.from_flat(**{**REQUIRED[TrainConfig], name: value})):
+        with pytest.raises(ConfigError) as err:
+            way()
+        assert str(err.value).startswith(message), str(err.value)
+
+
+def test_every_integer_field_has_a_rule():
+    for cls in CLASSES:
+        assert set(cls.SIZES) == {n for n, c in INTS.items() if c is cls}, cls.__name__
+    assert {"tp", "pp", "vpp", "dp", "micro_batch_size", "bucket_size", "log_interval"} <= set(INTS)
+
+
+@pytest.mark.parametrize("name", sorted(INTS))
+def test_an_integer_field_refuses_a_wrong_type_or_a_too_small_value(name):
+    cls = INTS[name]
+    size, optional = cls.SIZES[name], cls.__dataclass_fields__[name].type == "int | None"
+    least, none = size.minimum, f", or None ({size.none})" if optional else ""
+    rule = "a positive integer" if least == 1 else f"an integer >= {least}"
+    _refused(cls, name, least - 1, f"{name}={least - 1}: {size.what} must be {rule} (got {least - 1}); "
+                                   f"pass {name}={least} or more{none}")
+    good = least + 1
+    _refused(cls, name, str(good), f"{name}='{good}': {size.what} must be an int, got str '{good}'; pass {name}={good}")
+    _refused(cls, name, float(good), f"{name}={float(good)}: {size.what} must be an int, got float {float(good)}; "
+                                     f"pass {name}={good}")
+    _refused(cls, name, True, f"{name}=True: {size.what} must be an int, got bool True; pass {name}=")
+    if not optional:
+        _refused(cls, name, None, f"{name}=None: {size.what} must be an int, got NoneType None")
+    for value in (least, None) if optional else (least,):
+        values = {**CONTEXT.get(name, {}), name: value}
+        direct, flat = _build(cls, **values)
+        assert getattr(direct, name) == value and flat.flat()[name] == value
+
+
+@pytest.mark.parametrize("name", sorted(FLOATS))
+def test_a_float_field_refuses_a_string_or_a_bool(name):
+    cls = FLOATS[name]
+    _refused(cls, name, "0.5", f"{name}='0.5' must be a number, got str '0.5'; pass {name}=0.5")
+    default = cls.__dataclass_fields__[name].default
+    _refused(cls, name, False, f"{name}=False must be a number, got bool False; pass {name}={default}")
+
+
+def test_parallelize_refuses_sizes_before_capture():
+    import fxmeg
+    from tests.helpers import make_batch, make_model
+
+    model, example = make_model("gpt", n_layer=1), make_batch(2, seed=0)
+    for options, message in [
+        ({"pp": 0}, "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"),
+        ({"tp": "2"}, "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"),
+        ({"dp": 0}, "dp=0: data-parallel size must be a positive integer (got 0)"),
+        ({"micro_batch_size": -1},
+         "micro_batch_size=-1: micro-batch size (samples on one rank) must be a positive integer (got -1)"),
+        ({"global_batch_size": 0}, "global_batch_size=0: global batch size"),
+        ({"bucket_size": 2.5},
+         "bucket_size=2.5: gradient bucket size (elements) must be an int, got float 2.5; pass bucket_size=1, or None"),
+    ]:
+        for call in (fxmeg.parallelize, fxmeg.transform):
+            with pytest.raises(ConfigError, match="^" + re.escape(message)):
+                call(model, example, **options)
+
+
+@pytest.mark.parametrize("source", ["flag", "file"])
+def test_fxmeg_train_reports_the_same_size_error(source):
+    args = ["train", "--data", "x", "--train-iters", "1"]
+    if source == "flag":
+        args += ["--pp", "0"]
+        message = "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            f.write('tp = "2"\n')
+        args += ["--config", f.name]
+        message = "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        main(args)

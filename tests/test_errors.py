@@ -129,6 +129,13 @@ def _half_meta():
 
 # row id -> (set-up returning the failing call, or the failing call itself; message)
 ROWS = {
+    "size-zero": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=0),
+                  "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"),
+    "size-type": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), tp="2"),
+                  "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"),
+    "size-negative": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=-4),
+                      ("global_batch_size=-4: global batch size (samples per optimizer step) must be a "
+                       "positive integer (got -4)")),
     "world-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, dp=2),
                    "tp * pp * dp = 1 * 2 * 2 = 4 does not match the world size 2"),
     "global-batch": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=6),

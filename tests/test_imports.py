@@ -34,6 +34,41 @@ def test_passes_do_not_reach_runtime():
     assert not paths, f"fxmeg.passes modules that import fxmeg.runtime:\n{_show(paths)}"
 
 
+def _imported_top_levels(*folders: str) -> set[str]:
+    """The top-level names every ``import`` / ``from ... import`` in the folders reads."""
+    import ast
+
+    names = set()
+    for folder in folders:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_core_dependency_is_imported_by_the_package():
+    """pyproject's dependencies are what the installed packages (fxmeg, models) import:
+    none declared for nothing (a test-only one, such as einops for the zoo, goes in the
+    test extra)."""
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(REPO / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    declared = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("-", "_")
+                for d in project["dependencies"]}
+    unused = declared - _imported_top_levels("fxmeg", "models")
+    assert not unused, f"declared in pyproject.toml, imported by no fxmeg / models module: {sorted(unused)}"
+    extras = project["optional-dependencies"]
+    assert "te" not in extras and "einops" in " ".join(extras["test"])  # einops: tests only
+
+
 # ---- the checker itself, on synthetic packages ---------------------------------------
 
 

@@ -324,6 +324,55 @@ def test_einsum_attention_with_a_mask_per_head():
     assert [(s.args[0].target, s.args[1:3]) for s in slices] == [("bias", (0, 2))]  # this rank's heads
 
 
+class _EinopsAttention(nn.Module):
+    """Attention written in einops, as x-transformers ('separate': to_q, to_k, to_v) and
+    vit-pytorch ('chunk': to_qkv(x).chunk(3)) write it: rearrange splits the heads out of
+    the projections and merges them back before to_out."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        names = ("to_q", "to_k", "to_v") if style == "separate" else ("to_qkv",)
+        width = 16 if style == "separate" else 48
+        block = {n: nn.Linear(16, width, bias=False) for n in names} | {"to_out": nn.Linear(16, 16)}
+        self.emb, self.head = nn.Embedding(128, 16), nn.Linear(16, 128)
+        self.layers = nn.ModuleList([nn.ModuleDict(block)])
+
+    def forward(self, ids, labels):
+        from einops import einsum, rearrange
+
+        x, block = self.emb(ids), self.layers[0]
+        if self.style == "separate":
+            qkv = [block[n](x) for n in ("to_q", "to_k", "to_v")]
+        else:
+            qkv = block["to_qkv"](x).chunk(3, dim=-1)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=4) for t in qkv)  # (b, 4 heads, n, 4)
+        attn = (einsum(q, k, "b h i d, b h j d -> b h i j") * 0.5).softmax(-1)
+        out = einsum(attn, v, "b h i j, b h j d -> b h i d")
+        x = x + block["to_out"](rearrange(out, "b h n d -> b n (h d)"))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("style", ["separate", "chunk"])
+def test_einops_rearrange_keeps_the_head_split(style):
+    """einops traces to aten reshape / permute: at tp=2 the head split reshapes to this
+    rank's 2 of 4 heads, the merge to 2 x 4 features, and the projections are split
+    column-wise (by q / k / v block when fused) and to_out row-wise."""
+    pytest.importorskip("einops")
+    program = transform(_EinopsAttention(style), make_batch(2, seed=0), tp=2)
+    gm = program.chunks[0]
+    reshapes = _local(gm, torch.ops.aten.reshape.default)
+    assert reshapes == [(2, 16, 2, 4)] * 3 + [(2, 16, 8)]  # (b, n, heads, d) x q, k, v; (b, n, h * d)
+    assert _local(gm, torch.ops.aten.einsum.default) == [(2, 2, 16, 16), (2, 2, 16, 4)]
+    tags = _tags(gm)
+    if style == "separate":
+        assert all(tags[f"layers.0.to_{n}.weight"] == ("shard", 0, (16,)) for n in "qkv")
+    else:
+        assert tags["layers.0.to_qkv.weight"] == ("shard", 0, (16, 16, 16))
+    assert tags["layers.0.to_out.weight"] == ("shard", 1, (16,))
+    assert tags["layers.0.to_out.bias"] == ("replicate", False)  # added after the all-reduce
+
+
 def test_a_contraction_over_split_heads_is_refused():
     with pytest.raises(PassError) as err:
         _tp(_EinsumAttention(contract_split=True))
