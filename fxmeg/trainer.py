@@ -331,26 +331,30 @@ class Trainer:
         """Train until an exit condition; the last train log and evaluation numbers."""
         cfg = self.cfg
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
-        start = window_start = time.monotonic()
-        window: list = []
+        start = time.monotonic()
+        window: list = []  # (result, global batch size, seconds) of each step since the last log
         reason = "done"
         try:
             while not self._finished():
                 self._switch_batch_size()
                 size = self.engine.config.global_batch_size
                 traced = bool(cfg.trace) and (self.iteration + 1) % cfg.trace_interval == 0
+                tick = time.perf_counter()
                 result = self.engine.train_step(self._train_batch(size), check_determinism=cfg.check_determinism,
                                                 trace=traced)
+                # throughput counts the steps alone: evaluation, saving, logging, traces and
+                # the exit vote stay out (Megatron stops 'interval-time' around eval and save)
+                seconds = time.perf_counter() - tick
                 self.iteration += 1
                 if traced:
                     self._write_trace()
                 self.consumed += size
                 self.skipped += result.skipped
                 self._report_step(result)
-                window.append((result, size))
+                window.append((result, size, seconds))
                 if self.iteration % cfg.log_interval == 0:
-                    self._log(window, time.monotonic() - window_start)
-                    window, window_start = [], time.monotonic()
+                    self._log(window)
+                    window = []
                 if cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                     self.evaluate()
                 if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
@@ -448,7 +452,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """eval_iters batches of the persistent sequential validation stream
-        (docs/design.md §8.9)."""
+        (docs/design.md §8.9); its seconds as eval_time."""
+        tick = time.perf_counter()
         size = self.engine.config.global_batch_size
         m = size // (self.engine_config.micro_batch_size * self.dp)
         loss_sum = tokens = 0.0
@@ -461,16 +466,21 @@ class Trainer:
             loss_sum += r.loss * r.num_tokens
             tokens += r.num_tokens
         loss = loss_sum / max(tokens, 1.0)
-        out = {"iteration": self.iteration, "valid_loss": loss, "valid_ppl": perplexity(loss)}
+        out = {"iteration": self.iteration, "valid_loss": loss, "valid_ppl": perplexity(loss),
+               "eval_time": time.perf_counter() - tick}
         self.last_eval = out
         self.metrics.record("eval", out)
         self.metrics.say(f"validation at iteration {self.iteration}: loss {loss:.4f}, perplexity {out['valid_ppl']:.2f}")
         return out
 
-    def _log(self, window: list, elapsed: float) -> dict:
-        ok = [r for r, _ in window if not r.skipped]
-        samples = sum(size for _, size in window)
-        flops = sum(self.engine.model_flops_per_step * size / self.engine.config.global_batch_size for _, size in window)
+    def _log(self, window: list) -> dict:
+        """The train record of the steps in ``window``; time, tokens/s and FLOP/s from the
+        steps' own seconds."""
+        ok = [r for r, _, _ in window if not r.skipped]
+        samples = sum(size for _, size, _ in window)
+        elapsed = sum(seconds for _, _, seconds in window)
+        per_sample = self.engine.model_flops_per_step / self.engine.config.global_batch_size
+        flops = sum(per_sample * size for _, size, _ in window)
         norms = [r.grad_norm for r in ok]
         values = {
             "iteration": self.iteration,
@@ -507,11 +517,15 @@ class Trainer:
         return values
 
     def save(self) -> None:
-        """Checkpoint this iteration (collective; in the background with async_save)."""
+        """Checkpoint this iteration (collective; in the background with async_save). The
+        seconds the loop waited, as save_time: the whole save, or with async_save the wait
+        for the previous one and the snapshot."""
+        tick = time.perf_counter()
         state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
                  "skipped": self.skipped, "config": dataclasses.asdict(self.cfg)}
         path = self.checkpointer.save(self.cfg.save, self.iteration, state)
-        self.metrics.record("event", {"iteration": self.iteration, "save_started": path})
+        self.metrics.record("event", {"iteration": self.iteration, "save_started": path,
+                                      "save_time": time.perf_counter() - tick})
 
     def _resume(self) -> None:
         state = self.checkpointer.load(self.cfg.load)

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,3 +131,45 @@ def test_exit_duration_stops_after_the_step_in_progress(corpus, tmp_path):
     out = Trainer(cfg).run()
     assert out["exit"] == "exit_duration_in_mins" and out["iteration"] == 1
     assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000001"
+
+
+class _Clock:
+    """fxmeg.trainer's clock in a test: it moves only by the seconds the wrapped calls take."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def taking(self, seconds, fn):
+        def timed(*args, **kw):
+            self.now += seconds
+            return fn(*args, **kw)
+
+        return timed
+
+
+def test_throughput_excludes_evaluation_and_saving(corpus, tmp_path, monkeypatch):
+    # log intervals 1-4, 5-8, 9-12; an evaluation and a save after step 6, inside the second
+    cfg = _config(corpus, tmp_path, train_iters=12, log_interval=4, eval_interval=6, eval_iters=1,
+                  save=str(tmp_path / "ckpt"), save_interval=6)
+    t = Trainer(cfg)
+    clock = _Clock()  # fake: on a shared CPU the real step time varies 100x
+    monkeypatch.setattr("fxmeg.trainer.time", SimpleNamespace(perf_counter=clock, monotonic=clock))
+    monkeypatch.setattr(t.engine, "train_step", clock.taking(0.01, t.engine.train_step))
+    monkeypatch.setattr(t.engine, "eval_step", clock.taking(1.0, t.engine.eval_step))
+    monkeypatch.setattr(t.checkpointer, "save", clock.taking(2.0, t.checkpointer.save))
+    t.run()
+    records = read(cfg.run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["iteration"] for r in train] == [4, 8, 12]
+    flops = t.engine.model_flops_per_step / 0.01 / 1e12
+    for r in train:  # the second interval as the others: the steps' 0.04 s alone
+        assert r["iteration_time"] == pytest.approx(0.01)
+        assert r["tokens_per_s"] == pytest.approx(8 * 32 / 0.01)
+        assert r["tflops_per_rank"] == pytest.approx(flops)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [(r["iteration"], r["eval_time"]) for r in evals] == [(6, pytest.approx(1.0)), (12, pytest.approx(1.0))]
+    saves = [r for r in records if "save_started" in r]
+    assert saves[0]["iteration"] == 6 and all(r["save_time"] == pytest.approx(2.0) for r in saves)
