@@ -202,6 +202,12 @@ class EngineConfig:
     """With recompute='full': only the first this many blocks of each chunk (None: all)."""
     compile: bool = False
     """Run each chunk graph through torch.compile (inductor)."""
+    broadcast_params: bool = False
+    """At start-up, copy the first replica's parameters to the others (Megatron's
+    broadcast_params) instead of refusing replicas that differ."""
+    check_replicas_interval: int = 0
+    """Before every this many steps, check that replicas still hold the same parameters
+    (0: only at start-up)."""
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size")
@@ -222,6 +228,9 @@ class EngineConfig:
                 "skip_on_grad_norm_above and max_consecutive_skips must be >= 0, comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above}, {self.max_consecutive_skips}, {self.comm_timeout_s}"
             )
+        if type(self.check_replicas_interval) is not int or self.check_replicas_interval < 0:
+            raise ConfigError(f"check_replicas_interval must be an integer >= 0 (steps between checks; 0: only "
+                              f"at start-up), got {self.check_replicas_interval!r}")
         if self.recompute not in GRANULARITIES:
             raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
                               + closest(self.recompute, GRANULARITIES))
