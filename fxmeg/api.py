@@ -74,6 +74,11 @@ def parallelize(
     device). ``device`` is where a meta model computes (default: the example's device,
     else the current accelerator, else the CPU).
 
+    Ranks that must hold the same values (data-parallel replicas, tensor-parallel peers,
+    the holders of a tied weight) are checked to do so, by parameter hashes: a rank that
+    initialised differently raises ``ReplicaError`` on every rank, or, with
+    ``broadcast_params=True``, receives the first replica's values.
+
     After this call the user's module holds only what this rank trains: every other
     parameter (another pipeline stage's, or the full tensor of a tensor-parallel shard)
     is a meta tensor. Read the whole model with ``Engine.full_state_dict()``.
@@ -139,7 +144,9 @@ class Engine:
         ``check_determinism`` runs forward and backward twice on the batch (Megatron's
         rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
         differed; the step then uses the second run. ``trace`` records this step's
-        timeline in ``context.tracer.events`` (see fxmeg.trace)."""
+        timeline in ``context.tracer.events`` (see fxmeg.trace). With
+        ``check_replicas_interval=N``, every N-th call first checks that replicas still hold
+        the same parameters (``ReplicaError`` on every rank if not)."""
         return step.train_step(self.program, self.context, batch, check_determinism=check_determinism, trace=trace)
 
     def eval_step(self, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None) -> EvalResult:

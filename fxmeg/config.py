@@ -277,6 +277,12 @@ class EngineConfig:
     """With recompute='full': only the first this many blocks of each chunk (None: all)."""
     compile: bool = False
     """Run each chunk graph through torch.compile (inductor)."""
+    broadcast_params: bool = False
+    """At start-up, copy the first replica's parameters to the others (Megatron's
+    broadcast_params) instead of refusing replicas that differ."""
+    check_replicas_interval: int = 0
+    """Before every this many steps, check that replicas still hold the same parameters
+    (0: only at start-up)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
@@ -304,6 +310,9 @@ class EngineConfig:
                 "skip_on_grad_norm_above must be >= 0 and comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above} and {self.comm_timeout_s}"
             )
+        if type(self.check_replicas_interval) is not int or self.check_replicas_interval < 0:
+            raise ConfigError(f"check_replicas_interval must be an integer >= 0 (steps between checks; 0: only "
+                              f"at start-up), got {self.check_replicas_interval!r}")
         if self.recompute not in GRANULARITIES:
             raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
                               + closest(self.recompute, GRANULARITIES))

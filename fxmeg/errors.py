@@ -47,3 +47,15 @@ class InitError(FxmegError):
 
 class WeightsError(FxmegError):
     """Initial weights that are missing, unreadable or do not fit the model."""
+
+
+class ReplicaError(FxmegError):
+    """Ranks that must hold the same parameter values (data- or tensor-parallel replicas,
+    the holders of a tied weight) do not."""
+
+    def __init__(self, message: str, *, parameter: str, ranks: list[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        """The first differing parameter in the Program's order."""
+        self.ranks = ranks
+        """(rank, the rank it was compared with) for each rank holding it differently."""

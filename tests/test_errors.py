@@ -249,7 +249,8 @@ def test_refused_with_its_cause_before_any_collective(results, row):
 
 def test_the_table_in_docs_lists_every_row():
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
-    with open(path) as f:
-        documented = re.findall(r"^\| `([a-z0-9-]+)` \|", f.read(), flags=re.M)
+    with open(path) as f:  # the first table; later sections' rows are collective checks, tested elsewhere
+        first = f.read().split("\n## ")[0]
+    documented = re.findall(r"^\| `([a-z0-9-]+)` \|", first, flags=re.M)
     assert sorted(documented) == sorted(list(ROWS) + list(SET_UP))
     assert len(documented) >= 15

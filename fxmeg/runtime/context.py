@@ -5,7 +5,9 @@ factory builds, and so how the distributed optimizer shards: checked before anyt
 else); the process groups; this
 rank's chunks, bound (copies of the Program's chunk graphs whose tensor-parallel
 parameters are materialised as this rank's shards, and whose symbolic group names and
-param-gather markers point at this rank's objects); the data-parallel gradient buffers;
+param-gather markers point at this rank's objects); the check that replicas hold the same
+values (``runtime/replicas.py``; with ``broadcast_params`` the first replica's values
+copied first); the data-parallel gradient buffers;
 the optimizer with its fp32 masters; the loss scaler and lr scheduler; the schedule; and
 the executor. Everything a step needs is in the returned ``RankContext``; nothing is
 global.
@@ -26,7 +28,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.program import Program
-from fxmeg.runtime import collectives, schedules
+from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, build_groups
@@ -90,6 +92,8 @@ class RankContext:
     steps: list[schedules.Step] = field(init=False)
     """This rank's lowered training steps."""
     consecutive_skips: int = 0
+    steps_taken: int = 0
+    """train_step calls so far (``check_replicas_interval`` counts them)."""
 
     def __post_init__(self) -> None:
         self.set_global_batch_size(self.config.global_batch_size)
@@ -127,6 +131,10 @@ def build_context(
     local = _local_values(program, groups, source)
     chunks = _materialise(program, groups, local)
     masters = _local_masters(program, groups, local)
+    # before release (the user's full tensors are compared over tp) and before gradient
+    # buffers and optimizer read the values
+    replicas.agree(program, groups, replicas.at_start(program, chunks, masters, local), device=program.device,
+                   broadcast=config.broadcast_params)
     whole = {n: t for n, t in local.items() if n in _whole_names(program)}
     if model is not None:
         release(model, program, chunks, whole)

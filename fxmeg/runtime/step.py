@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fxmeg.errors import FxmegError
 from fxmeg.program import Program
+from fxmeg.runtime import replicas
 from fxmeg.runtime.batches import Batch, microbatches
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.ddp import finalize_model_grads
@@ -54,6 +55,10 @@ def train_step(
     check_determinism: bool = False, trace: bool = False,
 ) -> StepResult:
     """One optimizer step (see ``fxmeg.Engine.train_step``)."""
+    interval = ctx.config.check_replicas_interval
+    if interval and ctx.steps_taken % interval == 0:
+        check_replicas(program, ctx)
+    ctx.steps_taken += 1
     ctx.tracer.begin_step(trace)
     step_start = time.perf_counter_ns()
     mbs = microbatches(program, ctx, batch, ctx.config.num_microbatches)
@@ -79,6 +84,14 @@ def train_step(
         grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
         skip_reason=outcome.skip_reason, rerun_mismatch=mismatch,
     )
+
+
+def check_replicas(program: Program, ctx: RankContext) -> None:
+    """Raise ReplicaError on every rank when replicas no longer hold the same parameters
+    (before a step: a drifted replica trains no further). Collective."""
+    ctx.ddp.wait_for_params()  # overlap_param_gather: the last step's gathers may be in flight
+    replicas.agree(program, ctx.groups, replicas.now(program, ctx.named_parameters), device=ctx.device,
+                   step=ctx.steps_taken + 1)
 
 
 @torch.no_grad()
