@@ -4,8 +4,9 @@ tp=2 x pp=2 x dp=2:
     pip install 'fxmeg[hf]'
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/torchrun_hf_llama.py [--steps 30]
 
-(dp is the world size over tp x pp: 4 ranks train with dp=1.) fxmeg passes labels and use_cache=False and takes .loss itself; Hugging Face causal LMs
-shift the labels, so labels are the input ids.
+(dp is the world size over tp x pp: on 4 ranks it trains with dp=1.) fxmeg passes labels
+and use_cache=False and takes .loss itself; Hugging Face causal LMs shift the labels, so
+labels are the input ids.
 """
 
 import argparse
