@@ -2,11 +2,14 @@
 tp=2 x pp=2 x dp=2:
 
     pip install 'fxmeg[hf]'
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/torchrun_hf_llama.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/torchrun_hf_llama.py [--steps 30]
 
-fxmeg passes labels and use_cache=False and takes .loss itself; Hugging Face causal LMs
-shift the labels, so labels are the input ids.
+(dp is the world size over tp x pp: on 4 ranks it trains with dp=1.) fxmeg passes labels
+and use_cache=False and takes .loss itself; Hugging Face causal LMs shift the labels, so
+labels are the input ids.
 """
+
+import argparse
 
 import torch
 import torch.distributed as dist
@@ -14,6 +17,9 @@ import transformers
 
 import fxmeg
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=30, help="training steps")
+steps = parser.parse_args().steps
 dist.init_process_group("gloo")
 torch.manual_seed(0)  # the same initial model on every rank
 config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -31,8 +37,8 @@ def batch(step: int, rows: int = 32, seq: int = 32):
 ids, labels = batch(0)
 engine = fxmeg.parallelize(model, (ids[:4], labels[:4]), tp=2, pp=2, global_batch_size=32,
                            optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3))
-for step in range(1, 31):
+for step in range(1, steps + 1):
     result = engine.train_step(batch(step))
-    if dist.get_rank() == 0 and step % 5 == 0:
+    if dist.get_rank() == 0 and (step % 5 == 0 or step == steps):
         print(f"step {step} loss {result.loss:.4f}", flush=True)
 dist.destroy_process_group()

@@ -1,12 +1,15 @@
-"""`fxmeg prepare-data`, `fxmeg train` (its own ranks via torch's elastic launcher),
-`fxmeg plot`, and SIGTERM, as a user runs them."""
+"""`fxmeg prepare-data`, `fxmeg train` (its own ranks via torch's elastic launcher, or
+two torchrun "nodes"), `fxmeg plot`, and SIGTERM, as a user runs them."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -144,3 +147,47 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
     losses = {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
     reference = {r["iteration"]: r["loss"] for r in read(str(tmp_path / "whole")) if r["kind"] == "train"}
     assert [losses[i] for i in range(11, 21)] == [reference[i] for i in range(11, 21)]  # exact, fp32
+
+
+def _two_nodes(*args: str) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 2`` twice on this machine, each launcher a
+    "node" joining the same c10d rendezvous, running ``fxmeg train ARGS``."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    run_id = uuid.uuid4().hex
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
+         "-m", "fxmeg.cli", "train", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, outs):
+        assert node.returncode == 0, err[-3000:]
+
+
+def test_two_torchrun_nodes_train_save_and_resume_exactly(corpus, tmp_path):
+    """tp=2 x pp=2 over two launchers of 2 ranks each: a 6-step run saving at 3 and 6, then
+    the same two nodes resume from step 3: steps 4-6 and the evaluation bitwise as before."""
+    ckpt = str(tmp_path / "ckpt")
+    args = ["--data", corpus, "--model-args", MODEL, "--tp", "2", "--pp", "2", "--seq-len", "64",
+            "--global-batch-size", "16", "--train-iters", "6", "--lr", "3e-3", "--lr-decay-samples", "400",
+            "--log-interval", "1", "--eval-iters", "1", "--no-progress"]
+    _two_nodes(*args, "--save", ckpt, "--save-interval", "3", "--run-dir", str(tmp_path / "whole"))
+    shutil.rmtree(os.path.join(ckpt, "iter_0000006"))  # resume from step 3
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("iter_0000003")
+    _two_nodes(*args, "--load", ckpt, "--run-dir", str(tmp_path / "resumed"))
+    whole, resumed = read(str(tmp_path / "whole")), read(str(tmp_path / "resumed"))
+    losses = {r["iteration"]: r["loss"] for r in whole if r["kind"] == "train"}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert {r["iteration"]: r["loss"] for r in resumed if r["kind"] == "train"} == {i: losses[i] for i in (4, 5, 6)}
+    assert [(r["iteration"], r["valid_loss"]) for r in resumed if r["kind"] == "eval"] == [
+        (r["iteration"], r["valid_loss"]) for r in whole if r["kind"] == "eval"]  # step 6, bitwise
+    (memory,) = [r for r in whole if r["kind"] == "memory"]
+    assert [s["stage"] for s in memory["stages"]] == [0, 1]
