@@ -290,6 +290,7 @@ class EngineConfig:
         "max_consecutive_skips": Size(0, "skipped steps allowed in a row (0: no limit)"),
         "bucket_size": Size(1, "gradient bucket size (elements)", "Megatron's max(40M, 1M * dp)"),
         "recompute_num_layers": Size(0, "number of blocks recomputed per chunk", "all of them"),
+        "check_replicas_interval": Size(0, "steps between replica checks (0: only at start-up)"),
     }
     """The rule of each integer field (``check_numbers``)."""
 
@@ -310,9 +311,6 @@ class EngineConfig:
                 "skip_on_grad_norm_above must be >= 0 and comm_timeout_s > 0; "
                 f"got {self.skip_on_grad_norm_above} and {self.comm_timeout_s}"
             )
-        if type(self.check_replicas_interval) is not int or self.check_replicas_interval < 0:
-            raise ConfigError(f"check_replicas_interval must be an integer >= 0 (steps between checks; 0: only "
-                              f"at start-up), got {self.check_replicas_interval!r}")
         if self.recompute not in GRANULARITIES:
             raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
                               + closest(self.recompute, GRANULARITIES))
