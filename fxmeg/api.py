@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.capture import LossFn
-from fxmeg.config import EngineConfig, batch_dim, make_config
+from fxmeg.config import EngineConfig, Example, batch_dim, make_config
 from fxmeg.errors import ConfigError
 from fxmeg.materialize import InitFn, value_source
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
-from fxmeg.runtime.batches import Batch, needs_data
+from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory
 from fxmeg.runtime.state import gather_full_state
@@ -33,7 +33,7 @@ __all__ = ["Engine", "EvalResult", "ParamError", "StepResult", "VerifyResult", "
 
 def parallelize(
     model: nn.Module,
-    example_inputs: Batch,
+    example_inputs: Example,
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
@@ -48,7 +48,11 @@ def parallelize(
     with Megatron-LM's semantics on this process's rank.
 
     ``example_inputs`` is one micro-batch, e.g. ``(input_ids, labels)``; the model returns
-    its mean loss (or pass ``loss_fn(model, *batch) -> (loss_sum, num_tokens)``).
+    its mean loss (or pass ``loss_fn(model, *batch) -> (loss_sum, num_tokens)``). A dict
+    (``{"input_ids": .., "attention_mask": .., "labels": ..}``, a Hugging Face batch) is
+    passed by keyword: ``model(**batch)`` (Hugging Face: ``model(**batch,
+    use_cache=False).loss``; ``loss_fn(model, **batch)``), and every batch is then a dict
+    with the same keys.
     ``optimizer`` is a factory receiving parameter groups (see
     ``fxmeg.runtime.optimizer.param_groups``) and returning an optimizer, or several over
     disjoint parameters (``fxmeg.runtime.optimizer.muon_adamw``); default AdamW.
@@ -136,7 +140,7 @@ class Engine:
         return 3.0 * self.program.flops_per_microbatch * cfg.num_microbatches * cfg.parallel.dp
 
     def train_step(
-        self, batch: Batch | Iterator[Batch] | None, *, check_determinism: bool = False, trace: bool = False
+        self, batch: UserBatch | Iterator[UserBatch] | None, *, check_determinism: bool = False, trace: bool = False
     ) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
         the same on every rank) or an iterator over this rank's micro-batches.
@@ -149,12 +153,13 @@ class Engine:
         the same parameters (``ReplicaError`` on every rank if not)."""
         return step.train_step(self.program, self.context, batch, check_determinism=check_determinism, trace=trace)
 
-    def eval_step(self, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None) -> EvalResult:
+    def eval_step(self, batch: UserBatch | Iterator[UserBatch] | None, *,
+                  num_microbatches: int | None = None) -> EvalResult:
         """Forward-only pass over a batch (any multiple of micro_batch_size * dp samples);
         token-weighted loss. Ranks that read no data pass None and num_microbatches."""
         return step.eval_step(self.program, self.context, batch, num_microbatches=num_microbatches)
 
-    def verify(self, batch: Batch | None, *, loss_rtol: float | None = None,
+    def verify(self, batch: UserBatch | None, *, loss_rtol: float | None = None,
                grad_rtol: float | None = None) -> VerifyResult:
         """Check this layout against single-device execution on one global batch: forward
         and backward of the parallel program (no optimizer step) and of the captured
@@ -165,8 +170,9 @@ class Engine:
         every rank. The engine's state is left as it was: parameters, optimizer state,
         loss scale and lr schedule untouched, gradient buffers zeroed, RNG states
         restored. Tolerances default by precision (fxmeg.runtime.verify.TOLERANCES).
-        Collective: call it on every rank, with the global batch (a tuple) on rank 0 and
-        on every rank whose chunks read data (others may pass None)."""
+        Collective: call it on every rank, with the global batch (a tuple, or a dict
+        for a dict example) on rank 0 and on every rank whose chunks read data (others
+        may pass None)."""
         return verify_program(self.program, self.context, batch, loss_rtol=loss_rtol, grad_rtol=grad_rtol)
 
     def set_global_batch_size(self, global_batch_size: int) -> None:

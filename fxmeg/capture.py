@@ -5,7 +5,8 @@ The result is a plain ``fx.GraphModule`` in the user's vocabulary:
 * parameters and buffers are ``get_attr`` nodes named by their original FQN (a tied
   parameter under its first name in ``named_parameters()``), holding the user's own
   ``nn.Parameter`` objects, so an optimizer built on them trains the user's model;
-* placeholders are the example inputs, in order;
+* placeholders are the example inputs, in order (a dict example: its tensors in key
+  order, each placeholder named by its key; the model is called with them by keyword);
 * the output is the flat tuple of the model's outputs (the loss first);
 * a higher-order op (an autocast or ``torch.no_grad()`` region inside forward, ``wrap``)
   stays one ``call_function`` node; its body is a GraphModule under ``_fxmeg_hop``
@@ -24,12 +25,13 @@ Exported training-IR graphs keep high-level ATen ops (``aten.linear``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
+from fxmeg.config import Example
 from fxmeg.errors import CaptureError
 from fxmeg.program import CaptureInfo, InputSpec
 
@@ -55,14 +57,17 @@ class Captured:
 class _HuggingFace(nn.Module):
     """A transformers PreTrainedModel as fxmeg expects it: forward(input_ids, labels)
     returning the loss, with the key-value cache off (export cannot return a cache).
-    Hugging Face causal LMs shift the labels themselves: pass labels = input_ids."""
+    Hugging Face causal LMs shift the labels themselves: pass labels = input_ids.
+    With ``names`` (a dict example) forward takes those tensors in order and passes them
+    by keyword: ``model(**batch, use_cache=False).loss``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, names: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.names = model, names
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        batch = dict(zip(self.names or ("input_ids", "labels"), inputs, strict=True))
+        return self.model(**batch, use_cache=False).loss
 
 
 def is_hugging_face(model: nn.Module) -> bool:
@@ -71,49 +76,69 @@ def is_hugging_face(model: nn.Module) -> bool:
 
 
 class _WithLossFn(nn.Module):
-    """Runs ``loss_fn(model, *inputs)`` so that export sees the user's loss."""
+    """Runs ``loss_fn(model, *inputs)`` (a dict example: ``loss_fn(model, **batch)``) so
+    that export sees the user's loss."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, names: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
+        self.model, self.loss_fn, self.names = model, loss_fn, names
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_fn(self.model, *inputs)
+        if self.names is None:
+            return self.loss_fn(self.model, *inputs)
+        return self.loss_fn(self.model, **dict(zip(self.names, inputs, strict=True)))
+
+
+class _Keywords(nn.Module):
+    """``model(**batch)`` for a dict example: export takes the tensors positionally, in
+    the example's key order, and the model receives them by name."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *inputs: torch.Tensor):
+        return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
 def capture(
     model: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
+    example_inputs: Example,
     *,
     loss_fn: LossFn | None = None,
 ) -> Captured:
-    """Export ``model`` (or ``loss_fn(model, *inputs)``) and return it in the user's names."""
-    if not isinstance(example_inputs, tuple) or not all(
-        isinstance(t, torch.Tensor) for t in example_inputs
-    ):
+    """Export ``model`` (or ``loss_fn(model, *inputs)``) and return it in the user's names.
+    A dict example is passed to the model (or ``loss_fn``) by keyword."""
+    names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else None
+    example = tuple(example_inputs.values()) if names is not None else example_inputs
+    if not isinstance(example, tuple) or not all(isinstance(t, torch.Tensor) for t in example):
         raise CaptureError(
             "example_inputs must be a tuple of tensors (one micro-batch, e.g. "
-            f"(input_ids, labels)); got {type(example_inputs).__name__}"
+            "(input_ids, labels)) or a dict of tensors passed by keyword; got "
+            f"{type(example_inputs).__name__}"
         )
     if on_meta(model):  # shapes only: export the model on meta inputs too
-        example_inputs = tuple(t.to("meta") for t in example_inputs)
+        example = tuple(t.to("meta") for t in example)
     if loss_fn is not None:
-        root = _WithLossFn(model, loss_fn)
+        root = _WithLossFn(model, loss_fn, names)
     elif is_hugging_face(model):
-        root = _HuggingFace(model)
+        root = _HuggingFace(model, names)
+    elif names is not None:
+        root = _Keywords(model, names)
     else:
         root = model
     try:
-        ep = torch.export.export(root, example_inputs, strict=False)
+        ep = torch.export.export(root, example, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         raise CaptureError(_explain_export_failure(model, exc)) from exc
     prefix = _PREFIX if root is not model else ""
-    gm, input_names = _unlift(ep, model, prefix)
+    placeholders = names or (("input_ids", "labels") if isinstance(root, _HuggingFace) else None)
+    gm, input_names = _unlift(ep, model, prefix, placeholders)
     aliases = _aliases(model)
-    inputs = tuple(InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(input_names, example_inputs))
+    inputs = tuple(InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(names or input_names, example))
     gm.meta["fxmeg"] = {"capture": CaptureInfo(
-        inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None)}
+        inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None,
+        keywords=names is not None)}
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
 
 
@@ -188,8 +213,10 @@ def _failing_module(model: nn.Module, exc: BaseException) -> str:
     return found
 
 
-def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str):
-    """Turn lifted parameter/buffer placeholders into get_attr nodes with user FQNs."""
+def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str, names: tuple[str, ...] | None):
+    """Turn lifted parameter/buffer placeholders into get_attr nodes with user FQNs; the
+    user inputs' placeholders are named ``names`` when given (a wrapper's ``*inputs``
+    would otherwise name them ``inputs_0`` ..)."""
     sig = ep.graph_signature
     user_outputs = _check_outputs(ep)
     canonical = _canonical_names(model)
@@ -199,11 +226,11 @@ def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str):
     input_names: list[str] = []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     getters: dict[str, fx.Node] = {}
-    for node in placeholders:  # user inputs first: they are the graph's signature
-        if node.name in sig.user_inputs:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            env[node].meta["fxmeg"] = {"module": ""}
-            input_names.append(node.name)
+    users = [n for n in placeholders if n.name in sig.user_inputs]
+    for i, node in enumerate(users):  # user inputs first: they are the graph's signature
+        env[node] = graph.placeholder(names[i]) if names else graph.node_copy(node, lambda n: env[n])
+        env[node].meta = {**node.meta, "fxmeg": {"module": ""}}
+        input_names.append(env[node].name)
     for node in placeholders:
         if node.name in sig.user_inputs:
             continue

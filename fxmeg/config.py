@@ -7,6 +7,7 @@ their messages name the field, the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
@@ -412,9 +413,27 @@ def scalar_fields(cls: type) -> dict[str, type]:
     return {f.name: _FLAG_TYPES[f.type] for f in dataclasses.fields(cls) if f.type in _FLAG_TYPES}
 
 
-def batch_dim(example: tuple[torch.Tensor, ...], micro_batch_size: int | None) -> int:
-    if not isinstance(example, tuple) or not example or not all(isinstance(t, torch.Tensor) for t in example):
-        raise ConfigError("example_inputs must be a non-empty tuple of tensors (one micro-batch)")
+Example = tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
+"""One micro-batch: a tuple of tensors passed to ``forward`` positionally, or a dict of
+tensors passed by keyword (a Hugging Face batch: input_ids, attention_mask, labels)."""
+
+
+def example_tensors(example: Example) -> tuple[torch.Tensor, ...]:
+    """The example's tensors in order (a dict's in its key order); refuses anything else."""
+    if isinstance(example, Mapping):
+        if example and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in example.items()):
+            return tuple(example.values())
+    elif isinstance(example, tuple) and example and all(isinstance(t, torch.Tensor) for t in example):
+        return example
+    raise ConfigError(
+        "example_inputs must be one micro-batch: a non-empty tuple of tensors (passed to forward "
+        "positionally) or a dict of tensors by argument name (passed by keyword, e.g. "
+        f"{{'input_ids': ..., 'attention_mask': ..., 'labels': ...}}); got {type(example).__name__}"
+    )
+
+
+def batch_dim(example: Example, micro_batch_size: int | None) -> int:
+    example = example_tensors(example)
     rows = {t.shape[0] if t.dim() else None for t in example}
     if len(rows) != 1 or None in rows:
         raise ConfigError(
@@ -437,7 +456,7 @@ _LAYOUT = {f for f in ParallelConfig.__dataclass_fields__}
 
 
 def make_config(
-    example: tuple[torch.Tensor, ...],
+    example: Example,
     *,
     world: int | None,
     tp: int = 1,
@@ -477,7 +496,9 @@ def make_config(
 _ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {"parallel", "micro_batch_size", "global_batch_size"}
 
 
-def cast_inputs(batch: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def cast_inputs(batch: Example, dtype: torch.dtype) -> Example:
     """Floating inputs in the training dtype (``EngineConfig.dtype``); token ids and masks
-    as they are."""
+    as they are. A dict stays a dict."""
+    if isinstance(batch, Mapping):
+        return dict(zip(batch, cast_inputs(tuple(batch.values()), dtype)))
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in batch)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.capture import LossFn
-from fxmeg.config import EngineConfig, batch_dim
+from fxmeg.config import EngineConfig, Example, batch_dim
 from fxmeg.errors import ConfigError
 from fxmeg.passes.graph_utils import is_hop, requires_grad_nodes, val
 from fxmeg.passes.partition import node_flops
@@ -140,16 +141,20 @@ class Plan:
         return "\n".join(head + lines)
 
 
-def plan(model: nn.Module, example: tuple[torch.Tensor, ...], *, loss_fn: LossFn | None = None,
+def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
          config: EngineConfig | None = None, **options) -> Plan:
     """The plan of training ``model`` on micro-batches like ``example`` under ``config``
     (or ``options``: ``tp=8, pp=8, vpp=2, global_batch_size=64, precision="bf16", ...`` as
     ``parallelize`` takes them; dp defaults to 1). The model and the example are copied
     to the meta device first: the user's model is left as it is (no cast, no move), and
     no tensor is allocated, however large the model. No process group is created."""
-    if not isinstance(example, tuple) or not all(isinstance(t, torch.Tensor) for t in example):
-        raise ConfigError("example must be a tuple of tensors (one micro-batch; shapes and dtypes are what counts)")
-    example = tuple(t.to("meta") for t in example)
+    if isinstance(example, Mapping) and all(isinstance(t, torch.Tensor) for t in example.values()):
+        example = {k: t.to("meta") for k, t in example.items()}  # passed by keyword, as parallelize does
+    elif isinstance(example, tuple) and all(isinstance(t, torch.Tensor) for t in example):
+        example = tuple(t.to("meta") for t in example)
+    else:
+        raise ConfigError("example must be a tuple or a dict of tensors (one micro-batch; shapes and dtypes "
+                          "are what counts)")
     if config is not None and options:
         raise ConfigError(f"pass either config= or options, not both; got config and {sorted(options)}")
     if config is not None:

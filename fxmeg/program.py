@@ -208,6 +208,8 @@ class CaptureInfo:
     """Canonical FQN -> every name the user's ``state_dict`` has for that tensor."""
     explicit_loss: bool
     """The outputs already are ``(loss_sum, num_tokens)`` (a user ``loss_fn``)."""
+    keywords: bool = False
+    """The example was a dict: the inputs are passed by keyword, batches are dicts."""
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,7 @@ class Program:
     full_shapes: Mapping[str, tuple[torch.Size, torch.dtype]]
     """Every state-dict name -> its full (unsharded) shape and dtype."""
     inputs: tuple[InputSpec, ...]
-    """The example micro-batch's inputs."""
+    """The example micro-batch's inputs (a dict example: named by its keys, in its order)."""
     value_checks: tuple[ValueCheck, ...]
     flops_per_microbatch: float
     aux_scale: tuple[int, str] | None
@@ -288,6 +290,9 @@ class Program:
     init_dtypes: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
     """Every parameter and buffer (by its first name) -> its dtype as the user built the
     model, before the precision cast: the dtype a meta model is initialised or loaded in."""
+    keywords: bool = False
+    """The example was a dict: batches are dicts with the keys of ``inputs``, passed to
+    the model by keyword (``fxmeg.runtime.batches.positional`` orders them)."""
 
     @property
     def num_chunks(self) -> int:

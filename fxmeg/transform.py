@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.capture import LossFn, capture, on_meta, retarget
-from fxmeg.config import EngineConfig, cast_inputs, make_config
+from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
@@ -69,7 +69,7 @@ NAMES = tuple(p.name for p in PASSES)
 
 def transform(
     model: nn.Module,
-    example: tuple[torch.Tensor, ...],
+    example: Example,
     config: EngineConfig | None = None,
     *,
     loss_fn: LossFn | None = None,
@@ -126,9 +126,10 @@ def transform(
     return _program(model, gm, config, masters, target, reference, dtypes)
 
 
-def _device(model: nn.Module, example: tuple[torch.Tensor, ...], device, meta: bool) -> torch.device:
+def _device(model: nn.Module, example: Example, device, meta: bool) -> torch.device:
     """Where this rank computes: the model's device; for a model on meta, ``device``, the
     example's device, or the current accelerator (the CPU when there is none)."""
+    example = example_tensors(example)
     if not meta:
         first = next(iter((*model.parameters(), *model.buffers())), None)
         found = first.device if first is not None else example[0].device
@@ -214,6 +215,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         aliases=info.aliases,
         full_shapes={k: (t.shape, t.dtype) for k, t in state.items()},
         inputs=info.inputs,
+        keywords=info.keywords,
         value_checks=facts.value_checks,
         flops_per_microbatch=facts.flops_per_microbatch,
         aux_scale=aux,

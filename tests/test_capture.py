@@ -225,3 +225,25 @@ def test_buffer_mutation_is_refused():
 
     with pytest.raises(CaptureError, match="module .bn. updates bn.num_batches_tracked"):
         capture(WithBatchNorm(), (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def test_a_dict_example_is_passed_by_keyword_in_its_key_order():
+    model = make_model("gpt", n_layer=1)
+    ids, labels = make_batch(2, seed=0)
+    c = capture(model, {"labels": labels, "input_ids": ids})  # not forward's order
+    assert c.input_names == ["labels", "input_ids"]
+    info = c.gm.meta["fxmeg"]["capture"]
+    assert [i.name for i in info.inputs] == ["labels", "input_ids"] and info.keywords
+    assert torch.equal(c.gm(labels, ids)[0], model(ids, labels))
+    assert not capture(model, (ids, labels)).gm.meta["fxmeg"]["capture"].keywords
+
+
+def test_a_dict_example_reaches_loss_fn_by_keyword():
+    def loss_fn(model, *, input_ids, labels):
+        return model(input_ids, labels) * 3, (labels != -100).sum()
+
+    model = make_model("gpt", n_layer=1)
+    ids, labels = make_batch(2, seed=0)
+    c = capture(model, {"input_ids": ids, "labels": labels}, loss_fn=loss_fn)
+    assert c.explicit_loss and c.input_names == ["input_ids", "labels"]
+    assert torch.equal(c.gm(ids, labels)[0], model(ids, labels) * 3)

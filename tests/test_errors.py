@@ -90,6 +90,11 @@ def _bad_batch(change):
     return change(ids, labels)
 
 
+def _keyword_engine():
+    ids, labels = _ex()
+    return fxmeg.parallelize(make_model("gpt"), {"input_ids": ids, "labels": labels}, global_batch_size=4)
+
+
 def _config_file(text: str):
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(text)
@@ -161,6 +166,8 @@ ROWS = {
                            "batch dimension is 2, but micro_batch_size=4"),
     "example-batch-dims": (lambda: fxmeg.parallelize(make_model("gpt"), (_ex()[0], _ex(3)[1])),
                            "every example input needs the same batch dimension"),
+    "example-kind": (lambda: fxmeg.parallelize(make_model("gpt"), list(_ex())),
+                     "example_inputs must be one micro-batch: a non-empty tuple of tensors"),
     "no-scalar-loss": (lambda: fxmeg.parallelize(_Logits(), _ex()), "not a scalar loss"),
     "uncapturable": (lambda: fxmeg.parallelize(_DataDependent(), _ex()),
                      "torch.export could not capture _DataDependent"),
@@ -200,6 +207,11 @@ SET_UP = {  # rows whose failing call needs a working engine first: counted from
                     "'input_ids' has shape (4, 15)"),
     "batch-dtype": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i, l.float()))))(),
                     "'labels' has shape (4, 16) and dtype torch.float32"),
+    "batch-keys": (lambda: (lambda e=_keyword_engine(): lambda: e.train_step(
+        _bad_batch(lambda i, l: {"input_ids": i, "label": l})))(),
+        "has keys 'input_ids', 'label' (missing 'labels'; unknown 'label')"),
+    "batch-kind": (lambda: (lambda e=_keyword_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i, l))))(),
+                   "a global batch must be a dict with the example's keys ('input_ids', 'labels')"),
     "labels-out-of-range": (lambda: (lambda e=_engine(): lambda: e.train_step(
         _bad_batch(lambda i, l: (i, l.index_fill(1, torch.tensor([3]), 300)))))(),
         "'labels' holds 300 at (0, 3): labels (classes of the loss) must be in 0..127 or -100"),

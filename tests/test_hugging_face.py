@@ -65,3 +65,34 @@ def test_an_unexportable_model_is_told_the_module_the_reason_and_the_fix():
     msg = str(err.value)
     assert "in module 'model.layers.0.mlp.experts' (MixtralExperts)" in msg
     assert "data-dependent" in msg and "experts_implementation='batched_mm'" in msg
+
+
+def _padded():
+    """A right- and a left-padded row: pad token 0, mask 0 and label -100 at the pads."""
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, 11:] = mask[1, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_padded_dict_batch_is_passed_by_keyword(attn):
+    """``model(**batch, use_cache=False).loss``: the mask reaches the model; the first chunk
+    reads it and sends the 4-D mask it builds; tensor parallelism keeps that mask whole
+    (it broadcasts over the split heads)."""
+    model, batch = hf_model("llama", pad_token_id=0, attn_implementation=attn), _padded()
+    want = model(**batch, use_cache=False).loss.item()
+    assert want != model(**{**batch, "attention_mask": torch.ones(2, 16)}, use_cache=False).loss.item()
+    assert abs(fxmeg.parallelize(model, batch).eval_step(batch).loss - want) <= 1e-6 * want
+    first, last = (chunk_spec(c) for c in chunks(graph_after(hf_model("llama", attn_implementation=attn), batch,
+                                                             "pipeline", num_chunks=2)))
+    assert (first.data_inputs, last.data_inputs) == ((0, 1), (2,))
+    assert first.send[0].shape == (2, 1, 16, 16) and not first.send[0].grad
+    gm = graph_after(hf_model("llama", attn_implementation=attn), batch, "tensor_parallel", tp=2)
+    attention = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.scaled_dot_product_attention.default,
+                                                           torch.ops.aten.softmax.int)]
+    assert len(attention) == 2 and all(n.meta["val"].shape[1] == 2 for n in attention)  # 2 of 4 heads
+    masks = {n for n in gm.graph.nodes if n.meta.get("val") is not None and getattr(n.meta["val"], "shape", None)
+             == (2, 1, 16, 16)}
+    assert masks and not any("tp_slice" in str(u.target) for m in masks for u in m.users)

@@ -4,7 +4,7 @@ in one stage's forward while the other ranks wait."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -14,6 +14,9 @@ from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 
 Batch = tuple[torch.Tensor, ...]
+"""A batch as the runtime reads it: the inputs in the example's order."""
+UserBatch = tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
+"""A batch as the user passes it: a tuple like a tuple example, a dict like a dict one."""
 
 
 def needs_data(program: Program, ctx: RankContext) -> bool:
@@ -21,7 +24,8 @@ def needs_data(program: Program, ctx: RankContext) -> bool:
     return any(program.specs[c].data_inputs for c in ctx.chunks)
 
 
-def microbatches(program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, m: int) -> list[Batch]:
+def microbatches(program: Program, ctx: RankContext, batch: UserBatch | Iterator[UserBatch] | None,
+                 m: int) -> list[Batch]:
     """This data-parallel rank's ``m`` micro-batches of a global batch (rows
     interleaved over dp ranks: micro-batch i of dp rank r is rows (i * dp + r) * mbs ..),
     or the next ``m`` from an iterator of this rank's micro-batches; on the device, in
@@ -31,17 +35,52 @@ def microbatches(program: Program, ctx: RankContext, batch: Batch | Iterator[Bat
         if needs_data(program, ctx):
             raise BatchError("this rank's pipeline chunks read inputs: pass the batch, not None")
         return [()] * m
-    if isinstance(batch, tuple):
+    if isinstance(batch, (tuple, Mapping)):
+        batch = positional(program, batch, what="global batch")
         check(program, batch, rows=m * mbs * dp, what="global batch")
         r = ctx.groups.dp_rank
         rows = [slice((i * dp + r) * mbs, (i * dp + r + 1) * mbs) for i in range(m)]
         out = [tuple(t[s] for t in batch) for s in rows]
     else:
-        out = [next(batch) for _ in range(m)]
+        out = [positional(program, next(batch), what="micro-batch") for _ in range(m)]
         for mb in out:
             check(program, mb, rows=mbs, what="micro-batch")
     dtype = ctx.config.dtype
     return [cast_inputs(tuple(t.to(ctx.device, non_blocking=True) for t in mb), dtype) for mb in out]
+
+
+def positional(program: Program, batch: UserBatch, *, what: str) -> Batch:
+    """``batch`` as the runtime reads it: a dict's tensors in the order of the example's
+    keys (the model receives them by keyword), a tuple as it is. A dict for a tuple
+    example, a tuple for a dict example, or a missing or unknown key is refused."""
+    names = [i.name for i in program.inputs]
+    if not program.keywords:
+        if isinstance(batch, Mapping):
+            raise BatchError(
+                f"a {what} is a dict (keys {_keys(batch)}), but the example inputs were a tuple "
+                f"({', '.join(names)}): pass a tuple, or pass a dict as the example to parallelize "
+                "so that the model takes its tensors by keyword"
+            )
+        return batch
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            f"a {what} must be a dict with the example's keys ({_keys(names)}), passed to the "
+            f"model by keyword; got {type(batch).__name__}"
+        )
+    missing = [n for n in names if n not in batch]
+    extra = [k for k in batch if k not in names]
+    if missing or extra:
+        wrong = [f"missing {_keys(missing)}"] * bool(missing) + [f"unknown {_keys(extra)}"] * bool(extra)
+        raise BatchError(
+            f"a {what} has keys {_keys(batch)} ({'; '.join(wrong)}); the example micro-batch has "
+            f"{_keys(names)}: every batch must have the same keys (pad to the same fields, or "
+            "pass a new example to parallelize)"
+        )
+    return tuple(batch[n] for n in names)
+
+
+def _keys(names) -> str:
+    return ", ".join(map(repr, names))
 
 
 def check(program: Program, batch: Batch, *, rows: int, what: str) -> None:

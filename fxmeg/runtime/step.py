@@ -6,7 +6,7 @@ with its skip decisions, the loss scaler and the lr schedule advanced.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fxmeg.errors import FxmegError
 from fxmeg.program import Program
 from fxmeg.runtime import replicas
-from fxmeg.runtime.batches import Batch, microbatches
+from fxmeg.runtime.batches import Batch, UserBatch, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.ddp import finalize_model_grads
 from fxmeg.runtime.groups import all_reduce
@@ -51,7 +51,7 @@ class EvalResult:
 
 
 def train_step(
-    program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, *,
+    program: Program, ctx: RankContext, batch: UserBatch | Iterator[UserBatch] | None, *,
     check_determinism: bool = False, trace: bool = False,
 ) -> StepResult:
     """One optimizer step (see ``fxmeg.Engine.train_step``)."""
@@ -96,11 +96,14 @@ def check_replicas(program: Program, ctx: RankContext) -> None:
 
 @torch.no_grad()
 def eval_step(
-    program: Program, ctx: RankContext, batch: Batch | Iterator[Batch] | None, *, num_microbatches: int | None = None
+    program: Program, ctx: RankContext, batch: UserBatch | Iterator[UserBatch] | None, *,
+    num_microbatches: int | None = None
 ) -> EvalResult:
     """Forward-only pass over a batch (see ``fxmeg.Engine.eval_step``)."""
     per_mb = ctx.config.micro_batch_size * ctx.config.parallel.dp
-    m = num_microbatches or (batch[0].shape[0] // per_mb if isinstance(batch, tuple) else ctx.config.num_microbatches)
+    if num_microbatches is None and isinstance(batch, (tuple, Mapping)):
+        num_microbatches = positional(program, batch, what="batch")[0].shape[0] // per_mb
+    m = num_microbatches or ctx.config.num_microbatches
     mbs = microbatches(program, ctx, batch, m)
     steps = ctx.lower(forward_only(ctx.build_schedule(m)))[ctx.groups.pp_rank]
     stats = ctx.executor.run(steps, mbs, train=False)

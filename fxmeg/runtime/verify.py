@@ -33,7 +33,7 @@ from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
 from fxmeg.ops import AUX_SCALE
 from fxmeg.program import Program
-from fxmeg.runtime.batches import Batch, check, microbatches
+from fxmeg.runtime.batches import Batch, UserBatch, check, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.groups import all_gather_
 from fxmeg.runtime.state import gather_full, gather_full_state
@@ -112,15 +112,21 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def verify(program: Program, ctx: RankContext, batch: Batch | None, *, loss_rtol: float | None = None,
+def verify(program: Program, ctx: RankContext, batch: UserBatch | None, *, loss_rtol: float | None = None,
            grad_rtol: float | None = None) -> VerifyResult:
     """See ``fxmeg.Engine.verify``. Collective."""
     if program.reference is None:
         raise BatchError("this Program has no reference graph (built by an older fxmeg): transform again")
     rank0 = ctx.groups.rank == 0
     m = ctx.config.num_microbatches
-    if _any_rank(rank0 and not isinstance(batch, tuple), ctx.device):  # every rank raises, none waits
-        raise BatchError("verify needs the global batch (a tuple of tensors) on rank 0, which runs the reference")
+    refused = ordered = None
+    try:  # the reference reads the inputs in order; the parallel side takes the batch as given
+        ordered = positional(program, batch, what="global batch") if batch is not None else None
+    except BatchError as err:
+        refused = err
+    if _any_rank(refused is not None or (rank0 and not isinstance(ordered, tuple)), ctx.device):  # every rank raises
+        raise refused or BatchError("verify needs the global batch (a tuple or dict of tensors, like the example) "
+                                    "on rank 0, which runs the reference, and a valid one on every rank that passes one")
     rng = _rng_state()
     ctx.ddp.wait_for_params()
     try:
@@ -133,7 +139,7 @@ def verify(program: Program, ctx: RankContext, batch: Batch | None, *, loss_rtol
     result = None
     if rank0:
         default = TOLERANCES[ctx.config.precision]
-        result = _compare(program, ctx, batch, state, grads, loss_sum, num_tokens,
+        result = _compare(program, ctx, ordered, state, grads, loss_sum, num_tokens,
                           loss_rtol if loss_rtol is not None else default[0],
                           grad_rtol if grad_rtol is not None else default[1])
         _set_rng_state(rng)
