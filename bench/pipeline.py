@@ -99,7 +99,9 @@ def torch_pipeline(model: GPT, rank: int, pp: int, vpp: int, m: int, *, same_mat
     return step, params
 
 
-def run(rank: int, world: int, args: argparse.Namespace) -> None:
+def setup(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    """The benchmark GPT (seeded, the same on every rank) and one global batch of
+    ``mbs * m`` random rows."""
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers,
                     n_head=4, n_embd=args.hidden)
     torch.manual_seed(0)
@@ -107,7 +109,13 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     rows = args.mbs * args.m
     ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
     labels = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
-    tokens = rows * cfg.seq_len
+    return base, ids, labels
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    base, ids, labels = setup(args)
+    rows = ids.shape[0]
+    tokens = rows * args.seq
     report = {}
     single = _single_process_time(rank, base, ids, labels, args)
     tied_group = dist.new_group(sorted({0, world - 1}))  # first and last stage (any vpp: rank of chunk 0 and n-1)

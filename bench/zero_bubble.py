@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import median, parser, plain_step, spawn, timed  # noqa: E402
-from bench.pipeline import Stage, lm_loss  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from bench.pipeline import Stage, lm_loss, setup  # noqa: E402
+from models.gpt import GPT  # noqa: E402
 
 FXMEG_VPP = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
 """vpp per fxmeg schedule (1 if absent)."""
@@ -132,13 +132,8 @@ def agree(fn, world: int):
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers,
-                    n_head=4, n_embd=args.hidden)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    rows = args.mbs * args.m
-    ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
-    labels = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    base, ids, labels = setup(args)
+    rows = ids.shape[0]
     timeout = datetime.timedelta(seconds=args.timeout)
 
     def one_process():
@@ -190,7 +185,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             else:
                 failed[name] = err
 
-    tokens = rows * cfg.seq_len
+    tokens = rows * args.seq
     single = median(times["one_process"]) if "one_process" not in failed else None
     results = {}
     for name, _ in builders:
