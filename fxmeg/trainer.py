@@ -298,6 +298,8 @@ class Trainer:
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
         self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
         self.iteration = self.consumed = self.valid_consumed = self.skipped = 0
+        self._saved: tuple[int, int] | None = None
+        """(iteration, validation samples consumed) of the last checkpoint."""
         self.last_train: dict = {}
         self.last_eval: dict = {}
         if cfg.load:
@@ -365,8 +367,8 @@ class Trainer:
             reason = reason or "done"
             if self.last_eval.get("iteration") != self.iteration:
                 self.evaluate()
-            if cfg.save:
-                self.save()
+            if cfg.save and self._saved != (self.iteration, self.valid_consumed):
+                self.save()  # unless this very state was just saved (Megatron skips it too)
             self.checkpointer.wait()
             self.metrics.record("event", {"iteration": self.iteration, "exit": reason,
                                           "consumed_samples": self.consumed})
@@ -524,6 +526,7 @@ class Trainer:
         state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
                  "skipped": self.skipped, "config": dataclasses.asdict(self.cfg)}
         path = self.checkpointer.save(self.cfg.save, self.iteration, state)
+        self._saved = (self.iteration, self.valid_consumed)
         self.metrics.record("event", {"iteration": self.iteration, "save_started": path,
                                       "save_time": time.perf_counter() - tick})
 
