@@ -5,9 +5,11 @@ on shapes, its values made module by module independently of the layout, the sam
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fxmeg
+from fxmeg.errors import InitError
 from fxmeg.transform import transform
 from tests.helpers import assert_bitwise, hf_model, make_batch, make_model
 
@@ -82,3 +84,17 @@ def test_hugging_face_model_on_meta_uses_its_own_init():
     assert torch.equal(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
     std = twin.model.layers[0].mlp.up_proj.weight.std().item()
     assert abs(std - real.config.initializer_range) < 0.2 * real.config.initializer_range
+
+
+def test_a_buffer_init_fn_cannot_rebuild_is_named():
+    """The rotary tables are non-persistent buffers of the Llama itself: an init_fn that
+    fills every parameter but not them is refused, naming the module and both buffers."""
+    ids, labels = make_batch(2, seed=0)
+    model = _meta("llama")
+
+    def weights_only(module):
+        if module is not model:
+            model.init_weights(module)
+
+    with pytest.raises(InitError, match=r"module '<root>' \(Llama\).*init_fn left rope_cos, rope_sin unwritten"):
+        fxmeg.parallelize(model, (ids, labels), init_fn=weights_only)
