@@ -53,6 +53,8 @@ class Indivisible(str):
     """A reshape failure because tp does not divide the new split dim (e.g. the heads)."""
 
     size: int
+    sizes: tuple[int, ...]
+    """The sizes the split dim is reshaped into, e.g. (heads, head_dim)."""
 
 
 def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> Shard | str:
@@ -82,7 +84,7 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
         if b[o] % tp:
             why = Indivisible(f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide")
-            why.size = b[o]
+            why.size, why.sizes = b[o], tuple(b[d] for d in gj if b[d] != 1)
             return why
         return s.moved(o, (b[o],))
     raise AssertionError("dim not found in groups")

@@ -31,6 +31,22 @@ _SYNCED = {fxmeg_ops.tp_copy.default, fxmeg_ops.tp_reduce.default, fxmeg_ops.sp_
            fxmeg_ops.sp_scatter.default, fxmeg_ops.vocab_parallel_cross_entropy.default}
 
 
+def _indivisible(node: fx.Node, why: Indivisible, s: Shard, tp: int) -> str:
+    """tp does not divide the outer size a reshape splits the features into: the heads
+    (choose another tp), or, when the features go into three sizes or more (three, heads,
+    head_dim), fused blocks a single rearrange splits out together with the heads."""
+    where = f"node {node.name!r} ({node.target.__name__}, module {owning_module(node)!r})"
+    msg = (f"tp={tp} does not divide {why.size}, the number of heads (or groups) that {where} "
+           f"splits the features into {why.sizes}")
+    if len(why.sizes) < 3:
+        return f"{msg}; choose tp in {divisors(why.size)}"
+    block = s.origin.rpartition(".")[0]
+    return (f"{msg}. If the {why.size} are fused blocks (q, k, v as in rearrange('b n (three h d) -> "
+            f"three b n (h d)')), split them before the heads: write the projection's output as "
+            f".chunk({why.size}, dim=-1) (or separate linears), then rearrange each; or keep the "
+            f"block whole with tp_plan={{{(block + '.*') if block else s.origin!r}: 'replicate'}}")
+
+
 class PropagationRules:
     def _elementwise(self, node: fx.Node):
         out_dim = val(node).dim()
@@ -80,12 +96,7 @@ class PropagationRules:
             return s.moved(s.dim + lead)
         moved = reshape_shard(s, a, b, self.tp)
         if isinstance(moved, Indivisible):  # the usual case: heads or KV heads
-            raise PassError(
-                f"tp={self.tp} does not divide {moved.size}, the number of heads (or groups) "
-                f"that node {node.name!r} ({node.target.__name__}, module "
-                f"{owning_module(node)!r}) splits the features into; choose tp in "
-                f"{[d for d in divisors(moved.size)]}"
-            )
+            raise PassError(_indivisible(node, moved, s, self.tp))
         if isinstance(moved, str):
             raise self._unsupported(node, moved, s)
         if node.target in _RESHAPES:

@@ -332,7 +332,7 @@ class _EinopsAttention(nn.Module):
     def __init__(self, style):
         super().__init__()
         self.style = style
-        names = ("to_q", "to_k", "to_v") if style == "separate" else ("to_qkv",)
+        names = ("to_q", "to_k", "to_v") if style == "separate" else ("to_qkv",)  # 'fused' too
         width = 16 if style == "separate" else 48
         block = {n: nn.Linear(16, width, bias=False) for n in names} | {"to_out": nn.Linear(16, 16)}
         self.emb, self.head = nn.Embedding(128, 16), nn.Linear(16, 128)
@@ -344,8 +344,10 @@ class _EinopsAttention(nn.Module):
         x, block = self.emb(ids), self.layers[0]
         if self.style == "separate":
             qkv = [block[n](x) for n in ("to_q", "to_k", "to_v")]
-        else:
+        elif self.style == "chunk":
             qkv = block["to_qkv"](x).chunk(3, dim=-1)
+        else:  # 'fused': the blocks split out by the rearrange itself
+            qkv = rearrange(block["to_qkv"](x), "b n (three h d) -> three b n (h d)", three=3, h=4)
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=4) for t in qkv)  # (b, 4 heads, n, 4)
         attn = (einsum(q, k, "b h i d, b h j d -> b h i j") * 0.5).softmax(-1)
         out = einsum(attn, v, "b h i j, b h j d -> b h i d")
@@ -371,6 +373,19 @@ def test_einops_rearrange_keeps_the_head_split(style):
         assert tags["layers.0.to_qkv.weight"] == ("shard", 0, (16, 16, 16))
     assert tags["layers.0.to_out.weight"] == ("shard", 1, (16,))
     assert tags["layers.0.to_out.bias"] == ("replicate", False)  # added after the all-reduce
+
+
+def test_einops_fused_blocks_in_one_rearrange_are_refused_with_the_fix():
+    """rearrange('b n (three h d) -> ...') splits the fused projection's features into (3,
+    4, 4): the outer 3 are q / k / v, not heads. The refusal says so and names the fix
+    instead of suggesting a tp that divides 3 (which would not divide the 4 heads)."""
+    pytest.importorskip("einops")
+    with pytest.raises(PassError) as err:
+        transform(_EinopsAttention("fused"), make_batch(2, seed=0), tp=2)
+    msg = str(err.value)
+    assert "tp=2 does not divide 3" in msg and "features into (3, 4, 4)" in msg
+    assert "fused blocks" in msg and ".chunk(3" in msg and "tp_plan={'layers.0.*': 'replicate'}" in msg
+    transform(_EinopsAttention("fused"), make_batch(2, seed=0), tp=2, tp_plan={"layers.0.*": "replicate"})  # the fix works
 
 
 def test_a_contraction_over_split_heads_is_refused():
