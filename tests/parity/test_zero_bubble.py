@@ -1,5 +1,6 @@
 """Zero-bubble schedules on real gloo ranks (issue 18): ZB-H1 at pp=2 and pp=4, ZB-V and
-DualPipeV at pp=2 (two chunks per rank in a V), with the tied embedding, the distributed
+DualPipeV at pp=2 (two chunks per rank in a V), Hugging Face Llama and GPT-2 under ZB-H1,
+with the tied embedding, the distributed
 optimizer at dp=2 and tp=2, recompute and compiled graphs: every step's loss and the final
 weights match single-device training, and GPT's match the same engine under 1F1B
 bitwise (the split graphs run the same kernels in the same order)."""
@@ -17,6 +18,7 @@ PARITY = [
     *(Scenario(m, pp=2, schedule="zbh1") for m in ("gpt", "llama")),
     *(Scenario(m, pp=2, vpp=2, schedule=s) for m in ("gpt", "llama") for s in ("zbv", "dualpipev")),
     Scenario("gpt", pp=2, schedule="1f1b"),  # the bitwise baseline
+    *(Scenario(m, pp=2, schedule="zbh1") for m in ("hf-llama", "hf-gpt2")),  # models fxmeg did not write
     Scenario("gpt", pp=2, schedule="zbh1", options=(("recompute", "full"),)),
     Scenario("gpt", pp=2, schedule="zbh1", options=(("compile", True),)),
     Scenario("gpt", pp=4, schedule="zbh1", m=8),
