@@ -208,19 +208,18 @@ class Source:
         the tensor-parallel shard for rank ``rank`` of ``tp`` (the whole tensor when the
         spec is None), in that dtype, on ``device``."""
         out: dict[str, torch.Tensor] = {}
+        where = owners(self.model)  # one walk of the model for every tensor
         from_weights = {n: w for n, w in wanted.items() if self.names and n in self.names}
         if from_weights:
             requests = []
             for name, (spec, dtype) in from_weights.items():
-                shape = self._full_shape(name)
-                local = list(shape)
+                local = list(_tensors(self.model.get_submodule(where[name].module))[where[name].attr].shape)
                 if spec is not None and spec[0] == "shard":
                     local[spec[1]] //= tp
                 out[name] = torch.empty(local, dtype=dtype, device=device)
                 box = ((0,) * len(local), tuple(local))
                 requests.append((self.names[name], out[name], local_to_global(box, spec, tp, rank)))
             self.weights.fill(requests)
-        where = owners(self.model)
         by_module: dict[str, list[str]] = {}
         for name in wanted:
             if name not in out:
@@ -232,10 +231,6 @@ class Source:
             for attr, name in attrs.items():
                 out[name] = tp_shard(full[attr], wanted[name][0], tp, rank).to(wanted[name][1])
         return out
-
-    def _full_shape(self, name: str) -> tuple[int, ...]:
-        where = owners(self.model)[name]
-        return tuple(_tensors(self.model.get_submodule(where.module))[where.attr].shape)
 
 
 def materialize(model: nn.Module, *, init_fn: InitFn | None = None, seed: int = 0,

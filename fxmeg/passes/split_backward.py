@@ -103,7 +103,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     weight_grads = [i for i, n in enumerate(params) if tensors[n].requires_grad]
     inputs_graph, weights_graph, carry = _split(backward, [grads[i] for i in input_grads],
                                                [grads[i] for i in weight_grads])
-    saved = len([n for n in forward.graph.output_node().args[0]]) - outputs
+    saved = len(forward.graph.output_node().args[0]) - outputs
     tangents = [n.name for n in backward.graph.nodes if n.op == "placeholder"][saved:]
     tangent_of = tuple(i for i, b in enumerate(spec.send) if b.grad) + ((len(spec.send),) if spec.is_last else ())
     if len(tangent_of) != len(tangents):

@@ -128,14 +128,15 @@ def build_context(
                              overlap_param_gather=config.overlap_param_gather)
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
-    local = _local_values(program, groups, source)
+    whole_names = _whole_names(program)
+    local = _local_values(program, groups, source, whole_names)
     chunks = _materialise(program, groups, local)
     masters = _local_masters(program, groups, local)
     # before release (the user's full tensors are compared over tp) and before gradient
     # buffers and optimizer read the values
     replicas.agree(program, groups, replicas.at_start(program, chunks, masters, local), device=program.device,
                    broadcast=config.broadcast_params)
-    whole = {n: t for n, t in local.items() if n in _whole_names(program)}
+    whole = {n: t for n, t in local.items() if n in whole_names}
     if model is not None:
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
@@ -184,7 +185,8 @@ def _whole_names(program: Program) -> set[str]:
     return names | {canonical.get(k, k) for k in program.untrained}
 
 
-def _local_values(program: Program, groups: Groups, source: Source | None) -> dict[str, torch.Tensor]:
+def _local_values(program: Program, groups: Groups, source: Source | None,
+                  whole_names: set[str]) -> dict[str, torch.Tensor]:
     """This rank's values of what ``source`` provides (nothing without a source): every
     tensor of its chunks (parameters as their tensor-parallel shards) and, when the model
     was built on meta, the whole buffers and untrained state; in the dtype the user built
@@ -198,7 +200,7 @@ def _local_values(program: Program, groups: Groups, source: Source | None) -> di
         tensors.update({n: (t, False) for n, t in gm.named_buffers()})
     state = {n: t for gm in (program.reference, program.graph) if gm is not None
              for n, t in (*gm.named_parameters(), *gm.named_buffers())}
-    for name in _whole_names(program):
+    for name in whole_names:
         if name in state:
             tensors.setdefault(name, (state[name], False))
     wanted = {}
