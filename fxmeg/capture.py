@@ -119,6 +119,7 @@ def capture(
         )
     if on_meta(model):  # shapes only: export the model on meta inputs too
         example = tuple(t.to("meta") for t in example)
+    example = _unaliased(example)
     if loss_fn is not None:
         root = _WithLossFn(model, loss_fn, names)
     elif is_hugging_face(model):
@@ -140,6 +141,20 @@ def capture(
         inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None,
         keywords=names is not None)}
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
+
+
+def _unaliased(example: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The example with every tensor that shares storage with an earlier one cloned.
+    Export traces aliased inputs as one value: with ``(ids, ids)`` as the example (labels
+    = input ids), the graph would read the labels where the model reads its input ids,
+    and every later batch would train on its labels only."""
+    seen: set = set()
+    out = []
+    for t in example:
+        key = (t.device, t.untyped_storage().data_ptr()) if not t.is_meta else None
+        out.append(t.clone() if key is not None and key in seen else t)
+        seen.add(key)
+    return tuple(out)
 
 
 def on_meta(model: nn.Module) -> bool:

@@ -247,3 +247,12 @@ def test_a_dict_example_reaches_loss_fn_by_keyword():
     c = capture(model, {"input_ids": ids, "labels": labels}, loss_fn=loss_fn)
     assert c.explicit_loss and c.input_names == ["input_ids", "labels"]
     assert torch.equal(c.gm(ids, labels)[0], model(ids, labels) * 3)
+
+
+def test_an_example_passing_one_tensor_twice_is_captured_as_two_inputs():
+    """(ids, ids) as the example (labels = input ids): export would trace one value for
+    both, and the graph would read the labels as the input ids of every later batch."""
+    model = make_model("gpt", n_layer=1)
+    ids, labels = make_batch(2, seed=0)
+    gm = capture(model, (ids, ids)).gm
+    assert torch.equal(gm(ids, labels)[0], model(ids, labels))
