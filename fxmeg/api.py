@@ -26,6 +26,7 @@ from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
+from fxmeg.shapes import Shapes, collect, meta_twin
 from fxmeg.transform import transform
 
 __all__ = ["Engine", "EvalResult", "ParamError", "StepResult", "VerifyResult", "parallelize"]
@@ -96,9 +97,11 @@ def parallelize(
     else:
         batch_dim(example_inputs, config.micro_batch_size)
         config = config.resolve(world)
+    twin = meta_twin(model) if config.variable_seq_lengths else None  # before transform casts the model
     program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
     source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
-    return Engine(program, build_context(program, optimizer=optimizer, source=source, model=model))
+    context = build_context(program, optimizer=optimizer, source=source, model=model)
+    return Engine(program, context, Shapes.start(twin, loss_fn, program, context) if twin is not None else None)
 
 
 class Engine:
@@ -109,8 +112,20 @@ class Engine:
     ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
     ``context`` (this rank's RankContext) for tools that need more."""
 
-    def __init__(self, program: Program, context: RankContext) -> None:
+    def __init__(self, program: Program, context: RankContext, shapes: Shapes | None = None) -> None:
         self.program, self.context = program, context
+        self.shapes = shapes
+        """With ``variable_seq_lengths``: the Program of every input shape seen so far."""
+        self._current = program
+
+    def _select(self, batch, m: int) -> tuple[Program, UserBatch | Iterator[UserBatch] | None]:
+        """The Program for ``batch``'s shape (compiled on first sight; collective over the
+        pipeline stages), and the batch to pass on (an iterator's micro-batches, read)."""
+        if self.shapes is None:
+            return self.program, batch
+        batch = collect(batch, m)
+        self._current = self.shapes.select(batch, self.context)
+        return self._current, iter(batch) if isinstance(batch, list) else batch
 
     @property
     def config(self) -> EngineConfig:
@@ -135,9 +150,9 @@ class Engine:
     @property
     def model_flops_per_step(self) -> float:
         """Model FLOPs of one step over all ranks: 3 x forward (backward ~ 2 x) for
-        every micro-batch of every data-parallel replica."""
+        every micro-batch of every data-parallel replica (of the last step's input shape)."""
         cfg = self.config
-        return 3.0 * self.program.flops_per_microbatch * cfg.num_microbatches * cfg.parallel.dp
+        return 3.0 * self._current.flops_per_microbatch * cfg.num_microbatches * cfg.parallel.dp
 
     def train_step(
         self, batch: UserBatch | Iterator[UserBatch] | None, *, check_determinism: bool = False, trace: bool = False
@@ -151,13 +166,15 @@ class Engine:
         timeline in ``context.tracer.events`` (see fxmeg.trace). With
         ``check_replicas_interval=N``, every N-th call first checks that replicas still hold
         the same parameters (``ReplicaError`` on every rank if not)."""
-        return step.train_step(self.program, self.context, batch, check_determinism=check_determinism, trace=trace)
+        program, batch = self._select(batch, self.config.num_microbatches)
+        return step.train_step(program, self.context, batch, check_determinism=check_determinism, trace=trace)
 
     def eval_step(self, batch: UserBatch | Iterator[UserBatch] | None, *,
                   num_microbatches: int | None = None) -> EvalResult:
         """Forward-only pass over a batch (any multiple of micro_batch_size * dp samples);
         token-weighted loss. Ranks that read no data pass None and num_microbatches."""
-        return step.eval_step(self.program, self.context, batch, num_microbatches=num_microbatches)
+        program, batch = self._select(batch, num_microbatches or self.config.num_microbatches)
+        return step.eval_step(program, self.context, batch, num_microbatches=num_microbatches)
 
     def verify(self, batch: UserBatch | None, *, loss_rtol: float | None = None,
                grad_rtol: float | None = None) -> VerifyResult:
@@ -169,10 +186,12 @@ class Engine:
         tolerance with its chunk, node and pass, the worst one, every error); identical on
         every rank. The engine's state is left as it was: parameters, optimizer state,
         loss scale and lr schedule untouched, gradient buffers zeroed, RNG states
-        restored. Tolerances default by precision (fxmeg.runtime.verify.TOLERANCES).
+        restored. Checks the example's input shape. Tolerances default by precision (fxmeg.runtime.verify.TOLERANCES).
         Collective: call it on every rank, with the global batch (a tuple, or a dict
         for a dict example) on rank 0 and on every rank whose chunks read data (others
         may pass None)."""
+        if self.shapes is not None:  # on the example's shape (batches.check refuses another)
+            self.shapes.use_example(self.context)
         return verify_program(self.program, self.context, batch, loss_rtol=loss_rtol, grad_rtol=grad_rtol)
 
     def set_global_batch_size(self, global_batch_size: int) -> None:

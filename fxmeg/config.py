@@ -284,6 +284,12 @@ class EngineConfig:
     check_replicas_interval: int = 0
     """Before every this many steps, check that replicas still hold the same parameters
     (0: only at start-up)."""
+    variable_seq_lengths: bool = False
+    """Batches may differ from the example in their non-batch dimensions (the sequence
+    length, per global batch, as with dynamic padding): each new shape is captured and
+    transformed once, on shapes alone, with the example's pipeline cut, and its chunks
+    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/shapes.py).
+    Off: a batch must have the example's shape."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),

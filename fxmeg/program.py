@@ -219,6 +219,19 @@ class ModelFacts:
     flops_per_microbatch: float
     """Forward FLOPs of the whole model on one micro-batch (matmuls and attention)."""
     value_checks: tuple[ValueCheck, ...]
+    position_tables: tuple[PositionTable, ...] = ()
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """A table the model reads one row of per sequence position (a learned position
+    embedding indexed by ``arange(s)``, a rotary table sliced to ``[:s]``): the sequence,
+    dimension ``dim`` of input ``index``, may be at most ``rows`` long."""
+
+    what: str
+    rows: int
+    index: int
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -293,6 +306,8 @@ class Program:
     keywords: bool = False
     """The example was a dict: batches are dicts with the keys of ``inputs``, passed to
     the model by keyword (``fxmeg.runtime.batches.positional`` orders them)."""
+    position_tables: tuple[PositionTable, ...] = ()
+    """What bounds the sequence length (``EngineConfig.variable_seq_lengths``)."""
 
     @property
     def num_chunks(self) -> int:

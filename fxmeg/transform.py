@@ -217,6 +217,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         inputs=info.inputs,
         keywords=info.keywords,
         value_checks=facts.value_checks,
+        position_tables=facts.position_tables,
         flops_per_microbatch=facts.flops_per_microbatch,
         aux_scale=aux,
         device=device,

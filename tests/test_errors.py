@@ -205,6 +205,10 @@ ROWS = {
 SET_UP = {  # rows whose failing call needs a working engine first: counted from the call on
     "batch-shape": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i[:, :15], l))))(),
                     "'input_ids' has shape (4, 15)"),
+    "seq-above-positions": (lambda: (lambda e=fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=4,
+                                                                  variable_seq_lengths=True): lambda: e.train_step(
+        make_batch(4, seed=1, seq=24)))(),
+        "input 'input_ids' has sequence length 24 (dimension 1), but the model's position embedding 'wpe' has 16 rows"),
     "batch-dtype": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i, l.float()))))(),
                     "'labels' has shape (4, 16) and dtype torch.float32"),
     "batch-keys": (lambda: (lambda e=_keyword_engine(): lambda: e.train_step(

@@ -7,7 +7,9 @@ Ensures: the graph is unchanged; ``gm.meta["fxmeg"]["facts"]`` is a
 attention, for throughput and MFU), and which inputs index a loss's classes or an
 embedding's rows with their valid range (batches are checked against them before any
 communication: out of range they would fail deep in one stage's forward while the
-other ranks wait).
+other ranks wait), and which tables bound the sequence length (a position embedding
+indexed by ``arange(s)``, a rotary or mask table sliced to ``s``; checked before a
+batch of another length is compiled).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from torch import fx
 
 from fxmeg.config import EngineConfig
 from fxmeg.passes.partition import node_flops
-from fxmeg.program import ModelFacts, ValueCheck
+from fxmeg.program import ModelFacts, PositionTable, ValueCheck
 
 
 def analyse(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
     flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
-    gm.meta["fxmeg"]["facts"] = ModelFacts(flops, tuple(value_checks(gm)))
+    gm.meta["fxmeg"]["facts"] = ModelFacts(flops, tuple(value_checks(gm)), tuple(position_tables(gm)))
     return gm
 
 
@@ -61,3 +63,48 @@ def _source(node, inputs: list[fx.Node]) -> int | None:
             return None
         node = node.args[0]
     return inputs.index(node) if isinstance(node, fx.Node) and node in inputs else None
+
+
+def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
+    """Tables read one row per sequence position: an embedding whose indices come from
+    ``arange(s)`` (through views), and a model tensor sliced to ``[:s]`` along a
+    dimension; ``s`` being the size of some input's dimension (not the batch's), which is
+    then the sequence the table bounds."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    shapes = [tuple(n.meta["val"].shape) if "val" in n.meta else () for n in inputs]
+    found: list[tuple[str, int, int]] = []  # (what, rows, s)
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema else ""
+        if name == "aten::embedding":
+            end = _arange_end(node.args[1])
+            if end is not None:
+                module = node.meta.get("fxmeg", {}).get("module", "")
+                found.append((f"position embedding {module!r}", node.args[0].meta["val"].shape[0], end))
+        elif name == "aten::slice" and node.args[0].op == "get_attr" and len(node.args) > 3:
+            dim, start, end = node.args[1], node.args[2], node.args[3]
+            if start == 0 and isinstance(end, int):
+                rows = node.args[0].meta["val"].shape[dim]
+                found.append((f"table {node.args[0].target!r} (dimension {dim})", rows, end))
+    out = []
+    for what, rows, end in found:
+        where = next(((i, d) for i, shape in enumerate(shapes) for d in range(1, len(shape)) if shape[d] == end), None)
+        if where is not None:
+            out.append(PositionTable(what, rows, *where))
+    return out
+
+
+def _arange_end(node) -> int | None:
+    """``end`` of the ``arange(end)`` / ``arange(0, end)`` that ``node`` is a view of."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        base = getattr(node.target, "__name__", "").split(".")[0]
+        if base == "arange":
+            args = node.args
+            bounds = args if len(args) >= 2 else (0, *args)
+            if bounds[0] == 0 and isinstance(bounds[1], int) and len(args) <= 2:
+                return bounds[1]
+            return None
+        if base not in _PASS_THROUGH:
+            return None
+        node = node.args[0]
+    return None

@@ -99,7 +99,9 @@ def check(program: Program, batch: Batch, *, rows: int, what: str) -> None:
             raise BatchError(
                 f"{what} input {ex.name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
                 f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
-                f"{rows} rows = micro_batch_size x dp x micro-batches)"
+                f"{rows} rows = micro_batch_size x dp x micro-batches"
+                + ("; for sequences whose length changes from batch to batch, pass "
+                   "variable_seq_lengths=True)" if tuple(t.shape[1:]) != want[1:] and t.dim() == len(want) else ")")
             )
     for c in program.value_checks:
         t = batch[c.index]

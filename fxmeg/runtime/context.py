@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from fxmeg import program as prog
 from fxmeg.config import EngineConfig
+from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.program import Program
@@ -57,6 +58,16 @@ class AuxLoss:
     counter: fx.GraphModule
     """num_tokens of a micro-batch from the chunk's data inputs."""
     data_inputs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One Program's chunks bound to this rank's tensors, and what runs them."""
+
+    program: Program
+    chunks: dict[int, fx.GraphModule]
+    executor: Executor
+    aux: AuxLoss | None
 
 
 @dataclass
@@ -97,6 +108,11 @@ class RankContext:
 
     def __post_init__(self) -> None:
         self.set_global_batch_size(self.config.global_batch_size)
+
+    def use(self, bound: Bound) -> None:
+        """Run the next steps with ``bound``'s chunks (another input shape's Program,
+        the same tensors: ``bind``)."""
+        self.chunks, self.executor, self.aux = bound.chunks, bound.executor, bound.aux
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Train the next steps on global batches of this size: validated like the
@@ -154,12 +170,7 @@ def build_context(
         raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
         max_grad_norm=config.skip_on_grad_norm_above,
     )
-    executor = Executor(
-        chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=par.pp,
-        peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
-        timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
-        accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
-    )
+    executor = _executor(program, config, chunks, groups, ddp, tracer)
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,
         tracer=tracer, ddp=ddp, grad_reductions=_grad_reductions(program, named, groups),
@@ -169,6 +180,52 @@ def build_context(
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
         whole=whole,
     )
+
+
+def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
+              ddp: DataParallel, tracer: Tracer) -> Executor:
+    return Executor(
+        chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=config.parallel.pp,
+        peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
+        timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
+        accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+    )
+
+
+def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
+    """This rank's chunks of ``program``, another Program of the model ``ctx`` was built
+    for from ``first`` (another input shape: fxmeg/shapes.py), holding ``ctx``'s own
+    tensors, with an executor that runs them (``RankContext.use`` switches to it).
+
+    Requires: ``program`` has ``ctx``'s pipeline cut and gradient buffer layout (a
+    mismatch raises: its gradients would land in other parameters' slots).
+    Ensures: the bound graphs read and train exactly the tensors ``ctx``'s chunks hold
+    (no copy); their collectives and parameter-gather waits are this rank's."""
+    if program.placement != first.placement or program.buffers != first.buffers:
+        raise FxmegError(
+            "the Program of a new input shape cut the model or laid out its gradient buffers "
+            "differently from the example's; it cannot share this rank's parameters (report "
+            "this with the model: the passes should not depend on the sequence length here)"
+        )
+    live: dict[str, torch.Tensor] = {}
+    for gm in ctx.chunks.values():
+        live.update(gm.named_parameters(remove_duplicate=False))
+        live.update(gm.named_buffers(remove_duplicate=False))
+    memo: dict[int, torch.Tensor] = {}
+    for c in program.chunks_of(ctx.groups.pp_rank):
+        for name, t in (*program.chunks[c].named_parameters(remove_duplicate=False),
+                        *program.chunks[c].named_buffers(remove_duplicate=False)):
+            if name in live:
+                memo[id(t)] = live[name]
+            elif t.is_meta:
+                raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
+                                 "rank holds")
+    chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
+    names = {"tp": ctx.groups.tp.group_name} if ctx.groups.tp is not None else {}
+    for gm in chunks.values():
+        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather)
+    executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer)
+    return Bound(program, chunks, executor, _aux_loss(program, chunks))
 
 
 def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:
