@@ -8,7 +8,8 @@ mask, which crosses the cut, and tensor parallelism keeps it whole (it broadcast
 heads). Right padding is what fine-tuning collators make, but a causal model's real
 tokens never see the pads after them, so only left padding shows a lost mask (5e-4 on
 the loss): it runs with sdpa (a boolean mask; pad queries see no key) and with eager
-attention (an additive float mask)."""
+attention (an additive float mask), and with sequence parallelism (the mask stays whole while the
+hidden states are split along the sequence)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.helpers import assert_losses_close, assert_weights_close, hf_model, o
 LAYOUT = dict(tp=2, pp=2, dp=2)
 MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0
 GBS = MBS * M * LAYOUT["dp"]
-CASES = ("right-sdpa", "left-sdpa", "left-eager")
+CASES = ("right-sdpa", "left-sdpa", "left-eager", "left-sdpa-sp")  # sp: sequence parallelism too
 
 
 def model(case: str) -> torch.nn.Module:
@@ -58,7 +59,8 @@ def run(rank: int) -> dict:
     for case in CASES:
         data = batches(case)
         engine = fxmeg.parallelize(model(case), {k: t[:MBS] for k, t in data[0].items()},
-                                   global_batch_size=GBS, optimizer=optimizer, **LAYOUT)
+                                   global_batch_size=GBS, optimizer=optimizer, **LAYOUT,
+                                   sequence_parallel=case.endswith("-sp"))
         steps = [engine.train_step(b) for b in data]
         out[case] = dict(losses=[s.loss for s in steps], tokens=[s.num_tokens for s in steps],
                          eval=engine.eval_step(data[0]).loss, state=engine.full_state_dict())
