@@ -1,7 +1,8 @@
 """Variable sequence lengths (``variable_seq_lengths=True``) on real gloo ranks: steps of
 three different lengths (16, the example's; then 8 and 12, each compiled once and met
 again) train like plain single-device training, at pp2 x dp2 (GPT, learned positions),
-tp2 x pp2 (Llama: rotary tables sliced to the length, GQA) and pp4 with middle stages
+tp2 x pp2 (Llama: rotary tables sliced to the length, GQA), zero-bubble ZB-H1 at
+pp2 x dp2 (the B / W split made per shape) and pp4 with middle stages
 that read no data and learn each step's shape from the others; and a Hugging Face Llama
 on padded dict batches (dynamic padding: each batch as long as its longest row) at
 tp2 x pp2. One spawn of 4 ranks."""
@@ -36,6 +37,7 @@ CASES = [
     Varying("gpt", pp=2, dp=2, m=2, options=VARIABLE),
     Varying("llama", tp=2, pp=2, m=2, options=VARIABLE),
     Varying("gpt", pp=4, m=4, options=VARIABLE),
+    Varying("llama", pp=2, dp=2, m=2, schedule="zbh1", options=VARIABLE),  # I / W graphs per shape
 ]
 EVAL = dict(seed=7, seq=12)
 
