@@ -99,9 +99,8 @@ class Shapes:
         """The step's shape, the same on every pipeline stage: stages that read data must
         have the same one; the others adopt it."""
         widths = [len(i.shape) - 1 for i in self.first.inputs]
-        if ctx.groups.pp is None:
-            assert key is not None
-            return key
+        if ctx.groups.pp is None:  # one stage: it reads data (batches.microbatches refuses None)
+            return key if key is not None else key_of(self.first)
         flat = [d for shape in key for d in shape] if key is not None else None
         n = sum(widths)
         # MAX over [key, -key]: the largest and (negated) the smallest key of the ranks with data

@@ -202,6 +202,23 @@ def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = 
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_dicts(model: torch.nn.Module, batches: list[dict]) -> tuple[list[float], torch.nn.Module]:
+    """Plain training on dict batches: ``model(**batch, use_cache=False).loss`` (mean over
+    the labelled tokens of the global batch), the parity AdamW, clipping at 1. Returns the
+    losses and the trained copy."""
+    ref = copy.deepcopy(model)
+    opt = optimizer(param_groups(ref.named_parameters()))
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = ref(**b, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, ref
+
+
 def assert_losses_close(got, want, rtol: float = LOSS_RTOL) -> None:
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want)):

@@ -13,15 +13,18 @@ hidden states are split along the sequence)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import fxmeg
-from fxmeg.runtime.optimizer import param_groups
 from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, hf_model, optimizer
+from tests.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    hf_model,
+    optimizer,
+    train_dicts,
+)
 
 LAYOUT = dict(tp=2, pp=2, dp=2)
 MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0
@@ -68,18 +71,7 @@ def run(rank: int) -> dict:
 
 
 def reference(case: str) -> tuple[list[float], float, dict]:
-    """Plain training: ``model(**batch, use_cache=False).loss`` (mean over the labelled
-    tokens of the global batch), the parity AdamW, clipping at 1."""
-    ref = copy.deepcopy(model(case))
-    opt = optimizer(param_groups(ref.named_parameters()))
-    losses = []
-    for b in batches(case):
-        opt.zero_grad()
-        loss = ref(**b, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+    losses, ref = train_dicts(model(case), batches(case))
     with torch.no_grad():
         final = ref(**batches(case)[0], use_cache=False).loss.item()
     return losses, final, ref.state_dict()

@@ -14,13 +14,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import fxmeg
 from fxmeg.errors import BatchError
 from tests.distributed import run_world
-import copy
-
-import fxmeg
-from fxmeg.runtime.optimizer import param_groups
-from tests.helpers import assert_losses_close, assert_weights_close, hf_model, make_batch, model_loss, optimizer
+from tests.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    hf_model,
+    make_batch,
+    model_loss,
+    optimizer,
+    train_dicts,
+)
 from tests.parity.scenarios import Scenario, check_parity
 
 LENGTHS = (16, 8, 12, 8, 16)  # STEPS = 5 batches
@@ -121,16 +126,7 @@ def test_a_length_above_the_position_table_is_refused_naming_both(results, sc):
 
 
 def test_padded_hugging_face_batches_of_varying_length_train_as_on_one_device(results):
-    ref = copy.deepcopy(hf_llama())
-    opt = optimizer(param_groups(ref.named_parameters()))
-    losses = []
-    for b in HF_BATCHES:
-        opt.zero_grad()
-        loss = ref(**b, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+    losses, ref = train_dicts(hf_llama(), HF_BATCHES)
     for r in results:
         assert r["hf"]["losses"] == results[0]["hf"]["losses"]
         assert r["hf"]["compiled"] == [((8,),) * 3, ((12,),) * 3]
