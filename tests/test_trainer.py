@@ -198,7 +198,6 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     ref.load_state_dict(t.engine.full_state_dict())
     ids, labels = t.train_data.batch(t.train_order.indices(0, 8))
     batch = t.batch("train", t.train_order.indices(0, 8))
-    assert set(batch) == {"input_ids", "attention_mask", "labels", "shift_labels"}
     with torch.no_grad():
         own = ref(**batch).loss.item()
         logits = ref(input_ids=ids).logits
@@ -216,6 +215,7 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     assert resumed.iteration == 2
     resumed.run()
     assert [r["loss"] for r in read(str(tmp_path / "c" / "run")) if r["kind"] == "train"] == whole[2:]
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "shift_labels"}
     assert keyword_batch(ids, labels)["labels"] is ids  # HF's convention: still the next token if ignored
     flags = ["--data", corpus, "--model", HF, "--model-args", json.dumps(HF_ARGS), "--seq-len", "32",
              "--micro-batch-size", "4", "--global-batch-size", "8"]
