@@ -3,6 +3,9 @@
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
                 --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg train --data runs/corpus --model transformers:LlamaForCausalLM \\
+                --model-args '{"hidden_size": 256, "num_hidden_layers": 4, ...}' --tp 2 --pp 2 ...
+                                                           # a Hugging Face class: keyword batches
     fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
                                                            # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
