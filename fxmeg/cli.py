@@ -3,6 +3,9 @@
     fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
     fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
                 --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg train --data runs/corpus --model transformers:LlamaForCausalLM \\
+                --model-args '{"hidden_size": 256, "num_hidden_layers": 4, ...}' --tp 2 --pp 2 ...
+                                                           # a Hugging Face class: keyword batches
     fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
                                                            # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
@@ -130,6 +133,7 @@ def _plan(args) -> int:
 
     import torch
 
+    from fxmeg.hugging_face import is_hugging_face, keyword_batch
     from fxmeg.plan import plan
     from fxmeg.trainer import build_model, engine_from_flat, flat_defaults
 
@@ -147,7 +151,10 @@ def _plan(args) -> int:
             net = build_model(model["model"], {"seq_len": model["seq_len"]} | extra)
     shape = (engine.micro_batch_size, model["seq_len"])
     ids, labels = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
-    result = plan(net, (ids, labels), config=engine)
+    # a Hugging Face model takes the trainer's keyword batch (positionally, labels would
+    # land on its second parameter, attention_mask)
+    example = keyword_batch(ids, labels) if is_hugging_face(net) else (ids, labels)
+    result = plan(net, example, config=engine)
     print(result.to_json() if args.json else result)
     return 0
 
@@ -358,7 +365,7 @@ def _verify_worker(cfg) -> bool:
         trainer = Trainer(cfg.replace(run_dir=run_dir, save="", tensorboard=False, progress=False))
         trainer._switch_batch_size()  # the batch size at the resumed position (nothing is saved)
         engine = trainer.engine
-        batch = trainer.train_data.batch(trainer.train_order.indices(trainer.consumed, engine.config.global_batch_size))
+        batch = trainer.batch("train", trainer.train_order.indices(trainer.consumed, engine.config.global_batch_size))
         result = engine.verify(batch)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxmeg
-from fxmeg import checkpoint, trace
+from fxmeg import checkpoint, hugging_face, trace
 from fxmeg.config import EngineConfig, ParallelConfig, Size, check_numbers, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
@@ -50,7 +50,8 @@ class TrainConfig:
     with ``TrainConfig.from_flat`` and change one with ``replace``."""
 
     model: str = "models.gpt:GPT"
-    """The model class, module:Class; built from model_args (kwargs or its config dataclass)."""
+    """The model class, module:Class; built from model_args (kwargs or its config dataclass;
+    a Hugging Face class, e.g. transformers:LlamaForCausalLM, from its config_class)."""
     model_args: str = "{}"
     """JSON object of the model's constructor or config arguments."""
     data: str = ""
@@ -254,9 +255,12 @@ def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) ->
 
 def build_model(spec: str, args: dict) -> nn.Module:
     """module:Class built from ``args``: as keyword arguments, or as the fields of the
-    config dataclass its constructor takes."""
+    config dataclass its constructor takes; a Hugging Face class from its config_class
+    (``hugging_face.build``: seq_len sets its position table)."""
     module, _, name = spec.partition(":")
     cls = getattr(importlib.import_module(module), name)
+    if hugging_face.is_hugging_face(cls):
+        return hugging_face.build(cls, args)
     params = [p for p in inspect.signature(cls).parameters.values() if p.name != "self"]
     if len(params) == 1 and dataclasses.is_dataclass(params[0].default):
         config_cls = type(params[0].default)
@@ -289,6 +293,8 @@ class Trainer:
             # --init-from: built on meta, each rank reads only its slices of the weights
             with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
                 model = build_model(cfg.model, args)
+        self.keywords = hugging_face.is_hugging_face(model)
+        """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save
@@ -297,6 +303,9 @@ class Trainer:
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
         self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
+        if self.keywords and not hugging_face.takes_shift_labels(model):
+            self.metrics.say(f"{type(model).__name__}'s loss ignores shift_labels: it shifts labels "
+                             "itself, so the last token of each window is never a target")
         self.iteration = self.consumed = self.valid_consumed = self.skipped = 0
         self._saved: tuple[int, int] | None = None
         """(iteration, validation samples consumed) of the last checkpoint."""
@@ -320,7 +329,7 @@ class Trainer:
 
     def _engine(self, model: nn.Module) -> fxmeg.Engine:
         cfg = self.cfg
-        example = self.train_data.batch(range(self.engine_config.micro_batch_size))
+        example = self.batch("train", range(self.engine_config.micro_batch_size))
         betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
         return fxmeg.parallelize(
             model, example, config=self.engine_config, weights=cfg.init_from or None,
@@ -448,7 +457,14 @@ class Trainer:
     def _train_batch(self, size: int):
         if not self.engine.needs_data:
             return None  # a middle pipeline stage reads no data
-        return self.train_data.batch(self.train_order.indices(self.consumed, size))
+        return self.batch("train", self.train_order.indices(self.consumed, size))
+
+    def batch(self, split: str, indices) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+        """The samples ``indices`` of the "train" or "valid" split as the model takes
+        them: (input_ids, labels), or for a Hugging Face model the keyword batch
+        (``hugging_face.keyword_batch``: the same next-token targets)."""
+        ids, labels = (self.train_data if split == "train" else self.valid_data).batch(indices)
+        return hugging_face.keyword_batch(ids, labels) if self.keywords else (ids, labels)
 
     # ------------------------------------------------------------------ eval, log, save
 
@@ -462,7 +478,7 @@ class Trainer:
         for _ in range(self.cfg.eval_iters):
             batch = None
             if self.engine.needs_data:
-                batch = self.valid_data.batch(self.valid_order.indices(self.valid_consumed, size))
+                batch = self.batch("valid", self.valid_order.indices(self.valid_consumed, size))
             r = self.engine.eval_step(batch, num_microbatches=m)
             self.valid_consumed += size
             loss_sum += r.loss * r.num_tokens

@@ -2,6 +2,7 @@
 two torchrun "nodes"), `fxmeg plot`, and SIGTERM, as a user runs them."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -191,3 +192,40 @@ def test_two_torchrun_nodes_train_save_and_resume_exactly(corpus, tmp_path):
         (r["iteration"], r["valid_loss"]) for r in whole if r["kind"] == "eval"]  # step 6, bitwise
     (memory,) = [r for r in whole if r["kind"] == "memory"]
     assert [s["stage"] for s in memory["stages"]] == [0, 1]
+
+
+HF_ARGS = ('{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+           '"num_key_value_heads": 2}')
+
+
+def test_a_hugging_face_class_trains_at_tp2_pp2_as_on_one_rank_and_resumes_exactly(corpus, tmp_path):
+    """`--model transformers:LlamaForCausalLM` on 4 ranks (tp=2 x pp=2), fed keyword
+    batches (the first stage reads input_ids and attention_mask, the last the targets):
+    every step's loss and the evaluation are those of the same command on one rank (whose
+    first loss is the model's own: tests/test_trainer.py) within the parity tolerance; a
+    resume from the step-2 checkpoint repeats steps 3-4 and the evaluation bitwise."""
+    from fxmeg.cli import main
+
+    flags = ["--data", corpus, "--model", "transformers:LlamaForCausalLM", "--model-args", HF_ARGS,
+             "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+             "--lr", "3e-3", "--lr-decay-samples", "400", "--log-interval", "1", "--eval-iters", "1",
+             "--no-progress", "--no-tensorboard"]
+    ckpt, layout = str(tmp_path / "ckpt"), ["--tp", "2", "--pp", "2"]
+    out = fxmeg("train", *flags, *layout, "--save", ckpt, "--save-interval", "2", "--run-dir", str(tmp_path / "whole"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.rmtree(os.path.join(ckpt, "iter_0000004"))  # resume from step 2
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("iter_0000002")
+    out = fxmeg("train", *flags, *layout, "--load", ckpt, "--run-dir", str(tmp_path / "resumed"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert main(["train", *flags, "--run-dir", str(tmp_path / "one")]) == 0  # one rank, in this process
+    runs = {name: read(str(tmp_path / name)) for name in ("whole", "resumed", "one")}
+    losses = {name: {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+              for name, records in runs.items()}
+    evals = {name: [r["valid_loss"] for r in records if r["kind"] == "eval"] for name, records in runs.items()}
+    assert sorted(losses["whole"]) == [1, 2, 3, 4] and all(math.isfinite(x) for x in losses["whole"].values())
+    assert losses["resumed"] == {i: losses["whole"][i] for i in (3, 4)}
+    assert evals["resumed"] == evals["whole"]
+    for i, want in losses["one"].items():  # DESIGN.md: each step's loss within 1e-5 relative
+        assert abs(losses["whole"][i] - want) <= 1e-5 * want, (i, losses["whole"][i], want)
+    assert abs(evals["whole"][0] - evals["one"][0]) <= 1e-5 * evals["one"][0]

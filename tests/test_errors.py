@@ -132,6 +132,16 @@ def _half_meta():
     return model
 
 
+def _hugging_face(**args):
+    """What `fxmeg train --model transformers:LlamaForCausalLM --seq-len 32` builds (on meta)."""
+    from fxmeg.trainer import build_model
+
+    small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    with torch.device("meta"):
+        return build_model("transformers:LlamaForCausalLM", {"seq_len": 32} | small | args)
+
+
 # row id -> (set-up returning the failing call, or the failing call itself; message)
 ROWS = {
     "size-zero": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=0),
@@ -186,6 +196,16 @@ ROWS = {
                            "the inner optimizer Muon needs whole parameters; use optimizer_sharding='layerwise'"),
     "config-file-key": (lambda: _config_file('data = "x"\ntrain_iters = 1\nglobal_bach_size = 8\n'),
                         "unknown config key 'global_bach_size'"),
+    "model-arg-unknown": (lambda: _hugging_face(hiden_size=32),
+                          "'hiden_size' is not a field of LlamaConfig (the config of LlamaForCausalLM) "
+                          "(did you mean 'hidden_size'?)"),
+    "model-arg-rejected": (lambda: _hugging_face(hidden_size=30),
+                           "The hidden size (30) is not a multiple of the number of attention heads (4)"),
+    "model-positions": (lambda: _hugging_face(max_position_embeddings=16),
+                        "--seq-len 32 is longer than LlamaForCausalLM's position table "
+                        "(max_position_embeddings=16 in --model-args)"),
+    "model-attention": (lambda: _hugging_face(attn_implementation="flash_attention_2"),
+                        "fxmeg captures 'sdpa' and 'eager' attention"),
     "batch-size-schedule": (lambda: _config_file('data = "x"\ntrain_iters = 1\nstep_batch_size_schedule = "64:16 128:8"\nglobal_batch_size = 8\n'),
                             "would shrink the global batch from 16 to 8"),
     "weights-missing": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), weights=_weights(

@@ -174,3 +174,66 @@ def test_throughput_excludes_evaluation_and_saving(corpus, tmp_path, monkeypatch
     saves = [r for r in records if "save_started" in r]
     assert [r["iteration"] for r in saves] == [6, 12]  # the exit does not save iteration 12 again
     assert all(r["save_time"] == pytest.approx(2.0) for r in saves)
+
+
+HF = "transformers:LlamaForCausalLM"
+HF_ARGS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2}
+
+
+def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_exactly(corpus, tmp_path, capsys):
+    """`--model transformers:LlamaForCausalLM`: built from its config (the position table
+    sized to seq_len), fed keyword batches whose targets are the window's next tokens,
+    every one of them (not HF's own shift of labels, which would skip one); the first
+    step's loss is the model's own loss in plain PyTorch; resume continues bitwise;
+    `fxmeg verify` and `fxmeg plan` take the same model."""
+    import transformers as T
+
+    from fxmeg.cli import main
+    from fxmeg.hugging_face import keyword_batch
+
+    hf = {"model": HF, "model_args": json.dumps(HF_ARGS), "lr_decay_samples": 200, "train_iters": 4}
+    t = Trainer(_config(corpus, tmp_path / "a", **hf))
+    ref = T.LlamaForCausalLM._from_config(T.LlamaConfig(vocab_size=384, max_position_embeddings=32, **HF_ARGS))
+    ref.load_state_dict(t.engine.full_state_dict())
+    ids, labels = t.train_data.batch(t.train_order.indices(0, 8))
+    batch = t.batch("train", t.train_order.indices(0, 8))
+    with torch.no_grad():
+        own = ref(**batch).loss.item()
+        logits = ref(input_ids=ids).logits
+    window = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+    assert own == pytest.approx(window, rel=1e-6)
+    first = t.engine.eval_step(batch)
+    assert first.num_tokens == 8 * 32  # every position has its target: the window's next token
+    assert first.loss == pytest.approx(own, rel=1e-5)
+    t.run()
+    whole = [r["loss"] for r in read(str(tmp_path / "a" / "run")) if r["kind"] == "train"]
+    assert whole[0] == pytest.approx(own, rel=1e-5) and all(math.isfinite(x) for x in whole)
+    ckpt = str(tmp_path / "ckpt")
+    Trainer(_config(corpus, tmp_path / "b", **hf | {"train_iters": 2, "save": ckpt})).run()
+    resumed = Trainer(_config(corpus, tmp_path / "c", **hf | {"load": ckpt}))
+    assert resumed.iteration == 2
+    resumed.run()
+    assert [r["loss"] for r in read(str(tmp_path / "c" / "run")) if r["kind"] == "train"] == whole[2:]
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "shift_labels"}
+    assert keyword_batch(ids, labels)["labels"] is ids  # HF's convention: still the next token if ignored
+    flags = ["--data", corpus, "--model", HF, "--model-args", json.dumps(HF_ARGS), "--seq-len", "32",
+             "--micro-batch-size", "4", "--global-batch-size", "8"]
+    assert main(["verify", *flags]) == 0
+    assert "loss" in capsys.readouterr().out
+    plan_args = json.dumps(HF_ARGS | {"vocab_size": 384})  # plan has no corpus to size it
+    assert main(["plan", *flags[2:4], "--model-args", plan_args, *flags[6:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_parameters"] == sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"hiden_size": 32}, "'hiden_size' is not a field of LlamaConfig.*did you mean 'hidden_size'"),
+    ({"hidden_size": 30}, r"rejected by LlamaConfig.*hidden size \(30\) is not a multiple of the number"),
+    ({"num_hidden_layers": "two"}, "rejected by LlamaConfig.*'num_hidden_layers' expected int"),
+    ({"max_position_embeddings": 16}, r"--seq-len 32 is longer than .* \(max_position_embeddings=16"),
+    ({"attn_implementation": "flash_attention_2"}, "'flash_attention_2'.*'sdpa' and 'eager'"),
+])
+def test_a_hugging_face_config_that_rejects_a_model_arg_names_it(corpus, tmp_path, args, message):
+    cfg = _config(corpus, tmp_path, model=HF, model_args=json.dumps(HF_ARGS | args))
+    with pytest.raises(ConfigError, match=message):
+        Trainer(cfg)

@@ -1,0 +1,123 @@
+"""Hugging Face causal LMs in the trainer: building one from ``--model transformers:Class``
+and ``--model-args``, and the keyword batches it is fed.
+
+Targets. A sample is a window of seq_len + 1 tokens; the trainer's (input_ids, labels) are
+that window shifted by one, so labels[t] is the token after input_ids[t]. A Hugging Face
+causal LM shifts ``labels`` itself (position t is scored against labels[t + 1]): given
+those labels it would learn to predict the token two ahead. The causal-LM loss of
+transformers 5.x takes ``shift_labels``, targets already shifted, and then reads
+``labels`` only to decide that a loss is wanted. So a batch is
+
+    {"input_ids": x, "attention_mask": ones, "labels": x, "shift_labels": y}
+
+and every position t is scored against y[t], the token after it: the seq_len targets of
+the window, exactly what a model taking (input_ids, labels) learns. ``labels = input_ids``
+is Hugging Face's own convention, so a model whose loss ignores ``shift_labels`` (see
+``takes_shift_labels``) still learns the next token; it only leaves the window's last
+target unused (seq_len - 1 targets per row). The mask is all ones: windows are cut from
+a token stream and hold no padding (padded dict batches work through the Python API).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from fxmeg.errors import ConfigError, closest
+
+ATTENTION = ("sdpa", "eager")
+"""The attention implementations whose graphs fxmeg captures and splits (tests/test_hugging_face.py)."""
+
+
+def is_hugging_face(obj) -> bool:
+    """Whether ``obj`` (a class or a module) is a transformers ``PreTrainedModel``; False
+    without importing transformers when nothing imported it yet."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return False
+    cls = obj if isinstance(obj, type) else type(obj)
+    return issubclass(cls, transformers.PreTrainedModel)
+
+
+def build(cls: type, args: dict) -> nn.Module:
+    """A ``cls`` (a transformers PreTrainedModel class) with random weights, from
+    ``cls.config_class(**args)``.
+
+    Requires: ``args`` holds config fields, plus the trainer's ``seq_len`` and optionally
+    ``attn_implementation`` (one of ATTENTION, default "sdpa").
+    Ensures: ``max_position_embeddings`` (under the config's own name, e.g. GPT-2's
+    n_positions) is seq_len unless args set it, and at least seq_len; ``use_cache`` is
+    False unless args set it (training keeps no key/value cache); an unknown field or
+    one the config rejects is a ConfigError naming it. Nothing is downloaded."""
+    config_cls = cls.config_class
+    args = dict(args)
+    seq_len = args.pop("seq_len", None)
+    attention = args.pop("attn_implementation", "sdpa")
+    if attention not in ATTENTION:
+        raise ConfigError(
+            f"--model-args attn_implementation={attention!r} for {cls.__name__}: fxmeg captures "
+            f"{' and '.join(map(repr, ATTENTION))} attention; choose one of them"
+        )
+    names = config_fields(config_cls)
+    for key in args:
+        if key not in names:
+            raise ConfigError(
+                f"--model-args {key!r} is not a field of {config_cls.__name__} (the config of "
+                f"{cls.__name__})" + closest(key, names)
+            )
+    positions = config_cls.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    if seq_len is not None and positions in names and not {"max_position_embeddings", positions} & set(args):
+        args[positions] = seq_len
+    if "use_cache" in names:
+        args.setdefault("use_cache", False)
+    try:
+        config = config_cls(**args)
+    except _config_errors() as exc:
+        raise ConfigError(f"--model-args rejected by {config_cls.__name__} (the config of {cls.__name__}): "
+                          f"{' '.join(str(exc).split())}") from None
+    table = getattr(config, "max_position_embeddings", None)
+    if seq_len is not None and table is not None and table < seq_len:
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than {cls.__name__}'s position table "
+            f"({positions}={table} in --model-args): raise {positions} or lower --seq-len"
+        )
+    return cls._from_config(config, attn_implementation=attention)
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """The names ``config_cls(**kwargs)`` knows: its parameters and their aliases
+    (``attribute_map``, e.g. GPT-2's hidden_size for n_embd)."""
+    params = inspect.signature(config_cls).parameters.values()
+    own = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return own + [a for a in config_cls.attribute_map if a not in own]
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What a transformers config raises for a value it rejects: TypeError / ValueError,
+    or (5.x configs are huggingface_hub strict dataclasses) a StrictDataclassError."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
+
+
+def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword batch of a window batch (the module docstring says why these keys).
+
+    Requires: ``labels`` is ``input_ids`` shifted by one (fxmeg.data.Samples.batch), both
+    (rows, seq_len) int64 and contiguous.
+    Ensures: passed to a Hugging Face causal LM by keyword, position t is scored against
+    labels[t]."""
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "labels": input_ids, "shift_labels": labels}
+
+
+def takes_shift_labels(model: nn.Module) -> bool:
+    """Whether the model's loss reads ``shift_labels`` (transformers 5.x causal-LM loss);
+    if not, its last target per row goes unused (module docstring)."""
+    loss = getattr(model, "loss_function", None)
+    return loss is not None and "shift_labels" in inspect.signature(loss).parameters
