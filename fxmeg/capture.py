@@ -33,6 +33,7 @@ from torch import fx, nn
 
 from fxmeg.config import Example
 from fxmeg.errors import CaptureError
+from fxmeg.hugging_face import is_hugging_face
 from fxmeg.program import CaptureInfo, InputSpec
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -68,11 +69,6 @@ class _HuggingFace(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         batch = dict(zip(self.names or ("input_ids", "labels"), inputs, strict=True))
         return self.model(**batch, use_cache=False).loss
-
-
-def is_hugging_face(model: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-               for c in type(model).__mro__)
 
 
 class _WithLossFn(nn.Module):

@@ -44,7 +44,7 @@ def seed_for(seed: int, module: str) -> int:
 
 def default_init(model: nn.Module) -> InitFn:
     """``module.reset_parameters()``; for a Hugging Face model its own ``_init_weights``."""
-    from fxmeg.capture import is_hugging_face
+    from fxmeg.hugging_face import is_hugging_face
 
     if is_hugging_face(model):
         return model._init_weights
