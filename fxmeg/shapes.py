@@ -37,6 +37,10 @@ from fxmeg.runtime.context import Bound, RankContext, bind
 
 log = logging.getLogger("fxmeg.shapes")
 
+MANY_SHAPES = 16
+"""From this many compiled shapes on (then at every power of two), a warning suggests padding
+to a few lengths."""
+
 Key = tuple[tuple[int, ...], ...]
 """Every input's shape without its first (batch) dimension."""
 
@@ -137,8 +141,13 @@ class Shapes:
         bound = bind(program, first, ctx)
         seconds = time.perf_counter() - start
         self.compiled.append((key, seconds))
+        count = len(self.known) + 1
         log.info("compiled the Program for input shape %s in %.2f s (%d shapes so far)",
-                 _shape_text(key), seconds, len(self.known) + 1)
+                 _shape_text(key), seconds, count)
+        if count >= MANY_SHAPES and count & (count - 1) == 0:  # 16, 32, 64, ...
+            log.warning("%d input shapes compiled (%.1f s in all): pad batches to a few lengths (a multiple of "
+                        "64, a tokenizer's pad_to_multiple_of) to compile less", count,
+                        sum(t for _, t in self.compiled))
         return bound
 
 

@@ -1,0 +1,43 @@
+"""Variable sequence lengths in one process: which tables bound the length, the hint
+towards the flag, and the warning when too many shapes are compiled (the parity cases
+are in tests/parity/test_variable_lengths.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import fxmeg
+from fxmeg.errors import BatchError
+from fxmeg.passes.analyse import position_tables
+from fxmeg.program import PositionTable
+from fxmeg.transform import transform
+from tests.helpers import make_batch, make_model
+
+
+def test_the_tables_read_one_row_per_position_are_found():
+    gpt = transform(make_model("gpt", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse")
+    assert position_tables(gpt) == [PositionTable("position embedding 'wpe'", 16, 0, 1)]
+    llama = transform(make_model("llama", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse")
+    assert [(t.what, t.rows) for t in position_tables(llama)] == [
+        ("table 'rope_cos' (dimension 0)", 16), ("table 'rope_sin' (dimension 0)", 16)]
+
+
+def test_another_length_without_the_flag_names_it():
+    engine = fxmeg.parallelize(make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2)
+    with pytest.raises(BatchError, match="pass variable_seq_lengths=True"):
+        engine.train_step(make_batch(2, seed=1, seq=8))
+
+
+def test_many_compiled_shapes_are_warned_about(caplog):
+    engine = fxmeg.parallelize(make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2,
+                               variable_seq_lengths=True)
+    with caplog.at_level(logging.INFO, logger="fxmeg.shapes"):
+        for seq in range(1, 16):
+            engine.train_step(make_batch(2, seed=seq, seq=seq))
+        engine.train_step(make_batch(2, seed=0, seq=3))  # compiled already
+    compiled = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(compiled) == len(engine.shapes.compiled) == 15
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("16 input shapes compiled")
