@@ -2,7 +2,8 @@
 
 Every rank builds (or reads) its own copy of the model, so nothing but the caller's
 seeding makes copies that must be equal actually equal. Three kinds of ranks hold the
-same values of a trainable parameter:
+same values of a trainable parameter (and of the frozen parameters and buffers of the same
+chunks, checked over tp and dp alike):
 
 * ``tp``: the ranks of a tensor-parallel group, for a parameter tp does not split (a
   norm's weight); at start-up, with the user's model, also the full tensor each rank
@@ -95,12 +96,33 @@ def hash_pattern(device: torch.device | str) -> torch.Tensor:
     return ((mixed & 0x7C) + 2 - (i & 1)).to(torch.int32)
 
 
+def checked_names(program: Program) -> list[str]:
+    """What replicas must agree on, in the order checks and errors use: the trainable
+    parameters (the Program's order), then the state the chunks read and nobody trains
+    (frozen parameters, buffers: a rotary table, a frozen base weight under adapters),
+    in chunk order."""
+    out = dict.fromkeys(program.parameters)
+    for gm in program.chunks:
+        out.update(dict.fromkeys(n for n, p in gm.named_parameters() if not p.requires_grad))
+        out.update(dict.fromkeys(n for n, _ in gm.named_buffers()))
+    return list(out)
+
+
+def _state(chunks) -> dict[str, Held]:
+    """This rank's chunks' frozen parameters and buffers, each once."""
+    out = {}
+    for gm in chunks.values():
+        out.update((n, Held((p,))) for n, p in gm.named_parameters() if not p.requires_grad)
+        out.update((n, Held((b,))) for n, b in gm.named_buffers())
+    return out
+
+
 def at_start(program: Program, chunks, masters: Mapping[str, torch.Tensor],
              local: Mapping[str, torch.Tensor]) -> dict[str, Held]:
     """What this rank holds right after its tensors are made (``build_context``), in the
-    Program's parameter order: each parameter with its fp32 master, and for a tp-split
-    one cut from the user's tensor (not from weights or an initialisation: ``local``)
-    the user's full tensor and full master."""
+    order of ``checked_names``: each parameter with its fp32 master, and for a tp-split one cut
+    from the user's tensor (not from weights or an initialisation: ``local``) the user's
+    full tensor and full master; then its frozen parameters and buffers."""
     params = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     out = {}
     for name, user in program.parameters.items():
@@ -112,12 +134,13 @@ def at_start(program: Program, chunks, masters: Mapping[str, torch.Tensor],
         if _split(spec) and name not in local and not user.is_meta:
             whole = (user, program.master_values[name]) if name in masters else (user,)
         out[name] = Held(tensors, whole)
-    return out
+    return out | _state(chunks)
 
 
-def now(program: Program, named: Mapping[str, torch.Tensor]) -> dict[str, Held]:
-    """What this rank holds during training: its parameters, in the Program's order."""
-    return {n: Held((named[n],)) for n in program.parameters if n in named}
+def now(program: Program, named: Mapping[str, torch.Tensor], chunks) -> dict[str, Held]:
+    """What this rank holds during training: its parameters in the Program's order, then
+    its frozen parameters and buffers."""
+    return {n: Held((named[n],)) for n in program.parameters if n in named} | _state(chunks)
 
 
 @torch.no_grad()
@@ -133,7 +156,7 @@ def agree(program: Program, groups: Groups, held: Mapping[str, Held], *, device:
     plan = _plan(program, groups, held)
     if broadcast:
         _broadcast(program, groups, held, plan)
-    order = {n: i for i, n in enumerate(program.parameters)}
+    order = {n: i for i, n in enumerate(checked_names(program))}
     memo: dict[int, torch.Tensor] = {}
     pattern = hash_pattern(device)
     codes = [-1] * len(KINDS)  # per kind: the first parameter (Program index) unlike the group's first rank
@@ -161,14 +184,14 @@ def _plan(program: Program, groups: Groups,
     """(kind, group, parameter names) for each of this rank's groups of more than one
     rank, in KINDS order; the names are the same, in the same order, on every rank of
     a group."""
-    names = list(held)
+    every = list(held)
     plan = []
-    if groups.tp is not None and names:
-        plan.append(("tp", groups.tp, names))
-    if groups.dp is not None and names:
-        plan.append(("dp", groups.dp, names))
+    if groups.tp is not None and every:
+        plan.append(("tp", groups.tp, every))
+    if groups.dp is not None and every:
+        plan.append(("dp", groups.dp, every))
     for holders, group in sorted(groups.tied.items(), key=lambda kv: sorted(kv[0])):
-        tied = [n for n in names if frozenset(program.holders[n]) == holders]
+        tied = [n for n in every if n in program.holders and frozenset(program.holders[n]) == holders]
         if group is not None and tied:
             plan.append(("tied", group, tied))
     return plan
@@ -211,7 +234,12 @@ def _broadcast(program: Program, groups: Groups, held: Mapping[str, Held], plan)
                     shard.detach().copy_(tp_shard(whole, spec, tp, tp_rank))
             else:
                 for t in h.tensors:
-                    dist.broadcast(t.detach(), src, group=group)
+                    dist.broadcast(_wire(t), src, group=group)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a broadcast may write it (bool buffers as bytes: gloo has no bool)."""
+    return t.detach().view(torch.uint8) if t.dtype == torch.bool else t.detach()
 
 
 _BETWEEN = {
@@ -227,7 +255,7 @@ def _error(program: Program, groups: Groups, rows: list[list[int]], step: int | 
     the rank it was compared with (its group's first): a rank named in several of them
     is the odd one out."""
     index = min(i for row in rows for i in row if i >= 0)
-    name = list(program.parameters)[index]
+    name = checked_names(program)[index]
     pairs, parts = [], []
     for k, kind in enumerate(KINDS):
         mine = [(r, _first_of_group(program, groups, kind, name, r))

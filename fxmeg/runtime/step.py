@@ -90,7 +90,7 @@ def check_replicas(program: Program, ctx: RankContext) -> None:
     """Raise ReplicaError on every rank when replicas no longer hold the same parameters
     (before a step: a drifted replica trains no further). Collective."""
     ctx.ddp.wait_for_params()  # overlap_param_gather: the last step's gathers may be in flight
-    replicas.agree(program, ctx.groups, replicas.now(program, ctx.named_parameters), device=ctx.device,
+    replicas.agree(program, ctx.groups, replicas.now(program, ctx.named_parameters, ctx.chunks), device=ctx.device,
                    step=ctx.steps_taken + 1)
 
 

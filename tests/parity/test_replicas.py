@@ -3,7 +3,7 @@ from other weights is refused at parallelize on every rank, naming the parameter
 the ranks (tensor- and data-parallel replicas, the holders of a tied weight);
 broadcast_params=True copies the first replica's values instead and then trains exactly
 like one device; a replica changed between steps stops the next step
-(check_replicas_interval)."""
+(check_replicas_interval). Frozen parameters and buffers are checked too."""
 
 from __future__ import annotations
 
@@ -88,8 +88,36 @@ def _broadcast_masters(rank: int) -> dict:
         return {"losses": None, "error": str(err)}
 
 
+def _state(rank: int) -> dict:
+    """dp=4: a frozen parameter changed on rank 1 and a buffer (Llama's rotary table) on
+    rank 3 are refused; with broadcast_params=True the frozen one is copied and every
+    rank trains alike."""
+
+    def model(name: str, changed: bool):
+        m = make_model(name, seed=0)
+        tensor = m.wpe.weight.requires_grad_(False) if name == "gpt" else m.rope_cos
+        if changed:
+            with torch.no_grad():
+                tensor.add_(1e-3)
+        return m
+
+    out = {}
+    for name, odd in (("gpt", 1), ("llama", 3)):
+        batches = _batches()
+        try:
+            fxmeg.parallelize(model(name, rank == odd), tuple(t[:MBS] for t in batches[0]), global_batch_size=GBS)
+            out[name] = None
+        except ReplicaError as err:
+            out[name] = (err.parameter, err.ranks)
+    engine = fxmeg.parallelize(model("gpt", rank == 1), tuple(t[:MBS] for t in _batches()[0]),
+                               global_batch_size=GBS, broadcast_params=True, check_replicas_interval=1)
+    out["broadcast"] = [engine.train_step(b).loss for b in _batches()[:2]]
+    return out
+
+
 def run(rank: int) -> dict:
     return {
+        "state": _state(rank),
         # rank 3 = (tp 1, dp 1): its full wte differs from rank 2's, its shard from rank 1's
         "tp-dp": _refused(1 if rank == 3 else 0, tp=2),
         # pipeline stage 1 (ranks 2, 3) seeded differently: only the tied embedding is shared
@@ -175,3 +203,10 @@ def test_the_collective_section_of_docs_errors_lists_these_rows(results):
     assert rows.keys() == raised.keys()
     for row, excerpt in rows.items():
         assert excerpt in raised[row], row
+
+
+def test_frozen_parameters_and_buffers_must_agree_too(results):
+    for r in results:
+        assert r["state"]["gpt"] == ("wpe.weight", [(1, 0)])
+        assert r["state"]["llama"] == ("rope_cos", [(3, 0)])
+        assert r["state"]["broadcast"] == results[0]["state"]["broadcast"]
