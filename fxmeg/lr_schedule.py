@@ -72,6 +72,11 @@ class LRSchedule:
             )
         if (self.start_wd is None) != (self.end_wd is None):
             raise ConfigError("lr_schedule.start_wd and end_wd go together")
+        if self.wd_style != "constant" and self.start_wd is not None and not (self.wd_incr_samples or self.decay_samples):
+            raise ConfigError(
+                f"wd_style={self.wd_style!r} moves weight decay over wd_incr_samples (default "
+                "decay_samples), but neither is set: set wd_incr_samples"
+            )
         if self.wd_style == "constant" and self.start_wd != self.end_wd:
             raise ConfigError(
                 f"wd_style='constant' needs start_wd == end_wd; got {self.start_wd}, {self.end_wd}"

@@ -109,6 +109,7 @@ def test_weight_decay_schedules():
     (dict(style="WSD", warmup_samples=10, decay_samples=100, wsd_decay_samples=91), "needs 0 < wsd_decay_samples"),
     (dict(style="constant", start_wd=0.1), "start_wd and end_wd go together"),
     (dict(style="constant", start_wd=0.0, end_wd=0.1), "wd_style='constant' needs start_wd == end_wd"),
+    (dict(style="constant", start_wd=0.0, end_wd=0.1, wd_style="linear"), "neither is set: set wd_incr_samples"),
 ])
 def test_invalid_schedules_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
