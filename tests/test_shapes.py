@@ -13,7 +13,7 @@ from fxmeg.errors import BatchError
 from fxmeg.passes.analyse import position_tables
 from fxmeg.program import PositionTable
 from fxmeg.transform import transform
-from tests.helpers import make_batch, make_model
+from tests.helpers import hf_model, make_batch, make_model
 
 
 def test_the_tables_read_one_row_per_position_are_found():
@@ -22,6 +22,11 @@ def test_the_tables_read_one_row_per_position_are_found():
     llama = transform(make_model("llama", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse")
     assert [(t.what, t.rows) for t in position_tables(llama)] == [
         ("table 'rope_cos' (dimension 0)", 16), ("table 'rope_sin' (dimension 0)", 16)]
+
+    # Hugging Face GPT-2: positions = arange(s) + the cache's length (0), unsqueezed
+    gpt2 = hf_model("gpt2", n_layer=1)
+    found = position_tables(transform(gpt2, make_batch(2, seed=0, seq=8), stop_after="analyse"))
+    assert found == [PositionTable("position embedding 'transformer.wpe'", gpt2.config.n_positions, 0, 1)]
 
 
 def test_another_length_without_the_flag_names_it():

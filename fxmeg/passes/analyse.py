@@ -95,16 +95,21 @@ def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
 
 
 def _arange_end(node) -> int | None:
-    """``end`` of the ``arange(end)`` / ``arange(0, end)`` that ``node`` is a view of."""
+    """One past the largest value of the ``arange(end)`` / ``arange(0, end)`` that
+    ``node`` is a view of, plus any integer added on the way (Hugging Face adds the
+    cache's length, 0 in training)."""
+    offset = 0
     while isinstance(node, fx.Node) and node.op == "call_function":
         base = getattr(node.target, "__name__", "").split(".")[0]
         if base == "arange":
             args = node.args
             bounds = args if len(args) >= 2 else (0, *args)
             if bounds[0] == 0 and isinstance(bounds[1], int) and len(args) <= 2:
-                return bounds[1]
+                return bounds[1] + offset
             return None
-        if base not in _PASS_THROUGH:
+        if base == "add" and len(node.args) == 2 and isinstance(node.args[1], int) and not node.kwargs:
+            offset += node.args[1]
+        elif base not in _PASS_THROUGH:
             return None
         node = node.args[0]
     return None
