@@ -62,80 +62,98 @@ def simulate(
     before its forward, a W before its I, across a same-rank boundary a forward before
     the previous chunk's) or a DEALLOC after its micro-batch's backward. I and W cost
     half a B each unless given. ``placement``: each chunk's rank, default round robin."""
-    last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
-    num_chunks = len(placement) if placement else last + 1
-    where = placement or tuple(c % pp for c in range(last + 2))  # + a send's peer
     cost = {Kind.F: f_cost, Kind.B: b_cost, Kind.I: b_cost / 2 if i_cost is None else i_cost,
             Kind.W: b_cost / 2 if w_cost is None else w_cost}
-    pos = {r: 0 for r in lowered}
-    clock = {r: 0.0 for r in lowered}
-    busy = {r: 0.0 for r in lowered}
-    queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}  # (kind, src, dst) FIFO
-    where_posted: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}  # posted op -> slot
-    done: dict[int, set[Action]] = {r: set() for r in lowered}
-    live = {r: [0, 0] for r in lowered}  # (before I, before W)
-    peak = {r: [0, 0] for r in lowered}
-    spans: dict[Action, tuple[float, float]] = {}
-
-    def slot(rank: int, a: Action) -> tuple[str, int, int]:
-        other = where[peer_chunk(a)]
-        return ("send", rank, other) if is_send(a) else ("recv", other, rank)
-
-    def counterpart(rank: int, a: Action) -> tuple[Action, float] | None:
-        """The peer's matching op, once posted."""
-        (side, src, dst), index = where_posted[(rank, a)]
-        other = queues.get(("recv" if side == "send" else "send", src, dst), [])
-        return other[index] if index < len(other) else None
-
-    def compute(rank: int, a: Action) -> None:
-        missing = _missing(a, done[rank], where[:num_chunks], rank)
-        if missing:
-            raise ScheduleError(f"rank {rank} runs {a} before {missing}")
-        done[rank].add(a)
-        held = live[rank]
-        delta = {Kind.F: (1, 1), Kind.B: (-1, -1), Kind.I: (-1, 0), Kind.W: (0, -1)}[a.kind]
-        for k in (0, 1):
-            held[k] += delta[k]
-            peak[rank][k] = max(peak[rank][k], held[k])
-        spans[a] = (clock[rank], clock[rank] + cost[a.kind])
-        clock[rank] += cost[a.kind]
-        busy[rank] += cost[a.kind]
-
-    def advance(rank: int) -> bool:
-        step = lowered[rank][pos[rank]]
-        a = step[0]
-        if a.kind in COMPUTE:
-            needed = input_of(a)
-            if (rank, needed) in where_posted:
-                match = counterpart(rank, needed)
-                if match is None:
-                    return False  # the peer has not sent it yet
-                clock[rank] = max(clock[rank], match[1])
-            compute(rank, a)
-        elif a.kind is Kind.DEALLOC:
-            if any(Action(a.chunk, k, a.mb) in done[rank] for k in BACKWARD):
-                raise ScheduleError(f"rank {rank} frees {a} after the backward of its micro-batch")
-            sent = Action(a.chunk, Kind.SEND_F, a.mb)
-            if (rank, sent) in where_posted and counterpart(rank, sent) is None:
-                return False  # the receiver has not taken it yet
-        elif a.kind is not Kind.GRAD_SYNC:
-            for op in step:
-                queue = queues.setdefault(slot(rank, op), [])
-                where_posted[(rank, op)] = (slot(rank, op), len(queue))
-                queue.append((op, clock[rank]))
-        pos[rank] += 1
-        return True
-
+    sim = _Run(lowered, pp, placement, cost)
     progress = True
     while progress:
         progress = False
         for rank in lowered:
-            while pos[rank] < len(lowered[rank]) and advance(rank):
+            while sim.pos[rank] < len(lowered[rank]) and sim.advance(rank):
                 progress = True
-    stuck = {r: fmt(lowered[r][pos[r]]) for r in lowered if pos[r] < len(lowered[r])}
+    stuck = {r: fmt(lowered[r][sim.pos[r]]) for r in lowered if sim.pos[r] < len(lowered[r])}
     if stuck:
         at = ", ".join(f"rank {r} at {s}" for r, s in stuck.items())
         raise ScheduleError(f"schedule deadlocks: {at}")
+    _check_messages(sim.queues)
+    return Simulation(max(sim.clock.values()), sim.busy, {r: p[0] for r, p in sim.peak.items()},
+                      {r: p[1] for r, p in sim.peak.items()}, sim.spans)
+
+
+class _Run:
+    """The state of one simulation: each rank's position in its steps and clock, the
+    messages posted on each (side, src, dst) link in order, what each rank has run."""
+
+    def __init__(self, lowered: dict[int, list[Step]], pp: int, placement: tuple[int, ...] | None,
+                 cost: dict[Kind, float]) -> None:
+        last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
+        self.lowered, self.cost = lowered, cost
+        self.num_chunks = len(placement) if placement else last + 1
+        self.where = placement or tuple(c % pp for c in range(last + 2))  # + a send's peer
+        self.pos = {r: 0 for r in lowered}
+        self.clock = {r: 0.0 for r in lowered}
+        self.busy = {r: 0.0 for r in lowered}
+        self.queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}  # (side, src, dst) FIFO
+        self.posted: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}  # posted op -> slot
+        self.done: dict[int, set[Action]] = {r: set() for r in lowered}
+        self.live = {r: [0, 0] for r in lowered}  # micro-batches before their I, before their W
+        self.peak = {r: [0, 0] for r in lowered}
+        self.spans: dict[Action, tuple[float, float]] = {}
+
+    def slot(self, rank: int, a: Action) -> tuple[str, int, int]:
+        other = self.where[peer_chunk(a)]
+        return ("send", rank, other) if is_send(a) else ("recv", other, rank)
+
+    def counterpart(self, rank: int, a: Action) -> tuple[Action, float] | None:
+        """The peer's matching op, once posted."""
+        (side, src, dst), index = self.posted[(rank, a)]
+        other = self.queues.get(("recv" if side == "send" else "send", src, dst), [])
+        return other[index] if index < len(other) else None
+
+    def compute(self, rank: int, a: Action) -> None:
+        missing = _missing(a, self.done[rank], self.where[: self.num_chunks], rank)
+        if missing:
+            raise ScheduleError(f"rank {rank} runs {a} before {missing}")
+        self.done[rank].add(a)
+        held, peak = self.live[rank], self.peak[rank]
+        delta = {Kind.F: (1, 1), Kind.B: (-1, -1), Kind.I: (-1, 0), Kind.W: (0, -1)}[a.kind]
+        for k in (0, 1):
+            held[k] += delta[k]
+            peak[k] = max(peak[k], held[k])
+        cost = self.cost[a.kind]
+        self.spans[a] = (self.clock[rank], self.clock[rank] + cost)
+        self.clock[rank] += cost
+        self.busy[rank] += cost
+
+    def advance(self, rank: int) -> bool:
+        """Run this rank's next step if it can; False while it waits for its peer."""
+        step = self.lowered[rank][self.pos[rank]]
+        a = step[0]
+        if a.kind in COMPUTE:
+            needed = input_of(a)
+            if (rank, needed) in self.posted:
+                match = self.counterpart(rank, needed)
+                if match is None:
+                    return False  # the peer has not sent it yet
+                self.clock[rank] = max(self.clock[rank], match[1])
+            self.compute(rank, a)
+        elif a.kind is Kind.DEALLOC:
+            if any(Action(a.chunk, k, a.mb) in self.done[rank] for k in BACKWARD):
+                raise ScheduleError(f"rank {rank} frees {a} after the backward of its micro-batch")
+            sent = Action(a.chunk, Kind.SEND_F, a.mb)
+            if (rank, sent) in self.posted and self.counterpart(rank, sent) is None:
+                return False  # the receiver has not taken it yet
+        elif a.kind is not Kind.GRAD_SYNC:
+            for op in step:
+                queue = self.queues.setdefault(self.slot(rank, op), [])
+                self.posted[(rank, op)] = (self.slot(rank, op), len(queue))
+                queue.append((op, self.clock[rank]))
+        self.pos[rank] += 1
+        return True
+
+
+def _check_messages(queues: dict[tuple[str, int, int], list[tuple[Action, float]]]) -> None:
+    """Every link's sends meet receives of the same messages, in the same order."""
     for (side, src, dst), ops in sorted(queues.items()):
         if side != "send":
             continue
@@ -145,8 +163,6 @@ def simulate(
                 raise ScheduleError(f"message order mismatch: {send} on rank {src} meets {recv} on rank {dst}")
         if len(ops) != len(received):
             raise ScheduleError(f"rank {src} sends {len(ops)} messages to rank {dst}, which receives {len(received)}")
-    return Simulation(max(clock.values()), busy, {r: p[0] for r, p in peak.items()},
-                      {r: p[1] for r, p in peak.items()}, spans)
 
 
 def _missing(a: Action, done: set[Action], where: tuple[int, ...], rank: int) -> str:
