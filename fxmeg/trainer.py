@@ -34,11 +34,13 @@ from fxmeg.errors import ConfigError, closest
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
 from fxmeg.plan import memory_report
-from fxmeg.runtime.optimizer import adamw
+from fxmeg.runtime.optimizer import adamw, muon_adamw
 
 
 _ENGINE = EngineConfig(micro_batch_size=4, global_batch_size=32)
 """The engine options of a TrainConfig that sets none: micro-batches of 4, global batches of 32."""
+OPTIMIZERS = ("adamw", "muon")
+"""What `--optimizer` chooses from."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,12 @@ class TrainConfig:
     """Samples by the end of decay (0: the whole run)."""
     lr_decay_style: str = "cosine"
     """constant, linear, cosine, inverse-square-root or WSD."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': Muon on the hidden layers' matrices and AdamW on the rest
+    (embeddings, head, biases, norms), one lr and weight decay for both
+    (fxmeg.runtime.optimizer.muon_adamw; with the distributed optimizer it shards layer-wise)."""
     weight_decay: float = 0.01
-    """AdamW weight decay (not applied to biases and norms)."""
+    """Weight decay (not applied to biases and norms)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.95
@@ -151,6 +157,9 @@ class TrainConfig:
         if self.engine.lr_schedule is not None:
             raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
                               "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
+                              + closest(self.optimizer, OPTIMIZERS))
         batch_size_schedule(self)  # validates
 
     @classmethod
@@ -333,7 +342,8 @@ class Trainer:
         betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
         return fxmeg.parallelize(
             model, example, config=self.engine_config, weights=cfg.init_from or None,
-            optimizer=lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
+            optimizer=muon_adamw(lr=cfg.lr, weight_decay=wd, betas=betas, eps=eps) if cfg.optimizer == "muon"
+            else lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
         )
 
     # ------------------------------------------------------------------ loop

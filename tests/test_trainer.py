@@ -237,3 +237,17 @@ def test_a_hugging_face_config_that_rejects_a_model_arg_names_it(corpus, tmp_pat
     cfg = _config(corpus, tmp_path, model=HF, model_args=json.dumps(HF_ARGS | args))
     with pytest.raises(ConfigError, match=message):
         Trainer(cfg)
+
+
+def test_the_optimizer_is_chosen_by_name(corpus, tmp_path):
+    """--optimizer muon: Muon on the hidden matrices, AdamW on the rest, from the same first
+    loss as AdamW; a misspelt name is refused with the nearest one."""
+    runs = {name: Trainer(_config(corpus, tmp_path / name, train_iters=2, optimizer=name)) for name in ("adamw", "muon")}
+    kinds = {name: tuple(type(o).__name__ for o in t.engine.context.optimizer.optimizers) for name, t in runs.items()}
+    assert kinds == {"adamw": ("AdamW",), "muon": ("Muon", "AdamW")}
+    for t in runs.values():
+        t.run()
+    losses = {name: [r["loss"] for r in read(t.cfg.run_dir) if r["kind"] == "train"] for name, t in runs.items()}
+    assert losses["muon"][0] == losses["adamw"][0] and losses["muon"][1] != losses["adamw"][1]
+    with pytest.raises(ConfigError, match=r"optimizer='muonn' is not one of .*\(did you mean 'muon'\?\)"):
+        _config(corpus, tmp_path, optimizer="muonn")
