@@ -84,6 +84,10 @@ class TrainConfig:
     """Samples by the end of decay (0: the whole run)."""
     lr_decay_style: str = "cosine"
     """constant, linear, cosine, inverse-square-root or WSD."""
+    lr_wsd_decay_samples: int = 0
+    """WSD: samples of the final anneal (0: the last tenth of the decay)."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD: the anneal's shape: exponential, linear, cosine or minus_sqrt."""
     optimizer: str = "adamw"
     """'adamw', or 'muon': Muon on the hidden layers' matrices and AdamW on the rest
     (embeddings, head, biases, norms), one lr and weight decay for both
@@ -139,6 +143,7 @@ class TrainConfig:
         "exit_interval": Size(0, "save-and-stop interval in steps (0: never)"),
         "lr_warmup_samples": Size(0, "learning-rate warmup in samples"),
         "lr_decay_samples": Size(0, "learning-rate decay in samples (0: the whole run)"),
+        "lr_wsd_decay_samples": Size(0, "WSD anneal in samples (0: the last tenth of the decay)"),
         "eval_interval": Size(0, "evaluation interval in steps (0: only at the end)"),
         "eval_iters": Size(1, "number of validation batches per evaluation"),
         "log_interval": Size(1, "log interval in steps"),
@@ -333,7 +338,8 @@ class Trainer:
         return LRSchedule(
             max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_samples=cfg.lr_warmup_samples,
             decay_samples=max(decay, cfg.lr_warmup_samples + 1), style=style,
-            wsd_decay_samples=max(1, decay // 10) if style == "WSD" else None,
+            wsd_decay_samples=(cfg.lr_wsd_decay_samples or max(1, decay // 10)) if style == "WSD" else None,
+            wsd_style=cfg.lr_wsd_decay_style,
         )
 
     def _engine(self, model: nn.Module) -> fxmeg.Engine:

@@ -251,3 +251,13 @@ def test_the_optimizer_is_chosen_by_name(corpus, tmp_path):
     assert losses["muon"][0] == losses["adamw"][0] and losses["muon"][1] != losses["adamw"][1]
     with pytest.raises(ConfigError, match=r"optimizer='muonn' is not one of .*\(did you mean 'muon'\?\)"):
         _config(corpus, tmp_path, optimizer="muonn")
+
+
+def test_the_wsd_anneal_is_set_by_its_flags(corpus, tmp_path):
+    cfg = _config(corpus, tmp_path, lr_decay_style="WSD", lr_decay_samples=48, lr_wsd_decay_samples=16,
+                  lr_wsd_decay_style="linear")
+    schedule = Trainer(cfg).engine_config.lr_schedule
+    assert (schedule.wsd_decay_samples, schedule.wsd_style) == (16, "linear")
+    assert schedule.lr(32) == cfg.lr and schedule.lr(40) == pytest.approx(cfg.lr / 2)  # halfway down the anneal
+    default = Trainer(_config(corpus, tmp_path, lr_decay_style="WSD", lr_decay_samples=40)).engine_config.lr_schedule
+    assert (default.wsd_decay_samples, default.wsd_style) == (4, "exponential")  # the last tenth
