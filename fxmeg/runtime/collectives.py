@@ -1,4 +1,4 @@
-"""torch.distributed kernels of the tensor-parallel ops that ``fxmeg.ops`` declares, and
+"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ops`` declares, and
 ``bind``, which points a chunk graph's symbolic names at this rank's real objects.
 
 Importing this module registers the kernels; every runtime path that runs a
@@ -100,6 +100,59 @@ def _vocab_parallel_cross_entropy(
     dist.all_reduce(total, group=pg)
     loss = (total.log() - picked).masked_fill(target == ignore_index, 0.0)
     return loss, exp / total.unsqueeze(-1), local.masked_fill(~mine, -1)
+
+
+# ---------------------------------------------------------------- context parallel
+
+
+def _rank_major(seq: int, size: int, device: torch.device) -> Tensor:
+    """The global position of every row of an all-gather of the ranks' parts (rank 0's
+    rows, then rank 1's ...)."""
+    return torch.tensor([p for r in range(size) for p in ops.cp_positions(seq, size, r)], device=device)
+
+
+@_kernel("cp_slice")
+def _cp_slice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    rank = dist.get_rank(_group(group))
+    index = torch.tensor(ops.cp_positions(x.shape[dim], size, rank), device=x.device)
+    return x.index_select(dim, index)
+
+
+@_kernel("cp_unslice")
+def _cp_unslice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    rank = dist.get_rank(_group(group))
+    index = torch.tensor(ops.cp_positions(x.shape[dim] * size, size, rank), device=x.device)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_zeros(shape).index_copy(dim, index, x)
+
+
+@_kernel("cp_gather")
+def _cp_gather(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] * size, *src.shape[1:]))
+    _all_gather(out, src, group=_group(group))
+    order = _rank_major(out.shape[0], size, x.device)  # row i holds global position order[i]
+    full = torch.empty_like(out).index_copy_(0, order, out)
+    return full.movedim(0, dim).contiguous()
+
+
+@_kernel("cp_reduce_scatter")
+def _cp_reduce_scatter(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0)
+    src = src.index_select(0, _rank_major(src.shape[0], size, x.device)).contiguous()
+    out = src.new_empty((src.shape[0] // size, *src.shape[1:]))
+    _reduce_scatter(out, src, group=_group(group))
+    return out.movedim(0, dim).contiguous()
+
+
+@_kernel("cp_causal_mask")
+def _cp_causal_mask(q: Tensor, dim: int, size: int, group: str) -> Tensor:
+    local = q.shape[dim]
+    rank = dist.get_rank(_group(group))
+    rows = torch.tensor(ops.cp_positions(local * size, size, rank), device=q.device)
+    keys = torch.arange(local * size, device=q.device)
+    return rows.unsqueeze(1) >= keys.unsqueeze(0)  # (local queries, all keys)
 
 
 # ---------------------------------------------------------------- per-tp-rank random stream
