@@ -222,6 +222,17 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class CPLayout:
+    """How the runtime cuts a micro-batch over cp ranks."""
+
+    seq: int
+    """Global sequence length s."""
+    cp: int
+    dims: tuple[int | None, ...]
+    """Per input (example order): the dim holding the sequence, or None (not split)."""
+
+
+@dataclass(frozen=True)
 class ValueCheck:
     """Input ``index`` must hold values in [0, high) (``ignore`` allowed too)."""
 
@@ -293,6 +304,9 @@ class Program:
     keywords: bool = False
     """The example was a dict: batches are dicts with the keys of ``inputs``, passed to
     the model by keyword (``fxmeg.runtime.batches.positional`` orders them)."""
+    cp_layout: CPLayout | None = None
+    """cp > 1: the context-parallel pass's ``CPLayout`` (sequence length, and the dim of
+    each input the runtime cuts to this cp rank's positions); None otherwise."""
 
     @property
     def num_chunks(self) -> int:

@@ -1,0 +1,415 @@
+"""Context-parallel pass: every sequence split over cp ranks, attention exchanging keys
+and values, found and applied on the ATen graph of an unmodified model.
+
+Layout (Megatron's load balancing for causal attention): a sequence of length s is cut
+into 2 * cp chunks and cp rank r holds chunks r and 2 * cp - 1 - r (``ops.cp_positions``),
+so every rank holds as many early queries (little attention work) as late ones. The
+runtime cuts the batch inputs so (``fxmeg/runtime/batches.py``, from
+``gm.meta["fxmeg"]["cp"]``); this pass makes the graph compute on those local rows.
+
+Attention: each ``scaled_dot_product_attention`` all-gathers K and V over the cp group
+(``fxmeg::cp_gather``; backward reduce-scatters dK and dV) and attends this rank's
+queries to every key under the causal mask of their global positions
+(``fxmeg::cp_causal_mask``). Megatron (TransformerEngine) runs a ring of p2p sends
+overlapped with blockwise attention and an online softmax instead; the all-gather is
+simpler, exact (one softmax over all keys, the same arithmetic as one device) and, on
+gloo, where a send does not overlap compute, a ring's overlap buys nothing. Its cost is
+the full K and V held per layer during backward (a ring holds one block at a time).
+
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), tp=1
+and pp=1 (ParallelConfig refuses the rest); the batch inputs are (batch, seq, ...): the
+sequence length s is dim 1 of the first input of two or more dims, and every input with
+s at dim 1 is split there.
+Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
+from the group the runtime binds to the symbolic name "cp"):
+  * ``gm.meta["fxmeg"]["cp"]`` is a ``CPLayout``: s, cp and, per input, the dim split
+    (None: whole on every rank);
+  * shape arguments (view, reshape, expand, unflatten) along the sequence are local
+    (s / cp; merged with the batch dim, batch * s / cp);
+  * a replicated value indexed by position that meets the local sequence (a rotary
+    table ``rope_cos[:s]``, position embeddings of ``arange(s)``) is cut to this rank's
+    positions by ``fxmeg::cp_slice`` where it meets it (its gradient scattered back);
+  * every attention is causal over the global sequence as above, GQA (``enable_gqa``)
+    included;
+  * the loss outputs are sums over this rank's tokens (the runtime sums them over
+    dp x cp, as it reduces the gradients);
+  * ``meta["val"]`` holds the local shapes.
+Refused with a PassError naming the node, before any process group exists: s not
+divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
+attention (a cumulative sum, a convolution, a reduction, a slice or product along the
+sequence, eager attention; row cp-position-mixing); an attention with a custom mask,
+non-causal or with dropout (row cp-attention-mask).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxmeg.capture import owning_module
+from fxmeg.config import EngineConfig
+from fxmeg.errors import PassError
+from fxmeg.ops import CP
+from fxmeg.passes.graph_utils import call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.tp_placement import dim_groups, divisors
+from fxmeg.passes.tp_rules import _RESHAPES
+from fxmeg.program import CPLayout
+
+aten = torch.ops.aten
+fx_ops = torch.ops.fxmeg
+_SAME = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.contiguous.default,
+         aten.type_as.default, aten.detach.default, aten.clone.default, aten.dropout.default}
+_VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
+              aten.squeeze.default, aten.unflatten.int}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+          aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
+_LINEARS = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 0, aten.matmul.default: 0,
+            aten.bmm.default: 0}  # index of the activation operand
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList}
+PARTIAL = "partial"
+"""Place of a sum over this rank's tokens: only a graph output may be one."""
+
+
+@dataclass(frozen=True)
+class Seq:
+    """Where a value holds the sequence: ``dim``, alone or, ``merged``, as the inner part
+    of a dim flattened with the batch dims before it ((b, s) -> (b * s))."""
+
+    dim: int
+    merged: bool = False
+
+
+def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Split ``gm``'s sequences over ``config.parallel.cp`` ranks (module docstring)."""
+    cp = config.parallel.cp
+    if cp == 1:
+        return gm
+    _ContextParallel(gm, cp).run()
+    return finish(gm)
+
+
+class _ContextParallel:
+    def __init__(self, gm: fx.GraphModule, cp: int) -> None:
+        self.gm, self.g, self.cp = gm, gm.graph, cp
+        self.place: dict[fx.Node, object] = {}
+        self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
+        inputs = [n for n in self.g.nodes if n.op == "placeholder"]
+        first = next((n for n in inputs if val(n) is not None and val(n).dim() >= 2), None)
+        if first is None:
+            raise PassError(f"cp={cp} needs a (batch, seq, ...) input to split along the sequence; the "
+                            f"inputs are {[(n.name, tuple(val(n).shape)) for n in inputs if val(n) is not None]}")
+        self.seq = val(first).shape[1]
+        if self.seq % (2 * cp):
+            fits = [c for c in divisors(self.seq // 2) if c > 1] or [1]
+            raise PassError(
+                f"sequence length {self.seq} (dim 1 of input {first.name!r}) is not divisible by 2 * cp = "
+                f"{2 * cp}: context parallelism cuts every sequence into 2 * cp equal chunks (rank r holds "
+                f"chunks r and {2 * cp - 1} - r); pad the sequences to a multiple of {2 * cp} (e.g. "
+                f"{-(-self.seq // (2 * cp)) * 2 * cp}) or choose cp in {fits}")
+        dims = []
+        for n in inputs:
+            v = val(n)
+            split = v is not None and v.dim() >= 2 and v.shape[1] == self.seq
+            dims.append(1 if split else None)
+            if split:
+                self.place[n] = Seq(1)
+        gm.meta["fxmeg"]["cp"] = CPLayout(self.seq, cp, tuple(dims))
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self) -> None:
+        for node in list(self.g.nodes):
+            if node.op == "call_function":
+                if node.target == fx_ops.scale_aux_loss.default:
+                    raise self._refuse(node, "an auxiliary loss (a router's load balancing) would be "
+                                             "computed per rank over part of each sequence", mixing=False)
+                self.place[node] = self._visit(node)
+            elif node.op == "output":
+                self._check_outputs(node)
+        self._local_values()
+
+    def _visit(self, node: fx.Node):
+        t = node.target
+        places = [self.place.get(a) for a in node.all_input_nodes]
+        if PARTIAL in places:
+            raise self._refuse(node, "it reads a sum over this rank's part of the sequence (only the "
+                                     "loss outputs may be one)")
+        if not any(isinstance(p, (Seq, list)) for p in places):
+            return None
+        if is_hop(node):
+            raise self._refuse(node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap "
+                                     "region) that reads a value split along the sequence", mixing=False)
+        if t is operator.getitem:
+            parts = self.place[node.args[0]]
+            return parts[node.args[1]] if isinstance(parts, list) else parts
+        if t == aten.scaled_dot_product_attention.default:
+            return self._attention(node)
+        if t in _SAME or torch.Tag.pointwise in getattr(t, "tags", ()):
+            return self._elementwise(node)
+        if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
+            return self._reshape(node)
+        if t in (aten.transpose.int, aten.permute.default, aten.t.default):
+            return self._permute(node)
+        if t == aten.embedding.default:
+            return self._embedding(node)
+        if t in _LINEARS:
+            return self._linear(node)
+        if t in _LOSSES:
+            return self._loss(node)
+        if t == aten.layer_norm.default:
+            return self._layer_norm(node)
+        if t in _SPLITS or t in _ALONG or t in (aten.slice.Tensor, aten.repeat_interleave.self_int,
+                                                aten.select.int, aten.index_select.default):
+            return self._along(node)
+        if t in (aten.cat.default, aten.stack.default):
+            return self._cat(node)
+        if torch.Tag.reduction in getattr(t, "tags", ()):
+            return self._reduction(node)
+        if t in (aten.convolution.default, aten.conv1d.default, aten.conv2d.default):
+            raise self._refuse(node, "a convolution over a value split along the sequence mixes "
+                                     "neighbouring positions across ranks")
+        raise self._refuse(node, "fxmeg has no context-parallel rule for it", mixing=False)
+
+    # ------------------------------------------------------------------ rules
+
+    def _seq(self, node: fx.Node, a: fx.Node) -> Seq:
+        s = self.place[a]
+        if not isinstance(s, Seq):
+            raise self._refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
+        return s
+
+    def _elementwise(self, node: fx.Node) -> Seq:
+        """Operands broadcast against each other: their sequence dims must line up; a
+        replicated operand spanning the sequence dim is position-indexed (a rotary table,
+        position embeddings) and is cut to this rank's positions."""
+        out_dim = val(node).dim()
+        found = {Seq(s.dim + out_dim - val(a).dim(), s.merged)
+                 for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
+        if len(found) != 1:
+            raise self._refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
+        (s,) = found
+        for a in node.all_input_nodes:
+            if isinstance(self.place.get(a), Seq) or val(a) is None:
+                continue
+            j = s.dim - (out_dim - val(a).dim())
+            if j < 0 or val(a).shape[j] == 1:
+                continue
+            if s.merged or val(a).shape[j] != self.seq:
+                raise self._refuse(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
+                                         f"meets the sequence but is not a per-position table of length {self.seq}")
+            node.replace_input_with(a, self._cut(a, j, node))
+        return s
+
+    def _cut(self, a: fx.Node, dim: int, user: fx.Node) -> fx.Node:
+        """``a``'s rows at this rank's positions along ``dim`` (one node per value and dim,
+        inserted before its first user)."""
+        if (a, dim) not in self.cut:
+            with self.g.inserting_before(user):
+                self.cut[(a, dim)] = call(self.g, fx_ops.cp_slice.default, (a, dim, self.cp, CP), like=user)
+        return self.cut[(a, dim)]
+
+    def _reshape(self, node: fx.Node) -> Seq:
+        s = self._seq(node, node.args[0])
+        a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
+        if node.target == aten.expand.default:
+            lead = len(b) - len(a)
+            sizes = list(node.args[1])
+            if sizes[s.dim + lead] != -1:
+                sizes[s.dim + lead] //= self.cp
+            node.args = (node.args[0], sizes, *node.args[2:])
+            return Seq(s.dim + lead, s.merged)
+        moved = self._moved(node, s, a, b)
+        if node.target in _RESHAPES:
+            shape = list(node.args[1])
+            if shape[moved.dim] != -1:
+                shape[moved.dim] //= self.cp
+            node.args = (node.args[0], shape)
+        elif node.target == aten.unflatten.int:
+            dim, sizes = node.args[1] % len(a), list(node.args[2])
+            if sizes[moved.dim - dim] != -1:
+                sizes[moved.dim - dim] //= self.cp
+            node.args = (node.args[0], node.args[1], sizes)
+        return moved
+
+    def _moved(self, node: fx.Node, s: Seq, a: tuple[int, ...], b: tuple[int, ...]) -> Seq:
+        """Where a reshape from ``a`` to ``b`` (global shapes) puts the sequence: kept
+        alone, merged into the batch dims before it, or unmerged from them again."""
+        for gi, gj in dim_groups(a, b):
+            if s.dim not in gi:
+                continue
+            ins = [d for d in gi if a[d] != 1]
+            outs = [d for d in gj if b[d] != 1]
+            if not outs or ins[-1] != s.dim:
+                break  # merged with dims inside it (s * heads): positions mix with features
+            if len(ins) == 1 and len(outs) == 1:
+                return Seq(outs[0], s.merged)
+            if len(outs) == 1 and not s.merged:
+                return Seq(outs[0], merged=True)  # (b, s) -> (b * s)
+            if len(ins) == 1 and s.merged and b[outs[-1]] == self.seq:
+                return Seq(outs[-1])  # (b * s) -> (b, s)
+            break
+        raise self._refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
+                                 "with dims other than the batch dims before it")
+
+    def _permute(self, node: fx.Node) -> Seq:
+        s, n = self._seq(node, node.args[0]), val(node).dim()
+        if node.target == aten.transpose.int:
+            i, j = node.args[1] % n, node.args[2] % n
+            return Seq({i: j, j: i}.get(s.dim, s.dim), s.merged)
+        if node.target == aten.t.default:
+            return Seq(1 - s.dim, s.merged)
+        return Seq([d % n for d in node.args[1]].index(s.dim), s.merged)
+
+    def _embedding(self, node: fx.Node) -> Seq:
+        if isinstance(self.place.get(node.args[0]), Seq):
+            raise self._refuse(node, "its table is split along the sequence", mixing=False)
+        return self._seq(node, node.args[1])
+
+    def _linear(self, node: fx.Node) -> Seq:
+        """A product with one operand along the sequence and the other replicated (a
+        weight): the sequence must not be contracted. Two operands along the sequence are
+        eager attention (q @ k^T), which fxmeg does not split yet."""
+        x = node.args[_LINEARS[node.target]]
+        others = [a for a in node.all_input_nodes if a is not x]
+        if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
+            raise self._refuse(node, "it multiplies values along the sequence (eager attention, q @ k^T or "
+                                     "probs @ v); only scaled_dot_product_attention is split so far",
+                               fix="use F.scaled_dot_product_attention(..., is_causal=True)")
+        s, n = self._seq(node, x), val(x).dim()
+        if s.dim == n - 1:
+            raise self._refuse(node, "it contracts the sequence dim")
+        return Seq(s.dim + val(node).dim() - n, s.merged)
+
+    def _loss(self, node: fx.Node):
+        """A per-token loss: the sequence stays; summed (the loss pass's reduction) it is
+        this rank's part of the sum."""
+        args = full_args(node)
+        target = args[1]
+        x = self._seq(node, args[0])
+        if not isinstance(self.place.get(target), Seq):
+            raise self._refuse(node, "its input is split along the sequence but its target is not")
+        if val(args[0]).dim() > 1 and x.dim == 1:
+            raise self._refuse(node, f"its class dim {x.dim} holds the sequence")
+        reduction = args[3]
+        if reduction == 0:
+            return self.place[target]
+        if reduction == 2:
+            return PARTIAL
+        raise self._refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+
+    def _layer_norm(self, node: fx.Node) -> Seq:
+        s = self._seq(node, node.args[0])
+        if s.dim >= val(node.args[0]).dim() - len(node.args[1]):
+            raise self._refuse(node, "it normalises over the sequence dim")
+        return s
+
+    def _along(self, node: fx.Node):
+        """Ops along one dim (softmax, cumsum, split, slice, select, repeat): fine along
+        another dim than the sequence; along it they mix positions (a slice of all of
+        it is the value itself)."""
+        s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
+        at = 2 if node.target in _SPLITS or node.target == aten.repeat_interleave.self_int else 1
+        dim = full_args(node)[at]
+        dim = (dim if dim is not None else 0) % n
+        if dim != s.dim:
+            if node.target == aten.select.int:
+                return Seq(s.dim - (dim < s.dim), s.merged)
+            if node.target in _SPLITS:
+                return [s] * len(node.meta["val"])
+            return s
+        if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
+            return s
+        op = getattr(node.target, "__name__", str(node.target))
+        raise self._refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
+                                 "need positions another rank holds)")
+
+    def _cat(self, node: fx.Node) -> Seq:
+        stack = node.target == aten.stack.default
+        dim = full_args(node)[1] % val(node).dim()  # cat: operand dims; stack: the output's
+        operands = list(node.args[0])
+        found = {self.place[a] for a in operands if isinstance(self.place.get(a), Seq)}
+        if len(found) != 1:
+            raise self._refuse(node, "its operands hold the sequence in different dims")
+        (s,) = found
+        out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
+        if dim == s.dim and not stack:
+            raise self._refuse(node, "it concatenates along the sequence")
+        for a in operands:
+            if not isinstance(self.place.get(a), Seq):
+                if val(a).shape[s.dim] != self.seq or s.merged:
+                    raise self._refuse(node, f"operand {a.name!r} is not split along the sequence")
+                node.replace_input_with(a, self._cut(a, s.dim, node))
+        return out
+
+    def _reduction(self, node: fx.Node):
+        s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
+        schema = [a.name for a in node.target._schema.arguments]
+        dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
+        dims = list(range(n)) if dims is None or dims == [] else dims
+        dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
+        if s.dim not in dims:
+            keepdim = val(node).dim() == n
+            return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
+        if node.target in _SUMS:
+            return PARTIAL  # a token count or a summed loss; _check_outputs refuses other uses
+        raise self._refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
+                                 "over positions)")
+
+    def _attention(self, node: fx.Node) -> Seq:
+        q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
+        if mask is not None or not causal:
+            raise self._refuse(
+                node, "it is an attention with a custom mask or without is_causal=True; context "
+                      "parallelism computes causal attention from the global positions only", mixing=False,
+                fix="use is_causal=True without attn_mask (a padding mask: pack or pad the sequences "
+                    "with ignored labels instead), or cp=1")
+        if dropout:
+            raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
+                               fix="set the attention dropout to 0, or cp=1")
+        seqs = {self.place.get(a) for a in (q, k, v)}
+        dim = val(q).dim() - 2
+        if seqs != {Seq(dim)}:
+            raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
+                                     f"(places {sorted(map(str, seqs))})", mixing=False)
+        with self.g.inserting_before(node):
+            keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
+            values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
+            causal_mask = call(self.g, fx_ops.cp_causal_mask.default, (q, dim, self.cp, CP), like=node)
+        node.args = (q, keys, values, causal_mask, 0.0, False)
+        node.kwargs = {"scale": scale, "enable_gqa": gqa}
+        return Seq(dim)
+
+    # ------------------------------------------------------------------ finish
+
+    def _check_outputs(self, node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if isinstance(self.place.get(a), (Seq, list)):
+                raise self._refuse(a, "the model returns it split along the sequence (a loss must be "
+                                      "a sum over tokens)", mixing=False)
+
+    def _local_values(self) -> None:
+        """Split inputs get their local shapes, then every node is re-evaluated."""
+        for node in self.g.nodes:
+            if node.op == "placeholder" and isinstance(self.place.get(node), Seq):
+                v = val(node)
+                shape = list(v.shape)
+                shape[1] //= self.cp
+                node.meta["val"] = v.new_empty(shape)
+            elif node.op == "call_function":
+                try:
+                    node.meta["val"] = fake_eval(node)
+                except Exception as exc:
+                    raise PassError(f"after context-parallel rewriting, node {node.name!r} (module "
+                                    f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}") from exc
+
+    def _refuse(self, node: fx.Node, why: str, *, mixing: bool = True, fix: str | None = None) -> PassError:
+        op = getattr(node.target, "__name__", str(node.target))
+        kind = "it mixes positions outside attention: " if mixing else ""
+        fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
+        return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
+                         f"sequence over cp={self.cp} ranks: {kind}{why}. Fix: {fix}")
