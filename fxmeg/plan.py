@@ -202,7 +202,7 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     elements = sum(v.numel() for v in local.values())
     params = sum(v.numel() * v.element_size() for v in local.values())
     grads = sum(lay.numel * lay.dtype.itemsize for c in mine for lay in program.buffers[c])
-    per_state = 4 * elements / (config.parallel.dp if config.distributed_optimizer else 1)
+    per_state = 4 * elements / (config.parallel.dp_cp if config.distributed_optimizer else 1)
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     optimizer = int(states * per_state)
     act = max(activation_bytes(gm) for gm in graphs)

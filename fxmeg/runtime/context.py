@@ -127,7 +127,8 @@ def build_context(
     sharding = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
                              overlap_param_gather=config.overlap_param_gather)
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
-    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
+    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp), tied=tied,
+                          timeout_s=config.comm_timeout_s)
     whole_names = _whole_names(program)
     local = _local_values(program, groups, source, whole_names)
     chunks = _materialise(program, groups, local)
@@ -142,7 +143,7 @@ def build_context(
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
-    names = {"tp": groups.tp.group_name} if groups.tp is not None else {}
+    names = {n: g.group_name for n, g in (("tp", groups.tp), ("cp", groups.cp)) if g is not None}
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather)
     opt = Optimizer(
@@ -282,7 +283,7 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     buffers = {
         c: [
-            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp,
+            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp_cp,
                        overlap=config.overlap_grad_reduce, shard=shard,
                        events=events, deferred=deferred, tracer=tracer)
             for layout in program.buffers[c]

@@ -165,8 +165,8 @@ def _plan(program: Program, groups: Groups,
     plan = []
     if groups.tp is not None and names:
         plan.append(("tp", groups.tp, names))
-    if groups.dp is not None and names:
-        plan.append(("dp", groups.dp, names))
+    if groups.dp_cp is not None and names:  # context-parallel ranks hold replicas too
+        plan.append(("dp", groups.dp_cp, names))
     for holders, group in sorted(groups.tied.items(), key=lambda kv: sorted(kv[0])):
         tied = [n for n in names if frozenset(program.holders[n]) == holders]
         if group is not None and tied:
