@@ -1,0 +1,138 @@
+"""The context-parallel pass on one process: what cp=2 changes in the graph (the same on
+every rank: the cp ops name the symbolic group "cp" and read the rank inside), the
+load-balanced layout, the layout the runtime cuts inputs by, and refusals."""
+
+import pytest
+import torch
+from expecttest import TestCase
+from torch import nn
+
+from fxmeg.errors import PassError
+from fxmeg.ops import cp_positions
+from fxmeg.runtime.batches import context_slice
+from fxmeg.transform import transform
+from tests.helpers import graph_after, graph_diff, make_batch, make_model
+
+
+def _cp_diff(name: str, cp: int = 2) -> str:
+    """What the context-parallel pass changes in the graph it receives."""
+    model = make_model(name, n_layer=1)
+    ex = make_batch(2, seed=0)
+    return graph_diff(graph_after(model, ex, "analyse", cp=cp).code,
+                      graph_after(model, ex, "context_parallel", cp=cp).code)
+
+
+class SplitGraphs(TestCase):
+    def test_gpt_cp2(self):
+        self.assertExpectedInline(_cp_diff("gpt"), """\
+@@
+-    add = torch.ops.aten.add.Tensor(embedding, embedding_1);  embedding = embedding_1 = None
++    cp_slice_default = torch.ops.fxmeg.cp_slice.default(embedding_1, 0, 2, 'cp');  embedding_1 = None
++    add = torch.ops.aten.add.Tensor(embedding, cp_slice_default);  embedding = cp_slice_default = None
+@@
+-    view = torch.ops.aten.view.default(getitem, [2, 16, 4, 8]);  getitem = None
++    view = torch.ops.aten.view.default(getitem, [2, 8, 4, 8]);  getitem = None
+@@
+-    view_1 = torch.ops.aten.view.default(getitem_1, [2, 16, 4, 8]);  getitem_1 = None
++    view_1 = torch.ops.aten.view.default(getitem_1, [2, 8, 4, 8]);  getitem_1 = None
+@@
+-    view_2 = torch.ops.aten.view.default(getitem_2, [2, 16, 4, 8]);  getitem_2 = None
++    view_2 = torch.ops.aten.view.default(getitem_2, [2, 8, 4, 8]);  getitem_2 = None
+@@
+-    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, None, 0.0, True);  transpose = transpose_1 = transpose_2 = None
++    cp_gather_default = torch.ops.fxmeg.cp_gather.default(transpose_1, 2, 2, 'cp');  transpose_1 = None
++    cp_gather_default_1 = torch.ops.fxmeg.cp_gather.default(transpose_2, 2, 2, 'cp');  transpose_2 = None
++    cp_causal_mask_default = torch.ops.fxmeg.cp_causal_mask.default(transpose, 2, 2, 'cp')
++    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, cp_gather_default, cp_gather_default_1, cp_causal_mask_default, 0.0, False, scale = None, enable_gqa = False);  transpose = cp_gather_default = cp_gather_default_1 = cp_causal_mask_default = None
+@@
+-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
+
+    def test_llama_cp2(self):
+        self.assertExpectedInline(_cp_diff("llama"), """\
+@@
+-    view = torch.ops.aten.view.default(linear, [2, 16, 4, 8]);  linear = None
++    view = torch.ops.aten.view.default(linear, [2, 8, 4, 8]);  linear = None
+@@
+-    view_1 = torch.ops.aten.view.default(linear_1, [2, 16, 2, 8]);  linear_1 = None
++    view_1 = torch.ops.aten.view.default(linear_1, [2, 8, 2, 8]);  linear_1 = None
+@@
+-    view_2 = torch.ops.aten.view.default(linear_2, [2, 16, 2, 8]);  linear_2 = None
++    view_2 = torch.ops.aten.view.default(linear_2, [2, 8, 2, 8]);  linear_2 = None
+@@
+-    mul_2 = torch.ops.aten.mul.Tensor(transpose, slice_1)
++    cp_slice_default = torch.ops.fxmeg.cp_slice.default(slice_1, 0, 2, 'cp');  slice_1 = None
++    mul_2 = torch.ops.aten.mul.Tensor(transpose, cp_slice_default)
+@@
+-    mul_3 = torch.ops.aten.mul.Tensor(cat, slice_2);  cat = None
++    cp_slice_default_1 = torch.ops.fxmeg.cp_slice.default(slice_2, 0, 2, 'cp');  slice_2 = None
++    mul_3 = torch.ops.aten.mul.Tensor(cat, cp_slice_default_1);  cat = None
+@@
+-    mul_4 = torch.ops.aten.mul.Tensor(transpose_1, slice_1);  slice_1 = None
++    mul_4 = torch.ops.aten.mul.Tensor(transpose_1, cp_slice_default);  cp_slice_default = None
+@@
+-    mul_5 = torch.ops.aten.mul.Tensor(cat_1, slice_2);  cat_1 = slice_2 = None
++    mul_5 = torch.ops.aten.mul.Tensor(cat_1, cp_slice_default_1);  cat_1 = cp_slice_default_1 = None
+@@
+-    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_1, repeat_interleave, repeat_interleave_1, None, 0.0, True);  add_1 = repeat_interleave = repeat_interleave_1 = None
++    cp_gather_default = torch.ops.fxmeg.cp_gather.default(repeat_interleave, 2, 2, 'cp');  repeat_interleave = None
++    cp_gather_default_1 = torch.ops.fxmeg.cp_gather.default(repeat_interleave_1, 2, 2, 'cp');  repeat_interleave_1 = None
++    cp_causal_mask_default = torch.ops.fxmeg.cp_causal_mask.default(add_1, 2, 2, 'cp')
++    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_1, cp_gather_default, cp_gather_default_1, cp_causal_mask_default, 0.0, False, scale = None, enable_gqa = False);  add_1 = cp_gather_default = cp_gather_default_1 = cp_causal_mask_default = None
+@@
+-    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
+
+
+def test_megatron_load_balanced_layout():
+    """2 * cp chunks; rank r holds chunks r and 2 * cp - 1 - r: every rank as many early
+    (cheap) as late (expensive) causal queries."""
+    assert cp_positions(16, 2, 0) == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp_positions(16, 2, 1) == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert cp_positions(16, 4, 1) == [2, 3, 12, 13]
+    assert sorted(p for r in range(4) for p in cp_positions(16, 4, r)) == list(range(16))
+
+
+def test_runtime_cuts_the_inputs_the_pass_split():
+    ids, labels = make_batch(2, seed=0)
+    program = transform(make_model("gpt", n_layer=1), (ids, labels), cp=2)
+    assert program.cp_layout.seq == 16 and program.cp_layout.dims == (1, 1)
+    local = context_slice(program.cp_layout, (ids, labels), 1)
+    assert torch.equal(local[0], ids[:, 4:12]) and torch.equal(local[1], labels[:, 4:12])
+    spec = program.specs[0]
+    assert spec.is_last  # pp=1: one chunk; its graph takes local inputs
+    placeholders = [n for n in program.chunks[0].graph.nodes if n.op == "placeholder"]
+    assert [tuple(n.meta["val"].shape) for n in placeholders] == [(2, 8), (2, 8)]
+
+
+class _Shift(nn.Module):
+    """Labels shifted inside the model (Hugging Face style): a slice along the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        logits = self.layers[0](ids)[:, :-1]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+
+
+class _Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+        self.conv = nn.Conv1d(128, 128, 3, padding=1)
+
+    def forward(self, ids, labels):
+        h = self.conv(self.layers[0](ids).transpose(1, 2)).transpose(1, 2)
+        return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("model,words", [
+    (_Shift, "it computes along dim 1, the sequence"),
+    (_Conv, "a convolution over a value split along the sequence"),
+])
+def test_position_mixing_is_refused_naming_the_node(model, words):
+    with pytest.raises(PassError, match="mixes positions outside attention") as err:
+        transform(model(), make_batch(2, seed=0), cp=2)
+    assert words in str(err.value) and "cannot split node '" in str(err.value)
