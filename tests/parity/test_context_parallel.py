@@ -1,8 +1,10 @@
-"""Context parallelism on real gloo ranks vs plain single-device PyTorch: cp=2 on GPT
-(learned positions, tied embedding) and Llama (rotary tables, GQA), cp=2 x dp=2 with the
-distributed optimizer, and cp=4; every batch ignores a different number of leading labels
-per sample, so cp ranks count different tokens (some none). Also the attention ops
-themselves (``fxmeg::cp_gather`` + ``cp_causal_mask``) against full causal attention,
+"""Context parallelism on real gloo ranks vs plain single-device PyTorch, GPT (learned
+positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with
+dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
+local sequence slices), tp=2 (with sequence parallelism), recompute, overlapped parameter
+gathers and layer-wise sharding (Muon). Every batch ignores a different number of leading
+labels per sample, so cp ranks count different tokens (some none). Also the attention
+ops themselves (``fxmeg::cp_gather`` + ``cp_causal_mask``) against full causal attention,
 values and gradients, with GQA (``enable_gqa``)."""
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
 PARITY = [Scenario(m, cp=2) for m in MODELS] + [
     Scenario(m, cp=2, dp=2, options=DIST_OPT) for m in MODELS
-] + [Scenario(m, cp=4) for m in MODELS]
+] + [Scenario(m, cp=4) for m in MODELS] + [
+    Scenario("gpt", cp=2, pp=2, schedule="1f1b"),
+    Scenario("gpt", cp=2, pp=2, vpp=2),
+    Scenario("llama", cp=2, pp=2, schedule="zbh1"),
+    Scenario("gpt", cp=2, tp=2, options=(("sequence_parallel", True),)),
+    Scenario("llama", cp=2, tp=2),
+    Scenario("gpt", cp=2, dp=2, options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full"))),
+    Scenario("llama", cp=2, dp=2, opt="muon",
+             options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
+]
 
 
 def attention(rank: int) -> dict:
