@@ -52,6 +52,12 @@ late queries); ``cp_positions`` gives the global positions of a rank's rows.
                  over ranks and keeps this rank's positions
   cp_causal_mask the boolean mask (local queries, all keys): True where this rank's query
                  at global position i may attend key j <= i
+  cp_attention   causal attention of this rank's queries against every rank's keys and
+                 values (all-gathered, ``cp_gather``, under ``cp_causal_mask``); it saves
+                 only the local q, k, v for backward, where ``cp_attention_backward``
+                 gathers K and V again, recomputes the probabilities and reduce-scatters
+                 dK and dV (as a ring does in backward): the full K and V are never held
+                 between forward and backward
 """
 
 from __future__ import annotations
@@ -152,6 +158,9 @@ _SCHEMAS = {
     "cp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_reduce_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_causal_mask": "(Tensor q, int dim, int size, str group) -> Tensor",
+    "cp_attention": "(Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, str group) -> Tensor",
+    "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, "
+                             "str group) -> (Tensor, Tensor, Tensor)",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -176,6 +185,11 @@ torch.library.register_fake("fxmeg::cp_slice", lambda x, dim, size, group: _resi
 torch.library.register_fake("fxmeg::cp_unslice", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::cp_gather", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q))
+torch.library.register_fake(
+    "fxmeg::cp_attention_backward",
+    lambda grad, q, k, v, scale, gqa, size, group: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+)
 torch.library.register_fake(
     "fxmeg::cp_causal_mask",
     lambda q, dim, size, group: q.new_empty((q.shape[dim], q.shape[dim] * size), dtype=torch.bool),
@@ -213,6 +227,19 @@ _autograd("cp_unslice", lambda ctx, g: (fx_ops.cp_slice(g, *ctx.args), None, Non
 _autograd("cp_gather", lambda ctx, g: (fx_ops.cp_reduce_scatter(g, *ctx.args), None, None, None))
 _autograd("cp_reduce_scatter", lambda ctx, g: (fx_ops.cp_gather(g, *ctx.args), None, None, None))
 _autograd("cp_causal_mask", lambda ctx, g: (None, None, None, None))
+
+
+def _cp_attention_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])  # the local q, k, v only
+    ctx.args = inputs[3:]
+
+
+def _cp_attention_grad(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    return (*fx_ops.cp_attention_backward(grad, q, k, v, *ctx.args), None, None, None, None)
+
+
+torch.library.register_autograd("fxmeg::cp_attention", _cp_attention_grad, setup_context=_cp_attention_setup)
 
 CP = "cp"
 """Symbolic context-parallel group name in graphs before binding."""

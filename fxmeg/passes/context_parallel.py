@@ -7,14 +7,15 @@ so every rank holds as many early queries (little attention work) as late ones. 
 runtime cuts the batch inputs so (``fxmeg/runtime/batches.py``, from
 ``gm.meta["fxmeg"]["cp"]``); this pass makes the graph compute on those local rows.
 
-Attention: each ``scaled_dot_product_attention`` all-gathers K and V over the cp group
-(``fxmeg::cp_gather``; backward reduce-scatters dK and dV) and attends this rank's
-queries to every key under the causal mask of their global positions
-(``fxmeg::cp_causal_mask``). Megatron (TransformerEngine) runs a ring of p2p sends
-overlapped with blockwise attention and an online softmax instead; the all-gather is
-simpler, exact (one softmax over all keys, the same arithmetic as one device) and, on
-gloo, where a send does not overlap compute, a ring's overlap buys nothing. Its cost is
-the full K and V held per layer during backward (a ring holds one block at a time).
+Attention: each ``scaled_dot_product_attention`` becomes ``fxmeg::cp_attention``: K and
+V are all-gathered over the cp group and this rank's queries attend to every key under
+the causal mask of their global positions; backward gathers K and V again, recomputes
+the probabilities and reduce-scatters dK and dV (only the local q, k, v are kept between
+forward and backward). Megatron (TransformerEngine) runs a ring of p2p sends overlapped
+with blockwise attention and an online softmax instead; the all-gather is simpler, exact
+(one softmax over all keys, the arithmetic of one device) and, on gloo, where a send does
+not overlap compute, a ring's overlap buys nothing. Its cost: the full K and V of one
+layer exist at a time, in forward and again in backward (a ring holds one block).
 
 Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), tp=1
 and pp=1 (ParallelConfig refuses the rest); the batch inputs are (batch, seq, ...): the
@@ -29,8 +30,8 @@ from the group the runtime binds to the symbolic name "cp"):
   * a replicated value indexed by position that meets the local sequence (a rotary
     table ``rope_cos[:s]``, position embeddings of ``arange(s)``) is cut to this rank's
     positions by ``fxmeg::cp_slice`` where it meets it (its gradient scattered back);
-  * every attention is causal over the global sequence as above, GQA (``enable_gqa``)
-    included;
+  * every attention is ``fxmeg::cp_attention``, causal over the global sequence as above,
+    GQA (``enable_gqa``) included;
   * the loss outputs are sums over this rank's tokens (the runtime sums them over
     dp x cp, as it reduces the gradients);
   * ``meta["val"]`` holds the local shapes.
@@ -377,11 +378,10 @@ class _ContextParallel:
             raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
                                      f"(places {sorted(map(str, seqs))})", mixing=False)
         with self.g.inserting_before(node):
-            keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
-            values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
-            causal_mask = call(self.g, fx_ops.cp_causal_mask.default, (q, dim, self.cp, CP), like=node)
-        node.args = (q, keys, values, causal_mask, 0.0, False)
-        node.kwargs = {"scale": scale, "enable_gqa": gqa}
+            core = call(self.g, fx_ops.cp_attention.default, (q, k, v, scale, gqa, self.cp, CP), like=node)
+        node.replace_all_uses_with(core)
+        self.g.erase_node(node)
+        self.place[core] = Seq(dim)
         return Seq(dim)
 
     # ------------------------------------------------------------------ finish

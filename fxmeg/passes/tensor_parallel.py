@@ -105,7 +105,8 @@ _LINEARS = {
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
 # the context-parallel pass's ops (it runs first): along the sequence, never the heads
 _CONTEXT_PARALLEL = {getattr(torch.ops.fxmeg, n).default
-                     for n in ("cp_slice", "cp_unslice", "cp_gather", "cp_reduce_scatter", "cp_causal_mask")}
+                     for n in ("cp_slice", "cp_unslice", "cp_gather", "cp_reduce_scatter", "cp_causal_mask",
+                               "cp_attention")}
 
 
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:

@@ -216,6 +216,8 @@ class PropagationRules:
         over heads passes through; the causal mask depends on positions only."""
         if node.target == fxmeg_ops.cp_causal_mask.default:
             return None
+        if node.target == fxmeg_ops.cp_attention.default:
+            return self._attention(node)  # q, k, v alike over heads; no mask operand
         s = self.place[node.args[0]]
         if isinstance(s, Shard) and s.dim == node.args[1] % val(node.args[0]).dim():
             raise self._unsupported(node, f"it exchanges dim {s.dim} over cp ranks, which is split over tp ranks", s)

@@ -43,12 +43,10 @@ def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
         if dim is not None:
             assert val(node).shape[dim] == layout.seq // cp, f"context_parallel: input {node.name} is not local"
     for node in gm.graph.nodes:
-        if node.target == torch.ops.aten.scaled_dot_product_attention.default:
-            mask = node.args[3]
-            assert isinstance(mask, fx.Node) and mask.target == torch.ops.fxmeg.cp_causal_mask.default, (
-                f"context_parallel: attention {node.name} is not masked by global positions")
-            assert all(val(a).shape[-2] == layout.seq for a in node.args[1:3]), (
-                f"context_parallel: attention {node.name} does not read every key")
+        assert node.target != torch.ops.aten.scaled_dot_product_attention.default, (
+            f"context_parallel: attention {node.name} is not context-parallel")
+        if node.target == torch.ops.fxmeg.cp_attention.default:
+            assert node.args[5] == cp and node.args[6] == ops.CP, f"context_parallel: {node.name} is not over cp"
         if node.op == "call_function":
             assert "val" in node.meta, f"context_parallel: {node.name} has no local value"
 

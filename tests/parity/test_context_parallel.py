@@ -3,9 +3,9 @@ positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 comp
 dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
 local sequence slices), tp=2 (with sequence parallelism), recompute, overlapped parameter
 gathers and layer-wise sharding (Muon). Every batch ignores a different number of leading
-labels per sample, so cp ranks count different tokens (some none). Also the attention
-ops themselves (``fxmeg::cp_gather`` + ``cp_causal_mask``) against full causal attention,
-values and gradients, with GQA (``enable_gqa``)."""
+labels per sample, so cp ranks count different tokens (some none). Also
+``fxmeg::cp_attention`` itself against full causal attention, values and gradients, with
+GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fxmeg
 from fxmeg.ops import cp_positions
+from fxmeg.report import SavedBytes
 from tests.distributed import run_worlds
+from tests.helpers import make_batch, make_model, optimizer
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
@@ -50,19 +53,32 @@ def attention(rank: int) -> dict:
         full.backward(torch.ones_like(full))
         mine = torch.tensor(cp_positions(16, cp, rank))
         ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            ql, ops.cp_gather(kl, 2, cp, group), ops.cp_gather(vl, 2, cp, group),
-            ops.cp_causal_mask(ql, 2, cp, group), enable_gqa=gqa)
+        y = ops.cp_attention(ql, kl, vl, None, gqa, cp, group)
         y.backward(torch.ones_like(y))
         out[gqa] = {name: (a, b[:, :, mine]) for name, a, b in (
             ("out", y, full), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad), ("dv", vl.grad, v.grad))}
     return out
 
 
+def saved_bytes(cp: int) -> int:
+    """Peak bytes autograd saves on this rank in one step of a 2-layer GPT on sequences
+    of 64, micro-batches of 2, at cp=cp (the rest of the two ranks data-parallel)."""
+    batches = [make_batch(8, seed=100, seq=64)]
+    engine = fxmeg.parallelize(make_model("gpt", n_layer=2, seq_len=64), tuple(t[:2] for t in batches[0]),
+                               cp=cp, global_batch_size=8, optimizer=optimizer)
+    meter = SavedBytes(engine.named_parameters.values())
+    with meter.hooks():
+        engine.train_step(batches[0])
+    return meter.peak
+
+
 def run(rank: int, scenarios: list[Scenario]) -> dict:
     out = train_each(rank, scenarios)
     if dist.get_world_size() == 2:
         out["attention"] = attention(rank)
+        sc = PARITY[1]  # llama at cp=2: Engine.verify against the single-device graph
+        out["verify"] = sc.engine().verify(sc.batches()[0])
+        out["saved"] = {cp: saved_bytes(cp) for cp in (1, 2)}
     return out
 
 
@@ -74,6 +90,18 @@ def results():
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
 def test_matches_single_device(results, sc):
     check_parity([r[sc.id] for r in results[sc.world]], sc)
+
+
+def test_activations_per_rank_shrink_with_cp(results):
+    """Each rank saves its 1/cp of the activations, plus the gathered keys and values of
+    every layer: at most 0.6x of cp=1's for the same model and micro-batch."""
+    for r in results[2]:
+        assert r["saved"][2] <= 0.6 * r["saved"][1], r["saved"]
+
+
+def test_verify_agrees_with_single_device(results):
+    for r in results[2]:
+        assert r["verify"].ok, r["verify"]
 
 
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])

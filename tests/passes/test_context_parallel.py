@@ -40,12 +40,10 @@ class SplitGraphs(TestCase):
 +    view_2 = torch.ops.aten.view.default(getitem_2, [2, 8, 4, 8]);  getitem_2 = None
 @@
 -    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, None, 0.0, True);  transpose = transpose_1 = transpose_2 = None
-+    cp_gather_default = torch.ops.fxmeg.cp_gather.default(transpose_1, 2, 2, 'cp');  transpose_1 = None
-+    cp_gather_default_1 = torch.ops.fxmeg.cp_gather.default(transpose_2, 2, 2, 'cp');  transpose_2 = None
-+    cp_causal_mask_default = torch.ops.fxmeg.cp_causal_mask.default(transpose, 2, 2, 'cp')
-+    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, cp_gather_default, cp_gather_default_1, cp_causal_mask_default, 0.0, False, scale = None, enable_gqa = False);  transpose = cp_gather_default = cp_gather_default_1 = cp_causal_mask_default = None
-@@
+-    transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
 -    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
++    cp_attention_default = torch.ops.fxmeg.cp_attention.default(transpose, transpose_1, transpose_2, None, False, 2, 'cp');  transpose = transpose_1 = transpose_2 = None
++    transpose_3 = torch.ops.aten.transpose.int(cp_attention_default, 1, 2);  cp_attention_default = None
 +    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
 
     def test_llama_cp2(self):
@@ -75,12 +73,10 @@ class SplitGraphs(TestCase):
 +    mul_5 = torch.ops.aten.mul.Tensor(cat_1, cp_slice_default_1);  cat_1 = cp_slice_default_1 = None
 @@
 -    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_1, repeat_interleave, repeat_interleave_1, None, 0.0, True);  add_1 = repeat_interleave = repeat_interleave_1 = None
-+    cp_gather_default = torch.ops.fxmeg.cp_gather.default(repeat_interleave, 2, 2, 'cp');  repeat_interleave = None
-+    cp_gather_default_1 = torch.ops.fxmeg.cp_gather.default(repeat_interleave_1, 2, 2, 'cp');  repeat_interleave_1 = None
-+    cp_causal_mask_default = torch.ops.fxmeg.cp_causal_mask.default(add_1, 2, 2, 'cp')
-+    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_1, cp_gather_default, cp_gather_default_1, cp_causal_mask_default, 0.0, False, scale = None, enable_gqa = False);  add_1 = cp_gather_default = cp_gather_default_1 = cp_causal_mask_default = None
-@@
+-    transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
 -    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
++    cp_attention_default = torch.ops.fxmeg.cp_attention.default(add_1, repeat_interleave, repeat_interleave_1, None, False, 2, 'cp');  add_1 = repeat_interleave = repeat_interleave_1 = None
++    transpose_3 = torch.ops.aten.transpose.int(cp_attention_default, 1, 2);  cp_attention_default = None
 +    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
 
 
