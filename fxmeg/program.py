@@ -230,6 +230,9 @@ class CPLayout:
     cp: int
     dims: tuple[int | None, ...]
     """Per input (example order): the dim holding the sequence, or None (not split)."""
+    shifts: tuple[float | None, ...] = ()
+    """Per input: shift it left by one position along the sequence, filling the end with
+    this value, before the cut (labels the model shifts itself); None: as it is."""
 
 
 @dataclass(frozen=True)

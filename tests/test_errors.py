@@ -130,7 +130,8 @@ class _CumulativeMix(nn.Module):
 
 
 class _MaskedAttention(nn.Module):
-    """Attention under a mask the model builds itself (not is_causal)."""
+    """Attention under a sliding-window mask the model builds itself: not the causal mask
+    (which fxmeg recognises and splits)."""
 
     def __init__(self):
         super().__init__()
@@ -139,7 +140,8 @@ class _MaskedAttention(nn.Module):
     def forward(self, ids, labels):
         h = self.layers[0](ids).unsqueeze(1)  # (b, 1, s, 128)
         s = ids.shape[1]
-        mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        ones = torch.ones(s, s, dtype=torch.bool, device=ids.device)
+        mask = ones.tril() & ~ones.tril(-4)  # each query sees itself and 3 keys before it
         h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=mask).squeeze(1)
         return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
 

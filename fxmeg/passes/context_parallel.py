@@ -24,7 +24,9 @@ s at dim 1 is split there.
 Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
 from the group the runtime binds to the symbolic name "cp"):
   * ``gm.meta["fxmeg"]["cp"]`` is a ``CPLayout``: s, cp and, per input, the dim split
-    (None: whole on every rank);
+    (None: whole on every rank) and whether the runtime shifts it left by one position
+    before the cut (labels shifted inside the model, Hugging Face's ``pad(labels, [0, 1],
+    value=-100)[:, 1:]``: the graph reads the input instead);
   * shape arguments (view, reshape, expand, unflatten) along the sequence are local
     (s / cp; merged with the batch dim, batch * s / cp);
   * a replicated value indexed by position that meets the local sequence (a rotary
@@ -54,14 +56,15 @@ from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.ops import CP
-from fxmeg.passes.graph_utils import call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.tp_placement import dim_groups, divisors
 from fxmeg.passes.tp_rules import _RESHAPES
 from fxmeg.program import CPLayout
 
 aten = torch.ops.aten
 fx_ops = torch.ops.fxmeg
-_SAME = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.contiguous.default,
+_SAME = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.alias.default,
+         aten.contiguous.default,
          aten.type_as.default, aten.detach.default, aten.clone.default, aten.dropout.default}
 _VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
               aten.squeeze.default, aten.unflatten.int}
@@ -119,7 +122,35 @@ class _ContextParallel:
             dims.append(1 if split else None)
             if split:
                 self.place[n] = Seq(1)
-        gm.meta["fxmeg"]["cp"] = CPLayout(self.seq, cp, tuple(dims))
+        shifts = tuple(self._shift(n) if d is not None else None for n, d in zip(inputs, dims))
+        gm.meta["fxmeg"]["cp"] = CPLayout(self.seq, cp, tuple(dims), shifts)
+
+    def _shift(self, x: fx.Node) -> float | None:
+        """An input whose only use is a shift left by one position along the sequence
+        (Hugging Face's labels: ``pad(labels, [0, 1], value=-100)[:, 1:]``): the shift
+        needs the next rank's first label, so the runtime shifts the whole sequence
+        before the cut (as Megatron's data loader does) and the graph reads the input
+        directly. Returns the fill value, or None."""
+        users = list(x.users)
+        if len(users) != 1 or users[0].target not in (aten.pad.default, aten.constant_pad_nd.default):
+            return None
+        pad = users[0]
+        args = full_args(pad)
+        fill = args[3] if pad.target == aten.pad.default else args[2]
+        if pad.target == aten.pad.default and args[2] != "constant":
+            return None
+        if val(x).dim() != 2 or list(args[1]) != [0, 1] or len(pad.users) != 1:
+            return None
+        cut = next(iter(pad.users))
+        if cut.target != aten.slice.Tensor:
+            return None
+        dim, start, end, step = full_args(cut)[1:]
+        if dim % 2 != 1 or start != 1 or step != 1 or (end is not None and end < self.seq + 1):
+            return None
+        cut.replace_all_uses_with(x)
+        self.g.erase_node(cut)
+        self.g.erase_node(pad)
+        return float(fill if fill is not None else 0.0)
 
     # ------------------------------------------------------------------ driver
 
@@ -363,6 +394,8 @@ class _ContextParallel:
 
     def _attention(self, node: fx.Node) -> Seq:
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
+        if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
+            mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
         if mask is not None or not causal:
             raise self._refuse(
                 node, "it is an attention with a custom mask or without is_causal=True; context "
@@ -383,6 +416,21 @@ class _ContextParallel:
         self.g.erase_node(node)
         self.place[core] = Seq(dim)
         return Seq(dim)
+
+    def _is_causal_mask(self, mask: fx.Node, queries: int, keys: int) -> bool:
+        """Whether ``mask`` depends on no input and, computed now, is the causal mask of
+        the whole sequence (True, or 0 in an additive mask, exactly where key <= query)
+        for every batch and head: then attention under it is causal attention."""
+        value = _constant(mask, self.gm)
+        if value is None or queries != keys or value.dim() < 2 or value.shape[-2:] != (queries, keys):
+            return False
+        allowed = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
+        if value.dtype == torch.bool:
+            return bool((value == allowed).all())
+        if not value.is_floating_point():
+            return False
+        blocked = value <= torch.finfo(value.dtype).min / 2
+        return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
 
     # ------------------------------------------------------------------ finish
 
@@ -413,3 +461,35 @@ class _ContextParallel:
         fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
         return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
                          f"sequence over cp={self.cp} ranks: {kind}{why}. Fix: {fix}")
+
+
+_MAX_CONSTANT_NODES = 500
+
+
+def _constant(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The value of ``node`` computed now, if it depends on no input (placeholder), no
+    random op and no meta tensor (a mask built from ``arange``); else None."""
+    needed, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in needed:
+            continue
+        if n.op == "placeholder" or is_hop(n) or len(needed) > _MAX_CONSTANT_NODES:
+            return None
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return None
+        needed.add(n)
+        todo.extend(n.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    for n in gm.graph.nodes:  # graph order is a topological order
+        if n not in needed:
+            continue
+        if n.op == "get_attr":
+            env[n] = attr(gm, n.target)
+            if isinstance(env[n], torch.Tensor) and env[n].is_meta:
+                return None
+        else:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None

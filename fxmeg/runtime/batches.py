@@ -56,11 +56,15 @@ def microbatches(program: Program, ctx: RankContext, batch: UserBatch | Iterator
 def context_slice(layout: CPLayout, mb: Batch, cp_rank: int) -> Batch:
     """This context-parallel rank's positions of every sequence of a micro-batch: the
     inputs the context-parallel pass split, cut along their sequence dim to chunks
-    ``cp_rank`` and ``2 * cp - 1 - cp_rank`` of ``2 * cp`` (``ops.cp_positions``); the
-    others whole. Every cp rank of a data-parallel rank reads the same rows."""
+    ``cp_rank`` and ``2 * cp - 1 - cp_rank`` of ``2 * cp`` (``ops.cp_positions``), after
+    the shift the model applies to an input itself (``CPLayout.shifts``); the others
+    whole. Every cp rank of a data-parallel rank reads the same rows."""
     positions = cp_positions(layout.seq, layout.cp, cp_rank)
     out = []
-    for t, dim in zip(mb, layout.dims):
+    for i, (t, dim) in enumerate(zip(mb, layout.dims)):
+        fill = layout.shifts[i] if layout.shifts else None
+        if fill is not None:  # the model's own label shift, on the whole sequence
+            t = torch.cat([t.narrow(dim, 1, t.shape[dim] - 1), t.narrow(dim, 0, 1).clone().fill_(fill)], dim=dim)
         if dim is not None:
             t = t.index_select(dim, torch.tensor(positions, device=t.device))
         out.append(t)

@@ -132,3 +132,18 @@ def test_position_mixing_is_refused_naming_the_node(model, words):
     with pytest.raises(PassError, match="mixes positions outside attention") as err:
         transform(model(), make_batch(2, seed=0), cp=2)
     assert words in str(err.value) and "cannot split node '" in str(err.value)
+
+
+def test_hugging_face_label_shift_and_causal_mask():
+    """Hugging Face's Llama shifts its labels itself (pad, then drop the first) and builds
+    its causal mask from positions: the runtime shifts the whole sequence before the cut,
+    and a mask that depends on no input and equals the causal mask is causal attention."""
+    ids, labels = make_batch(2, seed=0)
+    program = transform(make_model("hf-llama"), (ids, labels), cp=2)
+    assert program.cp_layout.shifts == (None, -100.0)
+    targets = [n.target for n in program.chunks[0].graph.nodes]
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    assert targets.count(torch.ops.fxmeg.cp_attention.default) == 2  # one per layer
+    local = context_slice(program.cp_layout, (ids, labels), 0)[1]
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    assert torch.equal(local, shifted[:, cp_positions(16, 2, 0)])
