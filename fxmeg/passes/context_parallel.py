@@ -40,8 +40,9 @@ from the group the runtime binds to the symbolic name "cp"):
 Refused with a PassError naming the node, before any process group exists: s not
 divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
 attention (a cumulative sum, a convolution, a reduction, a slice or product along the
-sequence, eager attention; row cp-position-mixing); an attention with a custom mask,
-non-causal or with dropout (row cp-attention-mask).
+sequence; row cp-position-mixing); an SDPA with a mask other than the causal one,
+non-causal or with dropout (row cp-attention-mask). Eager attention (``q @ k^T``, a mask
+added, softmax, ``@ v``) is split where it stands (``_attention_product``).
 """
 
 from __future__ import annotations
@@ -82,10 +83,17 @@ PARTIAL = "partial"
 @dataclass(frozen=True)
 class Seq:
     """Where a value holds the sequence: ``dim``, alone or, ``merged``, as the inner part
-    of a dim flattened with the batch dims before it ((b, s) -> (b * s))."""
+    of a dim flattened with the batch dims before it ((b, s) -> (b * s)); ``full``: a dim
+    holding every position in global order (the keys of eager attention's scores, from
+    all-gathered keys), or None."""
 
     dim: int
     merged: bool = False
+    full: int | None = None
+
+    def shifted(self, by: int) -> Seq:
+        """The same dims ``by`` places later (broadcasting adds leading dims)."""
+        return Seq(self.dim + by, self.merged, None if self.full is None else self.full + by)
 
 
 def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -220,7 +228,7 @@ class _ContextParallel:
         replicated operand spanning the sequence dim is position-indexed (a rotary table,
         position embeddings) and is cut to this rank's positions."""
         out_dim = val(node).dim()
-        found = {Seq(s.dim + out_dim - val(a).dim(), s.merged)
+        found = {s.shifted(out_dim - val(a).dim())
                  for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
         if len(found) != 1:
             raise self._refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
@@ -254,7 +262,9 @@ class _ContextParallel:
             if sizes[s.dim + lead] != -1:
                 sizes[s.dim + lead] //= self.cp
             node.args = (node.args[0], sizes, *node.args[2:])
-            return Seq(s.dim + lead, s.merged)
+            return s.shifted(lead)
+        if s.full is not None:
+            raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
         moved = self._moved(node, s, a, b)
         if node.target in _RESHAPES:
             shape = list(node.args[1])
@@ -292,10 +302,13 @@ class _ContextParallel:
         s, n = self._seq(node, node.args[0]), val(node).dim()
         if node.target == aten.transpose.int:
             i, j = node.args[1] % n, node.args[2] % n
-            return Seq({i: j, j: i}.get(s.dim, s.dim), s.merged)
-        if node.target == aten.t.default:
-            return Seq(1 - s.dim, s.merged)
-        return Seq([d % n for d in node.args[1]].index(s.dim), s.merged)
+            where = {i: j, j: i}
+        elif node.target == aten.t.default:
+            where = {0: 1, 1: 0}
+        else:
+            where = {d % n: k for k, d in enumerate(node.args[1])}
+        full = None if s.full is None else where.get(s.full, s.full)
+        return Seq(where.get(s.dim, s.dim), s.merged, full)
 
     def _embedding(self, node: fx.Node) -> Seq:
         if isinstance(self.place.get(node.args[0]), Seq):
@@ -305,17 +318,44 @@ class _ContextParallel:
     def _linear(self, node: fx.Node) -> Seq:
         """A product with one operand along the sequence and the other replicated (a
         weight): the sequence must not be contracted. Two operands along the sequence are
-        eager attention (q @ k^T), which fxmeg does not split yet."""
+        eager attention (``_attention_product``)."""
         x = node.args[_LINEARS[node.target]]
         others = [a for a in node.all_input_nodes if a is not x]
+        if node.target in (aten.matmul.default, aten.bmm.default) and all(
+                isinstance(self.place.get(a), Seq) for a in node.args[:2]):
+            return self._attention_product(node)
         if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
-            raise self._refuse(node, "it multiplies values along the sequence (eager attention, q @ k^T or "
-                                     "probs @ v); only scaled_dot_product_attention is split so far",
-                               fix="use F.scaled_dot_product_attention(..., is_causal=True)")
+            raise self._refuse(node, "it multiplies a value along the sequence with one that is not its "
+                                     "weight in a way fxmeg does not split")
         s, n = self._seq(node, x), val(x).dim()
-        if s.dim == n - 1:
+        if s.dim == n - 1 or s.full is not None:
             raise self._refuse(node, "it contracts the sequence dim")
-        return Seq(s.dim + val(node).dim() - n, s.merged)
+        return s.shifted(val(node).dim() - n)
+
+    def _attention_product(self, node: fx.Node) -> Seq:
+        """Eager attention (Hugging Face's eager path, ``q @ k^T ... softmax ... @ v``):
+        the scores of this rank's queries against all-gathered keys (``fxmeg::cp_gather``
+        of k^T along its last dim: global order), whose keys dim is ``full``; then the
+        probabilities against all-gathered values. A mask added to the scores is a
+        replicated (positions x positions) operand: its rows are cut to this rank's
+        queries, its columns stay whole, so any mask the model builds from positions
+        is exact. The full K and V are kept for backward (cp_attention keeps less)."""
+        a, b = node.args[:2]
+        sa, sb = self.place[a], self.place[b]
+        na, nb = val(a).dim(), val(b).dim()
+        if sa.merged or sb.merged or sa.dim != na - 2:
+            raise self._refuse(node, "it multiplies two values along the sequence other than as attention")
+        if sa.full is None and sb.full is None and sb.dim == nb - 1:  # scores = q @ k^T
+            gathered, out = (b, nb - 1), Seq(val(node).dim() - 2, full=val(node).dim() - 1)
+        elif sa.full == na - 1 and sb.full is None and sb.dim == nb - 2:  # out = probs @ v
+            gathered, out = (b, nb - 2), Seq(val(node).dim() - 2)
+        else:
+            raise self._refuse(node, "it multiplies two values along the sequence other than as attention "
+                                     "(q @ k^T, then probabilities @ v)")
+        with self.g.inserting_before(node):
+            full = call(self.g, fx_ops.cp_gather.default, (*gathered, self.cp, CP), like=node)
+        node.replace_input_with(b, full)
+        return out
 
     def _loss(self, node: fx.Node):
         """A per-token loss: the sequence stays; summed (the loss pass's reduction) it is
@@ -323,7 +363,7 @@ class _ContextParallel:
         args = full_args(node)
         target = args[1]
         x = self._seq(node, args[0])
-        if not isinstance(self.place.get(target), Seq):
+        if x.full is not None or not isinstance(self.place.get(target), Seq):
             raise self._refuse(node, "its input is split along the sequence but its target is not")
         if val(args[0]).dim() > 1 and x.dim == 1:
             raise self._refuse(node, f"its class dim {x.dim} holds the sequence")
@@ -336,7 +376,7 @@ class _ContextParallel:
 
     def _layer_norm(self, node: fx.Node) -> Seq:
         s = self._seq(node, node.args[0])
-        if s.dim >= val(node.args[0]).dim() - len(node.args[1]):
+        if s.dim >= val(node.args[0]).dim() - len(node.args[1]) or s.full is not None:
             raise self._refuse(node, "it normalises over the sequence dim")
         return s
 
@@ -348,8 +388,15 @@ class _ContextParallel:
         at = 2 if node.target in _SPLITS or node.target == aten.repeat_interleave.self_int else 1
         dim = full_args(node)[at]
         dim = (dim if dim is not None else 0) % n
+        if s.full is not None and dim == s.full:
+            if node.target in _ALONG and node.target not in (aten.cumsum.default, aten.cumprod.default,
+                                                             aten.logcumsumexp.default):
+                return s  # a softmax over all keys
+            raise self._refuse(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
             if node.target == aten.select.int:
+                if s.full is not None:
+                    raise self._refuse(node, "it selects from attention scores")
                 return Seq(s.dim - (dim < s.dim), s.merged)
             if node.target in _SPLITS:
                 return [s] * len(node.meta["val"])
@@ -368,6 +415,8 @@ class _ContextParallel:
         if len(found) != 1:
             raise self._refuse(node, "its operands hold the sequence in different dims")
         (s,) = found
+        if s.full is not None:
+            raise self._refuse(node, "it concatenates attention scores")
         out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
         if dim == s.dim and not stack:
             raise self._refuse(node, "it concatenates along the sequence")
@@ -386,6 +435,10 @@ class _ContextParallel:
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
         if s.dim not in dims:
             keepdim = val(node).dim() == n
+            if s.full is not None and s.full in dims:  # over all keys (a softmax written out): exact
+                s = Seq(s.dim, s.merged)
+            elif s.full is not None:
+                raise self._refuse(node, "it reduces attention scores over a dim other than the keys")
             return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
         if node.target in _SUMS:
             return PARTIAL  # a token count or a summed loss; _check_outputs refuses other uses
@@ -406,7 +459,7 @@ class _ContextParallel:
             raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
                                fix="set the attention dropout to 0, or cp=1")
         seqs = {self.place.get(a) for a in (q, k, v)}
-        dim = val(q).dim() - 2
+        dim = val(q).dim() - 2  # a Seq with ``full`` (scores) never equals Seq(dim)
         if seqs != {Seq(dim)}:
             raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
                                      f"(places {sorted(map(str, seqs))})", mixing=False)

@@ -2,8 +2,9 @@
 positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with
 dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
 local sequence slices), tp=2 (with sequence parallelism), recompute, overlapped parameter
-gathers and layer-wise sharding (Muon); and Hugging Face's Llama (sdpa: a causal mask built
-from positions, labels shifted inside the model) at cp=2. Every batch ignores a different number of leading
+gathers and layer-wise sharding (Muon); and Hugging Face's Llama at cp=2 in sdpa (a causal
+mask built from positions, labels shifted inside the model) and eager attention (matmul,
+softmax, matmul; also at cp2 x tp2). Every batch ignores a different number of leading
 labels per sample, so cp ranks count different tokens (some none). Also
 ``fxmeg::cp_attention`` itself against full causal attention, values and gradients, with
 GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves."""
@@ -24,7 +25,8 @@ from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
-PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [
+EAGER = (("attn_implementation", "eager"),)
+PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llama", cp=2, model_args=EAGER)] + [
     Scenario(m, cp=2, dp=2, options=DIST_OPT) for m in MODELS
 ] + [Scenario(m, cp=4) for m in MODELS] + [
     Scenario("gpt", cp=2, pp=2, schedule="1f1b"),
@@ -32,6 +34,7 @@ PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [
     Scenario("llama", cp=2, pp=2, schedule="zbh1"),
     Scenario("gpt", cp=2, tp=2, options=(("sequence_parallel", True),)),
     Scenario("llama", cp=2, tp=2),
+    Scenario("hf-llama", cp=2, tp=2, model_args=EAGER),
     Scenario("gpt", cp=2, dp=2, options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full"))),
     Scenario("llama", cp=2, dp=2, opt="muon",
              options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),

@@ -147,3 +147,37 @@ def test_hugging_face_label_shift_and_causal_mask():
     local = context_slice(program.cp_layout, (ids, labels), 0)[1]
     shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     assert torch.equal(local, shifted[:, cp_positions(16, 2, 0)])
+
+
+def test_eager_attention_gathers_keys_and_values_and_cuts_the_mask_rows():
+    """Hugging Face's eager path: scores against all-gathered keys, the additive mask's
+    rows cut to this rank's queries (its key columns whole), probabilities against
+    all-gathered values."""
+    ids, labels = make_batch(2, seed=0)
+    program = transform(make_model("hf-llama", attn_implementation="eager"), (ids, labels), cp=2)
+    nodes = list(program.chunks[0].graph.nodes)
+    gathers = [n for n in nodes if n.target == torch.ops.fxmeg.cp_gather.default]
+    assert len(gathers) == 4  # k^T and v, two layers
+    assert {(n.args[1], tuple(n.meta["val"].shape[-2:])) for n in gathers} == {(3, (8, 16)), (2, (16, 8))}
+    keys = [n for n in gathers if n.args[1] == 3]
+    scores = [n for n in nodes if n.target == torch.ops.aten.matmul.default and n.args[1] in keys]
+    assert len(scores) == 2 and all(tuple(n.meta["val"].shape[-2:]) == (8, 16) for n in scores)  # local x all
+
+
+class _Window(nn.Module):
+    """SDPA under a sliding-window mask: not the causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids).unsqueeze(1)
+        ones = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device)
+        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=ones.tril() & ~ones.tril(-4))
+        return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
+
+
+def test_a_mask_that_is_not_causal_is_refused():
+    with pytest.raises(PassError, match="attention with a custom mask or without is_causal=True"):
+        transform(_Window(), make_batch(2, seed=0), cp=2)
