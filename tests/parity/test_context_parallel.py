@@ -11,6 +11,9 @@ GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,8 +22,12 @@ import torch.nn.functional as F
 import fxmeg
 from fxmeg.ops import cp_positions
 from fxmeg.report import SavedBytes
-from tests.distributed import run_worlds
-from tests.helpers import make_batch, make_model, optimizer
+from fxmeg.data import ByteTokenizer, prepare
+from fxmeg.data.corpus import read_documents
+from fxmeg.metrics import read
+from fxmeg.trainer import TrainConfig, Trainer
+from tests.distributed import run_world
+from tests.helpers import LOSS_RTOL, assert_weights_close, make_batch, make_model, optimizer
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
@@ -76,8 +83,33 @@ def saved_bytes(cp: int) -> int:
     return meter.peak
 
 
-def run(rank: int, scenarios: list[Scenario]) -> dict:
+SAVED = dict(cp=2, dp=2, distributed_optimizer=True)
+TRAINER_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 4}
+
+
+def trainer_config(root: str, name: str, **kw) -> TrainConfig:
+    base = dict(data=os.path.join(root, "corpus"), model_args=json.dumps(TRAINER_MODEL), seq_len=32,
+                micro_batch_size=2, global_batch_size=8, log_interval=1, eval_iters=1, lr=3e-3,
+                lr_warmup_samples=8, lr_decay_samples=200, run_dir=os.path.join(root, name),
+                progress=False, tensorboard=False)
+    return TrainConfig.from_flat(**(base | kw))
+
+
+def checkpoints(root: str) -> dict:
+    """The trainer at cp=2 x dp=2 (distributed optimizer): an uninterrupted 4-step run, a
+    2-step run that saves, and its checkpoint resumed at cp=1 x dp=4 for 2 more steps."""
+    whole = Trainer(trainer_config(root, "whole", train_iters=4, **SAVED))
+    whole.run()
+    Trainer(trainer_config(root, "first", train_iters=2, save=os.path.join(root, "ckpt"), **SAVED)).run()
+    resumed = Trainer(trainer_config(root, "resumed", train_iters=4, load=os.path.join(root, "ckpt"), dp=4))
+    resumed.run()
+    return {"whole": whole.engine.full_state_dict(), "resumed": resumed.engine.full_state_dict()}
+
+
+def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
     out = train_each(rank, scenarios)
+    if root is not None:
+        out["checkpoints"] = checkpoints(root)
     if dist.get_world_size() == 2:
         out["attention"] = attention(rank)
         sc = PARITY[1]  # llama at cp=2: Engine.verify against the single-device graph
@@ -87,8 +119,12 @@ def run(rank: int, scenarios: list[Scenario]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_worlds(run, PARITY, sorted({s.world for s in PARITY}))
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cp"))
+    prepare(read_documents(["pydoc:topics"]), os.path.join(root, "corpus"), ByteTokenizer())
+    by_world = {w: [s for s in PARITY if s.world == w] for w in sorted({s.world for s in PARITY})}
+    assert list(by_world) == [2, 4]  # one spawn per world size; the trainer runs in the 4-rank one
+    return {2: run_world(2, run, by_world[2]), 4: run_world(4, run, by_world[4], root), "root": root}
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
@@ -114,3 +150,20 @@ def test_attention_ops_match_full_causal_attention(results, gqa):
         for name, (got, want) in r["attention"][gqa].items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 
+
+
+def _losses(root: str, name: str) -> list[float]:
+    return [r["loss"] for r in read(os.path.join(root, name)) if r["kind"] == "train"]
+
+
+def test_trainer_checkpoint_at_cp2_resumes_at_cp1(results):
+    """The trainer runs cp=2 x dp=2; its checkpoint (every cp rank a replica of the
+    parameters, the optimizer sharded over dp x cp) loads at cp=1 x dp=4 and the run goes
+    on as the uninterrupted one."""
+    root, ranks = results["root"], results[4]
+    whole, resumed = _losses(root, "whole"), _losses(root, "resumed")
+    assert len(whole) == 4 and len(resumed) == 2
+    for g, w in zip(resumed, whole[2:]):
+        assert abs(g - w) <= LOSS_RTOL * abs(w), (g, w)
+    state = ranks[0]["checkpoints"]
+    assert_weights_close(state["resumed"], state["whole"])
