@@ -7,14 +7,13 @@ tensor-parallel graph imports it (``fxmeg.runtime.context``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 from torch import Tensor, fx
 from torch.fx.node import has_side_effect
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxmeg
-from fxmeg.ops import cp_positions
-from fxmeg.report import SavedBytes
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
+from fxmeg.ops import cp_positions
+from fxmeg.report import SavedBytes
 from fxmeg.trainer import TrainConfig, Trainer
 from tests.distributed import run_world
 from tests.helpers import LOSS_RTOL, assert_weights_close, make_batch, make_model, optimizer
@@ -83,15 +83,15 @@ def saved_bytes(cp: int) -> int:
     return meter.peak
 
 
-SAVED = dict(cp=2, dp=2, distributed_optimizer=True)
+SAVED = {"cp": 2, "dp": 2, "distributed_optimizer": True}
 TRAINER_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 4}
 
 
 def trainer_config(root: str, name: str, **kw) -> TrainConfig:
-    base = dict(data=os.path.join(root, "corpus"), model_args=json.dumps(TRAINER_MODEL), seq_len=32,
-                micro_batch_size=2, global_batch_size=8, log_interval=1, eval_iters=1, lr=3e-3,
-                lr_warmup_samples=8, lr_decay_samples=200, run_dir=os.path.join(root, name),
-                progress=False, tensorboard=False)
+    base = {"data": os.path.join(root, "corpus"), "model_args": json.dumps(TRAINER_MODEL), "seq_len": 32,
+            "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1, "eval_iters": 1, "lr": 3e-3,
+            "lr_warmup_samples": 8, "lr_decay_samples": 200, "run_dir": os.path.join(root, name),
+            "progress": False, "tensorboard": False}
     return TrainConfig.from_flat(**(base | kw))
 
 
