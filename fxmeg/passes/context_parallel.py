@@ -40,8 +40,9 @@ from the group the runtime binds to the symbolic name "cp"):
 Refused with a PassError naming the node, before any process group exists: s not
 divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
 attention (a cumulative sum, a convolution, a reduction, a slice or product along the
-sequence; row cp-position-mixing); an SDPA with a mask other than the causal one,
-non-causal or with dropout (row cp-attention-mask). Eager attention (``q @ k^T``, a mask
+sequence; row cp-position-mixing); an SDPA whose mask depends on a split input
+(padding), non-causal without a mask, or with dropout (row cp-attention-mask); another
+mask built from positions (a sliding window) has its rows cut to the local queries. Eager attention (``q @ k^T``, a mask
 added, softmax, ``@ v``) is split where it stands (``_attention_product``).
 """
 
@@ -446,15 +447,22 @@ class _ContextParallel:
                                  "over positions)")
 
     def _attention(self, node: fx.Node) -> Seq:
+        """Causal SDPA (is_causal, or a mask recognised as the causal one) becomes
+        ``fxmeg::cp_attention``. Under another mask that depends on no split input (a
+        sliding window built from positions) it stays SDPA, of this rank's queries against
+        all-gathered keys and values, with the mask's rows cut to those queries (exact for
+        any such mask; the full K and V are kept for backward). A mask that depends on a
+        split input (padding) is refused."""
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
         if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
-        if mask is not None or not causal:
+        if mask is not None and not self._sliceable_mask(mask) or mask is None and not causal:
             raise self._refuse(
-                node, "it is an attention with a custom mask or without is_causal=True; context "
-                      "parallelism computes causal attention from the global positions only", mixing=False,
-                fix="use is_causal=True without attn_mask (a padding mask: pack or pad the sequences "
-                    "with ignored labels instead), or cp=1")
+                node, "it is an attention with a mask that depends on the split inputs (padding), or "
+                      "without is_causal=True; context parallelism computes attention from the global "
+                      "positions only", mixing=False,
+                fix="use is_causal=True, or a mask built from positions only (pack or pad the sequences "
+                    "with ignored labels instead of a padding mask), or cp=1")
         if dropout:
             raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
                                fix="set the attention dropout to 0, or cp=1")
@@ -463,12 +471,29 @@ class _ContextParallel:
         if seqs != {Seq(dim)}:
             raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
                                      f"(places {sorted(map(str, seqs))})", mixing=False)
+        if mask is not None:
+            with self.g.inserting_before(node):
+                keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
+                values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
+            rows = mask.meta["val"].dim() - 2
+            if val(mask).shape[rows] != 1:
+                mask = self._cut(mask, rows, node)
+            node.args = (q, keys, values, mask, 0.0, False)
+            node.kwargs = {"scale": scale, "enable_gqa": gqa}
+            return Seq(dim)
         with self.g.inserting_before(node):
             core = call(self.g, fx_ops.cp_attention.default, (q, k, v, scale, gqa, self.cp, CP), like=node)
         node.replace_all_uses_with(core)
         self.g.erase_node(node)
         self.place[core] = Seq(dim)
         return Seq(dim)
+
+    def _sliceable_mask(self, mask: fx.Node) -> bool:
+        """A mask that depends on no split input, (..., 1 or s, 1 or s): its rows can be
+        cut to this rank's queries."""
+        v = val(mask)
+        return (self.place.get(mask) is None and v is not None and v.dim() >= 2
+                and v.shape[-2] in (1, self.seq) and v.shape[-1] in (1, self.seq))
 
     def _is_causal_mask(self, mask: fx.Node, queries: int, keys: int) -> bool:
         """Whether ``mask`` depends on no input and, computed now, is the causal mask of

@@ -27,8 +27,17 @@ from fxmeg.ops import cp_positions
 from fxmeg.report import SavedBytes
 from fxmeg.trainer import TrainConfig, Trainer
 from tests.distributed import run_world
-from tests.helpers import LOSS_RTOL, assert_weights_close, make_batch, make_model, optimizer
+from tests.helpers import (
+    LOSS_RTOL,
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    make_model,
+    optimizer,
+    reference,
+)
 from tests.parity.scenarios import Scenario, check_parity, train_each
+from tests.passes.test_context_parallel import _Window
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
@@ -106,6 +115,19 @@ def checkpoints(root: str) -> dict:
     return {"whole": whole.engine.full_state_dict(), "resumed": resumed.engine.full_state_dict()}
 
 
+def window_batches():
+    return [make_batch(8, seed=100 + s) for s in range(3)]
+
+
+def window(rank: int) -> dict:
+    """SDPA under a sliding-window mask (built from positions, not causal) at cp=2."""
+    torch.manual_seed(0)
+    batches = window_batches()
+    engine = fxmeg.parallelize(_Window(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
+                               optimizer=optimizer)
+    return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
+
+
 def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
     out = train_each(rank, scenarios)
     if root is not None:
@@ -115,6 +137,7 @@ def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
         sc = PARITY[1]  # llama at cp=2: Engine.verify against the single-device graph
         out["verify"] = sc.engine().verify(sc.batches()[0])
         out["saved"] = {cp: saved_bytes(cp) for cp in (1, 2)}
+        out["window"] = window(rank)
     return out
 
 
@@ -137,6 +160,14 @@ def test_activations_per_rank_shrink_with_cp(results):
     every layer: at most 0.6x of cp=1's for the same model and micro-batch."""
     for r in results[2]:
         assert r["saved"][2] <= 0.6 * r["saved"][1], r["saved"]
+
+
+def test_a_sliding_window_mask_matches_single_device(results):
+    torch.manual_seed(0)
+    losses, _, state = reference(_Window(), window_batches())
+    for r in results[2]:
+        assert_losses_close(r["window"]["losses"], losses)
+    assert_weights_close(results[2][0]["window"]["state"], state)
 
 
 def test_verify_agrees_with_single_device(results):

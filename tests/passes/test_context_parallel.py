@@ -178,6 +178,29 @@ class _Window(nn.Module):
         return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
 
-def test_a_mask_that_is_not_causal_is_refused():
-    with pytest.raises(PassError, match="attention with a custom mask or without is_causal=True"):
-        transform(_Window(), make_batch(2, seed=0), cp=2)
+def test_a_mask_built_from_positions_has_its_rows_cut():
+    """A sliding window is not causal attention: SDPA stays, over all-gathered keys and
+    values, with the mask's rows cut to this rank's queries (parity: the cp module)."""
+    gm = graph_after(_Window(), make_batch(2, seed=0), "context_parallel", cp=2)
+    (sdpa,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert [a.target for a in sdpa.args[1:4]] == [torch.ops.fxmeg.cp_gather.default] * 2 + [
+        torch.ops.fxmeg.cp_slice.default]
+    assert tuple(sdpa.args[3].meta["val"].shape) == (8, 16)  # local queries x all keys
+
+
+class _Padding(nn.Module):
+    """SDPA under a padding mask from the token ids: it depends on a split input."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids).unsqueeze(1)
+        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=(ids != 0)[:, None, None, :])
+        return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
+
+
+def test_a_mask_from_the_inputs_is_refused():
+    with pytest.raises(PassError, match="an attention with a mask that depends on the split inputs"):
+        transform(_Padding(), make_batch(2, seed=0), cp=2)
