@@ -1,7 +1,7 @@
 """Context parallelism on real gloo ranks vs plain single-device PyTorch, GPT (learned
 positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with
 dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
-local sequence slices), tp=2 (with sequence parallelism), recompute, overlapped parameter
+local sequence slices), tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recompute, overlapped parameter
 gathers and layer-wise sharding (Muon); and Hugging Face's Llama at cp=2 in sdpa (a causal
 mask built from positions, labels shifted inside the model) and eager attention (matmul,
 softmax, matmul; also at cp2 x tp2). Every batch ignores a different number of leading
@@ -51,6 +51,7 @@ PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llam
     Scenario("gpt", cp=2, tp=2, options=(("sequence_parallel", True),)),
     Scenario("llama", cp=2, tp=2),
     Scenario("hf-llama", cp=2, tp=2, model_args=EAGER),
+    Scenario("llama", cp=2, tp=2, pp=2, schedule="1f1b", options=(("sequence_parallel", True),)),  # 8 ranks
     Scenario("gpt", cp=2, dp=2, options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full"))),
     Scenario("llama", cp=2, dp=2, opt="muon",
              options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
@@ -146,8 +147,9 @@ def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cp"))
     prepare(read_documents(["pydoc:topics"]), os.path.join(root, "corpus"), ByteTokenizer())
     by_world = {w: [s for s in PARITY if s.world == w] for w in sorted({s.world for s in PARITY})}
-    assert list(by_world) == [2, 4]  # one spawn per world size; the trainer runs in the 4-rank one
-    return {2: run_world(2, run, by_world[2]), 4: run_world(4, run, by_world[4], root), "root": root}
+    assert list(by_world) == [2, 4, 8]  # one spawn per world size; the trainer runs in the 4-rank one
+    out = {w: run_world(w, run, scenarios, *([root] if w == 4 else [])) for w, scenarios in by_world.items()}
+    return out | {"root": root}
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
