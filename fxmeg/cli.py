@@ -17,7 +17,7 @@
     fxmeg plan --hf-config LlamaConfig num_hidden_layers=80 hidden_size=8192 ... --tp 8 --json
 
 `fxmeg train` and `fxmeg verify` start their own ranks with torch's elastic launcher
-(--nproc, default tp * pp * max(dp, 1)) unless they already run under torchrun.
+(--nproc, default tp * cp * pp * max(dp, 1)) unless they already run under torchrun.
 `fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
 of the training data (or the one at the --load checkpoint) through the parallel program and
 the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch.
@@ -221,7 +221,7 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     from fxmeg.trainer import flat_fields
 
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
-    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * pp * max(dp, 1))")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * cp * pp * max(dp, 1))")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
@@ -282,7 +282,7 @@ def _train(args) -> int:
         _worker(cfg)
         return 0
     par = cfg.engine.parallel
-    nproc = args.nproc or par.tp * par.pp * max(par.dp or 1, 1)
+    nproc = args.nproc or par.model_ranks * max(par.dp or 1, 1)
     if nproc == 1:
         _worker(cfg)
         return 0
@@ -300,7 +300,7 @@ def _verify(args) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return 0 if _worker(cfg, verify=True) else 1
     par = cfg.engine.parallel
-    nproc = args.nproc or par.tp * par.pp * max(par.dp or 1, 1)
+    nproc = args.nproc or par.model_ranks * max(par.dp or 1, 1)
     if nproc == 1:
         return 0 if _worker(cfg, verify=True) else 1
     return _launch(cfg, nproc, verify=True)
@@ -371,7 +371,7 @@ def _verify_worker(cfg) -> bool:
         shutil.rmtree(run_dir, ignore_errors=True)
     if trainer.rank == 0:
         par = engine.config.parallel
-        print(f"layout tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp}, precision {engine.config.precision}, "
+        print(f"layout tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} vpp={par.vpp} dp={par.dp}, precision {engine.config.precision}, "
               f"global batch {engine.config.global_batch_size} at {trainer.consumed} consumed samples")
         print(result.report(), flush=True)
     return result.ok

@@ -121,17 +121,20 @@ def _meant_float(value: object, default: object) -> object:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split over ranks: rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+    """How the model is split over ranks, tensor-parallel fastest (Megatron's order
+    tp-cp-dp-pp): rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))."""
 
     tp: int = 1
     """Tensor-parallel size (ranks that share every layer's weights)."""
+    cp: int = 1
+    """Context-parallel size (ranks that each hold 1/cp of every sequence's tokens)."""
     pp: int = 1
     """Pipeline-parallel size (ranks that each hold a run of layers)."""
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved, zbv or dualpipev when > 1)."""
     dp: int | None = None
     """Data-parallel size (replicas that each see a slice of the global batch); None =
-    world size // (tp * pp), fixed by ``resolve`` when the ranks exist."""
+    world size // (tp * cp * pp), fixed by ``resolve`` when the ranks exist."""
     schedule: str = "auto"
     """'auto', 'none' (pp=1), 'gpipe', '1f1b', 'interleaved' (vpp > 1), or zero bubble:
     'zbh1' (vpp=1), 'zbv' or 'dualpipev' (vpp=2, chunks placed in a V)."""
@@ -144,9 +147,10 @@ class ParallelConfig:
 
     SIZES: ClassVar[dict[str, Size]] = {
         "tp": Size(1, "tensor-parallel size"),
+        "cp": Size(1, "context-parallel size"),
         "pp": Size(1, "pipeline-parallel size"),
         "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
-        "dp": Size(1, "data-parallel size", "world size // (tp * pp)"),
+        "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
     }
     """The rule of each integer field (``check_numbers``)."""
 
@@ -181,22 +185,35 @@ class ParallelConfig:
             raise ConfigError(f"schedule='none' runs without a pipeline; got pp={self.pp}")
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that share one slice of the global batch: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks over which gradients are reduced and the distributed optimizer shards:
+        dp * cp (Megatron's data-parallel group with context parallel); needs dp resolved."""
+        assert self.dp is not None, "dp is not resolved"
+        return self.dp * self.cp
 
     def resolve(self, world: int) -> ParallelConfig:
-        """This layout on ``world`` ranks: dp=None becomes world // (tp * pp); a given dp
-        must make tp * pp * dp = world."""
-        tp, pp, dp = self.tp, self.pp, self.dp
+        """This layout on ``world`` ranks: dp=None becomes world // (tp * cp * pp); a given
+        dp must make tp * cp * pp * dp = world."""
+        tp, cp, pp, dp = self.tp, self.cp, self.pp, self.dp
+        # the messages name cp only where it is set
+        names, sizes = ("tp * cp * pp", f"{tp} * {cp} * {pp}") if cp > 1 else ("tp * pp", f"{tp} * {pp}")
         if dp is None:
-            if world % (tp * pp):
+            if world % (tp * cp * pp):
                 raise ConfigError(
-                    f"world size {world} is not divisible by tp * pp = {tp} * {pp}; launch "
-                    f"a multiple of {tp * pp} ranks or change tp / pp"
+                    f"world size {world} is not divisible by {names} = {sizes}; launch a multiple "
+                    f"of {tp * cp * pp} ranks or change {names.replace(' * ', ' / ')}"
                 )
-            return dataclasses.replace(self, dp=world // (tp * pp))
-        if tp * pp * dp != world:
+            return dataclasses.replace(self, dp=world // (tp * cp * pp))
+        if tp * cp * pp * dp != world:
             raise ConfigError(
-                f"tp * pp * dp = {tp} * {pp} * {dp} = {tp * pp * dp} does not match the world "
-                f"size {world}; launch {tp * pp * dp} ranks or leave dp=None"
+                f"{names} * dp = {sizes} * {dp} = {tp * cp * pp * dp} does not match the world "
+                f"size {world}; launch {tp * cp * pp * dp} ranks or leave dp=None"
             )
         return self
 
@@ -341,6 +358,11 @@ class EngineConfig:
             raise ConfigError(
                 "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
                 "optimizer gathers whole parameters in one all-gather after the step)"
+            )
+        if self.parallel.cp > 1 and self.compile:
+            raise ConfigError(  # the cp ops under torch.compile are not tested yet
+                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
+                "set compile=False or cp=1"
             )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(

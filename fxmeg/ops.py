@@ -38,6 +38,26 @@ inside the ops, from the bound group, so the graphs are the same on every rank.
                  embedding, and the mask of ids outside them
   vocab_parallel_cross_entropy  per-token loss over vocabulary-sharded logits (Megatron's
                  _VocabParallelCrossEntropy); the full logits are never gathered
+
+Context-parallel ops (the context-parallel pass; symbolic group ``"cp"``). A sequence of
+length s is cut into 2 * cp chunks and cp rank r holds chunks r and 2 * cp - 1 - r
+(Megatron's load-balanced layout for causal attention: every rank gets as many early as
+late queries); ``cp_positions`` gives the global positions of a rank's rows.
+
+  cp_slice       this rank's positions of a replicated, position-indexed value along a
+                 dim (a rotary table, position embeddings); backward ``cp_unslice``
+                 scatters the gradient back into zeros
+  cp_gather      all-gather of every rank's positions along a dim, in global order
+                 (keys and values); backward ``cp_reduce_scatter`` sums the gradient
+                 over ranks and keeps this rank's positions
+  cp_causal_mask the boolean mask (local queries, all keys): True where this rank's query
+                 at global position i may attend key j <= i
+  cp_attention   causal attention of this rank's queries against every rank's keys and
+                 values (all-gathered, ``cp_gather``, under ``cp_causal_mask``); it saves
+                 only the local q, k, v for backward, where ``cp_attention_backward``
+                 gathers K and V again, recomputes the probabilities and reduce-scatters
+                 dK and dV (as a ring does in backward): the full K and V are never held
+                 between forward and backward
 """
 
 from __future__ import annotations
@@ -133,6 +153,14 @@ _SCHEMAS = {
     "vocab_shard_ids": "(Tensor ids, int rows, str group) -> (Tensor, Tensor)",
     # (per-token loss, softmax of the local logits, target index in the local rows or -1)
     "vocab_parallel_cross_entropy": "(Tensor logits, Tensor target, int ignore_index, str group) -> (Tensor, Tensor, Tensor)",
+    "cp_slice": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "cp_unslice": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "cp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "cp_reduce_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "cp_causal_mask": "(Tensor q, int dim, int size, str group) -> Tensor",
+    "cp_attention": "(Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, str group) -> Tensor",
+    "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, "
+                             "str group) -> (Tensor, Tensor, Tensor)",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -153,6 +181,19 @@ torch.library.register_fake("fxmeg::sp_gather", lambda x, dim, size, group: _res
 torch.library.register_fake("fxmeg::tp_pad", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
 torch.library.register_fake("fxmeg::tp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::cp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::cp_unslice", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake("fxmeg::cp_gather", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake("fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q))
+torch.library.register_fake(
+    "fxmeg::cp_attention_backward",
+    lambda grad, q, k, v, scale, gqa, size, group: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+)
+torch.library.register_fake(
+    "fxmeg::cp_causal_mask",
+    lambda q, dim, size, group: q.new_empty((q.shape[dim], q.shape[dim] * size), dtype=torch.bool),
+)
 torch.library.register_fake(
     "fxmeg::vocab_shard_ids",
     lambda ids, rows, group: (torch.empty_like(ids), torch.empty_like(ids, dtype=torch.bool)),
@@ -181,6 +222,37 @@ _autograd("sp_gather", lambda ctx, g: (fx_ops.sp_scatter(g, *ctx.args), None, No
 _autograd("sp_scatter", lambda ctx, g: (fx_ops.sp_gather(g, *ctx.args), None, None, None))
 _autograd("tp_slice", lambda ctx, g: (fx_ops.tp_pad(g, *ctx.args), None, None, None))
 _autograd("tp_pad", lambda ctx, g: (fx_ops.tp_slice(g, *ctx.args), None, None, None))
+_autograd("cp_slice", lambda ctx, g: (fx_ops.cp_unslice(g, *ctx.args), None, None, None))
+_autograd("cp_unslice", lambda ctx, g: (fx_ops.cp_slice(g, *ctx.args), None, None, None))
+_autograd("cp_gather", lambda ctx, g: (fx_ops.cp_reduce_scatter(g, *ctx.args), None, None, None))
+_autograd("cp_reduce_scatter", lambda ctx, g: (fx_ops.cp_gather(g, *ctx.args), None, None, None))
+_autograd("cp_causal_mask", lambda ctx, g: (None, None, None, None))
+
+
+def _cp_attention_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])  # the local q, k, v only
+    ctx.args = inputs[3:]
+
+
+def _cp_attention_grad(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    return (*fx_ops.cp_attention_backward(grad, q, k, v, *ctx.args), None, None, None, None)
+
+
+torch.library.register_autograd("fxmeg::cp_attention", _cp_attention_grad, setup_context=_cp_attention_setup)
+
+CP = "cp"
+"""Symbolic context-parallel group name in graphs before binding."""
+
+
+def cp_positions(seq: int, size: int, rank: int) -> list[int]:
+    """Global positions of cp rank ``rank``'s rows of a sequence of length ``seq``: chunks
+    ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` (Megatron's load balancing for
+    causal attention; ``seq`` must be divisible by ``2 * size``)."""
+    chunk = seq // (2 * size)
+    assert chunk * 2 * size == seq, (seq, size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return [*range(first, first + chunk), *range(second, second + chunk)]
 
 
 def _vpce_setup(ctx, inputs, output):

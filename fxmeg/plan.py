@@ -95,7 +95,7 @@ class Plan:
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
         return {
-            "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+            "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
                        "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
             "precision": cfg.precision,
             "distributed_optimizer": cfg.distributed_optimizer,
@@ -116,8 +116,9 @@ class Plan:
         cfg, par = self.config, self.config.parallel
         unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
         sp = " (sequence parallel)" if par.sequence_parallel else ""
+        cp = f" cp={par.cp}" if par.cp > 1 else ""
         head = [
-            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} pp={par.pp} vpp={par.vpp} "
+            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp}{cp} pp={par.pp} vpp={par.vpp} "
              f"dp={par.dp}{sp}, {cfg.precision}, distributed optimizer "
              f"{'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}"),
             (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
@@ -160,7 +161,7 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
     if config is not None:
         batch_dim(example, config.micro_batch_size)
         par = config.parallel
-        config = config.resolve(par.tp * par.pp * (par.dp or 1))  # dp=None: one replica
+        config = config.resolve(par.model_ranks * (par.dp or 1))  # dp=None: one replica
     program = transform(meta_copy(model), example, config, loss_fn=loss_fn, **options)
     return plan_of(program)
 
@@ -202,7 +203,7 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     elements = sum(v.numel() for v in local.values())
     params = sum(v.numel() * v.element_size() for v in local.values())
     grads = sum(lay.numel * lay.dtype.itemsize for c in mine for lay in program.buffers[c])
-    per_state = 4 * elements / (config.parallel.dp if config.distributed_optimizer else 1)
+    per_state = 4 * elements / (config.parallel.dp_cp if config.distributed_optimizer else 1)
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     optimizer = int(states * per_state)
     act = max(activation_bytes(gm) for gm in graphs)

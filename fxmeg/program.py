@@ -235,6 +235,20 @@ class PositionTable:
 
 
 @dataclass(frozen=True)
+class CPLayout:
+    """How the runtime cuts a micro-batch over cp ranks."""
+
+    seq: int
+    """Global sequence length s."""
+    cp: int
+    dims: tuple[int | None, ...]
+    """Per input (example order): the dim holding the sequence, or None (not split)."""
+    shifts: tuple[float | None, ...] = ()
+    """Per input: shift it left by one position along the sequence, filling the end with
+    this value, before the cut (labels the model shifts itself); None: as it is."""
+
+
+@dataclass(frozen=True)
 class ValueCheck:
     """Input ``index`` must hold values in [0, high) (``ignore`` allowed too)."""
 
@@ -308,6 +322,9 @@ class Program:
     the model by keyword (``fxmeg.runtime.batches.positional`` orders them)."""
     position_tables: tuple[PositionTable, ...] = ()
     """What bounds the sequence length (``EngineConfig.variable_seq_lengths``)."""
+    cp_layout: CPLayout | None = None
+    """cp > 1: the context-parallel pass's ``CPLayout`` (sequence length, and the dim of
+    each input the runtime cuts to this cp rank's positions); None otherwise."""
 
     @property
     def num_chunks(self) -> int:

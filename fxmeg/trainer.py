@@ -288,7 +288,7 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        engine = cfg.engine.resolve(world)  # dp=None: world // (tp * pp); every batch rule with dp
+        engine = cfg.engine.resolve(world)  # dp=None: world // (tp * cp * pp); every batch rule with dp
         self.world, self.dp = world, engine.parallel.dp
         self.sizes = batch_size_schedule(cfg, engine)
         self.engine_config = dataclasses.replace(
@@ -421,7 +421,8 @@ class Trainer:
         """All ranks' spans of the step just taken, as DIR/step_N.json (rank 0 writes)."""
         groups = self.engine.context.groups
         tp, dp, pp = groups.topo.coords(groups.rank)
-        gathered = trace.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp} tp {tp}")
+        cp = f" cp {groups.cp_rank}" if groups.topo.cp > 1 else ""
+        gathered = trace.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp}{cp} tp {tp}")
         if gathered is not None:
             os.makedirs(self.cfg.trace, exist_ok=True)
             path = os.path.join(self.cfg.trace, f"step_{self.iteration}.json")

@@ -31,6 +31,7 @@ from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, ma
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
+from fxmeg.passes.context_parallel import context_parallel
 from fxmeg.passes.loss import loss
 from fxmeg.passes.param_gather import param_gather
 from fxmeg.passes.partition import partition
@@ -56,6 +57,7 @@ class Pass:
 PASSES: tuple[Pass, ...] = (
     Pass("loss", loss),  # mean loss -> (loss_sum, num_tokens)
     Pass("analyse", analyse, reference=True),  # whole-model FLOPs and input value checks
+    Pass("context_parallel", context_parallel),  # sequences split over cp ranks (cp > 1)
     Pass("tensor_parallel", tensor_parallel),  # shard tags and TP collectives (tp > 1)
     Pass("partition", partition),  # chunk tag on every node
     Pass("pipeline", pipeline),  # chunk graphs under a parent, recv / send / deallocate
@@ -216,6 +218,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         full_shapes={k: (t.shape, t.dtype) for k, t in state.items()},
         inputs=info.inputs,
         keywords=info.keywords,
+        cp_layout=meta.get("cp"),
         value_checks=facts.value_checks,
         position_tables=facts.position_tables,
         flops_per_microbatch=facts.flops_per_microbatch,

@@ -44,7 +44,7 @@ def test_dp_none_resolves_from_the_world_and_a_mismatch_is_refused():
     with pytest.raises(ConfigError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 does not match the world size 8"):
         dataclasses.replace(par, dp=1).resolve(8)
     with pytest.raises(ConfigError, match=r"dp=0: data-parallel size must be a positive integer \(got 0\); "
-                                          r"pass dp=1 or more, or None \(world size // \(tp \* pp\)\)"):
+                                          r"pass dp=1 or more, or None \(world size // \(tp \* cp \* pp\)\)"):
         ParallelConfig(dp=0)
 
 

@@ -117,6 +117,33 @@ def _meta(name, **cfg):
         return make_model(name, **cfg)
 
 
+class _CumulativeMix(nn.Module):
+    """A running mean over the sequence: positions mix outside attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids).cumsum(dim=1)
+        return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
+
+
+class _MaskedAttention(nn.Module):
+    """Attention under a padding mask built from the token ids: it depends on a split input
+    (a mask built from positions only is cut to each rank's rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids).unsqueeze(1)  # (b, 1, s, 128)
+        mask = (ids != 0)[:, None, None, :]  # (b, 1, 1, s): keys that are not padding
+        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=mask).squeeze(1)
+        return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
+
+
 def _weights(change):
     state = change(make_model("gpt").state_dict())
     path = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-weights-{os.getpid()}.safetensors")
@@ -172,6 +199,15 @@ ROWS = {
                       "pad the vocabulary to a multiple of 2 (e.g. 128)"),
     "tp-unsplittable": (lambda: fxmeg.parallelize(_SplitMax(), _ex(), tp=2),
                         "it reduces over dim 2, which is split over tp ranks"),
+    "cp-sequence-length": (lambda: fxmeg.parallelize(make_model("gpt", seq_len=18), _ex(seq=18), cp=2),
+                           "sequence length 18 (dim 1 of input 'input_ids') is not divisible by 2 * cp = 4"),
+    "cp-position-mixing": (lambda: fxmeg.parallelize(_CumulativeMix(), _ex(), cp=2),
+                           "cannot split node 'cumsum' (cumsum.default, module '') along the sequence "
+                           "over cp=2 ranks: it mixes positions outside attention"),
+    "cp-attention-mask": (lambda: fxmeg.parallelize(_MaskedAttention(), _ex(), cp=2),
+                          "it is an attention with a mask that depends on the split inputs (padding)"),
+    "cp-compile": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), cp=2, compile=True),
+                   "cp=2 (context parallelism) does not run yet with compile=True"),
     "example-batch-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),
                            "batch dimension is 2, but micro_batch_size=4"),
     "example-batch-dims": (lambda: fxmeg.parallelize(make_model("gpt"), (_ex()[0], _ex(3)[1])),

@@ -5,6 +5,7 @@ no rank, no I/O), and its docstring states what it requires and ensures;
 
   loss             mean loss -> (loss_sum, num_tokens)                   passes/loss.py
   analyse          whole-model FLOPs and input value checks              passes/analyse.py
+  context_parallel sequences split over cp ranks, K/V all-gathered        passes/context_parallel.py
   tensor_parallel  column / row / vocab-parallel, sequence parallelism   passes/tensor_parallel.py
                    (its propagation rules by kind of op: passes/tp_rules.py)
   partition        balanced cut: every node tagged with its chunk        passes/partition.py
@@ -29,7 +30,7 @@ Metadata the passes keep under ``node.meta["fxmeg"]``:
   bucket     (home chunk, grad dtype, bucket index) on a trainable parameter's get_attr; buckets
 
 and under ``gm.meta["fxmeg"]`` (read through ``fxmeg.program``): on the whole graph
-"capture" (CaptureInfo), "facts" (ModelFacts; analyse), "partition" (Partition; partition),
+"capture" (CaptureInfo), "facts" (ModelFacts; analyse), "cp" (CPLayout; context_parallel, cp > 1), "partition" (Partition; partition),
 carried onto the pipelined parent; on a chunk graph "spec" (ChunkSpec; pipeline) and
 "buffers" (BufferLayout per gradient dtype; buckets).
 """

@@ -42,7 +42,7 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     """Lay out every chunk's parameter gradients (``config``: dp, bucket size, whether
     the distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
-    dp, size = config.parallel.dp, config.resolved_bucket_size
+    dp, size = config.parallel.dp_cp, config.resolved_bucket_size  # gradients shard over dp x cp
     shard = config.distributed_optimizer and config.optimizer_sharding != "layerwise"  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):

@@ -108,6 +108,9 @@ def node_flops(node: fx.Node) -> float:
     if node.target == aten.scaled_dot_product_attention.default:
         q, k = ins[0], ins[1]
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+    if node.target == torch.ops.fxmeg.cp_attention.default:  # local queries against all cp ranks' keys
+        q, k = ins[0], ins[1]
+        return 4.0 * q.shape[:-1].numel() * k.shape[-2] * node.args[5] * q.shape[-1]
     return 0.0
 
 

@@ -92,7 +92,7 @@ def _blocks(gm: fx.GraphModule, num_layers: int | None) -> list[list[fx.Node]]:
 def _attention_cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
     regions = []
     for node in gm.graph.nodes:
-        if node.target == aten.scaled_dot_product_attention.default:
+        if node.target in (aten.scaled_dot_product_attention.default, torch.ops.fxmeg.cp_attention.default):
             regions.append([node])
         elif node.target in _SOFTMAX:
             region = _eager_core(node)

@@ -103,6 +103,10 @@ _LINEARS = {
     aten.mm.default: (0, 1, None, 1),
 }
 _CLASS_LOSS = {aten.cross_entropy_loss.default}
+# the context-parallel pass's ops (it runs first): along the sequence, never the heads
+_CONTEXT_PARALLEL = {getattr(torch.ops.fxmeg, n).default
+                     for n in ("cp_slice", "cp_unslice", "cp_gather", "cp_reduce_scatter", "cp_causal_mask",
+                               "cp_attention")}
 
 
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -186,6 +190,8 @@ class _TensorParallel(PropagationRules):
             return self._repeat_interleave(node)
         if t == aten.scaled_dot_product_attention.default:
             return self._attention(node)
+        if t in _CONTEXT_PARALLEL:
+            return self._context_parallel(node)
         if t in _MATMULS:
             return self._matmul(node)
         if t in _ALONG:

@@ -211,6 +211,18 @@ class PropagationRules:
                 node.replace_input_with(mask, self._local_slice(node, mask, j))
         return q
 
+    def _context_parallel(self, node: fx.Node):
+        """The context-parallel ops work along the sequence (their dim argument): a split
+        over heads passes through; the causal mask depends on positions only."""
+        if node.target == fxmeg_ops.cp_causal_mask.default:
+            return None
+        if node.target == fxmeg_ops.cp_attention.default:
+            return self._attention(node)  # q, k, v alike over heads; no mask operand
+        s = self.place[node.args[0]]
+        if isinstance(s, Shard) and s.dim == node.args[1] % val(node.args[0]).dim():
+            raise self._unsupported(node, f"it exchanges dim {s.dim} over cp ranks, which is split over tp ranks", s)
+        return s
+
     def _matmul(self, node: fx.Node):
         """The matmul family as einsum: a split dim that survives in the output (a batch
         dim such as heads, or a free dim) passes the split through, operands split alike;

@@ -32,6 +32,26 @@ def analyse(gm: fx.GraphModule, config: EngineConfig) -> None:
     assert facts is not None and facts.flops_per_microbatch >= 0, "analyse: no model facts recorded"
 
 
+def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
+    cp = config.parallel.cp
+    if cp == 1:
+        return
+    layout = gm.meta["fxmeg"]["cp"]
+    assert layout.seq % (2 * cp) == 0, f"context_parallel: sequence {layout.seq} is not in 2 * cp chunks"
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, dim in zip(inputs, layout.dims):
+        if dim is not None:
+            assert val(node).shape[dim] == layout.seq // cp, f"context_parallel: input {node.name} is not local"
+    for node in gm.graph.nodes:
+        if node.target == torch.ops.aten.scaled_dot_product_attention.default:  # under a sliced mask
+            assert all(a.target == torch.ops.fxmeg.cp_gather.default for a in node.args[1:3]), (
+                f"context_parallel: attention {node.name} does not read every key")
+        if node.target == torch.ops.fxmeg.cp_attention.default:
+            assert node.args[5] == cp and node.args[6] == ops.CP, f"context_parallel: {node.name} is not over cp"
+        if node.op == "call_function":
+            assert "val" in node.meta, f"context_parallel: {node.name} has no local value"
+
+
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
     if config.parallel.tp == 1:
         return
@@ -40,7 +60,7 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
                                              "requires_grad", False):
             assert "tp" in node.meta["fxmeg"], f"tensor_parallel: parameter {node.target!r} has no tp tag"
         if node.target in ops.COLLECTIVES:
-            assert ops.TP in node.args, f"tensor_parallel: {node.name} is not on the symbolic group 'tp'"
+            assert ops.TP in node.args or ops.CP in node.args, f"tensor_parallel: {node.name} is on no symbolic group"
         if node.op == "call_function":
             assert "val" in node.meta, f"tensor_parallel: {node.name} has no local value"
 
@@ -82,7 +102,7 @@ def recompute(parent: fx.GraphModule, config: EngineConfig) -> None:
 
 def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
     placement = parent.meta["fxmeg"]["partition"].placement
-    dp = config.parallel.dp
+    dp = config.parallel.dp_cp
     slots: dict[tuple[int, str], int] = {}
     for c, gm in enumerate(chunks(parent)):
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
@@ -149,6 +169,7 @@ def split_backward(parent: fx.GraphModule, config: EngineConfig) -> None:
 _CHECKS = {
     "loss": loss,
     "analyse": analyse,
+    "context_parallel": context_parallel,
     "tensor_parallel": tensor_parallel,
     "partition": partition,
     "pipeline": pipeline,

@@ -10,7 +10,8 @@ import torch
 
 from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
-from fxmeg.program import Program
+from fxmeg.ops import cp_positions
+from fxmeg.program import CPLayout, Program
 from fxmeg.runtime.context import RankContext
 
 Batch = tuple[torch.Tensor, ...]
@@ -28,8 +29,9 @@ def microbatches(program: Program, ctx: RankContext, batch: UserBatch | Iterator
                  m: int) -> list[Batch]:
     """This data-parallel rank's ``m`` micro-batches of a global batch (rows
     interleaved over dp ranks: micro-batch i of dp rank r is rows (i * dp + r) * mbs ..),
-    or the next ``m`` from an iterator of this rank's micro-batches; on the device, in
-    the training dtype."""
+    or the next ``m`` from an iterator of this rank's micro-batches (whole sequences);
+    with cp > 1 cut to this context-parallel rank's positions (``context_slice``); on
+    the device, in the training dtype."""
     mbs, dp = ctx.config.micro_batch_size, ctx.config.parallel.dp
     if batch is None:
         if needs_data(program, ctx):
@@ -45,8 +47,28 @@ def microbatches(program: Program, ctx: RankContext, batch: UserBatch | Iterator
         out = [positional(program, next(batch), what="micro-batch") for _ in range(m)]
         for mb in out:
             check(program, mb, rows=mbs, what="micro-batch")
+    if program.cp_layout is not None:
+        out = [context_slice(program.cp_layout, mb, ctx.groups.cp_rank) for mb in out]
     dtype = ctx.config.dtype
     return [cast_inputs(tuple(t.to(ctx.device, non_blocking=True) for t in mb), dtype) for mb in out]
+
+
+def context_slice(layout: CPLayout, mb: Batch, cp_rank: int) -> Batch:
+    """This context-parallel rank's positions of every sequence of a micro-batch: the
+    inputs the context-parallel pass split, cut along their sequence dim to chunks
+    ``cp_rank`` and ``2 * cp - 1 - cp_rank`` of ``2 * cp`` (``ops.cp_positions``), after
+    the shift the model applies to an input itself (``CPLayout.shifts``); the others
+    whole. Every cp rank of a data-parallel rank reads the same rows."""
+    positions = cp_positions(layout.seq, layout.cp, cp_rank)
+    out = []
+    for i, (t, dim) in enumerate(zip(mb, layout.dims)):
+        fill = layout.shifts[i] if layout.shifts else None
+        if fill is not None:  # the model's own label shift, on the whole sequence
+            t = torch.cat([t.narrow(dim, 1, t.shape[dim] - 1), t.narrow(dim, 0, 1).clone().fill_(fill)], dim=dim)
+        if dim is not None:
+            t = t.index_select(dim, torch.tensor(positions, device=t.device))
+        out.append(t)
+    return tuple(out)
 
 
 def positional(program: Program, batch: UserBatch, *, what: str) -> Batch:

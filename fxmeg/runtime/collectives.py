@@ -1,4 +1,4 @@
-"""torch.distributed kernels of the tensor-parallel ops that ``fxmeg.ops`` declares, and
+"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ops`` declares, and
 ``bind``, which points a chunk graph's symbolic names at this rank's real objects.
 
 Importing this module registers the kernels; every runtime path that runs a
@@ -7,11 +7,13 @@ tensor-parallel graph imports it (``fxmeg.runtime.context``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 from torch import Tensor, fx
 from torch.fx.node import has_side_effect
 
@@ -100,6 +102,93 @@ def _vocab_parallel_cross_entropy(
     dist.all_reduce(total, group=pg)
     loss = (total.log() - picked).masked_fill(target == ignore_index, 0.0)
     return loss, exp / total.unsqueeze(-1), local.masked_fill(~mine, -1)
+
+
+# ---------------------------------------------------------------- context parallel
+
+
+def _rank_major(seq: int, size: int, device: torch.device) -> Tensor:
+    """The global position of every row of an all-gather of the ranks' parts (rank 0's
+    rows, then rank 1's ...)."""
+    return torch.tensor([p for r in range(size) for p in ops.cp_positions(seq, size, r)], device=device)
+
+
+def _cp_slice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    rank = dist.get_rank(_group(group))
+    index = torch.tensor(ops.cp_positions(x.shape[dim], size, rank), device=x.device)
+    return x.index_select(dim, index)
+
+
+def _cp_unslice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    rank = dist.get_rank(_group(group))
+    index = torch.tensor(ops.cp_positions(x.shape[dim] * size, size, rank), device=x.device)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_zeros(shape).index_copy(dim, index, x)
+
+
+def _cp_gather(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] * size, *src.shape[1:]))
+    _all_gather(out, src, group=_group(group))
+    order = _rank_major(out.shape[0], size, x.device)  # row i holds global position order[i]
+    full = torch.empty_like(out).index_copy_(0, order, out)
+    return full.movedim(0, dim).contiguous()
+
+
+def _cp_reduce_scatter(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    src = x.movedim(dim, 0)
+    src = src.index_select(0, _rank_major(src.shape[0], size, x.device)).contiguous()
+    out = src.new_empty((src.shape[0] // size, *src.shape[1:]))
+    _reduce_scatter(out, src, group=_group(group))
+    return out.movedim(0, dim).contiguous()
+
+
+def _cp_causal_mask(q: Tensor, dim: int, size: int, group: str) -> Tensor:
+    local = q.shape[dim]
+    rank = dist.get_rank(_group(group))
+    rows = torch.tensor(ops.cp_positions(local * size, size, rank), device=q.device)
+    keys = torch.arange(local * size, device=q.device)
+    return rows.unsqueeze(1) >= keys.unsqueeze(0)  # (local queries, all keys)
+
+
+def _cp_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, enable_gqa: bool, size: int,
+                  group: str) -> Tensor:
+    dim = q.dim() - 2  # (..., heads, seq, head_dim)
+    keys, values = _cp_gather(k, dim, size, group), _cp_gather(v, dim, size, group)
+    mask = _cp_causal_mask(q, dim, size, group)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _cp_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                           enable_gqa: bool, size: int, group: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention's backward from the probabilities recomputed in fp32 (FlashAttention's
+    backward: dS = P * (dP - rowsum(dP * P))), K and V gathered again, dK and dV
+    reduce-scattered back to the ranks that hold those positions."""
+    dim = q.dim() - 2
+    keys, values = _cp_gather(k, dim, size, group), _cp_gather(v, dim, size, group)
+    mask = _cp_causal_mask(q, dim, size, group)
+    rep = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    kf, vf = (t.repeat_interleave(rep, dim=-3).float() if rep > 1 else t.float() for t in (keys, values))
+    qf, g = q.float(), grad.float()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (qf @ kf.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)  # (..., local queries, all keys)
+    dv = probs.transpose(-2, -1) @ g
+    dprobs = g @ vf.transpose(-2, -1)
+    dscores = probs * (dprobs - (dprobs * probs).sum(dim=-1, keepdim=True)) * scale
+    dq = dscores @ kf
+    dk = dscores.transpose(-2, -1) @ qf
+    if rep > 1:  # a KV head served rep query heads: its gradient is their sum
+        dk, dv = (t.unflatten(-3, (t.shape[-3] // rep, rep)).sum(dim=-3) for t in (dk, dv))
+    dk = _cp_reduce_scatter(dk.to(k.dtype), dim, size, group)
+    dv = _cp_reduce_scatter(dv.to(v.dtype), dim, size, group)
+    return dq.to(q.dtype), dk, dv
+
+
+# plain functions first: the attention kernels call the gather, mask and scatter ones
+for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_causal_mask', 'cp_attention', 'cp_attention_backward'):
+    _kernel(_name)(globals()[f"_{_name}"])
 
 
 # ---------------------------------------------------------------- per-tp-rank random stream

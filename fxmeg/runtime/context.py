@@ -143,7 +143,8 @@ def build_context(
     sharding = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
                              overlap_param_gather=config.overlap_param_gather)
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
-    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp), tied=tied, timeout_s=config.comm_timeout_s)
+    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp), tied=tied,
+                          timeout_s=config.comm_timeout_s)
     whole_names = _whole_names(program)
     local = _local_values(program, groups, source, whole_names)
     chunks = _materialise(program, groups, local)
@@ -158,7 +159,7 @@ def build_context(
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
-    names = {"tp": groups.tp.group_name} if groups.tp is not None else {}
+    names = _group_names(groups)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather)
     opt = Optimizer(
@@ -221,11 +222,16 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
                 raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
                                  "rank holds")
     chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
-    names = {"tp": ctx.groups.tp.group_name} if ctx.groups.tp is not None else {}
+    names = _group_names(ctx.groups)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
+
+
+def _group_names(groups: Groups) -> dict[str, str]:
+    """The symbolic groups a chunk graph names ('tp', 'cp') -> this rank's process groups."""
+    return {n: g.group_name for n, g in (("tp", groups.tp), ("cp", groups.cp)) if g is not None}
 
 
 def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:
@@ -339,7 +345,7 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     buffers = {
         c: [
-            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp,
+            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp_cp,
                        overlap=config.overlap_grad_reduce, shard=shard,
                        events=events, deferred=deferred, tracer=tracer)
             for layout in program.buffers[c]

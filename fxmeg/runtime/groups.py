@@ -1,7 +1,8 @@
 """Process groups, built explicitly from a pure rank layout (no globals).
 
-Rank layout (Megatron's default order, tensor-parallel fastest):
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+Rank layout (Megatron's default order tp-cp-ep-dp-pp, tensor-parallel fastest; fxmeg has
+no expert parallelism):
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 """
 
 from __future__ import annotations
@@ -21,35 +22,67 @@ class Topology:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
-    def rank(self, *, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, *, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+        """(tp_rank, dp_rank, pp_rank) of a global rank (``cp_rank`` gives the fourth)."""
+        outer = rank // (self.tp * self.cp)
+        return rank % self.tp, outer % self.dp, outer // self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        """The context-parallel rank of a global rank."""
+        return rank // self.tp % self.cp
+
+    def _over(self, vary: str) -> list[list[int]]:
+        """Groups of the ranks that differ only in the axes of ``vary`` (letters of
+        't', 'c', 'd', 'p'), each sorted, one per combination of the other axes."""
+        sizes = {"t": self.tp, "c": self.cp, "d": self.dp, "p": self.pp}
+        fixed = [a for a in "pdct" if a not in vary]  # outermost first
+        out = []
+        for values in product(*(range(sizes[a]) for a in fixed)):
+            at = dict(zip(fixed, values))
+            members = []
+            for inner in product(*(range(sizes[a]) for a in vary)):
+                at.update(zip(vary, inner))
+                members.append(self.rank(tp=at["t"], cp=at["c"], dp=at["d"], pp=at["p"]))
+            out.append(sorted(members))
+        return out
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(tp=t, dp=d, pp=p) for p in range(self.pp)] for d, t in product(range(self.dp), range(self.tp))]
+        return self._over("p")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(tp=t, dp=d, pp=p) for d in range(self.dp)] for p, t in product(range(self.pp), range(self.tp))]
+        return self._over("d")
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(tp=t, dp=d, pp=p) for t in range(self.tp)] for p, d in product(range(self.pp), range(self.dp))]
+        return self._over("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks holding the parts of the same sequences (context parallelism)."""
+        return self._over("c")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Ranks whose gradients are reduced together, and over which the distributed
+        optimizer shards: data-parallel x context-parallel (Megatron's data-parallel
+        group "with context parallel")."""
+        return self._over("dc")
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tp x pp): ranks that together hold one model replica."""
-        return [[self.rank(tp=t, dp=d, pp=p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        return self._over("tp")
 
     def subgroups(self, pp_ranks: frozenset[int]) -> list[list[int]]:
         """For a set of pipeline ranks (e.g. the holders of a tied weight), the matching
-        global-rank group of every (dp, tp) coordinate."""
-        return [[self.rank(tp=t, dp=d, pp=p) for p in sorted(pp_ranks)] for d, t in product(range(self.dp), range(self.tp))]
+        global-rank group of every (dp, cp, tp) coordinate."""
+        return [[self.rank(tp=t, cp=c, dp=d, pp=p) for p in sorted(pp_ranks)]
+                for d, c, t in product(range(self.dp), range(self.cp), range(self.tp))]
 
 
 @dataclass
@@ -62,6 +95,9 @@ class Groups:
     dp: dist.ProcessGroup | None = None
     tp: dist.ProcessGroup | None = None
     mp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    dp_cp: dist.ProcessGroup | None = None
+    """Gradient reduction and optimizer sharding: dp x cp (the dp group when cp=1)."""
     tied: dict[frozenset[int], dist.ProcessGroup | None] = field(default_factory=dict)
     """Pipeline-rank set holding a shared parameter -> its group for this rank."""
 
@@ -77,10 +113,23 @@ class Groups:
     def dp_rank(self) -> int:
         return self.topo.coords(self.rank)[1]
 
+    @property
+    def cp_rank(self) -> int:
+        return self.topo.cp_rank(self.rank)
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.topo.dp * self.topo.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in its dp x cp group (cp fastest, as the ranks are ordered)."""
+        return self.cp_rank + self.topo.cp * self.dp_rank
+
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline."""
         tp, dp, _ = self.topo.coords(self.rank)
-        return self.topo.rank(tp=tp, dp=dp, pp=pp_rank)
+        return self.topo.rank(tp=tp, cp=self.cp_rank, dp=dp, pp=pp_rank)
 
 
 def build_groups(topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None) -> Groups:
@@ -97,6 +146,10 @@ def build_groups(topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: 
         ("mp", topo.mp_groups()),
     ):
         setattr(groups, name, _make(layout, rank, timeout_s))
+    groups.dp_cp = groups.dp
+    if topo.cp > 1:  # without cp the dp x cp group is the dp group (no extra new_group)
+        groups.cp = _make(topo.cp_groups(), rank, timeout_s)
+        groups.dp_cp = _make(topo.dp_cp_groups(), rank, timeout_s)
     for pp_ranks in tied:
         groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank, timeout_s)
     return groups

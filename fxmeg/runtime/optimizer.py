@@ -364,15 +364,15 @@ class Optimizer:
         """Layer-wise: parameter -> the data-parallel rank that updates it."""
         self.gather: ParamGather | None = None
         if sharding == "elementwise":
-            self.pieces = _sharded_pieces(ddp, groups.dp, counted, fp32_source)
+            self.pieces = _sharded_pieces(ddp, groups.dp_cp, counted, fp32_source)
         else:
             if sharding == "layerwise":
                 sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
-                self.owner = assign(sizes, groups.topo.dp)
-                self.gather = ParamGather(named, self.owner, groups.dp)
+                self.owner = assign(sizes, groups.dp_cp_size)
+                self.gather = ParamGather(named, self.owner, groups.dp_cp)
             self.pieces = []
             for n, p in named.items():
-                if self.owner is not None and self.owner[n] != groups.dp_rank:
+                if self.owner is not None and self.owner[n] != groups.dp_cp_rank:
                     continue
                 if n in split and groups.tp is not None and plan.whole(n):
                     self.pieces.append(_matrix_piece(n, p, first[n] and self.tp_rank == 0, tp_specs[n],
@@ -460,7 +460,7 @@ class Optimizer:
             squares = torch.stack(torch._foreach_norm(tensors)).double() ** 2
             sums = torch.stack([squares[self._in_norm].sum(), squares.sum()])
         if self.distributed:
-            all_reduce(sums, self.groups.dp)
+            all_reduce(sums, self.groups.dp_cp)
         all_reduce(sums, self.groups.tp)
         all_reduce(sums, self.groups.pp)
         total, everything = sums.tolist()

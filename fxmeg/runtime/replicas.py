@@ -188,8 +188,8 @@ def _plan(program: Program, groups: Groups,
     plan = []
     if groups.tp is not None and every:
         plan.append(("tp", groups.tp, every))
-    if groups.dp is not None and every:
-        plan.append(("dp", groups.dp, every))
+    if groups.dp_cp is not None and every:  # context-parallel ranks hold replicas too
+        plan.append(("dp", groups.dp_cp, every))
     for holders, group in sorted(groups.tied.items(), key=lambda kv: sorted(kv[0])):
         tied = [n for n in every if n in program.holders and frozenset(program.holders[n]) == holders]
         if group is not None and tied:
@@ -285,8 +285,9 @@ def _error(program: Program, groups: Groups, rows: list[list[int]], step: int | 
 def _first_of_group(program: Program, groups: Groups, kind: str, name: str, rank: int) -> int:
     """The global rank ``rank`` was compared with: the first of its ``kind`` group."""
     tp, dp, pp = groups.topo.coords(rank)
+    cp = groups.topo.cp_rank(rank)
     if kind == "tp":
-        return groups.topo.rank(tp=0, dp=dp, pp=pp)
-    if kind == "dp":
-        return groups.topo.rank(tp=tp, dp=0, pp=pp)
-    return groups.topo.rank(tp=tp, dp=dp, pp=min(program.holders[name]))
+        return groups.topo.rank(tp=0, dp=dp, pp=pp, cp=cp)
+    if kind == "dp":  # the dp x cp group
+        return groups.topo.rank(tp=tp, dp=0, pp=pp, cp=0)
+    return groups.topo.rank(tp=tp, dp=dp, pp=min(program.holders[name]), cp=cp)

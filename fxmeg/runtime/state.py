@@ -127,7 +127,7 @@ def scalars(ctx: RankContext) -> dict[str, float]:
 
 def layout(ctx: RankContext) -> dict:
     par = ctx.config.parallel
-    return {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+    return {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
             "distributed_optimizer": ctx.config.distributed_optimizer,
             "optimizer_sharding": ctx.optimizer.sharding,
             "precision": ctx.config.precision}

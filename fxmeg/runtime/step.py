@@ -133,15 +133,17 @@ def weigh_aux_loss(ctx: RankContext, mbs: list[Batch]) -> None:
     aux = ctx.aux
     local = sum(float(aux.counter(*[mb[i] for i in aux.data_inputs])) for mb in mbs)
     total = torch.tensor([local], dtype=torch.float64, device=ctx.device)
-    all_reduce(total, ctx.groups.dp)
+    all_reduce(total, ctx.groups.dp_cp)
     m, dp = ctx.config.num_microbatches, ctx.config.parallel.dp
     aux.scale.fill_(max(float(total), 1.0) / (m * dp))
 
 
 def _reduce_stats(ctx: RankContext, stats: torch.Tensor) -> tuple[float, float]:
-    """Sum (loss_sum, num_tokens) over the last pipeline stage and all DP ranks."""
+    """Sum (loss_sum, num_tokens) over the last pipeline stage and all dp x cp ranks
+    (each cp rank holds the sums over its part of every sequence; Megatron: the
+    data-parallel group with context parallel)."""
     all_reduce(stats, ctx.groups.pp)  # only the last stage contributes
-    all_reduce(stats, ctx.groups.dp)
+    all_reduce(stats, ctx.groups.dp_cp)
     return float(stats[0]), float(stats[1])
 
 

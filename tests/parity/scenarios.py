@@ -30,6 +30,7 @@ class Scenario:
     m: int = 4
     dp: int = 1
     tp: int = 1
+    cp: int = 1
     clip: float = 1.0
     opt: str = "adamw"
     options: tuple = field(default=())
@@ -42,7 +43,7 @@ class Scenario:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def layers(self) -> int:
@@ -58,6 +59,7 @@ class Scenario:
         clip = "" if self.clip == 1.0 else f"-clip{self.clip}"
         opt = "" if self.opt == "adamw" else f"-{self.opt}"
         tp = f"tp{self.tp}-" if self.tp > 1 else ""
+        tp += f"cp{self.cp}-" if self.cp > 1 else ""
         return (f"{self.model}-{tp}dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
                 + clip + opt + extra + ("-meta" if self.meta else ""))
 
@@ -81,7 +83,7 @@ class Scenario:
         init = dict(init_fn=model.init_weights, seed=0) if self.meta else {}
         return fxmeg.parallelize(
             model, tuple(t[:MBS] for t in batches[0]), **init,
-            tp=self.tp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
+            tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
             optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, **dict(self.options),
         )
 

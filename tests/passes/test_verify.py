@@ -42,7 +42,7 @@ def test_dump_graphs_writes_one_file_per_pass(tmp_path, monkeypatch):
     fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_capture.py"] + [f"{i + 1:02d}_{n}.py" for i, n in enumerate(NAMES)]
-    assert "chunk_1" in (tmp_path / "05_pipeline.py").read_text()
+    assert "chunk_1" in (tmp_path / f"{NAMES.index('pipeline') + 1:02d}_pipeline.py").read_text()
 
 
 def _untag_loss(gm):

@@ -113,3 +113,30 @@ def test_collectives_on_a_group_of_one_are_identities():
     assert shard_of(flat, None) is flat
     assert reduce_scatter_(flat, None) is None and all_gather_(flat, None) is None
     assert torch.equal(flat, torch.arange(6.0))
+
+
+CP_SHAPES = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 2, 2), (2, 2, 2, 2), (1, 1, 2, 4), (2, 3, 1, 3)]
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp", CP_SHAPES)
+def test_context_parallel_sits_between_tp_and_dp(tp, pp, dp, cp):
+    """Megatron's order tp-cp-dp-pp: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank));
+    cp groups vary only the cp rank, dp x cp groups the dp and cp ranks (cp fastest)."""
+    topo = Topology(tp=tp, pp=pp, dp=dp, cp=cp)
+    assert topo.world_size == tp * cp * pp * dp
+    for t, c, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
+        r = topo.rank(tp=t, cp=c, dp=d, pp=p)
+        assert r == t + tp * (c + cp * (d + dp * p))
+        assert topo.coords(r) == (t, d, p) and topo.cp_rank(r) == c
+    for kind, size, varying in (("cp", cp, "c"), ("dp_cp", dp * cp, "cd"), ("tp", tp, "t"), ("pp", pp, "p")):
+        groups = getattr(topo, f"{kind}_groups")()
+        assert sorted(r for g in groups for r in g) == list(range(topo.world_size))
+        assert all(len(g) == size for g in groups)
+        for g in groups:
+            at = [(topo.coords(r)[0], topo.cp_rank(r), *topo.coords(r)[1:]) for r in g]
+            for axis, letter in enumerate("tcdp"):
+                if letter not in varying:
+                    assert len({a[axis] for a in at}) == 1, (kind, g)
+    g = Groups(topo, topo.rank(tp=0, cp=cp - 1, dp=dp - 1, pp=0))
+    assert g.cp_rank == cp - 1 and g.dp_cp_rank == cp * dp - 1  # place in the sorted dp x cp group
+    assert g.pp_peer(pp - 1) == topo.rank(tp=0, cp=cp - 1, dp=dp - 1, pp=pp - 1)

@@ -1,0 +1,573 @@
+"""Context-parallel pass: every sequence split over cp ranks, attention exchanging keys
+and values, found and applied on the ATen graph of an unmodified model.
+
+Layout (Megatron's load balancing for causal attention): a sequence of length s is cut
+into 2 * cp chunks and cp rank r holds chunks r and 2 * cp - 1 - r (``ops.cp_positions``),
+so every rank holds as many early queries (little attention work) as late ones. The
+runtime cuts the batch inputs so (``fxmeg/runtime/batches.py``, from
+``gm.meta["fxmeg"]["cp"]``); this pass makes the graph compute on those local rows.
+
+Attention: each ``scaled_dot_product_attention`` becomes ``fxmeg::cp_attention``: K and
+V are all-gathered over the cp group and this rank's queries attend to every key under
+the causal mask of their global positions; backward gathers K and V again, recomputes
+the probabilities and reduce-scatters dK and dV (only the local q, k, v are kept between
+forward and backward). Megatron (TransformerEngine) runs a ring of p2p sends overlapped
+with blockwise attention and an online softmax instead; the all-gather is simpler, exact
+(one softmax over all keys, the arithmetic of one device) and, on gloo, where a send does
+not overlap compute, a ring's overlap buys nothing. Its cost: the full K and V of one
+layer exist at a time, in forward and again in backward (a ring holds one block).
+
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), tp=1
+and pp=1 (ParallelConfig refuses the rest); the batch inputs are (batch, seq, ...): the
+sequence length s is dim 1 of the first input of two or more dims, and every input with
+s at dim 1 is split there.
+Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
+from the group the runtime binds to the symbolic name "cp"):
+  * ``gm.meta["fxmeg"]["cp"]`` is a ``CPLayout``: s, cp and, per input, the dim split
+    (None: whole on every rank) and whether the runtime shifts it left by one position
+    before the cut (labels shifted inside the model, Hugging Face's ``pad(labels, [0, 1],
+    value=-100)[:, 1:]``: the graph reads the input instead);
+  * shape arguments (view, reshape, expand, unflatten) along the sequence are local
+    (s / cp; merged with the batch dim, batch * s / cp);
+  * a replicated value indexed by position that meets the local sequence (a rotary
+    table ``rope_cos[:s]``, position embeddings of ``arange(s)``) is cut to this rank's
+    positions by ``fxmeg::cp_slice`` where it meets it (its gradient scattered back);
+  * every attention is ``fxmeg::cp_attention``, causal over the global sequence as above,
+    GQA (``enable_gqa``) included;
+  * the loss outputs are sums over this rank's tokens (the runtime sums them over
+    dp x cp, as it reduces the gradients);
+  * ``meta["val"]`` holds the local shapes.
+Refused with a PassError naming the node, before any process group exists: s not
+divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
+attention (a cumulative sum, a convolution, a reduction, a slice or product along the
+sequence; row cp-position-mixing); an SDPA whose mask depends on a split input
+(padding), non-causal without a mask, or with dropout (row cp-attention-mask); another
+mask built from positions (a sliding window) has its rows cut to the local queries. Eager attention (``q @ k^T``, a mask
+added, softmax, ``@ v``) is split where it stands (``_attention_product``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxmeg.capture import owning_module
+from fxmeg.config import EngineConfig
+from fxmeg.errors import PassError
+from fxmeg.ops import CP
+from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.tp_placement import dim_groups, divisors
+from fxmeg.passes.tp_rules import _RESHAPES
+from fxmeg.program import CPLayout
+
+aten = torch.ops.aten
+fx_ops = torch.ops.fxmeg
+_SAME = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.alias.default,
+         aten.contiguous.default,
+         aten.type_as.default, aten.detach.default, aten.clone.default, aten.dropout.default}
+_VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
+              aten.squeeze.default, aten.unflatten.int}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+          aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
+_LINEARS = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 0, aten.matmul.default: 0,
+            aten.bmm.default: 0}  # index of the activation operand
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList}
+PARTIAL = "partial"
+"""Place of a sum over this rank's tokens: only a graph output may be one."""
+
+
+@dataclass(frozen=True)
+class Seq:
+    """Where a value holds the sequence: ``dim``, alone or, ``merged``, as the inner part
+    of a dim flattened with the batch dims before it ((b, s) -> (b * s)); ``full``: a dim
+    holding every position in global order (the keys of eager attention's scores, from
+    all-gathered keys), or None."""
+
+    dim: int
+    merged: bool = False
+    full: int | None = None
+
+    def shifted(self, by: int) -> Seq:
+        """The same dims ``by`` places later (broadcasting adds leading dims)."""
+        return Seq(self.dim + by, self.merged, None if self.full is None else self.full + by)
+
+
+def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+    """Split ``gm``'s sequences over ``config.parallel.cp`` ranks (module docstring)."""
+    cp = config.parallel.cp
+    if cp == 1:
+        return gm
+    _ContextParallel(gm, cp).run()
+    return finish(gm)
+
+
+class _ContextParallel:
+    def __init__(self, gm: fx.GraphModule, cp: int) -> None:
+        self.gm, self.g, self.cp = gm, gm.graph, cp
+        self.place: dict[fx.Node, object] = {}
+        self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
+        inputs = [n for n in self.g.nodes if n.op == "placeholder"]
+        first = next((n for n in inputs if val(n) is not None and val(n).dim() >= 2), None)
+        if first is None:
+            raise PassError(f"cp={cp} needs a (batch, seq, ...) input to split along the sequence; the "
+                            f"inputs are {[(n.name, tuple(val(n).shape)) for n in inputs if val(n) is not None]}")
+        self.seq = val(first).shape[1]
+        if self.seq % (2 * cp):
+            fits = [c for c in divisors(self.seq // 2) if c > 1] or [1]
+            raise PassError(
+                f"sequence length {self.seq} (dim 1 of input {first.name!r}) is not divisible by 2 * cp = "
+                f"{2 * cp}: context parallelism cuts every sequence into 2 * cp equal chunks (rank r holds "
+                f"chunks r and {2 * cp - 1} - r); pad the sequences to a multiple of {2 * cp} (e.g. "
+                f"{-(-self.seq // (2 * cp)) * 2 * cp}) or choose cp in {fits}")
+        dims = []
+        for n in inputs:
+            v = val(n)
+            split = v is not None and v.dim() >= 2 and v.shape[1] == self.seq
+            dims.append(1 if split else None)
+            if split:
+                self.place[n] = Seq(1)
+        shifts = tuple(self._shift(n) if d is not None else None for n, d in zip(inputs, dims))
+        gm.meta["fxmeg"]["cp"] = CPLayout(self.seq, cp, tuple(dims), shifts)
+
+    def _shift(self, x: fx.Node) -> float | None:
+        """An input whose only use is a shift left by one position along the sequence
+        (Hugging Face's labels: ``pad(labels, [0, 1], value=-100)[:, 1:]``): the shift
+        needs the next rank's first label, so the runtime shifts the whole sequence
+        before the cut (as Megatron's data loader does) and the graph reads the input
+        directly. Returns the fill value, or None."""
+        users = list(x.users)
+        if len(users) != 1 or users[0].target not in (aten.pad.default, aten.constant_pad_nd.default):
+            return None
+        pad = users[0]
+        args = full_args(pad)
+        fill = args[3] if pad.target == aten.pad.default else args[2]
+        if pad.target == aten.pad.default and args[2] != "constant":
+            return None
+        if val(x).dim() != 2 or list(args[1]) != [0, 1] or len(pad.users) != 1:
+            return None
+        cut = next(iter(pad.users))
+        if cut.target != aten.slice.Tensor:
+            return None
+        dim, start, end, step = full_args(cut)[1:]
+        if dim % 2 != 1 or start != 1 or step != 1 or (end is not None and end < self.seq + 1):
+            return None
+        cut.replace_all_uses_with(x)
+        self.g.erase_node(cut)
+        self.g.erase_node(pad)
+        return float(fill if fill is not None else 0.0)
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self) -> None:
+        for node in list(self.g.nodes):
+            if node.op == "call_function":
+                if node.target == fx_ops.scale_aux_loss.default:
+                    raise self._refuse(node, "an auxiliary loss (a router's load balancing) would be "
+                                             "computed per rank over part of each sequence", mixing=False)
+                self.place[node] = self._visit(node)
+            elif node.op == "output":
+                self._check_outputs(node)
+        self._local_values()
+
+    def _visit(self, node: fx.Node):
+        t = node.target
+        places = [self.place.get(a) for a in node.all_input_nodes]
+        if PARTIAL in places:
+            raise self._refuse(node, "it reads a sum over this rank's part of the sequence (only the "
+                                     "loss outputs may be one)")
+        if not any(isinstance(p, (Seq, list)) for p in places):
+            return None
+        if is_hop(node):
+            raise self._refuse(node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap "
+                                     "region) that reads a value split along the sequence", mixing=False)
+        if t is operator.getitem:
+            parts = self.place[node.args[0]]
+            return parts[node.args[1]] if isinstance(parts, list) else parts
+        if t == aten.scaled_dot_product_attention.default:
+            return self._attention(node)
+        if t in _SAME or torch.Tag.pointwise in getattr(t, "tags", ()):
+            return self._elementwise(node)
+        if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
+            return self._reshape(node)
+        if t in (aten.transpose.int, aten.permute.default, aten.t.default):
+            return self._permute(node)
+        if t == aten.embedding.default:
+            return self._embedding(node)
+        if t in _LINEARS:
+            return self._linear(node)
+        if t in _LOSSES:
+            return self._loss(node)
+        if t == aten.layer_norm.default:
+            return self._layer_norm(node)
+        if t in _SPLITS or t in _ALONG or t in (aten.slice.Tensor, aten.repeat_interleave.self_int,
+                                                aten.select.int, aten.index_select.default):
+            return self._along(node)
+        if t in (aten.cat.default, aten.stack.default):
+            return self._cat(node)
+        if torch.Tag.reduction in getattr(t, "tags", ()):
+            return self._reduction(node)
+        if t in (aten.convolution.default, aten.conv1d.default, aten.conv2d.default):
+            raise self._refuse(node, "a convolution over a value split along the sequence mixes "
+                                     "neighbouring positions across ranks")
+        raise self._refuse(node, "fxmeg has no context-parallel rule for it", mixing=False)
+
+    # ------------------------------------------------------------------ rules
+
+    def _seq(self, node: fx.Node, a: fx.Node) -> Seq:
+        s = self.place[a]
+        if not isinstance(s, Seq):
+            raise self._refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
+        return s
+
+    def _elementwise(self, node: fx.Node) -> Seq:
+        """Operands broadcast against each other: their sequence dims must line up; a
+        replicated operand spanning the sequence dim is position-indexed (a rotary table,
+        position embeddings) and is cut to this rank's positions."""
+        out_dim = val(node).dim()
+        found = {s.shifted(out_dim - val(a).dim())
+                 for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
+        if len(found) != 1:
+            raise self._refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
+        (s,) = found
+        for a in node.all_input_nodes:
+            if isinstance(self.place.get(a), Seq) or val(a) is None:
+                continue
+            j = s.dim - (out_dim - val(a).dim())
+            if j < 0 or val(a).shape[j] == 1:
+                continue
+            if s.merged or val(a).shape[j] != self.seq:
+                raise self._refuse(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
+                                         f"meets the sequence but is not a per-position table of length {self.seq}")
+            node.replace_input_with(a, self._cut(a, j, node))
+        return s
+
+    def _cut(self, a: fx.Node, dim: int, user: fx.Node) -> fx.Node:
+        """``a``'s rows at this rank's positions along ``dim`` (one node per value and dim,
+        inserted before its first user)."""
+        if (a, dim) not in self.cut:
+            with self.g.inserting_before(user):
+                self.cut[(a, dim)] = call(self.g, fx_ops.cp_slice.default, (a, dim, self.cp, CP), like=user)
+        return self.cut[(a, dim)]
+
+    def _reshape(self, node: fx.Node) -> Seq:
+        s = self._seq(node, node.args[0])
+        a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
+        if node.target == aten.expand.default:
+            lead = len(b) - len(a)
+            sizes = list(node.args[1])
+            if sizes[s.dim + lead] != -1:
+                sizes[s.dim + lead] //= self.cp
+            node.args = (node.args[0], sizes, *node.args[2:])
+            return s.shifted(lead)
+        if s.full is not None:
+            raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
+        moved = self._moved(node, s, a, b)
+        if node.target in _RESHAPES:
+            shape = list(node.args[1])
+            if shape[moved.dim] != -1:
+                shape[moved.dim] //= self.cp
+            node.args = (node.args[0], shape)
+        elif node.target == aten.unflatten.int:
+            dim, sizes = node.args[1] % len(a), list(node.args[2])
+            if sizes[moved.dim - dim] != -1:
+                sizes[moved.dim - dim] //= self.cp
+            node.args = (node.args[0], node.args[1], sizes)
+        return moved
+
+    def _moved(self, node: fx.Node, s: Seq, a: tuple[int, ...], b: tuple[int, ...]) -> Seq:
+        """Where a reshape from ``a`` to ``b`` (global shapes) puts the sequence: kept
+        alone, merged into the batch dims before it, or unmerged from them again."""
+        for gi, gj in dim_groups(a, b):
+            if s.dim not in gi:
+                continue
+            ins = [d for d in gi if a[d] != 1]
+            outs = [d for d in gj if b[d] != 1]
+            if not outs or ins[-1] != s.dim:
+                break  # merged with dims inside it (s * heads): positions mix with features
+            if len(ins) == 1 and len(outs) == 1:
+                return Seq(outs[0], s.merged)
+            if len(outs) == 1 and not s.merged:
+                return Seq(outs[0], merged=True)  # (b, s) -> (b * s)
+            if len(ins) == 1 and s.merged and b[outs[-1]] == self.seq:
+                return Seq(outs[-1])  # (b * s) -> (b, s)
+            break
+        raise self._refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
+                                 "with dims other than the batch dims before it")
+
+    def _permute(self, node: fx.Node) -> Seq:
+        s, n = self._seq(node, node.args[0]), val(node).dim()
+        if node.target == aten.transpose.int:
+            i, j = node.args[1] % n, node.args[2] % n
+            where = {i: j, j: i}
+        elif node.target == aten.t.default:
+            where = {0: 1, 1: 0}
+        else:
+            where = {d % n: k for k, d in enumerate(node.args[1])}
+        full = None if s.full is None else where.get(s.full, s.full)
+        return Seq(where.get(s.dim, s.dim), s.merged, full)
+
+    def _embedding(self, node: fx.Node) -> Seq:
+        if isinstance(self.place.get(node.args[0]), Seq):
+            raise self._refuse(node, "its table is split along the sequence", mixing=False)
+        return self._seq(node, node.args[1])
+
+    def _linear(self, node: fx.Node) -> Seq:
+        """A product with one operand along the sequence and the other replicated (a
+        weight): the sequence must not be contracted. Two operands along the sequence are
+        eager attention (``_attention_product``)."""
+        x = node.args[_LINEARS[node.target]]
+        others = [a for a in node.all_input_nodes if a is not x]
+        if node.target in (aten.matmul.default, aten.bmm.default) and all(
+                isinstance(self.place.get(a), Seq) for a in node.args[:2]):
+            return self._attention_product(node)
+        if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
+            raise self._refuse(node, "it multiplies a value along the sequence with one that is not its "
+                                     "weight in a way fxmeg does not split")
+        s, n = self._seq(node, x), val(x).dim()
+        if s.dim == n - 1 or s.full is not None:
+            raise self._refuse(node, "it contracts the sequence dim")
+        return s.shifted(val(node).dim() - n)
+
+    def _attention_product(self, node: fx.Node) -> Seq:
+        """Eager attention (Hugging Face's eager path, ``q @ k^T ... softmax ... @ v``):
+        the scores of this rank's queries against all-gathered keys (``fxmeg::cp_gather``
+        of k^T along its last dim: global order), whose keys dim is ``full``; then the
+        probabilities against all-gathered values. A mask added to the scores is a
+        replicated (positions x positions) operand: its rows are cut to this rank's
+        queries, its columns stay whole, so any mask the model builds from positions
+        is exact. The full K and V are kept for backward (cp_attention keeps less)."""
+        a, b = node.args[:2]
+        sa, sb = self.place[a], self.place[b]
+        na, nb = val(a).dim(), val(b).dim()
+        if sa.merged or sb.merged or sa.dim != na - 2:
+            raise self._refuse(node, "it multiplies two values along the sequence other than as attention")
+        if sa.full is None and sb.full is None and sb.dim == nb - 1:  # scores = q @ k^T
+            gathered, out = (b, nb - 1), Seq(val(node).dim() - 2, full=val(node).dim() - 1)
+        elif sa.full == na - 1 and sb.full is None and sb.dim == nb - 2:  # out = probs @ v
+            gathered, out = (b, nb - 2), Seq(val(node).dim() - 2)
+        else:
+            raise self._refuse(node, "it multiplies two values along the sequence other than as attention "
+                                     "(q @ k^T, then probabilities @ v)")
+        with self.g.inserting_before(node):
+            full = call(self.g, fx_ops.cp_gather.default, (*gathered, self.cp, CP), like=node)
+        node.replace_input_with(b, full)
+        return out
+
+    def _loss(self, node: fx.Node):
+        """A per-token loss: the sequence stays; summed (the loss pass's reduction) it is
+        this rank's part of the sum."""
+        args = full_args(node)
+        target = args[1]
+        x = self._seq(node, args[0])
+        if x.full is not None or not isinstance(self.place.get(target), Seq):
+            raise self._refuse(node, "its input is split along the sequence but its target is not")
+        if val(args[0]).dim() > 1 and x.dim == 1:
+            raise self._refuse(node, f"its class dim {x.dim} holds the sequence")
+        reduction = args[3]
+        if reduction == 0:
+            return self.place[target]
+        if reduction == 2:
+            return PARTIAL
+        raise self._refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+
+    def _layer_norm(self, node: fx.Node) -> Seq:
+        s = self._seq(node, node.args[0])
+        if s.dim >= val(node.args[0]).dim() - len(node.args[1]) or s.full is not None:
+            raise self._refuse(node, "it normalises over the sequence dim")
+        return s
+
+    def _along(self, node: fx.Node):
+        """Ops along one dim (softmax, cumsum, split, slice, select, repeat): fine along
+        another dim than the sequence; along it they mix positions (a slice of all of
+        it is the value itself)."""
+        s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
+        at = 2 if node.target in _SPLITS or node.target == aten.repeat_interleave.self_int else 1
+        dim = full_args(node)[at]
+        dim = (dim if dim is not None else 0) % n
+        if s.full is not None and dim == s.full:
+            if node.target in _ALONG and node.target not in (aten.cumsum.default, aten.cumprod.default,
+                                                             aten.logcumsumexp.default):
+                return s  # a softmax over all keys
+            raise self._refuse(node, f"it computes along dim {dim}, the keys of attention scores")
+        if dim != s.dim:
+            if node.target == aten.select.int:
+                if s.full is not None:
+                    raise self._refuse(node, "it selects from attention scores")
+                return Seq(s.dim - (dim < s.dim), s.merged)
+            if node.target in _SPLITS:
+                return [s] * len(node.meta["val"])
+            return s
+        if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
+            return s
+        op = getattr(node.target, "__name__", str(node.target))
+        raise self._refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
+                                 "need positions another rank holds)")
+
+    def _cat(self, node: fx.Node) -> Seq:
+        stack = node.target == aten.stack.default
+        dim = full_args(node)[1] % val(node).dim()  # cat: operand dims; stack: the output's
+        operands = list(node.args[0])
+        found = {self.place[a] for a in operands if isinstance(self.place.get(a), Seq)}
+        if len(found) != 1:
+            raise self._refuse(node, "its operands hold the sequence in different dims")
+        (s,) = found
+        if s.full is not None:
+            raise self._refuse(node, "it concatenates attention scores")
+        out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
+        if dim == s.dim and not stack:
+            raise self._refuse(node, "it concatenates along the sequence")
+        for a in operands:
+            if not isinstance(self.place.get(a), Seq):
+                if val(a).shape[s.dim] != self.seq or s.merged:
+                    raise self._refuse(node, f"operand {a.name!r} is not split along the sequence")
+                node.replace_input_with(a, self._cut(a, s.dim, node))
+        return out
+
+    def _reduction(self, node: fx.Node):
+        s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
+        schema = [a.name for a in node.target._schema.arguments]
+        dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
+        dims = list(range(n)) if dims is None or dims == [] else dims
+        dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
+        if s.dim not in dims:
+            keepdim = val(node).dim() == n
+            if s.full is not None and s.full in dims:  # over all keys (a softmax written out): exact
+                s = Seq(s.dim, s.merged)
+            elif s.full is not None:
+                raise self._refuse(node, "it reduces attention scores over a dim other than the keys")
+            return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
+        if node.target in _SUMS:
+            return PARTIAL  # a token count or a summed loss; _check_outputs refuses other uses
+        raise self._refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
+                                 "over positions)")
+
+    def _attention(self, node: fx.Node) -> Seq:
+        """Causal SDPA (is_causal, or a mask recognised as the causal one) becomes
+        ``fxmeg::cp_attention``. Under another mask that depends on no split input (a
+        sliding window built from positions) it stays SDPA, of this rank's queries against
+        all-gathered keys and values, with the mask's rows cut to those queries (exact for
+        any such mask; the full K and V are kept for backward). A mask that depends on a
+        split input (padding) is refused."""
+        q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
+        if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
+            mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
+        if mask is not None and not self._sliceable_mask(mask) or mask is None and not causal:
+            raise self._refuse(
+                node, "it is an attention with a mask that depends on the split inputs (padding), or "
+                      "without is_causal=True; context parallelism computes attention from the global "
+                      "positions only", mixing=False,
+                fix="use is_causal=True, or a mask built from positions only (pack or pad the sequences "
+                    "with ignored labels instead of a padding mask), or cp=1")
+        if dropout:
+            raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
+                               fix="set the attention dropout to 0, or cp=1")
+        seqs = {self.place.get(a) for a in (q, k, v)}
+        dim = val(q).dim() - 2  # a Seq with ``full`` (scores) never equals Seq(dim)
+        if seqs != {Seq(dim)}:
+            raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
+                                     f"(places {sorted(map(str, seqs))})", mixing=False)
+        if mask is not None:
+            with self.g.inserting_before(node):
+                keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
+                values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
+            rows = mask.meta["val"].dim() - 2
+            if val(mask).shape[rows] != 1:
+                mask = self._cut(mask, rows, node)
+            node.args = (q, keys, values, mask, 0.0, False)
+            node.kwargs = {"scale": scale, "enable_gqa": gqa}
+            return Seq(dim)
+        with self.g.inserting_before(node):
+            core = call(self.g, fx_ops.cp_attention.default, (q, k, v, scale, gqa, self.cp, CP), like=node)
+        node.replace_all_uses_with(core)
+        self.g.erase_node(node)
+        self.place[core] = Seq(dim)
+        return Seq(dim)
+
+    def _sliceable_mask(self, mask: fx.Node) -> bool:
+        """A mask that depends on no split input, (..., 1 or s, 1 or s): its rows can be
+        cut to this rank's queries."""
+        v = val(mask)
+        return (self.place.get(mask) is None and v is not None and v.dim() >= 2
+                and v.shape[-2] in (1, self.seq) and v.shape[-1] in (1, self.seq))
+
+    def _is_causal_mask(self, mask: fx.Node, queries: int, keys: int) -> bool:
+        """Whether ``mask`` depends on no input and, computed now, is the causal mask of
+        the whole sequence (True, or 0 in an additive mask, exactly where key <= query)
+        for every batch and head: then attention under it is causal attention."""
+        value = _constant(mask, self.gm)
+        if value is None or queries != keys or value.dim() < 2 or value.shape[-2:] != (queries, keys):
+            return False
+        allowed = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
+        if value.dtype == torch.bool:
+            return bool((value == allowed).all())
+        if not value.is_floating_point():
+            return False
+        blocked = value <= torch.finfo(value.dtype).min / 2
+        return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
+
+    # ------------------------------------------------------------------ finish
+
+    def _check_outputs(self, node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if isinstance(self.place.get(a), (Seq, list)):
+                raise self._refuse(a, "the model returns it split along the sequence (a loss must be "
+                                      "a sum over tokens)", mixing=False)
+
+    def _local_values(self) -> None:
+        """Split inputs get their local shapes, then every node is re-evaluated."""
+        for node in self.g.nodes:
+            if node.op == "placeholder" and isinstance(self.place.get(node), Seq):
+                v = val(node)
+                shape = list(v.shape)
+                shape[1] //= self.cp
+                node.meta["val"] = v.new_empty(shape)
+            elif node.op == "call_function":
+                try:
+                    node.meta["val"] = fake_eval(node)
+                except Exception as exc:
+                    raise PassError(f"after context-parallel rewriting, node {node.name!r} (module "
+                                    f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}") from exc
+
+    def _refuse(self, node: fx.Node, why: str, *, mixing: bool = True, fix: str | None = None) -> PassError:
+        op = getattr(node.target, "__name__", str(node.target))
+        kind = "it mixes positions outside attention: " if mixing else ""
+        fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
+        return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
+                         f"sequence over cp={self.cp} ranks: {kind}{why}. Fix: {fix}")
+
+
+_MAX_CONSTANT_NODES = 500
+
+
+def _constant(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The value of ``node`` computed now, if it depends on no input (placeholder), no
+    random op and no meta tensor (a mask built from ``arange``); else None."""
+    needed, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in needed:
+            continue
+        if n.op == "placeholder" or is_hop(n) or len(needed) > _MAX_CONSTANT_NODES:
+            return None
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return None
+        needed.add(n)
+        todo.extend(n.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    for n in gm.graph.nodes:  # graph order is a topological order
+        if n not in needed:
+            continue
+        if n.op == "get_attr":
+            env[n] = attr(gm, n.target)
+            if isinstance(env[n], torch.Tensor) and env[n].is_meta:
+                return None
+        else:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None
