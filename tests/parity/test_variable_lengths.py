@@ -2,7 +2,8 @@
 three different lengths (16, the example's; then 8 and 12, each compiled once and met
 again) train like plain single-device training, at pp2 x dp2 (GPT, learned positions),
 tp2 x pp2 (Llama: rotary tables sliced to the length, GQA), zero-bubble ZB-H1 at
-pp2 x dp2 (the B / W split made per shape) and pp4 with middle stages
+pp2 x dp2 (the B / W split made per shape), context parallelism cp2 x pp2 (each length
+cut into its own load-balanced chunks) and pp4 with middle stages
 that read no data and learn each step's shape from the others; and a Hugging Face Llama
 on padded dict batches (dynamic padding: each batch as long as its longest row) at
 tp2 x pp2. One spawn of 4 ranks."""
@@ -43,6 +44,7 @@ CASES = [
     Varying("llama", tp=2, pp=2, m=2, options=VARIABLE),
     Varying("gpt", pp=4, m=4, options=VARIABLE),
     Varying("llama", pp=2, dp=2, m=2, schedule="zbh1", options=VARIABLE),  # I / W graphs per shape
+    Varying("llama", cp=2, pp=2, m=2, options=VARIABLE),  # each length cut in 2 * cp chunks
 ]
 EVAL = dict(seed=7, seq=12)
 
