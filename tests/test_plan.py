@@ -14,6 +14,7 @@ from fxmeg.cli import main
 from fxmeg.errors import ConfigError
 from fxmeg.plan import plan_of
 from fxmeg.transform import transform
+from tests.helpers import make_batch, make_model
 from models.llama import Llama, LlamaConfig
 from tests.helpers import make_model
 
@@ -180,3 +181,13 @@ def test_cli_builds_hugging_face_models_from_a_json_file_or_a_config_class(tmp_p
     assert from_file["total_parameters"] == sum(p.numel() for p in real.parameters())
     with pytest.raises(ConfigError, match="neither a JSON file"):
         main(["plan", "--hf-config", "NoSuchConfig", *layout])
+
+
+def test_context_parallel_ranks_plan_their_share_of_the_sequence():
+    """Each cp rank computes and saves activations for 1/cp of every sequence (the
+    trainer's first log is this plan)."""
+    stages = {cp: fxmeg.plan(make_model("gpt", n_layer=2), make_batch(2, seed=0), cp=cp).stages[0] for cp in (1, 2, 4)}
+    for cp in (2, 4):
+        assert stages[cp].activations_per_microbatch <= 1.05 * stages[1].activations_per_microbatch / cp
+        assert stages[cp].flops_per_microbatch == pytest.approx(stages[1].flops_per_microbatch / cp)
+        assert stages[cp].parameters == stages[1].parameters
