@@ -14,9 +14,8 @@ from fxmeg.cli import main
 from fxmeg.errors import ConfigError
 from fxmeg.plan import plan_of
 from fxmeg.transform import transform
-from tests.helpers import make_batch, make_model
 from models.llama import Llama, LlamaConfig
-from tests.helpers import make_model
+from tests.helpers import make_batch, make_model
 
 
 def _batch(rows: int = 2, seq: int = 16, vocab: int = 128):
