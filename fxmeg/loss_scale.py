@@ -9,8 +9,10 @@ after ``growth_interval`` clean ones in a row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from fxmeg.errors import ConfigError
+from fxmeg.numbers import Size, check_numbers
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,14 @@ class LossScaleConfig:
     hysteresis: int = 2
     """Overflowing steps tolerated before the scale backs off (--hysteresis)."""
 
+    SIZES: ClassVar[dict[str, Size]] = {
+        "growth_interval": Size(1, "clean steps before the loss scale grows"),
+        "hysteresis": Size(1, "overflowing steps tolerated before the loss scale backs off"),
+    }
+    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+
     def __post_init__(self) -> None:
+        check_numbers(self)
         if self.static is not None and self.static <= 0:
             raise ConfigError(f"loss_scale.static must be > 0, got {self.static}")
         if not (self.min_scale > 0 and self.initial >= self.min_scale):
@@ -45,8 +54,6 @@ class LossScaleConfig:
                 f"loss scale needs growth_factor > 1 and 0 < backoff_factor < 1; got "
                 f"{self.growth_factor} and {self.backoff_factor}"
             )
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ConfigError("loss scale growth_interval and hysteresis must be >= 1")
 
 
 class LossScaler:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from fxmeg.errors import ConfigError
+from fxmeg.numbers import Size, check_numbers
 
 LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -50,7 +52,16 @@ class LRSchedule:
     wd_style: str = "constant"
     """constant, linear or cosine."""
 
+    SIZES: ClassVar[dict[str, Size]] = {
+        "warmup_samples": Size(0, "learning-rate warmup in samples"),
+        "decay_samples": Size(1, "samples by the end of the decay", "only with style='constant'"),
+        "wsd_decay_samples": Size(1, "samples of the WSD anneal", "without WSD"),
+        "wd_incr_samples": Size(1, "samples of the weight-decay ramp", "decay_samples"),
+    }
+    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+
     def __post_init__(self) -> None:
+        check_numbers(self)
         if self.style not in LR_STYLES:
             raise ConfigError(f"lr_schedule.style={self.style!r} is not one of {LR_STYLES}")
         if self.wsd_style not in WSD_STYLES:

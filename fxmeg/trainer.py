@@ -28,14 +28,14 @@ from torch import nn
 
 import fxmeg
 from fxmeg import checkpoint, hugging_face, trace
-from fxmeg.config import EngineConfig, ParallelConfig, Size, check_numbers, scalar_fields
+from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
+from fxmeg.numbers import Size, check_numbers
 from fxmeg.plan import memory_report
 from fxmeg.runtime.optimizer import adamw, muon_adamw
-
 
 _ENGINE = EngineConfig(micro_batch_size=4, global_batch_size=32)
 """The engine options of a TrainConfig that sets none: micro-batches of 4, global batches of 32."""
@@ -151,7 +151,7 @@ class TrainConfig:
         "keep_last": Size(0, "number of checkpoints kept (0: all)"),
         "trace_interval": Size(1, "trace interval in steps"),
     }
-    """The rule of each integer field (``check_numbers``)."""
+    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

@@ -24,8 +24,9 @@ def _scales(scaler: LossScaler, found_infs) -> list[float]:
     (dict(growth_factor=1.0), "growth_factor > 1"),
     (dict(backoff_factor=1.0), "0 < backoff_factor < 1"),
     (dict(backoff_factor=0.0), "0 < backoff_factor < 1"),
-    (dict(growth_interval=0), "growth_interval and hysteresis must be >= 1"),
-    (dict(hysteresis=0), "growth_interval and hysteresis must be >= 1"),
+    (dict(growth_interval=0), "growth_interval=0: clean steps before the loss scale grows must be a positive"),
+    (dict(hysteresis=0), "hysteresis=0: overflowing steps tolerated .* must be a positive integer"),
+    (dict(hysteresis=2.0), "must be an int, got float 2.0; pass hysteresis=2"),
 ])
 def test_invalid_configs_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -110,6 +110,8 @@ def test_weight_decay_schedules():
     (dict(style="constant", start_wd=0.1), "start_wd and end_wd go together"),
     (dict(style="constant", start_wd=0.0, end_wd=0.1), "wd_style='constant' needs start_wd == end_wd"),
     (dict(style="constant", start_wd=0.0, end_wd=0.1, wd_style="linear"), "neither is set: set wd_incr_samples"),
+    (dict(style="constant", warmup_samples=-5), "warmup_samples=-5: learning-rate warmup in samples must be an integer >= 0"),
+    (dict(style="linear", decay_samples=100.0), "must be an int, got float 100.0; pass decay_samples=100"),
 ])
 def test_invalid_schedules_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
