@@ -17,8 +17,9 @@ with blockwise attention and an online softmax instead; the all-gather is simple
 not overlap compute, a ring's overlap buys nothing. Its cost: the full K and V of one
 layer exist at a time, in forward and again in backward (a ring holds one block).
 
-Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), tp=1
-and pp=1 (ParallelConfig refuses the rest); the batch inputs are (batch, seq, ...): the
+Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), on the
+whole graph (it runs before tensor_parallel and partition, which see the local shapes);
+the batch inputs are (batch, seq, ...): the
 sequence length s is dim 1 of the first input of two or more dims, and every input with
 s at dim 1 is split there.
 Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
