@@ -469,9 +469,11 @@ class _ContextParallel:
             raise self._refuse(node, "it is an attention without a mask and without is_causal=True",
                                mixing=False, fix="use is_causal=True, or cp=1")
         if mask is not None and not self._sliceable_mask(mask):
-            raise self._refuse(node, self._unsliceable(mask), mixing=False,
-                               fix="pass the padding mask as an input of its own that feeds attention masks "
-                                   "alone (Hugging Face's attention_mask): every cp rank reads it whole; or cp=1")
+            split = isinstance(self.place.get(mask), (Seq, list))
+            raise self._refuse(node, self._unsliceable(mask), mixing=False, fix=(
+                "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
+                "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
+                f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
         if dropout:
             raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
                                fix="set the attention dropout to 0, or cp=1")
