@@ -6,9 +6,9 @@ gathers and layer-wise sharding (Muon); and Hugging Face's Llama at cp=2 in sdpa
 mask built from positions, labels shifted inside the model) and eager attention (matmul,
 softmax, matmul; also at cp2 x tp2), and on padded dict batches (attention_mask kept
 whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with position_ids,
-cp2 x tp2, cp2 x dp2) against plain training on the same dicts. Every batch ignores a
-different number of leading labels per sample, so cp ranks count different tokens (some
-none). Also
+cp2 x tp2, cp2 x dp2, cp2 x pp2: the mask crosses the pipeline cut) against plain
+training on the same dicts. Every batch ignores a different number of leading labels per
+sample, so cp ranks count different tokens (some none). Also
 ``fxmeg::cp_attention`` itself against full causal attention, values and gradients, with
 GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves."""
 
@@ -76,10 +76,11 @@ class Padded:
     attn: str
     tp: int = 1
     dp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return 2 * self.tp * self.dp
+        return 2 * self.tp * self.dp * self.pp
 
     @property
     def gbs(self) -> int:
@@ -87,7 +88,7 @@ class Padded:
 
     @property
     def id(self) -> str:
-        return f"{self.side}-{self.attn}-cp2-tp{self.tp}-dp{self.dp}"
+        return f"{self.side}-{self.attn}-cp2-tp{self.tp}-dp{self.dp}-pp{self.pp}"
 
     def model(self) -> torch.nn.Module:
         return hf_model("llama", pad_token_id=PAD, attn_implementation=self.attn)
@@ -98,13 +99,13 @@ class Padded:
 
 PADDED_MBS = 2
 PADDED = [Padded("right", "sdpa"), Padded("left", "sdpa"), Padded("left", "eager"), Padded("left", "sdpa", tp=2),
-          Padded("left", "eager", dp=2)]
+          Padded("left", "eager", dp=2), Padded("left", "sdpa", pp=2)]
 
 
 def train_padded(case: Padded) -> dict:
     data = case.batches()
-    engine = fxmeg.parallelize(case.model(), {k: t[:PADDED_MBS] for k, t in data[0].items()}, cp=2, tp=case.tp,
-                               global_batch_size=case.gbs, optimizer=optimizer)
+    engine = fxmeg.parallelize(case.model(), {k: t[:PADDED_MBS] for k, t in data[0].items()}, cp=2,
+                               tp=case.tp, pp=case.pp, global_batch_size=case.gbs, optimizer=optimizer)
     steps = [engine.train_step(b) for b in data]
     return {"losses": [s.loss for s in steps], "tokens": [s.num_tokens for s in steps],
             "dims": engine.program.cp_layout.dims, "state": engine.full_state_dict()}
