@@ -205,7 +205,8 @@ ROWS = {
                            "cannot split node 'cumsum' (cumsum.default, module '') along the sequence "
                            "over cp=2 ranks: it mixes positions outside attention"),
     "cp-attention-mask": (lambda: fxmeg.parallelize(_MaskedAttention(), _ex(), cp=2),
-                          "it is an attention with a mask that depends on the split inputs (padding)"),
+                          "a mask that depends on the split inputs (padding): mask 'unsqueeze_2' is computed "
+                          "from input(s) ['ids'], which are cut along the sequence"),
     "cp-compile": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), cp=2, compile=True),
                    "cp=2 (context parallelism) does not run yet with compile=True"),
     "example-batch-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),

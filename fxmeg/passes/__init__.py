@@ -6,6 +6,7 @@ no rank, no I/O), and its docstring states what it requires and ensures;
   loss             mean loss -> (loss_sum, num_tokens)                   passes/loss.py
   analyse          whole-model FLOPs and input value checks              passes/analyse.py
   context_parallel sequences split over cp ranks, K/V all-gathered        passes/context_parallel.py
+                   (padding-mask inputs it keeps whole: passes/cp_masks.py)
   tensor_parallel  column / row / vocab-parallel, sequence parallelism   passes/tensor_parallel.py
                    (its propagation rules by kind of op: passes/tp_rules.py)
   partition        balanced cut: every node tagged with its chunk        passes/partition.py

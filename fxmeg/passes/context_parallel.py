@@ -21,7 +21,10 @@ Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens),
 whole graph (it runs before tensor_parallel and partition, which see the local shapes);
 the batch inputs are (batch, seq, ...): the
 sequence length s is dim 1 of the first input of two or more dims, and every input with
-s at dim 1 is split there.
+s at dim 1 is split there, except one that feeds attention masks alone (a padding mask,
+Hugging Face's ``attention_mask``; ``passes/cp_masks.py``): attention reads it along the
+keys, so every rank reads it whole and the values built from it are whole-sequence
+(replicated) values, cut where they meet the local sequence like a position table.
 Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
 from the group the runtime binds to the symbolic name "cp"):
   * ``gm.meta["fxmeg"]["cp"]`` is a ``CPLayout``: s, cp and, per input, the dim split
@@ -41,10 +44,14 @@ from the group the runtime binds to the symbolic name "cp"):
 Refused with a PassError naming the node, before any process group exists: s not
 divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
 attention (a cumulative sum, a convolution, a reduction, a slice or product along the
-sequence; row cp-position-mixing); an SDPA whose mask depends on a split input
-(padding), non-causal without a mask, or with dropout (row cp-attention-mask); another
-mask built from positions (a sliding window) has its rows cut to the local queries. Eager attention (``q @ k^T``, a mask
-added, softmax, ``@ v``) is split where it stands (``_attention_product``).
+sequence; row cp-position-mixing); an SDPA whose mask depends on a split input (a
+padding mask computed from the token ids, or a mask input used otherwise too: the
+message names the input and its other use), non-causal without a mask, or with dropout
+(row cp-attention-mask); an output computed from whole inputs alone (it would count
+cp times). Another mask, from positions (a sliding window) or from a padding-mask input,
+has its rows cut to the local queries (keys whole, K and V all-gathered). Eager
+attention (``q @ k^T``, a mask added, softmax, ``@ v``) is split where it stands
+(``_attention_product``).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.ops import CP
+from fxmeg.passes.cp_masks import MASKING, mask_inputs
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.tp_placement import dim_groups, divisors
 from fxmeg.passes.tp_rules import _RESHAPES
@@ -125,10 +133,11 @@ class _ContextParallel:
                 f"{2 * cp}: context parallelism cuts every sequence into 2 * cp equal chunks (rank r holds "
                 f"chunks r and {2 * cp - 1} - r); pad the sequences to a multiple of {2 * cp} (e.g. "
                 f"{-(-self.seq // (2 * cp)) * 2 * cp}) or choose cp in {fits}")
+        along = [n for n in inputs if val(n) is not None and val(n).dim() >= 2 and val(n).shape[1] == self.seq]
+        self.masks = mask_inputs(self.g, along, self.seq)  # padding masks stay whole
         dims = []
         for n in inputs:
-            v = val(n)
-            split = v is not None and v.dim() >= 2 and v.shape[1] == self.seq
+            split = n in along and n not in self.masks.whole
             dims.append(1 if split else None)
             if split:
                 self.place[n] = Seq(1)
@@ -191,7 +200,7 @@ class _ContextParallel:
             return parts[node.args[1]] if isinstance(parts, list) else parts
         if t == aten.scaled_dot_product_attention.default:
             return self._attention(node)
-        if t in _SAME or torch.Tag.pointwise in getattr(t, "tags", ()):
+        if t in _SAME or t in MASKING or torch.Tag.pointwise in getattr(t, "tags", ()):
             return self._elementwise(node)
         if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
             return self._reshape(node)
@@ -450,20 +459,22 @@ class _ContextParallel:
     def _attention(self, node: fx.Node) -> Seq:
         """Causal SDPA (is_causal, or a mask recognised as the causal one) becomes
         ``fxmeg::cp_attention``. Under another mask that depends on no split input (a
-        sliding window built from positions) it stays SDPA, of this rank's queries against
-        all-gathered keys and values, with the mask's rows cut to those queries (exact for
-        any such mask; the full K and V are kept for backward). A mask that depends on a
-        split input (padding) is refused."""
+        sliding window built from positions, a padding mask from an input kept whole) it
+        stays SDPA, of this rank's queries against all-gathered keys and values, with the
+        mask's rows cut to those queries (exact for any such mask; the full K and V are
+        kept for backward). A mask that depends on a split input is refused."""
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
         if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
-        if mask is not None and not self._sliceable_mask(mask) or mask is None and not causal:
-            raise self._refuse(
-                node, "it is an attention with a mask that depends on the split inputs (padding), or "
-                      "without is_causal=True; context parallelism computes attention from the global "
-                      "positions only", mixing=False,
-                fix="use is_causal=True, or a mask built from positions only (pack or pad the sequences "
-                    "with ignored labels instead of a padding mask), or cp=1")
+        if mask is None and not causal:
+            raise self._refuse(node, "it is an attention without a mask and without is_causal=True",
+                               mixing=False, fix="use is_causal=True, or cp=1")
+        if mask is not None and not self._sliceable_mask(mask):
+            split = isinstance(self.place.get(mask), (Seq, list))
+            raise self._refuse(node, self._unsliceable(mask), mixing=False, fix=(
+                "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
+                "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
+                f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
         if dropout:
             raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
                                fix="set the attention dropout to 0, or cp=1")
@@ -496,6 +507,15 @@ class _ContextParallel:
         return (self.place.get(mask) is None and v is not None and v.dim() >= 2
                 and v.shape[-2] in (1, self.seq) and v.shape[-1] in (1, self.seq))
 
+    def _unsliceable(self, mask: fx.Node) -> str:
+        split = sorted(x.name for x in self.masks.deps.get(mask, ()) if x not in self.masks.whole)
+        if isinstance(self.place.get(mask), (Seq, list)):
+            return (f"it is an attention with a mask that depends on the split inputs (padding): mask "
+                    f"{mask.name!r} is computed from input(s) {split}, which are cut along the sequence"
+                    + (self.masks.hint(mask) or " (they are not used by attention masks alone)"))
+        return (f"it is an attention whose mask {mask.name!r} {tuple(val(mask).shape)} is not (..., 1 or {self.seq}, "
+                f"1 or {self.seq}) (queries, keys): its rows cannot be cut to this rank's queries")
+
     def _is_causal_mask(self, mask: fx.Node, queries: int, keys: int) -> bool:
         """Whether ``mask`` depends on no input and, computed now, is the causal mask of
         the whole sequence (True, or 0 in an additive mask, exactly where key <= query)
@@ -518,6 +538,12 @@ class _ContextParallel:
             if isinstance(self.place.get(a), (Seq, list)):
                 raise self._refuse(a, "the model returns it split along the sequence (a loss must be "
                                       "a sum over tokens)", mixing=False)
+            whole = sorted(x.name for x in self.masks.deps.get(a, ()) if x in self.masks.whole)
+            if self.place.get(a) is None and whole:
+                raise self._refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
+                                      "every cp rank reads whole (a padding mask): summed over the cp ranks "
+                                      f"it would count {self.cp} times", mixing=False,
+                                   fix="count tokens from the labels (ignore_index), or cp=1")
 
     def _local_values(self) -> None:
         """Split inputs get their local shapes, then every node is re-evaluated."""
@@ -539,7 +565,7 @@ class _ContextParallel:
         kind = "it mixes positions outside attention: " if mixing else ""
         fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
         return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
-                         f"sequence over cp={self.cp} ranks: {kind}{why}. Fix: {fix}")
+                         f"sequence over cp={self.cp} ranks: {kind}{why}{self.masks.hint(node)}. Fix: {fix}")
 
 
 _MAX_CONSTANT_NODES = 500

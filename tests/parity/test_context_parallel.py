@@ -4,8 +4,11 @@ dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline
 local sequence slices), tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recompute, overlapped parameter
 gathers and layer-wise sharding (Muon); and Hugging Face's Llama at cp=2 in sdpa (a causal
 mask built from positions, labels shifted inside the model) and eager attention (matmul,
-softmax, matmul; also at cp2 x tp2). Every batch ignores a different number of leading
-labels per sample, so cp ranks count different tokens (some none). Also
+softmax, matmul; also at cp2 x tp2), and on padded dict batches (attention_mask kept
+whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with position_ids,
+cp2 x tp2, cp2 x dp2, cp2 x pp2: the mask crosses the pipeline cut) against plain
+training on the same dicts. Every batch ignores a different number of leading labels per
+sample, so cp ranks count different tokens (some none). Also
 ``fxmeg::cp_attention`` itself against full causal attention, values and gradients, with
 GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves."""
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -31,12 +35,15 @@ from tests.helpers import (
     LOSS_RTOL,
     assert_losses_close,
     assert_weights_close,
+    hf_model,
     make_batch,
     make_model,
     optimizer,
     reference,
+    train_dicts,
 )
 from tests.parity.scenarios import Scenario, check_parity, train_each
+from tests.parity.test_keyword_batches import PAD, padded
 from tests.passes.test_context_parallel import _Window
 
 MODELS = ("gpt", "llama")
@@ -56,6 +63,52 @@ PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llam
     Scenario("llama", cp=2, dp=2, opt="muon",
              options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
 ]
+
+
+
+@dataclass(frozen=True)
+class Padded:
+    """Hugging Face's Llama on padded dict batches (test_keyword_batches' ``padded``: 1 in
+    ``attention_mask`` for real tokens, pads labelled -100; left padding with position_ids)
+    at cp=2: the mask input reaches every cp rank whole, position_ids are cut."""
+
+    side: str
+    attn: str
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        return 2 * self.tp * self.dp * self.pp
+
+    @property
+    def gbs(self) -> int:
+        return PADDED_MBS * 2 * self.dp
+
+    @property
+    def id(self) -> str:
+        return f"{self.side}-{self.attn}-cp2-tp{self.tp}-dp{self.dp}-pp{self.pp}"
+
+    def model(self) -> torch.nn.Module:
+        return hf_model("llama", pad_token_id=PAD, attn_implementation=self.attn)
+
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        return [padded(self.gbs, seed=10 * s + len(self.id), side=self.side) for s in range(3)]
+
+
+PADDED_MBS = 2
+PADDED = [Padded("right", "sdpa"), Padded("left", "sdpa"), Padded("left", "eager"), Padded("left", "sdpa", tp=2),
+          Padded("left", "eager", dp=2), Padded("left", "sdpa", pp=2)]
+
+
+def train_padded(case: Padded) -> dict:
+    data = case.batches()
+    engine = fxmeg.parallelize(case.model(), {k: t[:PADDED_MBS] for k, t in data[0].items()}, cp=2,
+                               tp=case.tp, pp=case.pp, global_batch_size=case.gbs, optimizer=optimizer)
+    steps = [engine.train_step(b) for b in data]
+    return {"losses": [s.loss for s in steps], "tokens": [s.num_tokens for s in steps],
+            "dims": engine.program.cp_layout.dims, "state": engine.full_state_dict()}
 
 
 def attention(rank: int) -> dict:
@@ -131,6 +184,7 @@ def window(rank: int) -> dict:
 
 def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
     out = train_each(rank, scenarios)
+    out["padded"] = {c.id: train_padded(c) for c in PADDED if c.world == dist.get_world_size()}
     if root is not None:
         out["checkpoints"] = checkpoints(root)
     if dist.get_world_size() == 2:
@@ -155,6 +209,21 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
 def test_matches_single_device(results, sc):
     check_parity([r[sc.id] for r in results[sc.world]], sc)
+
+
+@pytest.mark.parametrize("case", PADDED, ids=lambda c: c.id)
+def test_padded_dict_batches_match_single_device(results, case):
+    """The padding mask is not cut (every cp rank reads it whole: its rows are cut where it
+    meets attention); position_ids are; every step's loss, the token counts and the final
+    weights are single-device training's."""
+    ranks = [r["padded"][case.id] for r in results[case.world]]
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"] and r["tokens"] == ranks[0]["tokens"]
+    assert ranks[0]["dims"] == ((1, None, 1, 1) if case.side == "left" else (1, None, 1))  # the mask whole
+    losses, ref = train_dicts(case.model(), case.batches())
+    assert ranks[0]["tokens"] == [int((b["labels"][:, 1:] != -100).sum()) for b in case.batches()]
+    assert_losses_close(ranks[0]["losses"], losses)
+    assert_weights_close(ranks[0]["state"], ref.state_dict())
 
 
 def test_activations_per_rank_shrink_with_cp(results):
@@ -200,3 +269,4 @@ def test_trainer_checkpoint_at_cp2_resumes_at_cp1(results):
         assert abs(g - w) <= LOSS_RTOL * abs(w), (g, w)
     state = ranks[0]["checkpoints"]
     assert_weights_close(state["resumed"], state["whole"])
+

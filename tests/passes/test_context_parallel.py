@@ -204,3 +204,45 @@ class _Padding(nn.Module):
 def test_a_mask_from_the_inputs_is_refused():
     with pytest.raises(PassError, match="an attention with a mask that depends on the split inputs"):
         transform(_Padding(), make_batch(2, seed=0), cp=2)
+
+
+def _dict_batch(side: str) -> dict:
+    from tests.parity.test_keyword_batches import padded
+
+    return padded(2, seed=1, side=side)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_padding_mask_input_reaches_every_rank_whole(attn):
+    """Hugging Face's attention_mask feeds attention masks alone: the runtime does not cut
+    it (every cp rank reads all its keys), position_ids and the rest are cut, and the 4-D
+    mask's rows are cut to this rank's queries where it meets attention (keys whole)."""
+    batch = _dict_batch("left")
+    program = transform(make_model("hf-llama", pad_token_id=0, attn_implementation=attn), batch, cp=2)
+    assert list(batch) == ["input_ids", "attention_mask", "labels", "position_ids"]
+    assert program.cp_layout.dims == (1, None, 1, 1)
+    local = context_slice(program.cp_layout, tuple(batch.values()), 1)
+    assert torch.equal(local[1], batch["attention_mask"]) and torch.equal(local[3], batch["position_ids"][:, 4:12])
+    cuts = [n for n in program.chunks[0].graph.nodes if n.target == torch.ops.fxmeg.cp_slice.default]
+    assert [(n.args[1], tuple(n.meta["val"].shape)) for n in cuts] == [(2, (2, 1, 8, 16))]  # one mask, 2 layers
+
+
+class _MaskTwice(nn.Module):
+    """A padding mask input that feeds the attention mask and also scales the embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 128)])
+
+    def forward(self, ids, mask, labels):
+        h = (self.layers[0](ids) * mask[..., None]).unsqueeze(1)
+        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=mask.bool()[:, None, None, :])
+        return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
+
+
+def test_a_mask_input_used_otherwise_is_refused_naming_it():
+    ids, labels = make_batch(2, seed=0)
+    with pytest.raises(PassError, match="an attention with a mask that depends on the split inputs") as err:
+        transform(_MaskTwice(), (ids, torch.ones(2, 16), labels), cp=2)
+    assert ("input 'mask' feeds the attention mask at node 'scaled_dot_product_attention' but also node 'mul'"
+            in str(err.value)), str(err.value)

@@ -1,0 +1,91 @@
+"""Which sequence inputs the context-parallel pass keeps whole: padding masks.
+
+A padding mask (Hugging Face's ``attention_mask``, (batch, seq): 1 for real tokens, 0 for
+pads) is an input along the sequence, but attention reads it along the keys, and every
+query attends to the keys of the whole sequence: a rank needs every position of it. So
+an input that feeds attention masks and nothing else is not cut: every cp rank reads it
+whole (its ``CPLayout`` dim is None), the values built from it are whole-sequence
+(replicated) values, and the rows of the 4-D mask (batch, 1, queries, keys) are cut to
+this rank's queries where it meets attention, as for a mask built from positions.
+
+Found on the graph before any rewriting, from which split inputs each node depends on.
+The region of input x is the nodes that depend on x and on no other sequence input; a
+use leaving it (a node reading it that also depends on another input, or an output) is
+a *mask use* when it is an SDPA reading it as ``attn_mask`` only, or an elementwise op
+(eager attention: scores plus mask, ``masked_fill``, ``where``) of a (.., 1 or s, s) value
+and (.., s, s) scores. The context-parallel pass checks the rest as it propagates: a
+whole value meeting a split one is cut to this rank's positions or refused, and a whole
+value returned as an output is refused (summed over cp ranks it would count cp times).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxmeg.passes.graph_utils import full_args, val
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+MASKING = frozenset({aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf})
+"""Elementwise ops PyTorch does not tag pointwise (masking scores)."""
+
+
+@dataclass(frozen=True)
+class MaskInputs:
+    """``whole``: inputs kept whole (they feed attention masks alone); ``mixed``: input ->
+    (a mask use, another use) for inputs that feed a mask and more (they stay split, and
+    refusals inside their mask say so); ``deps``: node -> the sequence inputs it depends on."""
+
+    whole: frozenset[fx.Node]
+    mixed: dict[fx.Node, tuple[fx.Node, fx.Node]]
+    deps: dict[fx.Node, frozenset[fx.Node]]
+
+    def hint(self, node: fx.Node) -> str:
+        """Why the one input ``node`` is computed from was split although it feeds a mask."""
+        deps = self.deps.get(node, frozenset())
+        x = next(iter(deps)) if len(deps) == 1 else None
+        if x not in self.mixed:
+            return ""
+        mask, other = self.mixed[x]
+        return (f" (input {x.name!r} feeds the attention mask at node {mask.name!r} but also node "
+                f"{other.name!r}: only an input that feeds attention masks alone stays whole on every cp "
+                "rank; this one is cut)")
+
+
+def mask_inputs(graph: fx.Graph, inputs: list[fx.Node], seq: int) -> MaskInputs:
+    """Classify the sequence ``inputs`` (dim 1 of length ``seq``) of ``graph`` (module docstring)."""
+    deps: dict[fx.Node, frozenset[fx.Node]] = {}
+    for n in graph.nodes:  # graph order is a topological order
+        mine = frozenset([n]) if n in inputs else frozenset()
+        deps[n] = mine.union(*(deps[a] for a in n.all_input_nodes))
+    whole, mixed = set(), {}
+    for x in inputs:
+        order = [n for n, d in deps.items() if d == {x}]  # graph order: messages name the first use
+        region = set(order)
+        masks, others = [], []
+        for n in order:
+            for u in n.users:
+                if u not in region:
+                    (masks if _mask_use(n, u, seq) else others).append(u)
+        if masks and not others:
+            whole.add(x)
+        elif masks:
+            mixed[x] = (masks[0], others[0])
+    return MaskInputs(frozenset(whole), mixed, deps)
+
+
+def _mask_use(n: fx.Node, u: fx.Node, seq: int) -> bool:
+    """Whether ``u`` reads ``n`` as an attention mask (module docstring)."""
+    if u.op != "call_function":
+        return False
+    if u.target == _SDPA:
+        args = full_args(u)
+        return args[3] is n and n not in args[:3]
+    if not (torch.Tag.pointwise in getattr(u.target, "tags", ()) or u.target in MASKING):
+        return False
+    v, out = val(n), val(u)
+    return (v is not None and out is not None and v.dim() >= 2 and out.dim() >= 2
+            and v.shape[-1] == seq and v.shape[-2] in (1, seq) and tuple(out.shape[-2:]) == (seq, seq))
