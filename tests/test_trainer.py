@@ -261,3 +261,13 @@ def test_the_wsd_anneal_is_set_by_its_flags(corpus, tmp_path):
     assert schedule.lr(32) == cfg.lr and schedule.lr(40) == pytest.approx(cfg.lr / 2)  # halfway down the anneal
     default = Trainer(_config(corpus, tmp_path, lr_decay_style="WSD", lr_decay_samples=40)).engine_config.lr_schedule
     assert (default.wsd_decay_samples, default.wsd_style) == (4, "exponential")  # the last tenth
+
+
+def test_a_model_arg_the_config_dataclass_lacks_is_refused():
+    """A typo such as n_layr was dropped, and the default depth trained without a word."""
+    from fxmeg.trainer import build_model
+
+    with pytest.raises(ConfigError, match=r"'n_layr' is not a field of GPTConfig \(the config of GPT\) "
+                                          r"\(did you mean 'n_layer'\?\)"):
+        build_model("models.gpt:GPT", {"n_layr": 2, "vocab_size": 128, "seq_len": 16})
+    assert len(build_model("models.llama:Llama", {"n_layer": 1, "vocab_size": 128, "seq_len": 16}).layers) == 1
