@@ -97,6 +97,11 @@ class _Keywords(nn.Module):
         return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
+CONSTANTS = "_fxmeg_constants."
+"""Name prefix of the tensor constants a forward creates (lifted by export): values of one
+capture, not model state (a Program of another input shape has its own)."""
+
+
 def capture(
     model: nn.Module,
     example_inputs: Example,
@@ -382,7 +387,7 @@ def _lifted_tensor(ep, name: str, model: nn.Module, prefix: str):
                 "lost when the model is captured on meta; create it from Python values without "
                 "device=<input>.device, or register it as a buffer the init_fn fills"
             )
-        return f"_fxmeg_constants.{const}", ep.constants[const]
+        return f"{CONSTANTS}{const}", ep.constants[const]
     raise CaptureError(f"unsupported lifted input {name!r} in the exported graph")
 
 

@@ -4,9 +4,11 @@ are in tests/parity/test_variable_lengths.py)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
+import torch
 
 import fxmeg
 from fxmeg.errors import BatchError
@@ -46,3 +48,28 @@ def test_many_compiled_shapes_are_warned_about(caplog):
     assert len(compiled) == len(engine.shapes.compiled) == 15
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and warned[0].startswith("16 input shapes compiled")
+
+
+class _LengthConstant(torch.nn.Module):
+    """Adds a constant made in forward from the sequence length (lifted by export)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(128, 16), torch.nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids) + torch.tensor(float(ids.shape[1]))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_constant_made_in_forward_is_each_shapes_own():
+    """A Program of another length shares the parameters, not the constants of the
+    example's capture (they shared them: the loss at length 8 used 16.0)."""
+    torch.manual_seed(0)
+    model = _LengthConstant()
+    plain = copy.deepcopy(model)
+    engine = fxmeg.parallelize(model, make_batch(2, seed=0), global_batch_size=2, variable_seq_lengths=True)
+    batch = make_batch(2, seed=1, seq=8)
+    with torch.no_grad():
+        want = plain(*batch).item()
+    assert engine.train_step(batch).loss == pytest.approx(want, rel=1e-6)

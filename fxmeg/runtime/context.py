@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fxmeg import program as prog
+from fxmeg.capture import CONSTANTS
 from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaler
@@ -216,7 +217,9 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     for c in program.chunks_of(ctx.groups.pp_rank):
         for name, t in (*program.chunks[c].named_parameters(remove_duplicate=False),
                         *program.chunks[c].named_buffers(remove_duplicate=False)):
-            if name in live:
+            if name.startswith(CONSTANTS):  # this capture's own values (they may depend on the shape)
+                memo[id(t)] = t.to(program.device)
+            elif name in live:
                 memo[id(t)] = live[name]
             elif t.is_meta:
                 raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
