@@ -534,16 +534,31 @@ class _ContextParallel:
     # ------------------------------------------------------------------ finish
 
     def _check_outputs(self, node: fx.Node) -> None:
+        """Every output is a sum over this rank's tokens (PARTIAL): the runtime sums it over
+        the cp ranks. The loss pass's count of a plain mean (the global number of elements,
+        a constant) becomes this rank's share; any other output that is the same on every cp
+        rank would be counted cp times, and is refused."""
         for a in node.all_input_nodes:
-            if isinstance(self.place.get(a), (Seq, list)):
+            place = self.place.get(a)
+            if isinstance(place, (Seq, list)):
                 raise self._refuse(a, "the model returns it split along the sequence (a loss must be "
                                       "a sum over tokens)", mixing=False)
+            if place is not None:
+                continue
             whole = sorted(x.name for x in self.masks.deps.get(a, ()) if x in self.masks.whole)
-            if self.place.get(a) is None and whole:
+            if whole:
                 raise self._refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
                                       "every cp rank reads whole (a padding mask): summed over the cp ranks "
                                       f"it would count {self.cp} times", mixing=False,
                                    fix="count tokens from the labels (ignore_index), or cp=1")
+            if a.target == aten.scalar_tensor.default and a.name.startswith("num_tokens"):
+                a.args = (a.args[0] / self.cp, *a.args[1:])  # a mean's count: each rank holds 1/cp
+                continue
+            raise self._refuse(a, "the model returns it computed from no sequence input (a constant "
+                                  "count such as labels.numel() or ones(b, s).sum()): every cp rank would "
+                                  f"return the whole value, and summed over the cp ranks it would count {self.cp} "
+                                  "times", mixing=False,
+                               fix="count the tokens from the labels (e.g. (labels != -100).sum()), or cp=1")
 
     def _local_values(self) -> None:
         """Split inputs get their local shapes, then every node is re-evaluated."""

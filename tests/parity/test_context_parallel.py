@@ -44,7 +44,7 @@ from tests.helpers import (
 )
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_keyword_batches import PAD, padded
-from tests.passes.test_context_parallel import _Window
+from tests.passes.test_context_parallel import MeanSquared, _Window, regression_batches
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
@@ -182,6 +182,15 @@ def window(rank: int) -> dict:
     return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
 
 
+def regression(rank: int) -> dict:
+    """A plain-mean regression loss at cp=2: its count is the loss pass's constant."""
+    torch.manual_seed(0)
+    batches = regression_batches()
+    engine = fxmeg.parallelize(MeanSquared(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
+                               optimizer=optimizer)
+    return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
+
+
 def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
     out = train_each(rank, scenarios)
     out["padded"] = {c.id: train_padded(c) for c in PADDED if c.world == dist.get_world_size()}
@@ -193,6 +202,7 @@ def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
         out["verify"] = sc.engine().verify(sc.batches()[0])
         out["saved"] = {cp: saved_bytes(cp) for cp in (1, 2)}
         out["window"] = window(rank)
+        out["regression"] = regression(rank)
     return out
 
 
@@ -239,6 +249,16 @@ def test_a_sliding_window_mask_matches_single_device(results):
     for r in results[2]:
         assert_losses_close(r["window"]["losses"], losses)
     assert_weights_close(results[2][0]["window"]["state"], state)
+
+
+def test_a_plain_mean_loss_matches_single_device(results):
+    """x.mean() counts its elements: each cp rank counts its share (it counted the whole
+    sequence on every rank, and trained at 1/cp of the loss and gradients)."""
+    torch.manual_seed(0)
+    losses, _, state = reference(MeanSquared(), regression_batches())
+    for r in results[2]:
+        assert_losses_close(r["regression"]["losses"], losses)
+    assert_weights_close(results[2][0]["regression"]["state"], state)
 
 
 def test_verify_agrees_with_single_device(results):

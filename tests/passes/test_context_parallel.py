@@ -246,3 +246,42 @@ def test_a_mask_input_used_otherwise_is_refused_naming_it():
         transform(_MaskTwice(), (ids, torch.ones(2, 16), labels), cp=2)
     assert ("input 'mask' feeds the attention mask at node 'scaled_dot_product_attention' but also node 'mul'"
             in str(err.value)), str(err.value)
+
+
+class MeanSquared(nn.Module):
+    """A regression loss written as a plain mean: the loss pass counts its elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.qkv, self.out = nn.Linear(8, 16), nn.Linear(16, 48), nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(self.inp(x)).split(16, dim=-1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16)
+        return ((self.out(a) - y) ** 2).mean()
+
+
+def regression_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, 8, generator=g), torch.randn(8, 16, 8, generator=g)) for _ in range(3)]
+
+
+def test_a_plain_means_count_is_each_ranks_share():
+    """The count of ``x.mean()`` is the global number of elements, a constant: each cp rank
+    counts its 1/cp, so that the runtime's sum over cp ranks is the whole (it counted cp
+    times, and the loss and gradients came out divided by cp; parity: the cp module)."""
+    x, y = regression_batches()[0]
+    gm = graph_after(MeanSquared(), (x[:2], y[:2]), "context_parallel", cp=2)
+    count = next(n for n in gm.graph.nodes if n.name.startswith("num_tokens"))
+    assert count.args[0] == 2 * 16 * 8 / 2
+
+
+def test_a_count_the_same_on_every_cp_rank_is_refused():
+    def loss_fn(model, x, y):
+        per = (model.out(model.inp(x)) - y) ** 2
+        return per.sum(), torch.ones(x.shape[0], x.shape[1]).sum() * 8
+
+    with pytest.raises(PassError, match="computed from no sequence input .* summed over the cp ranks it would "
+                                        "count 2 times"):
+        transform(MeanSquared(), tuple(t[:2] for t in regression_batches()[0]), cp=2, loss_fn=loss_fn)
