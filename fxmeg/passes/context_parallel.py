@@ -588,7 +588,10 @@ _MAX_CONSTANT_NODES = 500
 
 def _constant(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
     """The value of ``node`` computed now, if it depends on no input (placeholder), no
-    random op and no meta tensor (a mask built from ``arange``); else None."""
+    random op and no meta tensor (a mask built from ``arange``); else None. A graph
+    captured on meta (a model built on meta, a new input shape) creates its tensors with
+    ``device=meta``: they are made on the CPU here, so that such a mask is recognised as
+    on a real capture."""
     needed, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -610,6 +613,12 @@ def _constant(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
                 return None
         else:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            kwargs = {k: torch.device("cpu") if k == "device" and _is_meta_device(v) else v
+                      for k, v in kwargs.items()}
             env[n] = n.target(*args, **kwargs)
     out = env[node]
-    return out if isinstance(out, torch.Tensor) else None
+    return out if isinstance(out, torch.Tensor) and not out.is_meta else None
+
+
+def _is_meta_device(d) -> bool:
+    return d is not None and torch.device(d).type == "meta"

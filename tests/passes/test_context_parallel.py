@@ -149,6 +149,18 @@ def test_hugging_face_label_shift_and_causal_mask():
     assert torch.equal(local, shifted[:, cp_positions(16, 2, 0)])
 
 
+
+def test_a_model_on_meta_gets_the_same_causal_attention():
+    """Captured on meta (a model built on meta, or a new input shape), the causal mask is
+    made with device=meta: it is evaluated on the CPU and recognised as causal (it was an
+    error, 'Tensor.item() cannot be called on meta tensors')."""
+    with torch.device("meta"):
+        model = make_model("hf-llama")
+    program = transform(model, make_batch(2, seed=0), cp=2)
+    targets = [n.target for n in program.chunks[0].graph.nodes]
+    assert targets.count(torch.ops.fxmeg.cp_attention.default) == 2
+
+
 def test_eager_attention_gathers_keys_and_values_and_cuts_the_mask_rows():
     """Hugging Face's eager path: scores against all-gathered keys, the additive mask's
     rows cut to this rank's queries (its key columns whole), probabilities against
