@@ -6,7 +6,7 @@ pp2 x dp2 (the B / W split made per shape), context parallelism cp2 x pp2 (each 
 cut into its own load-balanced chunks) and pp4 with middle stages
 that read no data and learn each step's shape from the others; and a Hugging Face Llama
 on padded dict batches (dynamic padding: each batch as long as its longest row) at
-tp2 x pp2. One spawn of 4 ranks."""
+tp2 x pp2 and at cp2 x dp2. One spawn of 4 ranks."""
 
 from __future__ import annotations
 
@@ -66,16 +66,21 @@ def hf_llama():
     return hf_model("llama", n_layer=4, pad_token_id=0)
 
 
-def run_hf() -> dict:
+def run_hf(**layout) -> dict:
     engine = fxmeg.parallelize(hf_llama(), {k: t[:2] for k, t in HF_BATCHES[0].items()}, global_batch_size=4,
-                               optimizer=optimizer, tp=2, pp=2, variable_seq_lengths=True)
+                               optimizer=optimizer, variable_seq_lengths=True, **layout)
     steps = [engine.train_step(b) for b in HF_BATCHES]
     return dict(losses=[s.loss for s in steps], compiled=[key for key, _ in engine.shapes.compiled],
                 state=engine.full_state_dict())
 
 
+HF_LAYOUTS = {"hf": {"tp": 2, "pp": 2}, "hf-cp": {"cp": 2, "dp": 2}}
+"""The padded batches' layouts: at cp the mask input stays whole, and each new length is
+captured on meta (its causal mask evaluated there)."""
+
+
 def run(rank: int) -> dict:
-    out = {"hf": run_hf()}
+    out = {name: run_hf(**layout) for name, layout in HF_LAYOUTS.items()}
     for sc in CASES:
         engine = sc.engine()
         feeds = engine.needs_data
@@ -127,10 +132,11 @@ def test_a_length_above_the_position_table_is_refused_naming_both(results, sc):
         assert "sequence length 24" in message and f"{table}" in message and "16 rows" in message, message
 
 
-def test_padded_hugging_face_batches_of_varying_length_train_as_on_one_device(results):
+@pytest.mark.parametrize("name", HF_LAYOUTS)
+def test_padded_hugging_face_batches_of_varying_length_train_as_on_one_device(results, name):
     losses, ref = train_dicts(hf_llama(), HF_BATCHES)
     for r in results:
-        assert r["hf"]["losses"] == results[0]["hf"]["losses"]
-        assert r["hf"]["compiled"] == [((8,),) * 3, ((12,),) * 3]
-    assert_losses_close(results[0]["hf"]["losses"], losses)
-    assert_weights_close(results[0]["hf"]["state"], ref.state_dict())
+        assert r[name]["losses"] == results[0][name]["losses"]
+        assert r[name]["compiled"] == [((8,),) * 3, ((12,),) * 3]
+    assert_losses_close(results[0][name]["losses"], losses)
+    assert_weights_close(results[0][name]["state"], ref.state_dict())
