@@ -103,13 +103,14 @@ def node_flops(node: fx.Node) -> float:
     ins = [val(n) for n in node.all_input_nodes]
     if node.target == aten.linear.default:
         return 2.0 * out.numel() * ins[0].shape[-1]
+    # by argument position: a node read twice (self-attention on one tensor, x @ x) is one input node
     if node.target in _MATMULS:
-        return 2.0 * out.numel() * ins[-2 if node.target == aten.addmm.default else 0].shape[-1]
+        return 2.0 * out.numel() * val(node.args[1 if node.target == aten.addmm.default else 0]).shape[-1]
     if node.target == aten.scaled_dot_product_attention.default:
-        q, k = ins[0], ins[1]
+        q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
     if node.target == torch.ops.fxmeg.cp_attention.default:  # local queries against all cp ranks' keys
-        q, k = ins[0], ins[1]
+        q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * node.args[5] * q.shape[-1]
     return 0.0
 

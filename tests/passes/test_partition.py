@@ -106,3 +106,23 @@ def test_placement_follows_the_schedule(schedule, vpp, want):
     config = EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(pp=2, vpp=vpp, schedule=schedule))
     gm = partition(_graph(n_layer=4), config)
     assert gm.meta["fxmeg"]["partition"].placement == want
+
+
+def test_attention_of_one_tensor_with_itself_counts_its_flops():
+    """sdpa(h, h, h): one input node read three times (all_input_nodes has one entry; the
+    FLOPs count indexed a second and the capture failed with an IndexError)."""
+    from fxmeg.passes.partition import node_flops
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(128, 16)
+
+        def forward(self, ids, labels):
+            h = self.emb(ids).unsqueeze(1)
+            h = nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)
+            return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
+
+    gm = capture(SelfAttention(), make_batch(2, seed=0)).gm
+    sdpa = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default)
+    assert node_flops(sdpa) == 4.0 * (2 * 1 * 16) * 16 * 16
