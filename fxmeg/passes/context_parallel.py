@@ -46,7 +46,7 @@ divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
 attention (a cumulative sum, a convolution, a reduction, a slice or product along the
 sequence; row cp-position-mixing); an SDPA whose mask depends on a split input (a
 padding mask computed from the token ids, or a mask input used otherwise too: the
-message names the input and its other use), non-causal without a mask, or with dropout
+message names the input and its other use), or with dropout
 (row cp-attention-mask); an output computed from whole inputs alone (it would count
 cp times). Another mask, from positions (a sliding window) or from a padding-mask input,
 has its rows cut to the local queries (keys whole, K and V all-gathered). Eager
@@ -462,13 +462,12 @@ class _ContextParallel:
         sliding window built from positions, a padding mask from an input kept whole) it
         stays SDPA, of this rank's queries against all-gathered keys and values, with the
         mask's rows cut to those queries (exact for any such mask; the full K and V are
-        kept for backward). A mask that depends on a split input is refused."""
+        kept for backward); so does an attention with neither mask nor is_causal (an
+        encoder's: every query sees every key). A mask that depends on a split input is
+        refused."""
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
         if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
-        if mask is None and not causal:
-            raise self._refuse(node, "it is an attention without a mask and without is_causal=True",
-                               mixing=False, fix="use is_causal=True, or cp=1")
         if mask is not None and not self._sliceable_mask(mask):
             split = isinstance(self.place.get(mask), (Seq, list))
             raise self._refuse(node, self._unsliceable(mask), mixing=False, fix=(
@@ -483,12 +482,12 @@ class _ContextParallel:
         if seqs != {Seq(dim)}:
             raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
                                      f"(places {sorted(map(str, seqs))})", mixing=False)
-        if mask is not None:
+        if mask is not None or not causal:
             with self.g.inserting_before(node):
                 keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
                 values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
-            rows = mask.meta["val"].dim() - 2
-            if val(mask).shape[rows] != 1:
+            rows = mask.meta["val"].dim() - 2 if mask is not None else None
+            if rows is not None and val(mask).shape[rows] != 1:
                 mask = self._cut(mask, rows, node)
             node.args = (q, keys, values, mask, 0.0, False)
             node.kwargs = {"scale": scale, "enable_gqa": gqa}

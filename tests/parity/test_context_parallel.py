@@ -44,7 +44,7 @@ from tests.helpers import (
 )
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_keyword_batches import PAD, padded
-from tests.passes.test_context_parallel import MeanSquared, _Window, regression_batches
+from tests.passes.test_context_parallel import MeanSquared, _Encoder, _Window, regression_batches
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
@@ -173,11 +173,12 @@ def window_batches():
     return [make_batch(8, seed=100 + s) for s in range(3)]
 
 
-def window(rank: int) -> dict:
-    """SDPA under a sliding-window mask (built from positions, not causal) at cp=2."""
+def window(rank: int, model=_Window) -> dict:
+    """SDPA under a sliding-window mask (built from positions, not causal), or with no
+    mask at all (an encoder's), at cp=2."""
     torch.manual_seed(0)
     batches = window_batches()
-    engine = fxmeg.parallelize(_Window(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
+    engine = fxmeg.parallelize(model(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
                                optimizer=optimizer)
     return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
 
@@ -202,6 +203,7 @@ def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
         out["verify"] = sc.engine().verify(sc.batches()[0])
         out["saved"] = {cp: saved_bytes(cp) for cp in (1, 2)}
         out["window"] = window(rank)
+        out["encoder"] = window(rank, _Encoder)
         out["regression"] = regression(rank)
     return out
 
@@ -243,12 +245,13 @@ def test_activations_per_rank_shrink_with_cp(results):
         assert r["saved"][2] <= 0.6 * r["saved"][1], r["saved"]
 
 
-def test_a_sliding_window_mask_matches_single_device(results):
+@pytest.mark.parametrize("name,model", [("window", _Window), ("encoder", _Encoder)])
+def test_a_sliding_window_or_no_mask_matches_single_device(results, name, model):
     torch.manual_seed(0)
-    losses, _, state = reference(_Window(), window_batches())
+    losses, _, state = reference(model(), window_batches())
     for r in results[2]:
-        assert_losses_close(r["window"]["losses"], losses)
-    assert_weights_close(results[2][0]["window"]["state"], state)
+        assert_losses_close(r[name]["losses"], losses)
+    assert_weights_close(results[2][0][name]["state"], state)
 
 
 def test_a_plain_mean_loss_matches_single_device(results):

@@ -190,6 +190,25 @@ class _Window(nn.Module):
         return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
 
+class _Encoder(_Window):
+    """SDPA with neither mask nor is_causal: every query sees every key (an encoder's)."""
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids).unsqueeze(1)
+        h = nn.functional.scaled_dot_product_attention(h, h, h)
+        return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
+
+
+def test_an_encoders_attention_sees_all_gathered_keys():
+    """No mask, not causal: SDPA stays, of the local queries against all-gathered keys and
+    values (it was refused with the fix 'use is_causal=True', which changes the model)."""
+    gm = graph_after(_Encoder(), make_batch(2, seed=0), "context_parallel", cp=2)
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.fxmeg.cp_gather.default) == 2
+    assert torch.ops.fxmeg.cp_attention.default not in targets
+    assert torch.ops.aten.scaled_dot_product_attention.default in targets
+
+
 def test_a_mask_built_from_positions_has_its_rows_cut():
     """A sliding window is not causal attention: SDPA stays, over all-gathered keys and
     values, with the mask's rows cut to this rank's queries (parity: the cp module)."""
