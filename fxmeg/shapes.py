@@ -136,8 +136,14 @@ class Shapes:
         except BatchError:
             raise
         except Exception as e:
+            hint = ""
+            if "DeviceMismatch" in str(e) and "meta" in str(e):
+                hint = ("A new shape is captured on shapes alone (the meta device), where a tensor the forward "
+                        "makes from Python values (torch.tensor(a_list)) cannot meet the activations: register "
+                        "such a table as a buffer (slice it to the length in forward), or pad every batch to "
+                        "the example's length. ")
             raise BatchError(f"the model could not be captured for inputs of shape {_shape_text(key)} (the "
-                             f"example's: {_shape_text(key_of(first))}): {type(e).__name__}: {e}") from e
+                             f"example's: {_shape_text(key_of(first))}): {hint}{type(e).__name__}: {e}") from e
         bound = bind(program, first, ctx)
         seconds = time.perf_counter() - start
         self.compiled.append((key, seconds))

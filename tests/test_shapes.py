@@ -73,3 +73,19 @@ def test_a_constant_made_in_forward_is_each_shapes_own():
     with torch.no_grad():
         want = plain(*batch).item()
     assert engine.train_step(batch).loss == pytest.approx(want, rel=1e-6)
+
+
+class _TableInForward(_LengthConstant):
+    """Makes a (length, 16) table from Python values in forward."""
+
+    def forward(self, ids, labels):
+        table = torch.tensor([[float(p * i) for i in range(16)] for p in range(ids.shape[1])])
+        h = self.emb(ids) + table
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_table_made_in_forward_cannot_be_recaptured_and_says_why():
+    engine = fxmeg.parallelize(_TableInForward(), make_batch(2, seed=0), global_batch_size=2,
+                               variable_seq_lengths=True)
+    with pytest.raises(BatchError, match=r"shape \(b, 8\), \(b, 8\) .* register such a table as a buffer"):
+        engine.train_step(make_batch(2, seed=1, seq=8))
