@@ -12,8 +12,8 @@ rank alike (the passes are deterministic and rank-free: no collective), and repo
 the ``fxmeg.shapes`` logger and in ``Shapes.compiled``.
 
 Pipeline ranks must run the same shape in a step, and a middle stage reads no data: at
-the start of each step the stages agree on it with one small all-reduce over the
-pipeline group (Megatron's ``variable_seq_lengths`` exchanges every message's shape
+the start of each step the stages (and the tp and cp peers of each) agree on it with a
+small all-reduce over each of those groups (Megatron's ``variable_seq_lengths`` exchanges every message's shape
 instead; here one exchange per step fixes the shapes of all of them).
 """
 
@@ -74,7 +74,11 @@ class Shapes:
         """Switch ``ctx`` to the Program of ``batch``'s shape (a global batch, a list of
         this rank's micro-batches, or None on a rank that reads no data), compiling it
         if it is new; return it. Collective over the pipeline group."""
-        key = self._agree(self._key(batch), ctx)
+        try:
+            key, failed = self._key(batch), None
+        except BatchError as e:  # every stage must learn it: the others would wait for this one
+            key, failed = None, e
+        key = self._agree(key, ctx, failed)
         bound = self.known.get(key)
         if bound is None:
             bound = self.known[key] = self._compile(key, ctx)
@@ -89,8 +93,12 @@ class Shapes:
         if batch is None:
             return None
         tensors = positional(self.first, batch[0] if isinstance(batch, list) else batch, what="batch")
-        if not isinstance(tensors, tuple) or len(tensors) != len(self.first.inputs):
-            return key_of(self.first)  # batches.check names what is wrong
+        inputs = self.first.inputs
+        if (not isinstance(tensors, tuple) or len(tensors) != len(inputs)
+                or any(not isinstance(t, torch.Tensor) or t.dim() != len(i.shape) for t, i in zip(tensors, inputs))):
+            raise BatchError(f"a batch must hold {len(inputs)} tensors like the example's "
+                             f"({', '.join(f'{i.name!r}: {len(i.shape)} dims' for i in inputs)}); got "
+                             f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]}")
         key = tuple(tuple(t.shape[1:]) for t in tensors)
         for mb in batch if isinstance(batch, list) else ():
             other = tuple(tuple(t.shape[1:]) for t in positional(self.first, mb, what="micro-batch"))
@@ -99,21 +107,35 @@ class Shapes:
                                  f"change per global batch only); got {_shape_text(key)} and {_shape_text(other)}")
         return key
 
-    def _agree(self, key: Key | None, ctx: RankContext) -> Key:
+    def _agree(self, key: Key | None, ctx: RankContext, failed: BatchError | None = None) -> Key:
         """The step's shape, the same on every pipeline stage: stages that read data must
-        have the same one; the others adopt it."""
+        have the same one; the others adopt it. A stage whose batch was refused
+        (``failed``) raises its error, and every other stage raises too."""
         widths = [len(i.shape) - 1 for i in self.first.inputs]
-        if ctx.groups.pp is None:  # one stage: it reads data (batches.microbatches refuses None)
+        # the ranks that must run one shape: a pipeline's stages, and the tp and cp peers
+        # that compute each stage together (with an iterator, each rank brings its own)
+        groups = [g for g in (ctx.groups.pp, ctx.groups.tp, ctx.groups.cp) if g is not None]
+        if not groups:  # alone: this rank reads data (batches.microbatches refuses None)
+            if failed is not None:
+                raise failed
             return key if key is not None else key_of(self.first)
         flat = [d for shape in key for d in shape] if key is not None else None
         n = sum(widths)
-        # MAX over [key, -key]: the largest and (negated) the smallest key of the ranks with data
+        # MAX over [key, -key, failed]: the largest and (negated) the smallest key of the
+        # ranks with data, and whether any stage refused its batch
         mine = flat + [-d for d in flat] if flat is not None else [-1] * n + [-(2**62)] * n
-        t = torch.tensor(mine, dtype=torch.int64, device=ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.groups.pp)
-        high, low = t[:n].tolist(), [-d for d in t[n:].tolist()]
+        t = torch.tensor([*mine, int(failed is not None)], dtype=torch.int64, device=ctx.device)
+        for group in groups:  # after the last, every rank of the (pp x tp x cp) block holds its extremes
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if failed is not None:
+            raise failed
+        if t[-1] > 0:
+            raise BatchError("another pipeline stage refused its batch of this step (its error says why); "
+                             "this stage stops with it")
+        high, low = t[:n].tolist(), [-d for d in t[n:2 * n].tolist()]
         if high != low:
-            raise BatchError(f"pipeline stages received batches of different shapes in one step ({_shape_text(_unflat(low, widths))} "
+            raise BatchError(f"ranks that compute one step together (pipeline stages, tp and cp peers) received "
+                             f"batches of different shapes ({_shape_text(_unflat(low, widths))} "
                              f"and {_shape_text(_unflat(high, widths))}): every stage that reads data must get the same global batch")
         return _unflat(high, widths)
 

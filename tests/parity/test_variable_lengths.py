@@ -92,8 +92,14 @@ def run(rank: int) -> dict:
             error = "no error"
         except BatchError as e:
             error = str(e)
+        ids, labels = make_batch(sc.gbs, seed=1)
+        try:  # 1-D input ids on the stages that read data: every stage stops, none waits
+            engine.train_step((ids[:, 0], labels) if feeds else None)
+            refused = "no error"
+        except BatchError as e:
+            refused = str(e)
         out[sc.id] = dict(steps=steps, state=state if rank == 0 else None, feeds=feeds, eval=evaluated,
-                          compiled=[key for key, _ in engine.shapes.compiled], error=error)
+                          compiled=[key for key, _ in engine.shapes.compiled], error=error, refused=refused)
     return out
 
 
@@ -140,3 +146,12 @@ def test_padded_hugging_face_batches_of_varying_length_train_as_on_one_device(re
         assert r[name]["compiled"] == [((8,),) * 3, ((12,),) * 3]
     assert_losses_close(results[0][name]["losses"], losses)
     assert_weights_close(results[0][name]["state"], ref.state_dict())
+
+
+def test_a_batch_refused_on_the_stages_with_data_stops_every_stage(results):
+    """Middle stages read no data: they learn of the refusal in the shape agreement
+    instead of waiting for activations that never come."""
+    sc = next(sc for sc in CASES if sc.pp == 4)
+    for r in (r[sc.id] for r in results):
+        want = "a batch must hold 2 tensors" if r["feeds"] else "another pipeline stage refused its batch"
+        assert want in r["refused"], r["refused"]
