@@ -66,8 +66,8 @@ from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.ops import CP
-from fxmeg.passes.cp_masks import MASKING, mask_inputs
-from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.cp_masks import MASKING, constant_value, mask_inputs
+from fxmeg.passes.graph_utils import call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.tp_placement import dim_groups, divisors
 from fxmeg.passes.tp_rules import _RESHAPES
 from fxmeg.program import CPLayout
@@ -519,7 +519,7 @@ class _ContextParallel:
         """Whether ``mask`` depends on no input and, computed now, is the causal mask of
         the whole sequence (True, or 0 in an additive mask, exactly where key <= query)
         for every batch and head: then attention under it is causal attention."""
-        value = _constant(mask, self.gm)
+        value = constant_value(mask, self.gm)
         if value is None or queries != keys or value.dim() < 2 or value.shape[-2:] != (queries, keys):
             return False
         allowed = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
@@ -580,44 +580,3 @@ class _ContextParallel:
         fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
         return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
                          f"sequence over cp={self.cp} ranks: {kind}{why}{self.masks.hint(node)}. Fix: {fix}")
-
-
-_MAX_CONSTANT_NODES = 500
-
-
-def _constant(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
-    """The value of ``node`` computed now, if it depends on no input (placeholder), no
-    random op and no meta tensor (a mask built from ``arange``); else None. A graph
-    captured on meta (a model built on meta, a new input shape) creates its tensors with
-    ``device=meta``: they are made on the CPU here, so that such a mask is recognised as
-    on a real capture."""
-    needed, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in needed:
-            continue
-        if n.op == "placeholder" or is_hop(n) or len(needed) > _MAX_CONSTANT_NODES:
-            return None
-        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
-            return None
-        needed.add(n)
-        todo.extend(n.all_input_nodes)
-    env: dict[fx.Node, object] = {}
-    for n in gm.graph.nodes:  # graph order is a topological order
-        if n not in needed:
-            continue
-        if n.op == "get_attr":
-            env[n] = attr(gm, n.target)
-            if isinstance(env[n], torch.Tensor) and env[n].is_meta:
-                return None
-        else:
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-            kwargs = {k: torch.device("cpu") if k == "device" and _is_meta_device(v) else v
-                      for k, v in kwargs.items()}
-            env[n] = n.target(*args, **kwargs)
-    out = env[node]
-    return out if isinstance(out, torch.Tensor) and not out.is_meta else None
-
-
-def _is_meta_device(d) -> bool:
-    return d is not None and torch.device(d).type == "meta"

@@ -1,4 +1,5 @@
-"""Which sequence inputs the context-parallel pass keeps whole: padding masks.
+"""Which sequence inputs the context-parallel pass keeps whole (padding masks), and the
+value of a mask that depends on no input (``constant_value``).
 
 A padding mask (Hugging Face's ``attention_mask``, (batch, seq): 1 for real tokens, 0 for
 pads) is an input along the sequence, but attention reads it along the keys, and every
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxmeg.passes.graph_utils import full_args, val
+from fxmeg.passes.graph_utils import attr, full_args, is_hop, val
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -89,3 +90,44 @@ def _mask_use(n: fx.Node, u: fx.Node, seq: int) -> bool:
     v, out = val(n), val(u)
     return (v is not None and out is not None and v.dim() >= 2 and out.dim() >= 2
             and v.shape[-1] == seq and v.shape[-2] in (1, seq) and tuple(out.shape[-2:]) == (seq, seq))
+
+
+_MAX_CONSTANT_NODES = 500
+
+
+def constant_value(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The value of ``node`` computed now, if it depends on no input (placeholder), no
+    random op and no meta tensor (a mask built from ``arange``); else None. A graph
+    captured on meta (a model built on meta, a new input shape) creates its tensors with
+    ``device=meta``: they are made on the CPU here, so that such a mask is recognised as
+    on a real capture."""
+    needed, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in needed:
+            continue
+        if n.op == "placeholder" or is_hop(n) or len(needed) > _MAX_CONSTANT_NODES:
+            return None
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return None
+        needed.add(n)
+        todo.extend(n.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    for n in gm.graph.nodes:  # graph order is a topological order
+        if n not in needed:
+            continue
+        if n.op == "get_attr":
+            env[n] = attr(gm, n.target)
+            if isinstance(env[n], torch.Tensor) and env[n].is_meta:
+                return None
+        else:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            kwargs = {k: torch.device("cpu") if k == "device" and _is_meta_device(v) else v
+                      for k, v in kwargs.items()}
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) and not out.is_meta else None
+
+
+def _is_meta_device(d) -> bool:
+    return d is not None and torch.device(d).type == "meta"
