@@ -133,9 +133,10 @@ def _plan(args) -> int:
 
     import torch
 
+    from fxmeg.build import build_model
     from fxmeg.hugging_face import is_hugging_face, keyword_batch
     from fxmeg.plan import plan
-    from fxmeg.trainer import build_model, engine_from_flat, flat_defaults
+    from fxmeg.trainer import engine_from_flat, flat_defaults
 
     values = _plan_values(args)
     model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import inspect
 import json
 import os
 import signal
@@ -28,6 +26,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg import checkpoint, hugging_face, trace
+from fxmeg.build import build_model
 from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
 from fxmeg.errors import ConfigError, closest
@@ -265,31 +264,6 @@ def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) ->
                 f"step_batch_size_schedule, global batch {size} from {threshold} samples: {exc}"
             ) from None
     return steps
-
-
-INJECTED = frozenset({"vocab_size", "seq_len"})
-"""The model arguments the trainer adds itself: a config without such a field ignores them."""
-
-
-def build_model(spec: str, args: dict) -> nn.Module:
-    """module:Class built from ``args``: as keyword arguments, or as the fields of the
-    config dataclass its constructor takes (a key it has no field for is a ConfigError,
-    but for the trainer's own INJECTED ones); a Hugging Face class from its config_class
-    (``hugging_face.build``: seq_len sets its position table)."""
-    module, _, name = spec.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if hugging_face.is_hugging_face(cls):
-        return hugging_face.build(cls, args)
-    params = [p for p in inspect.signature(cls).parameters.values() if p.name != "self"]
-    if len(params) == 1 and dataclasses.is_dataclass(params[0].default):
-        config_cls = type(params[0].default)
-        known = [f.name for f in dataclasses.fields(config_cls)]
-        unknown = [k for k in args if k not in known and k not in INJECTED]
-        if unknown:
-            raise ConfigError(f"--model-args {unknown[0]!r} is not a field of {config_cls.__name__} (the config of "
-                              f"{name})" + closest(unknown[0], known))
-        return cls(config_cls(**{k: v for k, v in args.items() if k in known}))
-    return cls(**args)
 
 
 class Trainer:

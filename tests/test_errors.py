@@ -161,7 +161,7 @@ def _half_meta():
 
 def _hugging_face(**args):
     """What `fxmeg train --model transformers:LlamaForCausalLM --seq-len 32` builds (on meta)."""
-    from fxmeg.trainer import build_model
+    from fxmeg.build import build_model
 
     small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -265,7 +265,7 @@ def test_the_wsd_anneal_is_set_by_its_flags(corpus, tmp_path):
 
 def test_a_model_arg_the_config_dataclass_lacks_is_refused():
     """A typo such as n_layr was dropped, and the default depth trained without a word."""
-    from fxmeg.trainer import build_model
+    from fxmeg.build import build_model
 
     with pytest.raises(ConfigError, match=r"'n_layr' is not a field of GPTConfig \(the config of GPT\) "
                                           r"\(did you mean 'n_layer'\?\)"):
