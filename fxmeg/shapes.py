@@ -73,7 +73,7 @@ class Shapes:
     def select(self, batch: UserBatch | list | None, ctx: RankContext) -> Program:
         """Switch ``ctx`` to the Program of ``batch``'s shape (a global batch, a list of
         this rank's micro-batches, or None on a rank that reads no data), compiling it
-        if it is new; return it. Collective over the pipeline group."""
+        if it is new; return it. Collective over the pipeline, tp and cp groups."""
         try:
             key, failed = self._key(batch), None
         except BatchError as e:  # every stage must learn it: the others would wait for this one
