@@ -67,7 +67,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import MASKING, constant_value, mask_inputs
-from fxmeg.passes.graph_utils import call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.graph_utils import call, divide_shape_arg, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.tp_placement import dim_groups, divisors
 from fxmeg.passes.tp_rules import _RESHAPES
 from fxmeg.program import CPLayout
@@ -277,16 +277,8 @@ class _ContextParallel:
         if s.full is not None:
             raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
         moved = self._moved(node, s, a, b)
-        if node.target in _RESHAPES:
-            shape = list(node.args[1])
-            if shape[moved.dim] != -1:
-                shape[moved.dim] //= self.cp
-            node.args = (node.args[0], shape)
-        elif node.target == aten.unflatten.int:
-            dim, sizes = node.args[1] % len(a), list(node.args[2])
-            if sizes[moved.dim - dim] != -1:
-                sizes[moved.dim - dim] //= self.cp
-            node.args = (node.args[0], node.args[1], sizes)
+        if node.target in _RESHAPES or node.target == aten.unflatten.int:
+            divide_shape_arg(node, moved.dim, self.cp)
         return moved
 
     def _moved(self, node: fx.Node, s: Seq, a: tuple[int, ...], b: tuple[int, ...]) -> Seq:

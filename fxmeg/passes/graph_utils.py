@@ -81,6 +81,22 @@ def fake_eval(node: fx.Node) -> Any:
         return node.target(*args, **kwargs)
 
 
+def divide_shape_arg(node: fx.Node, dim: int, k: int) -> None:
+    """Make the reshape / view (its shape argument) or ``unflatten`` (its sizes) ``node``
+    produce 1/k of output dim ``dim``; an inferred size (-1) stays inferred. What a pass
+    does after splitting that dim over k ranks (tensor or context parallelism)."""
+    if node.target == torch.ops.aten.unflatten.int:
+        first, sizes = node.args[1] % len(val(node.args[0]).shape), list(node.args[2])
+        if sizes[dim - first] != -1:
+            sizes[dim - first] //= k
+        node.args = (node.args[0], node.args[1], sizes)
+    else:
+        shape = list(node.args[1])
+        if shape[dim] != -1:
+            shape[dim] //= k
+        node.args = (node.args[0], shape)
+
+
 def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     """``graph.node_copy`` with its own ``meta["fxmeg"]`` dict: FX copies meta shallowly,
     and a tag added to one copy must not appear on the original or on other copies."""

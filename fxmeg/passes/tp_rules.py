@@ -19,7 +19,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, full_args, val
+from fxmeg.passes.graph_utils import attr, call, divide_shape_arg, full_args, val
 from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
 
 aten = torch.ops.aten
@@ -99,15 +99,8 @@ class PropagationRules:
             raise PassError(_indivisible(node, moved, s, self.tp))
         if isinstance(moved, str):
             raise self._unsupported(node, moved, s)
-        if node.target in _RESHAPES:
-            shape = list(node.args[1])
-            if shape[moved.dim] != -1:
-                shape[moved.dim] //= self.tp
-            node.args = (node.args[0], shape)
-        elif node.target == aten.unflatten.int:
-            dim, sizes = node.args[1] % len(a), list(node.args[2])
-            sizes[moved.dim - dim] //= self.tp
-            node.args = (node.args[0], node.args[1], sizes)
+        if node.target in _RESHAPES or node.target == aten.unflatten.int:
+            divide_shape_arg(node, moved.dim, self.tp)
         return moved
 
     def _permute(self, node: fx.Node):
