@@ -30,6 +30,11 @@ class ScheduleError(FxmegError):
     """A pipeline schedule cannot be built or failed while running."""
 
 
+class LayoutError(FxmegError, ValueError):
+    """A layout (``fxmeg.layouts``) made with fields that cannot describe a tensor: an
+    internal error when a pass makes it, a user error when it comes from a plan."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest valid name, or '' when none is near."""
     match = difflib.get_close_matches(name, list(choices), n=1)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxmeg.errors import InitError
+from fxmeg.layouts import is_split
 from fxmeg.sharding import local_to_global, tp_shard
 
 InitFn = Callable[[nn.Module], None]
@@ -214,8 +215,8 @@ class Source:
             requests = []
             for name, (spec, dtype) in from_weights.items():
                 local = list(_tensors(self.model.get_submodule(where[name].module))[where[name].attr].shape)
-                if spec is not None and spec[0] == "shard":
-                    local[spec[1]] //= tp
+                if is_split(spec):
+                    local = list(spec.local_shape(local, tp))
                 out[name] = torch.empty(local, dtype=dtype, device=device)
                 box = ((0,) * len(local), tuple(local))
                 requests.append((self.names[name], out[name], local_to_global(box, spec, tp, rank)))

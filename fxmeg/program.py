@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from fxmeg.layouts import CPLayout, ParamLayout  # noqa: F401  (CPLayout: Program.cp_layout)
+
 if TYPE_CHECKING:
     from fxmeg.config import EngineConfig
 
@@ -235,20 +237,6 @@ class PositionTable:
 
 
 @dataclass(frozen=True)
-class CPLayout:
-    """How the runtime cuts a micro-batch over cp ranks."""
-
-    seq: int
-    """Global sequence length s."""
-    cp: int
-    dims: tuple[int | None, ...]
-    """Per input (example order): the dim holding the sequence, or None (not split)."""
-    shifts: tuple[float | None, ...] = ()
-    """Per input: shift it left by one position along the sequence, filling the end with
-    this value, before the cut (labels the model shifts itself); None: as it is."""
-
-
-@dataclass(frozen=True)
 class ValueCheck:
     """Input ``index`` must hold values in [0, high) (``ignore`` allowed too)."""
 
@@ -259,10 +247,10 @@ class ValueCheck:
     """'labels (classes of the loss)' or 'token ids (rows of embedding X)'."""
 
 
-TPSpec = tuple
-"""("shard", dim, parts): split along ``dim``, each block of ``parts`` cut in tp equal
-pieces; or ("replicate", reduce_grad): whole on every tp rank, reduce_grad when its
-gradient differs per rank (it touches a split value) and is all-reduced over tp."""
+TPSpec = ParamLayout
+"""A parameter's tensor-parallel layout: ``Shard(dim, parts)`` (split along ``dim``, each
+block of ``parts`` cut in tp equal pieces) or ``Replicate(reduce_grad)`` (whole on every
+tp rank; reduce_grad when its gradient differs per rank and is all-reduced over tp)."""
 
 
 @dataclass(frozen=True)

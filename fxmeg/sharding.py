@@ -1,7 +1,7 @@
 """Where this rank's pieces of a tensor sit in the full (logical) tensor, and the object
 torch.distributed.checkpoint reads and writes them through.
 
-A parameter split over tp ranks by the tensor-parallel pass (``("shard", dim, parts)``)
+A parameter split over tp ranks by the tensor-parallel pass (``layouts.Shard(dim, parts)``)
 holds, along ``dim``, the rank-th tp-th of every block; the distributed optimizer keeps
 a contiguous flat range of that local shard. Both are unions of boxes (offsets, sizes)
 of the full tensor. Checkpoints store every tensor as its full logical tensor, each rank
@@ -17,6 +17,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fxmeg.layouts import ParamLayout, Shard, is_split
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -51,13 +53,13 @@ def _prefix(row: int, boxes: list[Box]) -> list[Box]:
     return [((row,) + off, (1,) + size) for off, size in boxes]
 
 
-def local_to_global(box: Box, spec: tuple | None, tp: int, rank: int) -> list[tuple[Box, Box]]:
+def local_to_global(box: Box, spec: ParamLayout | None, tp: int, rank: int) -> list[tuple[Box, Box]]:
     """(global box, local box) pairs for a box of this rank's local tensor: along a split
     dim, local index i falls in block j and sits at block start + rank * (part / tp) + i
     - (local start of block j); a box crossing blocks is cut at their edges."""
-    if spec is None or spec[0] != "shard" or tp == 1:
+    if not is_split(spec) or tp == 1:
         return [(box, box)]
-    _, dim, parts = spec
+    dim, parts = spec.dim, spec.parts
     offsets, sizes = box
     out, local_start, global_start = [], 0, 0
     for p in parts:
@@ -80,14 +82,12 @@ def flat_index(shape: Sequence[int], offsets: Sequence[int]) -> int:
     return index
 
 
-def local_range(full: torch.Tensor, spec: tuple | None, tp: int, rank: int, lo: int, hi: int,
+def local_range(full: torch.Tensor, spec: ParamLayout | None, tp: int, rank: int, lo: int, hi: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Elements [lo, hi) of tp rank ``rank``'s flattened shard of ``full``, read from the
     full tensor into a new tensor of ``dtype`` and ``hi - lo`` elements (nothing of the
     shard outside the range is made)."""
-    shape = list(full.shape)
-    if spec is not None and spec[0] == "shard" and tp > 1:
-        shape[spec[1]] //= tp
+    shape = list(spec.local_shape(full.shape, tp) if is_split(spec) else full.shape)
     out = torch.empty(hi - lo, dtype=dtype, device=full.device)
     for box in flat_to_boxes(shape, lo, hi):
         start = flat_index(shape, box[0]) - lo
@@ -98,23 +98,19 @@ def local_range(full: torch.Tensor, spec: tuple | None, tp: int, rank: int, lo: 
     return out
 
 
-def tp_shard(full: torch.Tensor, spec: tuple | None, tp: int, rank: int) -> torch.Tensor:
+def tp_shard(full: torch.Tensor, spec: ParamLayout | None, tp: int, rank: int) -> torch.Tensor:
     """Tensor-parallel rank ``rank``'s shard of ``full`` under ``spec`` (a new tensor):
     along the split dim, the rank-th tp-th of every block, blocks end to end."""
-    if spec is None or spec[0] != "shard" or tp == 1:
+    if not is_split(spec) or tp == 1:
         return full.detach().clone()
-    _, dim, parts = spec
-    pieces, start = [], 0
-    for p in parts:
-        pieces.append(full.detach().narrow(dim, start + rank * (p // tp), p // tp))
-        start += p
-    return torch.cat(pieces, dim)
+    pieces = [full.detach().narrow(spec.dim, a, b - a) for a, b in spec.block_ranges(tp, rank)]
+    return torch.cat(pieces, spec.dim)
 
 
-def tp_assemble(shards: Sequence[torch.Tensor], spec: tuple) -> torch.Tensor:
+def tp_assemble(shards: Sequence[torch.Tensor], spec: Shard) -> torch.Tensor:
     """The full tensor from every tp rank's shard under ``spec`` (``tp_shard``'s inverse):
     rank r holds the r-th tp-th of every block along the split dim, blocks end to end."""
-    _, dim, parts = spec
+    dim, parts = spec.dim, spec.parts
     tp = len(shards)
     blocks, offset = [], 0
     for p in parts:

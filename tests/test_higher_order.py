@@ -14,6 +14,7 @@ from torch import fx, nn
 import fxmeg
 from fxmeg.capture import capture
 from fxmeg.errors import PassError
+from fxmeg.layouts import Replicate, Shard
 from fxmeg.passes.graph_utils import is_hop, is_subgraph, requires_grad_nodes
 from fxmeg.passes.partition import node_cost, node_flops
 from fxmeg.program import chunk_spec
@@ -220,9 +221,9 @@ def test_tensor_parallel_keeps_regions_with_whole_operands():
     model = _model("after")
     gm = transform(model, make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2, stop_after="tensor_parallel")
     tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
-    assert tags["layers.0.up.weight"] == ("shard", 0, (64,))
-    assert tags["layers.0.down.weight"] == ("shard", 1, (64,))
-    assert tags["layers.0.scale"] == ("replicate", False)
+    assert tags["layers.0.up.weight"] == Shard(0, (64,))
+    assert tags["layers.0.down.weight"] == Shard(1, (64,))
+    assert tags["layers.0.scale"] == Replicate(False)
     assert len(_hops(gm)) == 6 and _bodies_owned(gm) == _bodies_called(gm)
 
 
@@ -284,9 +285,9 @@ def test_x_transformers_tensor_parallel():
     plan = {"net.attn_layers.layers.*.1.to_*": "replicate"}
     gm = transform(model, example, tp=2, stop_after="tensor_parallel", tp_plan=plan)
     tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
-    assert tags["net.attn_layers.layers.0.1.to_q.weight"] == ("replicate", False)
-    assert tags["net.attn_layers.layers.1.1.ff.0.0.weight"] == ("shard", 0, (128,))
-    assert tags["net.token_emb.emb.weight"] == ("shard", 0, (96,))
+    assert tags["net.attn_layers.layers.0.1.to_q.weight"] == Replicate(False)
+    assert tags["net.attn_layers.layers.1.1.ff.0.0.weight"] == Shard(0, (128,))
+    assert tags["net.token_emb.emb.weight"] == Shard(0, (96,))
 
 
 # ---------------------------------------------------------------- the loss inside a region

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import fxmeg
 from fxmeg.cli import main
 from fxmeg.errors import ConfigError
+from fxmeg.layouts import Shard
 from fxmeg.plan import plan_of
 from fxmeg.transform import transform
 from models.llama import Llama, LlamaConfig
@@ -87,7 +88,7 @@ def test_parameters_are_each_counted_once_per_stage_in_their_local_shape():
         for name, holders in program.holders.items():
             if s.stage in holders:
                 full = program.full_shapes[name][0].numel()
-                want += full // tp if program.tp_specs[name][0] == "shard" else full
+                want += full // tp if isinstance(program.tp_specs[name], Shard) else full
         assert s.parameter_elements == want
         assert s.parameters == 4 * want  # fp32
         assert s.gradient_buffers == 4 * want  # fp32, dp=1: no padding

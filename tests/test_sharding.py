@@ -3,6 +3,7 @@ import itertools
 import pytest
 import torch
 
+from fxmeg.layouts import Shard
 from fxmeg.sharding import flat_to_boxes, local_to_global, view
 
 
@@ -24,7 +25,7 @@ def test_flat_ranges_become_contiguous_boxes(shape):
 
 def test_local_boxes_land_in_each_block():
     full = torch.arange(12 * 3).reshape(12, 3)  # three blocks of 4 rows (a fused QKV)
-    spec, tp = ("shard", 0, (4, 4, 4)), 2
+    spec, tp = Shard(0, (4, 4, 4)), 2
     for rank in range(tp):
         local = torch.cat([full[b * 4 + rank * 2 : b * 4 + rank * 2 + 2] for b in range(3)])
         for lo, hi in [(0, 18), (2, 11), (5, 6)]:
@@ -37,5 +38,5 @@ def test_column_split_maps_columns():
     full = torch.arange(4 * 8).reshape(4, 8)
     for rank in range(2):
         local = full[:, rank * 4 : rank * 4 + 4]
-        (pair,) = local_to_global(((1, 0), (2, 4)), ("shard", 1, (8,)), 2, rank)
+        (pair,) = local_to_global(((1, 0), (2, 4)), Shard(1, (8,)), 2, rank)
         assert torch.equal(view(full, pair[0]), view(local, pair[1]))

@@ -25,7 +25,7 @@ Metadata the passes keep under ``node.meta["fxmeg"]``:
   pass       name of the pass that inserted the node (absent: from capture); the driver
              (fxmeg/transform.py) sets it by diffing node names around each pass
   loss       "sum" | "count" on the two loss outputs; loss pass
-  tp         ("shard", dim, parts) | ("replicate", reduce_grad) on a parameter's get_attr;
+  tp         layouts.Shard(dim, parts) | layouts.Replicate(reduce_grad) on a parameter's get_attr;
              tensor_parallel pass (the runtime materialises shards from it)
   chunk      pipeline chunk index of a call_function node; partition
   bucket     (home chunk, grad dtype, bucket index) on a trainable parameter's get_attr; buckets

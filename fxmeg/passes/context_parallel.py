@@ -57,7 +57,6 @@ attention (``q @ k^T``, a mask added, softmax, ``@ v``) is split where it stands
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -65,45 +64,19 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
+from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
-from fxmeg.passes.cp_masks import MASKING, constant_value, mask_inputs
+from fxmeg.passes.cp_masks import constant_value, mask_inputs
 from fxmeg.passes.graph_utils import call, divide_shape_arg, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.tp_placement import dim_groups, divisors
-from fxmeg.passes.tp_rules import _RESHAPES
-from fxmeg.program import CPLayout
 
 aten = torch.ops.aten
 fx_ops = torch.ops.fxmeg
-_SAME = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.alias.default,
-         aten.contiguous.default,
-         aten.type_as.default, aten.detach.default, aten.clone.default, aten.dropout.default}
-_VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
-              aten.squeeze.default, aten.unflatten.int}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-          aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
-_LINEARS = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 0, aten.matmul.default: 0,
-            aten.bmm.default: 0}  # index of the activation operand
-_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
-PARTIAL = "partial"
-"""Place of a sum over this rank's tokens: only a graph output may be one."""
-
-
-@dataclass(frozen=True)
-class Seq:
-    """Where a value holds the sequence: ``dim``, alone or, ``merged``, as the inner part
-    of a dim flattened with the batch dims before it ((b, s) -> (b * s)); ``full``: a dim
-    holding every position in global order (the keys of eager attention's scores, from
-    all-gathered keys), or None."""
-
-    dim: int
-    merged: bool = False
-    full: int | None = None
-
-    def shifted(self, by: int) -> Seq:
-        """The same dims ``by`` places later (broadcasting adds leading dims)."""
-        return Seq(self.dim + by, self.merged, None if self.full is None else self.full + by)
+# Ops are handled by kind: fxmeg/passes/op_rules.py finds each op's family and the rule
+# this pass registered for it (``@rule(CP, ...)`` below). A place of PARTIAL is a sum over
+# this rank's tokens: only a graph output may be one.
 
 
 def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -198,33 +171,10 @@ class _ContextParallel:
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
-        if t == aten.scaled_dot_product_attention.default:
-            return self._attention(node)
-        if t in _SAME or t in MASKING or torch.Tag.pointwise in getattr(t, "tags", ()):
-            return self._elementwise(node)
-        if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
-            return self._reshape(node)
-        if t in (aten.transpose.int, aten.permute.default, aten.t.default):
-            return self._permute(node)
-        if t == aten.embedding.default:
-            return self._embedding(node)
-        if t in _LINEARS:
-            return self._linear(node)
-        if t in _LOSSES:
-            return self._loss(node)
-        if t == aten.layer_norm.default:
-            return self._layer_norm(node)
-        if t in _SPLITS or t in _ALONG or t in (aten.slice.Tensor, aten.repeat_interleave.self_int,
-                                                aten.select.int, aten.index_select.default):
-            return self._along(node)
-        if t in (aten.cat.default, aten.stack.default):
-            return self._cat(node)
-        if torch.Tag.reduction in getattr(t, "tags", ()):
-            return self._reduction(node)
-        if t in (aten.convolution.default, aten.conv1d.default, aten.conv2d.default):
-            raise self._refuse(node, "a convolution over a value split along the sequence mixes "
-                                     "neighbouring positions across ranks")
-        raise self._refuse(node, "fxmeg has no context-parallel rule for it", mixing=False)
+        found = rule_for(CP, t)
+        if found is None:
+            raise self._refuse(node, f"fxmeg has no context-parallel rule for it ({describe(t)})", mixing=False)
+        return found.fn(self, node)
 
     # ------------------------------------------------------------------ rules
 
@@ -234,6 +184,7 @@ class _ContextParallel:
             raise self._refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
         return s
 
+    @rule(CP, "copy", "random", "pointwise")
     def _elementwise(self, node: fx.Node) -> Seq:
         """Operands broadcast against each other: their sequence dims must line up; a
         replicated operand spanning the sequence dim is position-indexed (a rotary table,
@@ -264,6 +215,7 @@ class _ContextParallel:
                 self.cut[(a, dim)] = call(self.g, fx_ops.cp_slice.default, (a, dim, self.cp, CP), like=user)
         return self.cut[(a, dim)]
 
+    @rule(CP, "view")
     def _reshape(self, node: fx.Node) -> Seq:
         s = self._seq(node, node.args[0])
         a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
@@ -277,7 +229,7 @@ class _ContextParallel:
         if s.full is not None:
             raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
         moved = self._moved(node, s, a, b)
-        if node.target in _RESHAPES or node.target == aten.unflatten.int:
+        if node.target in SHAPE_ARGUMENT:
             divide_shape_arg(node, moved.dim, self.cp)
         return moved
 
@@ -301,6 +253,7 @@ class _ContextParallel:
         raise self._refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
                                  "with dims other than the batch dims before it")
 
+    @rule(CP, "permute")
     def _permute(self, node: fx.Node) -> Seq:
         s, n = self._seq(node, node.args[0]), val(node).dim()
         if node.target == aten.transpose.int:
@@ -313,16 +266,21 @@ class _ContextParallel:
         full = None if s.full is None else where.get(s.full, s.full)
         return Seq(where.get(s.dim, s.dim), s.merged, full)
 
+    @rule(CP, "embedding")
     def _embedding(self, node: fx.Node) -> Seq:
         if isinstance(self.place.get(node.args[0]), Seq):
             raise self._refuse(node, "its table is split along the sequence", mixing=False)
         return self._seq(node, node.args[1])
 
+    @rule(CP, "linear", "matmul")
     def _linear(self, node: fx.Node) -> Seq:
         """A product with one operand along the sequence and the other replicated (a
         weight): the sequence must not be contracted. Two operands along the sequence are
         eager attention (``_attention_product``)."""
-        x = node.args[_LINEARS[node.target]]
+        if node.target == aten.einsum.default:
+            raise self._refuse(node, "it is an einsum over a value split along the sequence", mixing=False)
+        slots = LINEAR_SLOTS.get(node.target)
+        x = node.args[slots.x if slots is not None else 0]
         others = [a for a in node.all_input_nodes if a is not x]
         if node.target in (aten.matmul.default, aten.bmm.default) and all(
                 isinstance(self.place.get(a), Seq) for a in node.args[:2]):
@@ -334,6 +292,11 @@ class _ContextParallel:
         if s.dim == n - 1 or s.full is not None:
             raise self._refuse(node, "it contracts the sequence dim")
         return s.shifted(val(node).dim() - n)
+
+    @rule(CP, "convolution")
+    def _convolution(self, node: fx.Node):
+        raise self._refuse(node, "a convolution over a value split along the sequence mixes "
+                                 "neighbouring positions across ranks")
 
     def _attention_product(self, node: fx.Node) -> Seq:
         """Eager attention (Hugging Face's eager path, ``q @ k^T ... softmax ... @ v``):
@@ -360,6 +323,7 @@ class _ContextParallel:
         node.replace_input_with(b, full)
         return out
 
+    @rule(CP, "loss")
     def _loss(self, node: fx.Node):
         """A per-token loss: the sequence stays; summed (the loss pass's reduction) it is
         this rank's part of the sum."""
@@ -377,23 +341,22 @@ class _ContextParallel:
             return PARTIAL
         raise self._refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
 
+    @rule(CP, "norm")
     def _layer_norm(self, node: fx.Node) -> Seq:
         s = self._seq(node, node.args[0])
         if s.dim >= val(node.args[0]).dim() - len(node.args[1]) or s.full is not None:
             raise self._refuse(node, "it normalises over the sequence dim")
         return s
 
+    @rule(CP, "split", "slice", "index", "repeat", "softmax", "cumulative")
     def _along(self, node: fx.Node):
         """Ops along one dim (softmax, cumsum, split, slice, select, repeat): fine along
         another dim than the sequence; along it they mix positions (a slice of all of
         it is the value itself)."""
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
-        at = 2 if node.target in _SPLITS or node.target == aten.repeat_interleave.self_int else 1
-        dim = full_args(node)[at]
-        dim = (dim if dim is not None else 0) % n
+        dim = dim_argument(node, 0) % n
         if s.full is not None and dim == s.full:
-            if node.target in _ALONG and node.target not in (aten.cumsum.default, aten.cumprod.default,
-                                                             aten.logcumsumexp.default):
+            if in_family(node.target, "softmax"):
                 return s  # a softmax over all keys
             raise self._refuse(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
@@ -401,7 +364,7 @@ class _ContextParallel:
                 if s.full is not None:
                     raise self._refuse(node, "it selects from attention scores")
                 return Seq(s.dim - (dim < s.dim), s.merged)
-            if node.target in _SPLITS:
+            if in_family(node.target, "split"):
                 return [s] * len(node.meta["val"])
             return s
         if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
@@ -410,6 +373,7 @@ class _ContextParallel:
         raise self._refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
                                  "need positions another rank holds)")
 
+    @rule(CP, "concat")
     def _cat(self, node: fx.Node) -> Seq:
         stack = node.target == aten.stack.default
         dim = full_args(node)[1] % val(node).dim()  # cat: operand dims; stack: the output's
@@ -430,6 +394,7 @@ class _ContextParallel:
                 node.replace_input_with(a, self._cut(a, s.dim, node))
         return out
 
+    @rule(CP, "reduction")
     def _reduction(self, node: fx.Node):
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
         schema = [a.name for a in node.target._schema.arguments]
@@ -448,6 +413,7 @@ class _ContextParallel:
         raise self._refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
                                  "over positions)")
 
+    @rule(CP, "attention")
     def _attention(self, node: fx.Node) -> Seq:
         """Causal SDPA (is_causal, or a mask recognised as the causal one) becomes
         ``fxmeg::cp_attention``. Under another mask that depends on no split input (a

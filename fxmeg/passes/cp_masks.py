@@ -27,11 +27,10 @@ import torch
 from torch import fx
 
 from fxmeg.passes.graph_utils import attr, full_args, is_hop, val
+from fxmeg.passes.op_rules import in_family
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-MASKING = frozenset({aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf})
-"""Elementwise ops PyTorch does not tag pointwise (masking scores)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def _mask_use(n: fx.Node, u: fx.Node, seq: int) -> bool:
     if u.target == _SDPA:
         args = full_args(u)
         return args[3] is n and n not in args[:3]
-    if not (torch.Tag.pointwise in getattr(u.target, "tags", ()) or u.target in MASKING):
+    if not in_family(u.target, "pointwise"):
         return False
     v, out = val(n), val(u)
     return (v is not None and out is not None and v.dim() >= 2 and out.dim() >= 2

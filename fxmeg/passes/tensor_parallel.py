@@ -39,8 +39,8 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     ``tp_rng_join``: it draws from this tp rank's stream (Megatron's model-parallel RNG
     tracker); one on a replicated value keeps the default stream (docs/design.md §4);
   * parameters are not touched: each trainable parameter's get_attr carries
-    ``meta["fxmeg"]["tp"]`` = ("shard", dim, parts) or ("replicate", reduce_grad),
-    reduce_grad True when its gradient differs per tp rank (it touches a split value:
+    ``meta["fxmeg"]["tp"]``, a ``fxmeg.layouts.Shard(dim, parts)`` or
+    ``Replicate(reduce_grad)``, reduce_grad True when its gradient differs per tp rank (it touches a split value:
     norm weights under sequence parallelism) and must be all-reduced; the runtime
     materialises each rank's shard from these tags (``fxmeg.runtime.context``);
   * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
@@ -63,50 +63,19 @@ from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg import ops as fxmeg_ops
+from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
-from fxmeg.passes.tp_placement import Shard, divisors
-from fxmeg.passes.tp_rules import _RESHAPES, _SYNCED, PropagationRules, _bounds, _dim
+from fxmeg.passes.tp_placement import divisors
+from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
-# Ops are handled by kind, not one by one: pointwise ops (torch tags them
-# ``torch.Tag.pointwise``) keep their operands' split, reductions (``torch.Tag.reduction``)
-# follow their ``dim`` argument, and the families below follow one rule over dims each.
-# _SAME: ops that keep their input's split but carry no pointwise tag.
-_SAME = {
-    aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.contiguous.default,
-    aten.dropout.default, aten.type_as.default, aten.detach.default, aten.clone.default,
-    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand_like.default,
-    aten.randn_like.default,
-}
-# random ops: on a value split over tp ranks they draw from the per-rank stream
-# (``_per_rank_streams``); attention only with dropout_p > 0
-_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default,
-           aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
-_POINTWISE = torch.Tag.pointwise
-_REDUCTION = torch.Tag.reduction
-_VIEW_LIKE = {aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim,
-              aten.squeeze.default, aten.unflatten.int}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-# ops along one dim (their ``dim`` argument): the split must lie elsewhere
-_ALONG = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-          aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
-# products of activations, read as einsum (_matmul_letters, _einsum_letters)
-_MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum.default}
-# linear-like ops: (index of x, index of the weight, index of the bias or None, weight's
-# output dim). Hugging Face's Conv1D is addmm(bias, x, weight[in, out]).
-_LINEARS = {
-    aten.linear.default: (0, 1, 2, 0),
-    aten.addmm.default: (1, 2, 0, 1),
-    aten.mm.default: (0, 1, None, 1),
-}
-_CLASS_LOSS = {aten.cross_entropy_loss.default}
-# the context-parallel pass's ops (it runs first): along the sequence, never the heads
-_CONTEXT_PARALLEL = {getattr(torch.ops.fxmeg, n).default
-                     for n in ("cp_slice", "cp_unslice", "cp_gather", "cp_reduce_scatter", "cp_causal_mask",
-                               "cp_attention")}
+# Ops are handled by kind, not one by one: fxmeg/passes/op_rules.py finds each op's family
+# (by tags, schemas, explicit entries) and the rule this pass registered for it
+# (``@rule(TP, ...)`` here and in tp_rules.py).
 
 
 def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
@@ -126,7 +95,7 @@ class _TensorParallel(PropagationRules):
                 raise PassError(f"tp_plan[{glob!r}] = {role!r} is not one of {ROLES}")
         self.plan = plan
         self.place: dict[fx.Node, object] = {}
-        self.specs: dict[str, tuple[int, tuple[int, ...]]] = {}  # param -> (dim, parts)
+        self.specs: dict[str, Shard] = {}  # param -> its split
         self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
@@ -147,15 +116,12 @@ class _TensorParallel(PropagationRules):
         self._refresh_values()
 
     def _visit(self, node: fx.Node):
+        """The node's place, by the rule of its op's family (``op_rules``); a node that
+        reads no split value stays replicated unless its rule starts a split."""
         t = node.target
-        if t in _LINEARS and node.args[_LINEARS[t][1]].op == "get_attr":
-            return self._linear(node)
-        if t == aten.embedding.default:
-            return self._embedding(node)
+        found = rule_for(TP, t)
         args = [self.place.get(a) for a in node.all_input_nodes]
-        if t in _CLASS_LOSS and isinstance(self.place.get(node.args[0]), Shard):
-            return self._vocab_loss(node)
-        if not any(isinstance(p, (Shard, list)) for p in args):
+        if not (found is not None and found.always) and not any(isinstance(p, (Shard, list)) for p in args):
             return None
         if is_hop(node):
             split = next(p for p in args if isinstance(p, (Shard, list)))
@@ -169,42 +135,9 @@ class _TensorParallel(PropagationRules):
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
-        tags = getattr(t, "tags", ())
-        if t in _SAME:
-            return self.place[node.args[0]]
-        if _POINTWISE in tags:
-            return self._elementwise(node)
-        if t in _RESHAPES or t in _VIEW_LIKE or t == aten.expand.default:
-            return self._reshape(node)
-        if t in (aten.transpose.int, aten.permute.default, aten.t.default):
-            return self._permute(node)
-        if t in _SPLITS:
-            return self._split(node)
-        if t == aten.slice.Tensor:
-            return self._slice(node)
-        if t in (aten.cat.default, aten.stack.default):
-            return self._cat(node)
-        if t in (aten.select.int, aten.index_select.default):
-            return self._select(node)
-        if t == aten.repeat_interleave.self_int:
-            return self._repeat_interleave(node)
-        if t == aten.scaled_dot_product_attention.default:
-            return self._attention(node)
-        if t in _CONTEXT_PARALLEL:
-            return self._context_parallel(node)
-        if t in _MATMULS:
-            return self._matmul(node)
-        if t in _ALONG:
-            return self._along(node, full_args(node)[1], "computes along")
-        if t == aten.layer_norm.default:
-            return self._layer_norm(node)
-        if _REDUCTION in tags:
-            return self._reduction(node)
-        schema = getattr(t, "_schema", None)
-        kind = ("not an ATen op" if schema is None else
-                "a view" if any(r.alias_info for r in schema.returns) else "an op of no kind it knows")
-        raise self._unsupported(node, f"fxmeg has no rule for it ({kind}: not pointwise, a reduction, "
-                                      "a view, a concatenation, an index or a product)")
+        if found is None:
+            raise self._unsupported(node, f"fxmeg has no rule for it ({describe(t)})")
+        return found.fn(self, node)
 
     def _per_rank_streams(self) -> None:
         """Megatron's model-parallel RNG tracker: a random op whose output is split over tp
@@ -218,7 +151,7 @@ class _TensorParallel(PropagationRules):
             if node.target == aten.scaled_dot_product_attention.default:
                 if not full_args(node)[4]:  # dropout_p
                     continue
-            elif node.target not in _RANDOM:
+            elif not in_family(node.target, "random"):
                 continue
             elif node.target in (aten.dropout.default, aten.native_dropout.default):
                 p, train = full_args(node)[1:3]
@@ -227,7 +160,7 @@ class _TensorParallel(PropagationRules):
             p = self.place.get(node)
             if isinstance(p, list):
                 p = next((q for q in p if q is not None), None)
-            if not (isinstance(p, Shard) or p == "local"):
+            if not (isinstance(p, Shard) or p is LOCAL):
                 continue
             x = node.args[0]
             with self.g.inserting_before(node):
@@ -251,11 +184,26 @@ class _TensorParallel(PropagationRules):
             return "vocab"
         if node not in self.block:
             return "replicate"
-        x = self.place.get(node.args[_LINEARS[node.target][0]])
+        x = self.place.get(node.args[LINEAR_SLOTS[node.target].x])
         return "rowwise" if isinstance(x, Shard) and not x.seq else "colwise"
 
+    @rule(TP, "linear", "matmul", always=True)
+    def _product(self, node: fx.Node):
+        """A product whose weight operand is a parameter is a linear (column-, row- or
+        vocab-parallel, or replicated, even on replicated input); any other product of
+        split values follows the matmul family's rule."""
+        slots = LINEAR_SLOTS.get(node.target)
+        if slots is not None and isinstance(w := node.args[slots.weight], fx.Node) and w.op == "get_attr":
+            return self._linear(node)
+        if not any(isinstance(self.place.get(a), (Shard, list)) for a in node.all_input_nodes):
+            return None
+        if not in_family(node.target, "matmul"):
+            raise self._unsupported(node, "a linear whose weight is not a parameter reads a split value")
+        return self._matmul(node)
+
     def _linear(self, node: fx.Node):
-        xi, wi, bi, out_dim = _LINEARS[node.target]
+        slots = LINEAR_SLOTS[node.target]
+        xi, wi, bi, out_dim = slots.x, slots.weight, slots.bias, slots.out_dim
         x, w = node.args[xi], node.args[wi]
         b = node.args[bi] if bi is not None and len(node.args) > bi else None
         role, px = self._role(node), self.place.get(x)
@@ -298,9 +246,9 @@ class _TensorParallel(PropagationRules):
                     if dim % val(n).dim() == val(n).dim() - 1 and step == 1:
                         slices.add(_bounds(start, end, out))
                     continue
-                if user.target in _RESHAPES and val(user).shape[-1] == out:
+                if user.target in SHAPE_ARGUMENT and val(user).shape[-1] == out:
                     todo.append(user)
-                elif user.target in _SPLITS and _dim(user, val(user.args[0]).dim()) == val(n).dim() - 1:
+                elif in_family(user.target, "split") and dim_argument(user) % val(n).dim() == val(n).dim() - 1:
                     if user.target == aten.split.Tensor:
                         return (user.args[1],) * (out // user.args[1])
                     if user.target == aten.chunk.default:
@@ -346,22 +294,23 @@ class _TensorParallel(PropagationRules):
             self.place[out] = place
         for user in users:
             user.replace_input_with(node, out)
-        return "partial"
+        return PARTIAL
 
     # ------------------------------------------------------------------ vocabulary
 
     def _find_head(self) -> tuple[int | None, fx.Node | None]:
         """Vocabulary size and LM head: the linear whose output feeds the class loss."""
-        loss = next((n for n in self.g.nodes if n.target in _CLASS_LOSS), None)
+        loss = next((n for n in self.g.nodes if n.target == aten.cross_entropy_loss.default), None)
         if loss is None:
             return None, None
         x = loss.args[0]
-        while x.op == "call_function" and (x.target in _RESHAPES | _VIEW_LIKE | _SAME or (
-                _POINTWISE in getattr(x.target, "tags", ()) and len(x.all_input_nodes) == 1)):
+        while x.op == "call_function" and (in_family(x.target, "view", "copy") or (
+                in_family(x.target, "pointwise") and len(x.all_input_nodes) == 1)):
             x = x.args[0]  # through casts and pointwise ops of the logits alone (softcapping)
         vocab = val(loss.args[0]).shape[1]
         return vocab, (x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None)
 
+    @rule(TP, "embedding", always=True)
     def _embedding(self, node: fx.Node):
         w, ids = node.args[0], node.args[1]
         rows = val(w).shape[0]
@@ -392,7 +341,7 @@ class _TensorParallel(PropagationRules):
         self.seq_dim = val(ids).dim() - 1
         if self.sp:
             self._check_divides(node, val(node).shape[self.seq_dim], "sequence length (sequence parallelism)")
-        self.place[zeroed] = "partial"
+        self.place[zeroed] = PARTIAL
         self._reduce(zeroed, bias=None)
         return None
 
@@ -416,6 +365,15 @@ class _TensorParallel(PropagationRules):
                 return "vocab" if role != "replicate" else "replicate"
         reads_inputs = _reaches_placeholder(node.args[1])
         return "vocab" if rows == self.vocab and reads_inputs else "replicate"
+
+    @rule(TP, "loss")
+    def _loss(self, node: fx.Node):
+        """Cross-entropy over vocabulary-split logits is vocabulary-parallel; no other
+        loss reads a split value."""
+        if node.target == aten.cross_entropy_loss.default and isinstance(self.place.get(node.args[0]), Shard):
+            return self._vocab_loss(node)
+        raise self._unsupported(node, "a loss reads a value split over tp ranks (only cross_entropy over "
+                                      "vocabulary-split logits is split)")
 
     def _vocab_loss(self, node: fx.Node):
         logits, target = node.args[0], node.args[1]
@@ -441,10 +399,10 @@ class _TensorParallel(PropagationRules):
         if w.target in self.specs:
             self._tied(w, self.specs[w.target])
 
-    def _tied(self, w: fx.Node, split: tuple[int, tuple[int, ...]]) -> None:
+    def _tied(self, w: fx.Node, split: Shard) -> None:
         whole = self.whole[w.target]
         raise PassError(
-            f"parameter {w.target!r} is split along dim {split[0]} in blocks {split[1]} for one "
+            f"parameter {w.target!r} is split along dim {split.dim} in blocks {split.parts} for one "
             f"use but read whole by node {whole.name!r} (module {owning_module(whole)!r}), a "
             f"replicated linear (the LM head is found only when the loss reads its output "
             f"through views, casts and pointwise ops); set tp_plan for "
@@ -453,15 +411,15 @@ class _TensorParallel(PropagationRules):
 
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
         assert w.op == "get_attr", f"{node.name}: weight is not a parameter"
-        spec = (dim, parts)
+        spec = Shard(dim, parts)
         if w.target in self.whole:
             self._tied(w, spec)
         if self.specs.setdefault(w.target, spec) != spec:
             raise PassError(
                 f"parameter {w.target!r} is read by node {node.name!r} (module "
                 f"{owning_module(node)!r}) split along dim {dim} in blocks {parts}, but "
-                f"elsewhere along dim {self.specs[w.target][0]} in blocks "
-                f"{self.specs[w.target][1]}; tie it only between uses split alike, or "
+                f"elsewhere along dim {self.specs[w.target].dim} in blocks "
+                f"{self.specs[w.target].parts}; tie it only between uses split alike, or "
                 f"set tp_plan for one of them to 'replicate'"
             )
 
@@ -470,11 +428,11 @@ class _TensorParallel(PropagationRules):
             if node.op != "get_attr" or not isinstance(val(node), torch.Tensor):
                 continue
             if node.target in self.specs:
-                dim, parts = self.specs[node.target]
-                node.meta["fxmeg"]["tp"] = ("shard", dim, parts)
-                node.meta["val"] = _local_fake(val(node), dim, self.tp)
+                split = self.specs[node.target]
+                node.meta["fxmeg"]["tp"] = split
+                node.meta["val"] = _local_fake(val(node), split, self.tp)
             elif getattr(attr(self.gm, node.target), "requires_grad", False):
-                node.meta["fxmeg"]["tp"] = ("replicate", self._touches_split(node))
+                node.meta["fxmeg"]["tp"] = Replicate(self._touches_split(node))
 
     def _touches_split(self, param: fx.Node) -> bool:
         """True when the parameter's gradient differs per tp rank: it reaches a split or
@@ -486,7 +444,7 @@ class _TensorParallel(PropagationRules):
                 continue
             seen.add(n)
             p = self.place.get(n)
-            if isinstance(p, (Shard, list)) or p == "local":
+            if isinstance(p, (Shard, list)) or p is LOCAL:
                 return True
             if p is None:
                 todo.extend(n.users)
@@ -538,11 +496,9 @@ def _reaches_placeholder(node: fx.Node) -> bool:
     return False
 
 
-def _local_fake(full: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
-    """A fake tensor like ``full`` with ``dim`` cut to one tp rank's share."""
+def _local_fake(full: torch.Tensor, split: Shard, tp: int) -> torch.Tensor:
+    """A fake tensor like ``full`` with its split dim cut to one tp rank's share."""
     from torch._guards import detect_fake_mode
 
-    shape = list(full.shape)
-    shape[dim] //= tp
     with detect_fake_mode([full]):
-        return full.new_empty(shape)
+        return full.new_empty(split.local_shape(full.shape, tp))

@@ -1,5 +1,5 @@
-"""Placements for the tensor-parallel pass: how a value is split over the tp ranks, and
-how view-like ops move that split between dimensions.
+"""How view-like ops move a tensor-parallel split (``fxmeg.layouts.Shard``) between
+dimensions, for the tensor-parallel pass and the context-parallel pass's reshapes.
 
 A value is either replicated (``None``: every rank holds all of it) or a ``Shard``: split
 along ``dim`` into tp equal parts, block by block (``parts``: the global sizes of the
@@ -9,24 +9,7 @@ holds the r-th tp-th of each).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
-
-@dataclass(frozen=True)
-class Shard:
-    dim: int
-    """Split dimension (non-negative, in the value's own dimensions)."""
-    parts: tuple[int, ...]
-    """Global sizes of the blocks along ``dim``; each is split evenly over tp ranks."""
-    seq: bool = False
-    """The residual stream's sequence shard (sequence parallelism)."""
-    vocab: bool = False
-    """Logits over this rank's vocabulary shard."""
-    origin: str = field(default="", compare=False)
-    """Module FQN of the linear or embedding that split it (for error messages)."""
-
-    def moved(self, dim: int, parts: tuple[int, ...] | None = None) -> Shard:
-        return replace(self, dim=dim, parts=self.parts if parts is None else parts)
+from fxmeg.layouts import Shard
 
 
 def dim_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -90,20 +73,5 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
     raise AssertionError("dim not found in groups")
 
 
-def local_size(size: int, tp: int) -> int:
-    assert size % tp == 0
-    return size // tp
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def block_ranges(parts: tuple[int, ...], tp: int, rank: int) -> list[tuple[int, int]]:
-    """[start, end) of rank's piece of every block, in global coordinates."""
-    out, start = [], 0
-    for p in parts:
-        step = p // tp
-        out.append((start + rank * step, start + (rank + 1) * step))
-        start += p
-    return out

@@ -3,11 +3,12 @@ the tensor-parallel pass (fxmeg/passes/tensor_parallel.py), kept apart from its 
 linears, vocabulary and parameter handling so each file reads on its own.
 
 ``PropagationRules`` is mixed into the pass's ``_TensorParallel``: it reads the pass's
-state (``g`` the graph, ``tp``, ``place``: node -> Shard | "partial" | "local" | None,
+state (``g`` the graph, ``tp``, ``place``: node -> Shard | PARTIAL | LOCAL | None,
 ``statistics``) and calls its helpers (``_spec``, ``_unsupported``, ``_check_divides``).
-Each rule takes a node whose inputs have places and returns the node's place, rewriting
-the node's shape arguments to local sizes where needed, or raises a PassError naming the
-node and a fix (docs/errors.md, row tp-unsplittable).
+Each rule is registered for its op families (``@rule(TP, family, ...)``, the one registry
+in ``passes/op_rules.py``), takes a node whose inputs have places and returns the node's
+place, rewriting the node's shape arguments to local sizes where needed, or raises a
+PassError naming the node and a fix (docs/errors.md, row tp-unsplittable).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from torch import fx
 
 from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
+from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, divide_shape_arg, full_args, val
-from fxmeg.passes.tp_placement import Indivisible, Shard, divisors, reshape_shard
+from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, rule
+from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
 
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 fxmeg_ops = torch.ops.fxmeg
 # collectives whose backward reduces the gradient over tp ranks: a parameter reaching a split
 # value only through one of them gets the same gradient on every rank (tp_slice does not)
@@ -48,6 +50,13 @@ def _indivisible(node: fx.Node, why: Indivisible, s: Shard, tp: int) -> str:
 
 
 class PropagationRules:
+    @rule(TP, "copy", "random")
+    def _same(self, node: fx.Node):
+        """Casts, copies and random draws shaped like their input keep its split (a
+        random op on a split value draws from this rank's stream: ``_per_rank_streams``)."""
+        return self.place[node.args[0]]
+
+    @rule(TP, "pointwise")
     def _elementwise(self, node: fx.Node):
         out_dim = val(node).dim()
         shards = [(a, self.place[a]) for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)]
@@ -81,9 +90,10 @@ class PropagationRules:
         self._check_divides(node, size, f"dim {dim} of operand {a.name!r}")
         with self.g.inserting_before(node):
             piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim, self.tp, TP), like=node)
-        self.place[piece] = "local"  # this rank's part of a replicated value
+        self.place[piece] = LOCAL  # this rank's part of a replicated value
         return piece
 
+    @rule(TP, "view")
     def _reshape(self, node: fx.Node):
         s = self.place[node.args[0]]
         a, b = tuple(val(node.args[0]).shape), tuple(val(node).shape)
@@ -99,10 +109,11 @@ class PropagationRules:
             raise PassError(_indivisible(node, moved, s, self.tp))
         if isinstance(moved, str):
             raise self._unsupported(node, moved, s)
-        if node.target in _RESHAPES or node.target == aten.unflatten.int:
+        if node.target in SHAPE_ARGUMENT:
             divide_shape_arg(node, moved.dim, self.tp)
         return moved
 
+    @rule(TP, "permute")
     def _permute(self, node: fx.Node):
         s, n = self.place[node.args[0]], val(node).dim()
         if node.target == aten.transpose.int:
@@ -112,9 +123,10 @@ class PropagationRules:
             return s.moved(1 - s.dim)
         return s.moved([d % n for d in node.args[1]].index(s.dim))
 
+    @rule(TP, "split")
     def _split(self, node: fx.Node):
         s = self.place[node.args[0]]
-        dim = _dim(node, val(node.args[0]).dim())
+        dim = dim_argument(node) % val(node.args[0]).dim()
         pieces = node.meta["val"]  # a list of fake tensors
         if dim != s.dim:
             return [s] * len(pieces)
@@ -127,6 +139,7 @@ class PropagationRules:
             node.args = (node.args[0], [x // self.tp for x in node.args[1]], *node.args[2:])
         return [s.moved(dim, (p,)) for p in s.parts]
 
+    @rule(TP, "slice")
     def _slice(self, node: fx.Node):
         """A slice along another dim keeps the split; along the split dim, a slice of whole
         blocks (a fused projection's q, k, v: ``qkv[..., :q_size]``) takes this rank's
@@ -146,6 +159,7 @@ class PropagationRules:
         node.args, node.kwargs = (x, dim, start // self.tp, end // self.tp), {}
         return s.moved(dim, s.parts[edges.index(start):edges.index(end)])
 
+    @rule(TP, "concat")
     def _cat(self, node: fx.Node):
         """cat / stack: operands split alike along another dim keep (move) the split, a
         replicated one is cut to this rank's part; cat along the split dim of split
@@ -172,6 +186,7 @@ class PropagationRules:
                 node.replace_input_with(a, self._local_slice(node, a, s0.dim))
         return s0.moved(s0.dim + (stack and dim <= s0.dim))
 
+    @rule(TP, "index")
     def _select(self, node: fx.Node):
         """select / index_select pick along one dim: not the split one."""
         s = self.place.get(node.args[0])
@@ -184,6 +199,7 @@ class PropagationRules:
             return s.moved(s.dim - (dim < s.dim))
         return s
 
+    @rule(TP, "repeat")
     def _repeat_interleave(self, node: fx.Node):
         s = self.place[node.args[0]]
         dim = node.args[2] % val(node).dim() if len(node.args) > 2 else None
@@ -193,6 +209,7 @@ class PropagationRules:
             raise self._unsupported(node, "it flattens the split value", s)
         return s
 
+    @rule(TP, "attention")
     def _attention(self, node: fx.Node):
         q, k, v = (self.place.get(a) for a in node.args[:3])
         if not (isinstance(q, Shard) and q == k == v and q.dim < val(node).dim() - 2):
@@ -204,6 +221,7 @@ class PropagationRules:
                 node.replace_input_with(mask, self._local_slice(node, mask, j))
         return q
 
+    @rule(TP, "context_parallel")
     def _context_parallel(self, node: fx.Node):
         """The context-parallel ops work along the sequence (their dim argument): a split
         over heads passes through; the causal mask depends on positions only."""
@@ -251,6 +269,7 @@ class PropagationRules:
                 node.replace_input_with(a, self._local_slice(node, a, j))
         return s.moved(out.index(letter))
 
+    @rule(TP, "norm")
     def _layer_norm(self, node: fx.Node):
         """layer_norm over a split last dim: mean and variance from tp all-reduced sums,
         then the affine weight and bias split like the features."""
@@ -293,7 +312,7 @@ class PropagationRules:
             copy = call(self.g, torch.ops.fxmeg.tp_copy.default, (local, TP), like=like)
         with self.g.inserting_after(copy):
             total = call(self.g, torch.ops.fxmeg.tp_reduce.default, (copy, TP), like=like)
-        self.place[local] = self.place[copy] = "local"
+        self.place[local] = self.place[copy] = LOCAL
         self.place[total] = None
         self.statistics.append((total, like))
         return total
@@ -329,13 +348,17 @@ class PropagationRules:
                 total.replace_input_with(copy, copy.args[0])
                 self.g.erase_node(copy)
 
-    def _along(self, node: fx.Node, dims, what: str):
+    @rule(TP, "softmax", "cumulative")
+    def _along(self, node: fx.Node):
+        """Softmax and running sums along their dim: the split must lie elsewhere."""
         s, n = self.place[node.args[0]], val(node).dim()
+        dims, what = dim_argument(node), "computes along"
         dims = [dims] if isinstance(dims, int) else list(dims)
         if s.dim in {d % n for d in dims}:
             raise self._unsupported(node, f"it {what} dim {s.dim}, which is split over tp ranks", s)
         return s
 
+    @rule(TP, "reduction")
     def _reduction(self, node: fx.Node):
         """Reductions (torch.Tag.reduction) by their ``dim`` argument: over other dims the
         split stays (moves); a sum or mean over the split dim is a local sum all-reduced
@@ -365,12 +388,7 @@ class PropagationRules:
             self.place[out] = None
         for user in users:
             user.replace_input_with(node, out)
-        return "local"
-
-
-def _dim(node: fx.Node, ndim: int) -> int:
-    args = full_args(node)
-    return args[2] % ndim
+        return LOCAL
 
 
 def _bounds(start, end, size: int) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from fxmeg import program as prog
 from fxmeg.capture import CONSTANTS
 from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
+from fxmeg.layouts import is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.program import Program
@@ -273,7 +274,7 @@ def _local_values(program: Program, groups: Groups, source: Source | None,
     for name, (t, is_param) in tensors.items():
         if t.is_meta or source.has(name):
             spec = program.tp_specs.get(name) if is_param else None
-            wanted[name] = (spec if spec is not None and spec[0] == "shard" else None,
+            wanted[name] = (spec if is_split(spec) else None,
                             program.init_dtypes.get(name, t.dtype))
     return source.values(wanted, program.device, groups.topo.tp, groups.tp_rank)
 
@@ -294,7 +295,7 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
             spec = program.tp_specs.get(name)
             if name in local:
                 value = local[name].to(t.dtype)
-            elif isinstance(t, nn.Parameter) and spec is not None and spec[0] == "shard":
+            elif isinstance(t, nn.Parameter) and is_split(spec):
                 value = tp_shard(t, spec, tp, rank)
             else:
                 value = t
@@ -321,7 +322,7 @@ def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tens
             else:
                 spec = program.tp_specs.get(name)
                 full = program.master_values[name]
-                out[name] = tp_shard(full, spec, tp, rank) if spec is not None and spec[0] == "shard" else full
+                out[name] = tp_shard(full, spec, tp, rank) if is_split(spec) else full
     return out
 
 
@@ -361,7 +362,7 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
 def _grad_reductions(program: Program, named: dict[str, nn.Parameter], groups: Groups) -> list:
     names = sorted(named)  # every holder issues these all-reduces in the same order
     tied = [(named[n], groups.tied[frozenset(program.holders[n])]) for n in names if len(program.holders[n]) > 1]
-    replicated = [(named[n], groups.tp) for n in names if program.tp_specs.get(n) == ("replicate", True)]
+    replicated = [(named[n], groups.tp) for n in names if reduces_grad(program.tp_specs.get(n))]
     return tied + replicated
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.runtime.groups import all_gather_
+from fxmeg.layouts import ParamLayout, is_split
 from fxmeg.sharding import tp_assemble
 
 
@@ -82,10 +83,10 @@ def _pack(params: list[nn.Parameter], flat: torch.Tensor, *, to_flat: bool) -> N
         offset += p.numel()
 
 
-def gather_tp(local: torch.Tensor, spec: tuple | None, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_tp(local: torch.Tensor, spec: ParamLayout | None, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The full tensor of a tensor-parallel shard (a new tensor; a copy of ``local`` when
     it is not split). Collective over ``group``."""
-    if spec is None or spec[0] != "shard" or group is None:
+    if not is_split(spec) or group is None:
         return local.detach().clone()
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.detach().contiguous(), group=group)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.errors import ConfigError, FxmegError
+from fxmeg.layouts import ParamLayout, is_split
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
@@ -304,7 +305,7 @@ class _Piece:
     hi: int
     """The elements [lo, hi) of the parameter (its local shard, flattened) it covers; for a
     full matrix, of the full tensor."""
-    spec: tuple | None = None
+    spec: ParamLayout | None = None
     """Set for the full matrix of a tp-split parameter: its split (the master is full,
     the target the local shard)."""
 
@@ -340,7 +341,7 @@ class Optimizer:
         template: list[dict],
         plan: OptimizerPlan,
         sharding: str,
-        tp_specs: Mapping[str, tuple] = {},
+        tp_specs: Mapping[str, ParamLayout] = {},
         overlap_param_gather: bool = False,
         clip_grad: float,
         check_nonfinite: bool,
@@ -356,7 +357,7 @@ class Optimizer:
         self.max_grad_norm = max_grad_norm
         self.ddp = ddp
         self.tp, self.tp_rank = groups.topo.tp, groups.tp_rank
-        split = {n for n, spec in tp_specs.items() if spec[0] == "shard"}
+        split = {n for n, spec in tp_specs.items() if is_split(spec)}
         first = {n: min(h) == groups.pp_rank for n, h in holders.items()}
         counted = {n: first[n] and (n in split or self.tp_rank == 0) for n in holders}  # each element
         # once: tied weights on their first pipeline holder, replicas (and full matrices) on tp rank 0

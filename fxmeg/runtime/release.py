@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.program import Program
+from fxmeg.layouts import is_split
 
 
 def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule],
@@ -62,8 +63,7 @@ def _held_whole(program: Program, chunks: dict[int, fx.GraphModule]) -> dict[str
     out = {}
     for gm in chunks.values():
         for name, p in gm.named_parameters():
-            spec = program.tp_specs.get(name)
-            if spec is None or spec[0] != "shard":
+            if not is_split(program.tp_specs.get(name)):
                 out[name] = p
     return out
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxmeg.errors import ReplicaError
+from fxmeg.layouts import ParamLayout, is_split
 from fxmeg.program import Program
 from fxmeg.runtime.groups import Groups, all_gather_
 from fxmeg.sharding import tp_shard
@@ -197,11 +198,11 @@ def _plan(program: Program, groups: Groups,
     return plan
 
 
-def _split(spec: tuple | None) -> bool:
-    return spec is not None and spec[0] == "shard"
+def _split(spec: ParamLayout | None) -> bool:
+    return is_split(spec)
 
 
-def _compared(kind: str, spec: tuple | None, held: Held) -> torch.Tensor | None:
+def _compared(kind: str, spec: ParamLayout | None, held: Held) -> torch.Tensor | None:
     """The tensor compared for ``kind``: over tp, a split parameter's full tensor (None
     when this rank has none); else this rank's own value."""
     if kind == "tp" and _split(spec):

@@ -31,6 +31,7 @@ from torch import fx, nn
 
 from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
+from fxmeg.layouts import is_split, reduces_grad
 from fxmeg.ops import AUX_SCALE
 from fxmeg.program import Program
 from fxmeg.runtime.batches import Batch, UserBatch, check, microbatches, positional
@@ -247,7 +248,7 @@ def _describe(name: str, chunk: int, node: fx.Node, err: float, norm: float) -> 
     readers = tuple((u.name, str(u.target), u.meta.get("fxmeg", {}).get("pass", "capture")) for u in node.users)
     tp = meta.get("tp")
     rewritten = [p for _, _, p in readers if p != "capture"]
-    split = tp is not None and (tp[0] == "shard" or tp == ("replicate", True))
+    split = is_split(tp) or reduces_grad(tp)
     pass_ = "tensor_parallel" if split else (rewritten[0] if rewritten else "capture")
     return ParamError(name=name, error=err, norm=norm, chunk=chunk, node=node.name, readers=readers,
                       tp=tp, pass_=pass_)

@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fxmeg.layouts import Shard
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.runtime.optimizer import param_groups
 from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
@@ -157,8 +158,8 @@ def gather_masters(ranks: list[dict], shapes: dict[str, torch.Size], tp: int) ->
         for name, lo, hi, flat in r["pieces"]:
             spec = specs.get(name)
             local = list(shapes[name])
-            if spec is not None and spec[0] == "shard":
-                local[spec[1]] //= tp
+            if isinstance(spec, Shard):
+                local = list(spec.local_shape(local, tp))
             for box in flat_to_boxes(local, lo, hi):
                 start = flat_index(local, box[0]) - lo
                 src = flat[start : start + math.prod(box[1])].view(box[1])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fxmeg
+from fxmeg.layouts import Replicate, Shard
 
 from tests.distributed import run_worlds
 from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
@@ -98,8 +99,8 @@ def test_each_rank_holds_its_shards_only(results, sc):
     model = make_model(sc.model, n_layer=sc.layers)
     for r in results[sc.world]:
         specs = r[sc.id]["tp_specs"]
-        sharded = sum(p.numel() for n, p in model.named_parameters() if specs[n][0] == "shard")
-        replicated = sum(p.numel() for n, p in model.named_parameters() if specs[n][0] == "replicate")
+        sharded = sum(p.numel() for n, p in model.named_parameters() if isinstance(specs[n], Shard))
+        replicated = sum(p.numel() for n, p in model.named_parameters() if isinstance(specs[n], Replicate))
         assert sharded and replicated
         assert r[sc.id]["param_elements"] == sharded // sc.tp + replicated
 

@@ -16,6 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
+from fxmeg.layouts import Shard
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.distributed import run_world
 from tests.helpers import graph_after, make_batch, make_model
@@ -105,7 +106,7 @@ def test_verify_names_the_parameter_a_broken_pass_got_wrong(results):
     assert not r.ok
     bad = r.first_failure
     assert bad.name == "model.embed_tokens.weight" and bad.error > 1e-3
-    assert bad.chunk == 0 and bad.pass_ == "tensor_parallel" and bad.tp[0] == "shard"
+    assert bad.chunk == 0 and bad.pass_ == "tensor_parallel" and isinstance(bad.tp, Shard)
     assert "aten.embedding.default" in [op for _, op, _ in bad.readers]
     assert "first mismatch in graph order: model.embed_tokens.weight" in r.report()
     assert r.loss_error <= 1e-5  # the forward is right: only the gradient is wrong

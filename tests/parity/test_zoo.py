@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import fxmeg
+from fxmeg.layouts import Shard
 from tests.distributed import run_world
 from tests.helpers import (
     assert_losses_close,
@@ -162,7 +163,7 @@ def train(name: str, layout: str):
         engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
                                    optimizer=optimizer, **options)
         steps = [engine.train_step(b) for b in data]
-        sharded = sorted(n for n, spec in engine.program.tp_specs.items() if spec[0] == "shard")
+        sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
         return [s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict(), sharded
     except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"

@@ -8,6 +8,7 @@ from expecttest import TestCase
 from torch import nn
 
 from fxmeg.errors import PassError
+from fxmeg.layouts import Replicate, Shard
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
 from fxmeg.transform import transform
@@ -171,17 +172,17 @@ def test_runtime_materialises_this_ranks_shards(rank):
     proj = gm.get_parameter("layers.0.mlp.proj.weight")
     assert torch.equal(proj, ref["layers.0.mlp.proj.weight"][:, rank * 64 : (rank + 1) * 64])
     tags = _tags(program.chunks[0])
-    assert tags["layers.0.attn.qkv.weight"] == ("shard", 0, (32, 32, 32))
-    assert tags["layers.0.mlp.proj.weight"] == ("shard", 1, (128,))
-    assert tags["layers.0.mlp.proj.bias"] == ("replicate", False)  # added after the all-reduce
-    assert tags["wpe.weight"] == ("replicate", False)
+    assert tags["layers.0.attn.qkv.weight"] == Shard(0, (32, 32, 32))
+    assert tags["layers.0.mlp.proj.weight"] == Shard(1, (128,))
+    assert tags["layers.0.mlp.proj.bias"] == Replicate(False)  # added after the all-reduce
+    assert tags["wpe.weight"] == Replicate(False)
 
 
 def test_sequence_parallel_marks_norm_weights_for_tp_reduction():
     gm = _tp(make_model("llama", n_layer=1), sequence_parallel=True)
     tags = _tags(gm)
-    assert tags["norm.weight"] == ("replicate", True)
-    assert tags["layers.0.input_layernorm.weight"] == ("replicate", True)
+    assert tags["norm.weight"] == Replicate(True)
+    assert tags["layers.0.input_layernorm.weight"] == Replicate(True)
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.fxmeg.sp_gather.default) == 3  # attention, MLP, head
     assert ops.count(torch.ops.fxmeg.sp_scatter.default) == 3  # embedding, attention, MLP
@@ -191,8 +192,8 @@ def test_sequence_parallel_marks_norm_weights_for_tp_reduction():
 def test_plan_overrides_the_automatic_choice():
     gm = _tp(make_model("llama", n_layer=1), tp_plan={"layers.*.mlp.*": "replicate"})
     tags = _tags(gm)
-    assert tags["layers.0.mlp.up_proj.weight"] == ("replicate", False)
-    assert tags["layers.0.self_attn.q_proj.weight"][0] == "shard"
+    assert tags["layers.0.mlp.up_proj.weight"] == Replicate(False)
+    assert isinstance(tags["layers.0.self_attn.q_proj.weight"], Shard)
 
 
 def test_tp_not_dividing_heads():
@@ -280,7 +281,7 @@ def test_gemma2_softcapped_eager_attention_and_head():
     gm = _hf("gemma2")
     assert _local(gm, torch.ops.aten.matmul.default) == [(2, 2, 16, 16), (2, 2, 16, 8)]
     assert _local(gm, torch.ops.aten.tanh.default) == [(2, 2, 16, 16), (2, 16, 64)]
-    assert _tags(gm)["model.embed_tokens.weight"] == ("shard", 0, (128,))
+    assert _tags(gm)["model.embed_tokens.weight"] == Shard(0, (128,))
 
 
 def test_a_tied_weight_split_for_one_use_and_read_whole_by_another_is_refused():
@@ -368,11 +369,11 @@ def test_einops_rearrange_keeps_the_head_split(style):
     assert _local(gm, torch.ops.aten.einsum.default) == [(2, 2, 16, 16), (2, 2, 16, 4)]
     tags = _tags(gm)
     if style == "separate":
-        assert all(tags[f"layers.0.to_{n}.weight"] == ("shard", 0, (16,)) for n in "qkv")
+        assert all(tags[f"layers.0.to_{n}.weight"] == Shard(0, (16,)) for n in "qkv")
     else:
-        assert tags["layers.0.to_qkv.weight"] == ("shard", 0, (16, 16, 16))
-    assert tags["layers.0.to_out.weight"] == ("shard", 1, (16,))
-    assert tags["layers.0.to_out.bias"] == ("replicate", False)  # added after the all-reduce
+        assert tags["layers.0.to_qkv.weight"] == Shard(0, (16, 16, 16))
+    assert tags["layers.0.to_out.weight"] == Shard(1, (16,))
+    assert tags["layers.0.to_out.bias"] == Replicate(False)  # added after the all-reduce
 
 
 def test_einops_fused_blocks_in_one_rearrange_are_refused_with_the_fix():
@@ -401,8 +402,8 @@ def test_fused_qkv_sliced_by_blocks():
     likewise."""
     gm = _hf("phi3")
     tags = _tags(gm)
-    assert tags["model.layers.0.self_attn.qkv_proj.weight"] == ("shard", 0, (32, 16, 16))
-    assert tags["model.layers.0.mlp.gate_up_proj.weight"] == ("shard", 0, (64, 64))
+    assert tags["model.layers.0.self_attn.qkv_proj.weight"] == Shard(0, (32, 16, 16))
+    assert tags["model.layers.0.mlp.gate_up_proj.weight"] == Shard(0, (64, 64))
     slices = [n.args[1:] for n in gm.graph.nodes
               if n.target == torch.ops.aten.slice.Tensor and n.args[0].target == torch.ops.aten.linear.default]
     assert slices == [(2, 0, 16), (2, 16, 24), (2, 24, 32)]
@@ -413,8 +414,8 @@ def test_qk_norm_over_the_whole_projection():
     all-reduced local sum over the full size; the norm weights are split like the features."""
     gm = _hf("olmo2")
     tags = _tags(gm)
-    assert tags["model.layers.0.self_attn.q_norm.weight"] == ("shard", 0, (32,))
-    assert tags["model.layers.0.self_attn.k_norm.weight"] == ("shard", 0, (16,))
+    assert tags["model.layers.0.self_attn.q_norm.weight"] == Shard(0, (32,))
+    assert tags["model.layers.0.self_attn.k_norm.weight"] == Shard(0, (16,))
     fx = torch.ops.fxmeg
     means = [n for n in gm.graph.nodes if n.target == torch.ops.aten.div.Tensor
              and n.args[0].target == fx.tp_reduce.default]
@@ -427,7 +428,7 @@ def test_qk_norm_per_head_keeps_the_head_split():
     its weight stays whole, its gradient summed over tp ranks (each rank's heads)."""
     gm = _hf("qwen3")
     assert _local(gm, torch.ops.aten.mean.dim)[1:3] == [(2, 16, 2, 1), (2, 16, 1, 1)]
-    assert _tags(gm)["model.layers.0.self_attn.q_norm.weight"] == ("replicate", True)
+    assert _tags(gm)["model.layers.0.self_attn.q_norm.weight"] == Replicate(True)
     assert torch.ops.fxmeg.tp_reduce.default not in {u.target for n in gm.graph.nodes
                                                       if n.target == torch.ops.aten.mean.dim for u in n.users}
 
@@ -482,7 +483,7 @@ class _NewPointwise(nn.Module):
 def test_pointwise_ops_by_tag_keep_the_split():
     gm = _tp(_NewPointwise())
     assert _local(gm, torch.ops.aten.hypot.default) == [(2, 16, 16)]
-    assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32,))
+    assert _tags(gm)["layers.0.down.weight"] == Shard(1, (32,))
 
 
 class _CatStack(nn.Module):
@@ -510,7 +511,7 @@ def test_cat_along_the_split_dim_lays_blocks_end_to_end():
     gm = _tp(_CatStack())
     assert _local(gm, torch.ops.aten.stack.default) == [(2, 2, 16, 32)]
     assert _local(gm, torch.ops.aten.select.int) == [(2, 16, 32)]
-    assert _tags(gm)["layers.0.down.weight"] == ("shard", 1, (32, 32))
+    assert _tags(gm)["layers.0.down.weight"] == Shard(1, (32, 32))
 
 
 class _SplitMax(_NormedMLP):

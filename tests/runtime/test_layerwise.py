@@ -12,6 +12,7 @@ import torch
 
 import fxmeg
 from fxmeg.errors import ConfigError
+from fxmeg.layouts import Shard
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import (
@@ -54,7 +55,7 @@ def test_assign_is_deterministic_whatever_the_order():
 
 def test_tp_assemble_inverts_tp_shard_with_blocks():
     full = torch.arange(12 * 4.0).view(12, 4)
-    spec = ("shard", 0, (4, 4, 4))  # a fused QKV: every block split in tp parts
+    spec = Shard(0, (4, 4, 4))  # a fused QKV: every block split in tp parts
     shards = [tp_shard(full, spec, 2, r) for r in range(2)]
     assert torch.equal(tp_assemble(shards, spec), full)
     assert torch.equal(shards[1][:2], full[2:4])
