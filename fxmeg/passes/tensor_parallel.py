@@ -136,7 +136,8 @@ class _TensorParallel(PropagationRules):
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
         if found is None:
-            raise self._unsupported(node, f"fxmeg has no rule for it ({describe(t)})")
+            split = next((p for p in args if isinstance(p, Shard)), None)
+            raise self._unsupported(node, f"fxmeg has no rule for it ({describe(t)})", split)
         return found.fn(self, node)
 
     def _per_rank_streams(self) -> None:

@@ -1,0 +1,92 @@
+"""The one registry of op rules (fxmeg/passes/op_rules.py): which ops each family covers,
+found by explicit entry or by tag, and which rule each parallel axis registered for it.
+The table below is the registry printed: a change to a family or a rule shows here."""
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from fxmeg.errors import PassError
+from fxmeg.ops import CP, TP
+from fxmeg.passes import context_parallel, tensor_parallel  # noqa: F401  (register their rules)
+from fxmeg.passes.op_rules import FAMILIES, family_of, rules
+from fxmeg.transform import transform
+from tests.helpers import make_batch
+
+aten = torch.ops.aten
+
+
+def _table() -> str:
+    tp, cp = rules(TP), rules(CP)
+    rows = []
+    for f in FAMILIES:
+        names = sorted(str(op).removeprefix("aten.") for op in f.ops)
+        names += [f"tag {f.tag.name}"] if f.tag is not None else []
+        rule = [r.fn.__name__ + ("*" if r.always else "") if r else "-" for r in (tp.get(f.name), cp.get(f.name))]
+        rows.append(f"{f.name:<16} tp {rule[0]:<20} cp {rule[1]:<14} {', '.join(names)}")
+    return "\n".join(rows)
+
+
+class Registry(TestCase):
+    def test_families_and_the_rule_of_each_axis(self):
+        """``*``: the rule runs even when no input is split (it starts a split)."""
+        self.assertExpectedInline(_table(), """\
+copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, to.device, to.dtype, to.dtype_layout, type_as.default
+random           tp _same                cp _elementwise   bernoulli.default, bernoulli.p, dropout.default, native_dropout.default, rand_like.default, randn_like.default
+pointwise        tp _elementwise         cp _elementwise   masked_fill.Tensor, where.ScalarOther, where.ScalarSelf, tag pointwise
+view             tp _reshape             cp _reshape       _unsafe_view.default, expand.default, flatten.using_ints, reshape.default, squeeze.default, squeeze.dim, unflatten.int, unsqueeze.default, view.default
+permute          tp _permute             cp _permute       permute.default, t.default, transpose.int
+split            tp _split               cp _along         chunk.default, split.Tensor, split_with_sizes.default
+slice            tp _slice               cp _along         slice.Tensor
+index            tp _select              cp _along         index_select.default, select.int
+repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
+concat           tp _cat                 cp _cat           cat.default, stack.default
+softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
+cumulative       tp _along               cp _along         cumprod.default, cumsum.default, logcumsumexp.default
+reduction        tp _reduction           cp _reduction     tag reduction
+linear           tp _product*            cp _linear        addmm.default, linear.default
+matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
+attention        tp _attention           cp _attention     scaled_dot_product_attention.default
+norm             tp _layer_norm          cp _layer_norm    layer_norm.default
+embedding        tp _embedding*          cp _embedding     embedding.default
+loss             tp _loss                cp _loss          cross_entropy_loss.default, nll_loss.default, nll_loss_nd.default
+convolution      tp -                    cp _convolution   conv1d.default, conv2d.default, convolution.default
+context_parallel tp _context_parallel    cp -              fxmeg.cp_attention.default, fxmeg.cp_causal_mask.default, fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
+
+
+def test_each_explicit_op_is_in_one_family():
+    seen = {}
+    for f in FAMILIES:
+        for op in f.ops:
+            assert op not in seen, f"{op} is in families {seen[op]!r} and {f.name!r}"
+            seen[op] = f.name
+
+
+def test_ops_are_found_by_tag_after_explicit_entries():
+    assert family_of(aten.hypot.default).name == "pointwise"  # by torch.Tag.pointwise
+    assert family_of(aten.amax.default).name == "reduction"  # by torch.Tag.reduction
+    assert family_of(aten.clone.default).name == "copy"  # tagged pointwise, but a copy first
+    assert family_of(aten.roll.default) is None
+
+
+class _Roll(torch.nn.Module):
+    """A roll along the features of a split projection: an op of no family."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 16)
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict(
+            {"up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})])
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = torch.roll(self.layers[0]["up"](x), 1, dims=1)
+        x = x + self.layers[0]["down"](h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("axis", ["tp", "cp"])
+def test_an_op_with_no_rule_is_refused_by_name_on_every_axis(axis):
+    with pytest.raises(PassError, match=r"cannot split node 'roll' \(roll.default.*no (context-parallel )?rule"):
+        transform(_Roll(), make_batch(2, seed=0), **{axis: 2})
