@@ -53,9 +53,10 @@ def _ops(*names: str, ns=aten) -> frozenset:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("copy", "same shape and values, or a cast, copy or alias of them",
+    Family("copy", "shaped like their input: a cast, copy or alias of it, or constants like it",
            _ops("to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "alias.default",
-                "contiguous.default", "type_as.default", "detach.default", "clone.default")),
+                "contiguous.default", "type_as.default", "detach.default", "clone.default",
+                "zeros_like.default", "ones_like.default")),
     Family("random", "draw random values shaped like their input (their stream matters)",
            _ops("dropout.default", "native_dropout.default", "bernoulli.default", "bernoulli.p",
                 "rand_like.default", "randn_like.default")),

@@ -45,6 +45,7 @@ from tests.helpers import (
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_keyword_batches import PAD, padded
 from tests.passes.test_context_parallel import MeanSquared, _Encoder, _Window, regression_batches
+from tests.passes.test_op_rules import ZerosLike
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
@@ -175,7 +176,7 @@ def window_batches():
 
 def window(rank: int, model=_Window) -> dict:
     """SDPA under a sliding-window mask (built from positions, not causal), or with no
-    mask at all (an encoder's), at cp=2."""
+    mask at all (an encoder's), or another small model (``zeros_like``), at cp=2."""
     torch.manual_seed(0)
     batches = window_batches()
     engine = fxmeg.parallelize(model(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
@@ -204,6 +205,7 @@ def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
         out["saved"] = {cp: saved_bytes(cp) for cp in (1, 2)}
         out["window"] = window(rank)
         out["encoder"] = window(rank, _Encoder)
+        out["zeros_like"] = window(rank, ZerosLike)
         out["regression"] = regression(rank)
     return out
 
@@ -245,8 +247,8 @@ def test_activations_per_rank_shrink_with_cp(results):
         assert r["saved"][2] <= 0.6 * r["saved"][1], r["saved"]
 
 
-@pytest.mark.parametrize("name,model", [("window", _Window), ("encoder", _Encoder)])
-def test_a_sliding_window_or_no_mask_matches_single_device(results, name, model):
+@pytest.mark.parametrize("name,model", [("window", _Window), ("encoder", _Encoder), ("zeros_like", ZerosLike)])
+def test_a_sliding_window_no_mask_or_zeros_like_matches_single_device(results, name, model):
     torch.manual_seed(0)
     losses, _, state = reference(model(), window_batches())
     for r in results[2]:

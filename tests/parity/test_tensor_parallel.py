@@ -2,7 +2,7 @@
 sequence parallelism, with pp=2, and tp=2 x pp=2 x dp=2 with the distributed optimizer,
 for GPT (tied vocabulary-parallel embedding and head) and Llama (GQA); and at tp=2 the small
 models of the graph tests that exercise one rule each (layer_norm over split features, a sum
-read whole, cat of split blocks, einsum attention with a per-head bias)."""
+read whole, cat of split blocks, einsum attention with a per-head bias, zeros_like)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fxmeg.layouts import Replicate, Shard
 
 from tests.distributed import run_worlds
 from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
@@ -52,7 +53,7 @@ def compiled_collectives(rank: int) -> dict:
 
 
 RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "cat-blocks": _CatStack,
-         "einsum-bias": _EinsumAttention}
+         "einsum-bias": _EinsumAttention, "zeros-like": ZerosLike}
 
 
 def _rule_model(name):

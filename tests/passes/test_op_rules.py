@@ -31,7 +31,7 @@ class Registry(TestCase):
     def test_families_and_the_rule_of_each_axis(self):
         """``*``: the rule runs even when no input is split (it starts a split)."""
         self.assertExpectedInline(_table(), """\
-copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, to.device, to.dtype, to.dtype_layout, type_as.default
+copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, ones_like.default, to.device, to.dtype, to.dtype_layout, type_as.default, zeros_like.default
 random           tp _same                cp _elementwise   bernoulli.default, bernoulli.p, dropout.default, native_dropout.default, rand_like.default, randn_like.default
 pointwise        tp _elementwise         cp _elementwise   masked_fill.Tensor, where.ScalarOther, where.ScalarSelf, tag pointwise
 view             tp _reshape             cp _reshape       _unsafe_view.default, expand.default, flatten.using_ints, reshape.default, squeeze.default, squeeze.dim, unflatten.int, unsqueeze.default, view.default
@@ -90,3 +90,31 @@ class _Roll(torch.nn.Module):
 def test_an_op_with_no_rule_is_refused_by_name_on_every_axis(axis):
     with pytest.raises(PassError, match=r"cannot split node 'roll' \(roll.default.*no (context-parallel )?rule"):
         transform(_Roll(), make_batch(2, seed=0), **{axis: 2})
+
+
+class ZerosLike(torch.nn.Module):
+    """An accumulator made with ``zeros_like`` of a split value (as MoE blocks sum their
+    experts' outputs): the op had no rule on either axis until one line in op_rules.py
+    put it in the ``copy`` family."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 16)
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict(
+            {"up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})])
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        h = self.layers[0]["up"](x)
+        total = torch.zeros_like(h) + h.relu()
+        x = x + self.layers[0]["down"](total)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("axis,local", [("tp", (2, 16, 16)), ("cp", (2, 8, 32))])
+def test_one_family_entry_gives_an_op_a_rule_on_every_axis(axis, local):
+    """(batch 2, seq 16, hidden 32): tp=2 splits the features, cp=2 the sequence."""
+    gm = transform(ZerosLike(), make_batch(2, seed=0), stop_after="tensor_parallel", **{axis: 2})
+    (node,) = [n for n in gm.graph.nodes if n.target == aten.zeros_like.default]
+    assert tuple(node.meta["val"].shape) == local
