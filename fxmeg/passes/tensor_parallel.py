@@ -40,8 +40,9 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     tracker); one on a replicated value keeps the default stream (docs/design.md §4);
   * parameters are not touched: each trainable parameter's get_attr carries
     ``meta["fxmeg"]["tp"]``, a ``fxmeg.layouts.Shard(dim, parts)`` or
-    ``Replicate(reduce_grad)``, reduce_grad True when its gradient differs per tp rank (it touches a split value:
-    norm weights under sequence parallelism) and must be all-reduced; the runtime
+    ``Replicate(reduce_grad)``, reduce_grad True when its gradient differs per tp rank (it
+    touches a split value: norm weights under sequence parallelism) and must be
+    all-reduced; the runtime
     materialises each rank's shard from these tags (``fxmeg.runtime.context``);
   * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
 Anything it cannot split safely is a PassError naming the node, the module, the numbers

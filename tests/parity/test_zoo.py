@@ -130,9 +130,10 @@ TP_ONLY = {"llama2.c-plan"}  # the same training as llama2.c at world size 1
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("llama2.c", "tp2-pp2"): re.escape(
-        "PassError: cannot split node 'unbind' (unbind.int, module 'model.layers.0') over tp=2 ranks: "
-        "fxmeg has no rule for it (a view: not pointwise, a reduction, a view, a concatenation, an index "
-        "or a product). Fix: use tp=1 or set tp_plan for the linears around it"),
+        "PassError: cannot split node 'unbind' (unbind.int, module 'model.layers.0') over tp=2 ranks "
+        "(split along dim 2 by module 'model.layers.0.attention.wq'): fxmeg has no rule for it (a view "
+        "of no family fxmeg knows). Fix: keep that module whole with "
+        "tp_plan={'model.layers.*.attention.wq': 'replicate'}, or use tp=1"),
 }
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 
