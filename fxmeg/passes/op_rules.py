@@ -77,6 +77,8 @@ FAMILIES: tuple[Family, ...] = (
                 "log_softmax.int")),
     Family("cumulative", "running sums or products along their dim argument",
            _ops("cumsum.default", "cumprod.default", "logcumsumexp.default")),
+    Family("rank", "order entries along their dim argument (values and indices: a router's top-k)",
+           _ops("topk.default", "sort.default", "sort.stable", "argsort.default", "argsort.stable")),
     Family("reduction", "reduce over their dim argument (all dims when none)", tag=torch.Tag.reduction),
     Family("linear", "a product with a weight operand and an optional bias (LINEAR_SLOTS)",
            _ops("linear.default", "addmm.default")),

@@ -348,15 +348,17 @@ class PropagationRules:
                 total.replace_input_with(copy, copy.args[0])
                 self.g.erase_node(copy)
 
-    @rule(TP, "softmax", "cumulative")
+    @rule(TP, "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):
-        """Softmax and running sums along their dim: the split must lie elsewhere."""
-        s, n = self.place[node.args[0]], val(node).dim()
-        dims, what = dim_argument(node), "computes along"
+        """Softmax, running sums and orderings (topk, sort) along their dim: the split
+        must lie elsewhere; each output (values, indices) keeps it."""
+        s, n = self.place[node.args[0]], val(node.args[0]).dim()
+        dims = dim_argument(node)
         dims = [dims] if isinstance(dims, int) else list(dims)
         if s.dim in {d % n for d in dims}:
-            raise self._unsupported(node, f"it {what} dim {s.dim}, which is split over tp ranks", s)
-        return s
+            raise self._unsupported(node, f"it computes along dim {s.dim}, which is split over tp ranks", s)
+        outputs = node.meta.get("val")
+        return [s] * len(outputs) if isinstance(outputs, (tuple, list)) else s
 
     @rule(TP, "reduction")
     def _reduction(self, node: fx.Node):
@@ -368,9 +370,12 @@ class PropagationRules:
         dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
         dims = list(range(n)) if dims is None or dims == [] else dims
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
-        keepdim = val(node).dim() == n
+        outputs = node.meta.get("val")  # max.dim / min.dim: (values, indices)
+        first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        keepdim = first.dim() == n
         if s.dim not in dims:
-            return s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
+            out = s if keepdim else s.moved(s.dim - sum(d < s.dim for d in dims))
+            return [out] * len(outputs) if isinstance(outputs, (tuple, list)) else out
         sums = {aten.sum.dim_IntList: None, aten.sum.default: None,
                 aten.mean.dim: aten.sum.dim_IntList, aten.mean.default: aten.sum.default}
         if node.target not in sums:
