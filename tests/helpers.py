@@ -59,6 +59,31 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
     return T.AutoModelForCausalLM.from_config(configs[kind](), **extra)
 
 
+MOE: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=48),  # a shared expert and its one-feature gate
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),  # attention sinks, biased experts
+}
+"""Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
+
+
+def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> torch.nn.Module:
+    """A tiny Hugging Face mixture of experts of ``MOE`` (random init, no download, no
+    dropout), its experts implementation as transformers picks it unless ``extra`` names
+    one (``experts_implementation="eager"``); GPT-OSS has eager attention only."""
+    import transformers as T
+
+    cfg = T.AutoConfig.for_model(kind, vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=8, max_position_embeddings=64, **MOE[kind])
+    torch.manual_seed(0)
+    attn = "eager" if kind == "gpt_oss" else "sdpa"
+    return T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **extra)
+
+
 def dp_shard_elements(layouts, dp: int, dp_rank: int) -> int:
     """Elements of every bucket's equal dp share that data-parallel rank ``dp_rank`` updates
     under the distributed optimizer, padding excluded: what the layout says it owns."""

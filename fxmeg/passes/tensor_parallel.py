@@ -9,6 +9,10 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
     tile it is split block by block) and a linear whose input is split on its feature dim
     becomes row-parallel (weight columns split; its output all-reduced, then its bias added);
     ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
+  * but a router (its output features softmaxed or ranked against one another) and a
+    one-feature gate stay whole, found by what their output feeds, never by name
+    (fxmeg/passes/tp_moe.py says how); so do the expert banks they route to, and the
+    pass logs which (a WARNING on ``fxmeg.passes.tensor_parallel``);
   * every other op carries the split by its kind (docs/design.md §4), so an op never seen
     before is handled when its kind is known: pointwise ops (``torch.Tag.pointwise``) keep
     their operands' split (a replicated operand spanning it is cut to this rank's part, a
@@ -69,6 +73,7 @@ from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
+from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
 
@@ -100,6 +105,7 @@ class _TensorParallel(PropagationRules):
         self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
+        self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
@@ -114,6 +120,8 @@ class _TensorParallel(PropagationRules):
         self._check_statistics()
         self._per_rank_streams()
         self._tag_parameters()
+        say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
+            n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)})
         self._refresh_values()
 
     def _visit(self, node: fx.Node):
@@ -187,7 +195,12 @@ class _TensorParallel(PropagationRules):
         if node not in self.block:
             return "replicate"
         x = self.place.get(node.args[LINEAR_SLOTS[node.target].x])
-        return "rowwise" if isinstance(x, Shard) and not x.seq else "colwise"
+        if isinstance(x, Shard) and not x.seq:
+            return "rowwise"
+        if scores_features(node):  # a router or a one-feature gate (tp_moe)
+            self.routers.append(module)
+            return "replicate"
+        return "colwise"
 
     @rule(TP, "linear", "matmul", always=True)
     def _product(self, node: fx.Node):

@@ -1,0 +1,91 @@
+"""Mixtures of experts through the tensor-parallel pass (fxmeg/passes/tp_moe.py), in one
+process: a router (a linear softmaxed or ranked over its output features) and a
+one-feature gate stay whole, whatever their module is called; the attention and dense
+projections (a shared expert's too) are split; the expert banks stay whole and the pass
+says so; an op with two outputs (max.dim, topk) over a split value keeps or refuses the
+split by name, never with a raw AttributeError (GPT-OSS at tp=2 did)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fxmeg.errors import PassError
+from fxmeg.layouts import Replicate, Shard
+from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+
+
+def _layouts(gm) -> dict:
+    return {n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})}
+
+
+@pytest.mark.parametrize("kind", sorted(MOE))
+def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
+    with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
+        gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+    tp = _layouts(gm)
+    router = "router" if kind == "gpt_oss" else "gate"
+    assert tp[f"model.layers.0.mlp.{router}.weight"] == Replicate()
+    assert tp["model.layers.1.self_attn.q_proj.weight"] == Shard(0, (32,))
+    assert tp["model.layers.1.mlp.experts.down_proj"] == Replicate()
+    if kind == "qwen2_moe":  # the shared expert is a dense MLP: split; its one-feature gate: whole
+        assert tp["model.layers.0.mlp.shared_expert.up_proj.weight"] == Shard(0, (48,))
+        assert tp["model.layers.0.mlp.shared_expert_gate.weight"] == Replicate()
+    said = [r for r in caplog.records if r.name == "fxmeg.passes.tensor_parallel"]
+    (info,) = [r.getMessage() for r in said if r.levelno == logging.INFO]
+    assert f"tp=2 keeps {2 + 2 * (kind == 'qwen2_moe')} router linears whole" in info
+    assert f"model.layers.*.mlp.{router}" in info
+    (warning,) = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    assert warning.startswith("tp=2 leaves") and "'model.layers.*.mlp.experts' (" in warning
+
+
+def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
+    with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
+        graph_after(tiny_moe("gpt_oss"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+    assert ("tp=2 leaves 8 expert parameters (37888 elements) whole on every tp rank: 'model.layers.*.mlp."
+            "experts' (down_proj [4, 48, 32], down_proj_bias [4, 32], gate_up_proj [4, 32, 96], "
+            "gate_up_proj_bias [4, 96])") in caplog.text
+
+
+class _Scored(nn.Module):
+    """A block whose ``scorer`` (no 'gate' or 'router' in its name) is softmaxed over its
+    output features, whose ``weigh`` has one output feature, and whose ``up`` / ``down``
+    pair is a dense MLP: found by kind, the first two stay whole."""
+
+    def __init__(self, reduce: str = "none"):
+        super().__init__()
+        self.reduce = reduce
+        self.emb = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"scorer": nn.Linear(16, 4), "weigh": nn.Linear(16, 1),
+                                                    "up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x, block = self.emb(ids), self.layers[0]
+        probs = block["scorer"](x).float().softmax(-1)  # (b, s, 4)
+        h = block["up"](x)  # (b, s, 32): column-parallel
+        if self.reduce == "features":
+            h = h - h.max(dim=-1, keepdim=True).values  # along the split features
+        elif self.reduce == "sequence":
+            h = h - h.max(dim=1, keepdim=True).values  # along the sequence: keeps the split
+        x = x + block["down"](h.relu()) * probs.max(-1, keepdim=True).values * block["weigh"](x).sigmoid()
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_a_router_is_found_by_kind_not_by_name():
+    tp = _layouts(graph_after(_Scored(), make_batch(2, seed=0), "tensor_parallel", tp=2))
+    assert tp["layers.0.scorer.weight"] == tp["layers.0.weigh.weight"] == Replicate()
+    assert tp["layers.0.up.weight"] == Shard(0, (32,)) and tp["layers.0.down.weight"] == Shard(1, (32,))
+
+
+def test_a_two_output_reduction_keeps_the_split_along_another_dim():
+    gm = graph_after(_Scored("sequence"), make_batch(2, seed=0), "tensor_parallel", tp=2)
+    (values,) = [n for n in gm.graph.nodes if n.name == "getitem"]
+    assert tuple(values.meta["val"].shape) == (2, 1, 16)  # this rank's 16 of 32 features
+
+
+def test_a_two_output_reduction_over_the_split_dim_is_refused_by_name():
+    with pytest.raises(PassError, match=r"cannot split node 'max_1' \(max.dim, module ''\) over tp=2 ranks \(split "
+                                        r"along dim 2 by module 'layers.0.up'\): it reduces over dim 2"):
+        graph_after(_Scored("features"), make_batch(2, seed=0), "tensor_parallel", tp=2)
