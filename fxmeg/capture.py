@@ -33,7 +33,7 @@ from torch import fx, nn
 
 from fxmeg.config import Example
 from fxmeg.errors import CaptureError
-from fxmeg.hugging_face import is_hugging_face
+from fxmeg.hugging_face import exportable_experts, is_hugging_face
 from fxmeg.program import CaptureInfo, InputSpec
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -130,7 +130,8 @@ def capture(
     else:
         root = model
     try:
-        ep = torch.export.export(root, example, strict=False)
+        with exportable_experts(model):  # a Hugging Face MoE's "eager" experts do not export
+            ep = torch.export.export(root, example, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         raise CaptureError(_explain_export_failure(model, exc)) from exc
     prefix = _PREFIX if root is not model else ""
@@ -210,10 +211,7 @@ def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
         "(branches or loops on tensor values), returns tensors (no caches or custom "
         "objects) and runs on the example inputs. Fixes to try: make the branch depend "
         "on shapes or config, use torch.where / torch.cond, disable caches "
-        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way. "
-        "Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE) export only with "
-        "experts_implementation='batched_mm' or 'grouped_mm' (from_config(..., "
-        "experts_implementation='batched_mm')): the default loops over routed experts."
+        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way."
     )
 
 

@@ -20,16 +20,25 @@ a token stream and hold no padding (padded dict batches work through the Python 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from fxmeg.errors import ConfigError, closest
 
+log = logging.getLogger("fxmeg.capture")
 ATTENTION = ("sdpa", "eager")
 """The attention implementations whose graphs fxmeg captures and splits (tests/test_hugging_face.py)."""
+EXPORTABLE_EXPERTS = ("grouped_mm", "batched_mm")
+"""The experts implementations fxmeg captures an "eager" mixture of experts with, in order of
+preference: grouped_mm is transformers' own default (each expert multiplies its tokens, as
+eager does); batched_mm gathers a copy of the expert weights per routed token (memory), so
+it is the fallback for a model that refuses grouped_mm."""
 
 
 def is_hugging_face(obj) -> bool:
@@ -121,3 +130,55 @@ def takes_shift_labels(model: nn.Module) -> bool:
     if not, its last target per row goes unused (module docstring)."""
     loss = getattr(model, "loss_function", None)
     return loss is not None and "shift_labels" in inspect.signature(loss).parameters
+
+
+@contextlib.contextmanager
+def exportable_experts(model: nn.Module) -> Iterator[None]:
+    """While the body runs (fxmeg's capture), every Hugging Face model inside ``model``
+    whose experts run "eager" runs them with the first of EXPORTABLE_EXPERTS it accepts,
+    and says so (INFO on ``fxmeg.capture``, naming the class and both implementations).
+
+    Requires: nothing of the user; a model whose experts implementation transformers
+    cannot set (dense models report "eager" too) is left alone.
+    Ensures: the captured graph computes the values eager computes (the same per-expert
+    products: on tiny Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-OSS the loss is equal
+    and every gradient within 1e-6 relative); afterwards each model's implementation is
+    what it was, so the user's model runs as it came. Why: "eager" loops over the experts
+    that received tokens, a data-dependent loop torch.export cannot trace."""
+    switched: list[tuple[nn.Module, dict]] = []
+    try:
+        for module in model.modules():
+            before = _experts_implementation(module)
+            if before is None or "eager" not in before.values():
+                continue
+            chosen = _switch_experts(module, before)
+            switched.append((module, before))
+            log.info("%s runs its experts with experts_implementation=%r, not %r, while fxmeg captures it "
+                     "(the eager loop over routed experts cannot be exported; the values are the same)",
+                     type(module).__name__, chosen, "eager")
+        yield
+    finally:
+        for module, before in reversed(switched):
+            module.set_experts_implementation(before)
+
+
+def _experts_implementation(module: nn.Module) -> dict | None:
+    """The experts implementation of a Hugging Face model whose experts can be switched
+    (per sub-config, as ``get_experts_implementation`` reports it), else None."""
+    if not is_hugging_face(module):
+        return None
+    can_set = getattr(module, "_can_set_experts_implementation", None)
+    if can_set is None or not hasattr(module, "set_experts_implementation") or not can_set():
+        return None
+    return module.get_experts_implementation()
+
+
+def _switch_experts(module: nn.Module, before: dict) -> str:
+    """Run ``module``'s eager experts with the first exportable implementation it accepts."""
+    for chosen in EXPORTABLE_EXPERTS:
+        try:
+            module.set_experts_implementation({k: chosen if v == "eager" else v for k, v in before.items()})
+            return chosen
+        except (ValueError, ImportError, KeyError):
+            continue
+    return "eager"  # none accepted: export says what fails

@@ -1,5 +1,7 @@
 """Hugging Face models in one process: the adapter, the pipeline split's boundaries and
-what an unexportable model is told."""
+a mixture of experts captured whatever experts implementation its config names."""
+
+import logging
 
 import pytest
 import torch
@@ -8,7 +10,6 @@ from expecttest import TestCase
 
 import fxmeg
 from fxmeg.capture import capture
-from fxmeg.errors import CaptureError
 from fxmeg.program import chunk_spec, chunks
 from tests.helpers import chunk_boundaries, graph_after, hf_model
 
@@ -55,16 +56,27 @@ def test_parallelize_takes_the_model_as_it_comes():
     assert "model.layers.0.self_attn.q_proj.weight" in engine.named_parameters  # HF's names
 
 
-def test_an_unexportable_model_is_told_the_module_the_reason_and_the_fix():
+def test_eager_experts_are_captured_exportably_with_eager_values(caplog):
+    """A mixture of experts whose config names "eager" experts (a loop over the experts
+    that received tokens: torch.export cannot trace it) is captured as it comes: fxmeg runs
+    its experts with grouped_mm while capturing, says so, and leaves the user's model
+    eager. A dense model (transformers reports "eager" for it too) is not touched."""
     cfg = T.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                           num_experts_per_tok=2, max_position_embeddings=64)
-    model = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")  # loops over experts
-    with pytest.raises(CaptureError) as err:
-        capture(model, _batch())
-    msg = str(err.value)
-    assert "in module 'model.layers.0.mlp.experts' (MixtralExperts)" in msg
-    assert "data-dependent" in msg and "experts_implementation='batched_mm'" in msg
+    model = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    ids, labels = _batch()
+    want = model(input_ids=ids, labels=labels, use_cache=False).loss.item()
+    with caplog.at_level(logging.INFO, logger="fxmeg.capture"):
+        engine = fxmeg.parallelize(model, (ids, labels))
+    assert ("MixtralForCausalLM runs its experts with experts_implementation='grouped_mm', not 'eager'"
+            in caplog.text)
+    assert model.config._experts_implementation == "eager"  # as the user built it
+    assert abs(engine.eval_step((ids, labels)).loss - want) <= 1e-6 * want
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fxmeg.capture"):
+        capture(hf_model("llama", n_layer=1), _batch())
+    assert not caplog.records
 
 
 def _padded():
