@@ -7,6 +7,9 @@ relative norm: docs/design.md §3).
 * Hugging Face causal LMs from tiny configs (the recipe of issue 15: vocabulary 96,
   hidden 32, intermediate 48, 4 layers, 4 heads, 2 key-value heads, head_dim 8, pad token
   0, no dropout; random init, no download), with sdpa and eager attention;
+* Hugging Face mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS: 4
+  experts, top-2; Mixtral also with experts_implementation="eager") at tp=2 x pp=2 only
+  (MOE_ZOO), where each tp rank holds less than the whole model;
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)) (its attention kept
   whole at tp: tests/test_higher_order.py);
 * two well-known single-file models: nanoGPT's model.py and llama2.c's model.py
@@ -35,6 +38,7 @@ import fxmeg
 from fxmeg.layouts import Shard
 from tests.distributed import run_world
 from tests.helpers import (
+    MOE,
     assert_losses_close,
     assert_weights_close,
     make_batch,
@@ -119,6 +123,17 @@ for _kind in HF_KINDS:
     ZOO[_kind] = (hf(_kind), {}, -100)
     ZOO[f"{_kind}-eager"] = (hf(_kind, "eager"), {}, -100)
 ZOO["gemma2-eager"] = (hf("gemma2", "eager", query_pre_attn_scalar=8), {}, -100)  # softcapping; no sdpa
+for _kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
+ZOO["gpt_oss-eager"] = (hf("gpt_oss", "eager", **MOE["gpt_oss"]), {}, -100)  # sinks, biased experts; no sdpa
+ZOO["mixtral-eager-experts"] = (hf("mixtral", experts_implementation="eager", **MOE["mixtral"]), {}, -100)
+MOE_ZOO = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss-eager", "mixtral-eager-experts")
+"""Mixtures of experts (tests.helpers.MOE: 4 experts, top-2) as transformers builds them
+(grouped_mm experts), and Mixtral with experts_implementation="eager", which fxmeg captures
+as grouped_mm (its single-device reference runs eager). At tp the router stays whole and
+every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared expert) are
+split. At tp2-pp2 only: about 8 s each in the zoo's spawn, where world size 1 would add
+about 10 s each in the test process (they train there too: issue 27)."""
 if importlib.util.find_spec("x_transformers") is not None:
     ZOO["x-transformers"] = (XDecoder, {"tp_plan": XT_PLAN}, -100)
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
@@ -126,7 +141,7 @@ ZOO["llama2.c"] = (Llama2cLoss, {}, -1)
 # its rotary embedding unbinds the column-parallel q and k (KNOWN_GAPS): the plan the
 # refusal suggests keeps attention whole (the SwiGLU MLP and the vocabulary still split)
 ZOO["llama2.c-plan"] = (Llama2cLoss, {"tp_plan": {"model.layers.*.attention.w?": "replicate"}}, -1)
-TP_ONLY = {"llama2.c-plan"}  # the same training as llama2.c at world size 1
+TP_ONLY = {"llama2.c-plan", *MOE_ZOO}  # llama2.c-plan: the same training as llama2.c at world size 1; MOE_ZOO
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("llama2.c", "tp2-pp2"): re.escape(
@@ -165,7 +180,10 @@ def train(name: str, layout: str):
                                    optimizer=optimizer, **options)
         steps = [engine.train_step(b) for b in data]
         sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
-        return [s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict(), sharded
+        state = engine.full_state_dict()
+        held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts
+        whole = sum(state[n].numel() for n in engine.named_parameters)  # the same parameters, whole
+        return [s.loss for s in steps], [s.grad_norm for s in steps], state, sharded, (held, whole)
     except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"
 
@@ -184,7 +202,7 @@ def outcome(result, name: str) -> str | None:
     if isinstance(result, str):
         return result
     ref_losses, ref_norms, ref_state = single_device(name)
-    losses, norms, state, _ = result
+    losses, norms, state = result[:3]
     try:
         assert_losses_close(losses, ref_losses)
         assert_losses_close(norms, ref_norms, rtol=1e-4)
@@ -223,6 +241,12 @@ def test_zoo(request, name, layout):
     if "tp" in LAYOUTS[layout]:  # tensor parallelism really splits something (not all replicated)
         print(f"{name}: {len(result[3])} parameters split over tp")
         assert result[3], f"{name}: no parameter split over tp"
+        for rank, r in enumerate(request.getfixturevalue("spawned")[layout][name]):
+            held, whole = r[4]
+            assert held < whole, f"{name}: rank {rank} holds all {whole} elements of its parameters"
+    if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
+        assert "model.layers.0.self_attn.q_proj.weight" in result[3]
+        assert not [n for n in result[3] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]
 
 
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
@@ -233,5 +257,6 @@ def test_known_gap_still_fails(request, name, layout):
 
 
 def test_zoo_size():
-    hf_archs = {n.removesuffix("-eager") for n in ZOO} - {"x-transformers", "nanogpt", "llama2.c", "llama2.c-plan"}
+    hf_archs = {n.removesuffix("-eager-experts").removesuffix("-eager") for n in ZOO}
+    hf_archs -= {"x-transformers", "nanogpt", "llama2.c", "llama2.c-plan"}
     assert len(hf_archs) >= 12
