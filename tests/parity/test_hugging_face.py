@@ -3,7 +3,7 @@ vs single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2
 and tp=2 x pp=2 x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2;
 Mistral at pp=2 x tp=2 and, with a pad token on either vocabulary shard, at tp=2; Llama with
 eager attention, Gemma-2 (eager, softcapping), Phi-3 (fused qkv_proj / gate_up_proj) and OLMo-2 (q/k norms over the whole
-projection) at tp=2; Mixtral (batched_mm experts) at pp=2 with its router loss."""
+projection) at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with its router loss."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from fxmeg.layouts import is_split
 from fxmeg.runtime.optimizer import param_groups
 from tests.distributed import run_worlds
 from tests.helpers import assert_losses_close, assert_weights_close, make_model, optimizer
@@ -31,12 +32,12 @@ PARITY = [
     Scenario("hf-phi3", tp=2), Scenario("hf-olmo2", tp=2),
     Scenario("hf-gemma2", tp=2),  # eager by default, softcapped attention and tied head
 ]
-MIXTRAL = Scenario("hf-mixtral", pp=2)
+MIXTRAL = [Scenario("hf-mixtral", pp=2), Scenario("hf-mixtral", tp=2, pp=2)]  # tp: the router stays whole
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_worlds(train_each, PARITY + [MIXTRAL], (2, 4, 8))
+    return run_worlds(train_each, PARITY + MIXTRAL, (2, 4, 8))
 
 
 @pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
@@ -44,25 +45,32 @@ def test_parity(results, sc):
     check_parity([r[sc.id] for r in results[sc.world]], sc)
 
 
-def test_mixtral_router_loss_is_weighted_per_micro_batch(results):
+@pytest.mark.parametrize("sc", MIXTRAL, ids=lambda s: s.id)
+def test_mixtral_router_loss_is_weighted_per_micro_batch(results, sc):
     """Reference: token-weighted cross-entropy over the global batch plus each
-    micro-batch's router loss weighted 1 / (micro-batches), as Megatron's AutoScaler."""
-    ranks = [r[MIXTRAL.id] for r in results[MIXTRAL.world]]
-    model = make_model(MIXTRAL.model, n_layer=MIXTRAL.layers)
+    micro-batch's router loss weighted 1 / (micro-batches), as Megatron's AutoScaler.
+    At tp=2 the router (and the experts) stay whole, attention is split."""
+    ranks = [r[sc.id] for r in results[sc.world]]
+    if sc.tp > 1:
+        specs = ranks[0]["tp_specs"]
+        assert not is_split(specs["model.layers.0.mlp.gate.weight"])
+        assert not is_split(specs["model.layers.0.mlp.experts.gate_up_proj"])
+        assert is_split(specs["model.layers.0.self_attn.q_proj.weight"])
+    model = make_model(sc.model, n_layer=sc.layers)
     coef = model.config.router_aux_loss_coef
     ref = copy.deepcopy(model)
     opt = optimizer(param_groups(ref.named_parameters()))
     losses = []
-    for ids, labels in MIXTRAL.batches():
+    for ids, labels in sc.batches():
         opt.zero_grad()
         total = int((labels[:, 1:] != -100).sum())
         ce_sum = 0.0
-        for i in range(MIXTRAL.m):
+        for i in range(sc.m):
             sl = slice(i * MBS, (i + 1) * MBS)
             out = ref(input_ids=ids[sl], labels=labels[sl], use_cache=False)
             n = int((labels[sl, 1:] != -100).sum())
             ce = out.loss - coef * out.aux_loss
-            (ce * n / total + coef * out.aux_loss / MIXTRAL.m).backward()
+            (ce * n / total + coef * out.aux_loss / sc.m).backward()
             ce_sum += ce.item() * n
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
