@@ -66,6 +66,10 @@ MOE: dict[str, dict] = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),  # attention sinks, biased experts
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_rope_head_dim=4, head_dim=4, qk_nope_head_dim=8,
+                        v_head_dim=8),  # latent attention (MLA); layer 0 dense
 }
 """Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
 
@@ -76,9 +80,9 @@ def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> t
     one (``experts_implementation="eager"``); GPT-OSS has eager attention only."""
     import transformers as T
 
-    cfg = T.AutoConfig.for_model(kind, vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
-                                 head_dim=8, max_position_embeddings=64, **MOE[kind])
+    base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = T.AutoConfig.for_model(kind, **(base | MOE[kind]))
     torch.manual_seed(0)
     attn = "eager" if kind == "gpt_oss" else "sdpa"
     return T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **extra)

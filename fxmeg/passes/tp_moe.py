@@ -97,8 +97,9 @@ def say_what_stays_whole(tp: int, routers: list[str], whole: dict[str, torch.Ten
     the modules of the linears kept whole by kind (``routers``, INFO) and the expert
     modules among the parameters left whole (``whole``: name -> full tensor, WARNING)."""
     if routers:
+        globs = ", ".join(sorted({layer_glob(m) for m in routers}))
         log.info("tp=%d keeps %d router linears whole (softmaxed or ranked over their output features, "
-                 "or a single feature): %s", tp, len(routers), ", ".join(sorted({layer_glob(m) for m in routers})))
+                 "or a single feature): %s", tp, len(routers), globs)
     warning = whole_experts(whole, tp)
     if warning:
         log.warning(warning)

@@ -2,8 +2,9 @@
 process: a router (a linear softmaxed or ranked over its output features) and a
 one-feature gate stay whole, whatever their module is called; the attention and dense
 projections (a shared expert's too) are split; the expert banks stay whole and the pass
-says so; an op with two outputs (max.dim, topk) over a split value keeps or refuses the
-split by name, never with a raw AttributeError (GPT-OSS at tp=2 did)."""
+says so; DeepSeek-V3's latent attention is refused by name; an op with two outputs
+(max.dim, topk) over a split value keeps or refuses the split by name, never with a raw
+AttributeError (GPT-OSS at tp=2 did)."""
 
 import logging
 
@@ -20,7 +21,7 @@ def _layouts(gm) -> dict:
     return {n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})}
 
 
-@pytest.mark.parametrize("kind", sorted(MOE))
+@pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3"}))
 def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
         gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
@@ -46,6 +47,22 @@ def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
     assert ("tp=2 leaves 8 expert parameters (37888 elements) whole on every tp rank: 'model.layers.*.mlp."
             "experts' (down_proj [4, 48, 32], down_proj_bias [4, 32], gate_up_proj [4, 32, 96], "
             "gate_up_proj_bias [4, 96])") in caplog.text
+
+
+def test_deepseek_v3_is_refused_at_its_latent_attention_by_name():
+    """MLA slices the rotary part out of kv_a_proj_with_mqa's output: refused naming the
+    node, the module and the fix; with attention whole as the fix says, the router (a
+    linear of fp32 casts of its weight) and the experts stay whole, the shared experts split."""
+    model, batch = tiny_moe("deepseek_v3"), make_batch(2, seed=0, vocab=96)
+    refusal = (r"cannot split node 'slice_\d+' \(slice.Tensor, module 'model.layers.0.self_attn'\) over tp=2 "
+               r"ranks \(split along dim 3 by module 'model.layers.0.self_attn.kv_a_proj_with_mqa'\): it slices "
+               r"\[0:4:2\] .* Fix: keep that module whole with tp_plan=\{'model.layers.\*.self_attn.kv_a_proj")
+    with pytest.raises(PassError, match=refusal):
+        graph_after(model, batch, "tensor_parallel", tp=2)
+    plan = {"model.layers.*.self_attn.*": "replicate"}
+    tp = _layouts(graph_after(model, batch, "tensor_parallel", tp=2, tp_plan=plan))
+    assert tp["model.layers.1.mlp.gate.weight"] == tp["model.layers.1.mlp.experts.down_proj"] == Replicate()
+    assert tp["model.layers.1.mlp.shared_experts.up_proj.weight"] == Shard(0, (48,))
 
 
 class _Scored(nn.Module):
@@ -86,6 +103,7 @@ def test_a_two_output_reduction_keeps_the_split_along_another_dim():
 
 
 def test_a_two_output_reduction_over_the_split_dim_is_refused_by_name():
-    with pytest.raises(PassError, match=r"cannot split node 'max_1' \(max.dim, module ''\) over tp=2 ranks \(split "
-                                        r"along dim 2 by module 'layers.0.up'\): it reduces over dim 2"):
+    refusal = (r"cannot split node 'max_1' \(max.dim, module ''\) over tp=2 ranks \(split along dim 2 by module "
+               r"'layers.0.up'\): it reduces over dim 2")
+    with pytest.raises(PassError, match=refusal):
         graph_after(_Scored("features"), make_batch(2, seed=0), "tensor_parallel", tp=2)
