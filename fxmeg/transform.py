@@ -69,6 +69,8 @@ class Scope(enum.Enum):
 
 @dataclass(frozen=True)
 class Pass:
+    """One entry of the pass list."""
+
     name: str
     """The pass's function and file (fxmeg/passes/<name>.py) and its check (verify.<name>)."""
     run: Callable[..., fx.GraphModule]
@@ -205,7 +207,10 @@ def skipped_passes() -> frozenset[str]:
 def check_pass(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
     """Assert what pass ``name`` ensures on its result ``gm`` (the check runs on each chunk
     graph after a per-chunk pass)."""
-    p = _BY_NAME[name]
+    _check(_BY_NAME[name], gm, config)
+
+
+def _check(p: Pass, gm: fx.GraphModule, config: EngineConfig) -> None:
     if p.scope is CHUNK:
         for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
             p.check(chunk, config=config, chunk=info)
@@ -233,7 +238,7 @@ def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int) -> fx.Gr
     _tag_new_nodes(gm, before, p.name)
     _report(p.name, gm, start, index)
     if os.environ.get("FXMEG_VERIFY"):
-        check_pass(p.name, gm, config)
+        _check(p, gm, config)
     return gm
 
 
