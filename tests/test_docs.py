@@ -105,6 +105,21 @@ def local_links(page: str) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
+def anchors(page: str) -> list[tuple[str, str]]:
+    """(file, anchor) of each local link of ``page`` with a #anchor (a bare #anchor: page)."""
+    with open(os.path.join(ROOT, page)) as f:
+        found = re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", f.read())
+    here = os.path.dirname(page)
+    return [(os.path.normpath(os.path.join(here, t)) if t else page, a) for t, a in found if "://" not in t]
+
+
+def headings(page: str) -> set[str]:
+    """GitHub's anchors of the headings of ``page``: lower case, punctuation dropped, spaces -> -."""
+    with open(os.path.join(ROOT, page)) as f:
+        titles = re.findall(r"^#+ (.+)$", f.read(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
+
+
 def linked_pages(page: str = "README.md") -> list[str]:
     return [p for p in local_links(page) if p.endswith(".md")]
 
@@ -197,12 +212,15 @@ def test_no_stale_rule():
 
 
 def test_links_point_to_files():
-    """Every local link of the README and of the pages it links names an existing file,
-    and every page under docs/ is linked from the README (so its blocks run here)."""
+    """Every local link of the README and of the pages it links names an existing file (and
+    heading, for a #anchor), and every page under docs/ is linked from the README (so its blocks run here)."""
     pages = [p for p in PAGES if os.path.exists(os.path.join(ROOT, p))]
     missing = [f"{page} -> {target}" for page in pages for target in local_links(page)
                if not os.path.exists(os.path.join(ROOT, target))]
     assert not missing, missing
+    broken = [f"{page} -> {path}#{anchor}" for page in pages for path, anchor in anchors(page)
+              if anchor not in headings(path)]
+    assert not broken, broken
     docs = {f"docs/{p}" for p in os.listdir(os.path.join(ROOT, "docs")) if p.endswith(".md")}
     assert docs <= set(PAGES), f"not linked from README.md: {sorted(docs - set(PAGES))}"
 
