@@ -17,8 +17,7 @@ Markers, an HTML comment on the line right before a block:
                                         (a later block runs it)
 
 Not run either, and reported as skipped: the README's set-up commands (``make demo``,
-``make test``: they build .venv from nothing; the suite runs inside it), and the blocks of
-``UNMARKED`` below, pages this test may not add a marker to.
+``make test``: they build .venv from nothing; the suite runs inside it).
 
 Shrinking, applied to the command text before it runs and nothing else (the page keeps its
 realistic numbers); every rule must match somewhere, so a stale rule fails:
@@ -49,12 +48,6 @@ SHRINK = [
     (re.compile(r"--train-iters (\d+)"), lambda m: f"--train-iters {max(1, int(m[1]) // 50)}"),
     (re.compile(r'"n_layer": 32'), lambda m: '"n_layer": 8'),
 ]
-# (page, the block's first line) -> why it does not run: pages this test may not edit.
-UNMARKED = {
-    ("docs/design.md",
-     """fxmeg plan --model models.llama:Llama --model-args '{"vocab_size": 128256, "n_layer": 80,"""):
-        "a synopsis ([--json], ...) in design.md §8.8.1, whose edits belong to the design work",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +131,6 @@ def commands(block: Block) -> str:
 def skip_reason(block: Block) -> str | None:
     if block.marker and block.marker[0] == "skip":
         return block.marker[1].strip("() ")
-    first = block.text.splitlines()[0] if block.text.strip() else ""
-    if (block.page, first) in UNMARKED:
-        return UNMARKED[(block.page, first)]
     run = {line.split("#")[0].strip() for line in commands(block).splitlines()} - {""}
     if block.lang in COMMAND_LANGS and run and run <= SETUP_COMMANDS:
         return "the set-up commands (they build .venv from nothing; the suite runs inside it)"
@@ -199,16 +189,13 @@ def test_block(block: Block, workdir):
 
 
 def test_no_stale_rule():
-    """A shrink rule that matches no block that runs, or an UNMARKED entry that names no
-    block, is stale: the page changed under it."""
+    """A shrink rule that matches no block that runs is stale: the page changed under it."""
     used: set[int] = set()
     for b in BLOCKS:
         if not skip_reason(b):
             shrink(commands(b), used)
     stale = [pattern.pattern for k, (pattern, _) in enumerate(SHRINK) if k not in used]
     assert not stale, stale
-    firsts = {(b.page, b.text.splitlines()[0]) for b in BLOCKS if b.text.strip()}
-    assert set(UNMARKED) <= firsts, sorted(set(UNMARKED) - firsts)
 
 
 def test_links_point_to_files():
