@@ -24,12 +24,11 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fxmeg import program as prog
-from fxmeg.capture import CONSTANTS
 from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
-from fxmeg.program import Program
+from fxmeg.program import CONSTANTS, Program
 from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
