@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg.errors import ScheduleError
+from fxmeg.errors import CommTimeoutError, ScheduleError
 from fxmeg.program import Boundary, ChunkSpec, split_spec
 from fxmeg.runtime.packing import Layout
 from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
@@ -51,10 +51,6 @@ class _State:
     stats: torch.Tensor | None = None
     posted: dict[Action, tuple] = field(default_factory=dict)
     """Point-to-point action -> (work, its tensors, peer rank), until awaited."""
-
-
-class CommTimeoutError(ScheduleError):
-    """A pipeline peer did not answer within comm_timeout_s."""
 
 
 class Executor:

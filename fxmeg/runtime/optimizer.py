@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.errors import ConfigError, FxmegError
+from fxmeg.errors import ConfigError, NonFiniteGradError
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
@@ -320,10 +320,6 @@ class StepOutcome:
     grad_norm: float | None
     skip_reason: str | None = None
     """'nonfinite' (inf / NaN in a gradient) or 'grad_norm' (above the spike bound)."""
-
-
-class NonFiniteGradError(FxmegError):
-    """A gradient held inf or NaN and the run asked to stop (on_nonfinite='raise')."""
 
 
 class Optimizer:
