@@ -13,8 +13,8 @@ for micro-batch 0), a DEALLOC of sent activations, or a GRAD_SYNC (``0GS3``): fr
 chunk's last weight gradient (B or W) on, its gradient buckets are reduced as they
 complete. ``fxmeg.runtime.simulator`` runs lowered schedules without processes.
 
-Chunk c lives on pipeline rank ``placement[c]`` (``fxmeg.config.placement``): c % pp
-(Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
+Chunk c lives on pipeline rank ``placement[c]`` (the one rule: ``fxmeg.config.placement``):
+round robin (Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
 share rank pp - 1: that boundary is a hand-off inside the rank, not a message.
 """
 
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from fxmeg import config
 from fxmeg.config import P2P_MODES, V_SCHEDULES
 from fxmeg.errors import ScheduleError
 
@@ -308,46 +309,108 @@ def lower(
     chunk's last weight gradient (its last B or W).
     """
     assert p2p in P2P_MODES, p2p  # EngineConfig checks it
-    round_robin = tuple(c % len(schedule) for c in range(num_chunks))
-    where = placement or round_robin
+    default = round_robin(len(schedule), num_chunks)
+    where = placement or default
     cuts = frozenset(c for c in range(num_chunks - 1) if where[c] != where[c + 1])
     grads = cuts if grad_cuts is None else cuts & grad_cuts
-    channels = _channels(schedule, where, cuts, grads) if where != round_robin else None
-    lowered = {}
-    for rank, units in schedule.items():
-        last_weight = {a.chunk: a for unit in units for a in unit if a.kind in WEIGHT}
-        recvs = [[r for a in unit for r in _recvs_before(a, cuts, grads)] for unit in units] + [[]]
-        ahead = int(p2p == EAGER)  # eager: the next unit's receives before this unit
-        if channels is not None:
-            recvs, ahead = _lookahead(recvs, channels, rank), 0
-        steps: list[Step] = []
-        pending: list[Action] = []  # paired: sends waiting for the next group
-        sent: list[Action] = []  # forward activations sent, to free at the next unit
-        if ahead:
-            _post(steps, recvs[0])
-        for k, unit in enumerate(units):
-            if p2p == PAIRED:
-                _post(steps, pending + recvs[k])
-            else:
-                _post(steps, recvs[k + ahead])
-            steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
-            sent = []
-            pending = []
-            for a in unit:
-                if last_weight.get(a.chunk) == a:
-                    steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
-                steps.append((a,))
-                sends = _sends_after(a, cuts, grads)
-                if p2p == EAGER:
-                    _post(steps, sends)
-                else:
-                    pending += sends
-                if channels is None:
-                    sent += [s for s in sends if s.kind is Kind.SEND_F]
-        _post(steps, pending)
-        steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
-        lowered[rank] = steps
-    return lowered if channels is None else _free_when_received(lowered, where)
+    if where == default:  # every channel carries messages in the receiver's order
+        return {rank: _rank_steps(units, _needs(units, cuts, grads), cuts, grads, p2p=p2p, planned=False)
+                for rank, units in schedule.items()}
+    channels = _channels(schedule, where, cuts, grads)
+    lowered = {rank: _rank_steps(units, _lookahead(_needs(units, cuts, grads), channels, rank), cuts, grads,
+                                 p2p=p2p, planned=True) for rank, units in schedule.items()}
+    return _free_when_received(lowered, where)
+
+
+def round_robin(pp: int, num_chunks: int) -> tuple[int, ...]:
+    """The placement of callers that name none (tests, a single rank): the rule
+    ``fxmeg.config.placement`` for a schedule that is not a V (chunk c on rank c % pp),
+    over the first ``num_chunks`` chunks."""
+    return config.placement("interleaved", pp=pp, vpp=-(-num_chunks // pp))[:num_chunks]
+
+
+def _needs(units: list[Unit], cuts: frozenset[int], grads: frozenset[int]) -> list[list[Action]]:
+    """The receives each unit reads, then an empty list (after the last unit)."""
+    return [[r for a in unit for r in _recvs_before(a, cuts, grads)] for unit in units] + [[]]
+
+
+def _rank_steps(
+    units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
+    p2p: str, planned: bool,
+) -> list[Step]:
+    """One rank's steps. ``recvs[k]``: the receives unit k reads (eager posts them one
+    unit ahead), or with ``planned`` the receives to post before unit k (``_lookahead``,
+    a V placement: its DEALLOCs then come from ``_free_when_received``, not at the next
+    unit)."""
+    if p2p == PAIRED:
+        return _paired(units, recvs, cuts, grads, free_sent=not planned)
+    if planned:
+        return _eager(units, recvs, cuts, grads, first=[], free_sent=False)
+    return _eager(units, recvs[1:], cuts, grads, first=recvs[0], free_sent=True)
+
+
+def _paired(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
+            free_sent: bool) -> list[Step]:
+    """Megatron's pairing: before unit k, one group of the previous unit's sends and the
+    receives of unit k (send_forward_recv_backward, ...)."""
+    steps: list[Step] = []
+    pending: list[Action] = []  # sends waiting for the next group
+    sent: list[Action] = []  # forward activations sent, to free at the next unit
+    last_weight = _last_weights(units)
+    for k, unit in enumerate(units):
+        _post(steps, pending + recvs[k])
+        _free(steps, sent)
+        pending, sent = [], []
+        for a in unit:
+            sends = _compute(steps, a, last_weight, cuts, grads)
+            pending += sends
+            sent += _activations(sends) if free_sent else []
+    _post(steps, pending)
+    _free(steps, sent)
+    return steps
+
+
+def _eager(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
+           first: list[Action], free_sent: bool) -> list[Step]:
+    """Each send posted right after its compute; ``first`` before everything, then
+    ``recvs[k]`` before unit k."""
+    steps: list[Step] = []
+    sent: list[Action] = []  # forward activations sent, to free at the next unit
+    last_weight = _last_weights(units)
+    _post(steps, first)
+    for k, unit in enumerate(units):
+        _post(steps, recvs[k])
+        _free(steps, sent)
+        sent = []
+        for a in unit:
+            sends = _compute(steps, a, last_weight, cuts, grads)
+            _post(steps, sends)
+            sent += _activations(sends) if free_sent else []
+    _free(steps, sent)
+    return steps
+
+
+def _last_weights(units: list[Unit]) -> dict[int, Action]:
+    """Each chunk's last weight-gradient action (B or W): its GRAD_SYNC goes before it."""
+    return {a.chunk: a for unit in units for a in unit if a.kind in WEIGHT}
+
+
+def _compute(steps: list[Step], a: Action, last_weight: dict[int, Action], cuts: frozenset[int],
+             grads: frozenset[int]) -> list[Action]:
+    """Append compute ``a`` (after its chunk's GRAD_SYNC if it is the last weight
+    gradient); return the sends of what it made."""
+    if last_weight.get(a.chunk) == a:
+        steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
+    steps.append((a,))
+    return _sends_after(a, cuts, grads)
+
+
+def _activations(sends: list[Action]) -> list[Action]:
+    return [s for s in sends if s.kind is Kind.SEND_F]
+
+
+def _free(steps: list[Step], sent: list[Action]) -> None:
+    steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
 
 
 def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) -> dict[int, list[Step]]:
