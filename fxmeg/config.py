@@ -7,7 +7,8 @@ their messages name the field, the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -30,6 +31,44 @@ P2P_MODES = ("paired", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
 """How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
+
+
+class OptimizerSharding(str, enum.Enum):
+    """How the optimizer's update is split over the data-parallel ranks, decided once
+    (``decide_sharding``) and read by the buckets pass and the runtime. A str enum: equal
+    to its value, so checkpoints' meta.json and reports keep the words they had."""
+
+    NONE = "none"
+    """No distributed optimizer: every data-parallel rank updates every whole parameter."""
+    ELEMENTWISE = "elementwise"
+    """ZeRO-1: flat equal slices of every gradient bucket (the buckets are padded for it)."""
+    LAYERWISE = "layerwise"
+    """Whole parameters per rank, balanced by elements (optimizers that need the shape)."""
+
+
+def decide_sharding(
+    *, distributed: bool, requested: str, whole: Sequence[str] = (), overlap_param_gather: bool = False
+) -> OptimizerSharding:
+    """The rule: NONE without the distributed optimizer, else ``requested`` ('auto':
+    LAYERWISE iff an inner optimizer needs whole parameters; ``whole`` names them, from
+    ``fxmeg.runtime.optimizer.OptimizerPlan``). Raises ConfigError when the request
+    cannot hold (before any process group)."""
+    if not distributed:
+        return OptimizerSharding.NONE
+    chosen = OptimizerSharding(requested if requested != "auto" else "layerwise" if whole else "elementwise")
+    if chosen is OptimizerSharding.ELEMENTWISE and whole:
+        raise ConfigError(
+            f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
+            f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
+            "optimizer_sharding='layerwise' (or 'auto')"
+        )
+    if chosen is OptimizerSharding.LAYERWISE and overlap_param_gather:
+        raise ConfigError(
+            f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
+            f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
+            "parameters); set overlap_param_gather=False"
+        )
+    return chosen
 
 
 def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
@@ -232,6 +271,10 @@ class EngineConfig:
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
     share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/shapes.py).
     Off: a batch must have the example's shape."""
+    decided_sharding: OptimizerSharding | None = None
+    """Set by ``parallelize``, not an option: the optimizer sharding decided once from the
+    fields above and what the optimizer factory builds (``decide_sharding``); None before
+    (read ``sharding``)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
@@ -294,6 +337,21 @@ class EngineConfig:
                 "overlap_param_gather=True needs distributed_optimizer=True (only the "
                 "distributed optimizer gathers parameters)"
             )
+        decided = self.decided_sharding
+        if decided is not None and decided not in self._possible_shardings():
+            raise ConfigError(
+                f"decided_sharding={decided.value!r} contradicts distributed_optimizer="
+                f"{self.distributed_optimizer}, optimizer_sharding={self.optimizer_sharding!r}: "
+                "leave decided_sharding to parallelize (it is not an option)"
+            )
+
+    def _possible_shardings(self) -> tuple[OptimizerSharding, ...]:
+        """What ``decide_sharding`` may decide for these fields, whatever the optimizer."""
+        if not self.distributed_optimizer:
+            return (OptimizerSharding.NONE,)
+        if self.optimizer_sharding != "auto":
+            return (OptimizerSharding(self.optimizer_sharding),)
+        return (OptimizerSharding.ELEMENTWISE, OptimizerSharding.LAYERWISE)
 
     def _check_batch(self) -> None:
         """global_batch_size against micro_batch_size * dp and, interleaved or
@@ -343,6 +401,16 @@ class EngineConfig:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
+
+    @property
+    def sharding(self) -> OptimizerSharding:
+        """The optimizer sharding in force: ``decided_sharding``, or before ``parallelize``
+        decided it (a transform alone, ``fxmeg plan``) the default optimizer's (AdamW,
+        elementwise: 'auto' is ELEMENTWISE)."""
+        if self.decided_sharding is not None:
+            return self.decided_sharding
+        return decide_sharding(distributed=self.distributed_optimizer, requested=self.optimizer_sharding,
+                               overlap_param_gather=self.overlap_param_gather)
 
     @property
     def resolved_bucket_size(self) -> int | None:
@@ -446,7 +514,8 @@ def make_config(
     )
 
 
-_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {"parallel", "micro_batch_size", "global_batch_size"}
+_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {
+    "parallel", "micro_batch_size", "global_batch_size", "decided_sharding"}
 
 
 def cast_inputs(batch: Example, dtype: torch.dtype) -> Example:

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import fx
 
-from fxmeg.config import EngineConfig
+from fxmeg.config import EngineConfig, OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 
@@ -43,7 +43,7 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     the distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
     dp, size = config.parallel.dp_cp, config.resolved_bucket_size  # gradients shard over dp x cp
-    shard = config.distributed_optimizer and config.optimizer_sharding != "layerwise"  # flat shards
+    shard = config.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():

@@ -20,10 +20,11 @@ steps, copies masters back into the parameters and brings every data-parallel ra
 updated values (all-gather of bucket shards, or of the layer-wise owners' parameters).
 
 The factory may return one optimizer or several over disjoint parameters (e.g. Muon for
-matrices and AdamW for the rest, ``muon_adamw``). It is called twice: once on stand-ins of
-every parameter's full shape, to learn which optimizer takes which parameter and whether it
-is elementwise (``OptimizerPlan``), then on this rank's masters; both calls must route
-every parameter to the same optimizer.
+matrices and AdamW for the rest, ``muon_adamw``). It is called on stand-ins of every
+parameter's full shape, to learn which optimizer takes which parameter and whether it is
+elementwise (``OptimizerPlan``: once by ``parallelize`` on the model's parameters, to
+decide the sharding before the passes, once by the runtime on the Program's), then on
+this rank's masters; the calls must route every parameter to the same optimizer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxmeg.config import EngineConfig, OptimizerSharding, decide_sharding
 from fxmeg.errors import ConfigError, NonFiniteGradError
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
@@ -169,27 +171,14 @@ class OptimizerPlan:
         it is known to be elementwise."""
         return self.elementwise[self.route[name]] is not True
 
-    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False) -> str:
-        """'none' without the distributed optimizer, else 'elementwise' or 'layerwise'
-        ('auto': layerwise iff an inner optimizer is known not to be elementwise).
-        Raises ConfigError when the request cannot hold (before any process group)."""
-        if not distributed:
-            return "none"
-        whole = [k for k, e in zip(self.kinds, self.elementwise) if e is False]
-        chosen = requested if requested != "auto" else ("layerwise" if whole else "elementwise")
-        if chosen == "elementwise" and whole:
-            raise ConfigError(
-                f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
-                f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
-                "optimizer_sharding='layerwise' (or 'auto')"
-            )
-        if chosen == "layerwise" and overlap_param_gather:
-            raise ConfigError(
-                f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
-                f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
-                "parameters); set overlap_param_gather=False"
-            )
-        return chosen
+    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False
+                 ) -> OptimizerSharding:
+        """``fxmeg.config.decide_sharding`` for what this factory builds: 'auto' is
+        LAYERWISE iff an inner optimizer is known not to be elementwise. Raises ConfigError
+        when the request cannot hold (before any process group)."""
+        whole = tuple(k for k, e in zip(self.kinds, self.elementwise) if e is False)
+        return decide_sharding(distributed=distributed, requested=requested, whole=whole,
+                               overlap_param_gather=overlap_param_gather)
 
 
 def plan_optimizers(factory: OptimizerFactory, template: list[dict], device: torch.device) -> OptimizerPlan:
@@ -322,6 +311,42 @@ class StepOutcome:
     """'nonfinite' (inf / NaN in a gradient) or 'grad_norm' (above the spike bound)."""
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How ``Optimizer.step`` treats the reduced gradients (``of``: from the EngineConfig)."""
+
+    clip_grad: float
+    """Clip the global L2 norm to this; 0: no clipping."""
+    check_nonfinite: bool
+    """Look for inf / NaN every step (check_for_nan_in_grad; fp16 always does)."""
+    raise_on_nonfinite: bool = False
+    """Raise NonFiniteGradError instead of skipping the step (on_nonfinite='raise'; never in
+    fp16, whose loss scaler backs off on such steps)."""
+    max_grad_norm: float = 0.0
+    """Skip a step whose global norm exceeds this (skip_on_grad_norm_above; 0: off)."""
+    overlap_param_gather: bool = False
+    """Elementwise sharding: gather the updated parameters in the background."""
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> StepOptions:
+        fp16 = config.precision == "fp16"
+        return cls(clip_grad=config.clip_grad, check_nonfinite=config.check_for_nan_in_grad or fp16,
+                   raise_on_nonfinite=config.on_nonfinite == "raise" and not fp16,
+                   max_grad_norm=config.skip_on_grad_norm_above, overlap_param_gather=config.overlap_param_gather)
+
+
+@dataclass(frozen=True)
+class MasterSources:
+    """Where the fp32 masters start from when not from the parameters' own values."""
+
+    fp32: MasterSource | None = None
+    """Elements of a parameter's local shard: the user's fp32 values of a model cast to
+    half precision (None: the parameters' values, upcast)."""
+    full: FullSource | None = None
+    """A tp-split parameter's full fp32 values, for an optimizer that steps the whole
+    matrix (None: gathered from the tp shards, collective)."""
+
+
 class Optimizer:
     """Masters, inf/NaN check, clipping, inner step, copy back, parameter gather."""
 
@@ -335,50 +360,53 @@ class Optimizer:
         holders: Mapping[str, Sequence[int]],
         template: list[dict],
         plan: OptimizerPlan,
-        sharding: str,
-        tp_specs: Mapping[str, tuple] = {},
-        overlap_param_gather: bool = False,
-        clip_grad: float,
-        check_nonfinite: bool,
-        raise_on_nonfinite: bool = False,
-        max_grad_norm: float = 0.0,
-        fp32_source: MasterSource | None = None,
-        full_source: FullSource | None = None,
+        sharding: OptimizerSharding,
+        options: StepOptions,
+        tp_specs: Mapping[str, tuple] | None = None,
+        sources: MasterSources = MasterSources(),
     ) -> None:
-        self.groups, self.sharding, self.clip_grad = groups, sharding, clip_grad
-        self.distributed = sharding != "none"
-        self.overlap_param_gather = overlap_param_gather
-        self.check_nonfinite, self.raise_on_nonfinite = check_nonfinite, raise_on_nonfinite
-        self.max_grad_norm = max_grad_norm
-        self.ddp = ddp
+        self.groups, self.ddp, self.sharding, self.options = groups, ddp, sharding, options
+        self.distributed = sharding is not OptimizerSharding.NONE
         self.tp, self.tp_rank = groups.topo.tp, groups.tp_rank
+        tp_specs = tp_specs or {}
         split = {n for n, spec in tp_specs.items() if spec[0] == "shard"}
-        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}
-        counted = {n: first[n] and (n in split or self.tp_rank == 0) for n in holders}  # each element
-        # once: tied weights on their first pipeline holder, replicas (and full matrices) on tp rank 0
         self.owner: dict[str, int] | None = None
         """Layer-wise: parameter -> the data-parallel rank that updates it."""
         self.gather: ParamGather | None = None
-        if sharding == "elementwise":
-            self.pieces = _sharded_pieces(ddp, groups.dp_cp, counted, fp32_source)
+        if sharding is OptimizerSharding.LAYERWISE:
+            sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
+            self.owner = assign(sizes, groups.dp_cp_size)
+            self.gather = ParamGather(named, self.owner, groups.dp_cp)
+        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}  # the first pipeline holder
+        if sharding is OptimizerSharding.ELEMENTWISE:
+            self.pieces = _sharded_pieces(ddp, groups.dp_cp, self._counted(first, split), sources.fp32)
         else:
-            if sharding == "layerwise":
-                sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
-                self.owner = assign(sizes, groups.dp_cp_size)
-                self.gather = ParamGather(named, self.owner, groups.dp_cp)
-            self.pieces = []
-            for n, p in named.items():
-                if self.owner is not None and self.owner[n] != groups.dp_cp_rank:
-                    continue
-                if n in split and groups.tp is not None and plan.whole(n):
-                    self.pieces.append(_matrix_piece(n, p, first[n] and self.tp_rank == 0, tp_specs[n],
-                                                     groups.tp, full_source))
-                else:
-                    self.pieces.append(_full_piece(n, p, counted[n], fp32_source))
+            self.pieces = self._whole_pieces(named, first, split, plan, tp_specs, sources)
         self.optimizers = _inner_optimizers(factory, template, plan, self.pieces)
         self.inner = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
         self._full = [p for p in self.pieces if p.spec is not None]
         self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
+
+    def _counted(self, first: dict[str, bool], split: set[str]) -> dict[str, bool]:
+        """Parameter -> whether the global norm counts it on this rank, so that each
+        element counts once: tied weights on their first pipeline holder, tp-replicated
+        parameters (and full matrices) on tp rank 0."""
+        return {n: is_first and (n in split or self.tp_rank == 0) for n, is_first in first.items()}
+
+    def _whole_pieces(self, named: dict[str, nn.Parameter], first: dict[str, bool], split: set[str],
+                      plan: OptimizerPlan, tp_specs: Mapping[str, tuple], sources: MasterSources) -> list[_Piece]:
+        """One piece per whole parameter this rank updates (every one, or layer-wise the
+        ones it owns); a tp-split one as its full matrix when its optimizer needs it."""
+        counted, pieces = self._counted(first, split), []
+        for n, p in named.items():
+            if self.owner is not None and self.owner[n] != self.groups.dp_cp_rank:
+                continue
+            if n in split and self.groups.tp is not None and plan.whole(n):
+                in_norm = first[n] and self.tp_rank == 0
+                pieces.append(_matrix_piece(n, p, in_norm, tp_specs[n], self.groups.tp, sources.full))
+            else:
+                pieces.append(_full_piece(n, p, counted[n], sources.fp32))
+        return pieces
 
     @property
     def param_groups(self) -> list[dict]:
@@ -393,15 +421,15 @@ class Optimizer:
         for piece in self._full:  # full matrices: every tp rank's gradient shard
             piece.grad.copy_(gather_tp(piece.param.main_grad, piece.spec, self.groups.tp))
         norm, finite = self._norm_and_finite("grad")
-        if self.check_nonfinite and not finite:
-            if self.raise_on_nonfinite:
+        if self.options.check_nonfinite and not finite:
+            if self.options.raise_on_nonfinite:
                 rank, name = self._nonfinite()
                 raise NonFiniteGradError(
                     f"gradient of {name!r} holds inf or NaN on rank {rank} (after the "
                     f"data-parallel reduction); set on_nonfinite='skip' to skip such steps"
                 )
             return StepOutcome(skipped=True, grad_norm=None, skip_reason="nonfinite")
-        if self.max_grad_norm and norm > self.max_grad_norm:
+        if self.options.max_grad_norm and norm > self.options.max_grad_norm:
             return StepOutcome(skipped=True, grad_norm=norm, skip_reason="grad_norm")
         self._clip(norm)
         for piece in self.pieces:
@@ -410,9 +438,9 @@ class Optimizer:
         for piece in self.pieces:
             piece.master.grad = None
             piece.write_back(self.tp, self.tp_rank)
-        if self.sharding == "elementwise":
+        if self.sharding is OptimizerSharding.ELEMENTWISE:
             for buf in self.ddp.all():
-                buf.gather_params(overlap=self.overlap_param_gather)
+                buf.gather_params(overlap=self.options.overlap_param_gather)
         elif self.gather is not None:
             self.gather()
         return StepOutcome(skipped=False, grad_norm=norm)
@@ -464,8 +492,8 @@ class Optimizer:
 
     def _clip(self, norm: float) -> None:
         """Scale the gradients when the global norm exceeds clip_grad."""
-        if self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
+        if self.options.clip_grad > 0:
+            coeff = self.options.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and self.pieces:  # Megatron: clip_grad_norm_fp32
                 torch._foreach_mul_([p.grad for p in self.pieces], coeff)
 
