@@ -7,8 +7,7 @@ their messages name the field, the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -17,6 +16,7 @@ import torch
 from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.modes import OptimizerSharding, decide_sharding
 from fxmeg.numbers import Size, check_numbers, check_size
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
@@ -31,44 +31,6 @@ P2P_MODES = ("paired", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
 """How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
-
-
-class OptimizerSharding(str, enum.Enum):
-    """How the optimizer's update is split over the data-parallel ranks, decided once
-    (``decide_sharding``) and read by the buckets pass and the runtime. A str enum: equal
-    to its value, so checkpoints' meta.json and reports keep the words they had."""
-
-    NONE = "none"
-    """No distributed optimizer: every data-parallel rank updates every whole parameter."""
-    ELEMENTWISE = "elementwise"
-    """ZeRO-1: flat equal slices of every gradient bucket (the buckets are padded for it)."""
-    LAYERWISE = "layerwise"
-    """Whole parameters per rank, balanced by elements (optimizers that need the shape)."""
-
-
-def decide_sharding(
-    *, distributed: bool, requested: str, whole: Sequence[str] = (), overlap_param_gather: bool = False
-) -> OptimizerSharding:
-    """The rule: NONE without the distributed optimizer, else ``requested`` ('auto':
-    LAYERWISE iff an inner optimizer needs whole parameters; ``whole`` names them, from
-    ``fxmeg.runtime.optimizer.OptimizerPlan``). Raises ConfigError when the request
-    cannot hold (before any process group)."""
-    if not distributed:
-        return OptimizerSharding.NONE
-    chosen = OptimizerSharding(requested if requested != "auto" else "layerwise" if whole else "elementwise")
-    if chosen is OptimizerSharding.ELEMENTWISE and whole:
-        raise ConfigError(
-            f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
-            f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
-            "optimizer_sharding='layerwise' (or 'auto')"
-        )
-    if chosen is OptimizerSharding.LAYERWISE and overlap_param_gather:
-        raise ConfigError(
-            f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
-            f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
-            "parameters); set overlap_param_gather=False"
-        )
-    return chosen
 
 
 def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
@@ -314,6 +276,15 @@ class EngineConfig:
         if self.p2p not in ("auto", *P2P_MODES):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
+        self._check_optimizer_sharding()
+        if self.parallel.cp > 1 and self.compile:
+            raise ConfigError(  # the cp ops under torch.compile are not tested yet
+                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
+                "set compile=False or cp=1"
+            )
+
+    def _check_optimizer_sharding(self) -> None:
+        """optimizer_sharding, its companions, and a recorded decision that fits them."""
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ConfigError(f"optimizer_sharding={self.optimizer_sharding!r} is not one of "
                               f"{OPTIMIZER_SHARDINGS}" + closest(self.optimizer_sharding, OPTIMIZER_SHARDINGS))
@@ -326,11 +297,6 @@ class EngineConfig:
             raise ConfigError(
                 "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
                 "optimizer gathers whole parameters in one all-gather after the step)"
-            )
-        if self.parallel.cp > 1 and self.compile:
-            raise ConfigError(  # the cp ops under torch.compile are not tested yet
-                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
-                "set compile=False or cp=1"
             )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(

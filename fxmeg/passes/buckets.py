@@ -29,7 +29,8 @@ import math
 import torch
 from torch import fx
 
-from fxmeg.config import EngineConfig, OptimizerSharding
+from fxmeg.config import EngineConfig
+from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 

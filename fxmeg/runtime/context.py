@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fxmeg import program as prog
-from fxmeg.config import EngineConfig, OptimizerSharding
+from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaler
+from fxmeg.modes import OptimizerSharding
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.program import CONSTANTS, Program
 from fxmeg.runtime import collectives, replicas, schedules

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.config import EngineConfig, OptimizerSharding, decide_sharding
+from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, NonFiniteGradError
+from fxmeg.modes import OptimizerSharding, decide_sharding
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
@@ -173,7 +174,7 @@ class OptimizerPlan:
 
     def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False
                  ) -> OptimizerSharding:
-        """``fxmeg.config.decide_sharding`` for what this factory builds: 'auto' is
+        """``fxmeg.modes.decide_sharding`` for what this factory builds: 'auto' is
         LAYERWISE iff an inner optimizer is known not to be elementwise. Raises ConfigError
         when the request cannot hold (before any process group)."""
         whole = tuple(k for k, e in zip(self.kinds, self.elementwise) if e is False)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.config import OptimizerSharding
 from fxmeg.errors import ConfigError
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.modes import OptimizerSharding
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import (
     is_elementwise,
