@@ -27,8 +27,8 @@ from fxmeg import program as prog
 from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
 from fxmeg.loss_scale import LossScaler
-from fxmeg.modes import OptimizerSharding
 from fxmeg.lr_schedule import ParamScheduler
+from fxmeg.modes import OptimizerSharding
 from fxmeg.program import CONSTANTS, Program
 from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
