@@ -229,6 +229,12 @@ class InputSpec:
     dtype: torch.dtype
 
 
+CONSTANTS = "_fxmeg_constants."
+"""Name prefix of the tensor constants a forward creates (lifted by export): values of one
+capture, not model state (a Program of another input shape has its own). Here, not in
+capture, because the runtime reads it too and must not import capture."""
+
+
 @dataclass(frozen=True)
 class CaptureInfo:
     """What capture knew about the user's model, kept on the captured graph."""

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from fxmeg.config import EngineConfig
+from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 
@@ -46,7 +47,7 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
     (``config``: dp, bucket size, whether the distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
     dp, size = config.parallel.dp_cp, config.resolved_bucket_size  # gradients shard over dp x cp
-    shard = config.distributed_optimizer and config.optimizer_sharding != "layerwise"  # flat shards
+    shard = config.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():
