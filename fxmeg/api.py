@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -14,14 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.capture import LossFn
-from fxmeg.config import EngineConfig, Example, batch_dim, make_config
+from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
 from fxmeg.errors import ConfigError
 from fxmeg.materialize import InitFn, value_source
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
 from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
-from fxmeg.runtime.optimizer import OptimizerFactory
+from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups, plan_optimizers
 from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
@@ -88,20 +89,51 @@ def parallelize(
     parameter (another pipeline stage's, or the full tensor of a tensor-parallel shard)
     is a meta tensor. Read the whole model with ``Engine.full_state_dict()``.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if config is None:
-        config = make_config(example_inputs, world=world, **options)
-    elif options:
-        raise ConfigError(f"pass either config= or options, not both; got config and "
-                          f"{sorted(options)}: set them in the EngineConfig (dataclasses.replace)")
-    else:
-        batch_dim(example_inputs, config.micro_batch_size)
-        config = config.resolve(world)
+    factory = optimizer or default_optimizer
+    config = _configure(example_inputs, config, options)
+    config = _decide_sharding(config, factory, model, _stand_in_device(model, example_inputs, device))
     twin = meta_twin(model) if config.variable_seq_lengths else None  # before transform casts the model
     program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
     source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
-    context = build_context(program, optimizer=optimizer, source=source, model=model)
+    context = build_context(program, optimizer=factory, source=source, model=model)
     return Engine(program, context, Shapes.start(twin, loss_fn, program, context) if twin is not None else None)
+
+
+def _configure(example_inputs: Example, config: EngineConfig | None, options: dict) -> EngineConfig:
+    """The configuration on this world: made from ``options``, or ``config`` resolved
+    (``EngineConfig.resolve``) and checked against the example; not both."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if config is None:
+        return make_config(example_inputs, world=world, **options)
+    if options:
+        raise ConfigError(f"pass either config= or options, not both; got config and "
+                          f"{sorted(options)}: set them in the EngineConfig (dataclasses.replace)")
+    batch_dim(example_inputs, config.micro_batch_size)
+    return config.resolve(world)
+
+
+def _decide_sharding(config: EngineConfig, factory: OptimizerFactory, model: nn.Module,
+                     device: torch.device) -> EngineConfig:
+    """``config`` with the optimizer sharding decided, once, from what ``factory`` builds
+    for this model's parameters (``OptimizerPlan.sharding``) and recorded
+    (``decided_sharding``): before the passes, since the buckets pass pads the gradient
+    buffers for elementwise shards, and before any process group, so that a request the
+    optimizer cannot meet is refused on every rank at once."""
+    plan = plan_optimizers(factory, param_groups(model.named_parameters()), device)
+    decided = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
+                            overlap_param_gather=config.overlap_param_gather)
+    return dataclasses.replace(config, decided_sharding=decided)
+
+
+def _stand_in_device(model: nn.Module, example_inputs: Example, device: torch.device | str | None) -> torch.device:
+    """Where ``_decide_sharding``'s parameter stand-ins live (they hold no memory): where
+    the optimizers will step, as far as it is known before capture (the model's device,
+    else ``device``, else the example's, else the CPU), so that a factory that asks for a
+    device's kernels (``fused=True``) accepts them."""
+    real = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if real is None and device is not None:
+        real = torch.device(device)
+    return real or next((t.device for t in example_tensors(example_inputs) if not t.is_meta), torch.device("cpu"))
 
 
 class Engine:

@@ -34,7 +34,8 @@ from torch import fx, nn
 from fxmeg.config import Example
 from fxmeg.errors import CaptureError
 from fxmeg.hugging_face import exportable_experts, is_hugging_face
-from fxmeg.program import CaptureInfo, InputSpec
+from fxmeg.materialize import on_meta
+from fxmeg.program import CONSTANTS, CaptureInfo, InputSpec
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _PREFIX = "model."  # FQN prefix of the user's model inside _WithLossFn
@@ -97,11 +98,6 @@ class _Keywords(nn.Module):
         return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
-CONSTANTS = "_fxmeg_constants."
-"""Name prefix of the tensor constants a forward creates (lifted by export): values of one
-capture, not model state (a Program of another input shape has its own)."""
-
-
 def capture(
     model: nn.Module,
     example_inputs: Example,
@@ -157,22 +153,6 @@ def _unaliased(example: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         out.append(t.clone() if key is not None and key in seen else t)
         seen.add(key)
     return tuple(out)
-
-
-def on_meta(model: nn.Module) -> bool:
-    """Whether ``model`` was built on the meta device (shapes, no values). A model with
-    some tensors on meta and others real is refused: which values would it train from?"""
-    tensors = dict((*model.named_parameters(), *model.named_buffers()))
-    meta = [n for n, t in tensors.items() if t.is_meta]
-    if meta and len(meta) < len(tensors):
-        real = next(n for n, t in tensors.items() if not t.is_meta)
-        raise CaptureError(
-            f"{type(model).__name__} has {len(meta)} tensor(s) on the meta device (e.g. {meta[0]!r}) and "
-            f"{len(tensors) - len(meta)} real one(s) (e.g. {real!r}); build the whole model under "
-            "`with torch.device('meta'):` (fxmeg then materialises each rank's part from weights= or "
-            "init_fn=) or entirely with real tensors"
-        )
-    return bool(meta)
 
 
 def retarget(gm: fx.GraphModule, device: torch.device) -> None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from fxmeg.errors import FxmegError
+from fxmeg.errors import CheckpointError
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
@@ -41,10 +41,6 @@ from fxmeg.sharding import LoadPlanner, Pieces, SavePlanner
 
 LATEST = "latest"
 META = "meta.json"
-
-
-class CheckpointError(FxmegError):
-    """A checkpoint that is missing, incomplete or from an incompatible model."""
 
 
 # ---------------------------------------------------------------- rank state

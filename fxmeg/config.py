@@ -16,6 +16,7 @@ import torch
 from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.modes import OptimizerSharding, decide_sharding
 from fxmeg.numbers import Size, check_numbers, check_size
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
@@ -232,6 +233,10 @@ class EngineConfig:
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
     share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/shapes.py).
     Off: a batch must have the example's shape."""
+    decided_sharding: OptimizerSharding | None = None
+    """Set by ``parallelize``, not an option: the optimizer sharding decided once from the
+    fields above and what the optimizer factory builds (``decide_sharding``); None before
+    (read ``sharding``)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
@@ -271,6 +276,15 @@ class EngineConfig:
         if self.p2p not in ("auto", *P2P_MODES):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
+        self._check_optimizer_sharding()
+        if self.parallel.cp > 1 and self.compile:
+            raise ConfigError(  # the cp ops under torch.compile are not tested yet
+                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
+                "set compile=False or cp=1"
+            )
+
+    def _check_optimizer_sharding(self) -> None:
+        """optimizer_sharding, its companions, and a recorded decision that fits them."""
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ConfigError(f"optimizer_sharding={self.optimizer_sharding!r} is not one of "
                               f"{OPTIMIZER_SHARDINGS}" + closest(self.optimizer_sharding, OPTIMIZER_SHARDINGS))
@@ -284,16 +298,26 @@ class EngineConfig:
                 "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
                 "optimizer gathers whole parameters in one all-gather after the step)"
             )
-        if self.parallel.cp > 1 and self.compile:
-            raise ConfigError(  # the cp ops under torch.compile are not tested yet
-                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
-                "set compile=False or cp=1"
-            )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError(
                 "overlap_param_gather=True needs distributed_optimizer=True (only the "
                 "distributed optimizer gathers parameters)"
             )
+        decided = self.decided_sharding
+        if decided is not None and decided not in self._possible_shardings():
+            raise ConfigError(
+                f"decided_sharding={decided.value!r} contradicts distributed_optimizer="
+                f"{self.distributed_optimizer}, optimizer_sharding={self.optimizer_sharding!r}: "
+                "leave decided_sharding to parallelize (it is not an option)"
+            )
+
+    def _possible_shardings(self) -> tuple[OptimizerSharding, ...]:
+        """What ``decide_sharding`` may decide for these fields, whatever the optimizer."""
+        if not self.distributed_optimizer:
+            return (OptimizerSharding.NONE,)
+        if self.optimizer_sharding != "auto":
+            return (OptimizerSharding(self.optimizer_sharding),)
+        return (OptimizerSharding.ELEMENTWISE, OptimizerSharding.LAYERWISE)
 
     def _check_batch(self) -> None:
         """global_batch_size against micro_batch_size * dp and, interleaved or
@@ -343,6 +367,16 @@ class EngineConfig:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
+
+    @property
+    def sharding(self) -> OptimizerSharding:
+        """The optimizer sharding in force: ``decided_sharding``, or before ``parallelize``
+        decided it (a transform alone, ``fxmeg plan``) the default optimizer's (AdamW,
+        elementwise: 'auto' is ELEMENTWISE)."""
+        if self.decided_sharding is not None:
+            return self.decided_sharding
+        return decide_sharding(distributed=self.distributed_optimizer, requested=self.optimizer_sharding,
+                               overlap_param_gather=self.overlap_param_gather)
 
     @property
     def resolved_bucket_size(self) -> int | None:
@@ -446,7 +480,8 @@ def make_config(
     )
 
 
-_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {"parallel", "micro_batch_size", "global_batch_size"}
+_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {
+    "parallel", "micro_batch_size", "global_batch_size", "decided_sharding"}
 
 
 def cast_inputs(batch: Example, dtype: torch.dtype) -> Example:

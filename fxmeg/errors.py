@@ -35,6 +35,18 @@ class LayoutError(FxmegError, ValueError):
     internal error when a pass makes it, a user error when it comes from a plan."""
 
 
+class CommTimeoutError(ScheduleError):
+    """A pipeline peer did not answer within comm_timeout_s (raised by the executor)."""
+
+
+class NonFiniteGradError(FxmegError):
+    """A gradient held inf or NaN and the run asked to stop (on_nonfinite='raise')."""
+
+
+class CheckpointError(FxmegError):
+    """A checkpoint that is missing, incomplete or from an incompatible model."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest valid name, or '' when none is near."""
     match = difflib.get_close_matches(name, list(choices), n=1)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxmeg.errors import InitError
+from fxmeg.errors import CaptureError, InitError
 from fxmeg.layouts import is_split
 from fxmeg.sharding import local_to_global, tp_shard
 
@@ -262,6 +262,24 @@ def materialize(model: nn.Module, *, init_fn: InitFn | None = None, seed: int = 
     return model
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (shapes, no values). A model with
+    some tensors on meta and others real is refused: which values would it train from?
+    Here, not in capture: ``value_source`` asks it too, and the runtime, which imports
+    this module, must not import capture."""
+    tensors = dict((*model.named_parameters(), *model.named_buffers()))
+    meta = [n for n, t in tensors.items() if t.is_meta]
+    if meta and len(meta) < len(tensors):
+        real = next(n for n, t in tensors.items() if not t.is_meta)
+        raise CaptureError(
+            f"{type(model).__name__} has {len(meta)} tensor(s) on the meta device (e.g. {meta[0]!r}) and "
+            f"{len(tensors) - len(meta)} real one(s) (e.g. {real!r}); build the whole model under "
+            "`with torch.device('meta'):` (fxmeg then materialises each rank's part from weights= or "
+            "init_fn=) or entirely with real tensors"
+        )
+    return bool(meta)
+
+
 def value_source(model: nn.Module, program, *, weights=None, init_fn: InitFn | None = None,
                  seed: int = 0) -> Source | None:
     """Where ``parallelize`` takes the values of ``program``'s tensors from: None when the
@@ -269,7 +287,6 @@ def value_source(model: nn.Module, program, *, weights=None, init_fn: InitFn | N
     without data and without a process group, so that every rank refuses a bad source at
     once: each tensor's name and shape in the weights (``fxmeg.weights.check``), and that
     ``init_fn`` fills every tensor of each module it must initialise."""
-    from fxmeg.capture import on_meta
     from fxmeg.errors import ConfigError
 
     meta = on_meta(model)

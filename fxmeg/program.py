@@ -90,10 +90,38 @@ def chunk_spec(gm: fx.GraphModule) -> ChunkSpec:
     return gm.meta["fxmeg"]["spec"]
 
 
+def chunk_name(index: int) -> str:
+    """The name of chunk ``index``'s submodule under the pipelined parent graph (the
+    pipeline pass names them; nothing parses the name: ``chunks`` finds them by spec)."""
+    return f"chunk_{index}"
+
+
 def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
-    """The chunk graphs of a pipelined parent graph, in chunk order."""
-    found = {int(name.split("_")[1]): m for name, m in parent.named_children() if name.startswith("chunk_")}
+    """The chunk graphs of a pipelined parent graph, in chunk order: its submodules that
+    carry a ChunkSpec. Empty for a graph the pipeline pass has not split (a user module
+    may be called ``chunk_0`` there)."""
+    found = {chunk_spec(m).index: m for m in parent.children()
+             if isinstance(m, fx.GraphModule) and "spec" in m.meta.get("fxmeg", {})}
     return [found[i] for i in range(len(found))]
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Where a chunk graph sits in the pipeline: what the driver tells a per-chunk pass
+    besides the graph itself (fxmeg/transform.py)."""
+
+    index: int
+    """Chunk index in model order, 0 .. num_chunks - 1."""
+    pp_rank: int
+    """The pipeline rank that runs it (``Partition.placement[index]``)."""
+    num_chunks: int
+    """pp * vpp."""
+
+
+def chunk_infos(parent: fx.GraphModule) -> tuple[ChunkInfo, ...]:
+    """One ChunkInfo per chunk of a pipelined parent graph, from its partition's placement."""
+    placement = parent.meta["fxmeg"]["partition"].placement
+    return tuple(ChunkInfo(c, rank, len(placement)) for c, rank in enumerate(placement))
 
 
 @dataclass(frozen=True)
@@ -199,6 +227,12 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+CONSTANTS = "_fxmeg_constants."
+"""Name prefix of the tensor constants a forward creates (lifted by export): values of one
+capture, not model state (a Program of another input shape has its own). Here, not in
+capture, because the runtime reads it too and must not import capture."""
 
 
 @dataclass(frozen=True)

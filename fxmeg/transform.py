@@ -1,14 +1,23 @@
 """The pass driver: a model and one example micro-batch in, a ``Program`` out.
 
-The pass list is data (``PASSES``); ``transform`` captures the model, runs every pass in
-order, logs each one's time and node count, can dump each pass's graph, and collects the
-result into the frozen, rank-free ``fxmeg.program.Program`` (docs/design.md §1, §2).
-Every pass has one shape, ``(gm, config) -> gm``; passes after ``pipeline`` receive the
-parent graph and iterate its chunks themselves.
+The pass list is data (``PASSES``), the one list of the passes in order: each entry names
+its pass, the graph the pass takes (``Scope``) and the check of its Ensures
+(fxmeg/passes/verify.py); fxmeg/passes/__init__.py and docs/design.md §1 list the same
+passes in the same order (tests/test_pass_list.py holds them to it). ``transform``
+captures the model, runs every pass in order, logs each one's time and node count, can
+dump each pass's graph, and collects the result into the frozen, rank-free
+``fxmeg.program.Program`` (docs/design.md §1, §2).
+
+A pass is ``pass(gm, *, config) -> gm``; a per-chunk pass (scope CHUNK) is
+``pass(gm, *, config, chunk) -> gm`` and the driver calls it once per chunk graph, with
+that chunk's ``fxmeg.program.ChunkInfo`` (index, pipeline rank). The driver refuses a
+pass whose graph is not of its scope (listed on the wrong side of ``pipeline``) and a
+pass that returns anything but a GraphModule.
 
     FXMEG_DUMP_GRAPHS=DIR   write DIR/NN_<pass>.py, the code of the graph after each pass
-    FXMEG_VERIFY=1          check each pass's Ensures after it runs (fxmeg.passes.verify;
-                            the tests set it)
+    FXMEG_VERIFY=1          check each pass's Ensures after it runs (the tests set it)
+    FXMEG_SKIP_PASSES=a,b   debugging: do not run passes a and b (logged as a warning; the
+                            passes the Program is built from cannot be skipped)
 
 The ``fxmeg.transform`` logger reports each step at INFO; its records carry ``step``,
 ``seconds`` and ``nodes`` (bench/capture.py reads them).
@@ -17,6 +26,7 @@ The ``fxmeg.transform`` logger reports each step at INFO; its records carry ``st
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import os
 import time
@@ -28,6 +38,7 @@ from torch import fx, nn
 
 from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
+from fxmeg.errors import ConfigError, closest
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
@@ -39,34 +50,65 @@ from fxmeg.passes.pipeline import pipeline
 from fxmeg.passes.recompute import recompute
 from fxmeg.passes.split_backward import split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
-from fxmeg.program import Program, buffer_layouts, chunk_spec, chunks
+from fxmeg.program import Program, buffer_layouts, chunk_infos, chunk_name, chunk_spec, chunks
 from fxmeg.ops import AUX_SCALE
 
 log = logging.getLogger("fxmeg.transform")
 
 
+class Scope(enum.Enum):
+    """The graph a pass takes."""
+
+    MODEL = "model"
+    """The whole-model graph, before the pipeline pass (which takes it and returns the parent)."""
+    CHUNK = "chunk"
+    """One chunk graph and its ChunkInfo; the driver runs the pass on each chunk in turn."""
+    PARENT = "parent"
+    """The pipelined parent graph: a pass that needs every chunk at once."""
+
+
 @dataclass(frozen=True)
 class Pass:
+    """One entry of the pass list."""
+
     name: str
-    run: Callable[[fx.GraphModule, EngineConfig], fx.GraphModule]
+    """The pass's function and file (fxmeg/passes/<name>.py) and its check (verify.<name>)."""
+    run: Callable[..., fx.GraphModule]
+    scope: Scope
+    check: Callable[..., None]
+    """Asserts what the pass ensures; called like ``run``, on its result (FXMEG_VERIFY=1)."""
     reference: bool = False
     """Keep a copy of the graph after this pass as ``Program.reference``: the whole model,
     loss rewritten, nothing parallel yet (what ``Engine.verify`` compares against)."""
+    skippable: bool = True
+    """False for the passes whose records the Program is built from (FXMEG_SKIP_PASSES)."""
 
 
+MODEL, CHUNK, PARENT = Scope.MODEL, Scope.CHUNK, Scope.PARENT
 PASSES: tuple[Pass, ...] = (
-    Pass("loss", loss),  # mean loss -> (loss_sum, num_tokens)
-    Pass("analyse", analyse, reference=True),  # whole-model FLOPs and input value checks
-    Pass("context_parallel", context_parallel),  # sequences split over cp ranks (cp > 1)
-    Pass("tensor_parallel", tensor_parallel),  # shard tags and TP collectives (tp > 1)
-    Pass("partition", partition),  # chunk tag on every node
-    Pass("pipeline", pipeline),  # chunk graphs under a parent, recv / send / deallocate
-    Pass("recompute", recompute),  # activation recompute regions per chunk
-    Pass("buckets", buckets),  # gradient buffer layout and buckets per chunk
-    Pass("param_gather", param_gather),  # parameter all-gather waits (overlap_param_gather)
-    Pass("split_backward", split_backward),  # zero bubble: forward, input- and weight-gradient graphs
+    # mean loss -> (loss_sum, num_tokens)
+    Pass("loss", loss, MODEL, verify.loss, skippable=False),
+    # whole-model FLOPs, input value checks and position tables
+    Pass("analyse", analyse, MODEL, verify.analyse, reference=True, skippable=False),
+    # sequences split over cp ranks (cp > 1)
+    Pass("context_parallel", context_parallel, MODEL, verify.context_parallel),
+    # shard tags and TP collectives (tp > 1)
+    Pass("tensor_parallel", tensor_parallel, MODEL, verify.tensor_parallel),
+    # chunk tag on every node, placement
+    Pass("partition", partition, MODEL, verify.partition, skippable=False),
+    # chunk graphs under a parent, recv / send / deallocate
+    Pass("pipeline", pipeline, MODEL, verify.pipeline, skippable=False),
+    # activation recompute regions
+    Pass("recompute", recompute, CHUNK, verify.recompute),
+    # gradient buffer layout and buckets: one slot per parameter per pipeline rank
+    Pass("buckets", buckets, PARENT, verify.buckets),
+    # parameter all-gather waits (overlap_param_gather)
+    Pass("param_gather", param_gather, CHUNK, verify.param_gather),
+    # zero bubble: forward, input- and weight-gradient graphs
+    Pass("split_backward", split_backward, CHUNK, verify.split_backward),
 )
 NAMES = tuple(p.name for p in PASSES)
+_BY_NAME = {p.name: p for p in PASSES}
 
 
 def transform(
@@ -106,18 +148,14 @@ def transform(
     dtypes = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}
     masters = _cast(model, config.dtype)
     example = cast_inputs(example, config.dtype)
+    skip = skipped_passes()
     start = time.perf_counter()
     gm = capture(model, example, loss_fn=loss_fn).gm
     _report("capture", gm, start)
     reference = None
     for index, p in enumerate(PASSES):
-        start = time.perf_counter()
-        before = {n.name for n in _nodes(gm)}
-        gm = p.run(gm, config)
-        _tag_new_nodes(gm, before, p.name)
-        _report(p.name, gm, start, index)
-        if os.environ.get("FXMEG_VERIFY"):
-            verify.after(p.name, gm, config)
+        if p.name not in skip:
+            gm = _run(p, gm, config, index)
         if p.name == stop_after:
             return gm
         if p.reference:
@@ -147,12 +185,75 @@ def _device(model: nn.Module, example: Example, device, meta: bool) -> torch.dev
     return accelerator if accelerator is not None else torch.device("cpu")
 
 
+def skipped_passes() -> frozenset[str]:
+    """The passes ``FXMEG_SKIP_PASSES`` (comma-separated names) switches off, for
+    debugging; each must be a pass of ``PASSES`` that the Program does not depend on."""
+    raw = os.environ.get("FXMEG_SKIP_PASSES", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for name in names:
+        if name not in _BY_NAME:
+            raise ConfigError(f"FXMEG_SKIP_PASSES={raw!r} names {name!r}, which is not a pass{closest(name, NAMES)}; "
+                              f"the passes are {', '.join(NAMES)}")
+        if not _BY_NAME[name].skippable:
+            skippable = [p.name for p in PASSES if p.skippable]
+            raise ConfigError(f"FXMEG_SKIP_PASSES={raw!r}: pass {name!r} cannot be skipped, the Program is built "
+                              f"from what it records; passes that can be: {', '.join(skippable)}")
+    if names:
+        log.warning("FXMEG_SKIP_PASSES: not running pass(es) %s; the Program differs from the one fxmeg "
+                    "builds (for debugging only)", ", ".join(names))
+    return frozenset(names)
+
+
+def check_pass(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
+    """Assert what pass ``name`` ensures on its result ``gm`` (the check runs on each chunk
+    graph after a per-chunk pass)."""
+    _check(_BY_NAME[name], gm, config)
+
+
+def _check(p: Pass, gm: fx.GraphModule, config: EngineConfig) -> None:
+    if p.scope is CHUNK:
+        for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
+            p.check(chunk, config=config, chunk=info)
+    else:
+        p.check(gm, config=config)
+
+
+def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int) -> fx.GraphModule:
+    """Pass ``p`` on ``gm`` at its scope, its new nodes tagged, reported and (FXMEG_VERIFY) checked."""
+    pipelined = bool(chunks(gm))
+    assert pipelined == (p.scope is not MODEL), (
+        f"pass {p.name!r} takes the {p.scope.value} graph, but it got a graph that is "
+        f"{'' if pipelined else 'not '}split into chunks: is it listed on the wrong side of 'pipeline' in PASSES?")
+    start = time.perf_counter()
+    before = {n.name for n in _nodes(gm)}
+    if p.scope is CHUNK:
+        for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
+            out = _returned(p, p.run(chunk, config=config, chunk=info), f" for chunk {info.index}")
+            if out is not chunk:  # a new graph takes the chunk's place under the parent
+                assert out.meta.get("fxmeg", {}).get("spec") == chunk_spec(chunk), (
+                    f"pass {p.name!r} returned a new graph for chunk {info.index} without its ChunkSpec")
+                setattr(gm, chunk_name(info.index), out)
+    else:
+        gm = _returned(p, p.run(gm, config=config), "")
+    _tag_new_nodes(gm, before, p.name)
+    _report(p.name, gm, start, index)
+    if os.environ.get("FXMEG_VERIFY"):
+        _check(p, gm, config)
+    return gm
+
+
+def _returned(p: Pass, out, where: str) -> fx.GraphModule:
+    if not isinstance(out, fx.GraphModule):
+        raise TypeError(f"pass {p.name!r} returned {type(out).__name__}{where}, not an fx.GraphModule "
+                        "(a pass returns the graph it was given, or a new one)")
+    return out
+
+
 def _nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The top-level nodes of the whole-model graph, or (after the pipeline pass) of
     every chunk graph: what ``_tag_new_nodes`` diffs by name (chunk graphs keep the
     names of the nodes they were copied from)."""
-    graphs = [m for name, m in gm.named_children() if name.startswith("chunk_")] or [gm]
-    return [n for g in graphs for n in g.graph.nodes]
+    return [n for g in chunks(gm) or [gm] for n in g.graph.nodes]
 
 
 def _tag_new_nodes(gm: fx.GraphModule, before: set[str], name: str) -> None:

@@ -1,4 +1,4 @@
-"""Every script in examples/ runs as the README says, under torchrun on gloo, for a few
+"""Every script in examples/ runs as docs/cli.md says, under torchrun on gloo, for a few
 steps: exit code 0 and finite losses printed (and, for the trainer, logged)."""
 
 import math

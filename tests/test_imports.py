@@ -1,4 +1,6 @@
-"""fxmeg's own import structure: no cycles, and passes never reach the runtime.
+"""fxmeg's own import structure: no cycles, and none of the forbidden paths
+(tools/import_graph.py's FORBIDDEN: passes never reach the runtime, the runtime never
+reaches capture or the passes).
 
 The checker is tools/import_graph.py (not a package, so it is loaded by path);
 its own behaviour is pinned on small synthetic packages written to tmp_path.
@@ -8,6 +10,8 @@ import functools
 import importlib.util
 import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("import_graph", REPO / "tools" / "import_graph.py")
@@ -29,9 +33,16 @@ def test_fxmeg_has_no_import_cycles():
     assert not cycles, f"import cycles among fxmeg modules:\n{_show(cycles)}"
 
 
-def test_passes_do_not_reach_runtime():
-    paths = ig.reaches(_fxmeg_graph(), "fxmeg.passes", "fxmeg.runtime")
-    assert not paths, f"fxmeg.passes modules that import fxmeg.runtime:\n{_show(paths)}"
+@pytest.mark.parametrize("importer, imported", ig.FORBIDDEN, ids=lambda name: name.split(".")[-1])
+def test_forbidden_paths(importer, imported):
+    paths = ig.reaches(_fxmeg_graph(), importer, imported)
+    assert not paths, f"{importer} modules that import {imported}:\n{_show(paths)}"
+
+
+def test_forbidden_pairs_keep_the_pipeline_order():
+    """The runtime reads only the Program: never capture, never the passes."""
+    assert {("fxmeg.passes", "fxmeg.runtime"), ("fxmeg.runtime", "fxmeg.capture"),
+            ("fxmeg.runtime", "fxmeg.passes")} <= set(ig.FORBIDDEN)
 
 
 def _imported_top_levels(*folders: str) -> set[str]:

@@ -17,9 +17,13 @@ Rules:
   * Only edges between modules of the package are kept. Dynamic imports
     (``importlib.import_module("...")``) are not seen.
 
+Forbidden paths (``FORBIDDEN``), direct or through other modules: the passes run on CPU
+in one process and never reach the runtime; the runtime reads only the Program the passes
+produce, never capture or the passes themselves.
+
 Usage: ``python tools/import_graph.py [--dot] [PACKAGE_DIR]`` prints each
-module with its imports, then the cycles and the paths from ``fxmeg.passes`` to
-``fxmeg.runtime``; the exit status is 1 if there are any. ``--dot`` prints the
+module with its imports, then the cycles and the forbidden paths; the exit status is 1
+if there are any. ``--dot`` prints the
 graph in Graphviz dot instead.
 """
 
@@ -30,7 +34,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
-FORBIDDEN = ("fxmeg.passes", "fxmeg.runtime")  # (importer prefix, imported prefix)
+FORBIDDEN: tuple[tuple[str, str], ...] = (  # (importer prefix, imported prefix)
+    ("fxmeg.passes", "fxmeg.runtime"),
+    ("fxmeg.runtime", "fxmeg.capture"),
+    ("fxmeg.runtime", "fxmeg.passes"),
+)
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -156,11 +164,15 @@ def main(argv: list[str]) -> int:
     print(f"\nimport cycles: {len(cycles)}")
     for cycle in cycles:
         print("  " + " -> ".join(cycle))
-    paths = reaches(graph, *FORBIDDEN)
-    print(f"\nforbidden paths {FORBIDDEN[0]} -> {FORBIDDEN[1]}: {len(paths)}")
-    for path in paths:
-        print("  " + " -> ".join(path))
-    return 1 if cycles or paths else 0
+    found = 0
+    for src, dst in FORBIDDEN:
+        paths = reaches(graph, src, dst)
+        found += len(paths)
+        print(f"\nforbidden paths {src} -> {dst}: {len(paths)}")
+        for path in paths:
+            print("  " + " -> ".join(path))
+    print(f"\nforbidden paths: {found}")
+    return 1 if cycles or found else 0
 
 
 if __name__ == "__main__":

@@ -1,37 +1,58 @@
-"""Graph passes. Each is ``(gm, config) -> gm``, one per file, pure (no torch.distributed,
-no rank, no I/O), and its docstring states what it requires and ensures;
-``verify.py`` checks the Ensures after each pass when FXMEG_VERIFY=1 (the tests set it).
-``fxmeg/transform.py`` holds the order (``PASSES``) and the driver:
+"""Graph passes, one per file, pure (no torch.distributed, no rank, no I/O); each
+docstring states what the pass requires and ensures, and ``verify.py`` checks the Ensures
+after each pass when FXMEG_VERIFY=1 (the tests set it). ``fxmeg/transform.py`` holds the
+order (``PASSES``, with each pass's scope and check) and the driver, which calls a pass
+as ``run(gm, config=config) -> gm``. Its scope says what ``gm`` is: the whole-model graph
+(model); one chunk graph, the call adding ``chunk=``, the chunk's
+``fxmeg.program.ChunkInfo`` (chunk: the driver runs it on each chunk); or the pipelined
+parent, for a pass that needs every chunk at once (parent).
+The sharding passes (context_parallel, tensor_parallel) read one registry of op rules,
+``passes/op_rules.py``: an op's family, found by kind, and each axis's rule for it; values'
+and parameters' layouts are ``fxmeg.layouts`` records.
+tests/test_pass_list.py holds this table to ``PASSES``:
 
-  loss             mean loss -> (loss_sum, num_tokens)                   passes/loss.py
-  analyse          whole-model FLOPs and input value checks              passes/analyse.py
-  context_parallel sequences split over cp ranks, K/V all-gathered        passes/context_parallel.py
-                   (padding-mask inputs it keeps whole: passes/cp_masks.py)
-  tensor_parallel  column / row / vocab-parallel, sequence parallelism   passes/tensor_parallel.py
-                   (its propagation rules by kind of op: passes/tp_rules.py)
-  partition        balanced cut: every node tagged with its chunk        passes/partition.py
-  pipeline         chunk graphs with recv / send / deallocate markers    passes/pipeline.py
-  recompute        activation-recompute regions in every chunk           passes/recompute.py
-  buckets          gradient-ready order, buffer layout, buckets          passes/buckets.py
-  param_gather     waits for parameter all-gathers (overlap_param_gather) passes/param_gather.py
+  loss             model   mean loss -> (loss_sum, num_tokens)                  passes/loss.py
+  analyse          model   whole-model FLOPs, input value checks, position      passes/analyse.py
+                           tables
+  context_parallel model   sequences split over cp ranks, K/V all-gathered      passes/context_parallel.py
+                           (padding-mask inputs it keeps whole: passes/cp_masks.py)
+  tensor_parallel  model   column / row / vocab-parallel, sequence parallelism  passes/tensor_parallel.py
+                           (its rules by op family: passes/tp_rules.py)
+  partition        model   balanced cut: every node tagged with its chunk       passes/partition.py
+  pipeline         model   chunk graphs under a parent (returned), with recv /  passes/pipeline.py
+                           send / deallocate markers
+  recompute        chunk   activation-recompute regions                         passes/recompute.py
+  buckets          parent  gradient-ready order, buffer layout, buckets: one    passes/buckets.py
+                           slot per parameter per pipeline rank
+  param_gather     chunk   waits for parameter all-gathers (overlap_param_gather) passes/param_gather.py
+  split_backward   chunk   zero bubble: forward, input- and weight-gradient     passes/split_backward.py
+                           graphs
 
 Higher-order ops (autocast and no-grad regions, ``wrap``) are single call_function nodes
 whose bodies are GraphModules under ``_fxmeg_hop``, read by get_attr operands
 (``graph_utils.is_hop`` / ``is_subgraph`` / ``subgraphs`` / ``body_call``); every pass
 keeps each body next to the nodes that call it.
 
-Metadata the passes keep under ``node.meta["fxmeg"]``:
-  module     FQN of the module that created the node ('' = the model's own forward); capture
-  pass       name of the pass that inserted the node (absent: from capture); the driver
-             (fxmeg/transform.py) sets it by diffing node names around each pass
-  loss       "sum" | "count" on the two loss outputs; loss pass
-  tp         layouts.Shard(dim, parts) | layouts.Replicate(reduce_grad) on a parameter's get_attr;
-             tensor_parallel pass (the runtime materialises shards from it)
-  chunk      pipeline chunk index of a call_function node; partition
-  bucket     (home chunk, grad dtype, bucket index) on a trainable parameter's get_attr; buckets
+Metadata under ``node.meta["fxmeg"]`` (key: on which nodes, what; written by):
+  module     every node: FQN of the module that created it ('' = the model's own forward);
+             capture (passes copy it onto the nodes they derive; markers get '')
+  pass       a node a pass inserted: that pass's name (absent: from capture); the driver,
+             by diffing node names around each pass
+  loss       the two loss outputs: "sum" | "count"; loss (tensor_parallel moves "sum" to
+             its vocabulary-parallel loss)
+  tp         a parameter's get_attr: layouts.Shard(dim, parts) | layouts.Replicate(reduce_grad);
+             tensor_parallel (the runtime materialises shards from it)
+  chunk      a call_function node: its pipeline chunk index; partition
+  bucket     a trainable parameter's get_attr: (home chunk, grad dtype, bucket index); buckets
 
-and under ``gm.meta["fxmeg"]`` (read through ``fxmeg.program``): on the whole graph
-"capture" (CaptureInfo), "facts" (ModelFacts; analyse), "cp" (CPLayout; context_parallel, cp > 1), "partition" (Partition; partition),
-carried onto the pipelined parent; on a chunk graph "spec" (ChunkSpec; pipeline) and
-"buffers" (BufferLayout per gradient dtype; buckets).
+and under ``gm.meta["fxmeg"]``, one record per key:
+  capture    the captured graph: CaptureInfo; capture
+  facts      ModelFacts; analyse
+  cp         CPLayout (cp > 1 only); context_parallel
+  partition  Partition, with the placement; partition
+             (these four are carried onto the pipelined parent)
+  spec       a chunk graph: ChunkSpec; pipeline (``fxmeg.program.chunks`` finds chunks by it)
+  buffers    a chunk graph: BufferLayout per gradient dtype; buckets
+  split      a chunk graph: SplitSpec (zero-bubble schedules only); split_backward
+docs/design.md §2 says who reads each key.
 """

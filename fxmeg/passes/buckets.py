@@ -1,6 +1,9 @@
 """Bucket pass: the static order in which parameter gradients become ready in backward,
 laid out in contiguous buffers and cut into buckets.
 
+Scope: the pipelined parent graph, every chunk at once (not one chunk at a time): a
+parameter read by several chunks of one pipeline rank gets one slot on that rank, so the
+layout of a chunk depends on the other chunks placed on its rank.
 Requires: the pipelined parent graph (pipeline pass) with the partition's placement.
 Ensures: every chunk graph's ``gm.meta["fxmeg"]["buffers"]`` holds one
 ``fxmeg.program.BufferLayout`` per gradient dtype (fp32: gradients accumulate in fp32
@@ -30,6 +33,7 @@ import torch
 from torch import fx
 
 from fxmeg.config import EngineConfig
+from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 
@@ -38,12 +42,12 @@ GRAD_DTYPE = torch.float32
 BUCKET_ALIGN = 128
 
 
-def buckets(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """Lay out every chunk's parameter gradients (``config``: dp, bucket size, whether
-    the distributed optimizer shards the buffers)."""
+def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
+    """Lay out the parameter gradients of every chunk of the pipelined ``parent`` graph
+    (``config``: dp, bucket size, whether the distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
     dp, size = config.parallel.dp_cp, config.resolved_bucket_size  # gradients shard over dp x cp
-    shard = config.distributed_optimizer and config.optimizer_sharding != "layerwise"  # flat shards
+    shard = config.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():

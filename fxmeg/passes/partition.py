@@ -18,7 +18,7 @@ Requires: the loss pass's outputs; tp-sharded shapes in ``meta["val"]`` if tp > 
 Ensures: every call_function node carries ``meta["fxmeg"]["chunk"]`` in
 [0, pp * vpp), non-decreasing in graph order, so chunks only ever read values of earlier
 chunks and the pipeline pass can cut between them; ``gm.meta["fxmeg"]["partition"]`` is
-the ``fxmeg.program.Partition`` (units, chunk starts, estimated costs).
+the ``fxmeg.program.Partition`` (units, chunk starts, estimated costs, placement).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ For chunk k:
     body under the same ``_fxmeg_hop`` name; values a no-grad region returns cross
     boundaries with ``grad`` False;
   * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.program.ChunkSpec``;
-  * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, partition).
-Later passes iterate the parent's chunks themselves.
+  * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, cp, partition).
+``fxmeg.program.chunks`` lists the chunk graphs; the driver hands each to the per-chunk
+passes after this one (fxmeg/transform.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import fx
 from fxmeg import ops
 from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 from fxmeg.config import EngineConfig
-from fxmeg.program import Boundary, ChunkSpec, chunk_spec
+from fxmeg.program import Boundary, ChunkSpec, chunk_name, chunk_spec
 
 aten = torch.ops.aten
 
@@ -66,7 +67,7 @@ def pipeline(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
         recv_nodes = cuts[k - 1] if k else []
         send_nodes = cuts[k] if k < num_chunks - 1 else []
         body = [n for n in nodes if chunk_of.get(n) == k]
-        children[f"chunk_{k}"] = _chunk_graph(
+        children[chunk_name(k)] = _chunk_graph(
             gm, k, body, inputs, recv, recv_nodes, send, send_nodes,
             loss=output.args[0] if k == num_chunks - 1 else None,
         )

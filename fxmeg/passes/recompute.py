@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from fxmeg import ops
 from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.program import chunks
+from fxmeg.program import ChunkInfo
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
 
@@ -53,25 +53,20 @@ class Recompute(nn.Module):
         return checkpoint(self.region, *args, use_reentrant=False)
 
 
-def recompute(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """Move each region (see the module docstring) of every chunk graph into a
-    ``Recompute`` submodule called in its place (``config.recompute``,
-    ``config.recompute_num_layers``).
+def recompute(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+    """Move each region (see the module docstring) of the chunk graph ``gm`` into a
+    ``Recompute`` submodule called in its place (``config.recompute``; with "full",
+    ``config.recompute_num_layers`` counts the blocks of this chunk).
 
-    Requires: the pipelined parent graph (pipeline pass).
-    Ensures: every chunk computes the same outputs and gradients as before; every node
-    of a region lives in its sub-graph; no parameter or buffer changes its name."""
-    for gm in chunks(parent):
-        recompute_chunk(gm, granularity=config.recompute, num_layers=config.recompute_num_layers)
-    return parent
-
-
-def recompute_chunk(gm: fx.GraphModule, *, granularity: str, num_layers: int | None = None) -> fx.GraphModule:
-    """The regions of one chunk graph ``gm`` (see ``recompute``)."""
+    Scope: one chunk graph (the driver runs it on each); ``chunk`` is not needed.
+    Requires: a chunk graph of the pipeline pass.
+    Ensures: the chunk computes the same outputs and gradients as before; every node of
+    a region lives in its sub-graph; no parameter or buffer changes its name."""
+    granularity = config.recompute
     assert granularity in GRANULARITIES, granularity  # EngineConfig checks it
     if granularity == "none":
         return gm
-    regions = _blocks(gm, num_layers) if granularity == "full" else _attention_cores(gm)
+    regions = _blocks(gm, config.recompute_num_layers) if granularity == "full" else _attention_cores(gm)
     for i, nodes in enumerate(regions):
         _extract(gm, nodes, f"recompute_{i}")
     gm.graph.lint()

@@ -18,9 +18,10 @@ A recompute region (``Recompute`` submodules of the recompute pass) is inlined w
 nodes tagged MUST_RECOMPUTE, and the min-cut partitioner recomputes them in backward
 instead of saving their outputs: the same memory semantics as checkpointing.
 
-Requires: pipeline (chunk graphs with a ChunkSpec); recompute, buckets, param_gather may
+Scope: one chunk graph (the driver runs it on each).
+Requires: pipeline (a chunk graph with a ChunkSpec); recompute, buckets, param_gather may
 have run. Ensures: when the schedule runs I / W actions (``config.parallel.splits_backward``),
-every chunk graph has three parameter-free submodules ``zb_forward``, ``zb_input``,
+the chunk graph has three parameter-free submodules ``zb_forward``, ``zb_input``,
 ``zb_weight`` and ``gm.meta["fxmeg"]["split"]``, a ``fxmeg.program.SplitSpec`` (their
 calling conventions); ``zb_input`` then ``zb_weight`` compute exactly the gradients the
 chunk's autograd backward does. Otherwise the graphs are unchanged.
@@ -42,25 +43,25 @@ from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import SplitSpec, chunk_spec, chunks
+from fxmeg.program import ChunkInfo, SplitSpec, chunk_spec
 
 
-def split_backward(parent: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """See the module docstring."""
+def split_backward(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+    """Split the chunk graph ``gm``'s backward (see the module docstring); ``chunk``
+    names it in the error."""
     if not config.parallel.splits_backward:
-        return parent
-    for c, gm in enumerate(chunks(parent)):
-        try:
-            _split_chunk(gm)
-        except PassError:
-            raise
-        except Exception as exc:  # AOT autograd raises many types; all mean "cannot split"
-            raise PassError(
-                f"cannot split chunk {c}'s backward into input- and weight-gradient graphs for "
-                f"schedule {config.parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
-                "Use schedule='1f1b' or 'interleaved'."
-            ) from exc
-    return parent
+        return gm
+    try:
+        _split_chunk(gm)
+    except PassError:
+        raise
+    except Exception as exc:  # AOT autograd raises many types; all mean "cannot split"
+        raise PassError(
+            f"cannot split chunk {chunk.index}'s backward into input- and weight-gradient graphs for "
+            f"schedule {config.parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
+            "Use schedule='1f1b' or 'interleaved'."
+        ) from exc
+    return gm
 
 
 def _split_chunk(gm: fx.GraphModule) -> None:

@@ -1,6 +1,10 @@
 """Checks of each pass's Ensures, run after the pass when ``FXMEG_VERIFY=1`` (the tests set
-it; ``fxmeg.transform``). A failed check is an internal error: an ``AssertionError``
-naming the pass, the chunk or node, and what does not hold.
+it). A failed check is an internal error: an ``AssertionError`` naming the pass, the chunk
+or node, and what does not hold.
+
+One check per pass, named like it; ``fxmeg.transform.PASSES`` pairs each pass with its
+check, and the driver calls the check like the pass: on the result of a per-chunk pass
+once per chunk graph (with its ``ChunkInfo``), otherwise on the whole result.
 """
 
 from __future__ import annotations
@@ -12,12 +16,7 @@ from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import buffer_layouts, chunk_spec, chunks, split_spec
-
-
-def after(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
-    """Check what pass ``name`` ensures on its result ``gm``."""
-    _CHECKS[name](gm, config)
+from fxmeg.program import ChunkInfo, buffer_layouts, chunk_spec, chunks, split_spec
 
 
 def loss(gm: fx.GraphModule, config: EngineConfig) -> None:
@@ -93,11 +92,10 @@ def pipeline(parent: fx.GraphModule, config: EngineConfig) -> None:
         assert len(recvs) == len(spec.recv), f"pipeline: chunk {c} has {len(recvs)} recv markers"
 
 
-def recompute(parent: fx.GraphModule, config: EngineConfig) -> None:
-    for c, gm in enumerate(chunks(parent)):
-        for name, module in gm.named_children():
-            if isinstance(module, Recompute):
-                assert not list(module.parameters()), f"recompute: chunk {c} region {name} owns parameters"
+def recompute(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+    for name, module in gm.named_children():
+        if isinstance(module, Recompute):
+            assert not list(module.parameters()), f"recompute: chunk {chunk.index} region {name} owns parameters"
 
 
 def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
@@ -127,19 +125,19 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
                 assert (placement[c], name) in slots, f"buckets: {name} (chunk {c}) has no slot"
 
 
-def param_gather(parent: fx.GraphModule, config: EngineConfig) -> None:
+def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
     if not config.overlap_param_gather:
         return
-    for c, gm in enumerate(chunks(parent)):
-        waited: set[tuple[int, int]] = set()
-        for node in gm.graph.nodes:
-            if node.target is ops.wait_param_gather:
-                waited.add(node.kwargs["bucket"])
-                continue
-            for arg in node.all_input_nodes:
-                tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
-                if tag is not None:
-                    assert (tag[0], tag[2]) in waited, f"param_gather: chunk {c} {node.name} reads {arg.target} unwaited"
+    waited: set[tuple[int, int]] = set()
+    for node in gm.graph.nodes:
+        if node.target is ops.wait_param_gather:
+            waited.add(node.kwargs["bucket"])
+            continue
+        for arg in node.all_input_nodes:
+            tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
+            if tag is not None:
+                assert (tag[0], tag[2]) in waited, (
+                    f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} unwaited")
 
 
 def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -150,31 +148,16 @@ def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
     return True
 
 
-def split_backward(parent: fx.GraphModule, config: EngineConfig) -> None:
-    for c, gm in enumerate(chunks(parent)):
-        split = split_spec(gm)
-        if not config.parallel.splits_backward:
-            assert split is None, f"split_backward: chunk {c} split for schedule {config.parallel.schedule!r}"
-            continue
-        assert split is not None, f"split_backward: chunk {c} has no split"
-        for name in ("zb_forward", "zb_input", "zb_weight"):
-            sub = getattr(gm, name)
-            assert not list(sub.parameters()) and not list(sub.buffers()), f"split_backward: {name} holds tensors"
-        inputs = [n for n in gm.zb_weight.graph.nodes if n.op == "placeholder"]
-        assert len(inputs) == split.carry, f"split_backward: chunk {c}'s W takes {len(inputs)} values, I carries {split.carry}"
-        outputs = gm.zb_weight.graph.output_node().args[0]
-        assert len(outputs) == len(split.weights), f"split_backward: chunk {c}'s W returns {len(outputs)} gradients"
-
-
-_CHECKS = {
-    "loss": loss,
-    "analyse": analyse,
-    "context_parallel": context_parallel,
-    "tensor_parallel": tensor_parallel,
-    "partition": partition,
-    "pipeline": pipeline,
-    "recompute": recompute,
-    "buckets": buckets,
-    "param_gather": param_gather,
-    "split_backward": split_backward,
-}
+def split_backward(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+    c, split = chunk.index, split_spec(gm)
+    if not config.parallel.splits_backward:
+        assert split is None, f"split_backward: chunk {c} split for schedule {config.parallel.schedule!r}"
+        return
+    assert split is not None, f"split_backward: chunk {c} has no split"
+    for name in ("zb_forward", "zb_input", "zb_weight"):
+        sub = getattr(gm, name)
+        assert not list(sub.parameters()) and not list(sub.buffers()), f"split_backward: {name} holds tensors"
+    inputs = [n for n in gm.zb_weight.graph.nodes if n.op == "placeholder"]
+    assert len(inputs) == split.carry, f"split_backward: chunk {c}'s W takes {len(inputs)} values, I carries {split.carry}"
+    outputs = gm.zb_weight.graph.output_node().args[0]
+    assert len(outputs) == len(split.weights), f"split_backward: chunk {c}'s W returns {len(outputs)} gradients"

@@ -1,8 +1,8 @@
 """This rank's runtime, built from the rank-free Program (docs/design.md §1, §4).
 
-``build_context(program, config)`` creates, in this order: the optimizer plan (what the
-factory builds, and so how the distributed optimizer shards: checked before anything
-else); the process groups; this
+``build_context(program, config)`` creates, in this order: the optimizer plan (which
+inner optimizer the factory gives each parameter; how the distributed optimizer shards
+was decided by ``parallelize``: ``EngineConfig.decided_sharding``); the process groups; this
 rank's chunks, bound (copies of the Program's chunk graphs whose tensor-parallel
 parameters are materialised as this rank's shards, and whose symbolic group names and
 param-gather markers point at this rank's objects); the check that replicas hold the same
@@ -24,13 +24,13 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fxmeg import program as prog
-from fxmeg.capture import CONSTANTS
 from fxmeg.config import EngineConfig
 from fxmeg.errors import FxmegError
 from fxmeg.layouts import is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
-from fxmeg.program import Program
+from fxmeg.modes import OptimizerSharding
+from fxmeg.program import CONSTANTS, Program
 from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
@@ -38,8 +38,10 @@ from fxmeg.runtime.groups import Groups, Topology, build_groups
 from fxmeg.runtime.optimizer import (
     FullSource,
     MasterSource,
+    MasterSources,
     Optimizer,
     OptimizerFactory,
+    StepOptions,
     default_optimizer,
     param_groups,
     plan_optimizers,
@@ -141,9 +143,9 @@ def build_context(
     par = config.parallel
     factory = optimizer or default_optimizer
     template = param_groups(_shapes(program.parameters))  # the whole model's groups, on every rank
-    plan = plan_optimizers(factory, template, program.device)
-    sharding = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
-                             overlap_param_gather=config.overlap_param_gather)
+    plan = plan_optimizers(factory, template, program.device)  # which optimizer steps which parameter
+    assert config.decided_sharding is not None, "parallelize decides the optimizer sharding"
+    sharding = config.decided_sharding
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp), tied=tied,
                           timeout_s=config.comm_timeout_s)
@@ -160,18 +162,14 @@ def build_context(
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
-    ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding == "elementwise")
+    ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding is OptimizerSharding.ELEMENTWISE)
     names = _group_names(groups)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather)
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
-        sharding=sharding, tp_specs=program.tp_specs, overlap_param_gather=config.overlap_param_gather,
-        clip_grad=config.clip_grad, fp32_source=_master_source(masters),
-        full_source=_full_source(program, groups, masters),
-        check_nonfinite=config.check_for_nan_in_grad or config.precision == "fp16",
-        raise_on_nonfinite=config.on_nonfinite == "raise" and config.precision != "fp16",
-        max_grad_norm=config.skip_on_grad_norm_above,
+        sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
+        sources=MasterSources(_master_source(masters), _full_source(program, groups, masters)),
     )
     executor = _executor(program, config, chunks, groups, ddp, tracer)
     return RankContext(

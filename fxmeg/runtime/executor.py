@@ -16,10 +16,20 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg.errors import ScheduleError
+from fxmeg.errors import CommTimeoutError, ScheduleError
 from fxmeg.program import Boundary, ChunkSpec, split_spec
 from fxmeg.runtime.packing import Layout
-from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of, is_send, peer_chunk
+from fxmeg.runtime.schedules import (
+    COMPUTE,
+    Action,
+    Kind,
+    Step,
+    fmt,
+    input_of,
+    is_send,
+    peer_chunk,
+    round_robin,
+)
 from fxmeg.trace import CATEGORY, Tracer
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
@@ -53,10 +63,6 @@ class _State:
     """Point-to-point action -> (work, its tensors, peer rank), until awaited."""
 
 
-class CommTimeoutError(ScheduleError):
-    """A pipeline peer did not answer within comm_timeout_s."""
-
-
 class Executor:
     """Runs this rank's lowered schedules over the chunks this rank holds."""
 
@@ -86,8 +92,8 @@ class Executor:
         self.accumulate, self.wait_params = accumulate, wait_params
         self.specs = specs
         self.rank, self.pp = rank, pp
-        rounds = range(max(chunks, default=0) + 2)  # every chunk this rank holds or talks to
-        self.placement = tuple(placement) if placement is not None else tuple(c % pp for c in rounds)
+        talks_to = max(chunks, default=0) + 2  # every chunk this rank holds or talks to
+        self.placement = tuple(placement) if placement is not None else round_robin(pp, talks_to)
         """Each chunk's pipeline rank (``fxmeg.config.placement``; default round robin)."""
         self.rank_stage = self.placement[min(chunks)] if chunks else 0
         self.peer, self.group, self.device = peer, group, device

@@ -20,268 +20,57 @@ steps, copies masters back into the parameters and brings every data-parallel ra
 updated values (all-gather of bucket shards, or of the layer-wise owners' parameters).
 
 The factory may return one optimizer or several over disjoint parameters (e.g. Muon for
-matrices and AdamW for the rest, ``muon_adamw``). It is called twice: once on stand-ins of
-every parameter's full shape, to learn which optimizer takes which parameter and whether it
-is elementwise (``OptimizerPlan``), then on this rank's masters; both calls must route
-every parameter to the same optimizer.
+matrices and AdamW for the rest, ``muon_adamw``). It is called on stand-ins of every
+parameter's full shape, to learn which optimizer takes which parameter and whether it is
+elementwise (``OptimizerPlan``: once by ``parallelize`` on the model's parameters, to
+decide the sharding before the passes, once by the runtime on the Program's), then on
+this rank's masters; the calls must route every parameter to the same optimizer.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.errors import ConfigError, FxmegError
+from fxmeg.config import EngineConfig
+from fxmeg.errors import ConfigError, NonFiniteGradError
 from fxmeg.layouts import ParamLayout, is_split
+from fxmeg.modes import OptimizerSharding
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
+from fxmeg.runtime.inner import (
+    ADAMW_ONLY,
+    OptimizerFactory,
+    OptimizerPlan,
+    Optimizers,
+    adamw,
+    as_list,
+    default_optimizer,
+    is_elementwise,
+    muon_adamw,
+    muon_groups,
+    param_groups,
+    plan_optimizers,
+    routes,
+)
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
 from fxmeg.sharding import tp_shard
 
-OptimizerFactory = Callable[[list[dict]], "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]"]
+__all__ = [  # the inner optimizers' names (fxmeg.runtime.inner) are public here too
+    "ADAMW_ONLY", "FullSource", "MasterSource", "MasterSources", "Optimizer", "OptimizerFactory", "OptimizerPlan",
+    "Optimizers", "StepOptions", "StepOutcome", "adamw", "default_optimizer", "is_elementwise", "muon_adamw",
+    "muon_groups", "param_groups", "plan_optimizers",
+]
+
 MasterSource = Callable[[str, int, int], torch.Tensor]
 """(parameter, lo, hi) -> fp32 values of elements [lo, hi) of this rank's flat shard of it."""
 FullSource = Callable[[str], torch.Tensor]
 """parameter -> its full (tensor-parallel-unsharded) fp32 values, a new tensor."""
-
-
-def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
-    """Megatron's default groups: weight decay for matrices, none for 1-D parameters
-    (biases, norm weights); ``wd_mult`` tells a weight-decay schedule which groups it
-    drives; ``param_names`` (torch's optional group key) names each parameter. A factory
-    that wants one group can flatten them:
-    ``lambda groups: AdamW([p for g in groups for p in g["params"]])``."""
-    decay, no_decay = ([], []), ([], [])
-    for name, p in named:
-        if p.requires_grad:
-            names, params = no_decay if p.dim() <= 1 else decay
-            names.append(name)
-            params.append(p)
-    groups = [{"params": decay[1], "param_names": decay[0], "wd_mult": 1.0},
-              {"params": no_decay[1], "param_names": no_decay[0], "weight_decay": 0.0, "wd_mult": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def adamw(groups: list[dict], **kwargs) -> torch.optim.Optimizer:
-    """AdamW as one fused kernel over all tensors on CPU and CUDA (7x faster than the
-    per-tensor loop on CPU for a small GPT), else the multi-tensor (foreach) path."""
-    devices = {p.device.type for g in groups for p in g["params"]}
-    if devices <= {"cpu", "cuda"}:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
-def default_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
-    """``adamw`` with PyTorch's defaults (lr 1e-3, betas (0.9, 0.999), weight decay 0.01)."""
-    return adamw(groups)
-
-
-ADAMW_ONLY = ("*embed*", "*wte*", "*wpe*", "*lm_head*")
-"""Name patterns (fnmatch) of 2-D parameters ``muon_groups`` leaves to AdamW: input
-embeddings and the output head (Muon is meant for hidden layers' matrices)."""
-
-
-def muon_groups(groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY) -> tuple[list[dict], list[dict]]:
-    """fxmeg's parameter groups split for Muon + AdamW: (Muon's groups: 2-D parameters
-    whose name matches none of ``adamw_only``; AdamW's groups: the rest), each keeping its
-    group's options. Every group is kept on both sides, possibly empty, so every rank
-    builds the same groups whatever parameters it updates."""
-    muon, rest = [], []
-    for g in groups:
-        names = g.get("param_names")
-        if names is None:
-            raise ConfigError("muon_groups needs each group's 'param_names' (fxmeg's param_groups give them)")
-        pick = [p.dim() == 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in adamw_only)
-                for n, p in zip(names, g["params"])]
-        for side, want in ((muon, True), (rest, False)):
-            chosen = [i for i, m in enumerate(pick) if m == want]
-            side.append({**g, "params": [g["params"][i] for i in chosen],
-                         "param_names": [names[i] for i in chosen]})
-    return muon, rest
-
-
-def muon_adamw(
-    lr: float = 1e-3, weight_decay: float = 0.1, *, momentum: float = 0.95, nesterov: bool = True,
-    ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw", betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8, adamw_lr: float | None = None, adamw_only: Sequence[str] = ADAMW_ONLY,
-) -> OptimizerFactory:
-    """A factory for ``parallelize(optimizer=...)``: torch.optim.Muon on the hidden layers'
-    matrices, AdamW (``adamw``) on everything else (``muon_groups``). With Moonshot's
-    ``adjust_lr_fn='match_rms_adamw'`` one lr and weight decay serve both; ``adamw_lr``
-    gives AdamW its own lr (kept as ``lr_mult`` so an lr schedule keeps the ratio). Muon
-    refuses 1-D parameters, so it never sees biases or norms. With the distributed
-    optimizer it runs layer-wise (``optimizer_sharding='auto'`` picks it)."""
-
-    def factory(groups: list[dict]) -> list[torch.optim.Optimizer]:
-        matrices, rest = muon_groups(groups, adamw_only=adamw_only)
-        if adamw_lr is not None:
-            rest = [{**g, "lr_mult": g.get("lr_mult", 1.0) * adamw_lr / lr} for g in rest]
-        return [
-            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
-            adamw(rest, lr=lr if adamw_lr is None else adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay),
-        ]
-
-    return factory
-
-
-_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD",
-    "SparseAdam") if hasattr(torch.optim, n))
-_WHOLE = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
-
-
-def is_elementwise(optimizer) -> bool | None:
-    """True when each element's update reads only that element's gradient and state (any
-    cut into pieces steps exactly as the whole), False when it needs the parameter's whole
-    shape, None when fxmeg does not know. An optimizer declares it with a boolean
-    ``elementwise`` attribute (class or instance); else torch's own are known: SGD, Adam,
-    AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD are elementwise,
-    Muon and Adafactor (factored second moments) are not."""
-    declared = getattr(optimizer, "elementwise", None)
-    if isinstance(declared, bool):
-        return declared
-    if isinstance(optimizer, _WHOLE):
-        return False
-    if isinstance(optimizer, _ELEMENTWISE):
-        return True
-    return None
-
-
-@dataclass(frozen=True)
-class OptimizerPlan:
-    """What the factory builds, learnt on stand-ins of every parameter's full shape."""
-
-    kinds: tuple[str, ...]
-    """Class name of each inner optimizer, in the factory's order."""
-    elementwise: tuple[bool | None, ...]
-    """``is_elementwise`` of each."""
-    route: Mapping[str, int]
-    """Parameter -> index of the inner optimizer that updates it."""
-
-    def whole(self, name: str) -> bool:
-        """Whether ``name``'s optimizer must see the whole (tp-unsharded) parameter: unless
-        it is known to be elementwise."""
-        return self.elementwise[self.route[name]] is not True
-
-    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False) -> str:
-        """'none' without the distributed optimizer, else 'elementwise' or 'layerwise'
-        ('auto': layerwise iff an inner optimizer is known not to be elementwise).
-        Raises ConfigError when the request cannot hold (before any process group)."""
-        if not distributed:
-            return "none"
-        whole = [k for k, e in zip(self.kinds, self.elementwise) if e is False]
-        chosen = requested if requested != "auto" else ("layerwise" if whole else "elementwise")
-        if chosen == "elementwise" and whole:
-            raise ConfigError(
-                f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
-                f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
-                "optimizer_sharding='layerwise' (or 'auto')"
-            )
-        if chosen == "layerwise" and overlap_param_gather:
-            raise ConfigError(
-                f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
-                f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
-                "parameters); set overlap_param_gather=False"
-            )
-        return chosen
-
-
-def plan_optimizers(factory: OptimizerFactory, template: list[dict], device: torch.device) -> OptimizerPlan:
-    """Call ``factory`` on ``template`` (fxmeg's groups of the whole model) with every
-    parameter replaced by a stand-in of its full shape that holds no memory; learn which
-    optimizer takes which parameter. Refuses a factory that leaves a parameter out or
-    gives one to two optimizers."""
-    stand_ins = {n: torch.empty((), device=device).expand(p.shape)
-                 for g in template for n, p in zip(g["param_names"], g["params"])}
-    groups = [{**g, "params": [stand_ins[n] for n in g["param_names"]]} for g in template]
-    optimizers = _as_list(factory(groups))
-    route = _route(optimizers, {id(t): n for n, t in stand_ins.items()})
-    return OptimizerPlan(tuple(type(o).__name__ for o in optimizers),
-                         tuple(is_elementwise(o) for o in optimizers), route)
-
-
-def _as_list(made) -> list:
-    if hasattr(made, "param_groups"):
-        return [made]
-    if isinstance(made, (list, tuple)) and made and all(hasattr(o, "param_groups") for o in made):
-        return list(made)
-    raise ConfigError(f"the optimizer factory must return an optimizer or a non-empty list of them; got {made!r}")
-
-
-def _route(optimizers: list, name_of: dict[int, str]) -> dict[str, int]:
-    """Parameter name -> index of the optimizer holding it; each exactly once."""
-    route: dict[str, int] = {}
-    for i, opt in enumerate(optimizers):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                name = name_of.get(id(p))
-                if name is None:
-                    raise ConfigError(f"optimizer {i} ({type(opt).__name__}) holds a tensor that is not one of "
-                                      "the parameter groups' tensors; build the optimizers from the groups given")
-                if name in route:
-                    raise ConfigError(f"parameter {name!r} is in optimizer {route[name]} and optimizer {i}; "
-                                      "several optimizers must hold disjoint parameters")
-                route[name] = i
-    missing = sorted(set(name_of.values()) - set(route))
-    if missing:
-        raise ConfigError(f"{len(missing)} parameter(s) are in no optimizer the factory returned, e.g. "
-                          f"{missing[:3]}; every parameter must be updated by exactly one")
-    return route
-
-
-class Optimizers:
-    """Several inner optimizers over disjoint parameters, used as one: their
-    ``param_groups`` end to end (the lr schedule drives them all; the first group's lr
-    is the step's reported lr), ``state`` by master, ``step`` steps each in order."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.optimizers = list(optimizers)
-        self.state = _States(self.optimizers)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-
-class _States(MutableMapping):
-    """The inner optimizers' states as one mapping, each master's in its own optimizer."""
-
-    def __init__(self, optimizers: list) -> None:
-        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
-        self._optimizers = optimizers
-
-    def __getitem__(self, key):
-        owner = self._owner.get(id(key))
-        if owner is None or key not in owner.state:
-            raise KeyError(key)
-        return owner.state[key]
-
-    def __setitem__(self, key, value) -> None:
-        self._owner[id(key)].state[key] = value
-
-    def __delitem__(self, key) -> None:
-        del self._owner[id(key)].state[key]
-
-    def __iter__(self) -> Iterator:
-        return (k for o in self._optimizers for k in o.state)
-
-    def __len__(self) -> int:
-        return sum(len(o.state) for o in self._optimizers)
 
 
 @dataclass
@@ -323,8 +112,40 @@ class StepOutcome:
     """'nonfinite' (inf / NaN in a gradient) or 'grad_norm' (above the spike bound)."""
 
 
-class NonFiniteGradError(FxmegError):
-    """A gradient held inf or NaN and the run asked to stop (on_nonfinite='raise')."""
+@dataclass(frozen=True)
+class StepOptions:
+    """How ``Optimizer.step`` treats the reduced gradients (``of``: from the EngineConfig)."""
+
+    clip_grad: float
+    """Clip the global L2 norm to this; 0: no clipping."""
+    check_nonfinite: bool
+    """Look for inf / NaN every step (check_for_nan_in_grad; fp16 always does)."""
+    raise_on_nonfinite: bool = False
+    """Raise NonFiniteGradError instead of skipping the step (on_nonfinite='raise'; never in
+    fp16, whose loss scaler backs off on such steps)."""
+    max_grad_norm: float = 0.0
+    """Skip a step whose global norm exceeds this (skip_on_grad_norm_above; 0: off)."""
+    overlap_param_gather: bool = False
+    """Elementwise sharding: gather the updated parameters in the background."""
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> StepOptions:
+        fp16 = config.precision == "fp16"
+        return cls(clip_grad=config.clip_grad, check_nonfinite=config.check_for_nan_in_grad or fp16,
+                   raise_on_nonfinite=config.on_nonfinite == "raise" and not fp16,
+                   max_grad_norm=config.skip_on_grad_norm_above, overlap_param_gather=config.overlap_param_gather)
+
+
+@dataclass(frozen=True)
+class MasterSources:
+    """Where the fp32 masters start from when not from the parameters' own values."""
+
+    fp32: MasterSource | None = None
+    """Elements of a parameter's local shard: the user's fp32 values of a model cast to
+    half precision (None: the parameters' values, upcast)."""
+    full: FullSource | None = None
+    """A tp-split parameter's full fp32 values, for an optimizer that steps the whole
+    matrix (None: gathered from the tp shards, collective)."""
 
 
 class Optimizer:
@@ -340,50 +161,53 @@ class Optimizer:
         holders: Mapping[str, Sequence[int]],
         template: list[dict],
         plan: OptimizerPlan,
-        sharding: str,
-        tp_specs: Mapping[str, ParamLayout] = {},
-        overlap_param_gather: bool = False,
-        clip_grad: float,
-        check_nonfinite: bool,
-        raise_on_nonfinite: bool = False,
-        max_grad_norm: float = 0.0,
-        fp32_source: MasterSource | None = None,
-        full_source: FullSource | None = None,
+        sharding: OptimizerSharding,
+        options: StepOptions,
+        tp_specs: Mapping[str, ParamLayout] | None = None,
+        sources: MasterSources = MasterSources(),
     ) -> None:
-        self.groups, self.sharding, self.clip_grad = groups, sharding, clip_grad
-        self.distributed = sharding != "none"
-        self.overlap_param_gather = overlap_param_gather
-        self.check_nonfinite, self.raise_on_nonfinite = check_nonfinite, raise_on_nonfinite
-        self.max_grad_norm = max_grad_norm
-        self.ddp = ddp
+        self.groups, self.ddp, self.sharding, self.options = groups, ddp, sharding, options
+        self.distributed = sharding is not OptimizerSharding.NONE
         self.tp, self.tp_rank = groups.topo.tp, groups.tp_rank
+        tp_specs = tp_specs or {}
         split = {n for n, spec in tp_specs.items() if is_split(spec)}
-        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}
-        counted = {n: first[n] and (n in split or self.tp_rank == 0) for n in holders}  # each element
-        # once: tied weights on their first pipeline holder, replicas (and full matrices) on tp rank 0
         self.owner: dict[str, int] | None = None
         """Layer-wise: parameter -> the data-parallel rank that updates it."""
         self.gather: ParamGather | None = None
-        if sharding == "elementwise":
-            self.pieces = _sharded_pieces(ddp, groups.dp_cp, counted, fp32_source)
+        if sharding is OptimizerSharding.LAYERWISE:
+            sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
+            self.owner = assign(sizes, groups.dp_cp_size)
+            self.gather = ParamGather(named, self.owner, groups.dp_cp)
+        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}  # the first pipeline holder
+        if sharding is OptimizerSharding.ELEMENTWISE:
+            self.pieces = _sharded_pieces(ddp, groups.dp_cp, self._counted(first, split), sources.fp32)
         else:
-            if sharding == "layerwise":
-                sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
-                self.owner = assign(sizes, groups.dp_cp_size)
-                self.gather = ParamGather(named, self.owner, groups.dp_cp)
-            self.pieces = []
-            for n, p in named.items():
-                if self.owner is not None and self.owner[n] != groups.dp_cp_rank:
-                    continue
-                if n in split and groups.tp is not None and plan.whole(n):
-                    self.pieces.append(_matrix_piece(n, p, first[n] and self.tp_rank == 0, tp_specs[n],
-                                                     groups.tp, full_source))
-                else:
-                    self.pieces.append(_full_piece(n, p, counted[n], fp32_source))
+            self.pieces = self._whole_pieces(named, first, split, plan, tp_specs, sources)
         self.optimizers = _inner_optimizers(factory, template, plan, self.pieces)
         self.inner = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
         self._full = [p for p in self.pieces if p.spec is not None]
         self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
+
+    def _counted(self, first: dict[str, bool], split: set[str]) -> dict[str, bool]:
+        """Parameter -> whether the global norm counts it on this rank, so that each
+        element counts once: tied weights on their first pipeline holder, tp-replicated
+        parameters (and full matrices) on tp rank 0."""
+        return {n: is_first and (n in split or self.tp_rank == 0) for n, is_first in first.items()}
+
+    def _whole_pieces(self, named: dict[str, nn.Parameter], first: dict[str, bool], split: set[str],
+                      plan: OptimizerPlan, tp_specs: Mapping[str, ParamLayout], sources: MasterSources) -> list[_Piece]:
+        """One piece per whole parameter this rank updates (every one, or layer-wise the
+        ones it owns); a tp-split one as its full matrix when its optimizer needs it."""
+        counted, pieces = self._counted(first, split), []
+        for n, p in named.items():
+            if self.owner is not None and self.owner[n] != self.groups.dp_cp_rank:
+                continue
+            if n in split and self.groups.tp is not None and plan.whole(n):
+                in_norm = first[n] and self.tp_rank == 0
+                pieces.append(_matrix_piece(n, p, in_norm, tp_specs[n], self.groups.tp, sources.full))
+            else:
+                pieces.append(_full_piece(n, p, counted[n], sources.fp32))
+        return pieces
 
     @property
     def param_groups(self) -> list[dict]:
@@ -398,15 +222,15 @@ class Optimizer:
         for piece in self._full:  # full matrices: every tp rank's gradient shard
             piece.grad.copy_(gather_tp(piece.param.main_grad, piece.spec, self.groups.tp))
         norm, finite = self._norm_and_finite("grad")
-        if self.check_nonfinite and not finite:
-            if self.raise_on_nonfinite:
+        if self.options.check_nonfinite and not finite:
+            if self.options.raise_on_nonfinite:
                 rank, name = self._nonfinite()
                 raise NonFiniteGradError(
                     f"gradient of {name!r} holds inf or NaN on rank {rank} (after the "
                     f"data-parallel reduction); set on_nonfinite='skip' to skip such steps"
                 )
             return StepOutcome(skipped=True, grad_norm=None, skip_reason="nonfinite")
-        if self.max_grad_norm and norm > self.max_grad_norm:
+        if self.options.max_grad_norm and norm > self.options.max_grad_norm:
             return StepOutcome(skipped=True, grad_norm=norm, skip_reason="grad_norm")
         self._clip(norm)
         for piece in self.pieces:
@@ -415,9 +239,9 @@ class Optimizer:
         for piece in self.pieces:
             piece.master.grad = None
             piece.write_back(self.tp, self.tp_rank)
-        if self.sharding == "elementwise":
+        if self.sharding is OptimizerSharding.ELEMENTWISE:
             for buf in self.ddp.all():
-                buf.gather_params(overlap=self.overlap_param_gather)
+                buf.gather_params(overlap=self.options.overlap_param_gather)
         elif self.gather is not None:
             self.gather()
         return StepOutcome(skipped=False, grad_norm=norm)
@@ -469,8 +293,8 @@ class Optimizer:
 
     def _clip(self, norm: float) -> None:
         """Scale the gradients when the global norm exceeds clip_grad."""
-        if self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
+        if self.options.clip_grad > 0:
+            coeff = self.options.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and self.pieces:  # Megatron: clip_grad_norm_fp32
                 torch._foreach_mul_([p.grad for p in self.pieces], coeff)
 
@@ -497,8 +321,8 @@ def _inner_optimizers(factory: OptimizerFactory, template: list[dict], plan: Opt
     for g in template:
         names = [n for n in g["param_names"] if n in masters]
         groups.append({**g, "params": [masters[n] for n in names], "param_names": names})
-    optimizers = _as_list(factory(groups))
-    route = _route(optimizers, {id(m): n for n, m in masters.items()})
+    optimizers = as_list(factory(groups))
+    route = routes(optimizers, {id(m): n for n, m in masters.items()})
     moved = sorted(n for n, i in route.items() if plan.route[n] != i)
     if moved:
         raise ConfigError(

@@ -6,82 +6,55 @@ split a backward in two: ``2I0`` the gradient of the chunk's inputs (on the crit
 path: the previous chunk waits for it) and ``2W0`` the gradient of its weights (deferred
 into the bubble); B = I + W at once. Builders are pure functions that return them in
 *units*: runs of compute actions with no communication in between (one action, or the
-steady-state (forward, backward) pair of the interleaved schedule and of DualPipeV). ``lower`` adds communication between units, returning per rank a list of
+steady-state (forward, backward) pair of the interleaved schedule and of DualPipeV).
+``lower`` adds communication between units, returning per rank a list of
 *steps*: a compute action, a group of point-to-point actions posted together and awaited
 together (``0SF1+0RB0``: send chunk 0's output of micro-batch 1, receive the gradient
 for micro-batch 0), a DEALLOC of sent activations, or a GRAD_SYNC (``0GS3``): from the
 chunk's last weight gradient (B or W) on, its gradient buckets are reduced as they
 complete. ``fxmeg.runtime.simulator`` runs lowered schedules without processes.
 
-Chunk c lives on pipeline rank ``placement[c]`` (``fxmeg.config.placement``): c % pp
-(Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
+Three files: the vocabulary (``fxmeg.runtime.actions``), the builders (here) and the
+lowering (``fxmeg.runtime.lowering``); this module re-exports the other two, so the rest
+of the runtime and the tests read schedules from one place.
+
+Chunk c lives on pipeline rank ``placement[c]`` (the one rule: ``fxmeg.config.placement``):
+round robin (Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
 share rank pp - 1: that boundary is a hand-off inside the rank, not a message.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
-from fxmeg.config import P2P_MODES, V_SCHEDULES
+from fxmeg.config import V_SCHEDULES
 from fxmeg.errors import ScheduleError
+from fxmeg.runtime.actions import (
+    BACKWARD,
+    COMPUTE,
+    WEIGHT,
+    Action,
+    Kind,
+    Lowering,
+    Schedule,
+    Step,
+    Unit,
+    fmt,
+    input_of,
+    is_send,
+    peer_chunk,
+    table,
+)
+from fxmeg.runtime.lowering import EAGER, PAIRED, lower, round_robin
 
-
-class Kind(Enum):
-    F = "F"
-    B = "B"
-    I = "I"  # the paper's name: input gradient
-    W = "W"
-    SEND_F = "SF"
-    RECV_F = "RF"
-    SEND_B = "SB"
-    RECV_B = "RB"
-    DEALLOC = "D"
-    GRAD_SYNC = "GS"
-
-
-COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
-BACKWARD = (Kind.B, Kind.I)
-"""The kinds that compute a chunk's input gradient (read RECV_B, feed SEND_B)."""
-WEIGHT = (Kind.B, Kind.W)
-"""The kinds that compute (accumulate) a chunk's weight gradient."""
-_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|GS|F|B|I|W|D)(\d+)$")
-
-
-@dataclass(frozen=True)
-class Action:
-    chunk: int
-    kind: Kind
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.chunk}{self.kind.value}{self.mb}"
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        m = _ACTION.match(text)
-        if not m:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0' or '0SF1')")
-        return Action(int(m[1]), Kind(m[2]), int(m[3]))
-
-
-Step = tuple[Action, ...]
-
-
-def fmt(step: Step) -> str:
-    return "+".join(map(str, step))
+__all__ = [  # the vocabulary and the lowering, read from here by the rest of the runtime
+    "BACKWARD", "COMPUTE", "EAGER", "PAIRED", "WEIGHT", "Action", "Kind", "Lowering", "Schedule", "Step",
+    "Unit", "build", "compute_actions", "fmt", "forward_only", "input_of", "is_send", "lower", "peer_chunk",
+    "round_robin", "table",
+]
 
 
 # ---------------------------------------------------------------- builders
-
-
-Unit = tuple[Action, ...]
-Schedule = dict[int, list[Unit]]
-Lowering = Callable[[Schedule], dict[int, list[Step]]]
-"""A schedule's lowering for one Program (RankContext.lower)."""
 
 
 def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
@@ -272,206 +245,3 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
         o.oldest_weight()
     assert not o.deferred, o.deferred
     return o.units
-
-
-# ---------------------------------------------------------------- lowering
-
-PAIRED, EAGER = P2P_MODES
-
-
-def lower(
-    schedule: Schedule,
-    *,
-    num_chunks: int,
-    grad_cuts: frozenset[int] | None = None,
-    p2p: str = PAIRED,
-    placement: tuple[int, ...] | None = None,
-) -> dict[int, list[Step]]:
-    """Insert communication. Every point-to-point step only *posts* its messages; the
-    executor waits for a received tensor right before the compute that reads it, and for
-    a sent one before it is freed (DEALLOC) or at the end of the step.
-
-    ``p2p`` places the posts:
-      * ``"paired"`` (Megatron): between two units, the sends of the first and the
-        receives of the second form one group (send_forward_recv_backward, ...), matched
-        by the same group on the neighbour. NCCL needs this: it runs a pair's messages in
-        order on one stream and a send holds that stream until the peer receives it.
-      * ``"eager"`` (host backends such as gloo, whose sends never hold anything back):
-        each send right after the compute that made it; the receives of the next unit
-        before this unit's compute, so the data lands while this rank computes.
-    Both keep every channel's message order, so they pair up on both ends.
-
-    ``grad_cuts``: cuts c (between chunks c and c+1) across which a gradient flows back;
-    default all. ``placement``: each chunk's pipeline rank, default round robin; a cut
-    between two chunks of one rank gets no message (the executor hands the tensors
-    over). DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes each
-    chunk's last weight gradient (its last B or W).
-    """
-    assert p2p in P2P_MODES, p2p  # EngineConfig checks it
-    round_robin = tuple(c % len(schedule) for c in range(num_chunks))
-    where = placement or round_robin
-    cuts = frozenset(c for c in range(num_chunks - 1) if where[c] != where[c + 1])
-    grads = cuts if grad_cuts is None else cuts & grad_cuts
-    channels = _channels(schedule, where, cuts, grads) if where != round_robin else None
-    lowered = {}
-    for rank, units in schedule.items():
-        last_weight = {a.chunk: a for unit in units for a in unit if a.kind in WEIGHT}
-        recvs = [[r for a in unit for r in _recvs_before(a, cuts, grads)] for unit in units] + [[]]
-        ahead = int(p2p == EAGER)  # eager: the next unit's receives before this unit
-        if channels is not None:
-            recvs, ahead = _lookahead(recvs, channels, rank), 0
-        steps: list[Step] = []
-        pending: list[Action] = []  # paired: sends waiting for the next group
-        sent: list[Action] = []  # forward activations sent, to free at the next unit
-        if ahead:
-            _post(steps, recvs[0])
-        for k, unit in enumerate(units):
-            if p2p == PAIRED:
-                _post(steps, pending + recvs[k])
-            else:
-                _post(steps, recvs[k + ahead])
-            steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
-            sent = []
-            pending = []
-            for a in unit:
-                if last_weight.get(a.chunk) == a:
-                    steps.append((Action(a.chunk, Kind.GRAD_SYNC, a.mb),))
-                steps.append((a,))
-                sends = _sends_after(a, cuts, grads)
-                if p2p == EAGER:
-                    _post(steps, sends)
-                else:
-                    pending += sends
-                if channels is None:
-                    sent += [s for s in sends if s.kind is Kind.SEND_F]
-        _post(steps, pending)
-        steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
-        lowered[rank] = steps
-    return lowered if channels is None else _free_when_received(lowered, where)
-
-
-def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) -> dict[int, list[Step]]:
-    """The lowered steps of a V placement with its DEALLOCs, each where the receive of
-    what it frees is surely posted, so that waiting for the send never waits on a rank
-    that waits on this one: after this rank read a message that the receiver sent once
-    it had posted that receive. None where that comes only after the backward of the
-    same micro-batch, which frees the activation anyway."""
-    frees: dict[int, dict[int, list[Step]]] = {r: {} for r in lowered}  # rank -> before step i
-    for rank, steps in lowered.items():
-        for i, send in ((i, a) for i, step in enumerate(steps) for a in step if a.kind is Kind.SEND_F):
-            q = _reply_read(lowered, where, _receive_of(send), rank)  # this rank reads the reply
-            j = next((k for k in range(max(i, q) + 1, len(steps)) if steps[k][0].kind in COMPUTE), len(steps))
-            backward = [Action(send.chunk, k, send.mb) for k in BACKWARD]
-            if any(step[0] in backward for step in steps[:j]):
-                continue
-            frees[rank].setdefault(j, []).append((Action(send.chunk, Kind.DEALLOC, send.mb),))
-    return {r: [s for i, step in enumerate(steps) for s in (*frees[r].get(i, []), step)]
-            + frees[r].get(len(steps), []) for r, steps in lowered.items()}
-
-
-def _reply_read(lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Action, rank: int) -> int:
-    """The index of ``rank``'s compute that reads the first message to ``rank`` that the
-    owner of ``recv`` posts from ``recv``'s post on (len of the steps when none)."""
-    peer, mine = where[recv.chunk], lowered[rank]
-    posted = next(i for i, step in enumerate(lowered[peer]) if recv in step)
-    reply = next((a for step in lowered[peer][posted:] for a in step
-                  if is_send(a) and where[peer_chunk(a)] == rank), None)
-    if reply is None:
-        return len(mine)
-    wanted = _receive_of(reply)
-    return next(i for i, step in enumerate(mine) if step[0].kind in COMPUTE and input_of(step[0]) == wanted)
-
-
-def _receive_of(send: Action) -> Action:
-    kind = Kind.RECV_F if send.kind is Kind.SEND_F else Kind.RECV_B
-    return Action(peer_chunk(send), kind, send.mb)
-
-
-def _channels(
-    schedule: Schedule, where: tuple[int, ...], cuts: frozenset[int], grads: frozenset[int]
-) -> dict[tuple[int, int], list[Action]]:
-    """Per (sender, receiver) rank pair, the receives of its messages in the sender's order."""
-    out: dict[tuple[int, int], list[Action]] = {}
-    for rank, units in schedule.items():
-        for a in (a for unit in units for a in unit):
-            for send in _sends_after(a, cuts, grads):
-                recv = _receive_of(send)
-                out.setdefault((rank, where[recv.chunk]), []).append(recv)
-    return out
-
-
-def _lookahead(
-    needs: list[list[Action]], channels: dict[tuple[int, int], list[Action]], rank: int
-) -> list[list[Action]]:
-    """The receives to post before each unit when a channel's order is not the
-    receiver's (the V: one rank pair carries forward activations one way and gradients
-    of the other leg, interleaved as the sender computes them): each channel's receives
-    in the sender's order, the next one posted as soon as the last posted one is read,
-    or earlier when a unit needs it. Receives of unit k are in ``needs[k]``."""
-    mine = {src: msgs for (src, dst), msgs in channels.items() if dst == rank}
-    index = {r: (src, j) for src, msgs in mine.items() for j, r in enumerate(msgs)}
-    posted = dict.fromkeys(mine, 0)
-    plan: list[list[Action]] = [[] for _ in needs]
-
-    def upto(src: int, j: int, k: int) -> None:
-        while posted[src] <= min(j, len(mine[src]) - 1):
-            plan[k].append(mine[src][posted[src]])
-            posted[src] += 1
-
-    for src in mine:
-        upto(src, 0, 0)
-    for k, unit in enumerate(needs[:-1]):
-        for r in unit:
-            upto(*index[r], k)
-        for r in unit:
-            src, j = index[r]
-            upto(src, j + 1, k + 1)
-    return plan
-
-
-def _recvs_before(a: Action, cuts: frozenset[int], grads: frozenset[int]) -> list[Action]:
-    if a.kind is Kind.F and a.chunk - 1 in cuts:
-        return [Action(a.chunk, Kind.RECV_F, a.mb)]
-    if a.kind in BACKWARD and a.chunk in grads:
-        return [Action(a.chunk, Kind.RECV_B, a.mb)]
-    return []
-
-
-def _sends_after(a: Action, cuts: frozenset[int], grads: frozenset[int]) -> list[Action]:
-    if a.kind is Kind.F and a.chunk in cuts:
-        return [Action(a.chunk, Kind.SEND_F, a.mb)]
-    if a.kind in BACKWARD and a.chunk - 1 in grads:
-        return [Action(a.chunk, Kind.SEND_B, a.mb)]
-    return []
-
-
-def _post(steps: list[Step], group: list[Action]) -> None:
-    if group:
-        steps.append(tuple(group))
-
-
-def input_of(a: Action) -> Action | None:
-    """The receive whose tensor compute action ``a`` reads, if it reads one."""
-    kind = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}.get(a.kind)
-    return None if kind is None else Action(a.chunk, kind, a.mb)
-
-
-# ---------------------------------------------------------------- peers and printing
-
-
-def peer_chunk(a: Action) -> int:
-    """The chunk at the other end of a point-to-point action."""
-    return a.chunk + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
-
-
-def is_send(a: Action) -> bool:
-    return a.kind in (Kind.SEND_F, Kind.SEND_B)
-
-
-def table(lowered: dict[int, list[Step]]) -> str:
-    """Rank x step grid, one row per rank."""
-    rows = {r: [fmt(s) for s in steps] for r, steps in sorted(lowered.items())}
-    width = max((len(c) for cells in rows.values() for c in cells), default=1)
-    return "\n".join(
-        f"rank {r}: " + " ".join(c.ljust(width) for c in cells).rstrip() for r, cells in rows.items()
-    )

@@ -20,6 +20,7 @@ from fxmeg.runtime.schedules import (
     input_of,
     is_send,
     peer_chunk,
+    round_robin,
 )
 
 
@@ -89,7 +90,7 @@ class _Run:
         last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
         self.lowered, self.cost = lowered, cost
         self.num_chunks = len(placement) if placement else last + 1
-        self.where = placement or tuple(c % pp for c in range(last + 2))  # + a send's peer
+        self.where = placement or round_robin(pp, last + 2)  # + a send's peer
         self.pos = {r: 0 for r in lowered}
         self.clock = {r: 0.0 for r in lowered}
         self.busy = {r: 0.0 for r in lowered}

@@ -70,8 +70,9 @@ def test_ops_are_found_by_tag_after_explicit_entries():
     assert family_of(aten.roll.default) is None
 
 
-class _Roll(torch.nn.Module):
-    """A roll along the features of a split projection: an op of no family."""
+class _UpDown(torch.nn.Module):
+    """One block of a column- and a row-parallel linear; ``inner`` is what runs between
+    them on the split hidden value."""
 
     def __init__(self):
         super().__init__()
@@ -82,9 +83,15 @@ class _Roll(torch.nn.Module):
 
     def forward(self, ids, labels):
         x = self.emb(ids)
-        h = torch.roll(self.layers[0]["up"](x), 1, dims=1)
-        x = x + self.layers[0]["down"](h)
+        x = x + self.layers[0]["down"](self.inner(self.layers[0]["up"](x)))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class _Roll(_UpDown):
+    """A roll (an op of no family) of the split hidden value."""
+
+    def inner(self, h):
+        return torch.roll(h, 1, dims=1)
 
 
 @pytest.mark.parametrize("axis", ["tp", "cp"])
@@ -93,24 +100,13 @@ def test_an_op_with_no_rule_is_refused_by_name_on_every_axis(axis):
         transform(_Roll(), make_batch(2, seed=0), **{axis: 2})
 
 
-class ZerosLike(torch.nn.Module):
+class ZerosLike(_UpDown):
     """An accumulator made with ``zeros_like`` of a split value (as MoE blocks sum their
     experts' outputs): the op had no rule on either axis until one line in op_rules.py
     put it in the ``copy`` family."""
 
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(128, 16)
-        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict(
-            {"up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})])
-        self.head = torch.nn.Linear(16, 128)
-
-    def forward(self, ids, labels):
-        x = self.emb(ids)
-        h = self.layers[0]["up"](x)
-        total = torch.zeros_like(h) + h.relu()
-        x = x + self.layers[0]["down"](total)
-        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+    def inner(self, h):
+        return torch.zeros_like(h) + h.relu()
 
 
 @pytest.mark.parametrize("axis,local", [("tp", (2, 16, 16)), ("cp", (2, 8, 32))])

@@ -2,17 +2,21 @@
 (tests set FXMEG_VERIFY=1, so each pass's result is checked), and each check fails on a
 graph that breaks what its pass ensures."""
 
+import dataclasses
+import importlib
 import logging
 
 import pytest
 import torch
 
 import fxmeg
-from fxmeg.passes import verify
+from fxmeg.errors import ConfigError
+from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks
-from fxmeg.transform import NAMES
+from fxmeg.transform import NAMES, check_pass
 from tests.helpers import graph_after, make_batch, make_model
 
+driver = importlib.import_module("fxmeg.transform")  # the module: fxmeg.transform is also the function
 OPTIONS = dict(tp=2, num_chunks=2, dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
 
 
@@ -91,13 +95,54 @@ BREAK = {
 @pytest.mark.parametrize("name", sorted(BREAK))
 def test_each_check_fails_on_a_broken_result(name):
     gm = _after(name)
-    verify.after(name, gm, _config())  # the intact result passes
+    check_pass(name, gm, _config())  # the intact result passes
     BREAK[name](gm)
     with pytest.raises(AssertionError, match=name):
-        verify.after(name, gm, _config())
+        check_pass(name, gm, _config())
 
 
 def test_stop_after_names_a_pass():
     with pytest.raises(ValueError, match="stop_after='buckts' is not one of"):
         fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), stop_after="buckts")
     assert isinstance(_after("loss"), torch.fx.GraphModule)
+
+
+def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
+    monkeypatch.setenv("FXMEG_SKIP_PASSES", "recompute, param_gather")
+    with caplog.at_level(logging.INFO, logger="fxmeg.transform"):
+        program = fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config(recompute="full"))
+    logged = [r.getMessage().split()[0] for r in caplog.records if r.levelno == logging.INFO]
+    assert logged == ["capture", *(n for n in NAMES if n not in ("recompute", "param_gather"))]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "recompute, param_gather" in warning
+    for gm in program.chunks:
+        assert not any(isinstance(m, Recompute) for m in gm.modules())
+        assert not any(n.target is fxmeg.ops.wait_param_gather for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("names, message", [
+    ("recompute,bucket", r"names 'bucket', which is not a pass \(did you mean 'buckets'\?\); the passes are loss, "),
+    ("pipeline", "pass 'pipeline' cannot be skipped.*can be: context_parallel, tensor_parallel, recompute"),
+])
+def test_skip_passes_refuses_unknown_and_required_names(monkeypatch, names, message):
+    monkeypatch.setenv("FXMEG_SKIP_PASSES", names)
+    with pytest.raises(ConfigError, match=message):
+        fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
+
+
+def _with(name, **changes):
+    return tuple(dataclasses.replace(p, **changes) if p.name == name else p for p in driver.PASSES)
+
+
+def test_driver_refuses_a_pass_that_returns_no_graph(monkeypatch):
+    monkeypatch.setattr(driver, "PASSES", _with("recompute", run=lambda gm, **_: None))
+    with pytest.raises(TypeError, match="pass 'recompute' returned NoneType for chunk 0, not an fx.GraphModule"):
+        fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
+
+
+def test_driver_refuses_a_pass_on_the_wrong_side_of_pipeline(monkeypatch):
+    order = [p for p in driver.PASSES if p.name != "recompute"]
+    order.insert(NAMES.index("pipeline"), driver.PASSES[NAMES.index("recompute")])
+    monkeypatch.setattr(driver, "PASSES", tuple(order))
+    with pytest.raises(AssertionError, match="pass 'recompute' takes the chunk graph, but it got a graph that is not"):
+        fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())

@@ -14,6 +14,7 @@ import fxmeg
 from fxmeg.errors import ConfigError
 from fxmeg.layouts import Shard
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.modes import OptimizerSharding
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import (
     is_elementwise,
@@ -174,3 +175,26 @@ def test_config_checks_the_sharding_name_and_its_companions():
     with pytest.raises(ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"):
         fxmeg.EngineConfig(2, 2, distributed_optimizer=True, optimizer_sharding="layerwise",
                            overlap_param_gather=True)
+
+
+def _padded_for_flat_shards(engine) -> bool:
+    (layout,) = engine.program.buffers[0]
+    return layout.numel % 128 == 0 and all(s.offset % 64 == 0 for s in layout.slots)
+
+
+def test_the_sharding_is_decided_once_and_the_buckets_pass_reads_it():
+    """parallelize decides 'auto' from what the factory builds and records it; the buckets
+    pass lays the buffers out for that decision: flat-shard padding (parameters at
+    multiples of 64 elements) for AdamW's elementwise shards, none for Muon's layer-wise
+    owners."""
+    batch = make_batch(2, seed=0)
+    muon = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, optimizer=muon_adamw(), distributed_optimizer=True)
+    adam = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, distributed_optimizer=True)
+    assert muon.config.decided_sharding is OptimizerSharding.LAYERWISE is muon.context.optimizer.sharding
+    assert adam.config.decided_sharding is OptimizerSharding.ELEMENTWISE is adam.context.optimizer.sharding
+    assert _padded_for_flat_shards(adam) and not _padded_for_flat_shards(muon)
+    assert fxmeg.EngineConfig(2, 2, distributed_optimizer=True).sharding is OptimizerSharding.ELEMENTWISE  # no factory
+    with pytest.raises(ConfigError, match="decided_sharding='layerwise' contradicts distributed_optimizer=False"):
+        fxmeg.EngineConfig(2, 2, decided_sharding=OptimizerSharding.LAYERWISE)
+    with pytest.raises(ConfigError, match="unknown option 'decided_sharding'"):
+        fxmeg.parallelize(make_model("gpt", n_layer=2), batch, decided_sharding=OptimizerSharding.NONE)
