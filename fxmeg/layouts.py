@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from fxmeg.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
 
 def _check_dim(owner: str, name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -156,6 +160,25 @@ class CPLayout:
         for d in self.dims:
             if d is not None:
                 _check_dim("CPLayout", "dims[i]", d)
+
+
+@dataclass(frozen=True)
+class BucketSlot:
+    """Where a trainable parameter's gradient is reduced: bucket ``index`` of the gradient
+    buffer of ``dtype`` that chunk ``chunk`` (the parameter's home) holds."""
+
+    chunk: int
+    dtype: torch.dtype
+    index: int
+
+    def __post_init__(self) -> None:
+        _check_dim("BucketSlot", "chunk", self.chunk)
+        _check_dim("BucketSlot", "index", self.index)
+
+    @property
+    def gather_key(self) -> tuple[int, int]:
+        """(home chunk, bucket index): what a ``wait_param_gather`` marker waits for."""
+        return self.chunk, self.index
 
 
 def is_split(layout: object) -> bool:

@@ -43,7 +43,8 @@ Metadata under ``node.meta["fxmeg"]`` (key: on which nodes, what; written by):
   tp         a parameter's get_attr: layouts.Shard(dim, parts) | layouts.Replicate(reduce_grad);
              tensor_parallel (the runtime materialises shards from it)
   chunk      a call_function node: its pipeline chunk index; partition
-  bucket     a trainable parameter's get_attr: (home chunk, grad dtype, bucket index); buckets
+  bucket     a trainable parameter's get_attr: layouts.BucketSlot (home chunk, grad dtype,
+             bucket index); buckets
 
 and under ``gm.meta["fxmeg"]``, one record per key:
   capture    the captured graph: CaptureInfo; capture

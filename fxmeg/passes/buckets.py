@@ -8,7 +8,7 @@ Requires: the pipelined parent graph (pipeline pass) with the partition's placem
 Ensures: every chunk graph's ``gm.meta["fxmeg"]["buffers"]`` holds one
 ``fxmeg.program.BufferLayout`` per gradient dtype (fp32: gradients accumulate in fp32
 whatever the parameters' precision), and every trainable parameter's
-get_attr node carries ``meta["fxmeg"]["bucket"] = (chunk, dtype, bucket index)``:
+get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.layouts.BucketSlot(chunk, dtype, index)``:
   * a parameter's gradient is complete once backward has passed its *first* use in
     forward, so parameters are laid out by first use, latest first (Megatron lays out
     its buffer in reverse parameter order for the same reason);
@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from fxmeg.config import EngineConfig
+from fxmeg.layouts import BucketSlot
 from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
@@ -65,7 +66,7 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
             if node.op == "get_attr" and getattr(attr(gm, node.target), "requires_grad", False):
                 home = owner[(placement[c], node.target)]
                 layout = next(lay for lay in layouts_of[home] if any(s.name == node.target for s in lay.slots))
-                node.meta["fxmeg"]["bucket"] = (home, layout.dtype, layout.slot(node.target).bucket)
+                node.meta["fxmeg"]["bucket"] = BucketSlot(home, layout.dtype, layout.slot(node.target).bucket)
     return parent
 
 

@@ -33,8 +33,7 @@ def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) 
         for arg in node.all_input_nodes:
             tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
             if tag is not None:
-                key = (tag[0], tag[2])
-                first_use.setdefault(key, (node, arg))
+                first_use.setdefault(tag.gather_key, (node, arg))
     for (home, index), (user, param) in first_use.items():
         with gm.graph.inserting_before(user):
             wait = gm.graph.create_node(

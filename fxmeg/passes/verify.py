@@ -136,7 +136,7 @@ def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> 
         for arg in node.all_input_nodes:
             tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
             if tag is not None:
-                assert (tag[0], tag[2]) in waited, (
+                assert tag.gather_key in waited, (
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} unwaited")
 
 

@@ -7,6 +7,7 @@ import torch
 from expecttest import TestCase
 from torch import nn
 
+from fxmeg.layouts import BucketSlot
 from fxmeg.program import buffer_layouts, chunks
 from tests.helpers import graph_after, make_batch, make_model
 
@@ -102,7 +103,7 @@ def test_parameter_nodes_carry_their_bucket():
     (lay,) = buffer_layouts(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in {s.name for s in lay.slots}:
-            assert node.meta["fxmeg"]["bucket"] == (0, torch.float32, lay.slot(node.target).bucket)
+            assert node.meta["fxmeg"]["bucket"] == BucketSlot(0, torch.float32, lay.slot(node.target).bucket)
 
 
 class _Shared(nn.Module):
@@ -129,7 +130,7 @@ def test_parameter_shared_by_chunks_of_one_rank_has_one_slot():
     assert "shared.weight" in slots[0] and "shared.weight" not in slots[2]  # chunks 0, 2: rank 0
     c2 = chunks(parent)[2]
     node = next(n for n in c2.graph.nodes if n.op == "get_attr" and n.target == "shared.weight")
-    assert node.meta["fxmeg"]["bucket"][0] == 0  # points at its home chunk
+    assert node.meta["fxmeg"]["bucket"].chunk == 0  # points at its home chunk
 
 
 def test_tied_weight_on_two_ranks_is_tagged_with_each_holders_bucket():
@@ -139,4 +140,4 @@ def test_tied_weight_on_two_ranks_is_tagged_with_each_holders_bucket():
     for c, gm in enumerate(chunks(parent)):
         node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wte.weight")
         (lay,) = buffer_layouts(gm)
-        assert node.meta["fxmeg"]["bucket"] == (c, torch.float32, lay.slot("wte.weight").bucket)
+        assert node.meta["fxmeg"]["bucket"] == BucketSlot(c, torch.float32, lay.slot("wte.weight").bucket)
