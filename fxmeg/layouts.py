@@ -62,11 +62,6 @@ class Shard:
         """The same split, now along ``dim`` (a view moved it), with new blocks if given."""
         return replace(self, dim=dim, parts=self.parts if parts is None else parts)
 
-    @property
-    def size(self) -> int:
-        """The global size of the split dim."""
-        return sum(self.parts)
-
     def local_shape(self, shape: Sequence[int], tp: int) -> tuple[int, ...]:
         """The shape one tp rank holds of a tensor of global ``shape``."""
         out = list(shape)
