@@ -48,7 +48,12 @@ def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over ranks, tensor-parallel fastest (Megatron's order
-    tp-cp-dp-pp): rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))."""
+    tp-cp-dp-pp): rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)).
+
+    Experts fold over the data-parallel x context-parallel ranks (Megatron's "parallel
+    folding"): the dp * cp ranks of one (tp, pp) coordinate, cp fastest, are cut into
+    consecutive runs of ``ep``: q = cp_rank + cp * dp_rank, ep_rank = q % ep, expert-data-
+    parallel rank = q // ep (Megatron's expert order tp-ep-dp-pp, with expert tp = tp)."""
 
     tp: int = 1
     """Tensor-parallel size (ranks that share every layer's weights)."""
@@ -70,6 +75,9 @@ class ParallelConfig:
     """Split the residual stream, norms and dropout along the sequence over tp ranks."""
     tp_plan: tuple[tuple[str, str], ...] = ()
     """Module-FQN glob -> colwise | rowwise | replicate | vocab, overriding the automatic plan."""
+    ep: int = 1
+    """Expert-parallel size: each layer's routed experts split over ep ranks carved out of
+    the dp * cp ranks (must divide dp * cp and every layer's number of experts)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "tp": Size(1, "tensor-parallel size"),
@@ -77,6 +85,7 @@ class ParallelConfig:
         "pp": Size(1, "pipeline-parallel size"),
         "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
         "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
+        "ep": Size(1, "expert-parallel size (ranks that split each layer's experts)"),
     }
     """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
 
@@ -111,6 +120,24 @@ class ParallelConfig:
             raise ConfigError(f"schedule='none' runs without a pipeline; got pp={self.pp}")
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
+        if self.dp is not None:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """ep folds over dp * cp: it must divide it (needs dp resolved)."""
+        if self.dp_cp % self.ep:
+            names = "dp * cp" if self.cp > 1 else "dp"
+            sizes = f"{self.dp} * {self.cp} = {self.dp_cp}" if self.cp > 1 else f"{self.dp}"
+            raise ConfigError(
+                f"ep={self.ep} does not divide {names} = {sizes}: experts are split over ep ranks "
+                f"carved out of the data-parallel{' x context-parallel' if self.cp > 1 else ''} ranks; "
+                f"choose ep among {[d for d in range(1, self.dp_cp + 1) if self.dp_cp % d == 0]} "
+                f"or launch more ranks")
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: ranks holding the same experts, (dp * cp) / ep."""
+        return self.dp_cp // self.ep
     @property
     def model_ranks(self) -> int:
         """Ranks that share one slice of the global batch: tp * cp * pp."""
@@ -277,11 +304,32 @@ class EngineConfig:
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
         self._check_optimizer_sharding()
+        self._check_experts()
         if self.parallel.cp > 1 and self.compile:
             raise ConfigError(  # the cp ops under torch.compile are not tested yet
                 f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
                 "set compile=False or cp=1"
             )
+
+    def _check_experts(self) -> None:
+        """What expert parallelism does not run with yet, refused with the reason."""
+        ep = self.parallel.ep
+        if ep == 1:
+            return
+        if self.parallel.splits_backward:
+            raise ConfigError(
+                f"ep={ep} does not run with schedule={self.parallel.resolved_schedule!r}: a zero-bubble "
+                "schedule splits backward into input- and weight-gradient passes, and the experts' "
+                "all-to-all exchanges tokens whose counts are known only at run time (data-dependent "
+                "shapes); use schedule='1f1b' or 'interleaved'")
+        if self.compile:
+            raise ConfigError(f"ep={ep} does not run with compile=True: the experts' token counts are "
+                              "data-dependent shapes; set compile=False")
+        if self.optimizer_sharding == "layerwise" or self.decided_sharding is OptimizerSharding.LAYERWISE:
+            raise ConfigError(
+                f"ep={ep} does not run with optimizer_sharding='layerwise' yet (chosen for an optimizer that "
+                "steps whole parameters, such as Muon, or asked for) (experts are sharded "
+                "over the expert-data-parallel ranks only); use optimizer_sharding='elementwise'")
 
     def _check_optimizer_sharding(self) -> None:
         """optimizer_sharding, its companions, and a recorded decision that fits them."""

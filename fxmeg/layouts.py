@@ -13,6 +13,8 @@ Tensor parallelism (tp), for a value in the graph or a parameter:
                    rank's local statistic before it is all-reduced.
 Context parallelism (cp): a value split along the sequence is a ``Seq``; ``CPLayout``
 says how the runtime cuts each batch input.
+Expert parallelism (ep): a bank of routed experts (a parameter whose dim 0 counts the
+experts) is an ``ExpertShard``: ep rank r holds experts [r * E / ep, (r + 1) * E / ep).
 
 Only this module indexes, unpacks or compares the fields of a layout positionally;
 everyone else asks it (``is_split``, ``reduces_grad``, ``Shard.local_shape`` ...).
@@ -155,6 +157,31 @@ class CPLayout:
         for d in self.dims:
             if d is not None:
                 _check_dim("CPLayout", "dims[i]", d)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A parameter of a routed-experts bank, split along dim 0 (the experts) over ep ranks
+    in equal runs of whole experts. Its gradient is reduced over the expert-data-parallel
+    ranks only (those holding the same experts)."""
+
+    experts: int
+    """E: the experts of the layer (dim 0 of the full parameter)."""
+    origin: str = field(default="", compare=False)
+    """Module FQN of the experts (for messages)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 1:
+            raise LayoutError(f"ExpertShard.experts must be a positive int, got {self.experts!r}")
+
+    def local_shape(self, shape: Sequence[int], ep: int) -> tuple[int, ...]:
+        """The shape one ep rank holds of a parameter of global ``shape``."""
+        return (shape[0] // ep, *shape[1:])
+
+    def experts_of(self, ep: int, rank: int) -> tuple[int, int]:
+        """[first, end) of the experts ep rank ``rank`` holds."""
+        step = self.experts // ep
+        return rank * step, (rank + 1) * step
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ from __future__ import annotations
 import torch
 from torch.fx.node import has_side_effect
 
+from fxmeg import moe
+
 
 def recv(tensor: torch.Tensor, *, src_chunk: int, shape, dtype, grad: bool) -> torch.Tensor:
     """A boundary tensor received from ``src_chunk``; ``grad``: its gradient is sent back."""
@@ -105,7 +107,20 @@ def tp_rng_join(y, *, group: str):
 
 RNG_MARKERS = (tp_rng_fork, tp_rng_join)
 
-for _fn in (recv, send, deallocate, wait_param_gather, tp_rng_fork, tp_rng_join):
+EP = "ep"
+"""Symbolic expert-parallel group name in graphs before binding."""
+
+
+def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up=None, b_down=None, *,
+                   num_experts: int, group: str):
+    """A routed-experts block (expert-parallel pass; ``fxmeg.moe``): ``middle`` is the
+    model's activation between the two expert matmuls (a sub-graph). Unbound, every
+    expert is local (the parent graph in one process); the runtime binds it to
+    ``fxmeg.runtime.experts.routed_experts``, which exchanges rows over ``group``."""
+    return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
+                              num_experts=num_experts)
+
+for _fn in (recv, send, deallocate, wait_param_gather, tp_rng_fork, tp_rng_join, routed_experts):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 
 

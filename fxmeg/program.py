@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
-from fxmeg.layouts import CPLayout, ParamLayout  # noqa: F401  (CPLayout: Program.cp_layout)
+from fxmeg.layouts import CPLayout, ExpertShard, ParamLayout  # noqa: F401  (CPLayout: Program.cp_layout)
 
 if TYPE_CHECKING:
     from fxmeg.config import EngineConfig
@@ -154,6 +154,9 @@ class BufferLayout:
     numel: int
     slots: tuple[Slot, ...]
     buckets: tuple[Bucket, ...]
+    experts: bool = False
+    """Banks of routed experts (ep > 1): reduced and sharded over the expert-data-parallel
+    ranks, not over dp x cp."""
 
     def slot(self, name: str) -> Slot:
         return next(s for s in self.slots if s.name == name)
@@ -308,6 +311,8 @@ class Program:
     partition: Partition
     tp_specs: Mapping[str, TPSpec]
     """Parameter FQN -> how the tensor-parallel pass shards it (empty for tp=1)."""
+    ep_specs: Mapping[str, ExpertShard]
+    """Parameter FQN of a routed-experts bank -> its split over ep ranks (empty for ep=1)."""
     holders: Mapping[str, tuple[int, ...]]
     """Trainable parameter FQN -> sorted pipeline ranks whose chunks read it."""
     parameters: Mapping[str, nn.Parameter]

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from fxmeg.layouts import ParamLayout, Shard, is_split
+from fxmeg.layouts import ExpertShard, ParamLayout, Shard, is_split
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -105,6 +105,15 @@ def tp_shard(full: torch.Tensor, spec: ParamLayout | None, tp: int, rank: int) -
         return full.detach().clone()
     pieces = [full.detach().narrow(spec.dim, a, b - a) for a, b in spec.block_ranges(tp, rank)]
     return torch.cat(pieces, spec.dim)
+
+
+def ep_shard(full: torch.Tensor, spec: ExpertShard | None, ep: int, rank: int) -> torch.Tensor:
+    """Expert-parallel rank ``rank``'s experts of the bank ``full`` (``full`` itself when
+    ``spec`` is None or ep = 1)."""
+    if spec is None or ep == 1:
+        return full
+    first, end = spec.experts_of(ep, rank)
+    return full.detach().narrow(0, first, end - first).clone()
 
 
 def tp_assemble(shards: Sequence[torch.Tensor], spec: Shard) -> torch.Tensor:

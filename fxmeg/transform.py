@@ -39,10 +39,12 @@ from torch import fx, nn
 from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.errors import ConfigError, closest
+from fxmeg.layouts import ExpertShard
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
 from fxmeg.passes.context_parallel import context_parallel
+from fxmeg.passes.expert_parallel import expert_parallel
 from fxmeg.passes.loss import loss
 from fxmeg.passes.param_gather import param_gather
 from fxmeg.passes.partition import partition
@@ -98,6 +100,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("partition", partition, MODEL, verify.partition, skippable=False),
     # chunk graphs under a parent, recv / send / deallocate
     Pass("pipeline", pipeline, MODEL, verify.pipeline, skippable=False),
+    # routed experts split over ep ranks, tokens exchanged all-to-all (ep > 1)
+    Pass("expert_parallel", expert_parallel, CHUNK, verify.expert_parallel),
     # activation recompute regions
     Pass("recompute", recompute, CHUNK, verify.recompute),
     # gradient buffer layout and buckets: one slot per parameter per pipeline rank
@@ -291,6 +295,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
     holders: dict[str, set[int]] = {}
     parameters: dict[str, nn.Parameter] = {}
     tp_specs: dict[str, tuple] = {}
+    ep_specs: dict[str, ExpertShard] = {}
     for c, gm in enumerate(graphs):
         for name, p in gm.named_parameters():
             if p.requires_grad:
@@ -299,6 +304,8 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         for node in gm.graph.nodes:
             if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
                 tp_specs[node.target] = node.meta["fxmeg"]["tp"]
+            if node.op == "get_attr" and "ep" in node.meta.get("fxmeg", {}):
+                ep_specs[node.target] = node.meta["fxmeg"]["ep"]
     state = model.state_dict(keep_vars=True)
     canonical = {alias: name for name, names in info.aliases.items() for alias in names}
     aux = next(((c, AUX_SCALE) for c, gm in enumerate(graphs) if hasattr(gm, AUX_SCALE)), None)
@@ -311,6 +318,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         placement=split.placement,
         partition=split,
         tp_specs=tp_specs,
+        ep_specs=ep_specs,
         holders={n: tuple(sorted(r)) for n, r in holders.items()},
         parameters=parameters,
         master_values={n: masters[n] for n in parameters if n in masters},

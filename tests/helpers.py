@@ -23,6 +23,8 @@ MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 def make_model(name: str, seed: int = 0, **cfg) -> torch.nn.Module:
     if name.startswith("hf-"):
         return hf_model(name[3:], seed=seed, **cfg)
+    if name.startswith("moe-"):  # a Hugging Face mixture of experts (MOE), as transformers builds it
+        return tiny_moe(name[4:], vocab_size=128, **cfg)
     cls, config = MODELS[name]
     torch.manual_seed(seed)
     return cls(config(**cfg))

@@ -7,7 +7,10 @@ layout of a chunk depends on the other chunks placed on its rank.
 Requires: the pipelined parent graph (pipeline pass) with the partition's placement.
 Ensures: every chunk graph's ``gm.meta["fxmeg"]["buffers"]`` holds one
 ``fxmeg.program.BufferLayout`` per gradient dtype (fp32: gradients accumulate in fp32
-whatever the parameters' precision), and every trainable parameter's
+whatever the parameters' precision), and a second one (``experts=True``) for the banks of
+routed experts under expert parallelism (reduced and sharded over the expert-data-parallel
+ranks, so padded to their count: each bank's bucket indices count from 0 in its own
+buffer), and every trainable parameter's
 get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.layouts.BucketSlot(chunk, dtype, index)``:
   * a parameter's gradient is complete once backward has passed its *first* use in
     forward, so parameters are laid out by first use, latest first (Megatron lays out
@@ -59,7 +62,12 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
         names = [n for n in _ready_order(gm) if owner[(placement[c], n)] == c]
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
                   if n.op == "get_attr" and val(n) is not None}  # not a region's body
-        layouts_of[c] = (_layout(names, shapes, GRAD_DTYPE, dp=dp, bucket_size=size, shard=shard),) if names else ()
+        experts = {n.target for n in gm.graph.nodes if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
+        dense = [n for n in names if n not in experts]
+        routed = [n for n in names if n in experts]
+        layouts_of[c] = tuple(
+            _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert)
+            for group, ranks, is_expert in ((dense, dp, False), (routed, config.parallel.edp, True)) if group)
         gm.meta["fxmeg"]["buffers"] = layouts_of[c]
     for c, gm in enumerate(chunks(parent)):
         for node in gm.graph.nodes:
@@ -82,7 +90,8 @@ def _ready_order(gm: fx.GraphModule) -> list[str]:
     return sorted(first_use, key=lambda n: first_use[n], reverse=True)
 
 
-def _layout(names, shapes, dtype, *, dp: int, bucket_size: int | None, shard: bool) -> BufferLayout:
+def _layout(names, shapes, dtype, *, dp: int, bucket_size: int | None, shard: bool,
+            experts: bool = False) -> BufferLayout:
     pad_to = math.lcm(dp, BUCKET_ALIGN) if shard else dp
     slots, buckets_, members = [], [], []
     offset = start = 0
@@ -102,7 +111,7 @@ def _layout(names, shapes, dtype, *, dp: int, bucket_size: int | None, shard: bo
         end = _round_up(offset, pad_to)
         buckets_.append(Bucket(len(buckets_), start, end, tuple(members)))
         offset = end
-    return BufferLayout(dtype, offset, tuple(slots), tuple(buckets_))
+    return BufferLayout(dtype, offset, tuple(slots), tuple(buckets_), experts)
 
 
 def _round_up(n: int, k: int) -> int:

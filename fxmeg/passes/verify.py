@@ -92,6 +92,19 @@ def pipeline(parent: fx.GraphModule, config: EngineConfig) -> None:
         assert len(recvs) == len(spec.recv), f"pipeline: chunk {c} has {len(recvs)} recv markers"
 
 
+def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+    ep = config.parallel.ep
+    calls = [n for n in gm.graph.nodes if n.target is ops.routed_experts]
+    banks = {n.target: n.meta["fxmeg"]["ep"] for n in gm.graph.nodes
+             if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
+    assert ep > 1 or not calls, f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
+    assert bool(calls) == bool(banks), f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
+    for name, shard in banks.items():
+        local = val(next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name))
+        assert local.shape[0] * ep == shard.experts, (
+            f"expert_parallel: {name} holds {local.shape[0]} of {shard.experts} experts at ep={ep}")
+
+
 def recompute(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
     for name, module in gm.named_children():
         if isinstance(module, Recompute):

@@ -18,6 +18,7 @@ from torch import Tensor, fx
 from torch.fx.node import has_side_effect
 
 from fxmeg import ops
+from fxmeg.runtime import experts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 
 
@@ -258,6 +259,9 @@ def bind(
                 node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
             elif node.target in ops.COLLECTIVES:
                 node.args = tuple(groups.get(a, a) if isinstance(a, str) else a for a in node.args)
+            elif node.target is ops.routed_experts and node.kwargs["group"] in groups:
+                node.target = experts.routed_experts
+                node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
             elif node.target is ops.wait_param_gather and wait_param_gather is not None:
                 node.target = wait_param_gather
         module.recompile()

@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from fxmeg import program as prog
 from fxmeg.config import EngineConfig
-from fxmeg.errors import FxmegError
+from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.layouts import is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
@@ -49,7 +49,7 @@ from fxmeg.runtime.optimizer import (
 from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.runtime.release import release
-from fxmeg.sharding import tp_shard
+from fxmeg.sharding import ep_shard, tp_shard
 from fxmeg.trace import Tracer
 
 
@@ -147,7 +147,7 @@ def build_context(
     assert config.decided_sharding is not None, "parallelize decides the optimizer sharding"
     sharding = config.decided_sharding
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
-    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp), tied=tied,
+    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep), tied=tied,
                           timeout_s=config.comm_timeout_s)
     whole_names = _whole_names(program)
     local = _local_values(program, groups, source, whole_names)
@@ -169,6 +169,7 @@ def build_context(
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
+        experts=frozenset(program.ep_specs),
         sources=MasterSources(_master_source(masters), _full_source(program, groups, masters)),
     )
     executor = _executor(program, config, chunks, groups, ddp, tracer)
@@ -232,8 +233,8 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
 
 
 def _group_names(groups: Groups) -> dict[str, str]:
-    """The symbolic groups a chunk graph names ('tp', 'cp') -> this rank's process groups."""
-    return {n: g.group_name for n, g in (("tp", groups.tp), ("cp", groups.cp)) if g is not None}
+    """The symbolic groups a chunk graph names ('tp', 'cp', 'ep') -> this rank's process groups."""
+    return {n: g.group_name for n, g in (("tp", groups.tp), ("cp", groups.cp), ("ep", groups.ep)) if g is not None}
 
 
 def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:
@@ -258,6 +259,10 @@ def _local_values(program: Program, groups: Groups, source: Source | None,
     them in (``Program.init_dtypes``: fp32 before a half-precision cast)."""
     if source is None:
         return {}
+    if program.ep_specs:
+        raise ConfigError(
+            f"ep={groups.topo.ep} does not run yet with weights= or a model built on meta (each rank would "
+            "read every expert); build the model on a device and load its weights before parallelize")
     tensors: dict[str, tuple[torch.Tensor, bool]] = {}
     for c in program.chunks_of(groups.pp_rank):
         gm = program.chunks[c]
@@ -297,6 +302,8 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
                 value = tp_shard(t, spec, tp, rank)
             else:
                 value = t
+            if name in program.ep_specs and name not in local:
+                value = ep_shard(value, program.ep_specs[name], groups.topo.ep, groups.ep_rank)
             if isinstance(t, nn.Parameter) and value is not t:
                 value = nn.Parameter(value, requires_grad=t.requires_grad)
             memo[id(t)] = value
@@ -321,6 +328,7 @@ def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tens
                 spec = program.tp_specs.get(name)
                 full = program.master_values[name]
                 out[name] = tp_shard(full, spec, tp, rank) if is_split(spec) else full
+                out[name] = ep_shard(out[name], program.ep_specs.get(name), groups.topo.ep, groups.ep_rank)
     return out
 
 
@@ -347,7 +355,8 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     buffers = {
         c: [
-            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}", group=groups.dp_cp,
+            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}" + ("/experts" if layout.experts else ""),
+                       group=groups.edp if layout.experts else groups.dp_cp,
                        overlap=config.overlap_grad_reduce, shard=shard,
                        events=events, deferred=deferred, tracer=tracer)
             for layout in program.buffers[c]

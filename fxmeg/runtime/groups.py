@@ -1,8 +1,10 @@
 """Process groups, built explicitly from a pure rank layout (no globals).
 
-Rank layout (Megatron's default order tp-cp-ep-dp-pp, tensor-parallel fastest; fxmeg has
-no expert parallelism):
+Rank layout (Megatron's default order tp-cp-dp-pp, tensor-parallel fastest):
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+Experts fold over the dp x cp ranks of one (tp, pp) coordinate (Megatron's "parallel
+folding", expert order tp-ep-dp-pp): with q = cp_rank + cp * dp_rank (the dp x cp rank),
+ep_rank = q % ep and the expert-data-parallel rank is q // ep.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Topology:
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -74,6 +77,16 @@ class Topology:
         group "with context parallel")."""
         return self._over("dc")
 
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks that split the experts among them (all-to-all of routed tokens): runs of
+        ``ep`` consecutive dp x cp ranks of one (tp, pp) coordinate."""
+        return [run[i:i + self.ep] for run in self.dp_cp_groups() for i in range(0, len(run), self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts (expert gradients are reduced and the
+        distributed optimizer shards them over these): every ``ep``-th dp x cp rank."""
+        return [run[i::self.ep] for run in self.dp_cp_groups() for i in range(self.ep)]
+
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tp x pp): ranks that together hold one model replica."""
         return self._over("tp")
@@ -98,6 +111,10 @@ class Groups:
     cp: dist.ProcessGroup | None = None
     dp_cp: dist.ProcessGroup | None = None
     """Gradient reduction and optimizer sharding: dp x cp (the dp group when cp=1)."""
+    ep: dist.ProcessGroup | None = None
+    """The ranks splitting the experts (ep > 1)."""
+    edp: dist.ProcessGroup | None = None
+    """Expert gradients' reduction and sharding: the ranks holding the same experts."""
     tied: dict[frozenset[int], dist.ProcessGroup | None] = field(default_factory=dict)
     """Pipeline-rank set holding a shared parameter -> its group for this rank."""
 
@@ -126,6 +143,18 @@ class Groups:
         """This rank's place in its dp x cp group (cp fastest, as the ranks are ordered)."""
         return self.cp_rank + self.topo.cp * self.dp_rank
 
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_cp_rank % self.topo.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_cp_rank // self.topo.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.dp_cp_size // self.topo.ep
+
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline."""
         tp, dp, _ = self.topo.coords(self.rank)
@@ -150,6 +179,10 @@ def build_groups(topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: 
     if topo.cp > 1:  # without cp the dp x cp group is the dp group (no extra new_group)
         groups.cp = _make(topo.cp_groups(), rank, timeout_s)
         groups.dp_cp = _make(topo.dp_cp_groups(), rank, timeout_s)
+    groups.edp = groups.dp_cp
+    if topo.ep > 1:
+        groups.ep = _make(topo.ep_groups(), rank, timeout_s)
+        groups.edp = _make(topo.edp_groups(), rank, timeout_s)
     for pp_ranks in tied:
         groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank, timeout_s)
     return groups

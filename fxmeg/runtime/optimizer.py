@@ -164,6 +164,7 @@ class Optimizer:
         sharding: OptimizerSharding,
         options: StepOptions,
         tp_specs: Mapping[str, ParamLayout] | None = None,
+        experts: frozenset[str] = frozenset(),
         sources: MasterSources = MasterSources(),
     ) -> None:
         self.groups, self.ddp, self.sharding, self.options = groups, ddp, sharding, options
@@ -180,13 +181,16 @@ class Optimizer:
             self.gather = ParamGather(named, self.owner, groups.dp_cp)
         first = {n: min(h) == groups.pp_rank for n, h in holders.items()}  # the first pipeline holder
         if sharding is OptimizerSharding.ELEMENTWISE:
-            self.pieces = _sharded_pieces(ddp, groups.dp_cp, self._counted(first, split), sources.fp32)
+            self.pieces = _sharded_pieces(ddp, self._counted(first, split), sources.fp32)
         else:
             self.pieces = self._whole_pieces(named, first, split, plan, tp_specs, sources)
         self.optimizers = _inner_optimizers(factory, template, plan, self.pieces)
         self.inner = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
         self._full = [p for p in self.pieces if p.spec is not None]
         self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
+        self._expert = torch.tensor([p.name in experts for p in self.pieces], dtype=torch.bool, device=self._device())
+        """Pieces of expert banks: without the distributed optimizer each ep rank holds other
+        experts, so their squares are summed over the ep group too."""
 
     def _counted(self, first: dict[str, bool], split: set[str]) -> dict[str, bool]:
         """Parameter -> whether the global norm counts it on this rank, so that each
@@ -281,9 +285,15 @@ class Optimizer:
         the norm leaves out too), from one reduction of two numbers per group."""
         tensors = [getattr(p, which) for p in self.pieces]
         sums = torch.zeros(2, dtype=torch.float64, device=self._device())
+        experts = torch.zeros(2, dtype=torch.float64, device=self._device())
         if tensors:
             squares = torch.stack(torch._foreach_norm(tensors)).double() ** 2
-            sums = torch.stack([squares[self._in_norm].sum(), squares.sum()])
+            mine = ~self._expert
+            sums = torch.stack([squares[self._in_norm & mine].sum(), squares[mine].sum()])
+            experts = torch.stack([squares[self._in_norm & self._expert].sum(), squares[self._expert].sum()])
+        if not self.distributed:  # distributed: expert shards are disjoint over dp x cp too
+            all_reduce(experts, self.groups.ep)
+        sums += experts
         if self.distributed:
             all_reduce(sums, self.groups.dp_cp)
         all_reduce(sums, self.groups.tp)
@@ -351,12 +361,13 @@ def _matrix_piece(name, param, in_norm, spec, group, full_source) -> _Piece:
     return _Piece(name, param, master, torch.zeros_like(master), param.data, in_norm, 0, master.numel(), spec)
 
 
-def _sharded_pieces(ddp: DataParallel, group, first_holder, fp32_source) -> list[_Piece]:
-    """Per bucket, the parts of parameters inside this data-parallel rank's shard."""
+def _sharded_pieces(ddp: DataParallel, first_holder, fp32_source) -> list[_Piece]:
+    """Per bucket, the parts of parameters inside this rank's shard of it (over the
+    buffer's group: dp x cp, or the expert-data-parallel ranks for banks of experts)."""
     pieces = []
     for buf in ddp.all():
         for bucket in buf.layout.buckets:
-            lo, hi = shard_range(bucket.start, bucket.end, group)
+            lo, hi = shard_range(bucket.start, bucket.end, buf.group)
             for name in bucket.params:
                 slot = buf.layout.slot(name)
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

@@ -10,7 +10,9 @@ chunks, checked over tp and dp alike):
   cuts its shard of a split parameter from (a differently seeded tp rank shows there:
   the norms it replicates are usually ones);
 * ``dp``: the ranks of a data-parallel group (the same shards of the same parameters);
-* ``tied``: the pipeline ranks holding a tied weight (the same (dp, tp) coordinate).
+* ``tied``: the pipeline ranks holding a tied weight (the same (dp, tp) coordinate);
+* ``edp``: for a bank of routed experts under expert parallelism, the ranks holding the
+  same experts (each ep rank holds others: they are left out of ``dp``).
 
 ``agree`` hashes each parameter (``tensor_hash``), compares every rank's hashes with its
 group's first rank's (one broadcast of an (n, 2) int64 tensor per group), then spreads
@@ -37,7 +39,7 @@ from fxmeg.program import Program
 from fxmeg.runtime.groups import Groups, all_gather_
 from fxmeg.sharding import tp_shard
 
-KINDS = ("tp", "dp", "tied")
+KINDS = ("tp", "dp", "tied", "edp")
 """The order of the checks, of the broadcasts (``_plan``) and of the report. tp first: a
 tp broadcast re-cuts shards from the first tp rank's full tensor, which no dp broadcast
 touched, so dp must copy those shards after it."""
@@ -189,12 +191,16 @@ def _plan(program: Program, groups: Groups,
     plan = []
     if groups.tp is not None and every:
         plan.append(("tp", groups.tp, every))
-    if groups.dp_cp is not None and every:  # context-parallel ranks hold replicas too
-        plan.append(("dp", groups.dp_cp, every))
+    dense = [n for n in every if n not in program.ep_specs]
+    if groups.dp_cp is not None and dense:  # context-parallel ranks hold replicas too
+        plan.append(("dp", groups.dp_cp, dense))
     for holders, group in sorted(groups.tied.items(), key=lambda kv: sorted(kv[0])):
         tied = [n for n in every if n in program.holders and frozenset(program.holders[n]) == holders]
         if group is not None and tied:
             plan.append(("tied", group, tied))
+    experts = [n for n in every if n in program.ep_specs]  # other experts on each ep rank
+    if groups.edp is not None and experts:
+        plan.append(("edp", groups.edp, experts))
     return plan
 
 
@@ -247,6 +253,7 @@ _BETWEEN = {
     "tp": "between tensor-parallel ranks (it is replicated over tp)",
     "dp": "between data-parallel replicas",
     "tied": "between the pipeline ranks holding this tied weight",
+    "edp": "between the ranks holding the same experts",
 }
 
 
@@ -291,4 +298,8 @@ def _first_of_group(program: Program, groups: Groups, kind: str, name: str, rank
         return groups.topo.rank(tp=0, dp=dp, pp=pp, cp=cp)
     if kind == "dp":  # the dp x cp group
         return groups.topo.rank(tp=tp, dp=0, pp=pp, cp=0)
+    if kind == "edp":  # the first dp x cp rank with the same ep rank
+        q = groups.topo.cp_rank(rank) + groups.topo.cp * dp
+        first = q % groups.topo.ep
+        return groups.topo.rank(tp=tp, dp=first // groups.topo.cp, pp=pp, cp=first % groups.topo.cp)
     return groups.topo.rank(tp=tp, dp=dp, pp=min(program.holders[name]), cp=cp)

@@ -45,6 +45,10 @@ def gather_full(program: Program, ctx: RankContext, name: str, local: torch.Tens
     owner = min(program.holders[name])
     if owner == groups.pp_rank:
         value = gather_tp(local, program.tp_specs.get(name), groups.tp)
+        if name in program.ep_specs and groups.ep is not None:  # every ep rank's experts, in order
+            banks = [torch.empty_like(value) for _ in range(dist.get_world_size(groups.ep))]
+            dist.all_gather(banks, value.contiguous(), group=groups.ep)
+            value = torch.cat(banks)
     else:
         value = torch.empty(program.parameters[name].shape, dtype=dtype, device=ctx.device)
     if groups.pp is not None:
@@ -59,6 +63,17 @@ def _full_shape(program: Program, name: str) -> torch.Size:
     return program.full_shapes[name][0]
 
 
+def _expert_offset(program: Program, ctx: RankContext, name: str) -> int:
+    """Where this rank's experts of bank ``name`` start along dim 0 (0 if not a bank)."""
+    spec = program.ep_specs.get(name)
+    return spec.experts_of(ctx.config.parallel.ep, ctx.groups.ep_rank)[0] if spec is not None else 0
+
+
+def _moved(offsets: tuple[int, ...], dim0: int) -> tuple[int, ...]:
+    """Global box offsets moved ``dim0`` rows along dim 0 (an ep rank's experts)."""
+    return (offsets[0] + dim0, *offsets[1:]) if dim0 else offsets
+
+
 def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
     """``model/<fqn>`` for every parameter this rank's chunks train (its boxes), and,
     whole, for what no chunk trains: persistent buffers, unused parameters."""
@@ -67,7 +82,8 @@ def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
     for name, p in ctx.named_parameters.items():
         local = ((0,) * p.dim(), tuple(p.shape))
         spec = program.tp_specs.get(name)
-        parts = [(g[0], view(p.detach(), l)) for g, l in local_to_global(local, spec, tp, rank)]
+        shift = _expert_offset(program, ctx, name)
+        parts = [(_moved(g[0], shift), view(p.detach(), l)) for g, l in local_to_global(local, spec, tp, rank)]
         out[f"model/{name}"] = Pieces(_full_shape(program, name), parts)
     for name in program.aliases:
         if name not in program.holders and name in program.untrained:
@@ -102,6 +118,7 @@ def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None
         full = piece.spec is not None  # a full matrix: its boxes are the full tensor's own
         shape = tuple(piece.master.shape) if full else tuple(piece.param.shape)
         spec = None if full else program.tp_specs.get(piece.name)
+        shift = _expert_offset(program, ctx, piece.name)
         for key, t in tensors.items():
             flat = t.detach().reshape(-1)
             entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), []))
@@ -110,7 +127,7 @@ def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None
                 box_view = flat[start : start + math.prod(box[1])].view(box[1])
                 for g, l in local_to_global(box, spec, tp, rank):
                     rel = tuple(a - b for a, b in zip(l[0], box[0]))
-                    entry.parts.append((g[0], view(box_view, (rel, l[1]))))
+                    entry.parts.append((_moved(g[0], shift), view(box_view, (rel, l[1]))))
     return out
 
 
@@ -127,7 +144,7 @@ def scalars(ctx: RankContext) -> dict[str, float]:
 
 def layout(ctx: RankContext) -> dict:
     par = ctx.config.parallel
-    return {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+    return {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
             "distributed_optimizer": ctx.config.distributed_optimizer,
             "optimizer_sharding": ctx.optimizer.sharding,
             "precision": ctx.config.precision}

@@ -1,0 +1,260 @@
+"""Expert-parallel pass: each routed-experts block of a chunk graph becomes one
+``fxmeg.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
+binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py).
+
+Scope: one chunk graph (after the pipeline pass); nothing to do when ep = 1.
+
+How a block is recognised, from the graph alone (no class or module name): a *grouped
+matmul* (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``: rows grouped by
+expert times a 3-D bank, with cumulative rows per expert) whose bank is a parameter of E
+experts on dim 0, paired with the second grouped matmul that shares its offsets; the
+offsets are ``cumsum(histc(ids, bins=E))`` of expert ids sorted by ``sort`` from the
+flattened top-k index [T, k]; the rows are ``hidden[perm // k]`` of the tokens [T, H].
+Between the two matmuls lies the model's activation (``middle``: rows in, rows out,
+reading nothing else); a bias bank [E, N] is added as ``bias[ids]`` after either matmul;
+the block's result is the first value after the second matmul shaped like ``hidden``
+(the weighted rows put back in token order and summed over the k slots). That is the
+shape of Hugging Face's grouped experts (``grouped_mm_experts_forward``), whatever the
+model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3): routing (softmax, top-k,
+group-limited top-k, normalisation) and shared experts are outside it and stay as the
+model computes them.
+
+Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
+Ensures: each block's nodes are replaced by one ``routed_experts`` node computing the
+same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
+grouping of rows into matmuls differs); its banks' get_attr nodes carry
+``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
+a chunk holding 3-D banks read by no recognised block raises PassError naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from fxmeg import ops
+from fxmeg.config import EngineConfig
+from fxmeg.errors import PassError
+from fxmeg.layouts import ExpertShard
+from fxmeg.passes.graph_utils import arg, attr, fake_eval, val
+from fxmeg.program import ChunkInfo
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+_GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+_BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}
+
+
+def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+    """Rewrite every routed-experts block of chunk graph ``gm`` (module docstring) for
+    ``config.parallel.ep`` ranks."""
+    ep = config.parallel.ep
+    if ep == 1:
+        return gm
+    blocks = [b for b in (_block(gm, up) for up in list(gm.graph.nodes) if _is_grouped_mm(up)) if b]
+    for i, block in enumerate(blocks):
+        _rewrite(gm, block, f"experts_middle_{i}", ep)
+    _refuse_unfound_banks(gm, chunk)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+class _Block:
+    """One recognised block: its inputs, banks, middle nodes and result."""
+
+    def __init__(self, **fields) -> None:
+        self.__dict__.update(fields)
+
+
+def _is_grouped_mm(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name in _GROUPED_MM
+
+
+def _module(node: fx.Node) -> str:
+    return node.meta.get("fxmeg", {}).get("module", "")
+
+
+def _source(node: fx.Node, through: set) -> fx.Node:
+    """Follow the first argument through ops of ``through``."""
+    while node.op == "call_function" and node.target in through:
+        node = node.args[0]
+    return node
+
+
+def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
+    """The block whose first (up) grouped matmul is ``up``, or None when ``up`` is the
+    second one of a block or not part of one."""
+    offsets = _offsets(up)
+    downs = [u for u in offsets.users if _is_grouped_mm(u) and u is not up and _offsets(u) is offsets]
+    if len(downs) != 1 or not _before(up, downs[0]):
+        return None
+    down = downs[0]
+    where = f"module {_module(up)!r}"
+    histc = _source(offsets, {aten.cumsum.default})
+    if histc.target is not aten.histc.default:
+        raise PassError(f"expert_parallel: the grouped matmuls {up.name!r} and {down.name!r} ({where}) take "
+                        f"offsets {offsets.name!r} that are not cumsum(histc(expert ids)); fxmeg cannot "
+                        "tell which rows go to which expert")
+    experts = int(histc.args[1])
+    sorted_ids = _source(histc.args[0], _CASTS)
+    sort = sorted_ids.args[0] if sorted_ids.target is operator.getitem else None
+    if sort is None or sort.target not in (aten.sort.default, aten.sort.stable):
+        raise PassError(f"expert_parallel: the expert ids of {up.name!r} ({where}) are not sorted by torch.sort")
+    flat_index = sort.args[0]
+    perm = next((u for u in sort.users if u.args[1] == 1), None)
+    rows = _source(up.args[0], _CASTS)
+    if rows.target is not aten.index.Tensor or perm is None:
+        raise PassError(f"expert_parallel: the rows of {up.name!r} ({where}) are not gathered from the tokens "
+                        "by the sorted order")
+    hidden = rows.args[0]
+    top_k_index = flat_index.args[0]
+    weights_g = next((u for u in perm.users if u.target is aten.index.Tensor and u.args[1] == [perm]), None)
+    if weights_g is None or top_k_index is None or val(top_k_index).dim() != 2:
+        raise PassError(f"expert_parallel: no top-k weights are gathered by the sorted order at {up.name!r} "
+                        f"({where})")
+    top_k_weights = weights_g.args[0].args[0]
+    up_out, b_up = _bias(up, sorted_ids)
+    mid_in_cast = down.args[0]
+    down_out, b_down = _bias(down, sorted_ids)
+    middle = _between(up_out, mid_in_cast)
+    result = _result(down_out, val(hidden).shape)
+    if result is None:
+        raise PassError(f"expert_parallel: no value shaped like the tokens {list(val(hidden).shape)} follows "
+                        f"{down.name!r} ({where}); fxmeg cannot find the block's result")
+    banks = [_bank(up.args[1], experts, where), _bank(down.args[1], experts, where)]
+    return _Block(up=up, down=down, experts=experts, hidden=hidden, top_k_index=top_k_index,
+                  top_k_weights=top_k_weights, w_up=up.args[1], w_down=down.args[1], b_up=b_up, b_down=b_down,
+                  up_out=up_out, middle=middle, middle_out=mid_in_cast, result=result, where=where,
+                  banks=banks + [b for b in (b_up, b_down) if b is not None], module=_module(up))
+
+
+def _offsets(mm: fx.Node) -> fx.Node:
+    return arg(mm, 2, "offs")
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    for n in a.graph.nodes:
+        if n is a:
+            return True
+        if n is b:
+            return False
+    return False
+
+
+def _bias(mm: fx.Node, ids: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the matmul's result after its bias, the bias bank) or (the matmul, None)."""
+    users = list(mm.users)
+    if len(users) == 1 and users[0].target in (aten.add.Tensor, aten.add_.Tensor):
+        other = next(a for a in users[0].args if a is not mm)
+        if isinstance(other, fx.Node) and other.target is aten.index.Tensor and other.args[1] == [ids]:
+            return users[0], other.args[0]
+    return mm, None
+
+
+def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """Nodes after ``start`` up to and including ``end`` that ``end`` depends on, in
+    graph order; each reads only ``start``, each other, or constants."""
+    inside, todo = set(), [end]
+    while todo:
+        n = todo.pop()
+        if n is start or n in inside:
+            continue
+        inside.add(n)
+        todo.extend(n.all_input_nodes)
+    nodes = [n for n in start.graph.nodes if n in inside]
+    for n in nodes:
+        strays = [i for i in n.all_input_nodes if i is not start and i not in inside]
+        if strays or n.op != "call_function":
+            raise PassError(
+                f"expert_parallel: the experts' activation reads {strays[0].name if strays else n.name!r} besides "
+                f"the first matmul's rows (node {n.name!r}, module {_module(n)!r}); fxmeg runs it per row and "
+                "cannot tell what that value is per expert")
+    return nodes
+
+
+def _result(start: fx.Node, shape) -> fx.Node | None:
+    """The sum over the k slots after ``start`` (single-user chain), shaped ``shape``."""
+    n = start
+    while len(n.users) == 1:
+        n = next(iter(n.users))
+        v = val(n)
+        if n.target is aten.sum.dim_IntList and v is not None and tuple(v.shape) == tuple(shape):
+            return n
+    return None
+
+
+def _bank(node: fx.Node, experts: int, where: str) -> fx.Node:
+    bank = _source(node, _BANK_VIEWS)
+    if bank.op != "get_attr" or val(bank) is None or val(bank).shape[0] != experts:
+        raise PassError(f"expert_parallel: the grouped matmul's weights {node.name!r} ({where}) are not a "
+                        f"parameter of {experts} experts on dim 0")
+    return bank
+
+
+def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int) -> None:
+    if b.experts % ep:
+        raise PassError(f"ep={ep} does not divide the {b.experts} experts of module {b.module!r}; choose ep "
+                        f"among {[d for d in range(1, b.experts + 1) if b.experts % d == 0]}")
+    graph = gm.graph
+    sub = fx.Graph()
+    env = {b.up_out: sub.placeholder("rows")}
+    env[b.up_out].meta = dict(b.up_out.meta)
+    for n in b.middle:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(env[b.middle_out])
+    gm.add_submodule(name, fx.GraphModule(gm, sub))
+    with graph.inserting_before(b.result):
+        body = graph.get_attr(name)
+        call = graph.call_function(
+            ops.routed_experts,
+            (body, b.hidden, b.top_k_index, b.top_k_weights, b.w_up, b.w_down, b.b_up, b.b_down),
+            {"num_experts": b.experts, "group": ops.EP},
+        )
+    call.meta = {**b.result.meta, "val": val(b.result)}
+    body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}
+    b.result.replace_all_uses_with(call)
+    _erase_dead(graph, b)
+    shard = ExpertShard(b.experts, origin=b.module)
+    for bank in b.banks:
+        bank.meta["fxmeg"] = {**bank.meta.get("fxmeg", {}), "ep": shard}
+        full = val(bank)
+        bank.meta["val"] = full.new_empty(shard.local_shape(full.shape, ep))
+    for view in (b.w_up, b.w_down):  # the banks' transposes / casts: local shapes too
+        chain = []
+        while view.op == "call_function":
+            chain.append(view)
+            view = view.args[0]
+        for n in reversed(chain):
+            n.meta["val"] = fake_eval(n)
+    log.debug("expert_parallel: %s: %d experts over ep=%d", b.module, b.experts, ep)
+
+
+def _erase_dead(graph: fx.Graph, b: _Block) -> None:
+    """The block's old nodes, now unused (in-place ops included: they wrote only the
+    block's own temporaries)."""
+    keep = {b.hidden, b.top_k_index, b.top_k_weights, b.w_up, b.w_down, b.b_up, b.b_down}
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and not n.users and n not in keep and n.target is not ops.routed_experts \
+                and _module(n).startswith(b.module) and n.target not in (ops.send, ops.deallocate):
+            graph.erase_node(n)
+
+
+def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
+    """A bank of experts (a trainable parameter of 3 or more dims) no block reads."""
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or "ep" in n.meta.get("fxmeg", {}):
+            continue
+        t = attr(gm, n.target)
+        if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.dim() >= 3:
+            raise PassError(
+                f"ep > 1, but fxmeg cannot find the routed experts that read {n.target!r} (shape "
+                f"{list(t.shape)}, module {_module(n) or n.target.rpartition('.')[0]!r}, chunk {chunk.index}): "
+                "expert parallelism recognises a Hugging Face grouped-experts block (two grouped matmuls "
+                "over a bank of experts, fed by top-k routing; fxmeg/passes/expert_parallel.py). Build the "
+                "model with experts_implementation='grouped_mm' or train it with ep=1")

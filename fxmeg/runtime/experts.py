@@ -1,0 +1,82 @@
+"""The all-to-all behind ``fxmeg.ops.routed_experts`` once bound to an expert-parallel
+group (``collectives.bind``): Megatron's dropless all-to-all token dispatcher.
+
+Dispatch, on every rank of the ep group at once: the rows (one per routed (token, slot)
+pair) arrive sorted by global expert with ``counts[E]`` rows per expert. The counts go
+first (an all-to-all of an [ep, E / ep] table: how many rows each rank sends to each of
+the receiver's experts), then the rows themselves (``all_to_all_single`` with the split
+sizes those counts give), which arrive ordered by (sender, expert) and are regrouped by
+expert for the local matmuls. Combine sends the results back the same way. Both
+all-to-alls are differentiable: backward sends the gradients the reverse way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import Tensor, fx
+
+from fxmeg import moe
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` in ``send`` runs to each rank; ``recv`` runs arrive from each."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _AllToAll.apply(grad.contiguous(), ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+class AllToAllExchange:
+    """``moe.Exchange`` over a real expert-parallel process group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.exchanged: list[Tensor] = []
+        """Rows per local expert received in each dispatch (metrics read and clear it)."""
+
+    def dispatch(self, rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, object]:
+        table = counts.view(self.size, -1)  # [receiver, its local expert]
+        got = torch.empty_like(table)
+        dist.all_to_all_single(got, table.contiguous(), group=self.group)  # [sender, my local expert]
+        send, recv = table.sum(1).tolist(), got.sum(1).tolist()
+        arrived = _AllToAll.apply(rows, recv, send, self.group)  # ordered (sender, expert)
+        local = got.size(1)
+        expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(self.size), got.reshape(-1))
+        order = torch.argsort(expert, stable=True)  # by expert, senders in order within it
+        per_expert = got.sum(0)
+        self.exchanged.append(per_expert.detach())
+        return arrived[order], per_expert, (order, send, recv)
+
+    def combine(self, out: Tensor, state: object) -> Tensor:
+        order, send, recv = state
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(out[back], send, recv, self.group)
+
+
+_EXCHANGES: dict[str, AllToAllExchange] = {}
+
+
+def exchange(group: str) -> AllToAllExchange:
+    """The exchange over the process group named ``group`` (one per group)."""
+    if group not in _EXCHANGES:
+        _EXCHANGES[group] = AllToAllExchange(c10d._resolve_process_group(group))
+    return _EXCHANGES[group]
+
+
+def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                   w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
+                   num_experts: int, group: str) -> Tensor:
+    """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over ``group``."""
+    return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
+                              num_experts=num_experts, exchange=exchange(group))
