@@ -103,9 +103,12 @@ def capture(
     example_inputs: Example,
     *,
     loss_fn: LossFn | None = None,
+    grouped_experts: bool = False,
 ) -> Captured:
     """Export ``model`` (or ``loss_fn(model, *inputs)``) and return it in the user's names.
-    A dict example is passed to the model (or ``loss_fn``) by keyword."""
+    A dict example is passed to the model (or ``loss_fn``) by keyword. ``grouped_experts``
+    (expert parallelism): a Hugging Face MoE is captured with grouped experts, whatever its
+    config names (``hugging_face.exportable_experts``)."""
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else None
     example = tuple(example_inputs.values()) if names is not None else example_inputs
     if not isinstance(example, tuple) or not all(isinstance(t, torch.Tensor) for t in example):
@@ -126,7 +129,7 @@ def capture(
     else:
         root = model
     try:
-        with exportable_experts(model):  # a Hugging Face MoE's "eager" experts do not export
+        with exportable_experts(model, grouped=grouped_experts):  # "eager" experts do not export
             ep = torch.export.export(root, example, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         raise CaptureError(_explain_export_failure(model, exc)) from exc

@@ -327,9 +327,9 @@ class EngineConfig:
                               "data-dependent shapes; set compile=False")
         if self.optimizer_sharding == "layerwise" or self.decided_sharding is OptimizerSharding.LAYERWISE:
             raise ConfigError(
-                f"ep={ep} does not run with optimizer_sharding='layerwise' yet (chosen for an optimizer that "
-                "steps whole parameters, such as Muon, or asked for) (experts are sharded "
-                "over the expert-data-parallel ranks only); use optimizer_sharding='elementwise'")
+                f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
+                "expert-data-parallel ranks only (layer-wise sharding is asked for, or chosen for an optimizer "
+                "that steps whole parameters, such as Muon); use optimizer_sharding='elementwise'")
 
     def _check_optimizer_sharding(self) -> None:
         """optimizer_sharding, its companions, and a recorded decision that fits them."""

@@ -133,10 +133,12 @@ def takes_shift_labels(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def exportable_experts(model: nn.Module) -> Iterator[None]:
+def exportable_experts(model: nn.Module, *, grouped: bool = False) -> Iterator[None]:
     """While the body runs (fxmeg's capture), every Hugging Face model inside ``model``
     whose experts run "eager" runs them with the first of EXPORTABLE_EXPERTS it accepts,
     and says so (INFO on ``fxmeg.capture``, naming the class and both implementations).
+    With ``grouped`` (expert parallelism, which finds experts as grouped matmuls:
+    fxmeg/passes/expert_parallel.py) "batched_mm" experts run "grouped_mm" too.
 
     Requires: nothing of the user; a model whose experts implementation transformers
     cannot set (dense models report "eager" too) is left alone.
@@ -149,13 +151,16 @@ def exportable_experts(model: nn.Module) -> Iterator[None]:
     try:
         for module in model.modules():
             before = _experts_implementation(module)
-            if before is None or "eager" not in before.values():
+            replaced = ("eager", "batched_mm") if grouped else ("eager",)
+            if before is None or not set(replaced) & set(before.values()):
                 continue
-            chosen = _switch_experts(module, before)
+            chosen = _switch_experts(module, before, replaced, EXPORTABLE_EXPERTS[:1] if grouped else EXPORTABLE_EXPERTS)
             switched.append((module, before))
+            was = next(v for v in before.values() if v in replaced)
+            why = ("expert parallelism dispatches rows grouped by expert" if was == "batched_mm"
+                   else "the eager loop over routed experts cannot be exported")
             log.info("%s runs its experts with experts_implementation=%r, not %r, while fxmeg captures it "
-                     "(the eager loop over routed experts cannot be exported; the values are the same)",
-                     type(module).__name__, chosen, "eager")
+                     "(%s; the values are the same)", type(module).__name__, chosen, was, why)
         yield
     finally:
         for module, before in reversed(switched):
@@ -173,12 +178,13 @@ def _experts_implementation(module: nn.Module) -> dict | None:
     return module.get_experts_implementation()
 
 
-def _switch_experts(module: nn.Module, before: dict) -> str:
-    """Run ``module``'s eager experts with the first exportable implementation it accepts."""
-    for chosen in EXPORTABLE_EXPERTS:
+def _switch_experts(module: nn.Module, before: dict, replaced: tuple[str, ...], choices: tuple[str, ...]) -> str:
+    """Run ``module``'s experts of an implementation in ``replaced`` with the first of
+    ``choices`` it accepts."""
+    for chosen in choices:
         try:
-            module.set_experts_implementation({k: chosen if v == "eager" else v for k, v in before.items()})
+            module.set_experts_implementation({k: chosen if v in replaced else v for k, v in before.items()})
             return chosen
         except (ValueError, ImportError, KeyError):
             continue
-    return "eager"  # none accepted: export says what fails
+    return "eager"  # none accepted: export (or the expert-parallel pass) says what fails

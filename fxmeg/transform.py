@@ -38,7 +38,7 @@ from torch import fx, nn
 
 from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
-from fxmeg.errors import ConfigError, closest
+from fxmeg.errors import ConfigError, PassError, closest
 from fxmeg.layouts import ExpertShard
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
@@ -154,7 +154,7 @@ def transform(
     example = cast_inputs(example, config.dtype)
     skip = skipped_passes()
     start = time.perf_counter()
-    gm = capture(model, example, loss_fn=loss_fn).gm
+    gm = capture(model, example, loss_fn=loss_fn, grouped_experts=config.parallel.ep > 1).gm
     _report("capture", gm, start)
     reference = None
     for index, p in enumerate(PASSES):
@@ -306,6 +306,11 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
                 tp_specs[node.target] = node.meta["fxmeg"]["tp"]
             if node.op == "get_attr" and "ep" in node.meta.get("fxmeg", {}):
                 ep_specs[node.target] = node.meta["fxmeg"]["ep"]
+    if config.parallel.ep > 1 and not ep_specs:
+        raise PassError(
+            f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
+            "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
+            "train a dense model with ep=1")
     state = model.state_dict(keep_vars=True)
     canonical = {alias: name for name, names in info.aliases.items() for alias in names}
     aux = next(((c, AUX_SCALE) for c, gm in enumerate(graphs) if hasattr(gm, AUX_SCALE)), None)

@@ -124,6 +124,61 @@ def test_zero_bubble_schedules_check_vpp_and_micro_batches():
     EngineConfig(micro_batch_size=1, global_batch_size=3, parallel=ParallelConfig(pp=4, vpp=2, schedule="zbv")).resolve(4)
 
 
+
+def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with():
+    """ep divides dp * cp (checked once dp is known: at construction when given, at resolve
+    when None); zero-bubble schedules, compile=True and layer-wise optimizer sharding are
+    refused with ep > 1, all by the configuration, before any process group."""
+    import torch
+
+    from fxmeg.config import make_config
+    from fxmeg.modes import OptimizerSharding
+
+    assert (ParallelConfig(dp=4, ep=2).edp, ParallelConfig(dp=2, cp=2, ep=4).edp, ParallelConfig(dp=3).edp) == (2, 1, 3)
+    assert ParallelConfig(ep=4).resolve(8).edp == 2
+    with pytest.raises(ConfigError, match=r"^ep=2 does not divide dp = 3: experts are split over ep ranks carved out "
+                                          r"of the data-parallel ranks; choose ep among \[1, 3\] or launch more ranks"):
+        ParallelConfig(dp=3, ep=2)
+    with pytest.raises(ConfigError, match=r"^ep=4 does not divide dp \* cp = 3 \* 2 = 6: .* carved out of the "
+                                          r"data-parallel x context-parallel ranks; choose ep among \[1, 2, 3, 6\]"):
+        ParallelConfig(dp=3, cp=2, ep=4)
+    par = ParallelConfig(ep=4)  # dp=None: nothing to check until the world is known
+    with pytest.raises(ConfigError, match=r"^ep=4 does not divide dp = 6"):
+        par.resolve(6)
+    example = (torch.zeros(2, 8, dtype=torch.long),)
+    with pytest.raises(ConfigError, match=r"^ep=4 does not divide dp = 6"):
+        make_config(example, world=6, ep=4)
+    with pytest.raises(ConfigError, match=r"^ep=2 does not divide dp = 1"):
+        make_config(example, world=None, ep=2)  # a transform without processes takes dp=1
+
+    def engine(**options):
+        par = {k: options.pop(k) for k in ("pp", "vpp", "dp", "schedule") if k in options}
+        return EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(ep=2, **par), **options)
+
+    for schedule, vpp in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):
+        with pytest.raises(ConfigError, match=rf"^ep=2 does not run with schedule='{schedule}': a zero-bubble "
+                                              r"schedule splits backward .* use schedule='1f1b' or 'interleaved'"):
+            engine(pp=2, vpp=vpp, schedule=schedule)  # dp=None: refused before the world is known
+    with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
+        make_config(example, world=4, pp=2, ep=2, schedule="zbh1")
+    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True: the experts' token counts are "
+                                          r"data-dependent shapes; set compile=False"):
+        engine(compile=True)
+    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True"):
+        make_config(example, world=2, ep=2, compile=True)
+    layerwise = r"^ep=2 does not run with optimizer_sharding='layerwise' yet: .* use optimizer_sharding='elementwise'"
+    with pytest.raises(ConfigError, match=layerwise):
+        engine(distributed_optimizer=True, optimizer_sharding="layerwise")
+    with pytest.raises(ConfigError, match=layerwise):  # 'auto' decided layer-wise (an optimizer such as Muon)
+        engine(distributed_optimizer=True, decided_sharding=OptimizerSharding.LAYERWISE)
+    with pytest.raises(ConfigError, match=layerwise):
+        make_config(example, world=2, ep=2, distributed_optimizer=True, optimizer_sharding="layerwise")
+    for ok in (engine(pp=2, schedule="1f1b"), engine(pp=2, vpp=2), engine(distributed_optimizer=True),
+               engine(distributed_optimizer=True, optimizer_sharding="elementwise"), engine(dp=2)):
+        assert ok.parallel.ep == 2
+    assert make_config(example, world=8, cp=2, ep=4).parallel.edp == 2  # dp = 4, dp * cp = 8
+
+
 # ---------------------------------------------------------------- sizes and numbers
 
 CLASSES = (ParallelConfig, EngineConfig, TrainConfig)

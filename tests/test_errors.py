@@ -169,6 +169,35 @@ def _hugging_face(**args):
         return build_model("transformers:LlamaForCausalLM", {"seq_len": 32} | small | args)
 
 
+def _moe_batch():
+    ids, labels = _ex()
+    return {"input_ids": ids, "labels": labels}
+
+
+def _three_experts():
+    """A one-layer Hugging Face Mixtral with 3 experts (top-2): ep=2 cannot split them."""
+    import transformers as T
+
+    cfg = T.AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=64, num_local_experts=3, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg)
+
+
+class _Bank(nn.Module):
+    """A 3-D trainable parameter read by plain matmuls, not by a grouped-experts block."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(128, 16)])
+        self.bank = nn.Parameter(torch.randn(2, 16, 128) * 0.1)
+
+    def forward(self, ids, labels):
+        h = self.layers[0](ids)
+        return nn.functional.cross_entropy((h @ self.bank[0] + h @ self.bank[1]).flatten(0, 1), labels.flatten())
+
+
 # row id -> (set-up returning the failing call, or the failing call itself; message)
 ROWS = {
     "size-zero": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=0),
@@ -258,6 +287,22 @@ ROWS = {
     "init-unwritten": (lambda: fxmeg.parallelize(_meta("gpt"), _ex(), init_fn=lambda m: None),
                        "init_fn left weight unwritten"),
     "meta-mixed": (lambda: fxmeg.parallelize(_half_meta(), _ex()), "build the whole model under"),
+    "ep-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=4),
+                "ep=4 does not divide dp = 2: experts are split over ep ranks carved out of the data-parallel "
+                "ranks; choose ep among [1, 2]"),
+    "ep-zero-bubble": (lambda: _config_file('data = "x"\ntrain_iters = 1\npp = 2\nep = 2\nschedule = "zbh1"\n'),
+                       "ep=2 does not run with schedule='zbh1': a zero-bubble schedule splits backward"),
+    "ep-compile": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2, compile=True),
+                   "ep=2 does not run with compile=True: the experts' token counts are data-dependent shapes"),
+    "ep-layerwise": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2, distributed_optimizer=True,
+                                               optimizer_sharding="layerwise"),
+                     "ep=2 does not run with optimizer_sharding='layerwise' yet"),
+    "ep-experts": (lambda: fxmeg.parallelize(_three_experts(), _moe_batch(), ep=2),
+                   "ep=2 does not divide the 3 experts of module 'model.layers.0.mlp.experts'; choose ep among [1, 3]"),
+    "ep-weights": (lambda: fxmeg.parallelize(_meta("moe-mixtral", n_layer=1), _moe_batch(), ep=2, global_batch_size=4),
+                   "ep=2 does not run yet with weights= or a model built on meta (each rank would read every expert)"),
+    "ep-unfound-experts": (lambda: fxmeg.parallelize(_Bank(), _ex(), ep=2),
+                           "ep > 1, but fxmeg cannot find the routed experts that read 'bank' (shape [2, 16, 128]"),
 }
 SET_UP = {  # rows whose failing call needs a working engine first: counted from the call on
     "batch-shape": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i[:, :15], l))))(),
@@ -327,3 +372,5 @@ def test_the_table_in_docs_lists_every_row():
     documented = re.findall(r"^\| `([a-z0-9-]+)` \|", first, flags=re.M)
     assert sorted(documented) == sorted(list(ROWS) + list(SET_UP))
     assert len(documented) >= 15
+
+

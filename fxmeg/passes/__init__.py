@@ -21,6 +21,7 @@ tests/test_pass_list.py holds this table to ``PASSES``:
   partition        model   balanced cut: every node tagged with its chunk       passes/partition.py
   pipeline         model   chunk graphs under a parent (returned), with recv /  passes/pipeline.py
                            send / deallocate markers
+  expert_parallel  chunk   routed experts split over ep ranks (all-to-all)     passes/expert_parallel.py
   recompute        chunk   activation-recompute regions                         passes/recompute.py
   buckets          parent  gradient-ready order, buffer layout, buckets: one    passes/buckets.py
                            slot per parameter per pipeline rank
@@ -43,6 +44,7 @@ Metadata under ``node.meta["fxmeg"]`` (key: on which nodes, what; written by):
   tp         a parameter's get_attr: layouts.Shard(dim, parts) | layouts.Replicate(reduce_grad);
              tensor_parallel (the runtime materialises shards from it)
   chunk      a call_function node: its pipeline chunk index; partition
+  ep         a routed-experts bank's get_attr: layouts.ExpertShard(experts); expert_parallel
   bucket     a trainable parameter's get_attr: layouts.BucketSlot (home chunk, grad dtype,
              bucket index); buckets
 

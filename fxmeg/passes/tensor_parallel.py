@@ -89,13 +89,13 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     par = config.parallel
     if par.tp == 1:
         return gm
-    _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel).run()
+    _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel, ep=par.ep).run()
     return finish(gm)
 
 
 class _TensorParallel(PropagationRules):
-    def __init__(self, gm, tp, plan, sp):
-        self.gm, self.g, self.tp, self.sp = gm, gm.graph, tp, sp
+    def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
+        self.gm, self.g, self.tp, self.sp, self.ep = gm, gm.graph, tp, sp, ep
         for glob, role in plan.items():
             if role not in ROLES:
                 raise PassError(f"tp_plan[{glob!r}] = {role!r} is not one of {ROLES}")
@@ -121,7 +121,8 @@ class _TensorParallel(PropagationRules):
         self._per_rank_streams()
         self._tag_parameters()
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
-            n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)})
+            n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
+            ep=self.ep)
         self._refresh_values()
 
     def _visit(self, node: fx.Node):

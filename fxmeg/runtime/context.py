@@ -146,6 +146,10 @@ def build_context(
     plan = plan_optimizers(factory, template, program.device)  # which optimizer steps which parameter
     assert config.decided_sharding is not None, "parallelize decides the optimizer sharding"
     sharding = config.decided_sharding
+    if program.ep_specs and source is not None:  # before any process group
+        raise ConfigError(
+            f"ep={par.ep} does not run yet with weights= or a model built on meta (each rank would "
+            "read every expert); build the model on a device and load its weights before parallelize")
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep), tied=tied,
                           timeout_s=config.comm_timeout_s)
@@ -259,10 +263,6 @@ def _local_values(program: Program, groups: Groups, source: Source | None,
     them in (``Program.init_dtypes``: fp32 before a half-precision cast)."""
     if source is None:
         return {}
-    if program.ep_specs:
-        raise ConfigError(
-            f"ep={groups.topo.ep} does not run yet with weights= or a model built on meta (each rank would "
-            "read every expert); build the model on a device and load its weights before parallelize")
     tensors: dict[str, tuple[torch.Tensor, bool]] = {}
     for c in program.chunks_of(groups.pp_rank):
         gm = program.chunks[c]

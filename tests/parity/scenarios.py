@@ -3,11 +3,13 @@ what it reports, and the comparison with plain single-device PyTorch."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 
 import fxmeg
+from fxmeg.runtime.optimizer import param_groups
 from tests.helpers import (
     OPTIMIZERS,
     assert_bitwise,
@@ -15,6 +17,7 @@ from tests.helpers import (
     assert_weights_close,
     make_batch,
     make_model,
+    optimizer,
     reference,
 )
 
@@ -88,8 +91,9 @@ class Scenario:
         )
 
 
-def train(rank: int, sc: Scenario) -> dict:
-    """Train one scenario on this rank; report what the tests compare."""
+def train(rank: int, sc: Scenario, extra=None) -> dict:
+    """Train one scenario on this rank; report what the tests compare (and what
+    ``extra(rank, engine)`` returns, after training)."""
     engine = sc.engine()
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events = [], [], []
@@ -107,6 +111,7 @@ def train(rank: int, sc: Scenario) -> dict:
         param_elements=sum(p.numel() for p in engine.named_parameters.values()),
         tp_specs=engine.program.tp_specs,
         layouts={c: engine.program.buffers[c] for c in engine.context.chunks},
+        **(extra(rank, engine) if extra is not None else {}),
     )
 
 
@@ -129,3 +134,32 @@ def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) ->
     assert_weights_close(ranks[0]["state"], ref_state)
     if sc.meta:  # each rank made its part exactly as the single-device twin
         assert_bitwise(ranks[0]["initial"], sc.make_model().state_dict())
+
+
+def check_router_loss(ranks: list[dict], sc: Scenario) -> None:
+    """Parity of a Mixtral trained with its router loss: the reference is token-weighted
+    cross-entropy over the global batch plus each micro-batch's router loss weighted
+    1 / (the global batch's micro-batches, m * dp), as Megatron's MoEAuxLossAutoScaler
+    averaged over data-parallel ranks."""
+    model = make_model(sc.model, n_layer=sc.layers)
+    coef = model.config.router_aux_loss_coef
+    ref = copy.deepcopy(model)
+    opt = optimizer(param_groups(ref.named_parameters()))
+    losses = []
+    for ids, labels in sc.batches():
+        opt.zero_grad()
+        total = int((labels[:, 1:] != -100).sum())
+        ce_sum = 0.0
+        micro_batches = len(ids) // MBS  # m on each of dp ranks
+        for i in range(micro_batches):
+            sl = slice(i * MBS, (i + 1) * MBS)
+            out = ref(input_ids=ids[sl], labels=labels[sl], use_cache=False)
+            n = int((labels[sl, 1:] != -100).sum())
+            ce = out.loss - coef * out.aux_loss
+            (ce * n / total + coef * out.aux_loss / micro_batches).backward()
+            ce_sum += ce.item() * n
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        losses.append(ce_sum / total)
+    assert_losses_close([s.loss for s in ranks[0]["steps"]], losses)
+    assert_weights_close(ranks[0]["state"], ref.state_dict())

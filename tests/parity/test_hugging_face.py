@@ -7,16 +7,11 @@ projection) at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with i
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 from fxmeg.layouts import is_split
-from fxmeg.runtime.optimizer import param_groups
 from tests.distributed import run_worlds
-from tests.helpers import assert_losses_close, assert_weights_close, make_model, optimizer
-from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
+from tests.parity.scenarios import Scenario, check_parity, check_router_loss, train_each
 
 PARITY = [
     Scenario(f"hf-{kind}", **layout)
@@ -56,24 +51,4 @@ def test_mixtral_router_loss_is_weighted_per_micro_batch(results, sc):
         assert not is_split(specs["model.layers.0.mlp.gate.weight"])
         assert not is_split(specs["model.layers.0.mlp.experts.gate_up_proj"])
         assert is_split(specs["model.layers.0.self_attn.q_proj.weight"])
-    model = make_model(sc.model, n_layer=sc.layers)
-    coef = model.config.router_aux_loss_coef
-    ref = copy.deepcopy(model)
-    opt = optimizer(param_groups(ref.named_parameters()))
-    losses = []
-    for ids, labels in sc.batches():
-        opt.zero_grad()
-        total = int((labels[:, 1:] != -100).sum())
-        ce_sum = 0.0
-        for i in range(sc.m):
-            sl = slice(i * MBS, (i + 1) * MBS)
-            out = ref(input_ids=ids[sl], labels=labels[sl], use_cache=False)
-            n = int((labels[sl, 1:] != -100).sum())
-            ce = out.loss - coef * out.aux_loss
-            (ce * n / total + coef * out.aux_loss / sc.m).backward()
-            ce_sum += ce.item() * n
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        losses.append(ce_sum / total)
-    assert_losses_close([s.loss for s in ranks[0]["steps"]], losses)
-    assert_weights_close(ranks[0]["state"], ref.state_dict())
+    check_router_loss(ranks, sc)

@@ -140,3 +140,54 @@ def test_context_parallel_sits_between_tp_and_dp(tp, pp, dp, cp):
     g = Groups(topo, topo.rank(tp=0, cp=cp - 1, dp=dp - 1, pp=0))
     assert g.cp_rank == cp - 1 and g.dp_cp_rank == cp * dp - 1  # place in the sorted dp x cp group
     assert g.pp_peer(pp - 1) == topo.rank(tp=0, cp=cp - 1, dp=dp - 1, pp=pp - 1)
+
+
+def test_expert_groups_fold_over_dp():
+    """tp=2, dp=4, ep=2: each tp rank's dp group [0, 2, 4, 6] / [1, 3, 5, 7] is cut into runs
+    of ep consecutive ranks (ep groups); the expert-data-parallel groups take every ep-th."""
+    topo = Topology(tp=2, pp=1, dp=4, cp=1, ep=2)
+    assert topo.dp_cp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert topo.ep_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert topo.edp_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
+def test_expert_groups_fold_over_cp():
+    """cp=2, dp=2, ep=2: q = cp_rank + cp * dp_rank, so an ep group is the two cp ranks of one
+    dp rank and an edp group the same cp rank of the two dp ranks."""
+    topo = Topology(tp=2, pp=1, dp=2, cp=2, ep=2)
+    assert topo.ep_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert topo.edp_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    for g in topo.ep_groups():
+        assert [topo.cp_rank(r) for r in g] == [0, 1] and len({topo.coords(r) for r in g}) == 1
+    for g in topo.edp_groups():
+        assert len({topo.cp_rank(r) for r in g}) == 1 and [topo.coords(r)[1] for r in g] == [0, 1]
+    assert Topology(tp=1, pp=1, dp=2, cp=2, ep=4).ep_groups() == [[0, 1, 2, 3]]
+
+
+EP_SHAPES = [(2, 1, 4, 1, 2), (2, 1, 2, 2, 2), (1, 2, 4, 1, 4), (2, 2, 3, 2, 3), (1, 1, 2, 3, 6), (1, 2, 6, 1, 2),
+             (2, 1, 2, 2, 1), (1, 1, 4, 2, 4)]
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp,ep", EP_SHAPES)
+def test_expert_groups_partition_each_dp_cp_group(tp, pp, dp, cp, ep):
+    """Every rank is in one ep group (size ep) and one edp group (size dp * cp / ep); within a
+    dp x cp group, each ep group meets each edp group in exactly one rank, so ep groups x edp
+    groups = the dp x cp group; Groups' ep_rank / edp_rank are the places in them, by the
+    folding q = cp_rank + cp * dp_rank, ep_rank = q % ep, edp_rank = q // ep."""
+    topo = Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    eps, edps = topo.ep_groups(), topo.edp_groups()
+    for groups, size in ((eps, ep), (edps, dp * cp // ep)):
+        assert sorted(r for g in groups for r in g) == list(range(topo.world_size))  # each rank once
+        assert all(len(g) == size for g in groups)
+    for dc in topo.dp_cp_groups():
+        inside_ep = [g for g in eps if set(g) <= set(dc)]
+        inside_edp = [g for g in edps if set(g) <= set(dc)]
+        assert len(inside_ep) == dp * cp // ep and len(inside_edp) == ep
+        assert all(len(set(e) & set(d)) == 1 for e in inside_ep for d in inside_edp)
+        assert {r for e in inside_ep for r in e} == set(dc)
+    for r in range(topo.world_size):
+        g = Groups(topo, r)
+        q = topo.cp_rank(r) + cp * topo.coords(r)[1]
+        assert (g.dp_cp_rank, g.ep_rank, g.edp_rank, g.edp_size) == (q, q % ep, q // ep, dp * cp // ep)
+        assert next(e for e in eps if r in e).index(r) == g.ep_rank
+        assert next(d for d in edps if r in d).index(r) == g.edp_rank
