@@ -67,6 +67,7 @@ from fxmeg.errors import PassError
 from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import constant_value, mask_inputs
+from fxmeg.passes.expert_parallel import routed_blocks
 from fxmeg.passes.graph_utils import call, divide_shape_arg, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.tp_placement import dim_groups, divisors
@@ -147,8 +148,11 @@ class _ContextParallel:
     # ------------------------------------------------------------------ driver
 
     def run(self) -> None:
+        tokens_of = self._routed_experts()
         for node in list(self.g.nodes):
-            if node.op == "call_function":
+            if node in tokens_of:  # a routed-experts block's node: computed per token
+                self.place[node] = self.place.get(tokens_of[node])
+            elif node.op == "call_function":
                 if node.target == fx_ops.scale_aux_loss.default:
                     raise self._refuse(node, "an auxiliary loss (a router's load balancing) would be "
                                              "computed per rank over part of each sequence", mixing=False)
@@ -156,6 +160,25 @@ class _ContextParallel:
             elif node.op == "output":
                 self._check_outputs(node)
         self._local_values()
+
+    def _routed_experts(self) -> dict[fx.Node, fx.Node | None]:
+        """Routed-experts blocks (fxmeg/passes/expert_parallel.py) are computed per token:
+        each rank runs its own tokens through them as they are. Their nodes get no rule;
+        a block's result holds the sequence where its tokens do; the sizes the graph fixed
+        for all tokens (the view back to [tokens, k, hidden], the arange over the routed
+        pairs) become this rank's. Returns node -> the node whose place it takes (the
+        tokens for a block's result, None for the nodes inside it)."""
+        out: dict[fx.Node, fx.Node | None] = {}
+        for block in routed_blocks(self.gm):
+            tokens, k = val(block.top_k_index).shape
+            for n in block.inner():
+                if n.target in (aten.view.default, aten.reshape.default) and val(n).shape[0] == tokens:
+                    divide_shape_arg(n, 0, self.cp)
+                elif n.target == aten.arange.default and n.args[0] == tokens * k:
+                    n.args = (tokens * k // self.cp, *n.args[1:])
+                out[n] = None
+            out[block.result] = block.hidden
+        return out
 
     def _visit(self, node: fx.Node):
         t = node.target
@@ -348,11 +371,11 @@ class _ContextParallel:
             raise self._refuse(node, "it normalises over the sequence dim")
         return s
 
-    @rule(CP, "split", "slice", "index", "repeat", "softmax", "cumulative")
+    @rule(CP, "split", "slice", "index", "repeat", "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):
-        """Ops along one dim (softmax, cumsum, split, slice, select, repeat): fine along
-        another dim than the sequence; along it they mix positions (a slice of all of
-        it is the value itself)."""
+        """Ops along one dim (softmax, cumsum, split, slice, select, repeat, a router's
+        top-k or sort): fine along another dim than the sequence; along it they mix
+        positions (a slice of all of it is the value itself)."""
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
         dim = dim_argument(node, 0) % n
         if s.full is not None and dim == s.full:
@@ -364,8 +387,8 @@ class _ContextParallel:
                 if s.full is not None:
                     raise self._refuse(node, "it selects from attention scores")
                 return Seq(s.dim - (dim < s.dim), s.merged)
-            if in_family(node.target, "split"):
-                return [s] * len(node.meta["val"])
+            if in_family(node.target, "split") or isinstance(node.meta["val"], (tuple, list)):
+                return [s] * len(node.meta["val"])  # every piece / (values, indices)
             return s
         if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
             return s

@@ -55,8 +55,7 @@ def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInf
     ep = config.parallel.ep
     if ep == 1:
         return gm
-    blocks = [b for b in (_block(gm, up) for up in list(gm.graph.nodes) if _is_grouped_mm(up)) if b]
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(routed_blocks(gm)):
         _rewrite(gm, block, f"experts_middle_{i}", ep)
     _refuse_unfound_banks(gm, chunk)
     gm.graph.lint()
@@ -64,11 +63,37 @@ def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInf
     return gm
 
 
+def routed_blocks(gm: fx.GraphModule) -> list[_Block]:
+    """Every routed-experts block of ``gm`` (module docstring), in graph order (the
+    context-parallel pass reads them too: a block is computed per token)."""
+    return [b for b in (_block(gm, up) for up in list(gm.graph.nodes) if _is_grouped_mm(up)) if b]
+
+
 class _Block:
     """One recognised block: its inputs, banks, middle nodes and result."""
 
     def __init__(self, **fields) -> None:
         self.__dict__.update(fields)
+
+    def inputs(self) -> set[fx.Node]:
+        return {n for n in (self.hidden, self.top_k_index, self.top_k_weights, self.w_up, self.w_down,
+                            self.b_up, self.b_down) if n is not None}
+
+    def inner(self) -> set[fx.Node]:
+        """The nodes between the block's inputs and its result (the result included)."""
+        before, todo = set(), list(self.inputs())
+        while todo:
+            n = todo.pop()
+            if n not in before:
+                before.add(n)
+                todo.extend(n.all_input_nodes)
+        inside, todo = set(), [self.result]
+        while todo:
+            n = todo.pop()
+            if n not in inside and n not in before:
+                inside.add(n)
+                todo.extend(n.all_input_nodes)
+        return inside
 
 
 def _is_grouped_mm(node: fx.Node) -> bool:
