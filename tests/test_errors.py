@@ -301,6 +301,8 @@ ROWS = {
                    "ep=2 does not divide the 3 experts of module 'model.layers.0.mlp.experts'; choose ep among [1, 3]"),
     "ep-weights": (lambda: fxmeg.parallelize(_meta("moe-mixtral", n_layer=1), _moe_batch(), ep=2, global_batch_size=4),
                    "ep=2 does not run yet with weights= or a model built on meta (each rank would read every expert)"),
+    "ep-no-experts": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2),
+                      "ep=2, but fxmeg finds no routed experts in this model"),
     "ep-unfound-experts": (lambda: fxmeg.parallelize(_Bank(), _ex(), ep=2),
                            "ep > 1, but fxmeg cannot find the routed experts that read 'bank' (shape [2, 16, 128]"),
 }
