@@ -243,8 +243,11 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int) -> None:
         )
     call.meta = {**b.result.meta, "val": val(b.result)}
     body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}
+    old = b.inner()
     b.result.replace_all_uses_with(call)
-    _erase_dead(graph, b)
+    for n in reversed(list(graph.nodes)):  # in-place ops too: they wrote only the block's temporaries
+        if n in old and not n.users:
+            graph.erase_node(n)
     shard = ExpertShard(b.experts, origin=b.module)
     for bank in b.banks:
         bank.meta["fxmeg"] = {**bank.meta.get("fxmeg", {}), "ep": shard}
@@ -258,16 +261,6 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int) -> None:
         for n in reversed(chain):
             n.meta["val"] = fake_eval(n)
     log.debug("expert_parallel: %s: %d experts over ep=%d", b.module, b.experts, ep)
-
-
-def _erase_dead(graph: fx.Graph, b: _Block) -> None:
-    """The block's old nodes, now unused (in-place ops included: they wrote only the
-    block's own temporaries)."""
-    keep = {b.hidden, b.top_k_index, b.top_k_weights, b.w_up, b.w_down, b.b_up, b.b_down}
-    for n in reversed(list(graph.nodes)):
-        if n.op == "call_function" and not n.users and n not in keep and n.target is not ops.routed_experts \
-                and _module(n).startswith(b.module) and n.target not in (ops.send, ops.deallocate):
-            graph.erase_node(n)
 
 
 def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:

@@ -1,0 +1,39 @@
+"""The expert-parallel pass (fxmeg/passes/expert_parallel.py) in one process: each Hugging
+Face grouped-experts block becomes one ``routed_experts`` node computing the same values,
+its banks tagged with their split and local shapes; ep=1 changes nothing."""
+
+import pytest
+import torch
+
+from fxmeg import ops
+from fxmeg.layouts import ExpertShard
+from fxmeg.passes.graph_utils import val
+from fxmeg.program import chunks
+from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+
+
+def _nodes(parent, pred):
+    return [n for gm in chunks(parent) for n in gm.graph.nodes if pred(n)]
+
+
+def _grouped(n) -> bool:
+    return "grouped_mm" in str(n.target)
+
+
+@pytest.mark.parametrize("kind", sorted(MOE))
+def test_each_block_becomes_one_routed_experts_node_computing_the_same(kind):
+    batch = make_batch(2, seed=0, vocab=96)
+    before = graph_after(tiny_moe(kind), batch, "expert_parallel", dp=2)
+    after = graph_after(tiny_moe(kind), batch, "expert_parallel", ep=2, dp=2)
+    moe_layers = 2 - (kind == "deepseek_v3")  # DeepSeek-V3's first layer is dense
+    assert len(_nodes(before, _grouped)) == 2 * moe_layers and not _nodes(before, lambda n: n.target is ops.routed_experts)
+    calls = _nodes(after, lambda n: n.target is ops.routed_experts)
+    assert len(calls) == moe_layers and not _nodes(after, _grouped)
+    assert all(c.kwargs == {"num_experts": 4, "group": "ep"} for c in calls)
+    banks = _nodes(after, lambda n: n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {}))
+    assert len(banks) == moe_layers * (4 if kind == "gpt_oss" else 2)  # GPT-OSS: two bias banks too
+    for b in banks:
+        assert b.meta["fxmeg"]["ep"] == ExpertShard(4) and val(b).shape[0] == 2, b.target
+    with torch.no_grad():  # unbound, every expert is local: the parent graph computes what it did
+        want, got = before(*batch), after(*batch)
+    assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6) and torch.equal(got[1], want[1])
