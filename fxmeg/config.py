@@ -7,6 +7,7 @@ their messages name the field, the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -260,6 +261,10 @@ class EngineConfig:
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
     share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/shapes.py).
     Off: a batch must have the example's shape."""
+    moe_capacity_factor: float | None = None
+    """Capacity mode (ep > 1): each expert takes at most ceil(tokens * top-k / experts * factor)
+    of a rank's (token, slot) pairs, those of highest weight, padded to exactly that many
+    (static shapes); the others are dropped and counted. None: dropless."""
     decided_sharding: OptimizerSharding | None = None
     """Set by ``parallelize``, not an option: the optimizer sharding decided once from the
     fields above and what the optimizer factory builds (``decide_sharding``); None before
@@ -312,19 +317,30 @@ class EngineConfig:
             )
 
     def _check_experts(self) -> None:
-        """What expert parallelism does not run with yet, refused with the reason."""
-        ep = self.parallel.ep
+        """The capacity factor, and what expert parallelism does not run with yet, refused
+        with the reason."""
+        ep, factor = self.parallel.ep, self.moe_capacity_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(
+                f"moe_capacity_factor={factor} must be a finite number > 0 (each expert's capacity in "
+                "multiples of an even share of the routed tokens), or None (dropless); e.g. "
+                "moe_capacity_factor=1.0")
+        if factor is not None and ep == 1:
+            raise ConfigError(
+                f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own experts, "
+                "dropless; set ep >= 2 or leave moe_capacity_factor=None")
         if ep == 1:
             return
+        untested = "; moe_capacity_factor makes them static, but that is not tested yet" if factor else ""
         if self.parallel.splits_backward:
             raise ConfigError(
                 f"ep={ep} does not run with schedule={self.parallel.resolved_schedule!r}: a zero-bubble "
                 "schedule splits backward into input- and weight-gradient passes, and the experts' "
                 "all-to-all exchanges tokens whose counts are known only at run time (data-dependent "
-                "shapes); use schedule='1f1b' or 'interleaved'")
+                f"shapes{untested}); use schedule='1f1b' or 'interleaved'")
         if self.compile:
             raise ConfigError(f"ep={ep} does not run with compile=True: the experts' token counts are "
-                              "data-dependent shapes; set compile=False")
+                              f"data-dependent shapes{untested}; set compile=False")
         if self.optimizer_sharding == "layerwise" or self.decided_sharding is OptimizerSharding.LAYERWISE:
             raise ConfigError(
                 f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
@@ -439,12 +455,12 @@ class EngineConfig:
         return self.global_batch_size // (self.micro_batch_size * self._dp)
 
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int}
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int, "float | None": float}
 
 
 def scalar_fields(cls: type) -> dict[str, type]:
     """Name -> value type of the fields of dataclass ``cls`` that one flag or config-file
-    key can set (int, float, str, bool, int | None), in declaration order."""
+    key can set (int, float, str, bool, int | None, float | None), in declaration order."""
     return {f.name: _FLAG_TYPES[f.type] for f in dataclasses.fields(cls) if f.type in _FLAG_TYPES}
 
 

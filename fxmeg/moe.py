@@ -14,14 +14,28 @@ GPT-OSS's clamped GLU ...), taken from its graph.
 send the results back, weight them and sum each token's k results. The sums follow the
 order Hugging Face's grouped experts use (rows back in (token, slot) order, then summed
 over the slots), so the values are those of the model's own forward.
+
+With a capacity factor (``EngineConfig.moe_capacity_factor``; Megatron's
+``--moe-expert-capacity-factor`` with drop policy "probs" and
+``--moe-pad-expert-input-to-capacity``), each expert takes at most
+``capacity = ceil(T * k / E * capacity_factor)`` of this rank's (token, slot) pairs: those
+with the highest routing weights (``capacity_mask``); a dropped pair adds nothing to its
+token (no renormalisation of the others). Every expert's rows are padded with zero rows
+to exactly ``capacity``, so the rows exchanged and multiplied have static shapes
+(``Exchange.dispatch_padded``); the pads' results are discarded. The pairs dropped are
+counted per layer (``dropped``) and logged once per step (``log_dropped``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Protocol
 
 import torch
 from torch import Tensor, fx
+
+log = logging.getLogger(__name__)
 
 
 class Exchange(Protocol):
@@ -36,17 +50,28 @@ class Exchange(Protocol):
         rank's rows grouped by its local experts, rows per local expert, what
         ``combine`` needs)."""
 
+    def dispatch_padded(self, rows: Tensor, capacity: int) -> tuple[Tensor, object]:
+        """``rows``: ``capacity`` rows for each global expert in turn (capacity mode) ->
+        (this rank's rows grouped by its local experts, ``size * capacity`` each, what
+        ``combine`` needs). Every split is known in advance: no counts are exchanged."""
+
     def combine(self, out: Tensor, state: object) -> Tensor:
         """``dispatch``'s inverse on the experts' results: rows back in the sender's order."""
 
 
 def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
-                   num_experts: int, exchange: Exchange | None = None) -> Tensor:
+                   num_experts: int, exchange: Exchange | None = None, capacity_factor: float | None = None,
+                   layer: str = "") -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
     this rank's ``E_l = num_experts / exchange.size`` experts (all of them without an
-    exchange)."""
+    exchange). With ``capacity_factor``: capacity mode (module docstring), its drops
+    counted under ``layer``."""
+    if capacity_factor is not None:
+        return _with_capacity(middle, hidden, top_k_index, top_k_weights, (w_up, w_down, b_up, b_down),
+                              num_experts=num_experts, exchange=exchange, capacity_factor=capacity_factor,
+                              layer=layer)
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden[perm // k]
@@ -54,7 +79,7 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     counts = torch.bincount(ids, minlength=num_experts)
     if exchange is not None:
         rows, counts, state = exchange.dispatch(rows, counts)
-    out = expert_mlp(middle, rows, counts, w_up, w_down, b_up, b_down)
+    out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down)
     if exchange is not None:
         out = exchange.combine(out, state)
     weighted = out * weights.unsqueeze(-1).to(out.dtype)
@@ -63,11 +88,98 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
-def expert_mlp(middle: fx.GraphModule, rows: Tensor, counts: Tensor, w_up: Tensor, w_down: Tensor,
+def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each expert takes from one rank: ``ceil(tokens * k / num_experts *
+    capacity_factor)`` (Megatron's ``get_capacity`` of the rank's tokens times top-k)."""
+    return math.ceil(tokens * k / num_experts * capacity_factor)
+
+
+def capacity_mask(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, capacity_factor: float) -> Tensor:
+    """Which (token, slot) pairs ``[T, k]`` their experts keep under the capacity
+    (``expert_capacity``): of the pairs routed to an expert, the ``capacity`` with the
+    highest weight (Megatron's drop policy "probs"); among equal weights the earlier
+    pair, in (token, slot) order, is kept."""
+    tokens, k = top_k_index.shape
+    capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
+    return (_rank_in_expert(top_k_index, top_k_weights, num_experts) < capacity).view(tokens, k)
+
+
+def _rank_in_expert(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> Tensor:
+    """Each pair's place ``[T * k]`` among the pairs routed to its expert, by weight
+    descending, then (token, slot) order (two stable sorts; static shapes)."""
+    ids = top_k_index.reshape(-1)
+    by_weight = torch.sort(top_k_weights.detach().reshape(-1), descending=True, stable=True).indices
+    order = by_weight[torch.sort(ids[by_weight], stable=True).indices]  # by expert, then weight, then position
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(ids)
+    rank[order] = torch.arange(ids.numel(), device=ids.device) - starts[ids[order]]
+    return rank
+
+
+def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                   banks: tuple, *, num_experts: int, exchange: Exchange | None, capacity_factor: float,
+                   layer: str) -> Tensor:
+    """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
+    tokens, k = top_k_index.shape
+    capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
+    ids = top_k_index.reshape(-1)
+    rank = _rank_in_expert(top_k_index, top_k_weights, num_experts)
+    keep = rank < capacity
+    _count_dropped(layer, keep)
+    pad = num_experts * capacity  # one row past the buffer: the dropped pairs' place, and the pads' source
+    slot = torch.where(keep, ids * capacity + rank, pad)  # each pair's row in the [E * capacity] buffer
+    token = torch.full((pad + 1,), tokens, dtype=torch.long, device=ids.device)
+    token = token.scatter(0, slot, torch.arange(ids.numel(), device=ids.device) // k)[:pad]
+    rows = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[-1]))])[token]  # pads: zero rows
+    sizes = [capacity] * num_experts
+    if exchange is not None:
+        rows, state = exchange.dispatch_padded(rows, capacity)
+        sizes = [capacity * exchange.size] * (num_experts // exchange.size)
+    out = expert_mlp(middle, rows, sizes, *banks)
+    if exchange is not None:
+        out = exchange.combine(out, state)
+    per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
+    weighted = per_pair * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
+
+
+dropped: dict[str, tuple[Tensor, int]] = {}
+"""Capacity mode, per layer since the last ``log_dropped``: (the (token, slot) pairs
+dropped on this rank, on the device, summed without waiting for it; the pairs routed).
+The forwards of a recompute in backward are not counted again."""
+
+
+def _count_dropped(layer: str, keep: Tensor) -> None:
+    if torch._C._current_graph_task_id() != -1:  # inside backward: activation recompute
+        return
+    n, routed = keep.numel() - keep.sum(), keep.numel()
+    if layer in dropped:
+        n, routed = n + dropped[layer][0], routed + dropped[layer][1]
+    dropped[layer] = (n, routed)
+
+
+def log_dropped(when: str) -> dict[str, int]:
+    """The pairs dropped by layer (``dropped``, then cleared); logged at INFO on
+    "fxmeg.moe" in one line (``when``: the step), with the pairs routed."""
+    if not dropped:
+        return {}
+    counts = dict(zip(dropped, torch.stack([n for n, _ in dropped.values()]).tolist()))
+    routed = sum(r for _, r in dropped.values())
+    dropped.clear()
+    each = ", ".join(f"{layer or 'routed experts'} {n}" for layer, n in counts.items())
+    log.info("%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank (%s)",
+             when, sum(counts.values()), routed, each)
+    return counts
+
+
+def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Tensor, w_down: Tensor,
                b_up: Tensor | None, b_down: Tensor | None) -> Tensor:
-    """Each local expert on its rows (``rows`` grouped by expert, ``counts[E_l]`` each)."""
-    sizes = counts.tolist()
-    expert = torch.repeat_interleave(torch.arange(len(sizes), device=rows.device), counts)
+    """Each local expert on its rows (``rows`` grouped by expert, ``sizes[e]`` each)."""
+    if b_up is not None or b_down is not None:
+        counts = torch.tensor(sizes, device=rows.device)
+        expert = torch.repeat_interleave(torch.arange(len(sizes), device=rows.device), counts,
+                                         output_size=rows.shape[0])
     up = grouped_mm(rows.to(w_up.dtype), w_up, sizes)
     if b_up is not None:
         up = up + b_up[expert]

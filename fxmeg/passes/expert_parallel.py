@@ -22,7 +22,9 @@ model computes them.
 Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
 Ensures: each block's nodes are replaced by one ``routed_experts`` node computing the
 same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
-grouping of rows into matmuls differs); its banks' get_attr nodes carry
+grouping of rows into matmuls differs), or with ``config.moe_capacity_factor`` the
+same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
+factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
 a chunk holding 3-D banks read by no recognised block raises PassError naming them.
 """
@@ -56,7 +58,7 @@ def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInf
     if ep == 1:
         return gm
     for i, block in enumerate(routed_blocks(gm)):
-        _rewrite(gm, block, f"experts_middle_{i}", ep)
+        _rewrite(gm, block, f"experts_middle_{i}", ep, config.moe_capacity_factor)
     _refuse_unfound_banks(gm, chunk)
     gm.graph.lint()
     gm.recompile()
@@ -222,7 +224,7 @@ def _bank(node: fx.Node, experts: int, where: str) -> fx.Node:
     return bank
 
 
-def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int) -> None:
+def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor: float | None) -> None:
     if b.experts % ep:
         raise PassError(f"ep={ep} does not divide the {b.experts} experts of module {b.module!r}; choose ep "
                         f"among {[d for d in range(1, b.experts + 1) if b.experts % d == 0]}")
@@ -239,7 +241,7 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int) -> None:
         call = graph.call_function(
             ops.routed_experts,
             (body, b.hidden, b.top_k_index, b.top_k_weights, b.w_up, b.w_down, b.b_up, b.b_down),
-            {"num_experts": b.experts, "group": ops.EP},
+            {"num_experts": b.experts, "group": ops.EP, "capacity_factor": capacity_factor, "layer": b.module},
         )
     call.meta = {**b.result.meta, "val": val(b.result)}
     body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}

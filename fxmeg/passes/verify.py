@@ -99,6 +99,9 @@ def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) 
              if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
     assert ep > 1 or not calls, f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
     assert bool(calls) == bool(banks), f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
+    for call in calls:
+        assert call.kwargs["capacity_factor"] == config.moe_capacity_factor, (
+            f"expert_parallel: {call.name} has capacity_factor={call.kwargs['capacity_factor']}")
     for name, shard in banks.items():
         local = val(next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name))
         assert local.shape[0] * ep == shard.experts, (

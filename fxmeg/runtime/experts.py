@@ -8,6 +8,10 @@ the receiver's experts), then the rows themselves (``all_to_all_single`` with th
 sizes those counts give), which arrive ordered by (sender, expert) and are regrouped by
 expert for the local matmuls. Combine sends the results back the same way. Both
 all-to-alls are differentiable: backward sends the gradients the reverse way.
+
+In capacity mode (``EngineConfig.moe_capacity_factor``) every rank sends exactly
+``capacity`` rows (padded) for every expert: the split sizes are known on every rank in
+advance, so the counts all-to-all is skipped and every shape is static.
 """
 
 from __future__ import annotations
@@ -41,8 +45,6 @@ class AllToAllExchange:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self.exchanged: list[Tensor] = []
-        """Rows per local expert received in each dispatch (metrics read and clear it)."""
 
     def dispatch(self, rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, object]:
         table = counts.view(self.size, -1)  # [receiver, its local expert]
@@ -54,8 +56,15 @@ class AllToAllExchange:
         expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(self.size), got.reshape(-1))
         order = torch.argsort(expert, stable=True)  # by expert, senders in order within it
         per_expert = got.sum(0)
-        self.exchanged.append(per_expert.detach())
         return arrived[order], per_expert, (order, send, recv)
+
+    def dispatch_padded(self, rows: Tensor, capacity: int) -> tuple[Tensor, object]:
+        local = rows.shape[0] // (capacity * self.size)  # experts per rank
+        send = recv = [local * capacity] * self.size
+        arrived = _AllToAll.apply(rows, recv, send, self.group)  # ordered (sender, expert), capacity rows each
+        grid = torch.arange(rows.shape[0], device=rows.device).view(self.size, local, capacity)
+        order = grid.transpose(0, 1).reshape(-1)  # by expert, senders in order within it
+        return arrived[order], (order, send, recv)
 
     def combine(self, out: Tensor, state: object) -> Tensor:
         order, send, recv = state
@@ -76,7 +85,9 @@ def exchange(group: str) -> AllToAllExchange:
 
 def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
-                   num_experts: int, group: str) -> Tensor:
+                   num_experts: int, group: str, capacity_factor: float | None = None,
+                   layer: str = "") -> Tensor:
     """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over ``group``."""
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
-                              num_experts=num_experts, exchange=exchange(group))
+                              num_experts=num_experts, exchange=exchange(group), capacity_factor=capacity_factor,
+                              layer=layer)

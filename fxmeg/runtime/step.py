@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxmeg import moe
 from fxmeg.errors import FxmegError
 from fxmeg.program import Program
 from fxmeg.runtime import replicas
@@ -65,8 +66,11 @@ def train_step(
     mismatch = None
     if check_determinism:
         first = forward_backward(program, ctx, mbs)
+        moe.dropped.clear()  # the step's drops are counted once
         grads = [b.data.clone() for b in ctx.ddp.all()]
     loss_sum, num_tokens = forward_backward(program, ctx, mbs)
+    if ctx.config.moe_capacity_factor is not None:
+        moe.log_dropped(f"train step {ctx.steps_taken}")
     if check_determinism:
         same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.data) for g, b in zip(grads, ctx.ddp.all()))
         mismatch = _any_rank(not same, ctx.device)
@@ -107,6 +111,8 @@ def eval_step(
     mbs = microbatches(program, ctx, batch, m)
     steps = ctx.lower(forward_only(ctx.build_schedule(m)))[ctx.groups.pp_rank]
     stats = ctx.executor.run(steps, mbs, train=False)
+    if ctx.config.moe_capacity_factor is not None:
+        moe.log_dropped("eval step")
     loss_sum, num_tokens = _reduce_stats(ctx, stats)
     return EvalResult(loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens))
 
