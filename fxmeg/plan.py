@@ -6,12 +6,16 @@ transforms a copy of the model on the meta device, so a 70B model plans in secon
 Per stage, for one tensor-parallel rank (every tp rank holds the same shapes: the
 tensor-parallel pass needs tp to divide every split dimension, so shards never differ):
 
-  parameters         each trainable parameter once per stage, in its local (tp shard)
-                     shape: the get_attr node's ``meta["val"]`` after the tp pass
+  parameters         each trainable parameter once per stage, in its local (tp shard, or
+                     ep shard: E / ep experts of each bank) shape: the get_attr node's
+                     ``meta["val"]`` after the tp and expert-parallel passes
   gradient buffers   the stage's contiguous buffers (``Program.buffers``: fp32 whatever
-                     the precision, padding for dp and the distributed optimizer included)
+                     the precision, padding for dp and the distributed optimizer included;
+                     under ep the experts' own buffers, padded for the expert-data-parallel
+                     ranks edp = dp * cp / ep)
   optimizer state    Adam-like: two fp32 states per element, plus an fp32 master copy in
-                     bf16 / fp16; the distributed optimizer divides them by dp
+                     bf16 / fp16; the distributed optimizer divides them by dp * cp, and
+                     the experts' by edp (the ranks holding the same experts)
   activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
                      largest chunk, times the micro-batches in flight at the schedule's
                      peak (the simulator's count of forwards whose backward, or
@@ -20,6 +24,12 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
   bubble             idle share of the rank in the schedule simulator, with a forward
                      costing 1 and a backward 2 on every chunk (F_COST, B_COST; a
                      split backward's I and W 1 each)
+
+Expert banks (``expert_banks``) are counted apart too (``expert_*`` fields, the "experts"
+column; parts of the first three above), so plans at ep = 1 and ep > 1 show what expert
+parallelism saves. At ep > 1 the activations count each experts block's output only (a
+``routed_experts`` node): not the rows its dispatcher exchanges and computes, whose number
+depends on the routing.
 
 ``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
 """
@@ -63,9 +73,16 @@ class StagePlan:
     units: str
     """The units (blocks) of each chunk, e.g. 'layers.0..4, layers.8..12'."""
     parameter_elements: int
+    expert_parameter_elements: int
+    """Of ``parameter_elements``: those of routed-experts banks (``expert_banks``)."""
     parameters: int
     gradient_buffers: int
+    expert_gradient_buffers: int
+    """Of ``gradient_buffers``: the experts' own buffers (ep > 1, padding for edp
+    included), or at ep = 1 their slots in the shared buffer."""
     optimizer_state: int
+    expert_optimizer_state: int
+    """Of ``optimizer_state``: the experts' (divided by edp with the distributed optimizer)."""
     activations_per_microbatch: int
     microbatches_in_flight: int
     activations: int
@@ -95,7 +112,7 @@ class Plan:
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
         return {
-            "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+            "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
                        "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
             "precision": cfg.precision,
             "distributed_optimizer": cfg.distributed_optimizer,
@@ -117,9 +134,11 @@ class Plan:
         unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
         sp = " (sequence parallel)" if par.sequence_parallel else ""
         cp = f" cp={par.cp}" if par.cp > 1 else ""
+        ep = f" ep={par.ep}" if par.ep > 1 else ""
+        experts = any(s.expert_parameter_elements for s in self.stages)  # a column only for a mixture of experts
         head = [
             (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp}{cp} pp={par.pp} vpp={par.vpp} "
-             f"dp={par.dp}{sp}, {cfg.precision}, distributed optimizer "
+             f"dp={par.dp}{ep}{sp}, {cfg.precision}, distributed optimizer "
              f"{'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}"),
             (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
              f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward "
@@ -127,10 +146,11 @@ class Plan:
             (f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer; bubble with "
              f"forward {F_COST:g} / backward {B_COST:g}"),
         ]
-        columns = ("stage", "units", "params", "weights", "grads", "optim", "act/mb", "in flight",
-                   "acts", "total", "FLOP/mb", "bubble")
+        columns = ("stage", "units", "params", *(("experts",) if experts else ()), "weights", "grads", "optim",
+                   "act/mb", "in flight", "acts", "total", "FLOP/mb", "bubble")
         rows = [columns] + [(
             str(s.stage), s.units, _si(s.parameter_elements),
+            *((_si(s.expert_parameter_elements),) if experts else ()),
             *(f"{n / scale:,.2f}" for n in (s.parameters, s.gradient_buffers, s.optimizer_state,
                                             s.activations_per_microbatch)),
             str(s.microbatches_in_flight), f"{s.activations / scale:,.2f}", f"{s.total / scale:,.2f}",
@@ -200,21 +220,46 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
         for node in gm.graph.nodes:
             if node.op == "get_attr" and node.target in program.parameters and val(node) is not None:
                 local[node.target] = val(node)
+    banks = expert_banks(program)
     elements = sum(v.numel() for v in local.values())
+    experts = sum(v.numel() for n, v in local.items() if n in banks)
     params = sum(v.numel() * v.element_size() for v in local.values())
-    grads = sum(lay.numel * lay.dtype.itemsize for c in mine for lay in program.buffers[c])
-    per_state = 4 * elements / (config.parallel.dp_cp if config.distributed_optimizer else 1)
+    layouts = [lay for c in mine for lay in program.buffers[c]]
+    grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts)
+    expert_grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts if lay.experts) + sum(
+        s.numel * lay.dtype.itemsize for lay in layouts if not lay.experts for s in lay.slots if s.name in banks)
+    par = config.parallel
+    dense_ranks, expert_ranks = (par.dp_cp, par.edp) if config.distributed_optimizer else (1, 1)
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
-    optimizer = int(states * per_state)
+    expert_optimizer = int(states * 4 * experts / expert_ranks)
+    optimizer = int(states * (4 * (elements - experts) / dense_ranks)) + expert_optimizer
     act = max(activation_bytes(gm) for gm in graphs)
     peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
     return StagePlan(
         stage=stage, chunks=tuple(mine), units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
-        parameter_elements=elements, parameters=params, gradient_buffers=grads, optimizer_state=optimizer,
+        parameter_elements=elements, expert_parameter_elements=experts, parameters=params,
+        gradient_buffers=grads, expert_gradient_buffers=expert_grads,
+        optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
         activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
         total=params + grads + optimizer + act * peak,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
     )
+
+
+def expert_banks(program: Program) -> frozenset[str]:
+    """The trainable parameters that are banks of routed experts. Under ep > 1: those the
+    expert-parallel pass split (``Program.ep_specs``). At ep = 1, where that pass does not
+    run: those it would split, read from the full shapes (capture may not have grouped the
+    experts' matmuls then, and a recompute region hides their reads): every trainable
+    parameter of three or more dims (the pass refuses a model with one it cannot split:
+    ``ep-unfound-experts``) and the [E, N] bias banks beside one, in the same module with
+    as many rows (GPT-OSS). A dense model's 3-D weight (a convolution) counts at ep = 1."""
+    if program.config.parallel.ep > 1:
+        return frozenset(program.ep_specs)
+    shapes = {n: program.full_shapes[n][0] for n in program.parameters}
+    rows = {n.rpartition(".")[0]: s[0] for n, s in shapes.items() if len(s) >= 3}  # module -> E
+    return frozenset(n for n, s in shapes.items()
+                     if len(s) >= 3 or (len(s) == 2 and rows.get(n.rpartition(".")[0]) == s[0]))
 
 
 def activation_bytes(gm: fx.GraphModule) -> int:

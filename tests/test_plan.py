@@ -16,7 +16,7 @@ from fxmeg.layouts import Shard
 from fxmeg.plan import plan_of
 from fxmeg.transform import transform
 from models.llama import Llama, LlamaConfig
-from tests.helpers import make_batch, make_model
+from tests.helpers import MOE, make_batch, make_model, tiny_moe
 
 
 def _batch(rows: int = 2, seq: int = 16, vocab: int = 128):
@@ -139,9 +139,11 @@ def test_table_and_json():
     plan = fxmeg.plan(make_model("llama", n_layer=4), _batch(), pp=2, global_batch_size=4)
     table = str(plan).splitlines()
     assert "pp=2" in table[0] and len(table) == 4 + len(plan.stages)  # 3 header lines, column names, a row each
+    assert "experts" not in table[3] and " ep=" not in table[0]  # a dense model at ep=1: no expert column
     assert [line.split()[0] for line in table[-2:]] == ["0", "1"]
     data = json.loads(plan.to_json())
-    assert data["layout"]["pp"] == 2 and data["num_microbatches"] == 2
+    assert data["layout"]["pp"] == 2 and data["layout"]["ep"] == 1 and data["num_microbatches"] == 2
+    assert all(s["expert_parameter_elements"] == 0 for s in data["stages"])
     assert [s["total"] for s in data["stages"]] == [s.total for s in plan.stages]
 
 
@@ -191,3 +193,91 @@ def test_context_parallel_ranks_plan_their_share_of_the_sequence():
         assert stages[cp].activations_per_microbatch <= 1.05 * stages[1].activations_per_microbatch / cp
         assert stages[cp].flops_per_microbatch == pytest.approx(stages[1].flops_per_microbatch / cp)
         assert stages[cp].parameters == stages[1].parameters
+
+
+def _moe_example(rows: int = 2, seq: int = 16):
+    from fxmeg.hugging_face import keyword_batch
+
+    ids = torch.zeros((rows, seq), dtype=torch.long)
+    return keyword_batch(ids, ids.clone())
+
+
+def _expert_and_dense_elements(model) -> tuple[int, int]:
+    """By hand, from the model's own parameters: the routed experts' banks (the
+    ``mlp.experts`` module of each MoE layer: weights, and GPT-OSS's bias banks) and the
+    rest (attention, router, shared experts, dense layers, embeddings, norms)."""
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return experts, sum(p.numel() for p in model.parameters()) - experts
+
+
+@pytest.mark.parametrize("kind", list(MOE))
+def test_expert_parallel_halves_each_ranks_expert_elements_and_keeps_the_dense_ones(kind):
+    """ep=2 over dp=2: each rank holds 2 of the 4 experts of every layer (half the banks'
+    elements, gradients and optimizer state); attention, router, shared experts and
+    embeddings stay whole. At ep=1 (no expert-parallel pass) the plan finds the same banks."""
+    model = tiny_moe(kind)
+    experts, dense = _expert_and_dense_elements(model)
+    assert experts and dense
+    plans = {ep: fxmeg.plan(model, _moe_example(), ep=ep, dp=2, global_batch_size=4) for ep in (1, 2)}
+    for ep, plan in plans.items():
+        (s,) = plan.stages
+        assert plan.total_parameters == experts + dense  # the whole model, whatever ep
+        assert s.expert_parameter_elements == experts // ep
+        assert s.parameter_elements - s.expert_parameter_elements == dense
+        assert s.parameters == 4 * s.parameter_elements  # fp32
+        assert s.optimizer_state == 8 * s.parameter_elements  # Adam's two states, not sharded
+        assert s.expert_optimizer_state == 8 * experts // ep
+        # gradients: buckets padded to dp=2 for the dense ones; the experts' own buffer at
+        # ep=2 is reduced over edp = dp / ep = 1 rank: no padding
+        assert 4 * s.parameter_elements <= s.gradient_buffers <= 4 * (s.parameter_elements + 1)
+        assert s.expert_gradient_buffers == 4 * experts // ep
+    assert plans[1].config.parallel.edp == 2 and plans[2].config.parallel.edp == 1
+
+
+def test_distributed_optimizer_shards_expert_state_over_the_expert_data_parallel_ranks():
+    """dp=4, ep=2: the dense state is sharded over 4 ranks, the experts' (each rank holds
+    E/2 of them) over the edp = 2 ranks that hold the same experts. bf16: 3 fp32 states
+    per element (master and Adam's two moments), 2-byte weights."""
+    model = tiny_moe("mixtral")
+    experts, dense = _expert_and_dense_elements(model)
+    plan = fxmeg.plan(model, _moe_example(), ep=2, dp=4, global_batch_size=8, precision="bf16",
+                      distributed_optimizer=True)
+    (s,) = plan.stages
+    local = experts // 2
+    assert s.expert_parameter_elements == local and s.parameter_elements == dense + local
+    assert s.parameters == 2 * (dense + local)
+    assert s.expert_optimizer_state == 3 * 4 * local // 2
+    assert s.optimizer_state - s.expert_optimizer_state == 3 * 4 * dense // 4
+    # the experts' buffer: padded so that its buckets cut into edp = 2 equal shards (Megatron's
+    # lcm(edp, 128) bucket ends, 64-element parameter starts; 2 banks a layer)
+    assert (s.expert_gradient_buffers // 4) % 128 == 0
+    assert 4 * local <= s.expert_gradient_buffers < 4 * (local + 4 * 64 + 128)
+    assert s.gradient_buffers - s.expert_gradient_buffers >= 4 * dense
+    assert s.total == s.parameters + s.gradient_buffers + s.optimizer_state + s.activations
+    # at ep=1 every rank holds all experts and shards their state over dp=4: per rank, the
+    # same expert state as E/2 experts over 2 ranks; ep saves the weights and gradients
+    whole = fxmeg.plan(model, _moe_example(), dp=4, global_batch_size=8, precision="bf16",
+                       distributed_optimizer=True).stages[0]
+    assert whole.expert_optimizer_state == 3 * 4 * experts // 4 == s.expert_optimizer_state
+    assert whole.expert_parameter_elements == 2 * s.expert_parameter_elements
+    assert whole.expert_gradient_buffers >= 2 * 4 * local > s.expert_gradient_buffers
+
+
+def test_cli_plans_a_mixture_of_experts_at_ep_with_an_experts_column(capsys):
+    import transformers as T
+
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, **MOE["mixtral"])
+    pairs = [f"{k}={v}" for k, v in small.items()]
+    assert main(["plan", "--hf-config", "MixtralConfig", *pairs, "--seq-len", "16", "--micro-batch-size", "2",
+                 "--global-batch-size", "4", "--dp", "2", "--ep", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(T.MixtralConfig(**small))
+    want = fxmeg.plan(model, _moe_example(), dp=2, ep=2, global_batch_size=4)
+    assert got == json.loads(want.to_json())
+    assert got["layout"]["ep"] == 2 and got["stages"][0]["expert_parameter_elements"] > 0
+    head, columns, row = str(want).splitlines()[0], *str(want).splitlines()[-2:]
+    assert "dp=2 ep=2," in head
+    assert columns.split()[:4] == ["stage", "units", "params", "experts"]
+    assert row.split()[3] == "18.4K"  # 2 layers x 2 of 4 experts x (96 x 32 + 32 x 48)
