@@ -27,9 +27,10 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
 
 Expert banks (``expert_banks``) are counted apart too (``expert_*`` fields, the "experts"
 column; parts of the first three above), so plans at ep = 1 and ep > 1 show what expert
-parallelism saves. At ep > 1 the activations count each experts block's output only (a
-``routed_experts`` node): not the rows its dispatcher exchanges and computes, whose number
-depends on the routing.
+parallelism saves. At ep > 1 the activations count each experts block (a
+``routed_experts`` node) with the rows it computes as they are under balanced routing (T * k
+per rank: ``routed_experts_bytes``); an imbalanced step holds more on the ranks whose
+experts are popular.
 
 ``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
 """
@@ -46,10 +47,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from fxmeg import ops
 from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, Example, batch_dim
 from fxmeg.errors import ConfigError
-from fxmeg.passes.graph_utils import is_hop, requires_grad_nodes, val
+from fxmeg.passes.graph_utils import attr, is_hop, requires_grad_nodes, val
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import Program
 from fxmeg.runtime import schedules, simulator
@@ -264,14 +266,29 @@ def expert_banks(program: Program) -> frozenset[str]:
 
 def activation_bytes(gm: fx.GraphModule) -> int:
     """Upper bound of one micro-batch's activations autograd keeps for a chunk: every
-    floating value that requires grad (a recompute region's output stands for it)."""
+    floating value that requires grad (a recompute region's output stands for it), and
+    inside each routed-experts node (``routed_experts_bytes``) its rows."""
     grads = requires_grad_nodes(gm)
     total = 0
     for node in gm.graph.nodes:
         v = val(node)
         if node.op == "call_function" and node in grads and v is not None and v.is_floating_point():
             total += v.numel() * v.element_size()
+            if node.target is ops.routed_experts:
+                total += routed_experts_bytes(node)
     return total
+
+
+def routed_experts_bytes(node: fx.Node) -> int:
+    """What one ``routed_experts`` node keeps for backward besides its output, with the
+    routing balanced (a rank computes as many (token, slot) rows as it routes: T * k): the
+    gathered rows, the first matmul's output, the activation's values (the middle
+    sub-graph's nodes) and the second matmul's weighted output."""
+    middle, hidden, index = attr(node.graph.owning_module, node.args[0].target), val(node.args[1]), val(node.args[2])
+    rows = index.numel()
+    inner = [val(n) for n in middle.graph.nodes if n.op in ("placeholder", "call_function")]
+    size = hidden.element_size()
+    return (3 * rows * hidden.shape[-1] + sum(v.numel() for v in inner if v is not None and v.is_floating_point())) * size
 
 
 def graph_flops(gm: fx.GraphModule) -> float:
