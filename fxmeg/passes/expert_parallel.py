@@ -1,8 +1,10 @@
 """Expert-parallel pass: each routed-experts block of a chunk graph becomes one
 ``fxmeg.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
-binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py).
+binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py). At every ep, each
+block's top-k expert index is marked with ``fxmeg.ops.expert_load``, which the runtime
+binds to its count of tokens per expert (fxmeg/runtime/load.py).
 
-Scope: one chunk graph (after the pipeline pass); nothing to do when ep = 1.
+Scope: one chunk graph (after the pipeline pass).
 
 How a block is recognised, from the graph alone (no class or module name): a *grouped
 matmul* (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``: rows grouped by
@@ -20,7 +22,11 @@ group-limited top-k, normalisation) and shared experts are outside it and stay a
 model computes them.
 
 Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
-Ensures: each block's nodes are replaced by one ``routed_experts`` node computing the
+Ensures: right after each block's top-k index an ``expert_load(top_k_index, layer=<the
+experts module>, experts=E)`` node (it returns nothing; nothing else changes). At ep = 1
+that is all: no node is removed or rewritten, and a block fxmeg cannot read is not
+marked (not counted), never refused. At ep > 1 besides, each
+block's nodes are replaced by one ``routed_experts`` node computing the
 same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
 grouping of rows into matmuls differs); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
@@ -50,18 +56,45 @@ _BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default
 
 
 def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
-    """Rewrite every routed-experts block of chunk graph ``gm`` (module docstring) for
-    ``config.parallel.ep`` ranks."""
+    """Mark every routed-experts block of chunk graph ``gm`` with ``expert_load`` and, at
+    ep > 1, rewrite it for ``config.parallel.ep`` ranks (module docstring)."""
     ep = config.parallel.ep
-    if ep == 1:
-        return gm
-    blocks = [b for b in (_block(gm, up) for up in list(gm.graph.nodes) if _is_grouped_mm(up)) if b]
-    for i, block in enumerate(blocks):
-        _rewrite(gm, block, f"experts_middle_{i}", ep)
-    _refuse_unfound_banks(gm, chunk)
-    gm.graph.lint()
-    gm.recompile()
+    blocks = _blocks(gm, strict=ep > 1)
+    if ep > 1:
+        for i, block in enumerate(blocks):
+            _rewrite(gm, block, f"experts_middle_{i}", ep)
+        _refuse_unfound_banks(gm, chunk)
+    for block in blocks:
+        _mark_load(gm, block)
+    if blocks or ep > 1:
+        gm.graph.lint()
+        gm.recompile()
     return gm
+
+
+def _blocks(gm: fx.GraphModule, *, strict: bool) -> list[_Block]:
+    """Every block of ``gm``, by its first grouped matmul. Not ``strict`` (ep = 1): a
+    grouped matmul fxmeg cannot read as a block is no block (logged)."""
+    blocks = []
+    for up in [n for n in gm.graph.nodes if _is_grouped_mm(n)]:
+        try:
+            block = _block(gm, up)
+        except Exception as exc:  # at ep = 1 a block is only counted: never fail for it
+            if strict:
+                raise
+            log.info("expert_parallel: %s (module %r) is not counted in the expert load: %s", up.name,
+                     _module(up), exc)
+            continue
+        if block is not None:
+            blocks.append(block)
+    return blocks
+
+
+def _mark_load(gm: fx.GraphModule, b: _Block) -> None:
+    """``expert_load`` right after the block's top-k index (module docstring)."""
+    with gm.graph.inserting_after(b.top_k_index):
+        mark = gm.graph.call_function(ops.expert_load, (b.top_k_index,), {"layer": b.module, "experts": b.experts})
+    mark.meta = {"fxmeg": dict(b.top_k_index.meta.get("fxmeg", {}))}  # its module: its block's region
 
 
 class _Block:
