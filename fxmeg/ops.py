@@ -23,7 +23,7 @@ data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
 
 ``expert_load`` (expert-parallel pass, at every ep) marks a routed-experts block's top-k
 expert index; unbound it does nothing, and the runtime binds it to this rank's recorder
-of tokens per expert (``fxmeg.runtime.load``: load metrics).
+of tokens per expert (``fxmeg.runtime.load``: load metrics, loss-free balancing).
 
 Tensor-parallel collectives (``torch.ops.fxmeg.*``, with autograd). Each takes the *name*
 of a process group: passes write the symbolic name ``"tp"`` (they run before any group
@@ -99,10 +99,11 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
 
 
 @has_side_effect
-def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int) -> None:
+def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
     """The experts ``top_k_index [T, k]`` routes each of T tokens to, in the block of
-    ``experts`` experts of module ``layer``. Nothing reads a result: a no-op until the
-    runtime binds it to a recorder."""
+    ``experts`` experts of module ``layer``; ``bias``: the FQN of the buffer its router
+    adds to the scores before the top-k (DeepSeek-V3's ``e_score_correction_bias``), if
+    any. Nothing reads a result: a no-op until the runtime binds it to a recorder."""
 
 
 class _Recomputation:

@@ -195,12 +195,15 @@ def build_context(
 
 
 def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule]) -> ExpertLoad | None:
-    """The tokens-per-expert recorder of ``program``'s marked layers; None without layers,
-    and where the forward that runs is not the chunk graph with its markers (compiled, or
-    a zero-bubble split)."""
+    """The tokens-per-expert recorder of ``program``'s marked layers, holding this rank's
+    router bias buffers; None without layers, and where the forward that runs is not the
+    chunk graph with its markers (compiled, or a zero-bubble split)."""
     if config.compile or config.parallel.splits_backward:
         return None
-    return ExpertLoad.of(program)
+    load = ExpertLoad.of(program)
+    if load is not None:
+        load.hold(program, chunks)
+    return load
 
 
 def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,

@@ -1,5 +1,6 @@
 """Tokens per expert: the recorder that ``fxmeg.ops.expert_load`` markers call once bound
-(``collectives.bind``), and the step's expert-load figures (runtime/step.py).
+(``collectives.bind``), the step's expert-load figures and loss-free balancing
+(runtime/step.py).
 
 Each marker sits at a routed-experts block's top-k index (fxmeg/passes/expert_parallel.py).
 During a training forward the recorder adds ``bincount(top_k_index, minlength=E)`` (the
@@ -10,11 +11,17 @@ a forward without gradients (evaluation) and a recompute region's second run in 
 hold the same tokens and are not summed) and over the pipeline stages (each layer lives
 on one), so every rank holds every layer's counts of the global batch; ``reset`` clears
 them before the next forward.
+
+Loss-free balancing (``moe_router_bias_update_rate``, DeepSeek-V3; Megatron's
+``get_updated_expert_bias``): ``update_biases`` moves each router's expert bias buffer
+held on this rank by ``rate * sign(mean(counts) - counts)``, from the reduced counts,
+so every rank holding a layer applies the same update.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import fx
 
 from fxmeg import ops
 from fxmeg.program import Program, load_marks
@@ -33,6 +40,8 @@ class ExpertLoad:
             self.offsets[name] = offset
             offset += experts
         self.counts = torch.zeros(offset, dtype=torch.int64, device=device)
+        self.biases: dict[str, torch.Tensor] = {}
+        """This rank's layers whose router adds an expert bias -> that buffer (bound chunks')."""
 
     @classmethod
     def of(cls, program: Program) -> ExpertLoad | None:
@@ -40,7 +49,15 @@ class ExpertLoad:
         layers = {n.kwargs["layer"]: n.kwargs["experts"] for gm in program.chunks for n in load_marks(gm)}
         return cls(layers, program.device) if layers else None
 
-    def record(self, top_k_index: torch.Tensor, *, layer: str, experts: int) -> None:
+    def hold(self, program: Program, chunks: dict[int, fx.GraphModule]) -> None:
+        """Find the router bias buffers of this rank's ``chunks`` (bound copies of
+        ``program``'s) by the FQNs the markers name."""
+        for c, gm in chunks.items():
+            for mark in load_marks(program.chunks[c]):
+                if mark.kwargs.get("bias"):
+                    self.biases[mark.kwargs["layer"]] = gm.get_buffer(mark.kwargs["bias"])
+
+    def record(self, top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
         """``ops.expert_load`` bound: add this micro-batch's tokens per expert of ``layer``
         (a training forward only, and once: not again when backward recomputes it)."""
         if not torch.is_grad_enabled() or ops.recomputing():
@@ -58,6 +75,14 @@ class ExpertLoad:
         all_reduce(self.counts, groups.pp)
         flat = self.counts.tolist()
         return {name: tuple(flat[self.offsets[name]:self.offsets[name] + e]) for name, e in self.layers.items()}
+
+    @torch.no_grad()
+    def update_biases(self, rate: float) -> None:
+        """Loss-free balancing (module docstring), from the counts ``reduce`` summed."""
+        for layer, bias in self.biases.items():
+            start = self.offsets[layer]
+            counts = self.counts[start:start + self.layers[layer]].to(torch.float32)
+            bias.add_((rate * torch.sign(counts.mean() - counts)).to(bias.dtype))
 
 
 def load_imbalance(counts: tuple[int, ...] | list[int]) -> float:

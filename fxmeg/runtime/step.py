@@ -98,10 +98,16 @@ def train_step(
 
 
 def _expert_load(ctx: RankContext) -> dict[str, tuple[int, ...]] | None:
-    """The step's tokens per expert, reduced over every rank."""
+    """The step's tokens per expert, reduced over every rank; with
+    ``moe_router_bias_update_rate`` each router's expert bias moved by them (after the
+    optimizer step, skipped or not: the counts measure this step's routing, as
+    Megatron's update in finalize_model_grads)."""
     if ctx.load is None:
         return None
-    return ctx.load.reduce(ctx.groups)
+    counts = ctx.load.reduce(ctx.groups)
+    if ctx.config.moe_router_bias_update_rate:
+        ctx.load.update_biases(ctx.config.moe_router_bias_update_rate)
+    return counts
 
 
 def check_replicas(program: Program, ctx: RankContext) -> None:
