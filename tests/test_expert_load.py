@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from unittest import mock
 
 import pytest
@@ -72,7 +73,7 @@ def test_the_pass_only_marks_each_block_at_ep1():
     marks = load_marks(after)
     assert [(m.kwargs, m.args[0].args[1]) for m in marks] == [
         ({"layer": f"model.layers.{i}.mlp.experts", "experts": 4, "bias": None}, 1) for i in range(2)]
-    assert all(m.prev is m.args[0] and m.args[0].target is __import__("operator").getitem for m in marks)
+    assert all(m.prev is m.args[0] and m.args[0].target is operator.getitem for m in marks)
     kept = [ln for ln in after.code.splitlines() if "fxmeg_ops_expert_load" not in ln]
     assert kept == before.splitlines()
 
