@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a checkpoint as a plain single-device state_dict")
     export.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
     export.add_argument("--to", required=True, help="output .pt file, for model.load_state_dict")
-    plot = sub.add_parser("plot", help="draw loss / lr / throughput curves of a run to PNG")
+    plot = sub.add_parser("plot", help="draw loss / lr / throughput (and expert load) curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
     schedule = sub.add_parser("plot-schedule", help="draw a traced step (--trace) as a rank x time chart")

@@ -265,6 +265,11 @@ class EngineConfig:
     """Capacity mode (ep > 1): each expert takes at most ceil(tokens * top-k / experts * factor)
     of a rank's (token, slot) pairs, those of highest weight, padded to exactly that many
     (static shapes); the others are dropped and counted. None: dropless."""
+    moe_router_bias_update_rate: float = 0.0
+    """Loss-free expert balancing (DeepSeek-V3; Megatron's name): after every step, each
+    mixture-of-experts router's expert bias buffer (the 1-D buffer it adds to the scores
+    before its top-k, DeepSeek-V3's ``e_score_correction_bias``) moves by this rate times
+    sign(mean count - count) of the step's tokens per expert. 0: off."""
     decided_sharding: OptimizerSharding | None = None
     """Set by ``parallelize``, not an option: the optimizer sharding decided once from the
     fields above and what the optimizer factory builds (``decide_sharding``); None before
@@ -310,6 +315,7 @@ class EngineConfig:
                               + closest(self.p2p, ("auto", *P2P_MODES)))
         self._check_optimizer_sharding()
         self._check_experts()
+        self._check_router_bias()
         if self.parallel.cp > 1 and self.compile:
             raise ConfigError(  # the cp ops under torch.compile are not tested yet
                 f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
@@ -346,6 +352,24 @@ class EngineConfig:
                 f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
                 "expert-data-parallel ranks only (layer-wise sharding is asked for, or chosen for an optimizer "
                 "that steps whole parameters, such as Muon); use optimizer_sharding='elementwise'")
+
+    def _check_router_bias(self) -> None:
+        """moe_router_bias_update_rate: a finite rate >= 0, and a forward whose routing the
+        runtime can count (fxmeg/runtime/load.py)."""
+        rate = self.moe_router_bias_update_rate
+        if not math.isfinite(rate) or rate < 0:
+            raise ConfigError(f"moe_router_bias_update_rate={rate} must be a finite number >= 0 (0: off); "
+                              "DeepSeek-V3 uses 1e-3")
+        if rate == 0:
+            return
+        if self.parallel.splits_backward:
+            raise ConfigError(
+                f"moe_router_bias_update_rate={rate} does not run with schedule="
+                f"{self.parallel.resolved_schedule!r}: a zero-bubble schedule runs forward as a traced graph "
+                "that does not count the tokens per expert; use schedule='1f1b' or 'interleaved'")
+        if self.compile:
+            raise ConfigError(f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens per "
+                              "expert are counted outside the compiled graphs; set compile=False")
 
     def _check_optimizer_sharding(self) -> None:
         """optimizer_sharding, its companions, and a recorded decision that fits them."""

@@ -36,6 +36,10 @@ class Metrics:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and key != "iteration":
                     self._writer.add_scalar(f"{kind}/{key}", value, values["iteration"])
+                elif isinstance(value, dict):  # per layer (load_imbalance): kind/key/layer
+                    for part, number in value.items():
+                        if isinstance(number, (int, float)):
+                            self._writer.add_scalar(f"{kind}/{key}/{part}", number, values["iteration"])
             self._writer.flush()
 
     def rewind(self, iteration: int) -> None:
@@ -86,7 +90,8 @@ def read(run_dir: str) -> list[dict]:
 
 
 def plot(run_dir: str, out: str | None = None) -> str:
-    """Loss (train and validation), learning rate and throughput curves of a run, as PNG."""
+    """Loss (train and validation), learning rate and throughput curves of a run, and the
+    routed experts' load imbalance per layer when the run has one, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +100,8 @@ def plot(run_dir: str, out: str | None = None) -> str:
     records = read(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    experts = [r for r in train if r.get("load_imbalance")]
+    fig, axes = plt.subplots(1, 4 if experts else 3, figsize=(20 if experts else 15, 4))
     axes[0].plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
         axes[0].plot([r["iteration"] for r in evals], [r["valid_loss"] for r in evals], "o-", label="valid")
@@ -105,11 +111,26 @@ def plot(run_dir: str, out: str | None = None) -> str:
     axes[1].set(title="learning rate", xlabel="consumed samples")
     axes[2].plot([r["iteration"] for r in train], [r["tokens_per_s"] for r in train])
     axes[2].set(title="tokens / s", xlabel="iteration")
+    if experts:
+        _plot_load(axes[3], experts)
     fig.tight_layout()
     out = out or os.path.join(run_dir, "curves.png")
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def _plot_load(ax, train: list[dict]) -> None:
+    """Load imbalance (max / mean tokens per expert) over iterations: one line per layer,
+    labelled when few, and the largest layer's in black."""
+    steps = [r["iteration"] for r in train]
+    layers = list(train[-1]["load_imbalance"])
+    for layer in layers:
+        ax.plot(steps, [r["load_imbalance"].get(layer, math.nan) for r in train], lw=0.8,
+                label=layer if len(layers) <= 8 else None)
+    ax.plot(steps, [max(r["load_imbalance"].values()) for r in train], "k-", lw=1.5, label="max")
+    ax.set(title="expert load imbalance (max / mean)", xlabel="iteration")
+    ax.legend(fontsize="x-small")
 
 
 def perplexity(loss: float) -> float:

@@ -21,6 +21,10 @@ parent graph in one process draws from the default stream); the runtime binds th
 parameter all-gather; unbound it does nothing, and the runtime binds it to its
 data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
 
+``expert_load`` (expert-parallel pass, at every ep) marks a routed-experts block's top-k
+expert index; unbound it does nothing, and the runtime binds it to this rank's recorder
+of tokens per expert (``fxmeg.runtime.load``: load metrics, loss-free balancing).
+
 Tensor-parallel collectives (``torch.ops.fxmeg.*``, with autograd). Each takes the *name*
 of a process group: passes write the symbolic name ``"tp"`` (they run before any group
 exists) and the runtime binds the real group's name. Rank-dependent work (which rows of
@@ -62,6 +66,8 @@ late queries); ``cp_positions`` gives the global positions of a rank's rows.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.fx.node import has_side_effect
 
@@ -90,6 +96,39 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
     """Wait for the all-gather of ``bucket`` (chunk, index), which holds ``param``, before
     forward first reads any of its parameters (Megatron: overlap_param_gather). A no-op
     until the runtime binds it."""
+
+
+@has_side_effect
+def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
+    """The experts ``top_k_index [T, k]`` routes each of T tokens to, in the block of
+    ``experts`` experts of module ``layer``; ``bias``: the FQN of the buffer its router
+    adds to the scores before the top-k (DeepSeek-V3's ``e_score_correction_bias``), if
+    any. Nothing reads a result: a no-op until the runtime binds it to a recorder."""
+
+
+class _Recomputation:
+    """Entered around each recomputation of a recompute region (reentrant: a second
+    backward may run a region again)."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _Recomputation.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        _Recomputation.depth -= 1
+
+
+def recomputation_contexts():
+    """torch.utils.checkpoint's ``context_fn`` of a recompute region (passes/recompute.py):
+    nothing around forward, ``recomputing()`` True around the recomputation."""
+    return contextlib.nullcontext(), _Recomputation()
+
+
+def recomputing() -> bool:
+    """Whether a recompute region is running again in backward, not in forward: what
+    runs then ran once already (the expert-load recorder counts each micro-batch once by it)."""
+    return _Recomputation.depth > 0
 
 
 @has_side_effect
@@ -122,7 +161,7 @@ def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_u
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
                               num_experts=num_experts, capacity_factor=capacity_factor, layer=layer)
 
-for _fn in (recv, send, deallocate, wait_param_gather, tp_rng_fork, tp_rng_join, routed_experts):
+for _fn in (recv, send, deallocate, wait_param_gather, expert_load, tp_rng_fork, tp_rng_join, routed_experts):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 
 

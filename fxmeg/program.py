@@ -167,6 +167,15 @@ def buffer_layouts(gm: fx.GraphModule) -> tuple[BufferLayout, ...]:
     return gm.meta["fxmeg"].get("buffers", ())
 
 
+def load_marks(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``fxmeg.ops.expert_load`` nodes of a chunk graph (expert_parallel pass), those
+    moved into its recompute regions included, in graph order."""
+    from fxmeg import ops
+
+    return [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+            if n.op == "call_function" and n.target is ops.expert_load]
+
+
 def token_counter(gm: fx.GraphModule) -> fx.GraphModule:
     """The part of the last chunk graph that computes ``num_tokens``, as a graph taking
     the chunk's data inputs: the token count of a micro-batch without running the model

@@ -514,6 +514,7 @@ class Trainer:
             "iteration_time": elapsed / len(window),
             "tokens_per_s": samples * self.cfg.seq_len / elapsed,
             "tflops_per_rank": flops / elapsed / self.world / 1e12,
+            **_expert_load([r for r, _, _ in window]),
         }
         if self.iteration == self.cfg.log_interval:  # the first log: the memory report
             report = memory_report(self.engine.program, self.engine.context)
@@ -529,7 +530,8 @@ class Trainer:
         self.metrics.record("train", values)
         self.metrics.show(
             f"loss {values['loss']:.4f} lr {values['lr']:.2e} grad_norm {values['grad_norm']:.3f} "
-            f"{values['tokens_per_s']:,.0f} tok/s {values['tflops_per_rank'] * 1e3:.2f} GFLOP/s/rank",
+            f"{values['tokens_per_s']:,.0f} tok/s {values['tflops_per_rank'] * 1e3:.2f} GFLOP/s/rank"
+            + (f" load imbalance {values['load_imbalance_max']:.2f}" if "load_imbalance_max" in values else ""),
             iteration=self.iteration,
         )
         return values
@@ -555,6 +557,21 @@ class Trainer:
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
         self.metrics.rewind(self.iteration)
         self.metrics.say(f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples")
+
+
+def _expert_load(results: list) -> dict:
+    """The routed-experts load of the steps of one log: ``tokens_per_expert`` (per layer,
+    summed over the steps), ``load_imbalance`` (per layer, max / mean tokens per expert,
+    averaged over the steps) and ``load_imbalance_max`` (its largest layer); nothing for a
+    model without routed experts."""
+    loads = [r.expert_load for r in results if r.expert_load]
+    if not loads:
+        return {}
+    tokens = {layer: [sum(c) for c in zip(*(load[layer] for load in loads))] for layer in loads[0]}
+    per_step = [r.load_imbalance for r in results if r.expert_load]
+    imbalance = {layer: sum(s[layer] for s in per_step) / len(per_step) for layer in loads[0]}
+    return {"tokens_per_expert": tokens, "load_imbalance": imbalance,
+            "load_imbalance_max": max(imbalance.values())}
 
 
 def _summary(analysis: dict) -> dict:

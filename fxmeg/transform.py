@@ -52,7 +52,7 @@ from fxmeg.passes.pipeline import pipeline
 from fxmeg.passes.recompute import recompute
 from fxmeg.passes.split_backward import split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
-from fxmeg.program import Program, buffer_layouts, chunk_infos, chunk_name, chunk_spec, chunks
+from fxmeg.program import Program, buffer_layouts, chunk_infos, chunk_name, chunk_spec, chunks, load_marks
 from fxmeg.ops import AUX_SCALE
 
 log = logging.getLogger("fxmeg.transform")
@@ -154,7 +154,8 @@ def transform(
     example = cast_inputs(example, config.dtype)
     skip = skipped_passes()
     start = time.perf_counter()
-    gm = capture(model, example, loss_fn=loss_fn, grouped_experts=config.parallel.ep > 1).gm
+    grouped = config.parallel.ep > 1 or config.moe_router_bias_update_rate > 0  # experts the pass can read
+    gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start)
     reference = None
     for index, p in enumerate(PASSES):
@@ -311,6 +312,12 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
             f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
             "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
             "train a dense model with ep=1")
+    rate = config.moe_router_bias_update_rate
+    if rate > 0 and not any(load_marks(gm) for gm in graphs):
+        raise PassError(
+            f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: loss-free "
+            "balancing updates the expert bias of the routers of Hugging Face grouped-experts blocks "
+            "(fxmeg/passes/expert_parallel.py); train this model with moe_router_bias_update_rate=0")
     state = model.state_dict(keep_vars=True)
     canonical = {alias: name for name, names in info.aliases.items() for alias in names}
     aux = next(((c, AUX_SCALE) for c, gm in enumerate(graphs) if hasattr(gm, AUX_SCALE)), None)

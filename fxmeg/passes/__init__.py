@@ -21,7 +21,8 @@ tests/test_pass_list.py holds this table to ``PASSES``:
   partition        model   balanced cut: every node tagged with its chunk       passes/partition.py
   pipeline         model   chunk graphs under a parent (returned), with recv /  passes/pipeline.py
                            send / deallocate markers
-  expert_parallel  chunk   routed experts split over ep ranks (all-to-all)     passes/expert_parallel.py
+  expert_parallel  chunk   routed experts split over ep ranks (all-to-all);    passes/expert_parallel.py
+                           expert-load markers at every ep
   recompute        chunk   activation-recompute regions                         passes/recompute.py
   buckets          parent  gradient-ready order, buffer layout, buckets: one    passes/buckets.py
                            slot per parameter per pipeline rank

@@ -1,8 +1,10 @@
 """Expert-parallel pass: each routed-experts block of a chunk graph becomes one
 ``fxmeg.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
-binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py).
+binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py). At every ep, each
+block's top-k expert index is marked with ``fxmeg.ops.expert_load``, which the runtime
+binds to its count of tokens per expert (fxmeg/runtime/load.py).
 
-Scope: one chunk graph (after the pipeline pass); nothing to do when ep = 1.
+Scope: one chunk graph (after the pipeline pass).
 
 How a block is recognised, from the graph alone (no class or module name): a *grouped
 matmul* (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``: rows grouped by
@@ -19,8 +21,19 @@ model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3): routing (softmax, top
 group-limited top-k, normalisation) and shared experts are outside it and stay as the
 model computes them.
 
+The router's expert bias (loss-free balancing, ``moe_router_bias_update_rate``) is found
+from the graph too: walking back from the top-k index to the scores the ``topk`` ranks,
+then through values with E features (not through a matmul), an ``add`` of a get_attr of
+a 1-D buffer of E values (not a parameter): DeepSeek-V3's ``e_score_correction_bias``.
+
 Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
-Ensures: each block's nodes are replaced by one ``routed_experts`` node computing the
+Ensures: right after each block's top-k index an ``expert_load(top_k_index, layer=<the
+experts module>, experts=E, bias=<the router's bias buffer FQN, or None>)`` node (it
+returns nothing; nothing else changes). At ep = 1 that is all: no node is removed or
+rewritten, and a block fxmeg cannot read is not marked (not counted), never refused,
+unless ``moe_router_bias_update_rate`` > 0, which refuses (PassError naming the module)
+a block it cannot read or a router without a bias buffer. At ep > 1 besides, each
+block's nodes are replaced by one ``routed_experts`` node computing the
 same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
 grouping of rows into matmuls differs), or with ``config.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
@@ -42,7 +55,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import ExpertShard
 from fxmeg.passes.graph_utils import arg, attr, fake_eval, val
-from fxmeg.program import ChunkInfo
+from fxmeg.program import CONSTANTS, ChunkInfo
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -52,23 +65,93 @@ _BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default
 
 
 def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
-    """Rewrite every routed-experts block of chunk graph ``gm`` (module docstring) for
-    ``config.parallel.ep`` ranks."""
-    ep = config.parallel.ep
-    if ep == 1:
-        return gm
-    for i, block in enumerate(routed_blocks(gm)):
-        _rewrite(gm, block, f"experts_middle_{i}", ep, config.moe_capacity_factor)
-    _refuse_unfound_banks(gm, chunk)
-    gm.graph.lint()
-    gm.recompile()
+    """Mark every routed-experts block of chunk graph ``gm`` with ``expert_load`` and, at
+    ep > 1, rewrite it for ``config.parallel.ep`` ranks (module docstring)."""
+    ep, rate = config.parallel.ep, config.moe_router_bias_update_rate
+    blocks = routed_blocks(gm, strict=ep > 1 or rate > 0)
+    if ep > 1:
+        for i, block in enumerate(blocks):
+            _rewrite(gm, block, f"experts_middle_{i}", ep, config.moe_capacity_factor)
+        _refuse_unfound_banks(gm, chunk)
+    for block in blocks:
+        _mark_load(gm, block, rate)
+    if blocks or ep > 1:
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 
-def routed_blocks(gm: fx.GraphModule) -> list[_Block]:
-    """Every routed-experts block of ``gm`` (module docstring), in graph order (the
-    context-parallel pass reads them too: a block is computed per token)."""
-    return [b for b in (_block(gm, up) for up in list(gm.graph.nodes) if _is_grouped_mm(up)) if b]
+def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:
+    """Every routed-experts block of ``gm`` (module docstring), by its first grouped
+    matmul, in graph order (the context-parallel pass reads them too: a block is computed
+    per token). Not ``strict`` (ep = 1, no bias update): a grouped matmul fxmeg cannot
+    read as a block is no block (logged)."""
+    blocks = []
+    for up in [n for n in gm.graph.nodes if _is_grouped_mm(n)]:
+        try:
+            block = _block(gm, up)
+        except Exception as exc:  # at ep = 1 a block is only counted: never fail for it
+            if strict:
+                raise
+            log.info("expert_parallel: %s (module %r) is not counted in the expert load: %s", up.name,
+                     _module(up), exc)
+            continue
+        if block is not None:
+            blocks.append(block)
+    return blocks
+
+
+def _mark_load(gm: fx.GraphModule, b: _Block, rate: float) -> None:
+    """``expert_load`` right after the block's top-k index (module docstring)."""
+    bias = _router_bias(gm, b.top_k_index, b.experts)
+    if rate > 0 and bias is None:
+        raise PassError(
+            f"moe_router_bias_update_rate={rate} updates each router's expert bias (loss-free balancing), but "
+            f"the router of the experts {b.module!r} adds no 1-D buffer of {b.experts} values (one per expert, "
+            f"as DeepSeek-V3's e_score_correction_bias) to the scores its top-k ranks; train this model with "
+            "moe_router_bias_update_rate=0 (or give its router such a buffer)")
+    with gm.graph.inserting_after(b.top_k_index):
+        mark = gm.graph.call_function(ops.expert_load, (b.top_k_index,),
+                                      {"layer": b.module, "experts": b.experts, "bias": bias})
+    mark.meta = {"fxmeg": dict(b.top_k_index.meta.get("fxmeg", {}))}  # its module: its block's region
+
+
+_MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
+_INDEX_VIEWS = _CASTS | {operator.getitem, aten.view.default, aten.reshape.default, aten.clone.default,
+                         aten.contiguous.default}
+
+
+def _router_bias(gm: fx.GraphModule, top_k_index: fx.Node, experts: int) -> str | None:
+    """The FQN of the one 1-D buffer of ``experts`` values added to the scores that
+    ``top_k_index`` ranks (module docstring), or None."""
+    topk = _source(top_k_index, _INDEX_VIEWS)
+    if topk.op != "call_function" or topk.target is not aten.topk.default:
+        return None
+    found, seen, todo = set(), set(), [topk.args[0]]
+    while todo:
+        n = todo.pop()
+        v = val(n)
+        if n in seen or n.op != "call_function" or n.target in _MATMULS or v is None or v.dim() == 0 \
+                or v.shape[-1] != experts:
+            continue
+        seen.add(n)
+        if n.target in (aten.add.Tensor, aten.add_.Tensor):
+            found |= {t for t in (_buffer(gm, a, experts) for a in n.args) if t is not None}
+        todo.extend(n.all_input_nodes)
+    return found.pop() if len(found) == 1 else None
+
+
+def _buffer(gm: fx.GraphModule, node, experts: int) -> str | None:
+    """``node``'s get_attr target (through casts) when it is a 1-D buffer of ``experts`` values."""
+    if not isinstance(node, fx.Node):
+        return None
+    node = _source(node, _CASTS)
+    if node.op != "get_attr" or node.target.startswith(CONSTANTS):
+        return None
+    t = attr(gm, node.target)
+    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and tuple(t.shape) == (experts,):
+        return node.target
+    return None
 
 
 class _Block:

@@ -41,7 +41,8 @@ _BETWEEN_SCORES = {  # elementwise steps between q @ k^T and the softmax (scale,
 
 
 class Recompute(nn.Module):
-    """Runs ``region`` (a graph without parameters) under activation checkpointing."""
+    """Runs ``region`` (a graph without parameters) under activation checkpointing;
+    while backward runs it again, ``fxmeg.ops.recomputing()`` is True."""
 
     def __init__(self, region: fx.GraphModule) -> None:
         super().__init__()
@@ -50,7 +51,9 @@ class Recompute(nn.Module):
     def forward(self, *args):
         if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
             return self.region(*args)
-        return checkpoint(self.region, *args, use_reentrant=False)
+        if torch.compiler.is_compiling():  # dynamo takes no plain context_fn (nothing counts there)
+            return checkpoint(self.region, *args, use_reentrant=False)
+        return checkpoint(self.region, *args, use_reentrant=False, context_fn=ops.recomputation_contexts)
 
 
 def recompute(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:

@@ -98,6 +98,12 @@ def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) 
     banks = {n.target: n.meta["fxmeg"]["ep"] for n in gm.graph.nodes
              if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
     assert ep > 1 or not calls, f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
+    marks = [n for n in gm.graph.nodes if n.target is ops.expert_load]
+    assert ep == 1 or len(marks) == len(calls), f"expert_parallel: chunk {chunk.index}: {len(marks)} expert_load marks"
+    for m in marks:
+        index = val(m.args[0])
+        assert index is not None and index.dim() == 2 and not index.is_floating_point(), (
+            f"expert_parallel: {m.name} marks {m.args[0].name}, not a top-k index [tokens, k]")
     assert bool(calls) == bool(banks), f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
     for call in calls:
         assert call.kwargs["capacity_factor"] == config.moe_capacity_factor, (

@@ -241,11 +241,13 @@ def bind(
     groups: dict[str, str],
     *,
     wait_param_gather: Callable[..., None] | None = None,
+    expert_load: Callable[..., None] | None = None,
 ) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
     names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
-    and ``ops.wait_param_gather`` markers call ``wait_param_gather``. Only
+    ``ops.wait_param_gather`` markers call ``wait_param_gather`` and ``ops.expert_load``
+    markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py). Only
     arguments and call targets change; the graph's structure does not."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
@@ -264,4 +266,6 @@ def bind(
                 node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
             elif node.target is ops.wait_param_gather and wait_param_gather is not None:
                 node.target = wait_param_gather
+            elif node.target is ops.expert_load and expert_load is not None:
+                node.target = expert_load
         module.recompile()

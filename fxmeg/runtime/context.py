@@ -48,6 +48,7 @@ from fxmeg.runtime.optimizer import (
 )
 from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.runtime.load import ExpertLoad
 from fxmeg.runtime.release import release
 from fxmeg.sharding import ep_shard, tp_shard
 from fxmeg.trace import Tracer
@@ -106,6 +107,9 @@ class RankContext:
     """Compute actions per pipeline rank for the current micro-batch count."""
     steps: list[schedules.Step] = field(init=False)
     """This rank's lowered training steps."""
+    load: ExpertLoad | None = None
+    """Tokens per expert of the routed-experts layers (runtime/load.py); None for a model
+    without any, or where forward is compiled or split (compile, zero-bubble schedules)."""
     consecutive_skips: int = 0
     steps_taken: int = 0
     """train_step calls so far (``check_replicas_interval`` counts them)."""
@@ -168,8 +172,10 @@ def build_context(
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding is OptimizerSharding.ELEMENTWISE)
     names = _group_names(groups)
+    load = _expert_load(program, config, chunks)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather)
+        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather,
+                         expert_load=load.record if load is not None else None)
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
@@ -184,8 +190,20 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole=whole,
+        whole=whole, load=load,
     )
+
+
+def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule]) -> ExpertLoad | None:
+    """The tokens-per-expert recorder of ``program``'s marked layers, holding this rank's
+    router bias buffers; None without layers, and where the forward that runs is not the
+    chunk graph with its markers (compiled, or a zero-bubble split)."""
+    if config.compile or config.parallel.splits_backward:
+        return None
+    load = ExpertLoad.of(program)
+    if load is not None:
+        load.hold(program, chunks)
+    return load
 
 
 def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
@@ -231,7 +249,8 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
     names = _group_names(ctx.groups)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather)
+        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather,
+                         expert_load=ctx.load.record if ctx.load is not None else None)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 

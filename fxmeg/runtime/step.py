@@ -20,6 +20,7 @@ from fxmeg.runtime.batches import Batch, UserBatch, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.ddp import finalize_model_grads
 from fxmeg.runtime.groups import all_reduce
+from fxmeg.runtime.load import load_imbalance
 from fxmeg.runtime.optimizer import StepOutcome
 from fxmeg.runtime.schedules import forward_only
 
@@ -42,6 +43,15 @@ class StepResult:
     """Why the step was skipped: 'nonfinite' (inf / NaN gradient) or 'grad_norm'."""
     rerun_mismatch: bool | None = None
     """With check_determinism: whether a second forward / backward differed."""
+    expert_load: Mapping[str, tuple[int, ...]] | None = None
+    """Tokens per expert of each routed-experts layer (its experts module's FQN) over the
+    global batch: the (token, slot) pairs its router sent to each expert
+    (runtime/load.py); None for a model without any (or under compile / zero bubble)."""
+
+    @property
+    def load_imbalance(self) -> dict[str, float]:
+        """max / mean tokens per expert of each layer (1: balanced; Megatron's figure)."""
+        return {layer: load_imbalance(c) for layer, c in (self.expert_load or {}).items()}
 
 
 @dataclass(frozen=True)
@@ -82,12 +92,26 @@ def train_step(
     if ctx.scheduler is not None and not outcome.skipped:
         ctx.scheduler.step(ctx.config.global_batch_size)
     _count_skips(ctx, outcome)
+    load = _expert_load(ctx)
     ctx.tracer.add("step", "step", step_start, time.perf_counter_ns())
     return StepResult(
         loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
         grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
-        skip_reason=outcome.skip_reason, rerun_mismatch=mismatch,
+        skip_reason=outcome.skip_reason, rerun_mismatch=mismatch, expert_load=load,
     )
+
+
+def _expert_load(ctx: RankContext) -> dict[str, tuple[int, ...]] | None:
+    """The step's tokens per expert, reduced over every rank; with
+    ``moe_router_bias_update_rate`` each router's expert bias moved by them (after the
+    optimizer step, skipped or not: the counts measure this step's routing, as
+    Megatron's update in finalize_model_grads)."""
+    if ctx.load is None:
+        return None
+    counts = ctx.load.reduce(ctx.groups)
+    if ctx.config.moe_router_bias_update_rate:
+        ctx.load.update_biases(ctx.config.moe_router_bias_update_rate)
+    return counts
 
 
 def check_replicas(program: Program, ctx: RankContext) -> None:
@@ -121,6 +145,8 @@ def forward_backward(program: Program, ctx: RankContext, mbs: list[Batch]) -> tu
     """All micro-batches through the schedule, gradients reduced and finalized; the
     global (loss_sum, num_tokens)."""
     ctx.ddp.zero_grad_buffer()
+    if ctx.load is not None:
+        ctx.load.reset()  # each forward_backward counts its micro-batches afresh (check_determinism runs two)
     if ctx.aux is not None:
         weigh_aux_loss(ctx, mbs)
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
