@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python bench/compile.py
 	$(BIN)/python bench/capture.py
 	$(BIN)/python bench/plan.py
+	$(BIN)/python bench/moe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -92,7 +92,8 @@ def _plot_schedule(args) -> int:
     summary = trace.analyze(per_rank)
     for r in summary["ranks"]:
         hidden = "-" if r["dp_hidden"] is None else f"{r['dp_hidden']:.0%}"
-        print(f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} ms, "
+        a2a = f", expert all-to-all {r['a2a_s'] * 1e3:.1f} ms" if r["a2a_s"] else ""
+        print(f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} ms{a2a}, "
               f"DP reduction hidden {hidden}")
     print(out)
     return 0

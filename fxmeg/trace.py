@@ -6,7 +6,9 @@ processes on one host share; across hosts the tracks are only as aligned as the 
 clocks). The executor records every schedule step (forward,
 backward, point-to-point exchange, deallocation, grad sync), the data-parallel buffers
 their bucket reductions (issue, and the wait for them), the engine finalize and the
-optimizer. Disabled, it costs one ``is None`` test per schedule step.
+optimizer; under expert parallelism the token all-to-alls (``ep_a2a``, inside the
+forward and backward spans: runtime/experts.py). Disabled, it costs one ``is None`` test
+per schedule step.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def load(path: str) -> list[list[tuple]]:
 
 def analyze(per_rank: list[list[tuple]]) -> dict:
     """From one step's spans: per rank, the bubble (share of the schedule's span that is
-    not forward / backward compute) and the time in point-to-point exchanges; and the
+    not forward / backward compute), the time in point-to-point exchanges and in expert
+    all-to-alls (``a2a_s``, part of the compute spans they sit in); and the
     share of data-parallel reduction time hidden behind backward (1 - the wait left for
     the reductions after backward / the time from the first bucket issued to the
     reductions done)."""
@@ -93,6 +96,7 @@ def analyze(per_rank: list[list[tuple]]) -> dict:
     for rank, spans in enumerate(per_rank):
         compute = sum(s[3] - s[2] for s in spans if s[1] in COMPUTE)
         p2p = sum(s[3] - s[2] for s in spans if s[1] == "p2p")
+        a2a = sum(s[3] - s[2] for s in spans if s[1] == "ep_a2a")
         issues = [s[2] for s in spans if s[1] == "dp_issue"]
         waits = [s for s in spans if s[1] == "dp_wait"]
         hidden = None
@@ -101,7 +105,7 @@ def analyze(per_rank: list[list[tuple]]) -> dict:
             window = max(w[3] for w in waits) - min(issues)
             hidden = 1.0 - exposed / window if window > 0 else None
         out["ranks"].append({"rank": rank, "bubble": 1.0 - compute / makespan, "p2p_s": p2p / 1e9,
-                             "compute_s": compute / 1e9, "dp_hidden": hidden})
+                             "compute_s": compute / 1e9, "a2a_s": a2a / 1e9, "dp_hidden": hidden})
     return out
 
 
@@ -113,13 +117,13 @@ def plot(per_rank: list[list[tuple]], out: str, title: str = "") -> str:
     import matplotlib.pyplot as plt
 
     colors = {"forward": "#4c72b0", "backward": "#dd8452", "input_grad": "#e3a33b", "weight_grad": "#64b5cd",
-              "p2p": "#c0c0c0", "dealloc": "#8c8c8c",
+              "p2p": "#c0c0c0", "dealloc": "#8c8c8c", "ep_a2a": "#da8bc3",
               "grad_sync": "#55a868", "dp_wait": "#c44e52", "dp_issue": "#c44e52",
               "optimizer": "#8172b3", "finalize": "#937860"}
     t0 = min(s[2] for spans in per_rank for s in spans)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.2))
     for rank, spans in enumerate(per_rank):
-        for name, cat, a, b in spans:
+        for name, cat, a, b in sorted(spans, key=lambda s: s[1] == "ep_a2a"):  # all-to-alls over their compute
             if cat == "step":
                 continue
             ax.broken_barh([((a - t0) / 1e6, max((b - a) / 1e6, 0.02))], (rank - 0.4, 0.8),
@@ -130,9 +134,10 @@ def plot(per_rank: list[list[tuple]], out: str, title: str = "") -> str:
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title or "schedule")
-    shown = [c for c in (*COMPUTE, "p2p", "dp_wait", "finalize", "optimizer")
-             if c not in ("input_grad", "weight_grad") or any(s[1] == c for spans in per_rank for s in spans)]
+    shown = [c for c in (*COMPUTE, "p2p", "dp_wait", "finalize", "optimizer", "ep_a2a")
+             if c not in ("input_grad", "weight_grad", "ep_a2a") or any(s[1] == c for spans in per_rank for s in spans)]
     labels = {"input_grad": "input grad (I)", "weight_grad": "weight grad (W)", "p2p": "send / recv",
+              "ep_a2a": "expert all-to-all",
               "dp_wait": "DP wait", "finalize": "finalize grads"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in shown]
     ax.legend(handles, [labels.get(c, c) for c in shown], loc="upper right", fontsize=7)

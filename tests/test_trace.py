@@ -56,3 +56,15 @@ def test_split_backward_counts_as_compute_and_has_its_colours(tmp_path):
     assert abs(trace.analyze(spans)["ranks"][0]["bubble"] - 0.2) < 1e-9
     with open(trace.plot(spans, str(tmp_path / "zb.png")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_expert_all_to_alls_are_counted_inside_compute_and_drawn(tmp_path):
+    # F 0-4 holding an all-to-all 1-2, B 4-10 holding two, 5-6 and 8-9: 3 ms of all-to-all;
+    # the compute spans still cover the whole 10 ms schedule (bubble 0)
+    spans = [[("ep dispatch", "ep_a2a", 1 * MS, 2 * MS), ("0F0", "forward", 0, 4 * MS),
+              ("ep combine grad", "ep_a2a", 5 * MS, 6 * MS), ("ep dispatch grad", "ep_a2a", 8 * MS, 9 * MS),
+              ("0B0", "backward", 4 * MS, 10 * MS)]]
+    (r,) = trace.analyze(spans)["ranks"]
+    assert abs(r["a2a_s"] - 0.003) < 1e-12 and abs(r["bubble"]) < 1e-9 and abs(r["compute_s"] - 0.010) < 1e-12
+    with open(trace.plot(spans, str(tmp_path / "ep.png")), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -31,7 +31,7 @@ from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.modes import OptimizerSharding
 from fxmeg.program import CONSTANTS, Program
-from fxmeg.runtime import collectives, replicas, schedules
+from fxmeg.runtime import collectives, experts, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, build_groups
@@ -176,6 +176,8 @@ def build_context(
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather,
                          expert_load=load.record if load is not None else None)
+    if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
+        experts.exchange(groups.ep.group_name).tracer = tracer
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,

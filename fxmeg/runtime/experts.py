@@ -11,10 +11,14 @@ all-to-alls are differentiable: backward sends the gradients the reverse way.
 
 In capacity mode (``EngineConfig.moe_capacity_factor``) every rank sends exactly
 ``capacity`` rows (padded) for every expert: the split sizes are known on every rank in
-advance, so the counts all-to-all is skipped and every shape is static.
+advance, so the counts all-to-all is skipped and every shape is static. In a traced
+step each all-to-all is an ``ep_a2a`` span (``ep counts``, ``ep dispatch``, ``ep combine``,
+and backward's ``ep dispatch grad`` / ``ep combine grad``).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,21 +26,23 @@ import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, fx
 
 from fxmeg import moe
+from fxmeg.trace import Tracer
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` in ``send`` runs to each rank; ``recv`` runs arrive from each."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> Tensor:
-        ctx.recv, ctx.send, ctx.group = recv, send, group
+    def forward(ctx, x: Tensor, recv: list[int], send: list[int], exchange: AllToAllExchange, name: str) -> Tensor:
+        ctx.recv, ctx.send, ctx.exchange, ctx.name = recv, send, exchange, name
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        exchange.all_to_all(name, out, x.contiguous(), recv, send)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _AllToAll.apply(grad.contiguous(), ctx.send, ctx.recv, ctx.group), None, None, None
+        back = _AllToAll.apply(grad.contiguous(), ctx.send, ctx.recv, ctx.exchange, f"{ctx.name} grad")
+        return back, None, None, None, None
 
 
 class AllToAllExchange:
@@ -45,13 +51,24 @@ class AllToAllExchange:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.tracer: Tracer | None = None
+        """Records each all-to-all as an ``ep_a2a`` span (set by runtime/context.py)."""
+
+    def all_to_all(self, name: str, out: Tensor, x: Tensor, recv: list[int] | None = None,
+                   send: list[int] | None = None) -> None:
+        """``all_to_all_single`` over the group, traced as ``ep <name>`` when tracing."""
+        tracer = self.tracer
+        start = time.perf_counter_ns() if tracer is not None and tracer.on else 0
+        dist.all_to_all_single(out, x, recv, send, group=self.group)
+        if start:
+            tracer.add(f"ep {name}", "ep_a2a", start, time.perf_counter_ns())
 
     def dispatch(self, rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, object]:
         table = counts.view(self.size, -1)  # [receiver, its local expert]
         got = torch.empty_like(table)
-        dist.all_to_all_single(got, table.contiguous(), group=self.group)  # [sender, my local expert]
+        self.all_to_all("counts", got, table.contiguous())  # [sender, my local expert]
         send, recv = table.sum(1).tolist(), got.sum(1).tolist()
-        arrived = _AllToAll.apply(rows, recv, send, self.group)  # ordered (sender, expert)
+        arrived = _AllToAll.apply(rows, recv, send, self, "dispatch")  # ordered (sender, expert)
         local = got.size(1)
         expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(self.size), got.reshape(-1))
         order = torch.argsort(expert, stable=True)  # by expert, senders in order within it
@@ -61,7 +78,7 @@ class AllToAllExchange:
     def dispatch_padded(self, rows: Tensor, capacity: int) -> tuple[Tensor, object]:
         local = rows.shape[0] // (capacity * self.size)  # experts per rank
         send = recv = [local * capacity] * self.size
-        arrived = _AllToAll.apply(rows, recv, send, self.group)  # ordered (sender, expert), capacity rows each
+        arrived = _AllToAll.apply(rows, recv, send, self, "dispatch")  # ordered (sender, expert), capacity rows each
         grid = torch.arange(rows.shape[0], device=rows.device).view(self.size, local, capacity)
         order = grid.transpose(0, 1).reshape(-1)  # by expert, senders in order within it
         return arrived[order], (order, send, recv)
@@ -70,7 +87,7 @@ class AllToAllExchange:
         order, send, recv = state
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(out[back], send, recv, self.group)
+        return _AllToAll.apply(out[back], send, recv, self, "combine")
 
 
 _EXCHANGES: dict[str, AllToAllExchange] = {}
