@@ -13,7 +13,9 @@ GPT-OSS's clamped GLU ...), taken from its graph.
 (``Exchange``: with none, every expert is local), run each local expert on its rows,
 send the results back, weight them and sum each token's k results. The sums follow the
 order Hugging Face's grouped experts use (rows back in (token, slot) order, then summed
-over the slots), so the values are those of the model's own forward.
+over the slots), in the same dtypes (rows weighted by the routing weights in their
+promoted dtype: fp32 with Mixtral's fp32 router under bf16), so the values are those of
+the model's own forward.
 
 With a capacity factor (``EngineConfig.moe_capacity_factor``; Megatron's
 ``--moe-expert-capacity-factor`` with drop policy "probs" and
@@ -82,7 +84,7 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down)
     if exchange is not None:
         out = exchange.combine(out, state)
-    weighted = out * weights.unsqueeze(-1).to(out.dtype)
+    weighted = out * weights.unsqueeze(-1)  # promoted as Hugging Face's: fp32 router weights, fp32 sums
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
@@ -140,7 +142,7 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     if exchange is not None:
         out = exchange.combine(out, state)
     per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
-    weighted = per_pair * top_k_weights.reshape(-1, 1).to(out.dtype)
+    weighted = per_pair * top_k_weights.reshape(-1, 1)  # promoted as in the dropless path
     return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 

@@ -2,7 +2,8 @@
 and the helper that rebuilds full fp32 masters from every rank's optimizer pieces.
 
 ``reference`` trains the way Megatron's Float16OptimizerWithFloat16Params does, on one
-device, with nothing of fxmeg but its parameter groups:
+device, with nothing of fxmeg but its parameter groups (a Hugging Face model is called
+with keywords and shifts its labels itself: its tokens are the labels after the first):
   * a deep copy of the model cast to bf16 / fp16 (parameters and floating buffers, as
     fxmeg's cast) runs forward and backward in half precision;
   * fp32 masters start from the fp32 model's own values;
@@ -38,7 +39,7 @@ from fxmeg.layouts import Shard
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.runtime.optimizer import param_groups
 from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
-from tests.helpers import OPTIMIZERS
+from tests.helpers import OPTIMIZERS, model_loss
 
 
 @contextlib.contextmanager
@@ -97,16 +98,17 @@ def reference(model: torch.nn.Module, batches, *, dtype: torch.dtype, micro_batc
     grads = {n: torch.zeros_like(m) for n, m in masters.items()}
     inner = OPTIMIZERS[opt](param_groups(masters.items()))
     scaler = Scaler(loss_scale) if dtype == torch.float16 else None
+    shifted = type(model).__module__.startswith("transformers.")  # the model shifts its labels itself
     out = {"losses": [], "norms": [], "skipped": [], "scales": []}
     for ids, labels in batches:
         scale = scaler.scale if scaler is not None else 1.0
-        tokens = int((labels != -100).sum())
+        tokens = int(((labels[:, 1:] if shifted else labels) != -100).sum())
         loss_sum = 0.0
         for g in grads.values():
             g.zero_()
         for lo in range(0, ids.shape[0], micro_batch_size):
             with fp32_summed_cross_entropy():
-                loss = half(ids[lo : lo + micro_batch_size], labels[lo : lo + micro_batch_size])
+                loss = model_loss(half, ids[lo : lo + micro_batch_size], labels[lo : lo + micro_batch_size])
             (loss * scale).backward()
             loss_sum += loss.item()
             for n, p in params.items():
