@@ -4,7 +4,8 @@ gloo ranks against single-device training of the same Hugging Face mixture of ex
 
 One 2-rank spawn: Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE, OLMoE, DeepSeek-V3
 (latent attention, group-limited routing, a dense first layer) and GPT-OSS (biased
-experts, clamped GLU) at ep=2 (dp=2: each rank holds half the experts). One 4-rank
+experts, clamped GLU) at ep=2 (dp=2: each rank holds half the experts); Mixtral and
+Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
 ep=4 (one expert per rank), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
@@ -41,6 +42,7 @@ from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_loss, train
 
 EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE)]
+CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]  # folded over cp
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -52,7 +54,7 @@ FOUR = [
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))  # batched_mm: captured grouped
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))  # experts: aten._grouped_mm
-ALL = EP2 + FOUR + [ROUTER_LOSS, RECOMPUTE, BF16]
+ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, BF16]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
@@ -140,16 +142,16 @@ def _ranks(results, sc) -> list[dict]:
     return [r[sc.id] for r in results[sc.world]]
 
 
-@pytest.mark.parametrize("sc", EP2 + FOUR, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", EP2 + CP + FOUR, ids=lambda s: s.id)
 def test_parity(results, sc):
     check_parity(_ranks(results, sc), sc)
 
 
-@pytest.mark.parametrize("sc", EP2 + FOUR, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", EP2 + CP + FOUR, ids=lambda s: s.id)
 def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results, sc):
     ep = dict(sc.options)["ep"]
     full = {n: tuple(t.shape) for n, t in sc.make_model().named_parameters()}
-    topo = Topology(tp=sc.tp, pp=sc.pp, dp=sc.dp, ep=ep)
+    topo = Topology(tp=sc.tp, pp=sc.pp, dp=sc.dp, cp=sc.cp, ep=ep)
     for r in _ranks(results, sc):
         specs = r["ep_specs"]
         layers = {s.origin for s in specs.values()}
