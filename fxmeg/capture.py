@@ -107,8 +107,8 @@ def capture(
 ) -> Captured:
     """Export ``model`` (or ``loss_fn(model, *inputs)``) and return it in the user's names.
     A dict example is passed to the model (or ``loss_fn``) by keyword. ``grouped_experts``
-    (expert parallelism): a Hugging Face MoE is captured with grouped experts, whatever its
-    config names (``hugging_face.exportable_experts``)."""
+    (expert or context parallelism): a Hugging Face MoE is captured with grouped experts,
+    whatever its config names (``hugging_face.exportable_experts``)."""
     names = tuple(example_inputs) if isinstance(example_inputs, Mapping) else None
     example = tuple(example_inputs.values()) if names is not None else example_inputs
     if not isinstance(example, tuple) or not all(isinstance(t, torch.Tensor) for t in example):

@@ -137,8 +137,8 @@ def exportable_experts(model: nn.Module, *, grouped: bool = False) -> Iterator[N
     """While the body runs (fxmeg's capture), every Hugging Face model inside ``model``
     whose experts run "eager" runs them with the first of EXPORTABLE_EXPERTS it accepts,
     and says so (INFO on ``fxmeg.capture``, naming the class and both implementations).
-    With ``grouped`` (expert parallelism, which finds experts as grouped matmuls:
-    fxmeg/passes/expert_parallel.py) "batched_mm" experts run "grouped_mm" too.
+    With ``grouped`` (expert or context parallelism, which find experts as grouped
+    matmuls: fxmeg/passes/expert_parallel.py) "batched_mm" experts run "grouped_mm" too.
 
     Requires: nothing of the user; a model whose experts implementation transformers
     cannot set (dense models report "eager" too) is left alone.
@@ -157,7 +157,7 @@ def exportable_experts(model: nn.Module, *, grouped: bool = False) -> Iterator[N
             chosen = _switch_experts(module, before, replaced, EXPORTABLE_EXPERTS[:1] if grouped else EXPORTABLE_EXPERTS)
             switched.append((module, before))
             was = next(v for v in before.values() if v in replaced)
-            why = ("expert parallelism dispatches rows grouped by expert" if was == "batched_mm"
+            why = ("expert and context parallelism take experts grouped by expert" if was == "batched_mm"
                    else "the eager loop over routed experts cannot be exported")
             log.info("%s runs its experts with experts_implementation=%r, not %r, while fxmeg captures it "
                      "(%s; the values are the same)", type(module).__name__, chosen, was, why)

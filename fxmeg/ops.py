@@ -214,6 +214,7 @@ _SCHEMAS = {
     "cp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_reduce_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_causal_mask": "(Tensor q, int dim, int size, str group) -> Tensor",
+    "cp_all_reduce": "(Tensor x, str group) -> Tensor",
     "cp_attention": "(Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, str group) -> Tensor",
     "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, "
                              "str group) -> (Tensor, Tensor, Tensor)",
@@ -241,6 +242,7 @@ torch.library.register_fake("fxmeg::cp_slice", lambda x, dim, size, group: _resi
 torch.library.register_fake("fxmeg::cp_unslice", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::cp_gather", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake("fxmeg::cp_all_reduce", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q))
 torch.library.register_fake(
     "fxmeg::cp_attention_backward",

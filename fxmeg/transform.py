@@ -154,7 +154,7 @@ def transform(
     example = cast_inputs(example, config.dtype)
     skip = skipped_passes()
     start = time.perf_counter()
-    grouped = config.parallel.ep > 1 or config.moe_router_bias_update_rate > 0  # experts the pass can read
+    grouped = config.parallel.ep > 1 or config.parallel.cp > 1 or config.moe_router_bias_update_rate > 0  # readable experts
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start)
     reference = None

@@ -56,6 +56,7 @@ attention (``q @ k^T``, a mask added, softmax, ``@ v``) is split where it stands
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -68,7 +69,9 @@ from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import constant_value, mask_inputs
 from fxmeg.passes.expert_parallel import routed_blocks
-from fxmeg.passes.graph_utils import call, divide_shape_arg, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.graph_utils import (
+    call, divide_shape_arg, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
+)
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.tp_placement import dim_groups, divisors
 
@@ -89,10 +92,18 @@ def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule
     return finish(gm)
 
 
+def _only_counted(node: fx.Node) -> bool:
+    """Every use of ``node`` (through casts) counts its values into bins (histogram)."""
+    users = list(node.users)
+    return bool(users) and all(in_family(u.target, "histogram") or (in_family(u.target, "copy") and _only_counted(u))
+                               for u in users)
+
+
 class _ContextParallel:
     def __init__(self, gm: fx.GraphModule, cp: int) -> None:
         self.gm, self.g, self.cp = gm, gm.graph, cp
         self.place: dict[fx.Node, object] = {}
+        self._grads = requires_grad_nodes(gm)  # values a gradient flows through
         self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
         inputs = [n for n in self.g.nodes if n.op == "placeholder"]
         first = next((n for n in inputs if val(n) is not None and val(n).dim() >= 2), None)
@@ -153,13 +164,49 @@ class _ContextParallel:
             if node in tokens_of:  # a routed-experts block's node: computed per token
                 self.place[node] = self.place.get(tokens_of[node])
             elif node.op == "call_function":
-                if node.target == fx_ops.scale_aux_loss.default:
-                    raise self._refuse(node, "an auxiliary loss (a router's load balancing) would be "
-                                             "computed per rank over part of each sequence", mixing=False)
                 self.place[node] = self._visit(node)
             elif node.op == "output":
                 self._check_outputs(node)
         self._local_values()
+
+    def _partial(self, node: fx.Node):
+        """A value computed from sums over this rank's tokens (PARTIAL: the loss sum, a
+        router loss's token counts and probability sums). Steps linear in the parts keep
+        a part of the whole: a sum of parts (zeros besides), a scalar factor or divisor, a
+        cast or view, a sum, a product with a value every rank holds whole, the loss with
+        its auxiliary loss (``scale_aux_loss``: both parts; the runtime's weight is the
+        same on every rank). In a product of two parts, one no gradient flows through (a
+        router's tokens per expert) is all-reduced over cp first (``cp_all_reduce``):
+        the router loss is then the sum over cp ranks of each rank's part, exactly the
+        loss over the whole sequence. Anything else is refused."""
+        t, places = node.target, [self.place.get(a) for a in node.all_input_nodes]
+        parts = [a for a in node.all_input_nodes if self.place.get(a) is PARTIAL]
+        if any(isinstance(p, (Seq, list)) for p in places):
+            raise self._refuse(node, "it mixes a sum over this rank's part of the sequence with split values")
+        if t == fx_ops.scale_aux_loss.default and len(parts) == 2:
+            return PARTIAL
+        if t in (aten.add.Tensor, aten.add_.Tensor) and all(a in parts or a.target == aten.zeros.default
+                                                             for a in node.all_input_nodes):
+            if all(a is None or isinstance(a, fx.Node) for a in node.args[:2]):
+                return PARTIAL
+        if t in (aten.mul.Tensor, aten.div.Tensor):
+            if len(parts) == 2 and t == aten.mul.Tensor:
+                counts = next((a for a in parts if a not in self._grads), None)
+                if counts is None:
+                    raise self._refuse(node, "it multiplies two sums over this rank's part of the sequence "
+                                             "that both need gradients", mixing=False)
+                with self.g.inserting_before(node):
+                    whole = call(self.g, fx_ops.cp_all_reduce.default, (counts, CP), like=counts)
+                node.replace_input_with(counts, whole)
+                self.place[whole] = None
+                return PARTIAL
+            if parts == [node.args[0]] or (t == aten.mul.Tensor and len(parts) == 1):
+                return PARTIAL
+        if t in _SUMS or in_family(t, "copy", "view"):
+            return PARTIAL
+        raise self._refuse(node, "it reads a sum over this rank's part of the sequence in a way that is not "
+                                 "linear in it (only a loss and a router loss built from sums may be one)",
+                           mixing=False)
 
     def _routed_experts(self) -> dict[fx.Node, fx.Node | None]:
         """Routed-experts blocks (fxmeg/passes/expert_parallel.py) are computed per token:
@@ -184,8 +231,7 @@ class _ContextParallel:
         t = node.target
         places = [self.place.get(a) for a in node.all_input_nodes]
         if PARTIAL in places:
-            raise self._refuse(node, "it reads a sum over this rank's part of the sequence (only the "
-                                     "loss outputs may be one)")
+            return self._partial(node)
         if not any(isinstance(p, (Seq, list)) for p in places):
             return None
         if is_hop(node):
@@ -251,6 +297,8 @@ class _ContextParallel:
             return s.shifted(lead)
         if s.full is not None:
             raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
+        if len(b) == 1 and b[0] == math.prod(a) and _only_counted(node):
+            return Seq(0, merged=True)  # flattened to be counted (a router loss's expert ids): order is moot
         moved = self._moved(node, s, a, b)
         if node.target in SHAPE_ARGUMENT:
             divide_shape_arg(node, moved.dim, self.cp)
@@ -363,6 +411,12 @@ class _ContextParallel:
         if reduction == 2:
             return PARTIAL
         raise self._refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+
+    @rule(CP, "histogram")
+    def _histogram(self, node: fx.Node):
+        """Counts into bins (a router's tokens per expert) over this rank's tokens: a part
+        of the count over the whole sequence."""
+        return PARTIAL
 
     @rule(CP, "norm")
     def _layer_norm(self, node: fx.Node) -> Seq:

@@ -80,6 +80,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("rank", "order entries along their dim argument (values and indices: a router's top-k)",
            _ops("topk.default", "sort.default", "sort.stable", "argsort.default", "argsort.stable")),
     Family("reduction", "reduce over their dim argument (all dims when none)", tag=torch.Tag.reduction),
+    Family("histogram", "count values into bins (a router's tokens per expert)", _ops("histc.default", "bincount.default")),
     Family("linear", "a product with a weight operand and an optional bias (LINEAR_SLOTS)",
            _ops("linear.default", "addmm.default")),
     Family("matmul", "products of two operands, read as einsum",

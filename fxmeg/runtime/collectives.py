@@ -145,6 +145,12 @@ def _cp_reduce_scatter(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def _cp_all_reduce(x: Tensor, group: str) -> Tensor:
+    y = x.clone()
+    dist.all_reduce(y, group=_group(group))
+    return y
+
+
 def _cp_causal_mask(q: Tensor, dim: int, size: int, group: str) -> Tensor:
     local = q.shape[dim]
     rank = dist.get_rank(_group(group))
@@ -188,7 +194,8 @@ def _cp_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale:
 
 
 # plain functions first: the attention kernels call the gather, mask and scatter ones
-for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_causal_mask', 'cp_attention', 'cp_attention_backward'):
+for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_all_reduce', 'cp_causal_mask',
+              'cp_attention', 'cp_attention_backward'):
     _kernel(_name)(globals()[f"_{_name}"])
 
 

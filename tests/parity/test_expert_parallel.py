@@ -10,7 +10,8 @@ spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
 ep=4 (one expert per rank), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
-included, runs twice; the router loss counts once). Each rank holds exactly E / ep
+included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
+loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank holds exactly E / ep
 experts of every layer, and the expert gradients are reduced over the
 expert-data-parallel ranks only (the groups their buffers reduce over).
 
@@ -53,8 +54,9 @@ FOUR = [
 ]
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))  # batched_mm: captured grouped
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
+ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))  # counts all-reduced over cp, probabilities summed
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))  # experts: aten._grouped_mm
-ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, BF16]
+ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, BF16]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
@@ -172,7 +174,7 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
         assert any(label.endswith("/experts") for label in r["reduced_over"])
 
 
-@pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE], ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP], ids=lambda s: s.id)
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):
     """With recompute='full' each block, its routed experts and their all-to-alls
     included, runs forward twice (again in backward): the router loss still counts once."""

@@ -43,8 +43,9 @@ repeat           tp _repeat_interleave   cp _along         repeat_interleave.sel
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
 cumulative       tp _along               cp _along         cumprod.default, cumsum.default, logcumsumexp.default
-rank             tp _along               cp -              argsort.default, argsort.stable, sort.default, sort.stable, topk.default
+rank             tp _along               cp _along         argsort.default, argsort.stable, sort.default, sort.stable, topk.default
 reduction        tp _reduction           cp _reduction     tag reduction
+histogram        tp -                    cp _histogram     bincount.default, histc.default
 linear           tp _product*            cp _linear        addmm.default, linear.default
 matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
 attention        tp _attention           cp _attention     scaled_dot_product_attention.default
