@@ -30,6 +30,8 @@ GRANULARITIES = ("none", "selective", "full")
 P2P_MODES = ("paired", "eager")
 """Where pipeline sends / receives are posted (see EngineConfig.p2p)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOAD_BALANCING = ("aux_loss", "global_aux_loss")
+"""How a router loss counts tokens per expert (see EngineConfig.moe_router_load_balancing_type)."""
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
 """How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
 
@@ -265,6 +267,10 @@ class EngineConfig:
     """Capacity mode (ep > 1): each expert takes at most ceil(tokens * top-k / experts * factor)
     of a rank's (token, slot) pairs, those of highest weight, padded to exactly that many
     (static shapes); the others are dropped and counted. None: dropless."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """A router loss as the model computes it per micro-batch ("aux_loss"), or with its
+    tokens per expert averaged over the global batch's micro-batches so far, every dp
+    rank's ("global_aux_loss", Megatron's name; the probabilities stay the micro-batch's)."""
     moe_router_bias_update_rate: float = 0.0
     """Loss-free expert balancing (DeepSeek-V3; Megatron's name): after every step, each
     mixture-of-experts router's expert bias buffer (the 1-D buffer it adds to the scores
@@ -316,6 +322,7 @@ class EngineConfig:
         self._check_optimizer_sharding()
         self._check_experts()
         self._check_router_bias()
+        self._check_router_loss()
         if self.parallel.cp > 1 and self.compile:
             raise ConfigError(  # the cp ops under torch.compile are not tested yet
                 f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
@@ -352,6 +359,19 @@ class EngineConfig:
                 f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
                 "expert-data-parallel ranks only (layer-wise sharding is asked for, or chosen for an optimizer "
                 "that steps whole parameters, such as Muon); use optimizer_sharding='elementwise'")
+
+    def _check_router_loss(self) -> None:
+        """moe_router_load_balancing_type: one of LOAD_BALANCING; the global variant's
+        running average is a forward-time state, which a recompute would advance twice."""
+        kind = self.moe_router_load_balancing_type
+        if kind not in LOAD_BALANCING:
+            raise ConfigError(f"moe_router_load_balancing_type={kind!r} is not one of {LOAD_BALANCING}"
+                              + closest(kind, LOAD_BALANCING))
+        if kind == "global_aux_loss" and self.recompute != "none":
+            raise ConfigError(
+                f"moe_router_load_balancing_type='global_aux_loss' does not run with recompute={self.recompute!r} "
+                "yet: the running tokens per expert would have moved on when backward recomputes a micro-batch; "
+                "use recompute='none' or 'aux_loss'")
 
     def _check_router_bias(self) -> None:
         """moe_router_bias_update_rate: a finite rate >= 0, and a forward whose routing the

@@ -106,6 +106,15 @@ def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: st
     any. Nothing reads a result: a no-op until the runtime binds it to a recorder."""
 
 
+def global_tokens(fraction: torch.Tensor, *, group: str) -> torch.Tensor:
+    """A router loss's tokens per expert (``fraction``: of the micro-batch's routed pairs;
+    no gradient flows through it) replaced by their mean over the global batch's
+    micro-batches so far, every data-parallel rank's (``group``): Megatron's
+    ``global_aux_loss``. Unbound, the micro-batch's own; the runtime binds it to
+    ``fxmeg.runtime.load.GlobalTokens``."""
+    return fraction
+
+
 class _Recomputation:
     """Entered around each recomputation of a recompute region (reentrant: a second
     backward may run a region again)."""
@@ -148,6 +157,8 @@ RNG_MARKERS = (tp_rng_fork, tp_rng_join)
 
 EP = "ep"
 """Symbolic expert-parallel group name in graphs before binding."""
+DP = "dp"
+"""Symbolic data-parallel group name in graphs before binding."""
 
 
 def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up=None, b_down=None, *,
@@ -161,7 +172,8 @@ def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_u
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
                               num_experts=num_experts, capacity_factor=capacity_factor, layer=layer)
 
-for _fn in (recv, send, deallocate, wait_param_gather, expert_load, tp_rng_fork, tp_rng_join, routed_experts):
+for _fn in (recv, send, deallocate, wait_param_gather, expert_load, tp_rng_fork, tp_rng_join, routed_experts,
+            global_tokens):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from fxmeg import ops
 from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.errors import ConfigError, PassError, closest
@@ -307,6 +308,12 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
                 tp_specs[node.target] = node.meta["fxmeg"]["tp"]
             if node.op == "get_attr" and "ep" in node.meta.get("fxmeg", {}):
                 ep_specs[node.target] = node.meta["fxmeg"]["ep"]
+    if config.moe_router_load_balancing_type == "global_aux_loss" and not any(
+            n.target is ops.global_tokens for gm in graphs for n in gm.graph.nodes):
+        raise PassError(
+            "moe_router_load_balancing_type='global_aux_loss', but this model computes no router loss (a Hugging "
+            "Face mixture of experts computes it with output_router_logits=True in its config); set that, or "
+            "leave moe_router_load_balancing_type='aux_loss'")
     if config.parallel.ep > 1 and not ep_specs:
         raise PassError(
             f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "

@@ -54,7 +54,7 @@ from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import ExpertShard
-from fxmeg.passes.graph_utils import arg, attr, fake_eval, val
+from fxmeg.passes.graph_utils import arg, attr, fake_eval, requires_grad_nodes, val
 from fxmeg.program import CONSTANTS, ChunkInfo
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,40 @@ def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInf
         _refuse_unfound_banks(gm, chunk)
     for block in blocks:
         _mark_load(gm, block, rate)
-    if blocks or ep > 1:
+    global_loss = config.moe_router_load_balancing_type == "global_aux_loss" and _global_router_loss(gm)
+    if blocks or ep > 1 or global_loss:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _global_router_loss(gm: fx.GraphModule) -> bool:
+    """Megatron's global_aux_loss: in the router loss that ``fxmeg::scale_aux_loss`` weighs
+    (the loss pass), the factor of the product of tokens per expert and routing
+    probabilities that no gradient flows through (the tokens per expert: Switch's f, next
+    to the probabilities' P) is wrapped in ``ops.global_tokens``. Returns whether this
+    chunk has such a loss; one whose product fxmeg cannot find is refused by name."""
+    aux = next((n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.scale_aux_loss.default), None)
+    if aux is None:
+        return False
+    grads = requires_grad_nodes(gm)
+    n = aux.args[1]
+    while n.op == "call_function":
+        operands = [a for a in n.args if isinstance(a, fx.Node)]
+        if n.target == aten.mul.Tensor and len(operands) == 2 and sum(a in grads for a in operands) == 1:
+            counts = next(a for a in operands if a not in grads)
+            with gm.graph.inserting_after(counts):
+                mean = gm.graph.call_function(ops.global_tokens, (counts,), {"group": ops.DP})
+            mean.meta = {**counts.meta}
+            n.replace_input_with(counts, mean)
+            return True
+        if len(operands) != 1:
+            break
+        n = operands[0]
+    raise PassError(
+        f"moe_router_load_balancing_type='global_aux_loss', but the router loss {aux.args[1].name!r} (module "
+        f"{_module(aux.args[1])!r}) is not a product of tokens per expert (no gradient) and routing "
+        "probabilities that fxmeg can find; use moe_router_load_balancing_type='aux_loss'")
 
 
 def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:

@@ -249,12 +249,14 @@ def bind(
     *,
     wait_param_gather: Callable[..., None] | None = None,
     expert_load: Callable[..., None] | None = None,
+    global_tokens: Callable[..., torch.Tensor] | None = None,
 ) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
     names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
     ``ops.wait_param_gather`` markers call ``wait_param_gather`` and ``ops.expert_load``
-    markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py). Only
+    markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
+    ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert). Only
     arguments and call targets change; the graph's structure does not."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
@@ -275,4 +277,7 @@ def bind(
                 node.target = wait_param_gather
             elif node.target is ops.expert_load and expert_load is not None:
                 node.target = expert_load
+            elif node.target is ops.global_tokens and global_tokens is not None:
+                node.target = global_tokens
+                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
         module.recompile()

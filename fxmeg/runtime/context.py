@@ -48,7 +48,7 @@ from fxmeg.runtime.optimizer import (
 )
 from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.runtime.load import ExpertLoad
+from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.release import release
 from fxmeg.sharding import ep_shard, tp_shard
 from fxmeg.trace import Tracer
@@ -107,6 +107,8 @@ class RankContext:
     """Compute actions per pipeline rank for the current micro-batch count."""
     steps: list[schedules.Step] = field(init=False)
     """This rank's lowered training steps."""
+    global_tokens: GlobalTokens | None = None
+    """A router loss's running tokens per expert over the step (``global_aux_loss``)."""
     load: ExpertLoad | None = None
     """Tokens per expert of the routed-experts layers (runtime/load.py); None for a model
     without any, or where forward is compiled or split (compile, zero-bubble schedules)."""
@@ -173,9 +175,10 @@ def build_context(
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding is OptimizerSharding.ELEMENTWISE)
     names = _group_names(groups)
     load = _expert_load(program, config, chunks)
+    tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather,
-                         expert_load=load.record if load is not None else None)
+                         expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
     if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
         experts.exchange(groups.ep.group_name).tracer = tracer
     opt = Optimizer(
@@ -192,7 +195,7 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole=whole, load=load,
+        whole=whole, load=load, global_tokens=tokens,
     )
 
 
@@ -252,14 +255,16 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     names = _group_names(ctx.groups)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather,
-                         expert_load=ctx.load.record if ctx.load is not None else None)
+                         expert_load=ctx.load.record if ctx.load is not None else None,
+                         global_tokens=ctx.global_tokens.running_mean)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 
 
 def _group_names(groups: Groups) -> dict[str, str]:
-    """The symbolic groups a chunk graph names ('tp', 'cp', 'ep') -> this rank's process groups."""
-    return {n: g.group_name for n, g in (("tp", groups.tp), ("cp", groups.cp), ("ep", groups.ep)) if g is not None}
+    """The symbolic groups a chunk graph names ('tp', 'cp', 'ep', 'dp') -> this rank's process groups."""
+    pairs = (("tp", groups.tp), ("cp", groups.cp), ("ep", groups.ep), ("dp", groups.dp))
+    return {n: g.group_name for n, g in pairs if g is not None}
 
 
 def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:

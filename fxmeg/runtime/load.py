@@ -12,6 +12,10 @@ hold the same tokens and are not summed) and over the pipeline stages (each laye
 on one), so every rank holds every layer's counts of the global batch; ``reset`` clears
 them before the next forward.
 
+``GlobalTokens`` is what ``fxmeg.ops.global_tokens`` calls once bound (a router loss's
+tokens per expert averaged over the global batch's micro-batches so far: Megatron's
+``global_aux_loss``).
+
 Loss-free balancing (``moe_router_bias_update_rate``, DeepSeek-V3; Megatron's
 ``get_updated_expert_bias``): ``update_biases`` moves each router's expert bias buffer
 held on this rank by ``rate * sign(mean(counts) - counts)``, from the reduced counts,
@@ -21,6 +25,8 @@ so every rank holding a layer applies the same update.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import fx
 
 from fxmeg import ops
@@ -90,3 +96,29 @@ def load_imbalance(counts: tuple[int, ...] | list[int]) -> float:
     to one expert); NaN without tokens."""
     total = sum(counts)
     return max(counts) * len(counts) / total if total else float("nan")
+
+
+class GlobalTokens:
+    """``ops.global_tokens`` bound: Megatron's global_aux_loss. In a training forward, the
+    micro-batch's tokens per expert are summed over the data-parallel ranks (every rank
+    runs its i-th micro-batch i-th) and added to the step's running sum; the result is
+    their mean over every micro-batch so far, every rank's. ``reset`` starts a step; a
+    forward without gradients (evaluation) keeps its micro-batch's own."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+        self.total: torch.Tensor | None = None
+        self.seen = 0
+
+    def running_mean(self, fraction: torch.Tensor, *, group: str) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return fraction
+        summed = fraction.detach().clone()
+        if self.dp > 1:
+            dist.all_reduce(summed, group=c10d._resolve_process_group(group))
+        self.total = summed if self.total is None else self.total + summed
+        self.seen += 1
+        return self.total / (self.seen * self.dp)
+
+    def reset(self) -> None:
+        self.total, self.seen = None, 0

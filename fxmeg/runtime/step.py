@@ -147,6 +147,8 @@ def forward_backward(program: Program, ctx: RankContext, mbs: list[Batch]) -> tu
     ctx.ddp.zero_grad_buffer()
     if ctx.load is not None:
         ctx.load.reset()  # each forward_backward counts its micro-batches afresh (check_determinism runs two)
+    if ctx.global_tokens is not None:
+        ctx.global_tokens.reset()  # global_aux_loss: a running mean over this step's micro-batches
     if ctx.aux is not None:
         weigh_aux_loss(ctx, mbs)
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0

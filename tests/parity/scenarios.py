@@ -140,26 +140,48 @@ def check_router_loss(ranks: list[dict], sc: Scenario) -> None:
     """Parity of a Mixtral trained with its router loss: the reference is token-weighted
     cross-entropy over the global batch plus each micro-batch's router loss weighted
     1 / (the global batch's micro-batches, m * dp), as Megatron's MoEAuxLossAutoScaler
-    averaged over data-parallel ranks."""
+    averaged over data-parallel ranks. With moe_router_load_balancing_type
+    "global_aux_loss" the router loss's tokens per expert are their mean over the
+    micro-batches run so far on every dp rank (micro-batch g of the global batch is the
+    g // dp-th of its rank), written out here from the router logits (Switch's loss:
+    E * sum_e f_e * P_e, checked against the model's own per micro-batch)."""
     model = make_model(sc.model, n_layer=sc.layers)
-    coef = model.config.router_aux_loss_coef
+    coef, experts, k = model.config.router_aux_loss_coef, model.config.num_local_experts, model.config.num_experts_per_tok
+    running = dict(sc.options).get("moe_router_load_balancing_type") == "global_aux_loss"
     ref = copy.deepcopy(model)
     opt = optimizer(param_groups(ref.named_parameters()))
     losses = []
     for ids, labels in sc.batches():
         opt.zero_grad()
         total = int((labels[:, 1:] != -100).sum())
-        ce_sum = 0.0
         micro_batches = len(ids) // MBS  # m on each of dp ranks
-        for i in range(micro_batches):
-            sl = slice(i * MBS, (i + 1) * MBS)
-            out = ref(input_ids=ids[sl], labels=labels[sl], use_cache=False)
-            n = int((labels[sl, 1:] != -100).sum())
+        parts = [slice(g * MBS, (g + 1) * MBS) for g in range(micro_batches)]
+        with torch.no_grad():
+            fractions = [_switch_terms(ref(input_ids=ids[p], use_cache=False), experts, k)[0] for p in parts]
+        ce_sum = 0.0
+        for g, part in enumerate(parts):
+            out = ref(input_ids=ids[part], labels=labels[part], use_cache=False)
+            n = int((labels[part, 1:] != -100).sum())
             ce = out.loss - coef * out.aux_loss
-            (ce * n / total + coef * out.aux_loss / micro_batches).backward()
+            f, probs = _switch_terms(out, experts, k)
+            torch.testing.assert_close(experts * (f * probs).sum(), out.aux_loss)  # the model's own loss
+            if running:
+                f = torch.stack(fractions[: (g // sc.dp + 1) * sc.dp]).mean(0)
+            aux = experts * (f.detach() * probs).sum()
+            (ce * n / total + coef * aux / micro_batches).backward()
             ce_sum += ce.item() * n
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         losses.append(ce_sum / total)
     assert_losses_close([s.loss for s in ranks[0]["steps"]], losses)
     assert_weights_close(ranks[0]["state"], ref.state_dict())
+
+
+def _switch_terms(out, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f, P) of a Mixtral forward's router logits, all layers' tokens together: each
+    expert's share of the routed (token, slot) pairs per token, and its mean probability."""
+    logits = torch.cat(out.router_logits, 0).float()
+    probs = torch.softmax(logits, -1)
+    chosen = torch.topk(probs, k, -1).indices
+    f = torch.nn.functional.one_hot(chosen, experts).float().sum((0, 1)) / logits.shape[0]
+    return f, probs.mean(0)

@@ -55,8 +55,9 @@ FOUR = [
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))  # batched_mm: captured grouped
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
 ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))  # counts all-reduced over cp, probabilities summed
+GLOBAL_LOSS = Scenario("hf-mixtral", dp=2, options=(("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss")))
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))  # experts: aten._grouped_mm
-ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, BF16]
+ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, BF16]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
@@ -174,7 +175,7 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
         assert any(label.endswith("/experts") for label in r["reduced_over"])
 
 
-@pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP], ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS], ids=lambda s: s.id)
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):
     """With recompute='full' each block, its routed experts and their all-to-alls
     included, runs forward twice (again in backward): the router loss still counts once."""

@@ -38,3 +38,26 @@ def test_each_block_becomes_one_routed_experts_node_computing_the_same(kind):
     with torch.no_grad():  # unbound, every expert is local: the parent graph computes what it did
         want, got = before(*batch), after(*batch)
     assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6) and torch.equal(got[1], want[1])
+
+
+def test_global_router_loss_wraps_the_tokens_per_expert_and_is_refused_without_a_router_loss():
+    """global_aux_loss: the factor of the router loss's product that no gradient flows
+    through (tokens per expert) goes through ops.global_tokens, once; a model that
+    computes no router loss, or recompute, is refused by name."""
+    import fxmeg
+    from fxmeg.errors import ConfigError, PassError
+    from tests.helpers import hf_model
+
+    batch = make_batch(2, seed=0)
+    parent = graph_after(hf_model("mixtral"), batch, "expert_parallel", moe_router_load_balancing_type="global_aux_loss")
+    (mean,) = _nodes(parent, lambda n: n.target is ops.global_tokens)
+    assert mean.args[0].target == torch.ops.aten.div.Tensor and mean.kwargs == {"group": "dp"}
+    (product,) = mean.users
+    assert product.target == torch.ops.aten.mul.Tensor
+    with pytest.raises(PassError, match="computes no router loss .* output_router_logits=True"):
+        fxmeg.transform(tiny_moe("mixtral", vocab_size=128), batch, moe_router_load_balancing_type="global_aux_loss")
+    with pytest.raises(ConfigError, match="does not run with recompute='full' yet"):
+        fxmeg.transform(hf_model("mixtral"), batch, moe_router_load_balancing_type="global_aux_loss",
+                        recompute="full")
+    with pytest.raises(ConfigError, match="is not one of"):
+        fxmeg.transform(hf_model("mixtral"), batch, moe_router_load_balancing_type="global")
