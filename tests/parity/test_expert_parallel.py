@@ -8,7 +8,8 @@ experts, clamped GLU) at ep=2 (dp=2: each rank holds half the experts); Mixtral 
 Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
-ep=4 (one expert per rank), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
+ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2,
+OLMoE at tp=2, and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
 loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank holds exactly E / ep
@@ -51,6 +52,11 @@ FOUR = [
     Scenario("moe-olmoe", dp=2, pp=2, vpp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-qwen3_moe", dp=4, options=(("ep", 4),)),
+    # DeepSeek-V3 (latent attention, group-limited routing) and OLMoE in the other layouts too
+    Scenario("moe-deepseek_v3", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
+    Scenario("moe-deepseek_v3", dp=2, pp=2, options=(("ep", 2),)),
+    Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
+    Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
 ]
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))  # batched_mm: captured grouped
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
@@ -138,7 +144,8 @@ def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ep-ckpt"))  # saved in the 2-rank spawn, loaded in both
-    return {w: run_world(w, train_ep, [s for s in ALL if s.world == w], root) for w in (2, 4)}
+    # the 4-rank spawn trains 14 runs (about 2 minutes on 2 cores): twice the usual deadline
+    return {w: run_world(w, train_ep, [s for s in ALL if s.world == w], root, deadline_s=600) for w in (2, 4)}
 
 
 def _ranks(results, sc) -> list[dict]:

@@ -122,7 +122,7 @@ def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
 
 @pytest.mark.parametrize("names, message", [
     ("recompute,bucket", r"names 'bucket', which is not a pass \(did you mean 'buckets'\?\); the passes are loss, "),
-    ("pipeline", "pass 'pipeline' cannot be skipped.*can be: context_parallel, tensor_parallel, recompute"),
+    ("pipeline", "pass 'pipeline' cannot be skipped.*can be: context_parallel, tensor_parallel, expert_parallel, recompute"),
 ])
 def test_skip_passes_refuses_unknown_and_required_names(monkeypatch, names, message):
     monkeypatch.setenv("FXMEG_SKIP_PASSES", names)
