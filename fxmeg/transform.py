@@ -308,23 +308,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
                 tp_specs[node.target] = node.meta["fxmeg"]["tp"]
             if node.op == "get_attr" and "ep" in node.meta.get("fxmeg", {}):
                 ep_specs[node.target] = node.meta["fxmeg"]["ep"]
-    if config.moe_router_load_balancing_type == "global_aux_loss" and not any(
-            n.target is ops.global_tokens for gm in graphs for n in gm.graph.nodes):
-        raise PassError(
-            "moe_router_load_balancing_type='global_aux_loss', but this model computes no router loss (a Hugging "
-            "Face mixture of experts computes it with output_router_logits=True in its config); set that, or "
-            "leave moe_router_load_balancing_type='aux_loss'")
-    if config.parallel.ep > 1 and not ep_specs:
-        raise PassError(
-            f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
-            "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
-            "train a dense model with ep=1")
-    rate = config.moe_router_bias_update_rate
-    if rate > 0 and not any(load_marks(gm) for gm in graphs):
-        raise PassError(
-            f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: loss-free "
-            "balancing updates the expert bias of the routers of Hugging Face grouped-experts blocks "
-            "(fxmeg/passes/expert_parallel.py); train this model with moe_router_bias_update_rate=0")
+    _check_experts(config, graphs, ep_specs)
     state = model.state_dict(keep_vars=True)
     canonical = {alias: name for name, names in info.aliases.items() for alias in names}
     aux = next(((c, AUX_SCALE) for c, gm in enumerate(graphs) if hasattr(gm, AUX_SCALE)), None)
@@ -355,6 +339,30 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         reference=reference,
         init_dtypes=dtypes,
     )
+
+
+
+def _check_experts(config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_specs: dict) -> None:
+    """The mixture-of-experts options found what they act on in the whole model (each
+    chunk's pass saw only its chunk): routed experts for ep and loss-free balancing, a
+    router loss for global_aux_loss. Refused by name otherwise."""
+    if config.moe_router_load_balancing_type == "global_aux_loss" and not any(
+            n.target is ops.global_tokens for gm in graphs for n in gm.graph.nodes):
+        raise PassError(
+            "moe_router_load_balancing_type='global_aux_loss', but this model computes no router loss (a Hugging "
+            "Face mixture of experts computes it with output_router_logits=True in its config); set that, or "
+            "leave moe_router_load_balancing_type='aux_loss'")
+    if config.parallel.ep > 1 and not ep_specs:
+        raise PassError(
+            f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
+            "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
+            "train a dense model with ep=1")
+    rate = config.moe_router_bias_update_rate
+    if rate > 0 and not any(load_marks(gm) for gm in graphs):
+        raise PassError(
+            f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: loss-free "
+            "balancing updates the expert bias of the routers of Hugging Face grouped-experts blocks "
+            "(fxmeg/passes/expert_parallel.py); train this model with moe_router_bias_update_rate=0")
 
 
 def _report(name: str, gm: fx.GraphModule, start: float, index: int = -1) -> None:

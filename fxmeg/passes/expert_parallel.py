@@ -14,8 +14,8 @@ offsets are ``cumsum(histc(ids, bins=E))`` of expert ids sorted by ``sort`` from
 flattened top-k index [T, k]; the rows are ``hidden[perm // k]`` of the tokens [T, H].
 Between the two matmuls lies the model's activation (``middle``: rows in, rows out,
 reading nothing else); a bias bank [E, N] is added as ``bias[ids]`` after either matmul;
-the block's result is the first value after the second matmul shaped like ``hidden``
-(the weighted rows put back in token order and summed over the k slots). That is the
+the block's result is the sum over the k slots after the second matmul, shaped like
+``hidden`` (the weighted rows put back in token order and summed). That is the
 shape of Hugging Face's grouped experts (``grouped_mm_experts_forward``), whatever the
 model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3): routing (softmax, top-k,
 group-limited top-k, normalisation) and shared experts are outside it and stay as the
@@ -40,6 +40,9 @@ same less the (token, slot) pairs over an expert's capacity (its kwargs carry th
 factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
 a chunk holding 3-D banks read by no recognised block raises PassError naming them.
+With ``moe_router_load_balancing_type="global_aux_loss"``, in the chunk whose router loss
+``fxmeg::scale_aux_loss`` weighs, the loss's tokens per expert (the factor of its product
+no gradient flows through) pass through ``ops.global_tokens`` (``_global_router_loss``).
 """
 
 from __future__ import annotations
