@@ -68,7 +68,7 @@ from fxmeg.errors import PassError
 from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import constant_value, mask_inputs
-from fxmeg.passes.expert_parallel import routed_blocks
+from fxmeg.passes.cp_moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
     call, divide_shape_arg, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
 )
@@ -77,7 +77,6 @@ from fxmeg.passes.tp_placement import dim_groups, divisors
 
 aten = torch.ops.aten
 fx_ops = torch.ops.fxmeg
-_SUMS = {aten.sum.default, aten.sum.dim_IntList}
 # Ops are handled by kind: fxmeg/passes/op_rules.py finds each op's family and the rule
 # this pass registered for it (``@rule(CP, ...)`` below). A place of PARTIAL is a sum over
 # this rank's tokens: only a graph output may be one.
@@ -92,18 +91,11 @@ def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule
     return finish(gm)
 
 
-def _only_counted(node: fx.Node) -> bool:
-    """Every use of ``node`` (through casts) counts its values into bins (histogram)."""
-    users = list(node.users)
-    return bool(users) and all(in_family(u.target, "histogram") or (in_family(u.target, "copy") and _only_counted(u))
-                               for u in users)
-
-
 class _ContextParallel:
     def __init__(self, gm: fx.GraphModule, cp: int) -> None:
         self.gm, self.g, self.cp = gm, gm.graph, cp
         self.place: dict[fx.Node, object] = {}
-        self._grads = requires_grad_nodes(gm)  # values a gradient flows through
+        self.grads = requires_grad_nodes(gm)  # values a gradient flows through
         self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
         inputs = [n for n in self.g.nodes if n.op == "placeholder"]
         first = next((n for n in inputs if val(n) is not None and val(n).dim() >= 2), None)
@@ -159,7 +151,7 @@ class _ContextParallel:
     # ------------------------------------------------------------------ driver
 
     def run(self) -> None:
-        tokens_of = self._routed_experts()
+        tokens_of = routed_experts(self)
         for node in list(self.g.nodes):
             if node in tokens_of:  # a routed-experts block's node: computed per token
                 self.place[node] = self.place.get(tokens_of[node])
@@ -169,80 +161,22 @@ class _ContextParallel:
                 self._check_outputs(node)
         self._local_values()
 
-    def _partial(self, node: fx.Node):
-        """A value computed from sums over this rank's tokens (PARTIAL: the loss sum, a
-        router loss's token counts and probability sums). Steps linear in the parts keep
-        a part of the whole: a sum of parts (zeros besides), a scalar factor or divisor, a
-        cast or view, a sum, a product with a value every rank holds whole, the loss with
-        its auxiliary loss (``scale_aux_loss``: both parts; the runtime's weight is the
-        same on every rank). In a product of two parts, one no gradient flows through (a
-        router's tokens per expert) is all-reduced over cp first (``cp_all_reduce``):
-        the router loss is then the sum over cp ranks of each rank's part, exactly the
-        loss over the whole sequence. Anything else is refused."""
-        t, places = node.target, [self.place.get(a) for a in node.all_input_nodes]
-        parts = [a for a in node.all_input_nodes if self.place.get(a) is PARTIAL]
-        if any(isinstance(p, (Seq, list)) for p in places):
-            raise self._refuse(node, "it mixes a sum over this rank's part of the sequence with split values")
-        if t == fx_ops.scale_aux_loss.default and len(parts) == 2:
-            return PARTIAL
-        if t in (aten.add.Tensor, aten.add_.Tensor) and all(a in parts or a.target == aten.zeros.default
-                                                             for a in node.all_input_nodes):
-            if all(a is None or isinstance(a, fx.Node) for a in node.args[:2]):
-                return PARTIAL
-        if t in (aten.mul.Tensor, aten.div.Tensor):
-            if len(parts) == 2 and t == aten.mul.Tensor:
-                counts = next((a for a in parts if a not in self._grads), None)
-                if counts is None:
-                    raise self._refuse(node, "it multiplies two sums over this rank's part of the sequence "
-                                             "that both need gradients", mixing=False)
-                with self.g.inserting_before(node):
-                    whole = call(self.g, fx_ops.cp_all_reduce.default, (counts, CP), like=counts)
-                node.replace_input_with(counts, whole)
-                self.place[whole] = None
-                return PARTIAL
-            if parts == [node.args[0]] or (t == aten.mul.Tensor and len(parts) == 1):
-                return PARTIAL
-        if t in _SUMS or in_family(t, "copy", "view"):
-            return PARTIAL
-        raise self._refuse(node, "it reads a sum over this rank's part of the sequence in a way that is not "
-                                 "linear in it (only a loss and a router loss built from sums may be one)",
-                           mixing=False)
-
-    def _routed_experts(self) -> dict[fx.Node, fx.Node | None]:
-        """Routed-experts blocks (fxmeg/passes/expert_parallel.py) are computed per token:
-        each rank runs its own tokens through them as they are. Their nodes get no rule;
-        a block's result holds the sequence where its tokens do; the sizes the graph fixed
-        for all tokens (the view back to [tokens, k, hidden], the arange over the routed
-        pairs) become this rank's. Returns node -> the node whose place it takes (the
-        tokens for a block's result, None for the nodes inside it)."""
-        out: dict[fx.Node, fx.Node | None] = {}
-        for block in routed_blocks(self.gm, strict=False):  # one it cannot read meets the rules
-            tokens, k = val(block.top_k_index).shape
-            for n in block.inner():
-                if n.target in (aten.view.default, aten.reshape.default) and val(n).shape[0] == tokens:
-                    divide_shape_arg(n, 0, self.cp)
-                elif n.target == aten.arange.default and n.args[0] == tokens * k:
-                    n.args = (tokens * k // self.cp, *n.args[1:])
-                out[n] = None
-            out[block.result] = block.hidden
-        return out
-
     def _visit(self, node: fx.Node):
         t = node.target
         places = [self.place.get(a) for a in node.all_input_nodes]
         if PARTIAL in places:
-            return self._partial(node)
+            return partial(self, node)
         if not any(isinstance(p, (Seq, list)) for p in places):
             return None
         if is_hop(node):
-            raise self._refuse(node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap "
+            raise self.refuse(node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap "
                                      "region) that reads a value split along the sequence", mixing=False)
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
         found = rule_for(CP, t)
         if found is None:
-            raise self._refuse(node, f"fxmeg has no context-parallel rule for it ({describe(t)})", mixing=False)
+            raise self.refuse(node, f"fxmeg has no context-parallel rule for it ({describe(t)})", mixing=False)
         return found.fn(self, node)
 
     # ------------------------------------------------------------------ rules
@@ -250,7 +184,7 @@ class _ContextParallel:
     def _seq(self, node: fx.Node, a: fx.Node) -> Seq:
         s = self.place[a]
         if not isinstance(s, Seq):
-            raise self._refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
+            raise self.refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
         return s
 
     @rule(CP, "copy", "random", "pointwise")
@@ -262,7 +196,7 @@ class _ContextParallel:
         found = {s.shifted(out_dim - val(a).dim())
                  for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
         if len(found) != 1:
-            raise self._refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
+            raise self.refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
         (s,) = found
         for a in node.all_input_nodes:
             if isinstance(self.place.get(a), Seq) or val(a) is None:
@@ -271,7 +205,7 @@ class _ContextParallel:
             if j < 0 or val(a).shape[j] == 1:
                 continue
             if s.merged or val(a).shape[j] != self.seq:
-                raise self._refuse(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
+                raise self.refuse(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
                                          f"meets the sequence but is not a per-position table of length {self.seq}")
             node.replace_input_with(a, self._cut(a, j, node))
         return s
@@ -296,8 +230,8 @@ class _ContextParallel:
             node.args = (node.args[0], sizes, *node.args[2:])
             return s.shifted(lead)
         if s.full is not None:
-            raise self._refuse(node, "it reshapes attention scores (queries x all keys)")
-        if len(b) == 1 and b[0] == math.prod(a) and _only_counted(node):
+            raise self.refuse(node, "it reshapes attention scores (queries x all keys)")
+        if len(b) == 1 and b[0] == math.prod(a) and only_counted(node):
             return Seq(0, merged=True)  # flattened to be counted (a router loss's expert ids): order is moot
         moved = self._moved(node, s, a, b)
         if node.target in SHAPE_ARGUMENT:
@@ -321,7 +255,7 @@ class _ContextParallel:
             if len(ins) == 1 and s.merged and b[outs[-1]] == self.seq:
                 return Seq(outs[-1])  # (b * s) -> (b, s)
             break
-        raise self._refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
+        raise self.refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
                                  "with dims other than the batch dims before it")
 
     @rule(CP, "permute")
@@ -340,7 +274,7 @@ class _ContextParallel:
     @rule(CP, "embedding")
     def _embedding(self, node: fx.Node) -> Seq:
         if isinstance(self.place.get(node.args[0]), Seq):
-            raise self._refuse(node, "its table is split along the sequence", mixing=False)
+            raise self.refuse(node, "its table is split along the sequence", mixing=False)
         return self._seq(node, node.args[1])
 
     @rule(CP, "linear", "matmul")
@@ -349,7 +283,7 @@ class _ContextParallel:
         weight): the sequence must not be contracted. Two operands along the sequence are
         eager attention (``_attention_product``)."""
         if node.target == aten.einsum.default:
-            raise self._refuse(node, "it is an einsum over a value split along the sequence", mixing=False)
+            raise self.refuse(node, "it is an einsum over a value split along the sequence", mixing=False)
         slots = LINEAR_SLOTS.get(node.target)
         x = node.args[slots.x if slots is not None else 0]
         others = [a for a in node.all_input_nodes if a is not x]
@@ -357,16 +291,16 @@ class _ContextParallel:
                 isinstance(self.place.get(a), Seq) for a in node.args[:2]):
             return self._attention_product(node)
         if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
-            raise self._refuse(node, "it multiplies a value along the sequence with one that is not its "
+            raise self.refuse(node, "it multiplies a value along the sequence with one that is not its "
                                      "weight in a way fxmeg does not split")
         s, n = self._seq(node, x), val(x).dim()
         if s.dim == n - 1 or s.full is not None:
-            raise self._refuse(node, "it contracts the sequence dim")
+            raise self.refuse(node, "it contracts the sequence dim")
         return s.shifted(val(node).dim() - n)
 
     @rule(CP, "convolution")
     def _convolution(self, node: fx.Node):
-        raise self._refuse(node, "a convolution over a value split along the sequence mixes "
+        raise self.refuse(node, "a convolution over a value split along the sequence mixes "
                                  "neighbouring positions across ranks")
 
     def _attention_product(self, node: fx.Node) -> Seq:
@@ -381,13 +315,13 @@ class _ContextParallel:
         sa, sb = self.place[a], self.place[b]
         na, nb = val(a).dim(), val(b).dim()
         if sa.merged or sb.merged or sa.dim != na - 2:
-            raise self._refuse(node, "it multiplies two values along the sequence other than as attention")
+            raise self.refuse(node, "it multiplies two values along the sequence other than as attention")
         if sa.full is None and sb.full is None and sb.dim == nb - 1:  # scores = q @ k^T
             gathered, out = (b, nb - 1), Seq(val(node).dim() - 2, full=val(node).dim() - 1)
         elif sa.full == na - 1 and sb.full is None and sb.dim == nb - 2:  # out = probs @ v
             gathered, out = (b, nb - 2), Seq(val(node).dim() - 2)
         else:
-            raise self._refuse(node, "it multiplies two values along the sequence other than as attention "
+            raise self.refuse(node, "it multiplies two values along the sequence other than as attention "
                                      "(q @ k^T, then probabilities @ v)")
         with self.g.inserting_before(node):
             full = call(self.g, fx_ops.cp_gather.default, (*gathered, self.cp, CP), like=node)
@@ -402,15 +336,15 @@ class _ContextParallel:
         target = args[1]
         x = self._seq(node, args[0])
         if x.full is not None or not isinstance(self.place.get(target), Seq):
-            raise self._refuse(node, "its input is split along the sequence but its target is not")
+            raise self.refuse(node, "its input is split along the sequence but its target is not")
         if val(args[0]).dim() > 1 and x.dim == 1:
-            raise self._refuse(node, f"its class dim {x.dim} holds the sequence")
+            raise self.refuse(node, f"its class dim {x.dim} holds the sequence")
         reduction = args[3]
         if reduction == 0:
             return self.place[target]
         if reduction == 2:
             return PARTIAL
-        raise self._refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+        raise self.refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
 
     @rule(CP, "histogram")
     def _histogram(self, node: fx.Node):
@@ -422,7 +356,7 @@ class _ContextParallel:
     def _layer_norm(self, node: fx.Node) -> Seq:
         s = self._seq(node, node.args[0])
         if s.dim >= val(node.args[0]).dim() - len(node.args[1]) or s.full is not None:
-            raise self._refuse(node, "it normalises over the sequence dim")
+            raise self.refuse(node, "it normalises over the sequence dim")
         return s
 
     @rule(CP, "split", "slice", "index", "repeat", "softmax", "cumulative", "rank")
@@ -435,11 +369,11 @@ class _ContextParallel:
         if s.full is not None and dim == s.full:
             if in_family(node.target, "softmax"):
                 return s  # a softmax over all keys
-            raise self._refuse(node, f"it computes along dim {dim}, the keys of attention scores")
+            raise self.refuse(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
             if node.target == aten.select.int:
                 if s.full is not None:
-                    raise self._refuse(node, "it selects from attention scores")
+                    raise self.refuse(node, "it selects from attention scores")
                 return Seq(s.dim - (dim < s.dim), s.merged)
             if in_family(node.target, "split") or isinstance(node.meta["val"], (tuple, list)):
                 return [s] * len(node.meta["val"])  # every piece / (values, indices)
@@ -447,7 +381,7 @@ class _ContextParallel:
         if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
             return s
         op = getattr(node.target, "__name__", str(node.target))
-        raise self._refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
+        raise self.refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
                                  "need positions another rank holds)")
 
     @rule(CP, "concat")
@@ -457,17 +391,17 @@ class _ContextParallel:
         operands = list(node.args[0])
         found = {self.place[a] for a in operands if isinstance(self.place.get(a), Seq)}
         if len(found) != 1:
-            raise self._refuse(node, "its operands hold the sequence in different dims")
+            raise self.refuse(node, "its operands hold the sequence in different dims")
         (s,) = found
         if s.full is not None:
-            raise self._refuse(node, "it concatenates attention scores")
+            raise self.refuse(node, "it concatenates attention scores")
         out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
         if dim == s.dim and not stack:
-            raise self._refuse(node, "it concatenates along the sequence")
+            raise self.refuse(node, "it concatenates along the sequence")
         for a in operands:
             if not isinstance(self.place.get(a), Seq):
                 if val(a).shape[s.dim] != self.seq or s.merged:
-                    raise self._refuse(node, f"operand {a.name!r} is not split along the sequence")
+                    raise self.refuse(node, f"operand {a.name!r} is not split along the sequence")
                 node.replace_input_with(a, self._cut(a, s.dim, node))
         return out
 
@@ -483,11 +417,11 @@ class _ContextParallel:
             if s.full is not None and s.full in dims:  # over all keys (a softmax written out): exact
                 s = Seq(s.dim, s.merged)
             elif s.full is not None:
-                raise self._refuse(node, "it reduces attention scores over a dim other than the keys")
+                raise self.refuse(node, "it reduces attention scores over a dim other than the keys")
             return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
-        if node.target in _SUMS:
+        if node.target in SUMS:
             return PARTIAL  # a token count or a summed loss; _check_outputs refuses other uses
-        raise self._refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
+        raise self.refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
                                  "over positions)")
 
     @rule(CP, "attention")
@@ -505,17 +439,17 @@ class _ContextParallel:
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
         if mask is not None and not self._sliceable_mask(mask):
             split = isinstance(self.place.get(mask), (Seq, list))
-            raise self._refuse(node, self._unsliceable(mask), mixing=False, fix=(
+            raise self.refuse(node, self._unsliceable(mask), mixing=False, fix=(
                 "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
                 "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
                 f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
         if dropout:
-            raise self._refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
+            raise self.refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
                                fix="set the attention dropout to 0, or cp=1")
         seqs = {self.place.get(a) for a in (q, k, v)}
         dim = val(q).dim() - 2  # a Seq with ``full`` (scores) never equals Seq(dim)
         if seqs != {Seq(dim)}:
-            raise self._refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
+            raise self.refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
                                      f"(places {sorted(map(str, seqs))})", mixing=False)
         if mask is not None or not causal:
             with self.g.inserting_before(node):
@@ -575,20 +509,20 @@ class _ContextParallel:
         for a in node.all_input_nodes:
             place = self.place.get(a)
             if isinstance(place, (Seq, list)):
-                raise self._refuse(a, "the model returns it split along the sequence (a loss must be "
+                raise self.refuse(a, "the model returns it split along the sequence (a loss must be "
                                       "a sum over tokens)", mixing=False)
             if place is not None:
                 continue
             whole = sorted(x.name for x in self.masks.deps.get(a, ()) if x in self.masks.whole)
             if whole:
-                raise self._refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
+                raise self.refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
                                       "every cp rank reads whole (a padding mask): summed over the cp ranks "
                                       f"it would count {self.cp} times", mixing=False,
                                    fix="count tokens from the labels (ignore_index), or cp=1")
             if a.target == aten.scalar_tensor.default and a.name.startswith("num_tokens"):
                 a.args = (a.args[0] / self.cp, *a.args[1:])  # a mean's count: each rank holds 1/cp
                 continue
-            raise self._refuse(a, "the model returns it computed from no sequence input (a constant "
+            raise self.refuse(a, "the model returns it computed from no sequence input (a constant "
                                   "count such as labels.numel() or ones(b, s).sum()): every cp rank would "
                                   f"return the whole value, and summed over the cp ranks it would count {self.cp} "
                                   "times", mixing=False,
@@ -609,7 +543,7 @@ class _ContextParallel:
                     raise PassError(f"after context-parallel rewriting, node {node.name!r} (module "
                                     f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}") from exc
 
-    def _refuse(self, node: fx.Node, why: str, *, mixing: bool = True, fix: str | None = None) -> PassError:
+    def refuse(self, node: fx.Node, why: str, *, mixing: bool = True, fix: str | None = None) -> PassError:
         op = getattr(node.target, "__name__", str(node.target))
         kind = "it mixes positions outside attention: " if mixing else ""
         fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
