@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, fx
 
+from fxmeg import ops  # a cycle (ops calls this module's math): ops is read at run time
+
 log = logging.getLogger(__name__)
 
 
@@ -153,7 +155,7 @@ The forwards of a recompute in backward are not counted again."""
 
 
 def _count_dropped(layer: str, keep: Tensor) -> None:
-    if torch._C._current_graph_task_id() != -1:  # inside backward: activation recompute
+    if ops.recomputing():  # the forward of a recompute region, run again in backward
         return
     n, routed = keep.numel() - keep.sum(), keep.numel()
     if layer in dropped:
