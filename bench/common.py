@@ -4,6 +4,7 @@ is fxmeg.report.SavedBytes."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -38,6 +39,15 @@ def timed(step: Callable[[], object]) -> float:
     took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
+
+
+def write_gathered(report: dict, out: str) -> None:
+    """Every rank's ``report``, in rank order, written by rank 0 to ``out`` as JSON."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, report)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(ranks, f)
 
 
 def median(xs: list[float]) -> float:

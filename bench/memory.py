@@ -32,12 +32,11 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import spawn  # noqa: E402
+from bench.common import spawn, write_gathered  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -94,11 +93,7 @@ def parallel(rank: int, world: int, args, layout: dict, meta: bool, out: str) ->
     held = sum(p.numel() * p.element_size() for p in engine.named_parameters.values())
     report = {"rank": rank, "peak": peak() - base, "peak_after_parallelize": built,
               "largest_module_bytes": largest, "share_bytes": 4 * held, "params_bytes": held}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, report)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
+    write_gathered(report, out)
 
 
 def main() -> None:

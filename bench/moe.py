@@ -45,7 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from bench.common import median, parser, spawn, timed  # noqa: E402
+from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
 from bench.memory import peak, rss  # noqa: E402
 from fxmeg import trace  # noqa: E402
 
@@ -177,11 +177,7 @@ def memory(rank: int, world: int, args: argparse.Namespace, ep: int, out: str) -
     training = (hwm() if reset else peak()) - base
     report = {"peak": max(built, training), "peak_after_parallelize": built,
               "peak_training": training if reset else None, "state_bytes": state_bytes(e)["total"]}
-    ranks = [None] * world
-    dist.all_gather_object(ranks, report)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(ranks, f)
+    write_gathered(report, out)
 
 
 def main() -> None:
