@@ -2,9 +2,10 @@
 keeps as ``wrap_with_autocast`` / ``wrap_with_set_grad_enabled`` nodes calling a body
 GraphModule. Capture keeps the bodies (under ``_fxmeg_hop``) and every pass keeps them:
 trained at world size 1 against plain PyTorch, pipelined into chunks that own the bodies
-they call, recomputed, bucketed, and refused by tensor parallelism only where a region
-reads a split value. Also x-transformers' decoder, whose rotary embedding runs in
-autocast-disabled regions (issue 15)."""
+they call, recomputed, bucketed, and split by tensor parallelism inside a region that
+reads a split value (refused, naming the body's node, where the body cannot be). Also
+x-transformers' decoder, whose rotary embedding runs in autocast-disabled regions reading
+the head-split q and k (issues 15 and 28)."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import fxmeg
 from fxmeg.capture import capture
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
-from fxmeg.passes.graph_utils import is_hop, is_subgraph, requires_grad_nodes
+from fxmeg.passes.graph_utils import body_call, is_hop, is_subgraph, requires_grad_nodes
 from fxmeg.passes.partition import node_cost, node_flops
 from fxmeg.program import chunk_spec
 from fxmeg.transform import transform
@@ -27,7 +28,8 @@ VOCAB, SEQ, GBS, MBS, STEPS = 64, 16, 4, 2, 3
 class Block(nn.Module):
     """An MLP block with one region run with autocast disabled: "after" the MLP (its
     operands stay whole under tensor parallelism), around the "gelu" (it reads the
-    column-parallel output), around the "up" projection (a matmul inside a body), or None."""
+    column-parallel output), around the "up" projection (a matmul inside a body), around
+    the "down" projection (a row-parallel linear inside a body: refused at tp), or None."""
 
     def __init__(self, d: int, region: str | None) -> None:
         super().__init__()
@@ -49,7 +51,11 @@ class Block(nn.Module):
                 h = F.gelu(h.float())
         else:
             h = F.gelu(h)
-        h = self.down(h) * table
+        if self.region == "down":
+            with torch.autocast(device_type="cpu", enabled=False):
+                h = self.down(h.float()) * table
+        else:
+            h = self.down(h) * table
         if self.region == "after":
             with torch.autocast(device_type="cpu", enabled=False):
                 h = h.float() * self.scale
@@ -227,14 +233,45 @@ def test_tensor_parallel_keeps_regions_with_whole_operands():
     assert len(_hops(gm)) == 6 and _bodies_owned(gm) == _bodies_called(gm)
 
 
-def test_tensor_parallel_refuses_a_region_reading_a_split_value():
+def test_tensor_parallel_splits_inside_a_region():
+    """The gelu region reads the column-parallel output: its body is split like the
+    outer graph (local shapes, re-evaluated), its result stays split for the row-parallel
+    down projection, and its grad flows as before."""
+    gm = transform(_model("gelu"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2,
+                   stop_after="tensor_parallel")
+    tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
+    assert tags["layers.0.up.weight"] == Shard(0, (64,))
+    assert tags["layers.0.down.weight"] == Shard(1, (64,))
+    region = _hops(gm)[2]
+    assert region.target.name() == "wrap_with_autocast" and region.meta["fxmeg"]["module"] == "layers.0"
+    body = body_call(region)[0]
+    gelu = next(n for n in body.graph.nodes if n.target == torch.ops.aten.gelu.default)
+    assert tuple(gelu.meta["val"].shape) == (MBS, SEQ, 32)  # 64 features over 2 ranks
+    assert tuple(region.meta["val"][0].shape) == (MBS, SEQ, 32)
+    assert "gelu" in body.code and _bodies_owned(gm) == _bodies_called(gm)
+    assert region in requires_grad_nodes(gm)
+
+
+def test_x_transformers_region_rewrites_its_shape_arguments():
+    """The rotary region's reshape to (batch, heads, seq, head_dim / 2, 2) now names the
+    local heads (4 over 2 ranks), and the region's output is q's local part."""
+    gm = transform(_xt(), make_batch(MBS, seed=0, vocab=96, seq=SEQ), tp=2, stop_after="tensor_parallel")
+    region = next(n for n in _hops(gm) if n.meta["fxmeg"]["module"] == "net.attn_layers.layers.0.1")
+    body = body_call(region)[0]
+    shapes = [n.args[1] for n in body.graph.nodes if n.target == torch.ops.aten.reshape.default]
+    assert [2, 2, 16, 16, 2] in shapes and [2, 2, 16, 32] in shapes
+    assert tuple(region.meta["val"][0].shape) == (MBS, 2, SEQ, 64)
+
+
+def test_tensor_parallel_refuses_a_linear_inside_a_region_reading_a_split_value():
     with pytest.raises(PassError) as err:
-        transform(_model("gelu"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2,
+        transform(_model("down"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2,
                   stop_after="tensor_parallel")
     msg = str(err.value)
-    assert "cannot split node" in msg and "(wrap_with_autocast, module 'layers.0')" in msg
+    assert "cannot split node 'linear_1' (linear.default, module 'layers.0.down')" in msg, msg
     assert "split along dim 2 by module 'layers.0.up'" in msg
-    assert "higher-order op" in msg and "tp_plan={'layers.*.*': 'replicate'}" in msg
+    assert "a linear whose weight is not a parameter reads a split value (in a region's body" in msg
+    assert "tp_plan={'layers.*.up': 'replicate'}" in msg
 
 
 # ---------------------------------------------------------------- x-transformers
@@ -275,19 +312,20 @@ def test_x_transformers_pipeline_chunks_compute_the_captured_loss():
 
 
 def test_x_transformers_tensor_parallel():
-    """Rotary embeddings run in regions that read the column-parallel q and k: refused,
-    with a plan that keeps attention whole (the MLPs and the vocabulary still split)."""
+    """Rotary embeddings run in regions that read the column-parallel q and k: split
+    inside them, so attention splits with no tp_plan (a plan keeping it whole still works)."""
     model, example = _xt(), make_batch(MBS, seed=0, vocab=96, seq=SEQ)
-    with pytest.raises(PassError) as err:
-        transform(model, example, tp=2, stop_after="tensor_parallel")
-    msg = str(err.value)
-    assert "node 'to_1' (wrap_with_autocast, module 'net.attn_layers.layers.0.1')" in msg
+    gm = transform(model, example, tp=2, stop_after="tensor_parallel")
+    tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
+    for proj in ("to_q", "to_k", "to_v"):
+        assert tags[f"net.attn_layers.layers.0.1.{proj}.weight"] == Shard(0, (256,))
+    assert tags["net.attn_layers.layers.0.1.to_out.weight"] == Shard(1, (256,))
+    assert tags["net.attn_layers.layers.1.1.ff.0.0.weight"] == Shard(0, (128,))
+    assert tags["net.token_emb.emb.weight"] == Shard(0, (96,))
     plan = {"net.attn_layers.layers.*.1.to_*": "replicate"}
     gm = transform(model, example, tp=2, stop_after="tensor_parallel", tp_plan=plan)
     tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
     assert tags["net.attn_layers.layers.0.1.to_q.weight"] == Replicate(False)
-    assert tags["net.attn_layers.layers.1.1.ff.0.0.weight"] == Shard(0, (128,))
-    assert tags["net.token_emb.emb.weight"] == Shard(0, (96,))
 
 
 # ---------------------------------------------------------------- the loss inside a region

@@ -70,6 +70,7 @@ FAMILIES: tuple[Family, ...] = (
            _ops("split.Tensor", "split_with_sizes.default", "chunk.default")),
     Family("slice", "a range along their dim argument", _ops("slice.Tensor")),
     Family("index", "pick entries along their dim argument", _ops("select.int", "index_select.default")),
+    Family("unbind", "every entry along their dim argument, one tensor each", _ops("unbind.int")),
     Family("repeat", "repeat entries along their dim argument", _ops("repeat_interleave.self_int")),
     Family("concat", "join operands along a dim (new for stack)", _ops("cat.default", "stack.default")),
     Family("softmax", "normalise along their dim argument",

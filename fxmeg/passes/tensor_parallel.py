@@ -51,8 +51,9 @@ inside ``fxmeg::`` ops, from the group the runtime binds):
   * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
 Anything it cannot split safely is a PassError naming the node, the module, the numbers
 and a fix. A higher-order op (an autocast or no-grad region, ``wrap``) whose operands are
-all replicated stays as it is; one that reads a split value is refused (its body is not
-split).
+all replicated stays as it is; one that reads a split value is entered: the same rules run
+over its body, its placeholders placed like its operands, its outputs like the body's
+results (fxmeg/passes/tp_regions.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_ar
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
+from fxmeg.passes.tp_regions import RegionRules
 from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
 
 aten = torch.ops.aten
@@ -93,7 +95,7 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     return finish(gm)
 
 
-class _TensorParallel(PropagationRules):
+class _TensorParallel(PropagationRules, RegionRules):
     def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
         self.gm, self.g, self.tp, self.sp, self.ep = gm, gm.graph, tp, sp, ep
         for glob, role in plan.items():
@@ -106,6 +108,7 @@ class _TensorParallel(PropagationRules):
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
+        self.regions: dict[fx.Graph, fx.Node] = {}  # entered region bodies -> their region (tp_regions)
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
@@ -133,15 +136,8 @@ class _TensorParallel(PropagationRules):
         args = [self.place.get(a) for a in node.all_input_nodes]
         if not (found is not None and found.always) and not any(isinstance(p, (Shard, list)) for p in args):
             return None
-        if is_hop(node):
-            split = next(p for p in args if isinstance(p, (Shard, list)))
-            glob = re.sub(r"\.\d+\.", ".*.", owning_module(node) + ".") + "*"
-            raise self._unsupported(
-                node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap region "
-                "of the model) that reads a value split over tp ranks, and fxmeg does not split "
-                "the region's body", split if isinstance(split, Shard) else None,
-                fix=f"keep the linears that feed it whole with tp_plan={{{glob!r}: 'replicate'}}, "
-                    "or use tp=1")
+        if is_hop(node):  # an autocast, no-grad or wrap region: the rules run over its body
+            return self._region(node)
         if t is operator.getitem:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
@@ -156,6 +152,11 @@ class _TensorParallel(PropagationRules):
         residual stream) draws between ``tp_rng_fork`` and ``tp_rng_join``, from this
         rank's stream, so no two ranks use one mask for different heads or positions; one
         on a replicated value keeps the default stream, the same on every rank."""
+        for gm in self._graphs():  # region bodies draw too
+            with self._inside(gm):
+                self._streams_of_graph()
+
+    def _streams_of_graph(self) -> None:
         for node in list(self.g.nodes):
             if node.op != "call_function":
                 continue
@@ -214,7 +215,10 @@ class _TensorParallel(PropagationRules):
         if not any(isinstance(self.place.get(a), (Shard, list)) for a in node.all_input_nodes):
             return None
         if not in_family(node.target, "matmul"):
-            raise self._unsupported(node, "a linear whose weight is not a parameter reads a split value")
+            split = next((p for p in map(self.place.get, node.all_input_nodes) if isinstance(p, Shard)), None)
+            inside = " (in a region's body, as here, a parameter is an operand of the region)"
+            raise self._unsupported(node, "a linear whose weight is not a parameter reads a split value"
+                                          + (inside if self.g in self.regions else ""), split)
         return self._matmul(node)
 
     def _linear(self, node: fx.Node):
@@ -426,7 +430,9 @@ class _TensorParallel(PropagationRules):
         )
 
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
-        assert w.op == "get_attr", f"{node.name}: weight is not a parameter"
+        if w.op != "get_attr":  # a region's operand inside its body (tp_regions)
+            raise self._unsupported(node, f"it would split {w.name!r}, which is not a parameter here "
+                                          "(a parameter reaches a region's body as an operand)")
         spec = Shard(dim, parts)
         if w.target in self.whole:
             self._tied(w, spec)
@@ -459,6 +465,10 @@ class _TensorParallel(PropagationRules):
             if n in seen or n.target in _SYNCED:
                 continue
             seen.add(n)
+            inner = self._through(n, seen | {param})  # into and out of region bodies
+            if inner is not None:
+                todo.extend(inner)
+                continue
             p = self.place.get(n)
             if isinstance(p, (Shard, list)) or p is LOCAL:
                 return True
@@ -470,7 +480,10 @@ class _TensorParallel(PropagationRules):
         for node in self.g.nodes:
             if node.op == "call_function":
                 try:
-                    node.meta["val"] = fake_eval(node)
+                    if not self._refresh_region(node):  # an entered region: its body first
+                        node.meta["val"] = fake_eval(node)
+                except PassError:
+                    raise
                 except Exception as exc:
                     raise PassError(
                         f"after tensor-parallel rewriting, node {node.name!r} (module "

@@ -199,6 +199,16 @@ class PropagationRules:
             return s.moved(s.dim - (dim < s.dim))
         return s
 
+    @rule(TP, "unbind")
+    def _unbind(self, node: fx.Node):
+        """unbind along another dim than the split one: each piece keeps the split (a
+        rotary embedding's pairs, unbound along head_dim)."""
+        s, n = self.place[node.args[0]], val(node.args[0]).dim()
+        dim = (node.args[1] if len(node.args) > 1 else 0) % n
+        if dim == s.dim:
+            raise self._unsupported(node, f"it unbinds the split dim {dim}", s)
+        return [s.moved(s.dim - (dim < s.dim))] * len(node.meta["val"])
+
     @rule(TP, "repeat")
     def _repeat_interleave(self, node: fx.Node):
         s = self.place[node.args[0]]
@@ -329,6 +339,10 @@ class PropagationRules:
                 if n in seen:
                     continue
                 seen.add(n)
+                inner = self._through(n, seen | {total})  # into and out of region bodies
+                if inner is not None:
+                    todo.extend(inner)
+                    continue
                 p = self.place.get(n)
                 if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
                     whole.append(n)
@@ -346,7 +360,7 @@ class PropagationRules:
             if not split:
                 copy = total.args[0]
                 total.replace_input_with(copy, copy.args[0])
-                self.g.erase_node(copy)
+                copy.graph.erase_node(copy)  # the graph it is in: a region's body, maybe
 
     @rule(TP, "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):

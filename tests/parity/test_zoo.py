@@ -10,8 +10,9 @@ relative norm: docs/design.md §3).
 * Hugging Face mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS: 4
   experts, top-2; Mixtral also with experts_implementation="eager") at tp=2 x pp=2 only
   (MOE_ZOO), where each tp rank holds less than the whole model;
-* x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)) (its attention kept
-  whole at tp: tests/test_higher_order.py);
+* x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
+  embedding runs in autocast regions reading the head-split q and k (split inside them:
+  fxmeg/passes/tp_regions.py); a skip when x-transformers is not installed;
 * two well-known single-file models: nanoGPT's model.py and llama2.c's model.py
   (tests/zoo/, rewritten after the published files), each trained through its own loss
   (ignore_index=-1).
@@ -27,7 +28,6 @@ fails that way: a fix shows up as a failing test to move the entry into the zoo.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 
 import pytest
@@ -49,7 +49,8 @@ from tests.helpers import (
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
 LAYOUTS = {"w1": {}, "tp2": {"tp": 2}, "tp2-pp2": {"tp": 2, "pp": 2}}
 WORLD = {"tp2": 2, "tp2-pp2": 4}
-XT_PLAN = {"net.attn_layers.layers.*.1.to_*": "replicate"}  # attention whole: see test_higher_order
+OPTIONAL = {"x-transformers": "x_transformers"}
+"""Zoo name -> the optional package it needs: reported as a skip when it is missing."""
 
 
 def hf(kind: str, attn: str = "sdpa", **extra):
@@ -134,8 +135,7 @@ as grouped_mm (its single-device reference runs eager). At tp the router stays w
 every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared expert) are
 split. At tp2-pp2 only: about 8 s each in the zoo's spawn, where world size 1 would add
 about 10 s each in the test process (they train there too: issue 27)."""
-if importlib.util.find_spec("x_transformers") is not None:
-    ZOO["x-transformers"] = (XDecoder, {"tp_plan": XT_PLAN}, -100)
+ZOO["x-transformers"] = (XDecoder, {}, -100)  # rotary inside autocast regions: split inside them
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
 ZOO["llama2.c"] = (Llama2cLoss, {}, -1)
 # its rotary embedding unbinds the column-parallel q and k (KNOWN_GAPS): the plan the
@@ -224,6 +224,8 @@ def spawned():
 
 
 def _result(request, name: str, layout: str):
+    if name in OPTIONAL:  # a missing package is a skip, never a silently dropped case
+        pytest.importorskip(OPTIONAL[name])
     if layout == "w1":  # in this process
         return train(name, layout)
     results = request.getfixturevalue("spawned")[layout][name]
@@ -244,6 +246,9 @@ def test_zoo(request, name, layout):
         for rank, r in enumerate(request.getfixturevalue("spawned")[layout][name]):
             held, whole = r[4]
             assert held < whole, f"{name}: rank {rank} holds all {whole} elements of its parameters"
+    if name == "x-transformers" and "tp" in LAYOUTS[layout]:  # attention split inside its regions
+        for proj in ("to_q", "to_k", "to_v"):
+            assert f"net.attn_layers.layers.0.1.{proj}.weight" in result[3], result[3]
     if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
         assert "model.layers.0.self_attn.q_proj.weight" in result[3]
         assert not [n for n in result[3] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]

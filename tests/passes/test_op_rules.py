@@ -39,6 +39,7 @@ permute          tp _permute             cp _permute       permute.default, t.de
 split            tp _split               cp _along         chunk.default, split.Tensor, split_with_sizes.default
 slice            tp _slice               cp _along         slice.Tensor
 index            tp _select              cp _along         index_select.default, select.int
+unbind           tp _unbind              cp -              unbind.int
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
