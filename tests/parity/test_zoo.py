@@ -54,14 +54,15 @@ XT_PLAN = {"net.attn_layers.layers.*.1.to_*": "replicate"}  # attention whole: s
 
 def hf(kind: str, attn: str = "sdpa", **extra):
     """A tiny Hugging Face causal LM from the issue's recipe (dropout off: parity needs the
-    same arithmetic on both sides)."""
+    same arithmetic on both sides); ``extra`` adds or overrides options, None drops one
+    of the recipe's (Falcon's head_dim is read-only)."""
     def build() -> nn.Module:
         import transformers as T
 
-        cfg = T.AutoConfig.for_model(
-            kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
-            max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **extra)  # ids within the vocabulary
+        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2)  # ids within the vocabulary
+        cfg = T.AutoConfig.for_model(kind, **{k: v for k, v in (options | extra).items() if v is not None})
         for key, value in cfg.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(cfg, key, 0.0)
@@ -136,6 +137,20 @@ split. At tp2-pp2 only: about 8 s each in the zoo's spawn, where world size 1 wo
 about 10 s each in the test process (they train there too: issue 27)."""
 if importlib.util.find_spec("x_transformers") is not None:
     ZOO["x-transformers"] = (XDecoder, {"tp_plan": XT_PLAN}, -100)
+# key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py): Falcon's
+# default config (multi-query, parallel attention, FalconLinear's x @ w.T) and gpt_bigcode's
+# multi-query fused c_attn; bloom's per-head interleaved query_key_value (heads merged into
+# the batch for baddbmm: KNOWN_GAPS)
+ZOO["falcon"] = (hf("falcon", head_dim=None, num_key_value_heads=None), {}, -100)
+ZOO["gpt_bigcode-mqa"] = (hf("gpt_bigcode", multi_query=True), {}, -100)
+ZOO["bloom-eager"] = (hf("bloom", "eager"), {}, -100)  # no sdpa in transformers
+SPLIT = {
+    "falcon": ("transformer.h.0.mlp.dense_h_to_4h.weight", "transformer.h.0.mlp.dense_4h_to_h.weight",
+               "transformer.h.0.self_attention.dense.weight"),
+    "gpt_bigcode-mqa": ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight"),
+    "bloom-eager": ("transformer.h.0.self_attention.query_key_value.weight", "transformer.h.0.mlp.dense_h_to_4h.weight"),
+}
+"""Parameters tensor parallelism must split (asserted at every tp layout)."""
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
 ZOO["llama2.c"] = (Llama2cLoss, {}, -1)
 # its rotary embedding unbinds the column-parallel q and k (KNOWN_GAPS): the plan the
