@@ -110,6 +110,9 @@ class Plan:
     """Trainable elements of the whole model, full shapes, each tensor once."""
     flops_per_microbatch: float
     """Forward FLOPs of one micro-batch of the whole model (all tp ranks)."""
+    tp_whole: tuple[tuple[str, str], ...] = ()
+    """(module glob, why) of the blocks' projections every tp rank holds whole
+    (``Program.tp_whole``)."""
 
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
@@ -126,6 +129,7 @@ class Plan:
             "flops_per_microbatch": self.flops_per_microbatch,
             "bubble_costs": {"forward": F_COST, "backward": B_COST},
             "stages": [dataclasses.asdict(s) for s in self.stages],
+            "tp_whole": [{"modules": m, "why": why} for m, why in self.tp_whole],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -161,7 +165,8 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
         lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # units read left-aligned
                            for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-        return "\n".join(head + lines)
+        whole = [f"  tp={par.tp} leaves whole on every tp rank: {m} ({why})" for m, why in self.tp_whole]
+        return "\n".join(head + lines + whole)
 
 
 def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
@@ -211,7 +216,7 @@ def plan_of(program: Program, config: EngineConfig | None = None) -> Plan:
     sim = simulator.simulate(lowered, pp=par.pp, placement=program.placement, f_cost=F_COST, b_cost=B_COST)
     stages = tuple(_stage(program, config, stage, sim) for stage in range(par.pp))
     total = sum(program.full_shapes[n][0].numel() for n in program.parameters)
-    return Plan(config, stages, total, program.flops_per_microbatch)
+    return Plan(config, stages, total, program.flops_per_microbatch, program.tp_whole)
 
 
 def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Simulation) -> StagePlan:

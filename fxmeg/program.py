@@ -358,6 +358,9 @@ class Program:
     the model by keyword (``fxmeg.runtime.batches.positional`` orders them)."""
     position_tables: tuple[PositionTable, ...] = ()
     """What bounds the sequence length (``EngineConfig.variable_seq_lengths``)."""
+    tp_whole: tuple[tuple[str, str], ...] = ()
+    """(module glob, why) of every block's projection tp > 1 leaves whole on every tp rank
+    (fxmeg/passes/tp_heads.py: key/value heads fewer than tp, tp_plan, no linear to split)."""
     cp_layout: CPLayout | None = None
     """cp > 1: the context-parallel pass's ``CPLayout`` (sequence length, and the dim of
     each input the runtime cuts to this cp rank's positions); None otherwise."""

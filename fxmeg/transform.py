@@ -331,6 +331,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         inputs=info.inputs,
         keywords=info.keywords,
         cp_layout=meta.get("cp"),
+        tp_whole=meta.get("tp_whole", ()),
         value_checks=facts.value_checks,
         position_tables=facts.position_tables,
         flops_per_microbatch=facts.flops_per_microbatch,

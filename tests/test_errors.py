@@ -19,6 +19,7 @@ from fxmeg.cli import _train_parser, config_from
 from fxmeg.runtime.optimizer import muon_adamw
 from tests.distributed import run_world
 from tests.helpers import make_batch, make_model
+from tests.passes.test_tp_heads import _KeyReadWhole
 
 COUNTED = ["new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object",
            "batch_isend_irecv", "isend", "irecv", "send", "recv", "reduce_scatter_tensor",
@@ -222,8 +223,8 @@ ROWS = {
                                "the dualpipev schedule needs at least 2 * pp = 4 micro-batches; got m=3"),
     "tp-heads": (lambda: fxmeg.parallelize(make_model("gpt", n_embd=48, n_head=3), _ex(), tp=2),
                  "tp=2 does not divide 3, the number of heads"),
-    "tp-kv-heads": (lambda: fxmeg.parallelize(make_model("llama", n_kv_head=1), _ex(), tp=2),
-                    "tp=2 does not divide 1, the number of heads"),
+    "tp-kv-heads": (lambda: fxmeg.parallelize(_KeyReadWhole(), _ex(vocab=96), tp=2),
+                    "cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks"),
     "tp-vocabulary": (lambda: fxmeg.parallelize(make_model("gpt", vocab_size=127), _ex(vocab=127), tp=2),
                       "pad the vocabulary to a multiple of 2 (e.g. 128)"),
     "tp-unsplittable": (lambda: fxmeg.parallelize(_SplitMax(), _ex(), tp=2),

@@ -74,6 +74,8 @@ from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
+from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
+                                    say_whole_projections)
 from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_regions import RegionRules
@@ -109,6 +111,9 @@ class _TensorParallel(PropagationRules, RegionRules):
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
         self.regions: dict[fx.Graph, fx.Node] = {}  # entered region bodies -> their region (tp_regions)
+        self.kv_weights: dict[str, str] = {}  # replicated key/value weight -> its heads (tp_heads)
+        self.kv_outputs: list[fx.Node] = []
+        linears_from_products(gm)  # x @ w.T is a linear (tp_heads)
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
@@ -116,13 +121,16 @@ class _TensorParallel(PropagationRules, RegionRules):
     # ------------------------------------------------------------------ driver
 
     def run(self) -> None:
+        self.heads = kv_replicas(self)  # key/value heads fewer than tp: replicated (tp_heads)
         for node in list(self.g.nodes):
             if node.op != "call_function":
                 continue
             self.place[node] = self._visit(node)
         self._check_statistics()
+        check_kv_readers(self, _SYNCED)
         self._per_rank_streams()
         self._tag_parameters()
+        say_whole_projections(self)  # never silent: tp_heads
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
             n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
             ep=self.ep)
@@ -209,6 +217,8 @@ class _TensorParallel(PropagationRules, RegionRules):
         """A product whose weight operand is a parameter is a linear (column-, row- or
         vocab-parallel, or replicated, even on replicated input); any other product of
         split values follows the matmul family's rule."""
+        if node in self.heads:  # a key/value replica or the query block of a fused projection
+            return kv_linear(self, node)
         slots = LINEAR_SLOTS.get(node.target)
         if slots is not None and isinstance(w := node.args[slots.weight], fx.Node) and w.op == "get_attr":
             return self._linear(node)

@@ -222,8 +222,17 @@ class PropagationRules:
     @rule(TP, "attention")
     def _attention(self, node: fx.Node):
         q, k, v = (self.place.get(a) for a in node.args[:3])
-        if not (isinstance(q, Shard) and q == k == v and q.dim < val(node).dim() - 2):
+        if not (isinstance(q, Shard) and q.dim < val(node).dim() - 2):
             raise self._unsupported(node, "query, key and value must be split alike over heads", q)
+        for a, p in zip(node.args[1:3], (k, v)):
+            if p == q:
+                continue
+            heads = val(a).shape[q.dim] if p is None else None
+            if heads == val(node.args[0]).shape[q.dim]:  # key/value heads replicated (tp_heads): this rank's
+                node.replace_input_with(a, self._local_slice(node, a, q.dim))
+            elif heads != 1:  # one key/value head broadcasts over every query head
+                raise self._unsupported(node, "query, key and value must be split alike over heads (or the "
+                                              "key/value heads replicated, one or one per query head)", q)
         mask = node.args[3] if len(node.args) > 3 else None
         if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
             j = q.dim - (val(node).dim() - val(mask).dim())

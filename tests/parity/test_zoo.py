@@ -55,14 +55,15 @@ OPTIONAL = {"x-transformers": "x_transformers"}
 
 def hf(kind: str, attn: str = "sdpa", **extra):
     """A tiny Hugging Face causal LM from the issue's recipe (dropout off: parity needs the
-    same arithmetic on both sides)."""
+    same arithmetic on both sides); ``extra`` adds or overrides options, None drops one
+    of the recipe's (Falcon's head_dim is read-only)."""
     def build() -> nn.Module:
         import transformers as T
 
-        cfg = T.AutoConfig.for_model(
-            kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
-            max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **extra)  # ids within the vocabulary
+        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2)  # ids within the vocabulary
+        cfg = T.AutoConfig.for_model(kind, **{k: v for k, v in (options | extra).items() if v is not None})
         for key, value in cfg.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(cfg, key, 0.0)
@@ -136,6 +137,21 @@ every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared e
 split. At tp2-pp2 only: about 8 s each in the zoo's spawn, where world size 1 would add
 about 10 s each in the test process (they train there too: issue 27)."""
 ZOO["x-transformers"] = (XDecoder, {}, -100)  # rotary inside autocast regions: split inside them
+# key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py): Falcon's
+# default config (multi-query, parallel attention, FalconLinear's x @ w.T) and gpt_bigcode's
+# multi-query fused c_attn; bloom's per-head interleaved query_key_value (heads merged into
+# the batch for baddbmm: KNOWN_GAPS)
+ZOO["falcon"] = (hf("falcon", head_dim=None, num_key_value_heads=None), {}, -100)
+ZOO["gpt_bigcode-mqa"] = (hf("gpt_bigcode", multi_query=True), {}, -100)
+ZOO["bloom-eager"] = (hf("bloom", "eager"), {}, -100)  # no sdpa in transformers
+SPLIT = {
+    "falcon": ("transformer.h.0.mlp.dense_h_to_4h.weight", "transformer.h.0.mlp.dense_4h_to_h.weight",
+               "transformer.h.0.self_attention.dense.weight"),
+    "gpt_bigcode-mqa": ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight"),
+    "bloom-eager": ("transformer.h.0.self_attention.query_key_value.weight", "transformer.h.0.mlp.dense_h_to_4h.weight"),
+    "x-transformers": tuple(f"net.attn_layers.layers.0.1.{p}.weight" for p in ("to_q", "to_k", "to_v")),
+}
+"""Parameters tensor parallelism must split (asserted at every tp layout)."""
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
 ZOO["llama2.c"] = (Llama2cLoss, {}, -1)
 # its rotary embedding unbinds the column-parallel q and k (KNOWN_GAPS): the plan the
@@ -149,12 +165,20 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "(split along dim 2 by module 'model.layers.0.attention.wq'): fxmeg has no rule for it (a view "
         "of no family fxmeg knows). Fix: keep that module whole with "
         "tp_plan={'model.layers.*.attention.wq': 'replicate'}, or use tp=1"),
+    ("bloom-eager", "tp2-pp2"): re.escape(
+        "PassError: cannot split node 'reshape' (reshape.default, module 'transformer.h.0.self_attention') "
+        "over tp=2 ranks (split along dim 1 by module 'transformer.h.0.self_attention.query_key_value'): it "
+        "merges dim 1 (size 4, split over tp ranks) into a larger dim with dims outside it"),
 }
-"""(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
+"""(zoo name, layout) -> a regular expression the failure (``Type: message``) matches.
+bloom's interleaved query_key_value splits by whole heads (tests/passes/test_tp_heads.py);
+its attention then merges the heads into the batch for baddbmm with the ALiBi bias."""
 
 ISSUE_CASES = ("mistral", "qwen3", "granite", "stablelm", "gemma", "gemma3_text",  # a pad token
-               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers")  # refused before
-"""The cases issue 15 found silently wrong, refused or not captured: also trained at plain tp=2."""
+               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers",  # refused before
+               "falcon", "gpt_bigcode-mqa")  # issue 28: split nothing, refused
+"""The cases issues 15 and 28 found silently wrong (Falcon split nothing), refused or not
+captured: also trained at plain tp=2."""
 CASES = [(name, layout) for name in ZOO for layout in LAYOUTS
          if not (layout == "w1" and name in TP_ONLY) and (layout != "tp2" or name in ISSUE_CASES)]
 
@@ -246,9 +270,8 @@ def test_zoo(request, name, layout):
         for rank, r in enumerate(request.getfixturevalue("spawned")[layout][name]):
             held, whole = r[4]
             assert held < whole, f"{name}: rank {rank} holds all {whole} elements of its parameters"
-    if name == "x-transformers" and "tp" in LAYOUTS[layout]:  # attention split inside its regions
-        for proj in ("to_q", "to_k", "to_v"):
-            assert f"net.attn_layers.layers.0.1.{proj}.weight" in result[3], result[3]
+    if name in SPLIT and "tp" in LAYOUTS[layout]:
+        assert set(SPLIT[name]) <= set(result[3]), f"{name}: {sorted(set(SPLIT[name]) - set(result[3]))} not split"
     if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
         assert "model.layers.0.self_attn.q_proj.weight" in result[3]
         assert not [n for n in result[3] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]

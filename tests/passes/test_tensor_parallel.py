@@ -205,13 +205,15 @@ def test_tp_not_dividing_heads():
     assert "module 'layers.0.attn'" in msg and "choose tp in [1, 2, 4]" in msg
 
 
-def test_tp_not_dividing_kv_heads():
-    model = make_model("llama", n_layer=1, n_embd=64, n_head=4, n_kv_head=2)
-    with pytest.raises(PassError) as err:
-        _tp(model, tp=4)
-    msg = str(err.value)
-    assert "tp=4 does not divide 2, the number of heads" in msg
-    assert "module 'layers.0.self_attn'" in msg and "choose tp in [1, 2]" in msg
+def test_tp_not_dividing_kv_heads_replicates_them():
+    """2 KV heads at tp=4 (tests/passes/test_tp_heads.py has more): k_proj and v_proj whole,
+    their gradients summed over tp; after repeat_interleave each rank keeps its query head's."""
+    gm = _tp(make_model("llama", n_layer=1, n_embd=64, n_head=4, n_kv_head=2), tp=4)
+    tags = _tags(gm)
+    assert tags["layers.0.self_attn.q_proj.weight"] == Shard(0, (64,))
+    assert tags["layers.0.self_attn.k_proj.weight"] == tags["layers.0.self_attn.v_proj.weight"] == Replicate(True)
+    (sdpa,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 1, 16, 16)] * 3
 
 
 def test_tp_not_dividing_the_vocabulary_offers_padding():
