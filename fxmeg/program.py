@@ -364,6 +364,10 @@ class Program:
     cp_layout: CPLayout | None = None
     """cp > 1: the context-parallel pass's ``CPLayout`` (sequence length, and the dim of
     each input the runtime cuts to this cp rank's positions); None otherwise."""
+    unread: tuple[str, ...] = ()
+    """Trainable parameters of the model (first names) that no chunk graph reads: they get
+    no gradient and no update (plain PyTorch leaves their ``grad`` None); ``Engine.verify``
+    reports them."""
 
     @property
     def num_chunks(self) -> int:

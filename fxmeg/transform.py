@@ -339,6 +339,7 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         device=device,
         reference=reference,
         init_dtypes=dtypes,
+        unread=tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in holders),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 from unittest import mock
 
 import torch
@@ -137,6 +138,29 @@ def model_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) 
     if type(model).__module__.startswith("transformers."):
         return model(input_ids=ids, labels=labels, use_cache=False).loss
     return model(ids, labels)
+
+
+def seeded_init(model: torch.nn.Module, init_fn, seed: int) -> torch.nn.Module:
+    """docs/design.md §2.1's initialisation rule written out in plain PyTorch, independently
+    of ``fxmeg.materialize``: each module that registers a tensor first (``named_modules``
+    order; a tied tensor belongs to the module of its first name) is re-initialised in place
+    by ``init_fn(module)`` with the default generator seeded by the first 8 bytes
+    (little-endian, top bit cleared) of ``sha256(f"{seed}/{module name}")``. On a real model:
+    the values a meta model built like it gets from ``parallelize(init_fn=, seed=)``.
+    Returns ``model``; the caller's RNG state is kept."""
+    seen: set[int] = set()
+    owners = []
+    for name, module in model.named_modules():
+        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None and id(t) not in seen]
+        seen.update(id(t) for t in own)
+        if own:
+            owners.append((name, module))
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for name, module in owners:
+            digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            init_fn(module)
+    return model
 
 
 def make_batch(rows: int, *, seed: int, vocab: int = 128, seq: int = 16):

@@ -1,7 +1,9 @@
 """A model built on the meta device (issue 17), on one process: captured and transformed
 on shapes, its values made module by module independently of the layout, the same as
 ``fxmeg.materialize`` makes on one device; Hugging Face models initialised by their own
-``_init_weights`` (rotary tables recomputed); half precision starting from fp32 masters."""
+``_init_weights`` (rotary tables recomputed); half precision starting from fp32 masters.
+The expected values are the seeding rule written out in the test (``seeded_init``,
+applied to a real model), not ``fxmeg.materialize``."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import fxmeg
 from fxmeg.errors import InitError
 from fxmeg.transform import transform
-from tests.helpers import assert_bitwise, hf_model, make_batch, make_model
+from tests.helpers import assert_bitwise, hf_model, make_batch, make_model, seeded_init
 
 
 def _meta(name, **cfg):
@@ -22,6 +24,18 @@ def _meta(name, **cfg):
 def _twin(name, **cfg):
     model = _meta(name, **cfg)
     return fxmeg.materialize(model, init_fn=model.init_weights, seed=0)
+
+
+def _oracle(name, seed=0, **cfg):
+    """A real model of ``name`` (its own init drawn from another seed), re-initialised by
+    the test's statement of the rule."""
+    model = make_model(name, seed=7, **cfg)
+    return seeded_init(model, model.init_weights, seed)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_materialize_follows_the_per_module_seeding_rule(name):
+    assert_bitwise(_twin(name).state_dict(), _oracle(name).state_dict())
 
 
 def test_values_depend_on_the_module_name_not_on_the_rest_of_the_model():
@@ -53,7 +67,7 @@ def test_parallelize_makes_the_twin_and_the_users_module_holds_it():
     ids, labels = make_batch(2, seed=0)
     model = _meta("llama")
     engine = fxmeg.parallelize(model, (ids, labels), init_fn=model.init_weights, seed=0)
-    assert_bitwise(engine.full_state_dict(), _twin("llama").state_dict())
+    assert_bitwise(engine.full_state_dict(), _oracle("llama").state_dict())
     for name, p in model.named_parameters():
         assert p is engine.named_parameters[name]
     assert not model.rope_cos.is_meta
@@ -63,7 +77,7 @@ def test_half_precision_masters_are_the_fp32_initial_values():
     ids, labels = make_batch(2, seed=0)
     model = _meta("gpt")
     engine = fxmeg.parallelize(model, (ids, labels), init_fn=model.init_weights, seed=0, precision="bf16")
-    twin = _twin("gpt")
+    twin = _oracle("gpt")
     masters = {piece.name: piece.master for piece in engine.context.optimizer.pieces}
     for name, p in twin.named_parameters():
         assert masters[name].dtype == torch.float32
@@ -76,9 +90,8 @@ def test_hugging_face_model_on_meta_uses_its_own_init():
     with torch.device("meta"):
         model = hf_model("llama")
     engine = fxmeg.parallelize(model, (ids, ids), seed=0)
-    with torch.device("meta"):
-        twin = hf_model("llama")
-    fxmeg.materialize(twin, seed=0)
+    twin = hf_model("llama", seed=7)
+    seeded_init(twin, twin._init_weights, 0)  # the model's own init, per module, seeded by the rule
     assert_bitwise(engine.full_state_dict(), twin.state_dict())
     real = hf_model("llama")
     assert torch.equal(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)

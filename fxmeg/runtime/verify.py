@@ -56,10 +56,11 @@ class ParamError:
     """||g - g_ref|| / ||g_ref|| (0 when both are zero, inf when only the reference is)."""
     norm: float
     """||g_ref||."""
-    chunk: int
-    """The first chunk that reads the parameter."""
+    chunk: int | None
+    """The first chunk that reads the parameter; None when no chunk graph reads it
+    (``Program.unread``)."""
     node: str
-    """Its get_attr node in that chunk graph."""
+    """Its get_attr node in that chunk graph ('' when none reads it)."""
     readers: tuple[tuple[str, str, str], ...]
     """(node name, op, the pass that inserted it or 'capture') of the nodes reading it."""
     tp: tuple | None
@@ -70,6 +71,9 @@ class ParamError:
     rewritten reader, else 'capture' (the graph as captured)."""
 
     def describe(self) -> str:
+        if self.chunk is None:
+            return (f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
+                    "read by no chunk graph")
         readers = ", ".join(f"{n} ({op}, {p})" for n, op, p in self.readers)
         tp = f"; tensor_parallel spec {self.tp}" if self.tp is not None else ""
         return (f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
@@ -95,7 +99,16 @@ class VerifyResult:
     worst: ParamError | None
     """The parameter with the largest relative error."""
     errors: tuple[ParamError, ...] = field(default=(), repr=False)
-    """Every trainable parameter, in graph order."""
+    """Every trainable parameter of the model: those the chunk graphs read in graph order,
+    then those none reads (``unread``)."""
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """Trainable parameters no chunk graph reads: neither side gives them a gradient.
+        The reference is the same capture, so verify cannot tell whether the model should
+        read them (docs/cli.md): listed in the report, not counted as a mismatch unless the
+        reference has a gradient for one."""
+        return tuple(e.name for e in self.errors if e.chunk is None)
 
     def report(self) -> str:
         lines = [f"fxmeg verify: {'OK' if self.ok else 'MISMATCH'}",
@@ -103,6 +116,9 @@ class VerifyResult:
                  f"{self.loss_error:.3e} (tolerance {self.loss_rtol:.0e}); tokens {self.num_tokens} vs "
                  f"{self.reference_num_tokens}",
                  f"  {len(self.errors)} parameter gradients compared (tolerance {self.grad_rtol:.0e})"]
+        if self.unread:
+            lines.append(f"  {len(self.unread)} trainable parameter(s) read by no chunk graph (no gradient, "
+                         f"not trained): {', '.join(self.unread)}")
         if self.worst is not None:
             lines.append(f"  worst: {self.worst.name} {self.worst.error:.3e}")
         if self.first_failure is not None:
@@ -233,6 +249,11 @@ def _compare(program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol,
         if not math.isfinite(float(g.abs().sum())):
             err = math.inf
         errors.append(_describe(name, chunk, node, err, norm))
+    for name in program.unread:  # no chunk graph reads it: its parallel gradient is zero
+        r = ref_grads.get(name)
+        norm = float(r.norm()) if r is not None else 0.0
+        errors.append(ParamError(name=name, error=0.0 if norm == 0 else math.inf, norm=norm, chunk=None,
+                                 node="", readers=(), tp=None, pass_="capture"))
     bad = [e for e in errors if not e.error <= grad_rtol]
     ok = loss_error <= loss_rtol and int(num_tokens) == int(ref_tokens) and not bad
     return VerifyResult(

@@ -19,6 +19,7 @@ from tests.helpers import (
     make_model,
     optimizer,
     reference,
+    seeded_init,
 )
 
 MBS, STEPS = 2, 5
@@ -42,7 +43,8 @@ class Scenario:
     """Extra model (config) arguments, as (name, value) pairs."""
     meta: bool = False
     """Build the model on the meta device: parallelize makes each rank's part
-    (init_fn=model.init_weights, seed=0) and the reference trains its materialised twin."""
+    (init_fn=model.init_weights, seed=0) and the reference trains its twin, initialised
+    by the test's own statement of the seeding rule (``tests.helpers.seeded_init``)."""
 
     @property
     def world(self) -> int:
@@ -67,11 +69,10 @@ class Scenario:
                 + clip + opt + extra + ("-meta" if self.meta else ""))
 
     def make_model(self):
-        """The single-device model (for a meta scenario: the materialised twin)."""
-        if not self.meta:
-            return make_model(self.model, n_layer=self.layers, **dict(self.model_args))
-        model = self.meta_model()
-        return fxmeg.materialize(model, init_fn=model.init_weights, seed=0)
+        """The single-device model (for a meta scenario: its twin, as ``seeded_init``
+        initialises it, not as fxmeg.materialize does)."""
+        model = make_model(self.model, n_layer=self.layers, **dict(self.model_args))
+        return seeded_init(model, model.init_weights, 0) if self.meta else model
 
     def meta_model(self):
         with torch.device("meta"):

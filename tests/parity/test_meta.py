@@ -7,7 +7,9 @@ keeps, after parallelize, only what the rank holds."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -73,18 +75,68 @@ def test_real_model_keeps_only_what_the_rank_holds(results):
 # ---------------------------------------------------------------- Hugging Face weights
 
 
+class _Recording:
+    """A safetensors file handle that logs what the library hands out: (tensor, box as
+    ((start, stop) per dim), bytes) per slice read, and the whole box for a get_tensor."""
+
+    def __init__(self, handle, log: list) -> None:
+        self.handle, self.log = handle, log
+
+    def get_slice(self, name: str):
+        whole, log = self.handle.get_slice(name), self.log
+
+        class Slice:
+            def __getitem__(self, index):
+                out = whole[index]
+                log.append((name, tuple((s.start, s.stop) for s in index), out.nbytes))
+                return out
+
+            def __getattr__(self, attr):
+                return getattr(whole, attr)
+
+        return Slice()
+
+    def get_tensor(self, name: str):
+        out = self.handle.get_tensor(name)
+        self.log.append((name, tuple((0, n) for n in out.shape), out.nbytes))
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.handle, attr)
+
+
 def _load_hf(rank: int, path: str) -> dict:
-    """A meta-built copy of the saved Llama loads its weights at tp2 x pp2."""
-    weights = open_weights(path)
+    """A meta-built copy of the saved Llama loads its weights at tp2 x pp2, every read of
+    the safetensors files logged."""
+    import safetensors
+
+    weights, log, safe_open = open_weights(path), [], safetensors.safe_open
     with torch.device("meta"):
         model = hf_model("llama")
     ids, _ = make_batch(4, seed=3)
-    engine = fxmeg.parallelize(model, (ids[:2], ids[:2]), weights=weights, tp=2, pp=2, global_batch_size=4)
+    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _Recording(safe_open(*a, **k), log)):
+        engine = fxmeg.parallelize(model, (ids[:2], ids[:2]), weights=weights, tp=2, pp=2, global_batch_size=4)
     state = engine.full_state_dict()
     needed = {n for gm in engine.context.chunks.values() for n, _ in gm.named_parameters()}
     loss = engine.train_step((ids, ids)).loss
     return dict(state=state if rank == 0 else None, reads=dict(weights.reads), needed=needed,
-                shards=sorted(weights.opened_files), loss=loss)
+                shards=sorted(weights.opened_files), loss=loss, log=log, tp_rank=engine.context.groups.tp_rank)
+
+
+def _box(name: str, shape: tuple[int, ...], tp_rank: int) -> tuple:
+    """The box of ``name`` tp rank ``tp_rank`` of 2 holds, written out as Megatron splits a
+    Llama: column-parallel projections and the vocabulary-parallel embedding and head by
+    output rows, row-parallel ones by input columns, norms whole."""
+    def half(n):
+        return (n // 2 * tp_rank, n // 2 * (tp_rank + 1))
+
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                      "embed_tokens.weight", "lm_head.weight")):
+        return (half(shape[0]), (0, shape[1]))
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return ((0, shape[0]), half(shape[1]))
+    assert name.endswith("norm.weight"), name
+    return tuple((0, n) for n in shape)
 
 
 def test_hugging_face_checkpoint_loads_sharded(tmp_path):
@@ -94,10 +146,17 @@ def test_hugging_face_checkpoint_loads_sharded(tmp_path):
     assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").exists()
     ranks = run_world(4, _load_hf, str(tmp_path))
     assert_bitwise(ranks[0]["state"], model.state_dict())
+    full = model.state_dict()
     for r in ranks:
         assert set(r["reads"]) == r["needed"], "each rank reads exactly its own tensors"
         assert set(r["reads"].values()) == {1}, "each tensor once"
         assert len(r["shards"]) < len(shards), "and opens only the shards that hold them"
+        want = [(n, _box(n, tuple(full[n].shape), r["tp_rank"])) for n in r["needed"]]
+        want = sorted((n, box, math.prod(b - a for a, b in box) * full[n].element_size()) for n, box in want)
+        assert sorted(r["log"]) == want, "each tensor's own box, and nothing else, is read"
+        split = [n for n in r["needed"] if not n.endswith("norm.weight")]
+        read = sum(nbytes for n, _, nbytes in r["log"] if n in split)
+        assert 2 * read == sum(full[n].nbytes for n in split), "half the bytes of every split tensor"
     every = set(model.state_dict())
     assert all(r["needed"] < every for r in ranks)
     ids, _ = make_batch(4, seed=3)

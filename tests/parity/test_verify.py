@@ -8,6 +8,7 @@ gradients are gathered) exits 0."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from unittest import mock
 import pytest
 import torch
 
+import fxmeg
 from fxmeg.layouts import Shard
+from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.distributed import run_world
-from tests.helpers import graph_after, make_batch, make_model
+from tests.helpers import assert_losses_close, graph_after, make_batch, make_model, optimizer, reference
 from tests.parity.scenarios import MBS, Scenario
 
 GPT = Scenario("gpt", tp=2, pp=2)
@@ -87,10 +90,12 @@ def results():
 
 
 def test_verify_passes_on_gpt_and_mistral_with_pad_token(results):
-    for key in ("gpt", "mistral"):
+    for key, sc in (("gpt", GPT), ("mistral", MISTRAL)):
         r = results[0][key]
         assert r.ok, r.report()
-        assert r.first_failure is None and len(r.errors) == len(set(e.name for e in r.errors)) > 10
+        trainable = [n for n, p in sc.make_model().named_parameters() if p.requires_grad]
+        assert sorted(e.name for e in r.errors) == sorted(trainable), "every trainable parameter, once"
+        assert r.first_failure is None and r.unread == ()
         assert r.loss_error <= 1e-5 and r.worst.error <= 1e-4
         assert all(ranks[key] == r for ranks in results)  # the same result on every rank
 
@@ -131,3 +136,62 @@ def test_cli_verify_on_two_ranks(corpus):
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "fxmeg verify: OK" in out.stdout and "layout tp=1 pp=1 vpp=1 dp=2" in out.stdout
+
+
+# ------------------------------------- what verify cannot see: capture and the loss pass
+
+driver = importlib.import_module("fxmeg.transform")  # the module: fxmeg.transform is also the function
+
+
+def _count_ignored_labels(monkeypatch):
+    """The loss pass forgets the ignore_index mask: num_tokens counts every label."""
+    class_loss = loss_pass._class_loss
+
+    def broken(graph, node):
+        loss_sum, count = class_loss(graph, node)
+        keep = count.args[0]  # ne(labels, ignore_index)
+        keep.args = (keep.args[0], -12345)
+        return loss_sum, count
+
+    monkeypatch.setattr(loss_pass, "_class_loss", broken)
+
+
+def _misbind_parameter(monkeypatch):
+    """Capture binds layer 1's MLP input weight to layer 0's (same shape)."""
+    capture = driver.capture
+
+    def broken(*args, **kwargs):
+        captured = capture(*args, **kwargs)
+        gm = captured.gm
+        get = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+        get["layers.1.mlp.fc.weight"].replace_all_uses_with(get["layers.0.mlp.fc.weight"])
+        gm.graph.erase_node(get["layers.1.mlp.fc.weight"])
+        delattr(gm.get_submodule("layers.1.mlp.fc"), "weight")
+        gm.recompile()
+        return captured
+
+    monkeypatch.setattr(driver, "capture", broken)
+
+
+@pytest.mark.parametrize("bug", [_count_ignored_labels, _misbind_parameter],
+                         ids=["loss-pass-ignores-no-label", "capture-misbinds-a-weight"])
+def test_plain_pytorch_parity_sees_capture_and_loss_bugs_that_verify_cannot(monkeypatch, bug):
+    """Verify's reference is fxmeg's own capture after its own loss pass (docs/cli.md):
+    a bug there is on both sides of its comparison, so it reports OK. Training against
+    plain PyTorch (tests/helpers.py ``reference``, as tests/test_engine.py trains it
+    without the bug) is the oracle that sees it."""
+    model, gbs, mbs = make_model("gpt", n_layer=2), 4, 2
+    batches = [make_batch(gbs, seed=30)]
+    bug(monkeypatch)
+    engine = fxmeg.parallelize(model, tuple(t[:mbs] for t in batches[0]), global_batch_size=gbs,
+                               optimizer=optimizer)
+    monkeypatch.undo()
+    check = engine.verify(batches[0])
+    assert check.ok, check.report()  # verify passes, bug or not
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(e.name for e in check.errors) == sorted(trainable)
+    assert check.unread == (("layers.1.mlp.fc.weight",) if bug is _misbind_parameter else ())
+    want, _, _ = reference(model, batches)
+    got = [engine.train_step(b).loss for b in batches]
+    with pytest.raises(AssertionError, match="step 0: loss"):
+        assert_losses_close(got, want)
