@@ -76,7 +76,7 @@ from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_moe import layer_glob, log, say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
-from fxmeg.passes.tp_rules_more import MoreRules
+from fxmeg.passes.tp_rules_more import MoreRules, fused_view
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
@@ -213,38 +213,6 @@ class _TensorParallel(PropagationRules, MoreRules):
             return "replicate"
         return "colwise"
 
-    def _rejoins_its_input(self, node: fx.Node) -> bool:
-        """Whether the linear's output meets, before any linear reads it, a value of its
-        own shape that its input is computed from: the residual stream (an output
-        projection whose input is replicated because its block's other projections are
-        kept whole by ``plan``, a gate multiplying the hidden state). Split by columns it
-        would split the stream it is added to, so it stays whole."""
-        x = node.args[LINEAR_SLOTS[node.target].x]
-        if x not in self.ancestors:
-            todo, seen = [x], {x}
-            while todo:
-                for a in todo.pop().all_input_nodes:
-                    if a not in seen:
-                        seen.add(a)
-                        todo.append(a)
-            self.ancestors[x] = seen
-        before = self.ancestors[x]
-        todo, seen = [node], {node}
-        while todo:
-            n = todo.pop()
-            for user in n.users:
-                if user in seen or user.op != "call_function":
-                    continue
-                seen.add(user)
-                if user.target in LINEAR_SLOTS:
-                    continue  # a row-parallel linear reads it
-                if in_family(user.target, "pointwise") and any(
-                        a in before and val(a) is not None and val(a).shape == val(user).shape
-                        for a in user.all_input_nodes):
-                    return True
-                todo.append(user)
-        return False
-
     @rule(TP, "linear", "matmul", always=True)
     def _product(self, node: fx.Node):
         """A product whose weight operand is a parameter is a linear (column-, row- or
@@ -306,7 +274,7 @@ class _TensorParallel(PropagationRules, MoreRules):
                     continue
                 if user.target in SHAPE_ARGUMENT and val(user).shape[-1] == out:
                     todo.append(user)
-                elif user.target in SHAPE_ARGUMENT and (count := _fused_view(user, out)):
+                elif user.target in SHAPE_ARGUMENT and (count := fused_view(user, out)):
                     return (out // count,) * count  # (..., 3, heads, head_dim), q / k / v unpacked
                 elif in_family(user.target, "split") and dim_argument(user) % val(n).dim() == val(n).dim() - 1:
                     if user.target == aten.split.Tensor:
@@ -544,34 +512,6 @@ class _TensorParallel(PropagationRules, MoreRules):
             f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "
             f"ranks{where}: {why}. Fix: {fix}"
         )
-
-
-def _fused_view(view: fx.Node, out: int) -> int | None:
-    """The number of fused blocks when ``view`` cuts the last dim (``out`` features) into
-    (blocks, heads, head_dim...) and the blocks dim is then unpacked (unbind, select or
-    split, after permutes): q, k and v of a fused projection, as llama2.c's or einops'
-    ``rearrange(qkv, 'b n (three h d) -> three b h n d')`` write it. Bloom's per-head
-    (heads, 3, head_dim) unpacks an inner dim instead: its heads stay the outer dim."""
-    shape, size, first = tuple(val(view).shape), 1, len(val(view).shape)
-    while first > 0 and size < out:
-        first -= 1
-        size *= shape[first]
-    sizes = [d for d in range(first, len(shape)) if shape[d] != 1]
-    if size != out or len(sizes) < 3:
-        return None
-    todo = [(view, sizes[0])]
-    while todo:
-        n, dim = todo.pop()
-        for user in n.users:
-            if user.target in (aten.unbind.int, aten.select.int) or in_family(user.target, "split"):
-                if dim_argument(user, 0) % val(n).dim() == dim:
-                    return shape[sizes[0]]
-            elif user.target == aten.permute.default:
-                todo.append((user, [d % val(n).dim() for d in user.args[1]].index(dim)))
-            elif user.target == aten.transpose.int:
-                i, j = (d % val(n).dim() for d in user.args[1:3])
-                todo.append((user, {i: j, j: i}.get(dim, dim)))
-    return None
 
 
 def _reaches_placeholder(node: fx.Node) -> bool:

@@ -3,7 +3,10 @@ file reads on its own: ops that unpack or index a split value (``unbind``,
 ``aten.index.Tensor``), a batched product added to a third operand (``baddbmm``), and
 the ops that compute over the split dim itself and stay exact with a collective: a
 softmax or log-softmax (a max and a sum all-reduced over tp ranks) and a max or min
-(``amax`` / ``amin``: a max all-reduced, ``fxmeg::tp_max``).
+(``amax`` / ``amin``: a max all-reduced, ``fxmeg::tp_max``). Also two questions the
+pass's linears ask of the graph: whether a linear's output rejoins its own input (the
+residual stream: it stays whole) and whether a view cuts a fused projection into
+(q / k / v blocks, heads, head_dim) (``fused_view``).
 
 ``MoreRules`` is mixed into the pass's ``_TensorParallel`` like ``PropagationRules``; it
 reads the same state (``g``, ``tp``, ``place``) and helpers (``_unsupported``,
@@ -18,7 +21,8 @@ from torch import fx
 from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import call, full_args, val
-from fxmeg.passes.op_rules import dim_argument, rule
+from fxmeg.passes.tp_placement import dim_groups
+from fxmeg.passes.op_rules import LINEAR_SLOTS, dim_argument, in_family, rule
 
 aten = torch.ops.aten
 fxmeg_ops = torch.ops.fxmeg
@@ -28,6 +32,38 @@ _LOG_SOFTMAX = {aten._log_softmax.default, aten.log_softmax.int}
 
 
 class MoreRules:
+    def _rejoins_its_input(self, node: fx.Node) -> bool:
+        """Whether the linear's output meets, before any linear reads it, a value of its
+        own shape that its input is computed from: the residual stream (an output
+        projection whose input is replicated because its block's other projections are
+        kept whole by ``plan``, a gate multiplying the hidden state). Split by columns it
+        would split the stream it is added to, so it stays whole."""
+        x = node.args[LINEAR_SLOTS[node.target].x]
+        if x not in self.ancestors:
+            todo, seen = [x], {x}
+            while todo:
+                for a in todo.pop().all_input_nodes:
+                    if a not in seen:
+                        seen.add(a)
+                        todo.append(a)
+            self.ancestors[x] = seen
+        before = self.ancestors[x]
+        todo, seen = [node], {node}
+        while todo:
+            n = todo.pop()
+            for user in n.users:
+                if user in seen or user.op != "call_function":
+                    continue
+                seen.add(user)
+                if user.target in LINEAR_SLOTS:
+                    continue  # a row-parallel linear reads it
+                if in_family(user.target, "pointwise") and any(
+                        a in before and val(a) is not None and val(a).shape == val(user).shape
+                        for a in user.all_input_nodes):
+                    return True
+                todo.append(user)
+        return False
+
     @rule(TP, "unbind")
     def _unbind(self, node: fx.Node):
         """Every entry along another dim than the split one (a rotary embedding's real and
@@ -136,3 +172,39 @@ class MoreRules:
         for user in users:
             user.replace_input_with(node, result)
         return LOCAL
+
+
+def fused_view(view: fx.Node, out: int) -> int | None:
+    """The number of fused blocks when ``view`` cuts the last dim (``out`` features) into
+    (blocks, heads, head_dim...) and the blocks dim is then unpacked (unbind, select or
+    split, after permutes): q, k and v of a fused projection, as llama2.c's or einops'
+    ``rearrange(qkv, 'b n (three h d) -> three b h n d')`` write it. Bloom's per-head
+    (heads, 3, head_dim) unpacks an inner dim instead: its heads stay the outer dim."""
+    shape, size, first = tuple(val(view).shape), 1, len(val(view).shape)
+    while first > 0 and size < out:
+        first -= 1
+        size *= shape[first]
+    sizes = [d for d in range(first, len(shape)) if shape[d] != 1]
+    if size != out or len(sizes) < 3:
+        return None
+    todo = [(view, sizes[0])]
+    while todo:
+        n, dim = todo.pop()
+        for user in n.users:
+            if user.target in (aten.unbind.int, aten.select.int) or in_family(user.target, "split"):
+                if dim_argument(user, 0) % val(n).dim() == dim:
+                    return shape[sizes[0]]
+            elif user.target == aten.permute.default:
+                todo.append((user, [d % val(n).dim() for d in user.args[1]].index(dim)))
+            elif user.target == aten.transpose.int:
+                i, j = (d % val(n).dim() for d in user.args[1:3])
+                todo.append((user, {i: j, j: i}.get(dim, dim)))
+            elif in_family(user.target, "copy"):
+                todo.append((user, dim))
+            elif in_family(user.target, "view") and user.target != aten.expand.default:
+                kept = [gj for gi, gj in dim_groups(tuple(val(n).shape), tuple(val(user).shape))
+                        if [d for d in gi if val(n).shape[d] != 1] == [dim]]  # the blocks dim kept whole
+                outs = [d for d in (kept[0] if kept else []) if val(user).shape[d] != 1]
+                if len(outs) == 1:
+                    todo.append((user, outs[0]))
+    return None
