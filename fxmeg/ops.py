@@ -36,6 +36,8 @@ inside the ops, from the bound group, so the graphs are the same on every rank.
   sp_gather      all-gather along a (sequence) dim forward, reduce-scatter backward
   sp_scatter     reduce-scatter along a dim forward, all-gather backward
                  (both also take the group's size, so shapes are known without a group)
+  tp_max         all-reduce max forward (a softmax's or amax's maximum over a split dim);
+                 backward, the gradient goes to the rank(s) holding the maximum
   tp_slice       this rank's 1/size part of a replicated value along a dim; backward
                  pads the gradient back with zeros (``tp_pad``)
   vocab_shard_ids  token ids relative to this rank's rows of a vocabulary-parallel
@@ -216,6 +218,7 @@ _SCHEMAS = {
     "tp_reduce": "(Tensor x, str group) -> Tensor",
     "sp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
     "sp_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "tp_max": "(Tensor x, str group) -> Tensor",
     "tp_slice": "(Tensor x, int dim, int size, str group) -> Tensor",
     "tp_pad": "(Tensor x, int dim, int size, str group) -> Tensor",
     "vocab_shard_ids": "(Tensor ids, int rows, str group) -> (Tensor, Tensor)",
@@ -246,6 +249,7 @@ def _resized(x, dim: int, factor: float):
 
 torch.library.register_fake("fxmeg::tp_copy", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::tp_reduce", lambda x, group: torch.empty_like(x))
+torch.library.register_fake("fxmeg::tp_max", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::sp_gather", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::tp_pad", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
@@ -288,6 +292,22 @@ def _autograd(name: str, backward) -> None:
 
 _autograd("tp_copy", lambda ctx, g: (fx_ops.tp_reduce(g, *ctx.args), None))
 _autograd("tp_reduce", lambda ctx, g: (g, None))
+
+
+def _tp_max_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+    ctx.group = inputs[1]
+
+
+def _tp_max_backward(ctx, grad):
+    """amax's rule over ranks: the gradient goes to the ranks whose value is the maximum,
+    shared evenly between them when several are (ties)."""
+    x, out = ctx.saved_tensors
+    won = (x == out).to(grad.dtype)
+    return grad * won / fx_ops.tp_reduce(won, ctx.group), None
+
+
+torch.library.register_autograd("fxmeg::tp_max", _tp_max_backward, setup_context=_tp_max_setup)
 _autograd("sp_gather", lambda ctx, g: (fx_ops.sp_scatter(g, *ctx.args), None, None, None))
 _autograd("sp_scatter", lambda ctx, g: (fx_ops.sp_gather(g, *ctx.args), None, None, None))
 _autograd("tp_slice", lambda ctx, g: (fx_ops.tp_pad(g, *ctx.args), None, None, None))

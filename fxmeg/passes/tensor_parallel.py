@@ -76,10 +76,11 @@ from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_ar
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
                                     say_whole_projections)
-from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
+from fxmeg.passes.tp_moe import layer_glob, log, say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_regions import RegionRules
 from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
+from fxmeg.passes.tp_rules_more import MoreRules, fused_view
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
@@ -97,7 +98,7 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     return finish(gm)
 
 
-class _TensorParallel(PropagationRules, RegionRules):
+class _TensorParallel(PropagationRules, RegionRules, MoreRules):
     def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
         self.gm, self.g, self.tp, self.sp, self.ep = gm, gm.graph, tp, sp, ep
         for glob, role in plan.items():
@@ -114,6 +115,8 @@ class _TensorParallel(PropagationRules, RegionRules):
         self.kv_weights: dict[str, str] = {}  # replicated key/value weight -> its heads (tp_heads)
         self.kv_outputs: list[fx.Node] = []
         linears_from_products(gm)  # x @ w.T is a linear (tp_heads)
+        self.rejoined: list[str] = []  # ... and of those whose output rejoins their input
+        self.ancestors: dict[fx.Node, set[fx.Node]] = {}
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
@@ -131,6 +134,10 @@ class _TensorParallel(PropagationRules, RegionRules):
         self._per_rank_streams()
         self._tag_parameters()
         say_whole_projections(self)  # never silent: tp_heads
+        if self.rejoined:
+            log.info("tp=%d keeps %d linears whole that read a replicated value and add their output to "
+                     "it (the residual stream): %s", self.tp, len(self.rejoined),
+                     ", ".join(sorted({layer_glob(m) for m in self.rejoined})))
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
             n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
             ep=self.ep)
@@ -210,6 +217,9 @@ class _TensorParallel(PropagationRules, RegionRules):
         if scores_features(node):  # a router or a one-feature gate (tp_moe)
             self.routers.append(module)
             return "replicate"
+        if self._rejoins_its_input(node):
+            self.rejoined.append(module)
+            return "replicate"
         return "colwise"
 
     @rule(TP, "linear", "matmul", always=True)
@@ -278,6 +288,8 @@ class _TensorParallel(PropagationRules, RegionRules):
                     continue
                 if user.target in SHAPE_ARGUMENT and val(user).shape[-1] == out:
                     todo.append(user)
+                elif user.target in SHAPE_ARGUMENT and (count := fused_view(user, out)):
+                    return (out // count,) * count  # (..., 3, heads, head_dim), q / k / v unpacked
                 elif in_family(user.target, "split") and dim_argument(user) % val(n).dim() == val(n).dim() - 1:
                     if user.target == aten.split.Tensor:
                         return (user.args[1],) * (out // user.args[1])

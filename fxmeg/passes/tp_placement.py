@@ -48,17 +48,25 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
     outermost (non-1) dim of the matching output group, which must be divisible by tp.
     Splitting the last (feature) dim into several, as (heads, head_dim), puts the shard on
     the first of them, a single head included (1 KV head: tp must divide 1). Blocks
-    survive only when the split dim is left alone.
+    survive only when the split dim is left alone, or when the reshape cuts the dim into
+    (blocks, ..., split dim, ...) again (``_unmerged``). Merged with replicated dims
+    outside it into one dim, as heads into the batch of a ``bmm`` ((b, heads, t, d) ->
+    (b * heads, t, d)), the split dim becomes blocks: one per entry of the outer dims,
+    each split as the dim was (``_merged``).
     """
     for gi, gj in dim_groups(a, b):
         if s.dim not in gi:
             continue
         outer_in = [d for d in gi if a[d] != 1]
         outer_out = [d for d in gj if b[d] != 1]
+        if outer_in and outer_in[0] != s.dim and len(outer_out) == 1:
+            return _merged(s, a, gi, outer_out[0])
         if not outer_in or outer_in[0] != s.dim or not outer_out:
             return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
                     f"larger dim with dims outside it")
         o = outer_out[0]
+        if len(s.parts) > 1 and len(outer_in) == 1 and len(outer_out) > 1:
+            return _unmerged(s, b, outer_out, tp)
         if s.dim == len(a) - 1 and len(gj) > 1 and gj[-1] == len(b) - 1:
             o = gj[0]  # features -> (heads, head_dim): the split is over heads, even one
         elif len(outer_in) == 1 and len(outer_out) == 1:
@@ -71,6 +79,41 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return why
         return s.moved(o, (b[o],))
     raise AssertionError("dim not found in groups")
+
+
+def _merged(s: Shard, a: tuple[int, ...], gi: list[int], o: int) -> Shard:
+    """The split dim merged with the dims of its group into output dim ``o``: each
+    entry of the dims outside it (before) holds one copy of its blocks, each scaled by
+    the dims inside it (after), and every block stays split over tp ranks as it was."""
+    outer = inner = 1
+    for d in gi:
+        if d < s.dim:
+            outer *= a[d]
+        elif d > s.dim:
+            inner *= a[d]
+    return s.moved(o, tuple(p * inner for p in s.parts) * outer)
+
+
+def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int) -> Shard | str:
+    """A dim of equal blocks cut into several dims: the split goes to the dim ``o``
+    where the dims before it count the blocks and ``o`` with the dims after it spans one
+    block ((b * heads, t, d) -> (b, heads, t, d); a fused q, k, v viewed as (3, heads,
+    head_dim)); rank r's part of every block is then the r-th tp-th of ``o``."""
+    count, size = len(s.parts), s.parts[0]
+    before = 1
+    for i, o in enumerate(outs):
+        after = 1
+        for d in outs[i + 1:]:
+            after *= b[d]
+        if before == count and b[o] * after == size and set(s.parts) == {size}:
+            if b[o] % tp:
+                why = Indivisible(f"it splits each of its {count} blocks into a dim of size {b[o]}, "
+                                  f"which tp={tp} does not divide")
+                why.size, why.sizes = b[o], tuple(b[d] for d in outs)
+                return why
+            return s.moved(o, (b[o],))
+        before *= b[o]
+    return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts} across their bounds"
 
 
 def divisors(n: int) -> list[int]:

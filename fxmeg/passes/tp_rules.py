@@ -22,7 +22,8 @@ from fxmeg.errors import PassError
 from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, divide_shape_arg, full_args, val
-from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, rule
+from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
+from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
 
 aten = torch.ops.aten
@@ -72,9 +73,7 @@ class PropagationRules:
                 if self._own_parameter(a):  # a norm's weight over split features: shard it too
                     self._spec(a, j, s0.parts, node)
                     continue
-                if len(s0.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
-                node.replace_input_with(a, self._local_slice(node, a, j))
+                node.replace_input_with(a, self._local_slice(node, a, j, s0))
         return s0
 
     def _own_parameter(self, a: fx.Node) -> bool:
@@ -85,11 +84,27 @@ class PropagationRules:
         readers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == a.target]
         return readers == [a] and len(a.users) == 1
 
-    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int) -> fx.Node:
+    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None) -> fx.Node:
+        """This rank's part of replicated operand ``a`` along ``dim``, where the value it
+        meets is ``split``: of each block when it has several equal ones (heads merged into
+        the batch), cut as (blocks, block) so one tp_slice takes every block's part."""
         size = val(a).shape[dim]
-        self._check_divides(node, size, f"dim {dim} of operand {a.name!r}")
+        parts = split.parts if split is not None and val(a).shape[dim] == sum(split.parts) else (size,)
+        if len(set(parts)) > 1:
+            raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", split)
+        self._check_divides(node, parts[0], f"dim {dim} of operand {a.name!r}")
+        shape = list(val(a).shape)
         with self.g.inserting_before(node):
-            piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim, self.tp, TP), like=node)
+            if len(parts) > 1:
+                a = call(self.g, aten.reshape.default, (a, shape[:dim] + [len(parts), parts[0]] + shape[dim + 1:]),
+                         like=node)
+                self.place[a] = None
+            piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim + (len(parts) > 1), self.tp, TP),
+                         like=node)
+            if len(parts) > 1:
+                self.place[piece] = LOCAL
+                shape[dim] //= self.tp
+                piece = call(self.g, aten.reshape.default, (piece, shape), like=node)
         self.place[piece] = LOCAL  # this rank's part of a replicated value
         return piece
 
@@ -181,9 +196,7 @@ class PropagationRules:
             raise self._unsupported(node, "its operands are split differently", s0)
         for a in tensors:
             if not isinstance(self.place.get(a), Shard):
-                if len(s0.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s0)
-                node.replace_input_with(a, self._local_slice(node, a, s0.dim))
+                node.replace_input_with(a, self._local_slice(node, a, s0.dim, s0))
         return s0.moved(s0.dim + (stack and dim <= s0.dim))
 
     @rule(TP, "index")
@@ -198,16 +211,6 @@ class PropagationRules:
         if node.target == aten.select.int:
             return s.moved(s.dim - (dim < s.dim))
         return s
-
-    @rule(TP, "unbind")
-    def _unbind(self, node: fx.Node):
-        """unbind along another dim than the split one: each piece keeps the split (a
-        rotary embedding's pairs, unbound along head_dim)."""
-        s, n = self.place[node.args[0]], val(node.args[0]).dim()
-        dim = (node.args[1] if len(node.args) > 1 else 0) % n
-        if dim == s.dim:
-            raise self._unsupported(node, f"it unbinds the split dim {dim}", s)
-        return [s.moved(s.dim - (dim < s.dim))] * len(node.meta["val"])
 
     @rule(TP, "repeat")
     def _repeat_interleave(self, node: fx.Node):
@@ -237,7 +240,7 @@ class PropagationRules:
         if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
             j = q.dim - (val(node).dim() - val(mask).dim())
             if j >= 0 and val(mask).shape[j] != 1:
-                node.replace_input_with(mask, self._local_slice(node, mask, j))
+                node.replace_input_with(mask, self._local_slice(node, mask, j, q))
         return q
 
     @rule(TP, "context_parallel")
@@ -283,9 +286,7 @@ class PropagationRules:
                 continue
             j = letters.index(letter)
             if val(a).shape[j] != 1:
-                if len(s.parts) > 1:
-                    raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", s)
-                node.replace_input_with(a, self._local_slice(node, a, j))
+                node.replace_input_with(a, self._local_slice(node, a, j, s))
         return s.moved(out.index(letter))
 
     @rule(TP, "norm")
@@ -366,9 +367,9 @@ class PropagationRules:
                     origin, f"the sum it takes over tp ranks is read both with split values (node "
                             f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
                             "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
-            if not split:
-                copy = total.args[0]
-                total.replace_input_with(copy, copy.args[0])
+            if not split:  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
+                copy = total if total.target == fxmeg_ops.tp_copy.default else total.args[0]
+                copy.replace_all_uses_with(copy.args[0])
                 copy.graph.erase_node(copy)  # the graph it is in: a region's body, maybe
 
     @rule(TP, "softmax", "cumulative", "rank")
@@ -379,6 +380,8 @@ class PropagationRules:
         dims = dim_argument(node)
         dims = [dims] if isinstance(dims, int) else list(dims)
         if s.dim in {d % n for d in dims}:
+            if in_family(node.target, "softmax"):
+                return self._softmax_over_split(node, s)  # tp_rules_more
             raise self._unsupported(node, f"it computes along dim {s.dim}, which is split over tp ranks", s)
         outputs = node.meta.get("val")
         return [s] * len(outputs) if isinstance(outputs, (tuple, list)) else s
@@ -401,9 +404,11 @@ class PropagationRules:
             return [out] * len(outputs) if isinstance(outputs, (tuple, list)) else out
         sums = {aten.sum.dim_IntList: None, aten.sum.default: None,
                 aten.mean.dim: aten.sum.dim_IntList, aten.mean.default: aten.sum.default}
+        if node.target in EXTREMES:
+            return self._extreme_over_split(node, s)  # tp_rules_more
         if node.target not in sums:
             raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks "
-                                          "(only a sum or a mean is all-reduced)", s)
+                                          "(only a sum, a mean, a max or a min is all-reduced)", s)
         users = list(node.users)
         size = 1
         for d in dims:

@@ -42,6 +42,13 @@ def _tp_reduce(x: Tensor, group: str) -> Tensor:
     return y
 
 
+@_kernel("tp_max")
+def _tp_max(x: Tensor, group: str) -> Tensor:
+    y = x.clone()
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=_group(group))
+    return y
+
+
 @_kernel("sp_gather")
 def _sp_gather(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     src = x.movedim(dim, 0).contiguous()

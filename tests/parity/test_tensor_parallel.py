@@ -2,7 +2,10 @@
 sequence parallelism, with pp=2, and tp=2 x pp=2 x dp=2 with the distributed optimizer,
 for GPT (tied vocabulary-parallel embedding and head) and Llama (GQA); and at tp=2 the small
 models of the graph tests that exercise one rule each (layer_norm over split features, a sum
-read whole, cat of split blocks, einsum attention with a per-head bias, zeros_like)."""
+read whole, cat of split blocks, einsum attention with a per-head bias, zeros_like, and the
+head layouts of tests/passes/test_tp_ops.py: heads merged into the batch of bmm / baddbmm,
+a fused q / k / v unbound, index.Tensor, softmax / amax / amin over the heads, one fused
+projection replicated by tp_plan)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tests.distributed import run_worlds
 from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
 from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
+from tests.passes.test_tp_ops import KINDS, PLANS, _Heads
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
@@ -54,6 +58,7 @@ def compiled_collectives(rank: int) -> dict:
 
 RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "cat-blocks": _CatStack,
          "einsum-bias": _EinsumAttention, "zeros-like": ZerosLike}
+RULES |= {kind: lambda kind=kind: _Heads(kind) for kind in KINDS}  # issue 28's layouts (test_tp_ops)
 
 
 def _rule_model(name):
@@ -71,7 +76,8 @@ def train_rules(rank: int) -> dict:
     for name in RULES:
         batches = _rule_batches()
         engine = fxmeg.parallelize(_rule_model(name), tuple(t[:2] for t in batches[0]), tp=2,
-                                   global_batch_size=8, optimizer=optimizer, clip_grad=1.0)
+                                   global_batch_size=8, optimizer=optimizer, clip_grad=1.0,
+                                   tp_plan=PLANS.get(name, {}))
         losses = [engine.train_step(b).loss for b in batches]
         out[name] = (losses, engine.full_state_dict())
     return out

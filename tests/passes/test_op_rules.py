@@ -40,6 +40,7 @@ split            tp _split               cp _along         chunk.default, split.
 slice            tp _slice               cp _along         slice.Tensor
 index            tp _select              cp _along         index_select.default, select.int
 unbind           tp _unbind              cp -              unbind.int
+advanced_index   tp _advanced_index      cp -              index.Tensor
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
@@ -49,6 +50,7 @@ reduction        tp _reduction           cp _reduction     tag reduction
 histogram        tp -                    cp _histogram     bincount.default, histc.default
 linear           tp _product*            cp _linear        addmm.default, linear.default
 matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
+add_matmul       tp _add_matmul          cp -              baddbmm.default
 attention        tp _attention           cp _attention     scaled_dot_product_attention.default
 norm             tp _layer_norm          cp _layer_norm    layer_norm.default
 embedding        tp _embedding*          cp _embedding     embedding.default
