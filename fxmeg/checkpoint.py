@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fxmeg.errors import CheckpointError
-from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, hugging_face_names, write
+from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, check_target, hugging_face_names, write
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
@@ -270,6 +270,8 @@ def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str
     "safetensors": the same files without config.json, for any model."""
     if format not in FORMATS:
         raise CheckpointError(f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}")
+    if format != "pt":
+        check_target(out, max_shard_size)  # before reading anything
     if os.path.exists(os.path.join(path, LATEST)) or not os.path.exists(os.path.join(path, META)):
         path = find_complete(path) or path
     check_complete(path)
@@ -278,8 +280,9 @@ def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str
     info = meta.get("hugging_face")
     if format == "hf" and info is None:
         raise CheckpointError(
-            f"export {path} with format 'hf': the checkpoint's model is not a transformers model (no "
-            f"config to write as config.json); use format 'safetensors' for the weights alone, or 'pt'")
+            f"export {path} with format 'hf': the checkpoint records no Hugging Face config (its model is "
+            f"not a transformers model, or an older fxmeg saved it) to write as config.json; use format "
+            f"'safetensors' for the weights alone, or 'pt'")
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     full = {}
     for canonical, names in meta["aliases"].items():

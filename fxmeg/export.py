@@ -57,6 +57,15 @@ def parse_size(size: int | str) -> int:
     return int(float(match[1]) * _UNITS[match[2]])
 
 
+def check_target(directory: str, max_shard_size: int | str) -> None:
+    """Raise CheckpointError unless ``directory`` can hold an export (it is not an
+    existing file) and ``max_shard_size`` is a size."""
+    parse_size(max_shard_size)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"export to {directory}: it is a file, and this format writes a directory "
+                              f"(model.safetensors, config.json); pass a directory path")
+
+
 def hugging_face_names(state: dict[str, torch.Tensor], aliases: dict[str, list[str]],
                        tied: list[str]) -> dict[str, torch.Tensor]:
     """``state`` with one name per tensor: of each group of ``aliases`` (tied names) the
@@ -103,9 +112,7 @@ def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None
     ``directory`` removed (as ``save_pretrained`` does)."""
     from safetensors.torch import save_file
 
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"export to {directory}: it is a file, and this format writes a directory "
-                              f"(model.safetensors, config.json); pass a directory path")
+    check_target(directory, max_shard_size)
     os.makedirs(directory, exist_ok=True)
     groups = shards(state, parse_size(max_shard_size))
     for old in os.listdir(directory):
