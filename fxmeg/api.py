@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,9 @@ from torch import nn
 
 from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
-from fxmeg.errors import ConfigError
+from fxmeg.checkpoint import Checkpointer, find_complete
+from fxmeg.errors import CheckpointError, ConfigError
+from fxmeg.export import hugging_face_info
 from fxmeg.materialize import InitFn, value_source
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
@@ -30,7 +32,7 @@ from fxmeg.runtime.verify import verify as verify_program
 from fxmeg.shapes import Shapes, collect, meta_twin
 from fxmeg.transform import transform
 
-__all__ = ["Engine", "EvalResult", "ParamError", "StepResult", "VerifyResult", "parallelize"]
+__all__ = ["Engine", "EvalResult", "ParamError", "Saving", "StepResult", "VerifyResult", "parallelize"]
 
 
 def parallelize(
@@ -93,10 +95,13 @@ def parallelize(
     config = _configure(example_inputs, config, options)
     config = _decide_sharding(config, factory, model, _stand_in_device(model, example_inputs, device))
     twin = meta_twin(model) if config.variable_seq_lengths else None  # before transform casts the model
+    hf = hugging_face_info(model)
     program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
     source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
     context = build_context(program, optimizer=factory, source=source, model=model)
-    return Engine(program, context, Shapes.start(twin, loss_fn, program, context) if twin is not None else None)
+    engine = Engine(program, context, Shapes.start(twin, loss_fn, program, context) if twin is not None else None)
+    engine.hugging_face = hf
+    return engine
 
 
 def _configure(example_inputs: Example, config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -140,7 +145,7 @@ class Engine:
     """Trains this rank's part of a Program. Built by ``parallelize``.
 
     Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``, ``params_norm``,
-    ``set_global_batch_size``; ``config``, ``named_parameters``, ``partition``,
+    ``save``, ``load``, ``set_global_batch_size``; ``config``, ``named_parameters``, ``partition``,
     ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
     ``context`` (this rank's RankContext) for tools that need more."""
 
@@ -149,6 +154,10 @@ class Engine:
         self.shapes = shapes
         """With ``variable_seq_lengths``: the Program of every input shape seen so far."""
         self._current = program
+        self.hugging_face: dict | None = None
+        """A transformers model's config and tied names (``fxmeg.export.hugging_face_info``),
+        recorded in checkpoints for ``fxmeg export --format hf``."""
+        self._checkpointer: Checkpointer | None = None
 
     def _select(self, batch, m: int) -> tuple[Program, UserBatch | Iterator[UserBatch] | None]:
         """The Program for ``batch``'s shape (compiled on first sight; collective over the
@@ -240,3 +249,51 @@ class Engine:
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
         return gather_full_state(self.program, self.context)
+
+    def save(self, directory: str, *, async_save: bool = False, state: dict | None = None) -> Saving:
+        """Checkpoint this engine into ``directory`` (``iter_<N>/``, N the train steps
+        taken; ``latest`` names it once complete): parameters, optimizer state, lr
+        schedule, loss scaler and RNG, as the trainer's ``--save`` writes them, so that
+        ``load`` resumes it under any layout and ``fxmeg export`` reads it. ``state``: a
+        picklable dict of the caller's own (an epoch, a data position), which ``load``
+        returns. With ``async_save`` the files are written in the background while
+        training goes on: wait on the returned ``Saving`` (the next ``save`` or ``load``
+        waits too). Collective: call it on every rank."""
+        checkpointer = self._checkpointer_for(async_save)
+        path = checkpointer.save(directory, self.context.steps_taken, {"user": state or {}})
+        return Saving(path, checkpointer.wait)
+
+    def load(self, directory: str) -> dict:
+        """Restore the newest complete checkpoint in ``directory`` (saved by ``save`` or
+        by the trainer, at any layout): parameters, optimizer state, lr schedule, loss
+        scaler, RNG, global batch size and the step count. Returns the ``state`` passed to
+        ``save`` (empty for the trainer's). A directory with no checkpoint is a
+        CheckpointError. Collective: call it on every rank."""
+        if find_complete(directory) is None:  # before the checkpointer's process group
+            raise CheckpointError(f"engine.load({directory!r}): no checkpoint there (no iter_* directory); "
+                                  f"pass the directory engine.save or --save wrote")
+        checkpointer = self._checkpointer_for(False)
+        restored = checkpointer.load(directory)
+        self.context.steps_taken = restored["iteration"]
+        return restored.get("user", {})
+
+    def _checkpointer_for(self, async_save: bool) -> Checkpointer:
+        """The engine's one Checkpointer (made on first use: it creates a process group),
+        saving in the background or not as this call asks; a background save still
+        running is waited for first."""
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self.program, self.context, hugging_face=self.hugging_face)
+        self._checkpointer.wait()
+        self._checkpointer.async_save = async_save
+        return self._checkpointer
+
+
+@dataclasses.dataclass(frozen=True)
+class Saving:
+    """A checkpoint ``Engine.save`` wrote or is writing."""
+
+    path: str
+    """Its directory (``DIR/iter_<N>``)."""
+    wait: Callable[[], None]
+    """Block until it is complete on disk (at once for a synchronous save); re-raises a
+    background save's error as CheckpointError."""

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fxmeg.errors import CheckpointError
+from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, check_target, hugging_face_names, write
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
@@ -77,9 +78,13 @@ class Checkpointer:
     """Storage writer class; tests substitute a slow one."""
 
     def __init__(
-        self, program: Program, context: RankContext, *, keep: int | None = None, async_save: bool = False
+        self, program: Program, context: RankContext, *, keep: int | None = None, async_save: bool = False,
+        hugging_face: dict | None = None,
     ) -> None:
         self.program, self.context, self.keep, self.async_save = program, context, keep, async_save
+        self.hugging_face = hugging_face
+        """``fxmeg.export.hugging_face_info`` of a transformers model, kept in meta.json
+        so that ``export(..., format="hf")`` can write its config.json."""
         multi = dist.is_initialized() and dist.get_world_size() > 1
         # a group of its own: a background save's collectives never meet training's
         self.group = dist.new_group(backend="gloo") if multi else None
@@ -102,7 +107,8 @@ class Checkpointer:
         state[f"rng/{_rank()}"] = _rng()
         meta = {"iteration": iteration, "layout": layout(ctx), "world_size": _world(),
                 "model": model_signature(program), "aliases": program.aliases,
-                "trainer": {k: v for k, v in trainer_state.items() if k != "config"}}
+                "trainer": {k: v for k, v in trainer_state.items() if k != "config"},
+                "hugging_face": self.hugging_face}
         path = os.path.join(directory, f"iter_{iteration:07d}")
         if self.async_save:
             state = {k: v.snapshot() if isinstance(v, Pieces) else v for k, v in state.items()}
@@ -253,14 +259,30 @@ def find_complete(directory: str) -> str | None:
     return None
 
 
-def export(path: str, out: str) -> list[str]:
-    """Write a plain single-device state_dict (the user model's names, tied ones
-    included) from checkpoint ``path`` (a checkpoint or its directory) to ``out``."""
+def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
+    """Write the model of checkpoint ``path`` (a checkpoint or its directory) for a single
+    device, under the user model's names; the tensor names written.
+
+    ``format`` "pt": a plain state_dict (tied names included) in the torch.save file
+    ``out``. "hf": the Hugging Face directory ``out`` that ``from_pretrained`` loads
+    (``fxmeg.export.write``: safetensors, sharded above ``max_shard_size``, and
+    config.json; tied names once); only for a checkpoint of a transformers model.
+    "safetensors": the same files without config.json, for any model."""
+    if format not in FORMATS:
+        raise CheckpointError(f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}")
+    if format != "pt":
+        check_target(out, max_shard_size)  # before reading anything
     if os.path.exists(os.path.join(path, LATEST)) or not os.path.exists(os.path.join(path, META)):
         path = find_complete(path) or path
     check_complete(path)
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
+    info = meta.get("hugging_face")
+    if format == "hf" and info is None:
+        raise CheckpointError(
+            f"export {path} with format 'hf': the checkpoint records no Hugging Face config (its model is "
+            f"not a transformers model, or an older fxmeg saved it) to write as config.json; use format "
+            f"'safetensors' for the weights alone, or 'pt'")
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     full = {}
     for canonical, names in meta["aliases"].items():
@@ -272,7 +294,12 @@ def export(path: str, out: str) -> list[str]:
              storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     state = {alias: full[canonical] for canonical, names in meta["aliases"].items()
              if canonical in full for alias in names}
-    torch.save(state, out)
+    if format == "pt":
+        torch.save(state, out)
+        return sorted(state)
+    state = {k: state[k] for k in meta["model"] if k in state}  # the model's state_dict order
+    state = hugging_face_names(state, meta["aliases"], info["tied"] if info else [])
+    write(state, out, config=info["config"] if format == "hf" else None, max_shard_size=max_shard_size)
     return sorted(state)
 
 

@@ -9,6 +9,7 @@
     fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
                                                            # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
+    fxmeg export runs/ckpt --to runs/hf --format hf        # from_pretrained("runs/hf")
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
@@ -48,9 +49,17 @@ def main(argv: list[str] | None = None) -> int:
                       help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
     prep.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
     prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
-    export = sub.add_parser("export", help="write a checkpoint as a plain single-device state_dict")
+    export = sub.add_parser("export", help="write a checkpoint's model for one device: a plain state_dict, "
+                                           "or a Hugging Face directory")
     export.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
-    export.add_argument("--to", required=True, help="output .pt file, for model.load_state_dict")
+    export.add_argument("--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)")
+    export.add_argument("--format", default="pt", choices=["pt", "hf", "safetensors"],
+                        help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
+                             "config.json, for from_pretrained (a transformers model); safetensors: the "
+                             "weight files alone (any model)")
+    export.add_argument("--max-shard-size", default="50GB",
+                        help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
+                             "model.safetensors.index.json (default 50GB, as save_pretrained)")
     plot = sub.add_parser("plot", help="draw loss / lr / throughput (and expert load) curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
@@ -63,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from fxmeg.checkpoint import export as write
 
-        names = write(args.checkpoint, args.to)
+        names = write(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
         print(f"wrote {args.to}: {len(names)} tensors")
         return 0
     if args.command == "plot":

@@ -294,7 +294,8 @@ class Trainer:
         """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
-            self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save
+            self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
+            hugging_face=self.engine.hugging_face,  # config.json for `fxmeg export --format hf`
         )
         total = cfg.train_iters or None
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxmeg
-from fxmeg.checkpoint import Checkpointer
+from fxmeg.checkpoint import Checkpointer, export
 from fxmeg.cli import _train_parser, config_from
 from fxmeg.runtime.optimizer import muon_adamw
 from tests.distributed import run_world
@@ -104,13 +104,26 @@ def _config_file(text: str):
     return config_from(parser.parse_args(["--config", f.name]))
 
 
+_SAVED: dict = {}
+"""The GPT checkpoint and the engine of the ``incompatible-checkpoint`` row, for the
+rows after it (SET_UP runs in order)."""
+
+
 def _checkpoint_of_another_model():
     directory = os.path.join(tempfile.gettempdir(), f"fxmeg-errors-{os.getppid()}")
     big = fxmeg.parallelize(make_model("gpt", n_layer=2), _ex(), global_batch_size=4)
     Checkpointer(big.program, big.context).save(directory, 1, {})
     engine = fxmeg.parallelize(make_model("gpt", n_layer=1), _ex(), global_batch_size=4)
     small = Checkpointer(engine.program, engine.context)
+    _SAVED.update(directory=directory, engine=engine)
     return lambda: small.load(directory)
+
+
+def _export(**kw):
+    """An export of the GPT checkpoint ``_checkpoint_of_another_model`` saved (no
+    Hugging Face config), into this rank's own directory unless ``out`` is given."""
+    out = kw.pop("out", None) or tempfile.mkdtemp()
+    return lambda: export(_SAVED["directory"], out, **kw)
 
 
 def _meta(name, **cfg):
@@ -328,6 +341,15 @@ SET_UP = {  # rows whose failing call needs a working engine first: counted from
         _bad_batch(lambda i, l: (i.index_fill(1, torch.tensor([2]), 128), l))))(),
         "'input_ids' holds 128 at (0, 2): token ids (rows of embedding 'wte') must be in 0..127"),
     "incompatible-checkpoint": (_checkpoint_of_another_model, "is from an incompatible model"),
+    "no-checkpoint": (lambda: (lambda e=_SAVED["engine"], d=tempfile.mkdtemp(): lambda: e.load(d))(),
+                      "): no checkpoint there (no iter_* directory); pass the directory engine.save"),
+    "export-format": (lambda: _export(format="onnx"), "export format='onnx': choose one of 'pt', 'hf'"),
+    "export-hf-no-config": (lambda: _export(format="hf"),
+                            "with format 'hf': the checkpoint records no Hugging Face config"),
+    "export-to-a-file": (lambda: _export(format="safetensors", out=tempfile.mkstemp()[1]),
+                         ": it is a file, and this format writes a directory"),
+    "shard-size": (lambda: _export(format="safetensors", max_shard_size="5 gigs"),
+                   "max_shard_size='5 gigs' is not a size"),
 }
 
 

@@ -108,3 +108,63 @@ def test_a_padded_dict_batch_is_passed_by_keyword(attn):
     masks = {n for n in gm.graph.nodes if n.meta.get("val") is not None and getattr(n.meta["val"], "shape", None)
              == (2, 1, 16, 16)}
     assert masks and not any("tp_slice" in str(u.target) for m in masks for u in m.users)
+
+
+def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp_path):
+    """engine.save, then ``fxmeg.checkpoint.export(..., format="hf")`` (what `fxmeg export
+    --format hf` runs): a tied Llama (lm_head tied to the embedding) loads back with
+    AutoModelForCausalLM.from_pretrained with fxmeg's trained weights and gives the logits
+    of those weights in the original class; one file, and sharded with an index under a
+    small max_shard_size; the tied name written once, as save_pretrained writes it."""
+    import json
+    import os
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors import safe_open
+
+    from fxmeg.checkpoint import export
+
+    config = T.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 96, (4, 16), generator=g) for _ in range(2)]
+    engine = fxmeg.parallelize(model, (batches[0][:2], batches[0][:2]), global_batch_size=4)
+    for ids in batches:
+        engine.train_step((ids, ids))
+    trained = engine.full_state_dict()
+    saving = engine.save(str(tmp_path / "ckpt"))
+    saving.wait()
+    assert saving.path.endswith("iter_0000002")
+    ref = T.LlamaForCausalLM(config)
+    ref.load_state_dict(trained)
+    ids = batches[0]
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    untied = {k: v for k, v in trained.items() if k != "lm_head.weight"}  # as save_pretrained keeps them
+    for name, size in [("one", "50GB"), ("sharded", "20KB")]:
+        out = str(tmp_path / name)
+        export(str(tmp_path / "ckpt"), out, format="hf", max_shard_size=size)
+        hub = split_torch_state_dict_into_shards(untied, max_shard_size=size)  # save_pretrained's own split
+        assert hub.is_sharded == (name == "sharded")
+        weights = {f for f in os.listdir(out) if f.endswith(".safetensors")}
+        assert weights == set(hub.filename_to_tensors)  # model.safetensors, or model-0000i-of-0000N
+        got = {}
+        for f in weights:
+            with safe_open(os.path.join(out, f), "pt") as st:
+                assert st.metadata() == {"format": "pt"}
+                got |= {k: f for k in st.keys()}
+        assert got == hub.tensor_to_filename  # the tied head once, under the embedding's name
+        if hub.is_sharded:
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                index = json.load(f)
+            assert index["weight_map"] == got
+            assert index["metadata"]["total_size"] == hub.metadata["total_size"]
+        back = T.AutoModelForCausalLM.from_pretrained(out)
+        assert type(back) is T.LlamaForCausalLM and back.config.tie_word_embeddings
+        for k, v in back.state_dict().items():
+            assert torch.equal(v, trained[k]), k
+        with torch.no_grad():
+            assert torch.equal(back(input_ids=ids).logits, want)

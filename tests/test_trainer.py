@@ -210,7 +210,18 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     whole = [r["loss"] for r in read(str(tmp_path / "a" / "run")) if r["kind"] == "train"]
     assert whole[0] == pytest.approx(own, rel=1e-5) and all(math.isfinite(x) for x in whole)
     ckpt = str(tmp_path / "ckpt")
-    Trainer(_config(corpus, tmp_path / "b", **hf | {"train_iters": 2, "save": ckpt})).run()
+    saver = Trainer(_config(corpus, tmp_path / "b", **hf | {"train_iters": 2, "save": ckpt}))
+    saver.run()
+    out = str(tmp_path / "hf")  # `fxmeg export --format hf`: from_pretrained gives the trained model's logits
+    assert main(["export", ckpt, "--to", out, "--format", "hf"]) == 0
+    trained = saver.engine.full_state_dict()
+    ref.load_state_dict(trained)
+    back = T.AutoModelForCausalLM.from_pretrained(out)
+    assert type(back) is T.LlamaForCausalLM and back.config.vocab_size == 384
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, ref(input_ids=ids).logits)
+    again = Trainer(_config(corpus, tmp_path / "d", **hf | {"init_from": out, "save": ""}))  # and back in
+    assert all(torch.equal(v, trained[k]) for k, v in again.engine.full_state_dict().items())
     resumed = Trainer(_config(corpus, tmp_path / "c", **hf | {"load": ckpt}))
     assert resumed.iteration == 2
     resumed.run()

@@ -1,5 +1,7 @@
 """Checkpoints on real ranks: exact resume at tp=2 x pp=2 x dp=2 with the distributed
-optimizer, resharding to other layouts and one process, export to a plain state_dict."""
+optimizer, resharding to other layouts and one process, export to a plain state_dict; and
+the Python API's ``engine.save`` (in the background) at tp=2 x dp=4 and ``engine.load`` at
+pp=2 x dp=4 in the other spawn, against plain single-device training."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import os
 import pytest
 import torch
 
+import fxmeg
 from fxmeg.checkpoint import export
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
 from tests.distributed import run_world
-from tests.helpers import LOSS_RTOL
+from tests.helpers import LOSS_RTOL, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
 from models.gpt import GPT, GPTConfig
 
 SAVED = dict(tp=2, pp=2, dp=2, distributed_optimizer=True)
@@ -40,7 +43,36 @@ def first(rank: int, root: str) -> dict:
     Trainer(config(root, "whole", train_iters=6, **SAVED)).run()
     t = Trainer(config(root, "first", train_iters=3, save=os.path.join(root, "ckpt"), **SAVED))
     t.run()
-    return {"state": t.engine.full_state_dict()}
+    return {"state": t.engine.full_state_dict()} | _engine_saves(root)
+
+
+# The Python API: 2 steps at tp=2 x dp=4, a background save, 2 more steps; the other spawn
+# loads that save at pp=2 x dp=4 (another cut of every parameter) and trains steps 3-4.
+API_SAVED, API_LOADED = dict(tp=2), dict(pp=2)
+API_BATCHES = [make_batch(16, seed=s) for s in range(4)]
+
+
+def _api_engine(**layout):
+    ids, labels = API_BATCHES[0]
+    return fxmeg.parallelize(make_model("gpt", n_layer=2), (ids[:2], labels[:2]), global_batch_size=16,
+                             optimizer=optimizer, **layout)
+
+
+def _engine_saves(root: str) -> dict:
+    engine = _api_engine(**API_SAVED)
+    losses = [engine.train_step(b).loss for b in API_BATCHES[:2]]
+    saving = engine.save(os.path.join(root, "api"), async_save=True, state={"epoch": 7})
+    losses += [engine.train_step(b).loss for b in API_BATCHES[2:]]  # while the save is written
+    saving.wait()
+    return {"api_losses": losses, "api_state": engine.full_state_dict(), "api_path": saving.path}
+
+
+def _engine_loads(root: str) -> dict:
+    engine = _api_engine(**API_LOADED)
+    user = engine.load(os.path.join(root, "api"))
+    losses = [engine.train_step(b).loss for b in API_BATCHES[2:]]
+    return {"api_user": user, "api_losses": losses, "api_state": engine.full_state_dict(),
+            "api_steps": engine.context.steps_taken}
 
 
 def resumed(rank: int, root: str) -> dict:
@@ -54,7 +86,7 @@ def resumed(rank: int, root: str) -> dict:
         t.run()
     if rank == 0:
         export(os.path.join(root, "ckpt"), os.path.join(root, "model.pt"))
-    return out
+    return out | _engine_loads(root)
 
 
 def _fixed_batch():
@@ -73,7 +105,7 @@ def results(tmp_path_factory):
     one = {"iteration": single.iteration, "state": single.engine.full_state_dict(),
            "eval": single.engine.eval_step(_fixed_batch()).loss}
     single.run()
-    return root, saved[0]["state"], loaded[0] | {"single": one}
+    return root, saved[0]["state"], loaded[0] | {"single": one, "api_saved": saved[0]}
 
 
 def _losses(root: str, name: str) -> list[float]:
@@ -108,3 +140,18 @@ def test_exported_state_dict_loads_into_the_unmodified_model(results):
     loss = model(ids, labels).item()
     for layout in LAYOUTS.keys() | {"single"}:
         assert abs(loaded[layout]["eval"] - loss) <= LOSS_RTOL * loss
+
+
+def test_engine_save_at_one_layout_loads_at_another_and_trains_as_one_device(results):
+    """engine.save in the background at tp=2 x dp=4 while training goes on, engine.load at
+    pp=2 x dp=4 in new processes: both runs' losses and weights are those of plain
+    single-device training (the saved run's steps 3-4 continue undisturbed by the save)."""
+    _, _, loaded = results
+    want_losses, _, want_state = reference(make_model("gpt", n_layer=2), API_BATCHES)
+    saved = loaded["api_saved"]
+    assert saved["api_path"].endswith("iter_0000002")
+    assert_losses_close(saved["api_losses"], want_losses)
+    assert_weights_close(saved["api_state"], want_state)
+    assert loaded["api_user"] == {"epoch": 7} and loaded["api_steps"] == 4
+    assert_losses_close(loaded["api_losses"], want_losses[2:])
+    assert_weights_close(loaded["api_state"], want_state)

@@ -1,0 +1,142 @@
+"""Weights out to the ecosystem: a whole state_dict written as Hugging Face writes a model
+(``save_pretrained``): safetensors files, sharded with ``model.safetensors.index.json``
+above a size, and the model's ``config.json`` when it is a transformers model.
+
+What a checkpoint needs for that is recorded when it is saved (``hugging_face_info``, in
+its ``meta.json``): the model's config and its tied names. ``fxmeg.checkpoint.export``
+reads the tensors back and calls ``write``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from fxmeg.errors import CheckpointError
+from fxmeg.hugging_face import is_hugging_face
+
+FORMATS = ("pt", "hf", "safetensors")
+"""``fxmeg export --format``: a torch.save file; a Hugging Face directory (safetensors and
+config.json); the safetensors files alone (any model)."""
+DEFAULT_SHARD_SIZE = "50GB"
+"""transformers 5's default ``max_shard_size``."""
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def hugging_face_info(model: torch.nn.Module) -> dict | None:
+    """What an export in Hugging Face's format needs of ``model`` besides its tensors:
+    ``config`` (its config as ``config.json`` holds it, ``architectures`` set to the
+    model's class as ``save_pretrained`` sets it) and ``tied`` (the names transformers
+    re-ties on load, e.g. ``lm_head.weight``: left out of the files). None for a model
+    that is not a transformers PreTrainedModel. Reads the config only, so it works on a
+    model built on meta or already parallelized."""
+    if not is_hugging_face(model):
+        return None
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config["architectures"] = [type(model).__name__]
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return {"config": config, "tied": sorted(tied)}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``size``: an int, or a string as transformers takes it ("5GB", "200MB",
+    "10KiB"). A malformed one is a CheckpointError naming it."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
+    if match is None or float(match[1]) <= 0:
+        raise CheckpointError(f"max_shard_size={size!r} is not a size; pass bytes (an int) or a string "
+                              f"such as '5GB', '200MB' or '10KiB'")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def check_target(directory: str, max_shard_size: int | str) -> None:
+    """Raise CheckpointError unless ``directory`` can hold an export (it is not an
+    existing file) and ``max_shard_size`` is a size."""
+    parse_size(max_shard_size)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"export to {directory}: it is a file, and this format writes a directory "
+                              f"(model.safetensors, config.json); pass a directory path")
+
+
+def hugging_face_names(state: dict[str, torch.Tensor], aliases: dict[str, list[str]],
+                       tied: list[str]) -> dict[str, torch.Tensor]:
+    """``state`` with one name per tensor: of each group of ``aliases`` (tied names) the
+    first that transformers does not re-tie (not in ``tied``), as ``save_pretrained``
+    keeps it; safetensors holds no aliases."""
+    drop = set()
+    for names in aliases.values():
+        if len(names) > 1:
+            keep = next((n for n in names if n not in tied), names[0])
+            drop |= {n for n in names if n != keep}
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+def shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """The names of each file, in order, as huggingface_hub's splitter makes them: a
+    tensor larger than ``max_bytes`` alone; otherwise a new file when the current one
+    would exceed ``max_bytes``."""
+    files: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if n > max_bytes:
+            files.append([name])
+            continue
+        if current and size + n > max_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    return files + ([current] if current else [])
+
+
+def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None = None,
+          max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
+    """Write ``state`` (one name per tensor) into ``directory`` as ``save_pretrained``
+    does; the files written.
+
+    Requires: ``directory`` is not an existing file; ``state``'s tensors share no storage.
+    Ensures: ``model.safetensors`` (metadata format "pt"), or, above ``max_shard_size``,
+    ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (weight_map,
+    total_size, total_parameters); ``config.json`` from ``config`` when given, its
+    ``dtype`` that of the floating tensors; stale weight files of an earlier export in
+    ``directory`` removed (as ``save_pretrained`` does)."""
+    from safetensors.torch import save_file
+
+    check_target(directory, max_shard_size)
+    os.makedirs(directory, exist_ok=True)
+    groups = shards(state, parse_size(max_shard_size))
+    for old in os.listdir(directory):
+        if old in (SINGLE, INDEX) or _SHARD.fullmatch(old):
+            os.remove(os.path.join(directory, old))
+    names = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                for i in range(len(groups))]
+    for file, group in zip(names, groups):
+        save_file({k: state[k].contiguous() for k in group}, os.path.join(directory, file), metadata={"format": "pt"})
+    written = list(names)
+    if len(groups) > 1:
+        index = {"metadata": {"total_parameters": sum(t.numel() for t in state.values()),
+                              "total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: f for f, group in zip(names, groups) for k in group}}
+        _write_json(os.path.join(directory, INDEX), index)
+        written.append(INDEX)
+    if config is not None:
+        floating = {t.dtype for t in state.values() if t.is_floating_point()}
+        dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else config.get("dtype")
+        _write_json(os.path.join(directory, "config.json"), config | {"dtype": dtype})
+        written.append("config.json")
+    return written
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
