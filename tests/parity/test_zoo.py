@@ -17,7 +17,11 @@ relative norm: docs/design.md §3).
   (tests/zoo/, rewritten after the published files), each trained through its own loss
   (ignore_index=-1);
 * XGLM (fairseq-style attention: heads merged into the batch dim of ``bmm``), eager only
-  (transformers has no sdpa for it).
+  (transformers has no sdpa for it);
+* key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py):
+  Falcon's default config (multi-query, parallel attention, ``x @ w.T`` linears) and
+  gpt_bigcode's multi-query fused ``c_attn``; bloom's per-head interleaved fused QKV with
+  ALiBi through ``baddbmm``, split by whole heads. SPLIT names the parameters each must split.
 
 Gemma-2 is eager only (transformers refuses sdpa for it). Screened and training at world
 size 1 too, left out to keep the spawn short: olmo, glm, smollm3, helium,
@@ -176,10 +180,9 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 
 ISSUE_CASES = ("mistral", "qwen3", "granite", "stablelm", "gemma", "gemma3_text",  # a pad token
-               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers",  # refused before
-               "falcon", "gpt_bigcode-mqa")  # issue 28: split nothing, refused
-"""The cases issues 15 and 28 found silently wrong (Falcon split nothing), refused or not
-captured: also trained at plain tp=2."""
+               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers")  # refused before
+"""The cases issue 15 found silently wrong, refused or not captured: also trained at plain
+tp=2 (issue 28's cases train at tp=2 x pp=2, where each tp rank's share is asserted)."""
 CASES = [(name, layout) for name in ZOO for layout in LAYOUTS
          if not (layout == "w1" and name in TP_ONLY) and (layout != "tp2" or name in ISSUE_CASES)]
 
