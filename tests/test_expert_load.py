@@ -24,7 +24,6 @@ from fxmeg.metrics import plot, read
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks, load_marks
 from fxmeg.trainer import TrainConfig, Trainer
-from fxmeg.runtime.optimizer import param_groups
 from fxmeg.transform import transform
 from tests.helpers import (
     assert_losses_close,
@@ -34,6 +33,7 @@ from tests.helpers import (
     make_model,
     model_loss,
     optimizer,
+    reference_groups,
     tiny_moe,
 )
 
@@ -179,7 +179,7 @@ def balancing_reference(model: nn.Module, batches, rate: float):
     own top-k indices (Megatron's get_updated_expert_bias). Returns (losses, the counts of
     each step, the trained copy)."""
     ref = copy.deepcopy(model)
-    opt = optimizer(param_groups(ref.named_parameters()))
+    opt = optimizer(reference_groups(ref.named_parameters()))
     routers = {n.removesuffix(".gate") + ".experts": m for n, m in ref.named_modules() if n.endswith("mlp.gate")}
     counts: dict[str, torch.Tensor] = {}
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 import fxmeg
-from fxmeg.runtime.optimizer import param_groups
 from tests.helpers import (
     OPTIMIZERS,
     assert_bitwise,
@@ -19,6 +18,7 @@ from tests.helpers import (
     make_model,
     optimizer,
     reference,
+    reference_groups,
     seeded_init,
 )
 
@@ -150,7 +150,7 @@ def check_router_loss(ranks: list[dict], sc: Scenario) -> None:
     coef, experts, k = model.config.router_aux_loss_coef, model.config.num_local_experts, model.config.num_experts_per_tok
     running = dict(sc.options).get("moe_router_load_balancing_type") == "global_aux_loss"
     ref = copy.deepcopy(model)
-    opt = optimizer(param_groups(ref.named_parameters()))
+    opt = optimizer(reference_groups(ref.named_parameters()))
     losses = []
     for ids, labels in sc.batches():
         opt.zero_grad()

@@ -4,9 +4,9 @@
 Llama (untied, 4 layers, hidden 32), 10 steps:
   * every step's loss within 2e-3 (relative) of the oracle's, the same steps skipped and
     the same loss scales (fp16: a dynamic scale that grows, then overflows and backs off);
-  * every fp32 master within 1e-3 (relative norm) of the oracle's, gathered from every
+  * every fp32 master within 1e-5 (relative norm) of the oracle's, gathered from every
     rank's optimizer pieces, for the layouts without tensor parallelism: their arithmetic
-    is the oracle's up to the order of fp32 sums (they agree to 5e-9, pipelines bitwise);
+    is the oracle's up to the order of fp32 sums (they agree to 4.1e-9, pipelines bitwise);
   * with tensor parallelism the half-precision partial sums of row-parallel layers are
     rounded and reduced across tp ranks (as in Megatron), a different rounding than one
     device's, and Adam amplifies it: the masters land up to 7.2e-3 (bf16) / 3.6e-3
@@ -16,7 +16,10 @@ Llama (untied, 4 layers, hidden 32), 10 steps:
     together, are no farther from a float64 run of the same training (same skipped steps)
     than the oracle's, within FLOAT64_SLACK. Measured ratios: 0.70 to 1.30 here, 0.70 to
     1.40 with another model and data seed; stepping the half-precision parameters
-    directly gives 3.8 to 4.3 (bf16).
+    directly gives 3.8 to 4.3 (bf16). All together, one parameter's error is diluted
+    among the others, so each parameter is held to the rule too, on its change from the
+    initial weights, within PARAM_SLACK (mixed_precision.change_errors; measured 0.16 to
+    3.0; a parameter that does not train is 25 to 600 x the oracle's).
   * pipeline-only layouts are bitwise the same engine at world size 1;
   * masters start from the user's fp32 values, and at tp2 x dp2 each rank keeps masters
     of exactly the elements it updates.
@@ -35,13 +38,20 @@ import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from tests.distributed import run_worlds
 from tests.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
-from tests.parity.mixed_precision import gather_masters, master_pieces, reference
+from tests.parity.mixed_precision import (
+    assert_float64_rule_per_parameter,
+    gather_masters,
+    master_pieces,
+    reference,
+)
 from tests.parity.scenarios import MBS, Scenario
 
 STEPS = 10
-LOSS_RTOL, MASTER_RTOL = 2e-3, 1e-3
+LOSS_RTOL = 2e-3
+MASTER_RTOL = 1e-5
 FLOAT64_SLACK = 1.5
-"""With tp: |masters - float64| <= FLOAT64_SLACK x |oracle - float64| (all parameters)."""
+"""With tp: |masters - float64| <= FLOAT64_SLACK x |oracle - float64| (all parameters
+together), and for each parameter PARAM_SLACK x the oracle's (mixed_precision.change_errors)."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16: gradients of this model overflow at a scale of 2**14 and not at 2**13 (on these
 # batches), so the scale grows after 3 clean steps and the next step is skipped.
@@ -169,6 +179,7 @@ def test_matches_the_mixed_precision_oracle(results, sc):
     got = relative(_flat(masters), _flat(exact))
     want = relative(_flat(ref["masters"]), _flat(exact))
     assert got <= FLOAT64_SLACK * want, f"masters {got:.2e} from float64, the oracle's {want:.2e}"
+    assert_float64_rule_per_parameter(masters, ref["masters"], exact, dict(sc.make_model().named_parameters()))
 
 
 def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:

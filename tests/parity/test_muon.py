@@ -22,8 +22,10 @@ from fxmeg.checkpoint import Checkpointer
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import ADAMW_ONLY
 from tests.distributed import run_world
-from tests.helpers import reference
-from tests.parity.scenarios import Scenario, check_parity
+from tests.helpers import assert_losses_close, reference
+from tests.parity.mixed_precision import assert_float64_rule_per_parameter, gather_masters, master_pieces
+from tests.parity.mixed_precision import reference as mixed_reference
+from tests.parity.scenarios import MBS, Scenario, check_parity
 
 LAYERWISE = (("distributed_optimizer", True), ("optimizer_sharding", "layerwise"))
 AUTO = (("distributed_optimizer", True),)  # 'auto' picks layer-wise for Muon
@@ -40,8 +42,8 @@ SCENARIOS = PARITY + OTHERS + [HALF, BF16]
 
 
 def train(rank: int, sc: Scenario) -> dict:
-    """Train; report the steps, the full state (rank 0) and what each inner optimizer
-    holds state for."""
+    """Train; report the steps, the full state (rank 0), the fp32 masters and what each
+    inner optimizer holds state for."""
     engine = sc.engine()
     steps = [engine.train_step(b) for b in sc.batches()]
     state = engine.full_state_dict()
@@ -58,7 +60,8 @@ def train(rank: int, sc: Scenario) -> dict:
     groups = engine.context.groups
     return dict(steps=steps, state=state if rank == 0 else None, held=held, strays=strays,
                 sharding=opt.sharding, owner=opt.owner, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
-                local={n: p.numel() for n, p in engine.named_parameters.items()})
+                local={n: p.numel() for n, p in engine.named_parameters.items()},
+                pieces=master_pieces(engine), tp_specs=engine.program.tp_specs)
 
 
 def round_trip(root: str, sc: Scenario) -> dict:
@@ -122,11 +125,25 @@ def test_each_rank_keeps_state_for_its_whole_parameters_only(results, sc):
         assert sum(len(h) for h in held) == len(full) and set().union(*held) == set(full)
 
 
-def test_bf16_parameters_with_full_fp32_matrix_masters_track_fp32(results):
+def test_bf16_parameters_with_full_fp32_matrix_masters_train_as_the_oracle(results):
+    """tp2 x dp2, bf16 parameters, Muon stepping full fp32 matrices: against the
+    plain-PyTorch mixed-precision oracle with the same Muon + AdamW. Losses and grad
+    norms near the oracle's (measured: 2.9e-5 and 1.1e-3). Under tp the half-precision
+    partial sums are rounded and reduced across ranks, a rounding one device does not
+    make, so the masters are held to the float64 rule per parameter on their change
+    from the initial weights (mixed_precision.change_errors): no parameter farther from
+    a float64 run than mixed_precision.PARAM_SLACK x the oracle's (measured: at most
+    2.1 x)."""
     ranks = [r[HALF.id] for r in results[HALF.world]]
-    want, _, _ = reference(HALF.make_model(), HALF.batches(), opt=HALF.opt)
-    got = [s.loss for s in ranks[0]["steps"]]
-    assert all(abs(g - w) <= 0.02 * w for g, w in zip(got, want)) and not any(s.skipped for s in ranks[0]["steps"])
+    model = HALF.make_model()
+    ref, exact = (mixed_reference(model, HALF.batches(), dtype=d, micro_batch_size=MBS, opt=HALF.opt)
+                  for d in (torch.bfloat16, torch.float64))
+    steps = ranks[0]["steps"]
+    assert not any(s.skipped for s in steps)
+    assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-3)
+    assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-2)
+    masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, HALF.tp)
+    assert_float64_rule_per_parameter(masters, ref["masters"], exact["masters"], dict(model.named_parameters()))
 
 
 def test_stock_bf16_muon_differs_from_float64_no_more_than_single_device(results):
