@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, fx
 
-from fxmeg import ops  # a cycle (ops calls this module's math): ops is read at run time
+from fxmeg import recomputation
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ The forwards of a recompute in backward are not counted again."""
 
 
 def _count_dropped(layer: str, keep: Tensor) -> None:
-    if ops.recomputing():  # the forward of a recompute region, run again in backward
+    if recomputation.recomputing():  # the forward of a recompute region, run again in backward
         return
     n, routed = keep.numel() - keep.sum(), keep.numel()
     if layer in dropped:

@@ -68,8 +68,6 @@ late queries); ``cp_positions`` gives the global positions of a rank's rows.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.fx.node import has_side_effect
 
@@ -115,31 +113,6 @@ def global_tokens(fraction: torch.Tensor, *, group: str) -> torch.Tensor:
     ``global_aux_loss``. Unbound, the micro-batch's own; the runtime binds it to
     ``fxmeg.runtime.load.GlobalTokens``."""
     return fraction
-
-
-class _Recomputation:
-    """Entered around each recomputation of a recompute region (reentrant: a second
-    backward may run a region again)."""
-
-    depth = 0
-
-    def __enter__(self) -> None:
-        _Recomputation.depth += 1
-
-    def __exit__(self, *exc) -> None:
-        _Recomputation.depth -= 1
-
-
-def recomputation_contexts():
-    """torch.utils.checkpoint's ``context_fn`` of a recompute region (passes/recompute.py):
-    nothing around forward, ``recomputing()`` True around the recomputation."""
-    return contextlib.nullcontext(), _Recomputation()
-
-
-def recomputing() -> bool:
-    """Whether a recompute region is running again in backward, not in forward: what
-    runs then ran once already (the expert-load recorder counts each micro-batch once by it)."""
-    return _Recomputation.depth > 0
 
 
 @has_side_effect

@@ -263,15 +263,18 @@ def test_x_transformers_region_rewrites_its_shape_arguments():
     assert tuple(region.meta["val"][0].shape) == (MBS, 2, SEQ, 64)
 
 
-def test_tensor_parallel_refuses_a_linear_inside_a_region_reading_a_split_value():
-    with pytest.raises(PassError) as err:
-        transform(_model("down"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2,
-                  stop_after="tensor_parallel")
-    msg = str(err.value)
-    assert "cannot split node 'linear_1' (linear.default, module 'layers.0.down')" in msg, msg
-    assert "split along dim 2 by module 'layers.0.up'" in msg
-    assert "a linear whose weight is not a parameter reads a split value (in a region's body" in msg
-    assert "tp_plan={'layers.*.up': 'replicate'}" in msg
+def test_tensor_parallel_keeps_a_block_whole_whose_row_linear_is_inside_a_region(caplog):
+    """A row-parallel linear inside a region is no linear the pass can split (its weight is
+    a body input): the block's "up" output would reach the residual stream split, so both
+    projections stay whole, and tp says so by name (never silent)."""
+    with caplog.at_level("WARNING", logger="fxmeg.passes.tensor_parallel"):
+        program = transform(_model("down"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2)
+    assert program.tp_specs["layers.0.up.weight"] == Replicate(reduce_grad=False)
+    assert program.tp_specs["layers.0.down.weight"] == Replicate(reduce_grad=False)
+    assert dict(program.tp_whole).keys() == {"layers.*.up", "layers.*.down"}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "'layers.*.down': no linear fxmeg splits reads it (read by wrap_with_autocast)" in warning, warning
+    assert "'layers.*.up'" in warning
 
 
 # ---------------------------------------------------------------- x-transformers

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import fx
 
-from fxmeg import moe, ops
+from fxmeg import moe, recomputation
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError
 from tests.distributed import run_world
@@ -204,7 +204,7 @@ def test_a_recomputed_forward_is_not_counted_again():
     case = _case(seed=3, tokens=12, skew=2.0)
     out = torch.utils.checkpoint.checkpoint(lambda h: _run({**case, "hidden": h}, capacity_factor=1.0, layer="l"),
                                             case["hidden"], use_reentrant=False,
-                                            context_fn=ops.recomputation_contexts)  # as passes/recompute.py runs it
+                                            context_fn=recomputation.recomputation_contexts)  # as passes/recompute.py runs it
     forward = moe.dropped["l"][0].item()
     out.sum().backward()  # recomputes the forward
     assert moe.dropped["l"][1] == 12 * 2  # routed pairs: one forward's

@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from fxmeg import ops
+from fxmeg import ops, recomputation
 from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.program import ChunkInfo
@@ -42,7 +42,7 @@ _BETWEEN_SCORES = {  # elementwise steps between q @ k^T and the softmax (scale,
 
 class Recompute(nn.Module):
     """Runs ``region`` (a graph without parameters) under activation checkpointing;
-    while backward runs it again, ``fxmeg.ops.recomputing()`` is True."""
+    while backward runs it again, ``fxmeg.recomputation.recomputing()`` is True."""
 
     def __init__(self, region: fx.GraphModule) -> None:
         super().__init__()
@@ -53,7 +53,7 @@ class Recompute(nn.Module):
             return self.region(*args)
         if torch.compiler.is_compiling():  # dynamo takes no plain context_fn (nothing counts there)
             return checkpoint(self.region, *args, use_reentrant=False)
-        return checkpoint(self.region, *args, use_reentrant=False, context_fn=ops.recomputation_contexts)
+        return checkpoint(self.region, *args, use_reentrant=False, context_fn=recomputation.recomputation_contexts)
 
 
 def recompute(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:

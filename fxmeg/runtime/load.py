@@ -6,7 +6,7 @@ Each marker sits at a routed-experts block's top-k index (fxmeg/passes/expert_pa
 During a training forward the recorder adds ``bincount(top_k_index, minlength=E)`` (the
 (token, slot) pairs routed to each expert) into that layer's slice of one int64 tensor;
 a forward without gradients (evaluation) and a recompute region's second run in backward
-(``fxmeg.ops.recomputing``) add nothing, so each micro-batch counts once. After the step
+(``fxmeg.recomputation.recomputing``) add nothing, so each micro-batch counts once. After the step
 (``reduce``) the counts are summed over the dp x cp ranks (every token once: tp ranks
 hold the same tokens and are not summed) and over the pipeline stages (each layer lives
 on one), so every rank holds every layer's counts of the global batch; ``reset`` clears
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import fx
 
-from fxmeg import ops
+from fxmeg import ops, recomputation
 from fxmeg.program import Program, load_marks
 from fxmeg.runtime.groups import Groups, all_reduce
 
@@ -66,7 +66,7 @@ class ExpertLoad:
     def record(self, top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
         """``ops.expert_load`` bound: add this micro-batch's tokens per expert of ``layer``
         (a training forward only, and once: not again when backward recomputes it)."""
-        if not torch.is_grad_enabled() or ops.recomputing():
+        if not torch.is_grad_enabled() or recomputation.recomputing():
             return
         start = self.offsets[layer]
         self.counts[start:start + experts] += torch.bincount(top_k_index.detach().reshape(-1), minlength=experts)
