@@ -1,0 +1,198 @@
+"""The model zoo on every parallel axis (issue 28, point 3): eight of tests/parity/
+test_zoo.py's Hugging Face decoders, chosen for different attention and norm layouts
+(llama; gemma: norm weight + 1; gemma2 eager: logit softcapping; phi: parallel block,
+partial rotary, biased projections; gpt2: Conv1D, learned positions; gpt_neox: fused qkv;
+olmo2: qk-norm; cohere: bias-free layernorm, parallel block), each trained for the zoo's
+3 steps at four layouts that together cover every axis:
+  * pp2 x vpp2 x tp2 with sequence parallelism (the pipeline sends sequence shards
+    between interleaved chunks);
+  * cp2 x dp2 with the distributed optimizer;
+  * pp2 with the zero-bubble schedule zbh1 (its split backward is the costliest capture:
+    kept to 2 ranks);
+  * bf16 at tp2;
+against single-device PyTorch at the zoo's tolerances (loss 1e-5, grad norm 1e-4, weights
+5e-5 relative) or, for bf16, the plain-PyTorch mixed-precision recipe
+(tests/parity/mixed_precision.py) with test_mixed_precision.py's bounds: losses within
+2e-3 of the recipe's, the bf16 parameters their masters rounded, masters starting from the
+fp32 values, and (tp rounds row-parallel partial sums differently) masters no farther from
+a float64 run than the recipe's, within 1.5x (measured 1.03 to 1.18; a master that keeps
+only the bf16 values gives 2.4). Every tp layout asserts each tp rank holds less than the
+whole.
+
+One 4-rank and one 2-rank spawn run every layout of every model: about 255 CPU seconds
+in all (about 2 minutes on 2 idle cores); the capture, not the steps, is the cost of a
+layout. A layout that fails is listed in KNOWN_GAPS with its error, and a test asserts it
+still fails that way."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fxmeg
+from fxmeg.layouts import Shard
+from tests.distributed import run_world
+from tests.helpers import optimizer
+from tests.parity.mixed_precision import gather_masters, master_pieces
+from tests.parity.mixed_precision import reference as mixed_reference
+from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
+
+DEADLINE_S = 600  # a loaded CI machine; a hang still fails
+AXES_ZOO = ("llama", "gemma", "gemma2-eager", "phi", "gpt2", "gpt_neox", "olmo2", "cohere")
+LAYOUTS = {  # layout -> (world size, parallelize options): every axis in 12 rank-layouts a model
+    "pp2-vpp2-tp2-sp": (4, dict(pp=2, vpp=2, tp=2, sequence_parallel=True)),
+    "cp2-dp2-distopt": (4, dict(cp=2, dp=2, distributed_optimizer=True)),
+    "pp2-zbh1": (2, dict(pp=2, schedule="zbh1")),
+    "bf16-tp2": (2, dict(tp=2, precision="bf16")),
+}
+
+
+def train(name: str, layout: str, rank: int):
+    """What the test reads of fxmeg's training of ``name`` at ``layout`` on this rank, or
+    ``Type: message``."""
+    try:
+        data = batches(name)
+        options = dict(LAYOUTS[layout][1]) | (ZOO[name][1] if "tp" in LAYOUTS[layout][1] else {})
+        engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
+                                   optimizer=optimizer, **options)
+        first = master_pieces(engine) if "precision" in options else None
+        steps = [engine.train_step(b) for b in data]
+        state = engine.full_state_dict()
+        held = sum(p.numel() for p in engine.named_parameters.values())
+        whole = sum(state[n].numel() for n in engine.named_parameters)
+        out = dict(losses=[s.loss for s in steps], norms=[s.grad_norm for s in steps],
+                   state=state if rank == 0 else None, held=held, whole=whole,
+                   sharded=sorted(n for n, s in engine.program.tp_specs.items() if isinstance(s, Shard)))
+        if "precision" in options:
+            out |= dict(first=first, pieces=master_pieces(engine), tp_rank=engine.context.groups.tp_rank,
+                        tp_specs=engine.program.tp_specs)
+    except Exception as e:  # noqa: BLE001 (reported)
+        out = f"{type(e).__name__}: {e}"
+    return out
+
+
+def train_all(rank: int, names: list[str], world: int) -> dict:
+    """Every layout of ``world`` ranks for every model."""
+    return {(name, layout): train(name, layout, rank) for name in names
+            for layout, (size, _) in LAYOUTS.items() if size == world}
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict:
+    """(zoo name, layout) -> every rank's result: one spawn per world size for all."""
+    out = {}
+    for world in sorted({size for size, _ in LAYOUTS.values()}):
+        ranks = run_world(world, train_all, list(AXES_ZOO), world, deadline_s=DEADLINE_S)
+        out |= {key: [r[key] for r in ranks] for key in ranks[0]}
+    return out
+
+
+CASES = [(name, layout) for name in AXES_ZOO for layout in LAYOUTS]
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    # GPT-2's Conv1D flattens (batch, seq) before its addmm: under sequence parallelism the
+    # sequence shard merges with the batch (a strided split, as Megatron's [s, b, h] layout
+    # avoids), and the all-gather sits at the addmm, after the view (it trains at tp2 x pp2
+    # without sp: test_zoo, and at pp2 x vpp2 x tp2 without sp)
+    ("gpt2", "pp2-vpp2-tp2-sp"): re.escape(
+        "PassError: cannot split node 'view_1' (view.default, module 'transformer.h.0.attn.c_attn') over "
+        "tp=2 ranks (split along dim 1 by module 'transformer.wte'): it merges dim 1 (size 16, split over "
+        "tp ranks) into a larger dim with dims outside it."),
+}
+"""(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
+BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5
+"""test_mixed_precision's bounds: losses within 2e-3 of the oracle's; with tp the masters
+no farther from a float64 run of the same training than the oracle's, within 1.5x."""
+_MIXED: dict = {}
+
+
+def mixed_oracle(name: str, dtype: torch.dtype) -> dict:
+    """The plain-PyTorch mixed-precision recipe (or with float64, plain float64 training)
+    on the zoo's batches (cached)."""
+    if (name, dtype) not in _MIXED:
+        _MIXED[name, dtype] = mixed_reference(make(name), batches(name), dtype=dtype, micro_batch_size=MBS)
+    return _MIXED[name, dtype]
+
+
+def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([masters[n].double().flatten() for n in sorted(masters)])
+
+
+def _distance(got: dict, want: dict) -> float:
+    return float((_flat(got) - _flat(want)).norm() / _flat(want).norm())
+
+
+def bf16_failure(ranks: list[dict], name: str) -> str | None:
+    """None when the bf16 run matches the mixed-precision oracle (test_mixed_precision's
+    rule with tp); else what differs."""
+    ref, exact = mixed_oracle(name, torch.bfloat16), mixed_oracle(name, torch.float64)
+    for step, (got, want) in enumerate(zip(ranks[0]["losses"], ref["losses"], strict=True)):
+        if abs(got - want) > BF16_LOSS_RTOL * want:
+            return f"step {step}: loss {got} vs oracle {want}"
+    fp32 = dict(make(name).named_parameters())
+    shapes = {n: p.shape for n, p in fp32.items()}
+    start = gather_masters([dict(r, pieces=r["first"]) for r in ranks], shapes, tp=2)
+    for n, m in start.items():
+        if not torch.equal(m, fp32[n].detach()):
+            return f"{n}: the master does not start from the fp32 value"
+    masters = gather_masters(ranks, shapes, tp=2)
+    state = ranks[0]["state"]  # the bf16 parameters are the masters, rounded
+    for n, m in masters.items():
+        if not torch.equal(state[n], m.to(state[n].dtype)):
+            return f"{n}: the bf16 parameter is not its master rounded"
+    got, want = _distance(masters, exact["masters"]), _distance(ref["masters"], exact["masters"])
+    if got > FLOAT64_SLACK * want:
+        return f"masters {got:.2e} from float64, the oracle's {want:.2e}"
+    return None
+
+
+def failure(ranks: list, name: str, layout: str) -> str | None:
+    """None when every rank's training of ``name`` at ``layout`` matches its oracle and
+    tensor parallelism leaves each rank less than the whole; else what went wrong."""
+    first = ranks[0]
+    if isinstance(first, str):
+        return first
+    for r in ranks[1:]:
+        if isinstance(r, str):
+            return r
+        if (r["losses"], r["norms"]) != (first["losses"], first["norms"]):
+            return "AssertionError: ranks disagree"
+    if "precision" in LAYOUTS[layout][1]:
+        wrong = bf16_failure(ranks, name)
+    else:
+        wrong = outcome((first["losses"], first["norms"], first["state"]), name)
+    if wrong is not None:
+        return wrong if wrong.startswith("AssertionError") else f"AssertionError: {wrong}"
+    if "tp" in LAYOUTS[layout][1]:
+        if not first["sharded"]:
+            return f"AssertionError: {name}: no parameter split over tp"
+        for rank, r in enumerate(ranks):
+            if r["held"] >= r["whole"]:
+                return f"AssertionError: {name}: rank {rank} holds all {r['whole']} elements of its parameters"
+    return None
+
+
+@pytest.mark.parametrize("name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}")
+def test_zoo_axis(spawned, name, layout):
+    wrong = failure(spawned[name, layout], name, layout)
+    assert wrong is None, wrong
+
+
+@pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
+def test_known_gap_still_fails(spawned, name, layout):
+    wrong = failure(spawned[name, layout], name, layout)
+    assert wrong is not None, f"{name} at {layout} now trains: move it from KNOWN_GAPS into the test"
+    assert re.search(KNOWN_GAPS[name, layout], wrong), wrong
+
+
+def test_axes_covered():
+    """The layouts cover every axis of issue 28 point 3; the subset spans 8 types."""
+    options = [o for _, o in LAYOUTS.values()]
+    assert any(o.get("sequence_parallel") for o in options)
+    assert any(o.get("distributed_optimizer") and o.get("dp") == 2 for o in options)
+    assert any(o.get("cp") == 2 for o in options)
+    assert any(o.get("vpp") == 2 for o in options)
+    assert any(o.get("schedule") == "zbh1" for o in options)
+    assert any(o.get("precision") == "bf16" and o.get("tp") == 2 for o in options)
+    assert len(set(AXES_ZOO)) >= 8 and set(AXES_ZOO) <= set(ZOO)
