@@ -4,6 +4,7 @@ and the sub-graphs of higher-order ops."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -95,6 +96,20 @@ def divide_shape_arg(node: fx.Node, dim: int, k: int) -> None:
         if shape[dim] != -1:
             shape[dim] //= k
         node.args = (node.args[0], shape)
+
+
+def users_reached(start: fx.Node, through: Callable[[fx.Node], bool]) -> Iterator[fx.Node]:
+    """Every call_function node reached from ``start`` along its users, each once; the
+    walk goes on past a reached node only where ``through(node)`` holds."""
+    todo, seen = [start], {start}
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            yield user
+            if through(user):
+                todo.append(user)
 
 
 def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:

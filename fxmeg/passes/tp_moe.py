@@ -27,7 +27,7 @@ import re
 import torch
 from torch import fx
 
-from fxmeg.passes.graph_utils import val
+from fxmeg.passes.graph_utils import users_reached, val
 from fxmeg.passes.op_rules import dim_argument, in_family
 
 log = logging.getLogger("fxmeg.passes.tensor_parallel")
@@ -42,18 +42,11 @@ def scores_features(linear: fx.Node) -> bool:
     size = out.shape[-1]
     if size == 1:
         return True
-    todo, seen = [linear], {linear}
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user in seen or user.op != "call_function":
-                continue
-            seen.add(user)
-            if in_family(user.target, "softmax", "rank"):
-                if dim_argument(user, -1) % val(n).dim() == val(n).dim() - 1:
-                    return True
-            elif _keeps_features(user, size):
-                todo.append(user)
+    for user in users_reached(linear, through=lambda u: _keeps_features(u, size)):
+        if in_family(user.target, "softmax", "rank"):
+            dims = val(user.args[0]).dim()
+            if dim_argument(user, -1) % dims == dims - 1:
+                return True
     return False
 
 

@@ -20,7 +20,7 @@ from torch import fx
 
 from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import call, full_args, val
+from fxmeg.passes.graph_utils import call, full_args, users_reached, val
 from fxmeg.passes.tp_placement import dim_groups
 from fxmeg.passes.op_rules import LINEAR_SLOTS, dim_argument, in_family, rule
 
@@ -48,20 +48,12 @@ class MoreRules:
                         todo.append(a)
             self.ancestors[x] = seen
         before = self.ancestors[x]
-        todo, seen = [node], {node}
-        while todo:
-            n = todo.pop()
-            for user in n.users:
-                if user in seen or user.op != "call_function":
-                    continue
-                seen.add(user)
-                if user.target in LINEAR_SLOTS:
-                    continue  # a row-parallel linear reads it
-                if in_family(user.target, "pointwise") and any(
-                        a in before and val(a) is not None and val(a).shape == val(user).shape
-                        for a in user.all_input_nodes):
-                    return True
-                todo.append(user)
+        # past every op but a linear (a row-parallel linear reads it: the stream stays whole)
+        for user in users_reached(node, through=lambda u: u.target not in LINEAR_SLOTS):
+            if in_family(user.target, "pointwise") and any(
+                    a in before and val(a) is not None and val(a).shape == val(user).shape
+                    for a in user.all_input_nodes):
+                return True
         return False
 
     @rule(TP, "unbind")
