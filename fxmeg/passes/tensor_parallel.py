@@ -76,7 +76,7 @@ from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_ar
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
                                     say_whole_projections)
-from fxmeg.passes.tp_moe import layer_glob, log, say_what_stays_whole, scores_features
+from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_regions import RegionRules
 from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
@@ -134,10 +134,6 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
         self._per_rank_streams()
         self._tag_parameters()
         say_whole_projections(self)  # never silent: tp_heads
-        if self.rejoined:
-            log.info("tp=%d keeps %d linears whole that read a replicated value and add their output to "
-                     "it (the residual stream): %s", self.tp, len(self.rejoined),
-                     ", ".join(sorted({layer_glob(m) for m in self.rejoined})))
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
             n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
             ep=self.ep)

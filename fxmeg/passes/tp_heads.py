@@ -108,14 +108,14 @@ def kv_replicas(tpass) -> dict[fx.Node, str]:
         if len(blocks) == 1:
             if _query_sibling(node, tpass.tp, val(node).shape[-1] // blocks[0].heads):
                 roles[node] = KV
-                tpass.kv_weights[w] = (f"{blocks[0].heads} key/value head(s), fewer than tp={tpass.tp}: "
+                tpass.kv_weights[w] = (f"{blocks[0].heads} key/value head(s), not divisible by tp={tpass.tp}: "
                                        "replicated, its gradient summed over tp")
             continue
         kv = [b for b in blocks if b.heads is not None and b.heads % tpass.tp]
         if len(kv) < len(blocks) and all(b.heads for b in blocks):
             roles |= _per_block(tpass, node, blocks)
             tpass.kv_weights[w] = (f"fused query/key/value with {' and '.join(str(b.heads) for b in kv)} key/value "
-                                   f"head(s), fewer than tp={tpass.tp}: the weight is held whole and its gradient "
+                                   f"head(s), not divisible by tp={tpass.tp}: the weight is held whole and its gradient "
                                    "summed over tp; each rank computes its own query heads and every key/value head")
     return roles
 
@@ -330,7 +330,7 @@ def check_kv_readers(tpass, synced) -> None:
             glob = layer_glob(owning_module(kv))
             raise PassError(
                 f"cannot replicate the key/value projection {owning_module(kv)!r} over tp={tpass.tp} ranks "
-                f"(its key/value heads are fewer than tp): its output reaches node {n.name!r} ({n.target}, module {owning_module(n)!r}) "
+                f"(tp does not divide its key/value heads): its output reaches node {n.name!r} ({n.target}, module {owning_module(n)!r}) "
                 f"without passing through the query heads split over tp, so its gradient would be summed "
                 f"tp times. Fix: keep the attention whole with tp_plan={{{glob.rpartition('.')[0] + '.*'!r}: "
                 f"'replicate'}}, or choose a tp that divides the key/value heads")
@@ -346,7 +346,7 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
     out: dict[str, str] = {}
     for n in params:
         tag = n.meta.get("fxmeg", {}).get("tp")
-        if n.op != "get_attr" or not isinstance(tag, Replicate) or val(n).dim() != 2:
+        if not isinstance(tag, Replicate) or val(n).dim() != 2:
             continue
         module = n.target.rpartition(".")[0]
         glob = layer_glob(module)
@@ -354,6 +354,9 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
             continue
         if n.target in tpass.kv_weights:
             why = tpass.kv_weights[n.target]
+        elif module in tpass.rejoined:
+            why = ("its output is added back to the residual stream it reads with no row-parallel linear "
+                   "between (split by columns, it would split the stream)")
         elif any(fnmatch.fnmatch(module, g) and r == "replicate" for g, r in tpass.plan.items()):
             why = "tp_plan says 'replicate'"
         else:

@@ -52,15 +52,16 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
     (blocks, ..., split dim, ...) again (``_unmerged``). Merged with replicated dims
     outside it into one dim, as heads into the batch of a ``bmm`` ((b, heads, t, d) ->
     (b * heads, t, d)), the split dim becomes blocks: one per entry of the outer dims,
-    each split as the dim was (``_merged``).
+    each split as the dim was (``_merged``). Not a sequence-parallel split: its
+    all-gather and reduce-scatter act on one dim and would reorder the tokens of blocks.
     """
     for gi, gj in dim_groups(a, b):
         if s.dim not in gi:
             continue
         outer_in = [d for d in gi if a[d] != 1]
         outer_out = [d for d in gj if b[d] != 1]
-        if outer_in and outer_in[0] != s.dim and len(outer_out) == 1:
-            return _merged(s, a, gi, outer_out[0])
+        if outer_in and outer_in[0] != s.dim and len(outer_out) == 1 and not s.seq:
+            return _merged(s, a, gi, outer_out[0])  # (a sequence split stays refused: see below)
         if not outer_in or outer_in[0] != s.dim or not outer_out:
             return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
                     f"larger dim with dims outside it")

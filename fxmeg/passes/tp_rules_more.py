@@ -89,7 +89,8 @@ class MoreRules:
     def _add_matmul(self, node: fx.Node):
         """``baddbmm(input, a, b, beta, alpha)`` as ``beta * input + alpha * (a @ b)``: the
         product by the matmul rule, the sum by the pointwise rule (``input`` split alike,
-        or cut to this rank's part)."""
+        or cut to this rank's part); with ``beta == 0`` the product alone, as torch
+        ignores the input then."""
         x, a, b = node.args[:3]
         beta, alpha = full_args(node)[3:5]
         ops = []
@@ -105,11 +106,14 @@ class MoreRules:
             self.place[product] = self._matmul(product)
         if alpha != 1:
             product = add(aten.mul.Tensor, product, alpha, place=self.place[product])
-        if beta != 1:
-            x = add(aten.mul.Tensor, x, beta, place=self.place.get(x))
-        out = add(aten.add.Tensor, x, product)
-        if any(isinstance(self.place.get(v), Shard) for v in (x, product)):
-            self.place[out] = self._elementwise(out)
+        if beta == 0:  # torch ignores the input then (gpt_bigcode passes torch.empty): NaN must not leak
+            out = product
+        else:
+            if beta != 1:
+                x = add(aten.mul.Tensor, x, beta, place=self.place.get(x))
+            out = add(aten.add.Tensor, x, product)
+            if any(isinstance(self.place.get(v), Shard) for v in (x, product)):
+                self.place[out] = self._elementwise(out)
         node.replace_all_uses_with(out)
         self.g.erase_node(node)
         return self.place[out]
@@ -145,7 +149,7 @@ class MoreRules:
     def _extreme_over_split(self, node: fx.Node, s: Shard):
         """A maximum (minimum) over the split dim: the local one, all-reduced with
         ``fxmeg::tp_max`` (of the negation for a minimum); its gradient goes to the rank
-        holding it, summed over ranks first when split values read it (``_all_max``)."""
+        holding it, summed over ranks first when split values read it (a ``tp_copy`` after it)."""
         users = list(node.users)
         out = node
         if EXTREMES[node.target]:

@@ -58,7 +58,7 @@ def test_falcon_splits_its_mlp_and_query_heads_and_replicates_its_one_key_value_
     assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 2, 16, 8), (2, 1, 16, 8), (2, 1, 16, 8)]
     (warning,) = said
     assert "'transformer.h.*.self_attention.query_key_value'" in warning
-    assert "1 and 1 key/value head(s), fewer than tp=2" in warning
+    assert "1 and 1 key/value head(s), not divisible by tp=2" in warning
 
 
 def test_gpt_bigcode_multi_query_fused_c_attn(caplog):
@@ -93,7 +93,7 @@ def test_llama_with_one_key_value_head_at_tp2(caplog):
     assert [a.target for a in sdpa.args[1:3]] == [torch.ops.fxmeg.tp_slice.default] * 2
     assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 2, 16, 8)] * 3
     (warning,) = said
-    assert "'model.layers.*.self_attn.k_proj': 1 key/value head(s), fewer than tp=2" in warning
+    assert "'model.layers.*.self_attn.k_proj': 1 key/value head(s), not divisible by tp=2" in warning
     assert "'model.layers.*.self_attn.v_proj'" in warning and "q_proj" not in warning
 
 
@@ -131,7 +131,7 @@ def test_whole_projections_are_warned_about_and_shown_by_plan(caplog):
     assert dict(result.tp_whole)["model.layers.*.mlp.down_proj"] == "tp_plan says 'replicate'"
     text = str(result)
     assert "tp=2 leaves whole on every tp rank: model.layers.*.mlp.up_proj (tp_plan says 'replicate')" in text
-    assert "model.layers.*.self_attn.k_proj (1 key/value head(s), fewer than tp=2" in text
+    assert "model.layers.*.self_attn.k_proj (1 key/value head(s), not divisible by tp=2" in text
     assert [m for m in result.to_dict()["tp_whole"]][0]["modules"] == "model.layers.*.mlp.down_proj"
 
 
@@ -159,5 +159,5 @@ class _KeyReadWhole(nn.Module):
 
 def test_a_replicated_key_read_outside_the_split_heads_is_refused():
     with pytest.raises(PassError, match=r"cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks "
-                                        r"\(its key/value heads are fewer than tp\): its output reaches node "):
+                                        r"\(tp does not divide its key/value heads\): its output reaches node "):
         graph_after(_KeyReadWhole(), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)

@@ -38,11 +38,13 @@ class _Heads(nn.Module):
             q, k, v = (y.transpose(1, 2) for y in L["qkv"](x).view(b, t, 3, 4, 4).unbind(2))
         else:
             q, k, v = (L[n](x).view(b, t, 4, 4).transpose(1, 2) for n in "qkv")
-        if self.kind in ("merged", "baddbmm"):  # fairseq: heads merged into the batch of bmm
+        if self.kind in ("merged", "baddbmm", "baddbmm-beta0"):  # fairseq: heads merged into the batch of bmm
             q, k, v = (y.reshape(b * 4, t, 4) for y in (q, k, v))
             causal = torch.triu(torch.full((t, t), -1e4), 1)
             if self.kind == "baddbmm":
                 s = torch.baddbmm(causal.expand(b * 4, t, t), q, k.transpose(1, 2), beta=1.0, alpha=0.5)
+            elif self.kind == "baddbmm-beta0":  # the input ignored (gpt_bigcode passes torch.empty)
+                s = torch.baddbmm(torch.full((b * 4, t, t), float("nan")), q, k.transpose(1, 2), beta=0.0) + causal
             else:
                 s = (torch.bmm(q, k.transpose(1, 2)).view(b, 4, t, t) * 0.5 + causal).view(b * 4, t, t)
             return torch.bmm(s.softmax(-1), v).view(b, 4, t, 4).transpose(1, 2).reshape(b, t, 16)
@@ -144,3 +146,23 @@ def test_replicating_one_fused_projection_keeps_its_output_projection_whole():
     assert tags["layers.0.qkv.weight"] == Replicate(False) and tags["layers.0.o.weight"] == Replicate(False)
     assert tags["layers.0.up.weight"] == Shard(0, (32,)) and tags["layers.0.down.weight"] == Shard(1, (32,))
     assert tags["head.weight"] == Shard(0, (128,))
+
+
+def test_baddbmm_with_beta_zero_reads_no_input():
+    """torch ignores baddbmm's input at beta=0 (NaN in it does not reach the output):
+    the rewritten product must not add it either."""
+    graph = _tp("baddbmm-beta0").graph
+    nan = [n for n in graph.nodes if n.target == aten.full.default and n.args[1] != n.args[1]]
+    # dead code is dropped: the NaN input is gone or read by nothing
+    assert all(not n.users for n in nan), [list(n.users) for n in nan]
+
+
+def test_a_sequence_parallel_split_is_not_merged_into_the_batch():
+    """(batch, seq / tp, hidden) -> (batch * seq, hidden) would interleave every rank's
+    tokens of each sequence: sequence-parallel all-gathers act on one dim, so it is refused
+    (GPT-2's Conv1D under sp: test_zoo_axes' known gap), while heads merge (blocks)."""
+    from fxmeg.passes.tp_placement import reshape_shard
+
+    seq = reshape_shard(Shard(1, (16,), seq=True), (2, 16, 64), (32, 64), 2)
+    assert seq == "it merges dim 1 (size 16, split over tp ranks) into a larger dim with dims outside it"
+    assert reshape_shard(Shard(1, (4,)), (2, 4, 16, 8), (8, 16, 8), 2) == Shard(0, (4, 4))
