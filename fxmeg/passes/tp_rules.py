@@ -407,8 +407,9 @@ class PropagationRules:
         if node.target in EXTREMES:
             return self._extreme_over_split(node, s)  # tp_rules_more
         if node.target not in sums:
-            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks "
-                                          "(only a sum, a mean, a max or a min is all-reduced)", s)
+            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks (only a "
+                                          "sum, a mean, and an amax, amin, max or min without indices are "
+                                          "all-reduced)", s)
         users = list(node.users)
         size = 1
         for d in dims:
