@@ -121,13 +121,13 @@ class MoreRules:
     def _softmax_over_split(self, node: fx.Node, s: Shard):
         """Softmax (or log-softmax) along the split dim: the maximum (no gradient: a
         softmax does not see a shift) and the sum of exponentials all-reduced over tp
-        ranks, each rank normalising its own part."""
+        ranks, each rank normalising its own part; ``_safe_softmax`` (SDPA's math path)
+        gives 0 where the whole row is -inf, as it does on one device."""
         x, d = node.args[0], dim_argument(node) % val(node.args[0]).dim()
 
         def add(target, *args, place=s, **kwargs):
             with self.g.inserting_before(node):
-                new = call(self.g, target, args, like=node)
-            new.kwargs = kwargs
+                new = call(self.g, target, args, kwargs, like=node)
             self.place[new] = place
             return new
 
@@ -136,12 +136,18 @@ class MoreRules:
         top = add(aten.amax.default, add(aten.detach.default, x), [d], True, place=LOCAL)
         top = add(fxmeg_ops.tp_max.default, top, TP, place=None)
         shifted = add(aten.sub.Tensor, x, top)
+        masked = None
+        if node.target == aten._safe_softmax.default:  # rows -inf on every rank: 0, and no NaN in backward
+            masked = add(aten.eq.Scalar, top, float("-inf"), place=None)
+            shifted = add(aten.where.ScalarSelf, masked, 0.0, shifted)
         exp = add(aten.exp.default, shifted)
         total = self._all_sum(add(aten.sum.dim_IntList, exp, [d], True, place=LOCAL), node)
         if node.target in _LOG_SOFTMAX:
             out = add(aten.sub.Tensor, shifted, add(aten.log.default, total, place=None))
         else:
             out = add(aten.div.Tensor, exp, total)
+        if masked is not None:
+            out = add(aten.where.ScalarSelf, masked, 0.0, out)
         node.replace_all_uses_with(out)
         self.g.erase_node(node)
         return s

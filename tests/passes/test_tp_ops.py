@@ -48,6 +48,8 @@ class _Heads(nn.Module):
             else:
                 s = (torch.bmm(q, k.transpose(1, 2)).view(b, 4, t, t) * 0.5 + causal).view(b * 4, t, t)
             return torch.bmm(s.softmax(-1), v).view(b, 4, t, 4).transpose(1, 2).reshape(b, t, 16)
+        if self.kind == "safe-softmax":  # SDPA's math-path softmax over the (split) heads
+            return torch.ops.aten._safe_softmax(q.transpose(1, 2), 2).reshape(b, t, 16)
         if self.kind == "across-heads":  # softmax / amax / amin over the (split) heads
             h = q.transpose(1, 2)  # (b, t, heads, head_dim)
             h = h.softmax(2) + h.log_softmax(2) * 0.1 + (h - h.amax(2, keepdim=True)) - h.amin(2, keepdim=True)
@@ -166,3 +168,17 @@ def test_a_sequence_parallel_split_is_not_merged_into_the_batch():
     seq = reshape_shard(Shard(1, (16,), seq=True), (2, 16, 64), (32, 64), 2)
     assert seq == "it merges dim 1 (size 16, split over tp ranks) into a larger dim with dims outside it"
     assert reshape_shard(Shard(1, (4,)), (2, 4, 16, 8), (8, 16, 8), 2) == Shard(0, (4, 4))
+
+
+def test_a_safe_softmax_over_the_split_dim_gives_zero_for_a_row_masked_everywhere():
+    """aten._safe_softmax is 0 (not NaN) where the whole row is -inf: split over tp, a row
+    is whole-masked when the all-reduced maximum is -inf, and the rewrite zeroes it there."""
+    gm = _tp("safe-softmax")
+    ops = [n.target for n in gm.graph.nodes]
+    assert aten._safe_softmax.default not in ops and fx_ops.tp_max.default in ops
+    wheres = [n for n in gm.graph.nodes if n.target == aten.where.ScalarSelf]
+    (cond,) = {n.args[0] for n in wheres}
+    assert cond.target == aten.eq.Scalar and cond.args[0].target == fx_ops.tp_max.default
+    assert cond.args[1] == float("-inf") and [n.args[1] for n in wheres] == [0.0, 0.0]
+    # the shifted scores zeroed there too (their exp finite: no NaN in backward), and the result
+    assert wheres[0].args[2].target == aten.sub.Tensor and wheres[1].args[2].target == aten.div.Tensor
