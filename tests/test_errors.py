@@ -67,7 +67,7 @@ class _BatchNorm(nn.Module):
         return self.bn(self.emb(ids)).mean()
 
 
-class _SplitMax(nn.Module):
+class _SplitVariance(nn.Module):
     """The variance over a column-parallel linear's split output: not a sum, not all-reduced."""
 
     def __init__(self):
@@ -240,7 +240,7 @@ ROWS = {
                     "cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks"),
     "tp-vocabulary": (lambda: fxmeg.parallelize(make_model("gpt", vocab_size=127), _ex(vocab=127), tp=2),
                       "pad the vocabulary to a multiple of 2 (e.g. 128)"),
-    "tp-unsplittable": (lambda: fxmeg.parallelize(_SplitMax(), _ex(), tp=2),
+    "tp-unsplittable": (lambda: fxmeg.parallelize(_SplitVariance(), _ex(), tp=2),
                         "it reduces over dim 2, which is split over tp ranks"),
     "cp-sequence-length": (lambda: fxmeg.parallelize(make_model("gpt", seq_len=18), _ex(seq=18), cp=2),
                            "sequence length 18 (dim 1 of input 'input_ids') is not divisible by 2 * cp = 4"),
