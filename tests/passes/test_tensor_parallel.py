@@ -503,7 +503,7 @@ def test_cat_along_the_split_dim_lays_blocks_end_to_end():
     assert _tags(gm)["layers.0.down.weight"] == Shard(1, (32, 32))
 
 
-class _SplitMax(_NormedMLP):
+class _SplitVariance(_NormedMLP):
     """The variance over the split hidden layer: not a sum nor a maximum, so not
     all-reduced (a max is: tests/passes/test_tp_ops.py)."""
 
@@ -516,7 +516,7 @@ class _SplitMax(_NormedMLP):
 
 def test_unshardable_pattern_names_node_module_and_fix():
     with pytest.raises(PassError) as err:
-        _tp(_SplitMax())
+        _tp(_SplitVariance())
     msg = str(err.value)
     assert "cannot split node 'var'" in msg and "it reduces over dim 2" in msg
     assert "split along dim 2 by module 'layers.0.up'" in msg
