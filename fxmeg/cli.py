@@ -321,15 +321,23 @@ def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: bool = False) -> 
     """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
     On SIGTERM the launcher passes it to the ranks, which finish their step, save and
     exit 0; the command then exits 0 too. With ``verify`` the ranks run `fxmeg verify`;
-    1 when rank 0 reports a mismatch."""
+    1 when rank 0 reports a mismatch.
+
+    Ranks fork from a multiprocessing fork server that imported torch and fxmeg once,
+    instead of each spawned rank importing them again (seconds of CPU per rank). The server
+    only imports (no process group, no device, no CUDA context), so a rank forked from it
+    starts as clean as a spawned one, CUDA included."""
+    import multiprocessing
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method="spawn",
+        monitor_interval=0.1, start_method="forkserver",
     )
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fxmeg.trainer"])
     try:
         results = elastic_launch(config, _worker)(cfg, verify)
     except SignalException as exc:

@@ -117,6 +117,11 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
+def _ranks(launcher: int) -> list[int]:
+    """The ranks of `fxmeg train`: children of the launcher's multiprocessing fork server."""
+    return [rank for child in _children(launcher) for rank in _children(child)]
+
+
 def _train_args(corpus, run, ckpt):
     return ["train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2", "--seq-len", "64",
             "--global-batch-size", "16", "--train-iters", "20", "--lr", "3e-3", "--lr-decay-samples", "400",
@@ -137,7 +142,9 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
         if done and max(done) >= 12:
             break
         time.sleep(0.1)
-    victim = _children(proc.pid)[-1]  # one of the four ranks, mid-step
+    ranks = _ranks(proc.pid)
+    assert len(ranks) == 4, ranks
+    victim = ranks[-1]  # one of the four ranks, mid-step
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
