@@ -7,6 +7,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
@@ -26,8 +27,10 @@ demo: setup
 		--output runs/demo/corpus
 	$(BIN)/fxmeg train --config examples/demo.toml
 
+# Two workers (pytest-xdist), one whole module at a time (its spawns are shared by its tests),
+# slowest modules first (tests/conftest.py): the 2 cores stay busy to the end
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Performance, one JSON line per benchmark (not part of the tests: timings are noisy)
 bench: setup
