@@ -29,7 +29,7 @@ from fxmeg import checkpoint, hugging_face, trace
 from fxmeg.build import build_model
 from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data import Corpus, Sampler, Samples
-from fxmeg.errors import ConfigError, closest
+from fxmeg.errors import CheckpointError, ConfigError, closest
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
 from fxmeg.numbers import Size, check_numbers
@@ -554,6 +554,12 @@ class Trainer:
         if state is None:
             self.metrics.say(f"no checkpoint in {self.cfg.load}: starting from scratch")
             return
+        if "consumed_samples" not in state:  # engine.save's: the caller fed its own batches
+            raise CheckpointError(
+                f"--load {self.cfg.load}: its checkpoint was saved by engine.save (the Python API), "
+                "which records no position in the trainer's data (consumed samples), so the trainer "
+                f"cannot resume from it; start from its weights with --init-from {self.cfg.load} "
+                "(the optimizer state and the step count start afresh)")
         self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
         self.metrics.rewind(self.iteration)

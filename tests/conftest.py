@@ -1,5 +1,5 @@
-"""Fixtures shared by the trainer and checkpoint tests; every test (and every rank it
-spawns) checks each pass's Ensures after the pass (fxmeg.passes.verify)."""
+"""Fixtures shared by the trainer and checkpoint tests; every test (and rank 0 of every
+spawn: tests/distributed.py) checks each pass's Ensures after the pass (fxmeg.passes.verify)."""
 
 import os
 

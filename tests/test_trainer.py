@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxmeg.cli import _train_parser, config_from
-from fxmeg.errors import ConfigError
+from fxmeg.errors import CheckpointError, ConfigError
 from fxmeg.metrics import read
 from fxmeg.plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
@@ -67,6 +67,9 @@ def test_resume_continues_exactly(corpus, tmp_path):
     whole.run()
     first = Trainer(_config(corpus, tmp_path / "b", train_iters=5, save=str(tmp_path / "ckpt"), **same))
     first.run()
+    first.engine.save(str(tmp_path / "python"))  # no data position: the trainer cannot resume it
+    with pytest.raises(CheckpointError, match=r"saved by engine.save .* --init-from .*python"):
+        Trainer(_config(corpus, tmp_path / "d", train_iters=8, load=str(tmp_path / "python"), **same))
     second = Trainer(_config(corpus, tmp_path / "c", train_iters=8, load=str(tmp_path / "ckpt"), **same))
     assert (second.iteration, second.consumed) == (5, 40)
     second.run()
