@@ -56,6 +56,7 @@ from tests.helpers import (
 )
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
+LAYERS = 2  # Hugging Face models: one per pipeline stage at pp2
 DEADLINE_S = 600  # the 4-rank spawn trains ~35 models (module docstring); a hang still fails
 LAYOUTS = {"w1": {}, "tp2": {"tp": 2}, "tp2-pp2": {"tp": 2, "pp": 2}}
 WORLD = {"tp2": 2, "tp2-pp2": 4}
@@ -66,11 +67,12 @@ OPTIONAL = {"x-transformers": "x_transformers"}
 def hf(kind: str, attn: str = "sdpa", **extra):
     """A tiny Hugging Face causal LM from the issue's recipe (dropout off: parity needs the
     same arithmetic on both sides); ``extra`` adds or overrides options, None drops one
-    of the recipe's (Falcon's head_dim is read-only)."""
-    def build() -> nn.Module:
+    of the recipe's (Falcon's head_dim is read-only). The builder takes the number of layers
+    (``make``)."""
+    def build(layers: int = LAYERS) -> nn.Module:
         import transformers as T
 
-        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
                        max_position_embeddings=64, bos_token_id=1, eos_token_id=2)  # ids within the vocabulary
         cfg = T.AutoConfig.for_model(kind, **{k: v for k, v in (options | extra).items() if v is not None})
@@ -226,9 +228,11 @@ on their own). World size 1 for the rest would add only their capture again (a t
 run captures the same graph and is checked against the same single-device training)."""
 
 
-def make(name: str) -> nn.Module:
+def make(name: str, layers: int | None = None) -> nn.Module:
+    """Zoo model ``name``; a Hugging Face one with ``layers`` layers instead of ``LAYERS``
+    (test_zoo_axes: 4 for its pp2 x vpp2)."""
     torch.manual_seed(0)
-    return ZOO[name][0]()
+    return ZOO[name][0]() if layers is None else ZOO[name][0](layers)
 
 
 def batches(name: str):
@@ -260,15 +264,16 @@ def train_zoo(rank: int, names: list[str], layout: str) -> dict:
 
 
 @functools.cache
-def single_device(name: str):
-    return reference(make(name), batches(name))
+def single_device(name: str, layers: int | None = None):
+    return reference(make(name, layers), batches(name))
 
 
-def outcome(result, name: str) -> str | None:
-    """None when ``result`` trains like single-device PyTorch; else the failure's text."""
+def outcome(result, name: str, layers: int | None = None) -> str | None:
+    """None when ``result`` trains like single-device PyTorch (``make(name, layers)``);
+    else the failure's text."""
     if isinstance(result, str):
         return result
-    ref_losses, ref_norms, ref_state = single_device(name)
+    ref_losses, ref_norms, ref_state = single_device(name, layers)
     losses, norms, state = result[:3]
     try:
         assert_losses_close(losses, ref_losses)

@@ -40,6 +40,7 @@ from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
 
 DEADLINE_S = 600  # a loaded CI machine; a hang still fails
+LAYERS = 4  # pp2 x vpp2 makes 4 chunks, one layer each (the zoo's own models have 2)
 AXES_ZOO = ("llama", "gemma", "gemma2-eager", "phi", "gpt2", "gpt_neox", "olmo2", "cohere")
 LAYOUTS = {  # layout -> (world size, parallelize options): every axis in 12 rank-layouts a model
     "pp2-vpp2-tp2-sp": (4, dict(pp=2, vpp=2, tp=2, sequence_parallel=True)),
@@ -55,7 +56,7 @@ def train(name: str, layout: str, rank: int):
     try:
         data = batches(name)
         options = dict(LAYOUTS[layout][1]) | (ZOO[name][1] if "tp" in LAYOUTS[layout][1] else {})
-        engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
+        engine = fxmeg.parallelize(make(name, LAYERS), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
                                    optimizer=optimizer, **options)
         first = master_pieces(engine) if "precision" in options else None
         steps = [engine.train_step(b) for b in data]
@@ -111,7 +112,7 @@ def mixed_oracle(name: str, dtype: torch.dtype) -> dict:
     """The plain-PyTorch mixed-precision recipe (or with float64, plain float64 training)
     on the zoo's batches (cached)."""
     if (name, dtype) not in _MIXED:
-        _MIXED[name, dtype] = mixed_reference(make(name), batches(name), dtype=dtype, micro_batch_size=MBS)
+        _MIXED[name, dtype] = mixed_reference(make(name, LAYERS), batches(name), dtype=dtype, micro_batch_size=MBS)
     return _MIXED[name, dtype]
 
 
@@ -130,7 +131,7 @@ def bf16_failure(ranks: list[dict], name: str) -> str | None:
     for step, (got, want) in enumerate(zip(ranks[0]["losses"], ref["losses"], strict=True)):
         if abs(got - want) > BF16_LOSS_RTOL * want:
             return f"step {step}: loss {got} vs oracle {want}"
-    fp32 = dict(make(name).named_parameters())
+    fp32 = dict(make(name, LAYERS).named_parameters())
     shapes = {n: p.shape for n, p in fp32.items()}
     start = gather_masters([dict(r, pieces=r["first"]) for r in ranks], shapes, tp=2)
     for n, m in start.items():
@@ -161,7 +162,7 @@ def failure(ranks: list, name: str, layout: str) -> str | None:
     if "precision" in LAYOUTS[layout][1]:
         wrong = bf16_failure(ranks, name)
     else:
-        wrong = outcome((first["losses"], first["norms"], first["state"]), name)
+        wrong = outcome((first["losses"], first["norms"], first["state"]), name, LAYERS)
     if wrong is not None:
         return wrong if wrong.startswith("AssertionError") else f"AssertionError: {wrong}"
     if "tp" in LAYOUTS[layout][1]:
