@@ -556,10 +556,9 @@ class Trainer:
             return
         if "consumed_samples" not in state:  # engine.save's: the caller fed its own batches
             raise CheckpointError(
-                f"--load {self.cfg.load}: its checkpoint was saved by engine.save (the Python API), "
-                "which records no position in the trainer's data (consumed samples), so the trainer "
-                f"cannot resume from it; start from its weights with --init-from {self.cfg.load} "
-                "(the optimizer state and the step count start afresh)")
+                f"--load {self.cfg.load}: its checkpoint was saved by engine.save (the Python API), which "
+                "records no position in the trainer's data (consumed samples), so the trainer cannot resume "
+                f"from it; start from its weights with --init-from {self.cfg.load} (fresh optimizer and steps)")
         self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
         self.metrics.rewind(self.iteration)

@@ -3,9 +3,10 @@
 Ranks fork from a multiprocessing fork server that imported torch, fxmeg and transformers
 once per pytest process: a spawned rank spends about 5 CPU seconds importing them (the suite
 took 42 minutes with spawn, 32 with the fork server). The server only imports (no process
-group, no device), so a rank forked from it starts as clean as a spawned one. ``FXMEG_TEST_START_METHOD=spawn`` brings back
-spawn, which tools/test_cpu.py needs (it counts the CPU time of reaped children, and the
-fork server's children are not the test process's).
+group, no device), so a rank forked from it starts as clean as a spawned one.
+``FXMEG_TEST_START_METHOD=spawn`` brings back spawn, which tools/test_cpu.py needs (it
+counts the CPU time of reaped children, and the fork server's children are not the test
+process's).
 
 A start is still not free, so a test module runs all its scenarios for one world size in
 one start (``run_worlds``) and its tests read the results from a module-scoped fixture.
