@@ -11,11 +11,11 @@ from fxmeg.data.corpus import read_documents
 os.environ["FXMEG_VERIFY"] = "1"
 
 SLOWEST_FIRST = (
-    "tests/parity/test_zoo.py", "tests/parity/test_expert_parallel.py", "tests/test_cli.py",
-    "tests/parity/test_zoo_axes.py", "tests/parity/test_context_parallel.py", "tests/test_docs.py",
-    "tests/parity/test_pipeline.py", "tests/parity/test_zero_bubble.py", "tests/parity/test_hugging_face.py",
-    "tests/parity/test_variable_lengths.py", "tests/parity/test_mixed_precision.py",
-    "tests/parity/test_checkpoint.py", "tests/test_examples.py", "tests/parity/test_tensor_parallel.py",
+    "tests/parity/test_expert_parallel.py", "tests/parity/test_zoo.py", "tests/test_cli.py",
+    "tests/test_docs.py", "tests/parity/test_zoo_axes.py", "tests/parity/test_context_parallel.py",
+    "tests/parity/test_hugging_face.py", "tests/parity/test_mixed_precision.py",
+    "tests/parity/test_variable_lengths.py", "tests/test_examples.py", "tests/parity/test_zero_bubble.py",
+    "tests/parity/test_pipeline.py", "tests/parity/test_tensor_parallel.py", "tests/parity/test_checkpoint.py",
 )
 """The modules that take longest (wall time under `make test`'s two workers, 2 cores), slowest
 first: each worker takes a whole module at a time (``--dist loadfile``), and starting the

@@ -8,6 +8,11 @@ group, no device), so a rank forked from it starts as clean as a spawned one.
 counts the CPU time of reaped children, and the fork server's children are not the test
 process's).
 
+The ranks of a start share each transform (tests/shared_transform.py): the first rank to
+transform a model writes the Program and the others load it, bound to their own model
+(a transform was about half of a rank's time). Whichever rank transforms runs
+``FXMEG_VERIFY``'s pass checks.
+
 A start is still not free, so a test module runs all its scenarios for one world size in
 one start (``run_worlds``) and its tests read the results from a module-scoped fixture.
 """
@@ -24,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import shared_transform
+
 DEADLINE_S = 300  # a hang fails the test instead of stalling CI
 START_METHOD = os.environ.get("FXMEG_TEST_START_METHOD", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "fxmeg", "fxmeg.trainer", "tests.helpers", "transformers"]
+PRELOAD = ["torch", "torch.distributed", "fxmeg", "fxmeg.trainer", "tests.helpers", "tests.shared_transform", "transformers"]
 
 mp.set_forkserver_preload(PRELOAD)  # a module the server cannot import is skipped there
 
@@ -58,8 +65,7 @@ def run_worlds(fn, scenarios, worlds) -> dict[int, list]:
 
 def _child(rank: int, world: int, tmp: str, module: str, name: str, args: tuple) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    if rank != 0:  # the Program does not depend on the rank: rank 0's checks of the passes cover it
-        os.environ.pop("FXMEG_VERIFY", None)
+    shared_transform.install(os.path.join(tmp, "programs"))  # one transform per spawn, not one per rank
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     dist.init_process_group(

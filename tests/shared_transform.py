@@ -1,0 +1,274 @@
+"""The ranks of one test spawn share each transform: the first rank to ask for a Program
+computes it, the others load it (test infrastructure, docs/contributing.md).
+
+Every rank of a spawn builds the same model and calls ``fxmeg.parallelize`` with the same
+example and options, so each used to capture and transform it again: about half of a rank's
+time in the suite. A Program is rank-free (docs/design.md §2), so one transform serves all.
+
+``install(directory)`` (tests/distributed.py calls it in every rank) wraps ``transform``
+where fxmeg calls it. A call is keyed by its index among this rank's transforms and by
+everything the transform reads: the model's class, ``repr``, Hugging Face config,
+state-dict names, shapes, dtypes, devices and values; the example's; the config or
+options; the loss function's name; the device. The index keeps apart two transforms of
+one rank that look alike but are not (a test that patches a pass, or a model's forward,
+between them): only the n-th transforms of two ranks are one. The first rank to create
+``KEY.lock`` transforms (with ``FXMEG_VERIFY``'s pass checks when the spawn sets it) and
+writes ``KEY.program``; a rank that finds the lock waits for that file and loads it.
+
+A Program holds the user's tensors. The file holds none of the model's: each is written as
+its state-dict name and bound, on load, to the loading rank's own model, after the same
+in-place precision cast the transform makes (``_cast``), whose fp32 tensors are bound to
+``Program.master_values``. A tensor on a model tensor's memory (the graph's own alias of a
+buffer the runtime updates in place) is bound as the same view of it. Other tensors
+(constants the passes made) travel by value, and the FakeTensors of ``node.meta["val"]``
+as meta tensors of the same shape, stride and dtype (nothing reads them after the
+transform). A GraphModule travels as its graph's nodes, its attributes and ``meta``, not
+as generated code (which ``pickle`` would trace again, losing the ``fxmeg`` tags the
+runtime binds by).
+
+Not shared: ``stop_after`` calls, a loss function without a stable name, and a transform
+that failed (every rank then runs it and fails by itself, with its own message).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import io
+import os
+import pickle
+import time
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import fxmeg
+import fxmeg.api
+import fxmeg.plan
+import fxmeg.shapes
+
+WAIT_S = 300.0
+transform_module = importlib.import_module("fxmeg.transform")  # fxmeg.transform is the function
+_ORIGINAL = transform_module.transform
+_CALLERS = (fxmeg, fxmeg.api, fxmeg.plan, fxmeg.shapes)
+_calls = 0
+
+
+def install(directory: str) -> None:
+    """Route this process's transforms through the shared cache in ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    shared = functools.partial(_shared_transform, directory)
+    functools.update_wrapper(shared, _ORIGINAL)
+    for module in _CALLERS:
+        module.transform = shared
+
+
+def _shared_transform(directory: str, model: nn.Module, example, config=None, *, loss_fn=None,
+                      stop_after=None, device=None, **options):
+    global _calls
+    _calls += 1  # the n-th transform of one rank is the n-th of the others
+    key = None if stop_after is not None else _key(model, example, config, loss_fn, device, options)
+    if key is None:
+        return _ORIGINAL(model, example, config, loss_fn=loss_fn, stop_after=stop_after, device=device, **options)
+    path = os.path.join(directory, f"{_calls}-{key}")
+    try:
+        os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        found = _wait(path)
+        if found is not None:
+            return _load(found, model)
+        return _ORIGINAL(model, example, config, loss_fn=loss_fn, device=device, **options)
+    try:
+        program = _ORIGINAL(model, example, config, loss_fn=loss_fn, device=device, **options)
+        blob = _dump(program, model)
+    except BaseException:  # the others then transform by themselves
+        open(path + ".failed", "w").close()
+        raise
+    with open(path + ".tmp", "wb") as f:
+        f.write(blob)
+    os.replace(path + ".tmp", path + ".program")
+    return program
+
+
+def _wait(path: str) -> bytes | None:
+    """The Program another rank wrote, or None when its transform failed."""
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        if os.path.exists(path + ".program"):
+            with open(path + ".program", "rb") as f:
+                return f.read()
+        if os.path.exists(path + ".failed"):
+            return None
+        time.sleep(0.02)
+    raise TimeoutError(f"no rank finished the shared transform {os.path.basename(path)} in {WAIT_S:.0f} s")
+
+
+# ---------------------------------------------------------------------------- the key
+
+def _key(model, example, config, loss_fn, device, options) -> str | None:
+    if loss_fn is not None and not _stable_name(loss_fn):
+        return None
+    h = hashlib.sha256()
+    for part in (type(model).__module__, type(model).__qualname__, repr(model),
+                 repr(getattr(model, "config", None)), repr(config), repr(sorted(options.items())),
+                 _stable_name(loss_fn) if loss_fn is not None else "", repr(device)):
+        h.update(part.encode())
+    for name, t in model.state_dict(keep_vars=True).items():
+        _hash_tensor(h, name, t)
+    tensors = example.items() if isinstance(example, dict) else enumerate(example)
+    for name, t in tensors:
+        _hash_tensor(h, str(name), t) if isinstance(t, torch.Tensor) else h.update(repr((name, t)).encode())
+    return h.hexdigest()[:32]
+
+
+def _stable_name(fn) -> str | None:
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+    return None if "<locals>" in name or "<lambda>" in name or name == "." else name
+
+
+def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}{t.requires_grad}".encode())
+    if not t.is_meta:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------- the file
+
+def _dump(program, model: nn.Module) -> bytes:
+    named = [(("model", n), t) for n, t in _model_tensors(model)]
+    named += [(("master", n), t) for n, t in program.master_values.items()]
+    buffer = io.BytesIO()
+    _Pickler(buffer, named).dump(program)
+    return pickle.dumps((program.config.dtype, buffer.getvalue()))
+
+
+def _load(blob: bytes, model: nn.Module):
+    dtype, payload = pickle.loads(blob)
+    masters = transform_module._cast(model, dtype)  # the transform's side effect on the model
+    tensors = {("model", n): t for n, t in _model_tensors(model)}
+    tensors.update({("master", n): t for n, t in masters.items()})
+    return _Unpickler(io.BytesIO(payload), tensors).load()
+
+
+def _model_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file, named: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.names = {id(t): name for name, t in named}
+        self.storages = {_storage(t): name for name, t in reversed(named) if _storage(t)}
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in self.names:
+                return self.names[id(obj)]
+            if isinstance(obj, FakeTensor):
+                return ("fake", tuple(obj.shape), obj.stride(), obj.dtype, obj.requires_grad)
+            if _storage(obj) in self.storages:  # another tensor on a model tensor's memory
+                return ("view", self.storages[_storage(obj)], tuple(obj.shape), obj.stride(),
+                        obj.storage_offset(), obj.dtype, type(obj) is nn.Parameter, obj.requires_grad)
+        if isinstance(obj, fx.Node):
+            raise TypeError(f"a Node ({obj.name}) outside its graph's node list cannot be shared")
+        return None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj.namespace, obj._schema.name.split("::")[-1], obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return _op, (obj._qualified_op_name.split("::")[0], obj._qualified_op_name.split("::")[1], None)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return _higher_order, (obj.name(),)
+        if isinstance(obj, fx.GraphModule):
+            return _graph_module, _graph_module_state(obj)
+        return NotImplemented
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: dict):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        if pid[0] == "fake":
+            _, shape, stride, dtype, requires_grad = pid
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(requires_grad)
+        if pid[0] == "view":
+            _, name, shape, stride, offset, dtype, parameter, requires_grad = pid
+            base = self.tensors[name]
+            assert base.dtype == dtype, (name, base.dtype, dtype)
+            view = base.detach().as_strided(shape, stride, offset)
+            return nn.Parameter(view, requires_grad) if parameter else view.requires_grad_(requires_grad)
+        return self.tensors[pid]
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of a tensor's memory (0 for none: meta, empty)."""
+    return 0 if t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) \
+        else t.untyped_storage().data_ptr()
+
+
+def _op(namespace: str, name: str, overload: str | None):
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def _higher_order(name: str):
+    return getattr(torch.ops.higher_order, name)
+
+
+def _graph_module_state(gm: fx.GraphModule) -> tuple:
+    nodes = [(n.op, n.name, n.target, _names(n.args), _names(n.kwargs), n.type, n.meta) for n in gm.graph.nodes]
+    skip = {"_modules", "_parameters", "_buffers", "graph", "meta", "_graph", "_code", "_in_spec", "_out_spec"}
+    attributes = {k: v for k, v in gm.__dict__.items() if isinstance(v, torch.Tensor) and k not in skip}
+    return (type(gm).__name__ if type(gm).__name__ != "GraphModuleImpl" else "GraphModule",
+            dict(gm._modules), dict(gm._parameters), dict(gm._buffers), attributes,
+            nodes, gm.graph._codegen, dict(gm.meta))
+
+
+def _graph_module(class_name, modules, parameters, buffers, attributes, nodes, codegen, meta):
+    root = nn.Module()
+    gm = fx.GraphModule(root, fx.Graph(), class_name)
+    for name, m in modules.items():
+        gm._modules[name] = m
+    gm._parameters.update(parameters)
+    gm._buffers.update(buffers)
+    for name, t in attributes.items():
+        setattr(gm, name, t)
+    graph = fx.Graph(owning_module=gm)
+    graph._codegen = codegen
+    made: dict[str, fx.Node] = {}
+    for op, name, target, args, kwargs, type_expr, node_meta in nodes:
+        node = graph.create_node(op, target, _nodes(args, made), _nodes(kwargs, made), name, type_expr)
+        assert node.name == name, (node.name, name)
+        node.meta = node_meta
+        made[name] = node
+    gm.graph = graph
+    gm.meta.update(meta)
+    return gm
+
+
+class _Ref(str):
+    """A node argument: the name of an earlier node of the same graph."""
+
+
+def _names(value):
+    return fx.node.map_arg(value, lambda n: _Ref(n.name))
+
+
+def _nodes(value, made: dict):
+    if isinstance(value, _Ref):
+        return made[str(value)]
+    if isinstance(value, tuple):
+        return type(value)(*(_nodes(v, made) for v in value)) if hasattr(value, "_fields") else tuple(_nodes(v, made) for v in value)
+    if isinstance(value, list):
+        return [_nodes(v, made) for v in value]
+    if isinstance(value, dict):
+        return {k: _nodes(v, made) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_nodes(value.start, made), _nodes(value.stop, made), _nodes(value.step, made))
+    return value

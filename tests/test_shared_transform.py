@@ -1,0 +1,102 @@
+"""The spawns' shared transform (tests/shared_transform.py) hands every rank the Program its
+own transform would have made, bound to that rank's own model: else the suite's ranks
+would test the cache instead of fxmeg."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import fx
+
+from fxmeg.errors import PassError
+from fxmeg.program import split_spec
+from tests import shared_transform
+from tests.helpers import make_batch, make_model
+
+LAYOUTS = {"tp2-pp2": dict(tp=2, pp=2), "zbh1-bf16": dict(pp=2, schedule="zbh1", precision="bf16")}
+
+
+def _graphs(program) -> dict[str, fx.GraphModule]:
+    """Every graph of a Program by a name: the parent, its chunks and their submodules
+    (zero-bubble splits, region bodies), the reference."""
+    found = {"reference": program.reference}
+    for name, gm in program.graph.named_modules():
+        if isinstance(gm, fx.GraphModule):
+            found[f"parent.{name}"] = gm
+    return found
+
+
+def _first_transform(monkeypatch) -> None:
+    """What follows runs as another rank would, from its first transform."""
+    monkeypatch.setattr(shared_transform, "_calls", 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_loaded_program_is_the_transformed_one(layout, tmp_path, monkeypatch):
+    ids, labels = make_batch(4, seed=0)
+    mine, theirs = make_model("gpt"), make_model("gpt")
+    _first_transform(monkeypatch)
+    made = shared_transform._shared_transform(str(tmp_path), mine, (ids, labels), **LAYOUTS[layout])
+    _first_transform(monkeypatch)
+    loaded = shared_transform._shared_transform(str(tmp_path), theirs, (ids, labels), **LAYOUTS[layout])
+    assert os.path.exists(next(str(p)[:-len(".program")] for p in tmp_path.glob("*.program")) + ".lock")
+
+    ours, copies = _graphs(made), _graphs(loaded)
+    assert ours.keys() == copies.keys() and len(ours) > len(made.chunks)
+    assert all(split_spec(c) is not None for c in loaded.chunks) == (layout == "zbh1-bf16")
+    for name, gm in ours.items():
+        copy = copies[name]
+        assert copy.code == gm.code, name
+        assert [(n.name, n.meta.get("fxmeg")) for n in copy.graph.nodes] == \
+            [(n.name, n.meta.get("fxmeg")) for n in gm.graph.nodes], name
+        assert {k for k in copy.meta} == {k for k in gm.meta}, name
+    for field in ("config", "specs", "buffers", "placement", "tp_specs", "holders", "full_shapes",
+                  "aliases", "inputs", "value_checks", "flops_per_microbatch", "init_dtypes"):
+        assert getattr(loaded, field) == getattr(made, field), field
+
+    # bound to the loading model's own tensors, cast as the transform casts them
+    own = dict(theirs.named_parameters())
+    assert made.parameters.keys() == loaded.parameters.keys()
+    assert all(p is own[name] for name, p in loaded.parameters.items())
+    assert not any(p is q for p in loaded.parameters.values() for q in mine.parameters())
+    assert {p.dtype for p in own.values()} == {next(iter(made.parameters.values())).dtype}
+    assert loaded.master_values.keys() == made.master_values.keys()
+    for name, master in loaded.master_values.items():
+        assert master.dtype == torch.float32 and torch.equal(master, made.master_values[name])
+    # and it computes what the transformed one does
+    want, got = made.reference(ids, labels), loaded.reference(ids, labels)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_each_transform_of_a_spawn_is_made_once_and_a_failure_by_every_rank(tmp_path, monkeypatch):
+    calls = []
+    original = shared_transform._ORIGINAL
+
+    def counted(model, example, config=None, **kw):
+        calls.append(kw.get("tp", 1))
+        return original(model, example, config, **kw)
+
+    monkeypatch.setattr(shared_transform, "_ORIGINAL", counted)
+    ids, labels = make_batch(2, seed=0)
+
+    def rank(*transforms):  # one rank's transforms, in order: (seed, tp)
+        _first_transform(monkeypatch)
+        for seed, tp in transforms:
+            shared_transform._shared_transform(str(tmp_path), make_model("gpt", seed=seed), (ids, labels), tp=tp)
+
+    # the same model twice in one rank is transformed twice: to the code it may be another
+    # model (a pass patched in between), and only the n-th transforms of two ranks are one
+    rank((0, 2), (0, 2))
+    assert calls == [2, 2]
+    rank((0, 2), (0, 2))  # another rank loads both
+    assert calls == [2, 2]
+    rank((1, 2), (0, 1))  # other values, other options
+    assert calls == [2, 2, 2, 1]
+
+    for _ in range(2):  # the second rank finds the failure and fails by itself, the same way
+        _first_transform(monkeypatch)
+        with pytest.raises(PassError):
+            shared_transform._shared_transform(str(tmp_path), make_model("gpt"), (ids, labels), tp=3)
+    assert calls == [2, 2, 2, 1, 3, 3] and len(list(tmp_path.glob("*.failed"))) == 1
