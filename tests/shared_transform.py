@@ -43,6 +43,7 @@ import time
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
 
 import fxmeg
 import fxmeg.api
@@ -117,9 +118,10 @@ def _key(model, example, config, loss_fn, device, options) -> str | None:
         h.update(part.encode())
     for name, t in model.state_dict(keep_vars=True).items():
         _hash_tensor(h, name, t)
-    tensors = example.items() if isinstance(example, dict) else enumerate(example)
-    for name, t in tensors:
-        _hash_tensor(h, str(name), t) if isinstance(t, torch.Tensor) else h.update(repr((name, t)).encode())
+    leaves, spec = pytree.tree_flatten(example)
+    h.update(repr(spec).encode())
+    for i, t in enumerate(leaves):
+        _hash_tensor(h, str(i), t) if isinstance(t, torch.Tensor) else h.update(repr(t).encode())
     return h.hexdigest()[:32]
 
 

@@ -277,6 +277,85 @@ def test_tensor_parallel_keeps_a_block_whole_whose_row_linear_is_inside_a_region
     assert "'layers.*.up'" in warning
 
 
+class MixBlock(nn.Module):
+    """A parameter ("mix") read twice: inside a ``torch.no_grad()`` region with the
+    column-parallel output, where no gradient flows back, and outside by a replicated sum,
+    whose gradient is the same on every tp rank: its gradient needs no sum over tp."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.mix = nn.Parameter(torch.linspace(0.5, 1.5, 2 * d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.gelu(self.up(x))
+        with torch.no_grad():
+            gate = torch.sigmoid((u * self.mix).mean(dim=-1, keepdim=True))
+        return x + self.down(u * gate) + self.mix.mean()
+
+
+class NoGradMix(nn.Module):
+    def __init__(self, n_layer: int = 2, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(MixBlock(d) for _ in range(n_layer))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _no_grad_mix(seed: int = 0) -> NoGradMix:
+    torch.manual_seed(seed)
+    return NoGradMix()
+
+
+def test_a_parameter_read_with_split_values_only_under_no_grad_is_not_summed_over_tp():
+    """No gradient flows back through a no-grad region: what the parameter meets there
+    does not make its gradient this rank's part (tests/parity/test_higher_order.py trains it)."""
+    program = transform(_no_grad_mix(), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2)
+    assert program.tp_specs["layers.0.up.weight"] == Shard(0, (64,))
+    assert program.tp_specs["layers.0.mix"] == Replicate(reduce_grad=False)
+
+
+class TwoArrivals(nn.Module):
+    """A statistic over the column-parallel output (all-reduced over tp) reaches one
+    autocast region twice: directly, read with split values there, and through a product
+    whose reader in the body stays replicated (it scales the next block's input)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList([MixBlock(d), MixBlock(d)])
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        first, second = self.layers
+        u = F.gelu(first.up(x))
+        s = (u * u).mean(dim=-1, keepdim=True)
+        a = s * 2
+        with torch.autocast(device_type="cpu", enabled=False):
+            y = u.float() * s
+            z = a.float() + 1
+        x = x + first.down(y)
+        x = x + second.down(F.gelu(second.up(x * z)))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_a_statistic_reaching_a_region_twice_is_followed_on_both_arrivals():
+    """Its gradient is neither this rank's part nor the whole: refused. A traversal that
+    marked the region seen on its first arrival missed the second reader, kept the
+    statistic's all-reduce for a split reader only, and trained wrong silently."""
+    torch.manual_seed(0)
+    with pytest.raises(PassError, match="read both with split values"):
+        transform(TwoArrivals(), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2)
+
+
 # ---------------------------------------------------------------- x-transformers
 
 

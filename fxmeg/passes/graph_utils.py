@@ -170,7 +170,7 @@ def _hop_grads(node: fx.Node, out: set[fx.Node]) -> list[bool]:
     if call_ is None:  # an op fxmeg does not look into: any grad input taints every output
         return [any(i in out for i in node.all_input_nodes)] * count
     body, operands = call_
-    if node.target.name() == "wrap_with_set_grad_enabled" and not node.args[0]:
+    if without_grad(node):
         return [False] * count
     placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
     seeds = {p for p, a in zip(placeholders, operands) if isinstance(a, fx.Node) and a in out}
@@ -217,6 +217,12 @@ def is_hop(node: fx.Node) -> bool:
     """A call of a higher-order op (autocast / no-grad region, wrap, cond ...): it calls
     sub-graphs that are get_attr operands naming GraphModules."""
     return node.op == "call_function" and isinstance(node.target, HigherOrderOperator)
+
+
+def without_grad(node: fx.Node) -> bool:
+    """A ``torch.no_grad()`` region (``wrap_with_set_grad_enabled(False, ...)``): no
+    gradient flows back into its operands through it."""
+    return is_hop(node) and node.target.name() == "wrap_with_set_grad_enabled" and not node.args[0]
 
 
 def is_subgraph(node: fx.Node) -> bool:

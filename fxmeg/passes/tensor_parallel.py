@@ -477,16 +477,16 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
     def _touches_split(self, param: fx.Node) -> bool:
         """True when the parameter's gradient differs per tp rank: it reaches a split or
         sliced value through replicated ops, with no collective in between."""
-        todo, seen = list(param.users), set()
+        todo, seen = list(param.users), {param}
         while todo:
             n = todo.pop()
+            inner = self._through(n, seen)  # into and out of region bodies
+            if inner is not None:
+                todo.extend(u for u in inner if u not in seen)
+                continue
             if n in seen or n.target in _SYNCED:
                 continue
             seen.add(n)
-            inner = self._through(n, seen | {param})  # into and out of region bodies
-            if inner is not None:
-                todo.extend(inner)
-                continue
             p = self.place.get(n)
             if isinstance(p, (Shard, list)) or p is LOCAL:
                 return True

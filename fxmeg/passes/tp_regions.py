@@ -30,7 +30,7 @@ import operator
 from torch import fx
 
 from fxmeg.layouts import Shard
-from fxmeg.passes.graph_utils import body_call, fake_eval, finish, is_subgraph
+from fxmeg.passes.graph_utils import body_call, fake_eval, finish, is_subgraph, without_grad
 
 
 class RegionRules:
@@ -74,11 +74,16 @@ class RegionRules:
         return [self.gm, *(g.owning_module for g in self.regions)]
 
     def _through(self, n: fx.Node, seen: set[fx.Node]) -> list[fx.Node] | None:
-        """Readers of values in ``seen`` beyond a region boundary at ``n``: for an entered
-        region, the body nodes reading placeholders bound to them; for the output of an
-        entered body, the region's ``getitem`` users of those results. None when ``n`` is
-        no such boundary (a traversal goes on through ``n.users`` itself)."""
+        """Readers of values in ``seen`` beyond a region boundary at ``n``, for the
+        traversals that follow a gradient back: for an entered region, the body nodes
+        reading placeholders bound to them (none for a ``torch.no_grad()`` region, which
+        passes no gradient); for the output of an entered body, the region's ``getitem``
+        users of those results. None when ``n`` is no such boundary (a traversal goes on
+        through ``n.users`` itself). A traversal asks again on each arrival at a boundary,
+        since a later arrival may bring another operand or result into ``seen``."""
         if n in self.regions.values():
+            if without_grad(n):
+                return []
             body, operands = body_call(n)
             places = [p for p in body.graph.nodes if p.op == "placeholder"]
             return [u for p, a in zip(places, operands) if a in seen for u in p.users]

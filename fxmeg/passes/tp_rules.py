@@ -343,16 +343,16 @@ class PropagationRules:
         tp_copy); none does (all replicated): the same gradient on every rank, passed as it
         is (tp_copy dropped: Megatron's g); some do and some not: refused."""
         for total, origin in self.statistics:
-            split, whole, todo, seen = [], [], list(total.users), set()
+            split, whole, todo, seen = [], [], list(total.users), {total}
             while todo:
                 n = todo.pop()
+                inner = self._through(n, seen)  # into and out of region bodies
+                if inner is not None:
+                    todo.extend(u for u in inner if u not in seen)
+                    continue
                 if n in seen:
                     continue
                 seen.add(n)
-                inner = self._through(n, seen | {total})  # into and out of region bodies
-                if inner is not None:
-                    todo.extend(inner)
-                    continue
                 p = self.place.get(n)
                 if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
                     whole.append(n)

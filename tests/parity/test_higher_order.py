@@ -1,7 +1,8 @@
 """Models with autocast and ``torch.no_grad()`` regions (higher-order ops) on 2 real gloo
 ranks vs plain single-device PyTorch: pipelined (the no-grad values cross the stage
 boundary without a gradient), recomputed, tensor-parallel with regions whose operands are
-whole and with a region split inside ("gelu": it reads the column-parallel output);
+whole and with a region split inside ("gelu": it reads the column-parallel output), and
+a parameter that meets split values only under ``torch.no_grad()`` ("no-grad-mix");
 x-transformers' rotary decoder pipelined (at tp: tests/parity/test_zoo.py), a skip when
 x-transformers is missing. One spawn for all cases; every rank reports 3 steps and the
 full state dict."""
@@ -15,7 +16,7 @@ import pytest
 import fxmeg
 from tests.distributed import run_world
 from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
-from tests.test_higher_order import GBS, MBS, SEQ, _model, _xt
+from tests.test_higher_order import GBS, MBS, SEQ, _model, _no_grad_mix, _xt
 
 STEPS = 3
 CASES = {
@@ -23,6 +24,7 @@ CASES = {
     "own-pp2-recompute": ("own", dict(pp=2, recompute="full")),
     "own-tp2": ("own", dict(tp=2)),
     "gelu-tp2": ("gelu", dict(tp=2)),
+    "no-grad-mix-tp2": ("no-grad-mix", dict(tp=2)),
     "xt-pp2": ("xt", dict(pp=2)),
 }
 HAS_XT = importlib.util.find_spec("x_transformers") is not None
@@ -30,6 +32,8 @@ HAS_XT = importlib.util.find_spec("x_transformers") is not None
 
 
 def _make(kind: str):
+    if kind == "no-grad-mix":
+        return _no_grad_mix()
     return _xt() if kind == "xt" else _model("gelu" if kind == "gelu" else "after")
 
 

@@ -137,10 +137,13 @@ def test_whole_projections_are_warned_about_and_shown_by_plan(caplog):
 
 class _KeyReadWhole(nn.Module):
     """One key head, also added to the residual stream (read whole, not only by the split
-    query heads): its gradient on each rank would not be that rank's part."""
+    query heads): its gradient on each rank would not be that rank's part. With
+    ``in_region`` the whole read is inside an autocast region that the split query heads
+    also enter."""
 
-    def __init__(self):
+    def __init__(self, in_region: bool = False):
         super().__init__()
+        self.in_region = in_region
         self.emb, self.head = nn.Embedding(96, 32), nn.Linear(32, 96)
         self.layers = nn.ModuleList([nn.ModuleDict({n: nn.Linear(32, d) for n, d in (
             ("q", 32), ("k", 8), ("v", 8), ("out", 32))})])
@@ -152,12 +155,19 @@ class _KeyReadWhole(nn.Module):
         q = layer["q"](x).view(b, s, 4, 8).transpose(1, 2)
         k = layer["k"](x).view(b, s, 1, 8).transpose(1, 2)
         v = layer["v"](x).view(b, s, 1, 8).transpose(1, 2)
+        if self.in_region:
+            with torch.autocast(device_type="cpu", enabled=False):
+                q = q.float() * 0.5
+                whole = k.float().mean()
+        else:
+            whole = k.mean()
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + layer["out"](y.transpose(1, 2).reshape(b, s, 32)) + k.mean()
+        x = x + layer["out"](y.transpose(1, 2).reshape(b, s, 32)) + whole
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def test_a_replicated_key_read_outside_the_split_heads_is_refused():
+@pytest.mark.parametrize("in_region", [False, True], ids=["outside", "in-a-region"])
+def test_a_replicated_key_read_outside_the_split_heads_is_refused(in_region):
     with pytest.raises(PassError, match=r"cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks "
                                         r"\(tp does not divide its key/value heads\): its output reaches node "):
-        graph_after(_KeyReadWhole(), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+        graph_after(_KeyReadWhole(in_region), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
