@@ -1,6 +1,7 @@
 """Fixtures shared by the trainer and checkpoint tests; every test (and rank 0 of every
 spawn: tests/distributed.py) checks each pass's Ensures after the pass (fxmeg.passes.verify)."""
 
+import gc
 import os
 
 import pytest
@@ -26,6 +27,15 @@ order: a module missing here runs after these, in its usual order."""
 def pytest_collection_modifyitems(config, items):
     first = {module: i for i, module in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable
+
+
+def pytest_collection_finish(session):
+    """Every module is imported: freeze what exists, so the garbage collections the tests
+    cause (fxmeg collects once per engine it builds, runtime/release.py) skip the
+    interpreter's imports instead of walking them each time (tests/distributed.py does the
+    same in each rank)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="module")

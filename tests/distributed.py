@@ -19,6 +19,7 @@ one start (``run_worlds``) and its tests read the results from a module-scoped f
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import tempfile
@@ -64,6 +65,7 @@ def run_worlds(fn, scenarios, worlds) -> dict[int, list]:
 
 
 def _child(rank: int, world: int, tmp: str, module: str, name: str, args: tuple) -> None:
+    gc.freeze()  # the server's imports are never garbage: collections (one per engine) skip them
     os.environ["OMP_NUM_THREADS"] = "1"
     shared_transform.install(os.path.join(tmp, "programs"))  # one transform per spawn, not one per rank
     torch.set_num_threads(1)
