@@ -1,5 +1,6 @@
-"""Fixtures shared by the trainer and checkpoint tests; every test (and rank 0 of every
-spawn: tests/distributed.py) checks each pass's Ensures after the pass (fxmeg.passes.verify)."""
+"""Fixtures shared by the trainer and checkpoint tests; every test (and, in a spawn, the rank
+that transforms: tests/shared_transform.py) checks each pass's Ensures after the pass
+(fxmeg.passes.verify)."""
 
 import gc
 import os

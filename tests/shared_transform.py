@@ -210,8 +210,7 @@ class _Unpickler(pickle.Unpickler):
 
 def _storage(t: torch.Tensor) -> int:
     """The address of a tensor's memory (0 for none: meta, empty)."""
-    return 0 if t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) \
-        else t.untyped_storage().data_ptr()
+    return 0 if t.is_meta or isinstance(t, FakeTensor) else t.untyped_storage().data_ptr()
 
 
 def _op(namespace: str, name: str, overload: str | None):
@@ -225,8 +224,7 @@ def _higher_order(name: str):
 
 def _graph_module_state(gm: fx.GraphModule) -> tuple:
     nodes = [(n.op, n.name, n.target, _names(n.args), _names(n.kwargs), n.type, n.meta) for n in gm.graph.nodes]
-    skip = {"_modules", "_parameters", "_buffers", "graph", "meta", "_graph", "_code", "_in_spec", "_out_spec"}
-    attributes = {k: v for k, v in gm.__dict__.items() if isinstance(v, torch.Tensor) and k not in skip}
+    attributes = {k: v for k, v in gm.__dict__.items() if isinstance(v, torch.Tensor)}
     return (type(gm).__name__ if type(gm).__name__ != "GraphModuleImpl" else "GraphModule",
             dict(gm._modules), dict(gm._parameters), dict(gm._buffers), attributes,
             nodes, gm.graph._codegen, dict(gm.meta))
@@ -263,14 +261,4 @@ def _names(value):
 
 
 def _nodes(value, made: dict):
-    if isinstance(value, _Ref):
-        return made[str(value)]
-    if isinstance(value, tuple):
-        return type(value)(*(_nodes(v, made) for v in value)) if hasattr(value, "_fields") else tuple(_nodes(v, made) for v in value)
-    if isinstance(value, list):
-        return [_nodes(v, made) for v in value]
-    if isinstance(value, dict):
-        return {k: _nodes(v, made) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_nodes(value.start, made), _nodes(value.stop, made), _nodes(value.step, made))
-    return value
+    return fx.node.map_aggregate(value, lambda a: made[a] if isinstance(a, _Ref) else a)
