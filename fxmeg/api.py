@@ -126,7 +126,7 @@ def _decide_sharding(config: EngineConfig, factory: OptimizerFactory, model: nn.
     optimizer cannot meet is refused on every rank at once."""
     plan = plan_optimizers(factory, param_groups(model.named_parameters()), device)
     decided = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
-                            overlap_param_gather=config.overlap_param_gather)
+                            overlap_param_gather=config.overlap_param_gather, zero=config.zero_stage)
     return dataclasses.replace(config, decided_sharding=decided)
 
 

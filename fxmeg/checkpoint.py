@@ -99,6 +99,11 @@ class Checkpointer:
         self.wait()
         program, ctx = self.program, self.context
         ctx.ddp.wait_for_params()
+        with ctx.unsharded():  # zero=3: whole parameters, written or copied inside
+            self._save(program, ctx, directory, iteration, trainer_state)
+        return os.path.join(directory, f"iter_{iteration:07d}")
+
+    def _save(self, program, ctx, directory: str, iteration: int, trainer_state: dict) -> None:
         state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx)}
         state["optim/scalars"] = self._scalars(ctx)
         state["scaler"] = ctx.scaler.state_dict() if ctx.scaler else None
@@ -117,7 +122,6 @@ class Checkpointer:
         else:
             self._write(state, path, directory, meta)
             self._raise()
-        return path
 
     def _scalars(self, ctx) -> dict[str, float]:
         """Scalar optimizer states merged over every rank: a rank may hold no parameter of
@@ -174,13 +178,14 @@ class Checkpointer:
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         entries = {k for k in saved if k.startswith("optim/") and k.count("/") == 2}
         keys = {k.split("/")[1] for k in entries}
-        state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, entries)}
         if ctx.config.precision != "fp32" and "master" not in keys:
             raise CheckpointError(f"{path} has no fp32 masters (saved in fp32); load it with precision='fp32'")
         objects = ["optim/scalars", "scaler", "scheduler", "trainer", f"rng/{_rank()}"]
-        state |= {k: None for k in objects if k in saved}
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
-                 process_group=self.group, no_dist=self.group is None)
+        with ctx.unsharded(write=True):  # zero=3: loaded into whole parameters, kept in the shards
+            state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, entries)}
+            state |= {k: None for k in objects if k in saved}
+            dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
+                     process_group=self.group, no_dist=self.group is None)
         ctx.optimizer.reload()  # parameters follow loaded masters (or full-matrix masters the parameters)
         for piece in ctx.optimizer.pieces:
             inner = ctx.optimizer.inner.state[piece.master]

@@ -17,7 +17,7 @@ import torch
 from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.modes import OptimizerSharding, decide_sharding
+from fxmeg.modes import OptimizerSharding, check_sharding, decide_sharding
 from fxmeg.numbers import Size, check_numbers, check_size
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
@@ -32,8 +32,6 @@ P2P_MODES = ("paired", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOAD_BALANCING = ("aux_loss", "global_aux_loss")
 """How a router loss counts tokens per expert (see EngineConfig.moe_router_load_balancing_type)."""
-OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
-"""How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
 
 
 def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
@@ -212,8 +210,13 @@ class EngineConfig:
     """Clip the global L2 gradient norm to this value; 0 disables clipping."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 masters and gradients)."""
+    zero: int | None = None
+    """ZeRO stage (docs/zero.md): 0 nothing sharded; 1 optimizer state and masters sharded
+    over the data-parallel x context-parallel ranks (the distributed optimizer); 2 also the
+    fp32 gradients; 3 also the parameters between uses. None: 1 with
+    ``distributed_optimizer=True``, else 0."""
     distributed_optimizer: bool = False
-    """ZeRO-1: each data-parallel rank keeps masters and optimizer state for its shard."""
+    """ZeRO-1 (``zero >= 1`` sets it; kept as Megatron's spelling of zero=1)."""
     optimizer_sharding: str = "auto"
     """Distributed optimizer: 'elementwise' (flat equal slices of every bucket, for
     elementwise optimizers such as AdamW), 'layerwise' (whole parameters per rank,
@@ -287,6 +290,7 @@ class EngineConfig:
         "max_consecutive_skips": Size(0, "skipped steps allowed in a row (0: no limit)"),
         "bucket_size": Size(1, "gradient bucket size (elements)", "Megatron's max(40M, 1M * dp)"),
         "recompute_num_layers": Size(0, "number of blocks recomputed per chunk", "all of them"),
+        "zero": Size(0, "ZeRO stage (0-3)", "1 with distributed_optimizer=True, else 0"),
         "check_replicas_interval": Size(0, "steps between replica checks (0: only at start-up)"),
     }
     """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
@@ -319,7 +323,7 @@ class EngineConfig:
         if self.p2p not in ("auto", *P2P_MODES):
             raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
                               + closest(self.p2p, ("auto", *P2P_MODES)))
-        self._check_optimizer_sharding()
+        check_sharding(self)
         self._check_experts()
         self._check_router_bias()
         self._check_router_loss()
@@ -391,42 +395,6 @@ class EngineConfig:
             raise ConfigError(f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens per "
                               "expert are counted outside the compiled graphs; set compile=False")
 
-    def _check_optimizer_sharding(self) -> None:
-        """optimizer_sharding, its companions, and a recorded decision that fits them."""
-        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise ConfigError(f"optimizer_sharding={self.optimizer_sharding!r} is not one of "
-                              f"{OPTIMIZER_SHARDINGS}" + closest(self.optimizer_sharding, OPTIMIZER_SHARDINGS))
-        if self.optimizer_sharding != "auto" and not self.distributed_optimizer:
-            raise ConfigError(
-                f"optimizer_sharding={self.optimizer_sharding!r} needs distributed_optimizer=True "
-                "(without it every data-parallel rank updates every whole parameter)"
-            )
-        if self.overlap_param_gather and self.optimizer_sharding == "layerwise":
-            raise ConfigError(
-                "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
-                "optimizer gathers whole parameters in one all-gather after the step)"
-            )
-        if self.overlap_param_gather and not self.distributed_optimizer:
-            raise ConfigError(
-                "overlap_param_gather=True needs distributed_optimizer=True (only the "
-                "distributed optimizer gathers parameters)"
-            )
-        decided = self.decided_sharding
-        if decided is not None and decided not in self._possible_shardings():
-            raise ConfigError(
-                f"decided_sharding={decided.value!r} contradicts distributed_optimizer="
-                f"{self.distributed_optimizer}, optimizer_sharding={self.optimizer_sharding!r}: "
-                "leave decided_sharding to parallelize (it is not an option)"
-            )
-
-    def _possible_shardings(self) -> tuple[OptimizerSharding, ...]:
-        """What ``decide_sharding`` may decide for these fields, whatever the optimizer."""
-        if not self.distributed_optimizer:
-            return (OptimizerSharding.NONE,)
-        if self.optimizer_sharding != "auto":
-            return (OptimizerSharding(self.optimizer_sharding),)
-        return (OptimizerSharding.ELEMENTWISE, OptimizerSharding.LAYERWISE)
-
     def _check_batch(self) -> None:
         """global_batch_size against micro_batch_size * dp and, interleaved or
         dualpipev, the micro-batch count against pp; with dp still None only against micro_batch_size
@@ -477,6 +445,11 @@ class EngineConfig:
         return DTYPES[self.precision]
 
     @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage in force: ``zero``, or for None 1 with the distributed optimizer, else 0."""
+        return self.zero if self.zero is not None else int(self.distributed_optimizer)
+
+    @property
     def sharding(self) -> OptimizerSharding:
         """The optimizer sharding in force: ``decided_sharding``, or before ``parallelize``
         decided it (a transform alone, ``fxmeg plan``) the default optimizer's (AdamW,
@@ -484,7 +457,7 @@ class EngineConfig:
         if self.decided_sharding is not None:
             return self.decided_sharding
         return decide_sharding(distributed=self.distributed_optimizer, requested=self.optimizer_sharding,
-                               overlap_param_gather=self.overlap_param_gather)
+                               overlap_param_gather=self.overlap_param_gather, zero=self.zero_stage)
 
     @property
     def resolved_bucket_size(self) -> int | None:

@@ -11,7 +11,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from fxmeg.errors import ConfigError
+from fxmeg.errors import ConfigError, closest
+
+OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
+"""How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""What ``EngineConfig.zero`` may be (docs/zero.md)."""
 
 
 class OptimizerSharding(str, enum.Enum):
@@ -28,7 +33,8 @@ class OptimizerSharding(str, enum.Enum):
 
 
 def decide_sharding(
-    *, distributed: bool, requested: str, whole: Sequence[str] = (), overlap_param_gather: bool = False
+    *, distributed: bool, requested: str, whole: Sequence[str] = (), overlap_param_gather: bool = False,
+    zero: int = 1,
 ) -> OptimizerSharding:
     """The rule: NONE without the distributed optimizer, else ``requested`` ('auto':
     LAYERWISE iff an inner optimizer needs whole parameters; ``whole`` names them, from
@@ -43,6 +49,13 @@ def decide_sharding(
             f"gradient buckets, but the inner optimizer {whole[0]} needs whole parameters; use "
             "optimizer_sharding='layerwise' (or 'auto')"
         )
+    if chosen is OptimizerSharding.LAYERWISE and zero >= 2:
+        raise ConfigError(
+            f"zero={zero} keeps each data-parallel rank's flat slice of every gradient bucket"
+            f"{' and parameter' if zero == 3 else ''}, but the distributed optimizer runs layer-wise "
+            f"here ({', '.join(whole) + ' needs' if whole else 'optimizer_sharding=layerwise asks for'} "
+            "whole parameters); use zero=1 for a layer-wise optimizer, or an elementwise one (AdamW)"
+        )
     if chosen is OptimizerSharding.LAYERWISE and overlap_param_gather:
         raise ConfigError(
             f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
@@ -50,3 +63,74 @@ def decide_sharding(
             "parameters); set overlap_param_gather=False"
         )
     return chosen
+
+
+def check_sharding(config) -> None:
+    """``EngineConfig``'s zero stage, optimizer sharding and their companions (called by its
+    ``__post_init__``, before any process group). ``zero`` None stands for 1 with
+    ``distributed_optimizer=True``, else 0 (``zero_stage``); ``distributed_optimizer`` is set
+    when ``zero >= 1`` is given."""
+    zero, par = config.zero, config.parallel
+    if zero is None:
+        zero = 1 if config.distributed_optimizer else 0
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise ConfigError(f"zero={zero!r} must be one of {ZERO_STAGES} (0: nothing sharded, 1: optimizer "
+                          "state, 2: and gradients, 3: and parameters)")
+    if config.distributed_optimizer and zero == 0:
+        raise ConfigError("distributed_optimizer=True is zero=1, but zero=0 was given: drop "
+                          "distributed_optimizer, or set zero to 1, 2 or 3")
+    object.__setattr__(config, "distributed_optimizer", zero >= 1)
+    if zero >= 2:
+        for flag, why in ((par.ep > 1, f"ep={par.ep}"), (config.optimizer_sharding == "layerwise",
+                                                           "optimizer_sharding='layerwise'")):
+            if flag:
+                raise ConfigError(f"zero={zero} does not run with {why} yet (gradients sharded over the "
+                                  "expert-data-parallel ranks and layer-wise owners are not built); use zero=1")
+    if zero == 3:
+        refused = (
+            (config.overlap_param_gather, "overlap_param_gather=True",
+             "zero=3 gathers each bucket before its first use by itself; drop overlap_param_gather"),
+            (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
+                                            "set compile=False or zero=2"),
+            (par.splits_backward, f"schedule={par.resolved_schedule!r}",
+             "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
+             "use 1f1b or interleaved, or zero=2"),
+            (config.variable_seq_lengths, "variable_seq_lengths=True",
+             "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
+        )
+        for flag, what, fix in refused:
+            if flag:
+                raise ConfigError(f"zero=3 does not run with {what}: {fix}")
+    if config.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+        raise ConfigError(f"optimizer_sharding={config.optimizer_sharding!r} is not one of "
+                          f"{OPTIMIZER_SHARDINGS}" + closest(config.optimizer_sharding, OPTIMIZER_SHARDINGS))
+    if config.optimizer_sharding != "auto" and not config.distributed_optimizer:
+        raise ConfigError(
+            f"optimizer_sharding={config.optimizer_sharding!r} needs zero >= 1 (distributed_optimizer=True; "
+            "without it every data-parallel rank updates every whole parameter)"
+        )
+    if config.overlap_param_gather and config.optimizer_sharding == "layerwise":
+        raise ConfigError(
+            "overlap_param_gather=True needs optimizer_sharding='elementwise' (the layer-wise "
+            "optimizer gathers whole parameters in one all-gather after the step)"
+        )
+    if config.overlap_param_gather and not config.distributed_optimizer:
+        raise ConfigError(
+            "overlap_param_gather=True needs zero >= 1 (distributed_optimizer=True: only the "
+            "distributed optimizer gathers parameters)"
+        )
+    decided = config.decided_sharding
+    if decided is not None and decided not in _possible(config):
+        raise ConfigError(
+            f"decided_sharding={decided.value!r} contradicts zero={zero}, optimizer_sharding="
+            f"{config.optimizer_sharding!r}: leave decided_sharding to parallelize (it is not an option)"
+        )
+
+
+def _possible(config) -> tuple[OptimizerSharding, ...]:
+    """What ``decide_sharding`` may decide for these fields, whatever the optimizer."""
+    if not config.distributed_optimizer:
+        return (OptimizerSharding.NONE,)
+    if config.optimizer_sharding != "auto":
+        return (OptimizerSharding(config.optimizer_sharding),)
+    return (OptimizerSharding.ELEMENTWISE, OptimizerSharding.LAYERWISE)

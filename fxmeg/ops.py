@@ -21,6 +21,11 @@ parent graph in one process draws from the default stream); the runtime binds th
 parameter all-gather; unbound it does nothing, and the runtime binds it to its
 data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
 
+``zero_gather`` / ``zero_release`` (param-gather pass, zero=3) mark where forward needs a
+bucket's parameters whole (gathered from the data-parallel shards; the next bucket's
+gather starts there too) and where it no longer reads them (their memory is freed until
+backward needs them again). Unbound they do nothing.
+
 ``expert_load`` (expert-parallel pass, at every ep) marks a routed-experts block's top-k
 expert index; unbound it does nothing, and the runtime binds it to this rank's recorder
 of tokens per expert (``fxmeg.runtime.load``: load metrics, loss-free balancing).
@@ -99,6 +104,18 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
 
 
 @has_side_effect
+def zero_gather(param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None) -> None:
+    """zero=3: ``bucket`` (chunk, index), which holds ``param``, must be whole from here
+    on; start gathering ``prefetch``, the bucket forward reads next. A no-op until bound."""
+
+
+@has_side_effect
+def zero_release(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+    """zero=3: forward reads no parameter of ``bucket`` after this; free it until backward
+    needs it again. A no-op until bound."""
+
+
+@has_side_effect
 def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
     """The experts ``top_k_index [T, k]`` routes each of T tokens to, in the block of
     ``experts`` experts of module ``layer``; ``bias``: the FQN of the buffer its router
@@ -147,7 +164,7 @@ def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_u
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
                               num_experts=num_experts, capacity_factor=capacity_factor, layer=layer)
 
-for _fn in (recv, send, deallocate, wait_param_gather, expert_load, tp_rng_fork, tp_rng_join, routed_experts,
+for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, expert_load, tp_rng_fork, tp_rng_join, routed_experts,
             global_tokens):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 

@@ -16,6 +16,11 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
   optimizer state    Adam-like: two fp32 states per element, plus an fp32 master copy in
                      bf16 / fp16; the distributed optimizer divides them by dp * cp, and
                      the experts' by edp (the ranks holding the same experts)
+  zero >= 2          the gradient buffers are divided by dp * cp, and at zero=3 the
+                     parameters too (padding included); ``buckets_in_flight`` counts what
+                     is whole at once (runtime/zero.py): 1 + IN_FLIGHT gradient buckets
+                     being staged or reduced, and at zero=3 two parameter buckets (the one
+                     computed with and the one prefetched), each the stage's largest
   activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
                      largest chunk, times the micro-batches in flight at the schedule's
                      peak (the simulator's count of forwards whose backward, or
@@ -92,6 +97,8 @@ class StagePlan:
     flops_per_microbatch: float
     """Forward FLOPs of one micro-batch on this rank (matmuls and attention)."""
     bubble: float
+    buckets_in_flight: int = 0
+    """zero >= 2: gradient (and zero=3 parameter) buckets whole at once (in ``total``)."""
 
     @property
     def weights_and_optimizer(self) -> int:
@@ -121,6 +128,7 @@ class Plan:
                        "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
             "precision": cfg.precision,
             "distributed_optimizer": cfg.distributed_optimizer,
+            "zero": cfg.zero_stage,
             "recompute": cfg.recompute,
             "micro_batch_size": cfg.micro_batch_size,
             "global_batch_size": cfg.global_batch_size,
@@ -145,7 +153,8 @@ class Plan:
         head = [
             (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp}{cp} pp={par.pp} vpp={par.vpp} "
              f"dp={par.dp}{ep}{sp}, {cfg.precision}, distributed optimizer "
-             f"{'on' if cfg.distributed_optimizer else 'off'}, recompute {cfg.recompute}"),
+             f"{'on' if cfg.distributed_optimizer else 'off'}"
+             f"{f' (zero={cfg.zero_stage})' if cfg.zero_stage >= 2 else ''}, recompute {cfg.recompute}"),
             (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
              f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward "
              "per micro-batch (whole model)"),
@@ -240,6 +249,12 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     expert_optimizer = int(states * 4 * experts / expert_ranks)
     optimizer = int(states * (4 * (elements - experts) / dense_ranks)) + expert_optimizer
+    buckets = 0
+    if config.zero_stage >= 2:
+        size = params // max(elements, 1)  # bytes per parameter element
+        grads, buckets = _zero_memory(layouts, size, config)
+        if config.zero_stage == 3:
+            params = sum(lay.numel for lay in layouts) // par.dp_cp * size
     act = max(activation_bytes(gm) for gm in graphs)
     peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
     return StagePlan(
@@ -248,9 +263,22 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
         gradient_buffers=grads, expert_gradient_buffers=expert_grads,
         optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
         activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
-        total=params + grads + optimizer + act * peak,
+        total=params + grads + optimizer + act * peak + buckets,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
+        buckets_in_flight=buckets,
     )
+
+
+def _zero_memory(layouts, size: int, config: EngineConfig) -> tuple[int, int]:
+    """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once)."""
+    from fxmeg.runtime.zero import IN_FLIGHT
+
+    grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts) // config.parallel.dp_cp
+    largest = max((b.end - b.start for lay in layouts for b in lay.buckets), default=0)
+    whole = (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging
+    if config.zero_stage == 3:
+        whole += 2 * largest * size  # the bucket computed with and the prefetched one
+    return grads, whole
 
 
 def expert_banks(program: Program) -> frozenset[str]:

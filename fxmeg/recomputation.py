@@ -1,4 +1,5 @@
-"""Whether a recompute region is running again in backward: the recompute pass enters
+"""Whether a recompute region is running again in backward, and what must happen before it
+does (``preparing``: zero=3 gathers the parameters it reads). Whether it is running again: the recompute pass enters
 ``recomputation_contexts`` around each region (passes/recompute.py), and what counts per
 micro-batch (the expert-load recorder, fxmeg/runtime/load.py; the capacity mode's dropped
 pairs, fxmeg/moe.py) asks ``recomputing()`` so a recomputed forward counts nothing."""
@@ -31,3 +32,23 @@ def recomputing() -> bool:
     """Whether a recompute region is running again in backward, not in forward: what
     runs then ran once already (the expert-load recorder counts each micro-batch once by it)."""
     return _Recomputation.depth > 0
+
+
+_prepare: list = []
+
+
+@contextlib.contextmanager
+def preparing(fn):
+    """While inside, every recompute region calls ``fn(args)`` with its inputs before it
+    runs, in forward and when backward runs it again (the runtime's zero=3 gather)."""
+    _prepare.append(fn)
+    try:
+        yield
+    finally:
+        _prepare.pop()
+
+
+def prepare(args) -> None:
+    """What the recompute regions call before they run (see ``preparing``)."""
+    for fn in _prepare:
+        fn(args)

@@ -16,7 +16,10 @@ get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.layouts.BucketSlot(
     forward, so parameters are laid out by first use, latest first (Megatron lays out
     its buffer in reverse parameter order for the same reason);
   * buckets hold whole parameters and close once they reach ``bucket_size`` elements
-    (one bucket per buffer when ``bucket_size`` is None);
+    (one bucket per buffer when ``bucket_size`` is None); at ``zero >= 2`` they also close
+    wherever the next parameter is first read in another transformer block (the blocks of
+    ``partition.find_blocks``; what comes before the first block or after the last counts
+    as a block of its own), so that a bucket is what zero=3 gathers and frees as a unit;
   * a bucket's end is padded to a multiple of the data-parallel size, and for the
     distributed optimizer (``shard=True``) each parameter starts at a multiple of 64
     elements and each bucket ends at a multiple of lcm(dp, 128), as in Megatron;
@@ -39,6 +42,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.layouts import BucketSlot
 from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
+from fxmeg.passes.partition import find_blocks
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 
 PARAM_ALIGN = 64  # Megatron: parameter starts in a sharded buffer
@@ -60,13 +64,15 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
     layouts_of: dict[int, tuple[BufferLayout, ...]] = {}
     for c, gm in enumerate(chunks(parent)):
         names = [n for n in _ready_order(gm) if owner[(placement[c], n)] == c]
+        block = _blocks(gm) if config.zero_stage >= 2 else {}
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
                   if n.op == "get_attr" and val(n) is not None}  # not a region's body
         experts = {n.target for n in gm.graph.nodes if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
         dense = [n for n in names if n not in experts]
         routed = [n for n in names if n in experts]
         layouts_of[c] = tuple(
-            _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert)
+            _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert,
+                    block=block)
             for group, ranks, is_expert in ((dense, dp, False), (routed, config.parallel.edp, True)) if group)
         gm.meta["fxmeg"]["buffers"] = layouts_of[c]
     for c, gm in enumerate(chunks(parent)):
@@ -90,19 +96,31 @@ def _ready_order(gm: fx.GraphModule) -> list[str]:
     return sorted(first_use, key=lambda n: first_use[n], reverse=True)
 
 
+def _blocks(gm: fx.GraphModule) -> dict[str, str]:
+    """Trainable parameter -> the block of its first reader ('' outside every block)."""
+    of_node, out = find_blocks(gm), {}
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and arg.target not in out:
+                out[arg.target] = of_node.get(node, "")
+    return out
+
+
 def _layout(names, shapes, dtype, *, dp: int, bucket_size: int | None, shard: bool,
-            experts: bool = False) -> BufferLayout:
+            experts: bool = False, block: dict[str, str] | None = None) -> BufferLayout:
     pad_to = math.lcm(dp, BUCKET_ALIGN) if shard else dp
     slots, buckets_, members = [], [], []
     offset = start = 0
-    for name in names:
+    block = block or {}
+    for i, name in enumerate(names):
         if shard:
             offset = _round_up(offset, PARAM_ALIGN)
         numel = shapes[name].numel()
         slots.append(Slot(name, offset, numel, len(buckets_)))
         members.append(name)
         offset += numel
-        if bucket_size is not None and offset - start >= bucket_size:
+        full = bucket_size is not None and offset - start >= bucket_size
+        if full or (block and i + 1 < len(names) and block.get(names[i + 1]) != block.get(name)):
             end = _round_up(offset, pad_to)
             buckets_.append(Bucket(len(buckets_), start, end, tuple(members)))
             offset = start = end

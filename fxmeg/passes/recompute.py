@@ -31,7 +31,7 @@ from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
 
 aten = torch.ops.aten
-_MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather}
+_MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather, ops.zero_gather, ops.zero_release}
 _SCORES = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _BETWEEN_SCORES = {  # elementwise steps between q @ k^T and the softmax (scale, mask)
@@ -53,7 +53,11 @@ class Recompute(nn.Module):
             return self.region(*args)
         if torch.compiler.is_compiling():  # dynamo takes no plain context_fn (nothing counts there)
             return checkpoint(self.region, *args, use_reentrant=False)
-        return checkpoint(self.region, *args, use_reentrant=False, context_fn=recomputation.recomputation_contexts)
+        return checkpoint(self._run, *args, use_reentrant=False, context_fn=recomputation.recomputation_contexts)
+
+    def _run(self, *args):
+        recomputation.prepare(args)  # zero=3: its parameters whole again when backward runs it
+        return self.region(*args)
 
 
 def recompute(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:

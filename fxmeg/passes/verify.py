@@ -148,6 +148,8 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
 
 
 def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+    if config.zero_stage == 3:
+        return _zero_gather(gm, chunk)
     if not config.overlap_param_gather:
         return
     waited: set[tuple[int, int]] = set()
@@ -160,6 +162,30 @@ def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> 
             if tag is not None:
                 assert tag.gather_key in waited, (
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} unwaited")
+
+
+def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
+    """zero=3: each bucket the chunk reads is gathered once before any read of its
+    parameters and released once after the last; each gather prefetches the next one."""
+    gathered, released, keys = [], set(), []
+    for node in gm.graph.nodes:
+        if node.target is ops.zero_gather:
+            assert node.kwargs["bucket"] not in gathered, f"param_gather: {node.kwargs['bucket']} gathered twice"
+            gathered.append(node.kwargs["bucket"])
+            keys.append(node.kwargs["prefetch"])
+            continue
+        if node.target is ops.zero_release:
+            key = node.kwargs["bucket"]
+            assert key in gathered and key not in released, f"param_gather: {key} released twice or ungathered"
+            released.add(key)
+            continue
+        for arg in node.all_input_nodes:
+            tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
+            if tag is not None:
+                assert tag.gather_key in gathered and tag.gather_key not in released, (
+                    f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its gather")
+    assert released == set(gathered), f"param_gather: chunk {chunk.index} never releases {set(gathered) - released}"
+    assert keys == [*gathered[1:], None], f"param_gather: chunk {chunk.index} prefetches {keys}, not {gathered[1:]}"
 
 
 def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:

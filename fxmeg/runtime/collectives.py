@@ -255,13 +255,15 @@ def bind(
     groups: dict[str, str],
     *,
     wait_param_gather: Callable[..., None] | None = None,
+    zero: tuple[Callable[..., None], Callable[..., None]] | None = None,
     expert_load: Callable[..., None] | None = None,
     global_tokens: Callable[..., torch.Tensor] | None = None,
 ) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
     names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
-    ``ops.wait_param_gather`` markers call ``wait_param_gather`` and ``ops.expert_load``
+    ``ops.wait_param_gather`` markers call ``wait_param_gather``, ``ops.zero_gather`` and
+    ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.expert_load``
     markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
     ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert). Only
     arguments and call targets change; the graph's structure does not."""
@@ -282,6 +284,8 @@ def bind(
                 node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
             elif node.target is ops.wait_param_gather and wait_param_gather is not None:
                 node.target = wait_param_gather
+            elif node.target in (ops.zero_gather, ops.zero_release) and zero is not None:
+                node.target = zero[node.target is ops.zero_release]
             elif node.target is ops.expert_load and expert_load is not None:
                 node.target = expert_load
             elif node.target is ops.global_tokens and global_tokens is not None:

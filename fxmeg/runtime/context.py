@@ -15,6 +15,7 @@ global.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.release import release
+from fxmeg.runtime.zero import ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard
 from fxmeg.trace import Tracer
 
@@ -112,6 +114,8 @@ class RankContext:
     load: ExpertLoad | None = None
     """Tokens per expert of the routed-experts layers (runtime/load.py); None for a model
     without any, or where forward is compiled or split (compile, zero-bubble schedules)."""
+    zero: ZeroParams | None = None
+    """zero=3: the parameters' gathers and releases (runtime/zero.py)."""
     consecutive_skips: int = 0
     steps_taken: int = 0
     """train_step calls so far (``check_replicas_interval`` counts them)."""
@@ -130,6 +134,12 @@ class RankContext:
         self.config = dataclasses.replace(self.config, global_batch_size=global_batch_size)
         self.schedule = self.build_schedule(self.config.num_microbatches)
         self.steps = self.lower(self.schedule)[self.groups.pp_rank]
+
+    def unsharded(self, *, write: bool = False):
+        """A context inside which every parameter this rank holds is whole (zero=3 gathers
+        them; collective), for what reads or writes them outside a step: state dicts,
+        checkpoints, replica checks. With ``write`` what was written is kept."""
+        return self.zero.whole(write=write) if self.zero is not None else contextlib.nullcontext()
 
     def build_schedule(self, m: int) -> schedules.Schedule:
         par = self.config.parallel
@@ -173,11 +183,12 @@ def build_context(
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding is OptimizerSharding.ELEMENTWISE)
+    zero = ZeroParams(ddp.buffers) if config.zero_stage == 3 else None
     names = _group_names(groups)
     load = _expert_load(program, config, chunks)
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather,
+        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
                          expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
     if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
         experts.exchange(groups.ep.group_name).tracer = tracer
@@ -187,7 +198,7 @@ def build_context(
         experts=frozenset(program.ep_specs),
         sources=MasterSources(_master_source(masters), _full_source(program, groups, masters)),
     )
-    executor = _executor(program, config, chunks, groups, ddp, tracer)
+    executor = _executor(program, config, chunks, groups, ddp, tracer, zero)
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,
         tracer=tracer, ddp=ddp, grad_reductions=_grad_reductions(program, named, groups),
@@ -195,7 +206,7 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole=whole, load=load, global_tokens=tokens,
+        whole=whole, load=load, global_tokens=tokens, zero=zero,
     )
 
 
@@ -211,13 +222,20 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
     return load
 
 
+def _zero_markers(zero: ZeroParams | None):
+    """What the bound ``ops.zero_gather`` / ``ops.zero_release`` call (zero=3)."""
+    return (zero.gather, zero.release) if zero is not None else None
+
+
 def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
-              ddp: DataParallel, tracer: Tracer) -> Executor:
+              ddp: DataParallel, tracer: Tracer, zero: ZeroParams | None) -> Executor:
     return Executor(
         chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=config.parallel.pp,
         peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
         timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
         accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+        running=zero.running if zero is not None else None,
+        on_backward=ddp.end_backward if config.zero_stage >= 2 else None,
     )
 
 
@@ -254,10 +272,10 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
     names = _group_names(ctx.groups)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather,
+        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather, zero=_zero_markers(ctx.zero),
                          expert_load=ctx.load.record if ctx.load is not None else None,
                          global_tokens=ctx.global_tokens.running_mean)
-    executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer)
+    executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 
 
@@ -379,16 +397,15 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
                    shard: bool) -> DataParallel:
     events = Events()
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
-    buffers = {
-        c: [
-            GradBuffer(layout, dict(gm.named_parameters()), label=f"chunk{c}" + ("/experts" if layout.experts else ""),
-                       group=groups.edp if layout.experts else groups.dp_cp,
-                       overlap=config.overlap_grad_reduce, shard=shard,
-                       events=events, deferred=deferred, tracer=tracer)
-            for layout in program.buffers[c]
-        ]
-        for c, gm in chunks.items()
-    }
+    def buffer(c: int, gm: fx.GraphModule, layout) -> GradBuffer:
+        common = dict(label=f"chunk{c}" + ("/experts" if layout.experts else ""),
+                      group=groups.edp if layout.experts else groups.dp_cp, overlap=config.overlap_grad_reduce,
+                      events=events, deferred=deferred, tracer=tracer)
+        if config.zero_stage >= 2:
+            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, **common)
+        return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
+
+    buffers = {c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()}
     return DataParallel(buffers, events)
 
 

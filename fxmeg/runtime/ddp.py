@@ -190,6 +190,37 @@ class GradBuffer:
         while self.pending:
             self.pending.popitem()[1].wait()
 
+    # What readers of gradients and parameters use, whatever the ZeRO stage (zero=2 and 3
+    # override them: fxmeg/runtime/zero.py).
+
+    def grad_piece(self, a: int, b: int) -> torch.Tensor:
+        """The reduced gradient of buffer elements [a, b), inside this rank's shard of one bucket."""
+        return self.data[a:b]
+
+    def param_piece(self, a: int, b: int) -> torch.Tensor:
+        """The parameter storage of buffer elements [a, b) (distributed optimizer)."""
+        return self.param_data[a:b]
+
+    def reduced(self) -> torch.Tensor:
+        """Every reduced gradient this rank keeps (compared whole by check_determinism)."""
+        return self.data
+
+    def local_grads(self) -> torch.Tensor:
+        """A flat tensor laid out like the buffer whose shard of each bucket on this rank
+        holds the reduced gradients (all of it without sharding); may be ``data`` itself."""
+        return self.data
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        """What finalize all-reduces over the tied or tensor-parallel group for ``name``:
+        its whole gradient, or the part that this rank keeps."""
+        return self.params[name].main_grad
+
+    def scale_(self, factor: float) -> None:
+        self.data.mul_(factor)
+
+    def end_backward(self) -> None:
+        """After a backward (or weight-gradient) action of this buffer's chunk."""
+
 
 class _PendingGather:
     """A bucket's all-gather in flight; waiting twice is harmless."""
@@ -212,11 +243,11 @@ class DataParallel:
 
     def __init__(self, buffers: dict[int, list[GradBuffer]], events: Events) -> None:
         self.buffers, self.events = buffers, events
-        self._home = {id(p): b for b in self.all() for p in b.params.values()}
+        self._home = {id(p): (b, n) for b in self.all() for n, p in b.params.items()}
 
     def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Add a gradient computed outside autograd (a W action) to ``param``'s buffer."""
-        self._home[id(param)].accumulate(param, grad)
+        self._home[id(param)][0].accumulate(param, grad)
 
     def zero_grad_buffer(self) -> None:
         self.events.log.clear()
@@ -255,6 +286,15 @@ class DataParallel:
     def all(self) -> list[GradBuffer]:
         return [b for bufs in self.buffers.values() for b in bufs]
 
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        buf, name = self._home[id(param)]
+        return buf.grad_of(name)
+
+    def end_backward(self, chunk: int) -> None:
+        """A backward or weight-gradient action of ``chunk`` is done (zero >= 2 reduces then)."""
+        for b in self.buffers.get(chunk, ()):
+            b.end_backward()
+
 
 def finalize_model_grads(
     ddp: DataParallel,
@@ -269,8 +309,9 @@ def finalize_model_grads(
     scale (unscaling, §8.7)."""
     ddp.finish_grad_sync()
     for p, group in tied:
-        if group is not None:
-            dist.all_reduce(p.main_grad, group=group)
+        grad = ddp.grad_of(p)
+        if group is not None and grad.numel():
+            dist.all_reduce(grad, group=group)
     ddp.finish_deferred()
     for buf in ddp.all():
-        buf.data.mul_(1.0 / divisor)
+        buf.scale_(1.0 / divisor)

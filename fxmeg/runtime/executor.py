@@ -7,6 +7,7 @@ and lives only for one ``run``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,8 @@ class Executor:
         tracer: Tracer | None = None,
         accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
         wait_params: Callable[[], None] | None = None,
+        running: Callable[[], contextlib.AbstractContextManager] | None = None,
+        on_backward: Callable[[int], None] | None = None,
         pack: bool = True,
     ) -> None:
         self.chunks = chunks
@@ -90,6 +93,11 @@ class Executor:
         self.split = {c: _SplitChunk(gm, compile) for c, gm in chunks.items() if split_spec(gm) is not None}
         """Chunks whose backward runs as input- and weight-gradient graphs (zero bubble)."""
         self.accumulate, self.wait_params = accumulate, wait_params
+        self.running = running or contextlib.nullcontext
+        """Entered around every chunk forward and backward (zero=3: the parameters' gathers)."""
+        self.on_backward = on_backward
+        """Called with the chunk index once a backward (or weight-gradient) action is done
+        (zero >= 2: the gradient buckets are reduced then)."""
         self.specs = specs
         self.rank, self.pp = rank, pp
         talks_to = max(chunks, default=0) + 2  # every chunk this rank holds or talks to
@@ -168,7 +176,8 @@ class Executor:
         if self._train:
             for t, b in zip(received, spec.recv):
                 t.requires_grad_(b.grad)
-        outs = self._run[a.chunk](*data, *received)
+        with self.running():
+            outs = self._run[a.chunk](*data, *received)
         sends = list(outs[: len(spec.send)])
         loss = None
         if spec.is_last:
@@ -192,8 +201,11 @@ class Executor:
         else:
             roots = [t for t, b in zip(sends, spec.send) if b.grad]
             grads = self._state.grad_inbox.pop(key)
-        _run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
-                      inputs=(), allow_unreachable=True, accumulate_grad=True)
+        with self.running():
+            _run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
+                          inputs=(), allow_unreachable=True, accumulate_grad=True)
+        if self.on_backward is not None:
+            self.on_backward(a.chunk)
         if a.chunk > 0 and any(b.grad for b in spec.recv):
             self._state.grad_outbox[key] = [
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -249,6 +261,8 @@ class Executor:
         for p, g in zip(chunk.weights, grads):
             if g is not None:
                 self.accumulate(p, g)
+        if self.on_backward is not None:
+            self.on_backward(a.chunk)
 
     def _grad_sync(self, a: Action) -> None:
         if self.on_grad_sync is not None:

@@ -235,6 +235,15 @@ def reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist
     return _reduce_scatter(shard_of(flat, group), flat, group=group, async_op=True)
 
 
+def gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Fill ``out`` with every rank's ``shard`` in rank order, asynchronously (``shard`` is
+    this rank's part; for a group of one, a copy)."""
+    if group is None:
+        out.copy_(shard)
+        return None
+    return _all_gather(out, shard, group=group, async_op=True)
+
+
 def all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
     """Fill ``flat`` with every rank's shard of it, in place, asynchronously."""
     if group is None:

@@ -137,14 +137,14 @@ class OptimizerPlan:
         it is known to be elementwise."""
         return self.elementwise[self.route[name]] is not True
 
-    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False
-                 ) -> OptimizerSharding:
+    def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False,
+                 zero: int = 1) -> OptimizerSharding:
         """``fxmeg.modes.decide_sharding`` for what this factory builds: 'auto' is
         LAYERWISE iff an inner optimizer is known not to be elementwise. Raises ConfigError
         when the request cannot hold (before any process group)."""
         whole = tuple(k for k, e in zip(self.kinds, self.elementwise) if e is False)
         return decide_sharding(distributed=distributed, requested=requested, whole=whole,
-                               overlap_param_gather=overlap_param_gather)
+                               overlap_param_gather=overlap_param_gather, zero=zero)
 
 
 def plan_optimizers(factory: OptimizerFactory, template: list[dict], device: torch.device) -> OptimizerPlan:

@@ -377,7 +377,7 @@ def _sharded_pieces(ddp: DataParallel, first_holder, fp32_source) -> list[_Piece
 
 
 def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_source) -> _Piece:
-    param, grad, storage = buf.params[name], buf.data[a:b], buf.param_data[a:b]
+    param, grad, storage = buf.params[name], buf.grad_piece(a, b), buf.param_piece(a, b)
     offset = buf.layout.slot(name).offset
     lo, hi = a - offset, b - offset
     if storage.dtype == torch.float32:

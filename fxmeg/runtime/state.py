@@ -24,14 +24,15 @@ def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Ten
     ctx.ddp.wait_for_params()
     canonical = {n: c for c, names in program.aliases.items() for n in names}
     out: dict[str, torch.Tensor] = {}
-    for key in program.full_shapes:  # the user's state_dict order
-        name = canonical.get(key, key)
-        if name not in program.holders:  # not trained by any chunk: the model's own value
-            out[key] = program.untrained[key].clone()
-            continue
-        local = ctx.named_parameters.get(name)
-        out[key] = gather_full(program, ctx, name, local.detach() if local is not None else None,
-                               program.full_shapes[key][1])
+    with ctx.unsharded():
+        for key in program.full_shapes:  # the user's state_dict order
+            name = canonical.get(key, key)
+            if name not in program.holders:  # not trained by any chunk: the model's own value
+                out[key] = program.untrained[key].clone()
+                continue
+            local = ctx.named_parameters.get(name)
+            out[key] = gather_full(program, ctx, name, local.detach() if local is not None else None,
+                                   program.full_shapes[key][1])
     return out
 
 
@@ -145,7 +146,7 @@ def scalars(ctx: RankContext) -> dict[str, float]:
 def layout(ctx: RankContext) -> dict:
     par = ctx.config.parallel
     return {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
-            "distributed_optimizer": ctx.config.distributed_optimizer,
+            "distributed_optimizer": ctx.config.distributed_optimizer, "zero": ctx.config.zero_stage,
             "optimizer_sharding": ctx.optimizer.sharding,
             "precision": ctx.config.precision}
 

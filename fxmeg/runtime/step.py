@@ -77,12 +77,12 @@ def train_step(
     if check_determinism:
         first = forward_backward(program, ctx, mbs)
         moe.dropped.clear()  # the step's drops are counted once
-        grads = [b.data.clone() for b in ctx.ddp.all()]
+        grads = [b.reduced().clone() for b in ctx.ddp.all()]
     loss_sum, num_tokens = forward_backward(program, ctx, mbs)
     if ctx.config.moe_capacity_factor is not None:
         moe.log_dropped(f"train step {ctx.steps_taken}")
     if check_determinism:
-        same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.data) for g, b in zip(grads, ctx.ddp.all()))
+        same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all()))
         mismatch = _any_rank(not same, ctx.device)
     lr = float(ctx.optimizer.param_groups[0]["lr"])
     with ctx.tracer.span("optimizer", "optimizer"):
@@ -118,8 +118,9 @@ def check_replicas(program: Program, ctx: RankContext) -> None:
     """Raise ReplicaError on every rank when replicas no longer hold the same parameters
     (before a step: a drifted replica trains no further). Collective."""
     ctx.ddp.wait_for_params()  # overlap_param_gather: the last step's gathers may be in flight
-    replicas.agree(program, ctx.groups, replicas.now(program, ctx.named_parameters, ctx.chunks), device=ctx.device,
-                   step=ctx.steps_taken + 1)
+    with ctx.unsharded():
+        replicas.agree(program, ctx.groups, replicas.now(program, ctx.named_parameters, ctx.chunks),
+                       device=ctx.device, step=ctx.steps_taken + 1)
 
 
 @torch.no_grad()

@@ -182,7 +182,7 @@ def _gather_grads(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]
     """Every trainable parameter's reduced gradient, whole, in fp32 (on every rank)."""
     local: dict[str, torch.Tensor] = {}
     for buf in ctx.ddp.all():
-        data = buf.data
+        data = buf.local_grads()
         if buf.shard:  # reduce-scattered: each data-parallel rank holds its shard of a bucket
             data = data.clone()
             for b in buf.layout.buckets:

@@ -1,0 +1,371 @@
+"""ZeRO-2 and ZeRO-3 gradient buffers (docs/zero.md): what a data-parallel rank keeps
+between steps is its own shard of every bucket, of the fp32 gradients (zero >= 2) and of
+the parameters (zero=3), 1 / (dp x cp) of the chunk's, padding aside.
+
+Gradients. A bucket's gradients of one micro-batch land in a staging tensor of the
+bucket's size, made on its first gradient. Once every parameter of the bucket has its
+gradient (or at the end of the chunk's backward action), the bucket is reduce-scattered
+and this rank's part added into the persistent shard; the staging tensor is freed once
+that reduction is done (at most ``IN_FLIGHT`` reductions wait at once). So the whole
+gradient of a bucket lives only between its first gradient and its reduction, and
+reductions overlap the rest of backward. Every micro-batch is reduced (ZeRO-1 reduces
+only the last, after accumulating whole: zero>=2 trades m reductions for the memory).
+Buckets of weights held by several pipeline ranks (tied embeddings) are staged for the
+whole step, as ZeRO-1 keeps them: their pipeline all-reduce must come first.
+
+Parameters (zero=3). Each bucket's parameters are views of one flat tensor of the
+bucket's size whose memory is freed between uses (its storage resized to 0; the
+Parameter objects stay). This rank's shard of it is kept apart and is what the optimizer
+updates. Forward gathers a bucket before it first reads it and frees it after it last
+reads it (the ``zero_gather`` / ``zero_release`` nodes of the param-gather pass);
+backward gathers it again when autograd unpacks a tensor it saved that lives in the
+bucket's memory (``saved_tensors_hooks``; the next bucket's gather starts then too) or when
+a recompute region runs again, and frees it once every gradient of the bucket arrived (or
+at the end of the backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxmeg import recomputation
+from fxmeg.program import BufferLayout
+from fxmeg.runtime.ddp import Events, GradBuffer
+from fxmeg.runtime.groups import gather_into, reduce_scatter_
+
+IN_FLIGHT = 2
+"""Bucket reductions a buffer lets run at once before it waits for the oldest."""
+
+
+class ZeroBuffer(GradBuffer):
+    """One chunk's gradient buffer at ``stage`` 2 or 3 (see the module docstring). Same
+    interface as GradBuffer; the buffer elements [start, end) of a bucket keep their
+    numbering, of which this rank holds [lo, hi) = its equal part."""
+
+    def __init__(self, layout: BufferLayout, params: dict[str, nn.Parameter], *, label: str,
+                 group: dist.ProcessGroup | None, overlap: bool, events: Events, stage: int,
+                 deferred: frozenset[str] = frozenset(), tracer=None) -> None:
+        assert stage in (2, 3), stage
+        self.layout, self.label, self.group, self.stage = layout, label, group, stage
+        self.overlap, self.shard, self.events, self.tracer = overlap, True, events, tracer
+        self.n = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        self.params = {s.name: params[s.name] for s in layout.slots}
+        device = next(iter(self.params.values())).device
+        self._bucket_of = {s.name: s.bucket for s in layout.slots}
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        self._part = {b.index: (b.start + rank * (b.end - b.start) // self.n, b.start // self.n,
+                                (b.end - b.start) // self.n) for b in layout.buckets}
+        """Bucket -> (lo: its first element this rank holds, where that part starts in the
+        shard tensors, the part's size)."""
+        self.grad_shard = torch.zeros(layout.numel // self.n, dtype=torch.float32, device=device)
+        self._deferred = {b.index for b in layout.buckets if deferred & set(b.params)}
+        self._staging: dict[int, torch.Tensor] = {}
+        self._in_flight: dict[int, dist.Work | None] = {}
+        self.pending = {}  # GradBuffer's overlap_param_gather waits (zero=2)
+        if stage == 2:
+            self.param_data = self._move_params_into_buffer()
+        else:
+            self.param_data = None
+            self._whole, self.param_shard = self._shard_params(device)
+            self._live: set[int] = set()
+            self._gathering: dict[int, dist.Work | None] = {}
+            for i in self._whole:
+                self._free(i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()]
+        self.reset()
+
+    # ------------------------------------------------------------ gradients
+
+    def reset(self) -> None:
+        """Start a step: no gradient yet."""
+        assert not self._staging and not self._in_flight, f"{self.label}: a reduction outlived its step"
+        self.grad_shard.zero_()
+        self.syncing = True  # every micro-batch is reduced
+        self._round()
+
+    def _round(self) -> None:
+        self._left = {b.index: len(b.params) for b in self.layout.buckets}
+        self._issued: set[int] = set()
+        self._next = 0
+
+    def start_sync(self) -> None:
+        """Nothing to start: zero >= 2 reduces every micro-batch."""
+
+    def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        name = self._name_of[id(p)]
+        i = self._bucket_of[name]
+        if i in self._in_flight:  # a second gradient of a parameter read by two chunks
+            self._settle(i)
+        if i not in self._staging:
+            self._stage(i)
+        p.main_grad.add_(grad)
+        if i in self._deferred:
+            return
+        self.events.log.append(("ready", name))
+        self._left[i] -= 1
+        if self.stage == 3 and self._left[i] == 0:
+            self.release(i)  # every use of the bucket in this backward is past
+        if self.overlap:
+            while (self._next < len(self.layout.buckets)
+                   and (self._next in self._deferred or self._left[self._next] <= 0)):
+                if self._next not in self._deferred and self._next not in self._issued:
+                    self._issue(self._next)
+                self._next += 1
+
+    def _stage(self, i: int) -> None:
+        bucket = self.layout.buckets[i]
+        data = torch.zeros(bucket.end - bucket.start, dtype=self.layout.dtype, device=self.grad_shard.device)
+        self._staging[i] = data
+        for name in bucket.params:
+            s = self.layout.slot(name)
+            self.params[name].main_grad = data[s.offset - bucket.start:][: s.numel].view(self.params[name].shape)
+
+    def _issue(self, i: int) -> None:
+        if i not in self._staging:
+            self._stage(i)  # every rank reduces every bucket, with or without a gradient here
+        self.events.log.append(("issue", f"{self.label}/{i}"))
+        self.events.issued += 1
+        if self.tracer is not None and self.tracer.on:
+            now = time.perf_counter_ns()
+            self.tracer.add(f"reduce-scatter {self.label}/{i}", "dp_issue", now, now)
+        self._issued.add(i)
+        self._in_flight[i] = reduce_scatter_(self._staging[i], self.group)
+        while len(self._in_flight) > IN_FLIGHT:
+            self._settle(next(iter(self._in_flight)))
+
+    def _settle(self, i: int) -> None:
+        """Wait for bucket ``i``'s reduction, add this rank's part into the shard, free it."""
+        work = self._in_flight.pop(i)
+        if work is not None:
+            work.wait()
+        lo, at, size = self._part[i]
+        start = self.layout.buckets[i].start
+        self.grad_shard[at : at + size].add_(self._staging.pop(i)[lo - start :][:size])
+        for name in self.layout.buckets[i].params:
+            self.params[name].main_grad = None
+
+    def end_backward(self) -> None:
+        """The chunk's backward action is done: reduce every bucket not yet reduced in it
+        (in index order, the same on every rank), wait, free; free the parameters."""
+        for i in range(len(self.layout.buckets)):
+            if i not in self._deferred and i not in self._issued:
+                self._issue(i)
+        self._settle_all()
+        self._round()
+        if self.stage == 3:
+            self.wait_for_params()
+
+    def _settle_all(self) -> None:
+        start = time.perf_counter_ns()
+        for i in list(self._in_flight):
+            self._settle(i)
+        if self.tracer is not None:
+            self.tracer.add(f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns())
+
+    def finish(self) -> None:
+        """Reduce what is still staged (a gradient that came after the chunk's last backward)."""
+        for i in sorted(self._staging):
+            if i not in self._deferred and i not in self._in_flight:
+                self._issue(i)
+        self._settle_all()
+
+    def finish_deferred(self) -> None:
+        for i in sorted(self._deferred):
+            self._issue(i)
+        self._settle_all()
+        self._round()
+
+    # ------------------------------------------------------------ readers
+
+    def _at(self, a: int, b: int) -> tuple[int, int, int]:
+        """(bucket, where [a, b) starts in the shard tensors, its length); [a, b) must lie
+        in this rank's part of one bucket."""
+        i = next(bucket.index for bucket in self.layout.buckets if bucket.start <= a < bucket.end)
+        lo, at, size = self._part[i]
+        assert lo <= a <= b <= lo + size, f"{self.label}: [{a}, {b}) is not this rank's part of bucket {i}"
+        return i, at + a - lo, b - a
+
+    def grad_piece(self, a: int, b: int) -> torch.Tensor:
+        _, at, n = self._at(a, b)
+        return self.grad_shard[at : at + n]
+
+    def param_piece(self, a: int, b: int) -> torch.Tensor:
+        if self.stage == 2:
+            return self.param_data[a:b]
+        _, at, n = self._at(a, b)
+        return self.param_shard[at : at + n]
+
+    def reduced(self) -> torch.Tensor:
+        return self.grad_shard
+
+    def local_grads(self) -> torch.Tensor:
+        out = torch.zeros(self.layout.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        for lo, at, size in self._part.values():
+            out[lo : lo + size] = self.grad_shard[at : at + size]
+        return out
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        i = self._bucket_of[name]
+        if i in self._staging:  # a deferred bucket: whole until finish_deferred
+            return self.params[name].main_grad
+        s, (lo, _, size) = self.layout.slot(name), self._part[i]
+        a, b = max(lo, s.offset), min(lo + size, s.offset + s.numel)
+        return self.grad_piece(a, b) if a < b else self.grad_shard[:0]
+
+    def scale_(self, factor: float) -> None:
+        self.grad_shard.mul_(factor)
+
+    # ------------------------------------------------------------ parameters (zero=3)
+
+    def _shard_params(self, device: torch.device) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Each bucket's flat parameter tensor (the parameters become views of it) and
+        this rank's shard of all of them."""
+        dtypes = {p.dtype for p in self.params.values()}
+        assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        dtype = dtypes.pop()
+        whole, shard = {}, torch.zeros(self.layout.numel // self.n, dtype=dtype, device=device)
+        for bucket in self.layout.buckets:
+            flat = whole[bucket.index] = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+            for name in bucket.params:
+                s, p = self.layout.slot(name), self.params[name]
+                view = flat[s.offset - bucket.start :][: s.numel].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+            lo, at, size = self._part[bucket.index]
+            shard[at : at + size] = flat[lo - bucket.start :][:size]
+        return whole, shard
+
+    def storages(self) -> dict[int, int]:
+        """Storage id (``untyped_storage()._cdata``) of each bucket's parameters -> bucket."""
+        return {t.untyped_storage()._cdata: i for i, t in self._whole.items()}
+
+    def gather(self, i: int) -> None:
+        """Start making bucket ``i`` whole (nothing if it is, or is on its way)."""
+        if i in self._live:
+            return
+        flat = self._whole[i]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        lo, at, size = self._part[i]
+        self.events.log.append(("gather", f"{self.label}/{i}"))
+        self._gathering[i] = gather_into(flat, self.param_shard[at : at + size], self.group)
+        self._live.add(i)
+
+    def prefetch(self, i: int) -> None:
+        """Start gathering bucket ``i`` if there is one."""
+        if i < len(self.layout.buckets):
+            self.gather(i)
+
+    def ensure(self, i: int) -> None:
+        """Bucket ``i`` whole now."""
+        self.gather(i)
+        work = self._gathering.pop(i, None)
+        if work is not None:
+            work.wait()
+
+    def release(self, i: int) -> None:
+        """Free bucket ``i``'s whole parameters (its shard stays)."""
+        if i not in self._live:
+            return
+        self.ensure(i)  # a gather in flight writes into the memory
+        self._free(i)
+        self._live.discard(i)
+        self.events.log.append(("released", f"{self.label}/{i}"))
+
+    def _free(self, i: int) -> None:
+        self._whole[i].untyped_storage().resize_(0)
+
+    def gather_params(self, *, overlap: bool) -> None:
+        if self.stage == 2:
+            return super().gather_params(overlap=overlap)
+        # zero=3: the updated shards are gathered when forward reads them
+
+    def wait_for_params(self) -> None:
+        if self.stage == 2:
+            return super().wait_for_params()
+        for i in list(self._live):
+            self.release(i)
+
+    def store(self) -> None:
+        """Copy this rank's part of every whole bucket into the shard (after something
+        wrote the whole parameters: a checkpoint load)."""
+        for i in self._live:
+            lo, at, size = self._part[i]
+            self.param_shard[at : at + size] = self._whole[i][lo - self.layout.buckets[i].start :][:size]
+
+
+class ZeroParams:
+    """zero=3 over every buffer of this rank: what the bound graph nodes, autograd's saved
+    tensors and the recompute regions call, and whole parameters on demand."""
+
+    def __init__(self, buffers: dict[int, list[GradBuffer]]) -> None:
+        self.buffers = {c: bufs[0] for c, bufs in buffers.items() if bufs}
+        assert all(len(b) <= 1 for b in buffers.values()), "zero=3 with expert banks is refused by the config"
+        self._storage = {key: (buf, i) for buf in self.buffers.values() for key, i in buf.storages().items()}
+
+    def gather(self, param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None) -> None:
+        """A bound ``ops.zero_gather``."""
+        self.buffers[bucket[0]].ensure(bucket[1])
+        if prefetch is not None:
+            self.buffers[prefetch[0]].gather(prefetch[1])
+
+    def release(self, param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+        """A bound ``ops.zero_release``."""
+        self.buffers[bucket[0]].release(bucket[1])
+
+    def _pack(self, t: torch.Tensor):
+        found = self._storage.get(t.untyped_storage()._cdata)
+        return t if found is None else _Saved(t, *found)
+
+    @staticmethod
+    def _unpack(saved):
+        if isinstance(saved, _Saved):
+            saved.buffer.ensure(saved.bucket)
+            saved.buffer.prefetch(saved.bucket + 1)  # backward reaches buckets in index order
+            return saved.tensor
+        return saved
+
+    def _prepare(self, args) -> None:
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                found = self._storage.get(t.untyped_storage()._cdata)
+                if found is not None:
+                    found[0].ensure(found[1])
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around a chunk's forward and backward: a saved tensor in a bucket's memory is
+        kept as a reference (its memory may be freed), made whole again when backward
+        unpacks it; a recompute region's parameters are made whole before it runs."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                recomputation.preparing(self._prepare):
+            yield
+
+    @contextlib.contextmanager
+    def whole(self, *, write: bool = False):
+        """Every parameter whole inside (collective over the data-parallel ranks); with
+        ``write``, what was written into them is kept in the shards on exit."""
+        for buf in self.buffers.values():
+            for i in buf._whole:
+                buf.ensure(i)
+        try:
+            yield
+        finally:
+            for buf in self.buffers.values():
+                if write:
+                    buf.store()
+                buf.wait_for_params()
+
+
+class _Saved:
+    """A tensor autograd saved that lives in a zero=3 bucket's memory."""
+
+    __slots__ = ("tensor", "buffer", "bucket")
+
+    def __init__(self, tensor: torch.Tensor, buffer: ZeroBuffer, bucket: int) -> None:
+        self.tensor, self.buffer, self.bucket = tensor, buffer, bucket

@@ -1,0 +1,236 @@
+"""ZeRO-2 and ZeRO-3 on real gloo ranks: parity with single-device training in every
+composition docs/zero.md lists, what each rank holds between steps (its 1 / (dp x cp) of
+the stage's gradients and, at zero=3, parameters; counted from the tensors themselves),
+when zero=3 gathers and frees, bf16 masters, and checkpoints moved between zero=3 on dp4
+and zero=1 on tp2 x dp2 in both directions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fxmeg
+from tests.distributed import run_world
+from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
+from tests.helpers import reference as plain_reference
+from tests.parity.mixed_precision import gather_masters, master_pieces
+from tests.parity.mixed_precision import reference as mixed_reference
+from tests.parity.scenarios import MBS, STEPS, Scenario, check_parity, train
+
+Z2, Z3 = (("zero", 2),), (("zero", 3),)
+PARITY = [
+    Scenario("gpt", dp=2, options=Z2 + (("bucket_size", 3000),)),
+    Scenario("gpt", dp=2, options=Z3),
+    Scenario("llama", dp=4, options=Z2),
+    Scenario("gpt", dp=4, options=Z3),
+    Scenario("gpt", dp=2, pp=2, schedule="1f1b", options=Z3),  # a tied embedding on both stages
+    Scenario("llama", dp=2, pp=2, vpp=2, schedule="interleaved", options=Z3),
+    Scenario("gpt", dp=2, tp=2, options=Z3),
+    Scenario("llama", dp=2, cp=2, options=Z3),
+    Scenario("gpt", dp=2, pp=2, schedule="zbh1", options=Z2),
+    Scenario("llama", dp=4, options=Z3 + (("recompute", "full"),)),
+    Scenario("gpt", dp=4, meta=True, options=Z3),
+]
+BF16 = Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),))
+SCENARIOS = PARITY + [BF16]
+
+
+def held(rank: int, engine) -> dict:
+    """What this rank holds between steps, counted from the tensors: parameter bytes whose
+    memory is allocated, gradient elements of every buffer, shard elements."""
+    ctx = engine.context
+    return dict(
+        param_bytes=sum(p.untyped_storage().nbytes() for p in engine.named_parameters.values()),
+        params=len(engine.named_parameters),
+        main_grads=sum(getattr(p, "main_grad", None) is not None for p in engine.named_parameters.values()),
+        grad_elements=sum(b.reduced().numel() for b in ctx.ddp.all()),
+        shard_elements=sum(b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")),
+        buffer_elements=sum(b.layout.numel for b in ctx.ddp.all()),
+        dp_cp=engine.config.parallel.dp_cp,
+        buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
+        **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
+    )
+
+
+# Checkpoints: 2 steps under one layout, engine.save, then a new engine under the other
+# layout loads it and trains steps 3-4; both against plain single-device training.
+MOVES = {"zero3-dp4-to-zero1-tp2-dp2": (dict(zero=3), dict(zero=1, tp=2)),
+         "zero1-tp2-dp2-to-zero3-dp4": (dict(zero=1, tp=2), dict(zero=3))}
+MOVE_BATCHES = [make_batch(16, seed=40 + s) for s in range(4)]
+
+
+def _engine(**layout):
+    ids, labels = MOVE_BATCHES[0]
+    return fxmeg.parallelize(make_model("gpt", n_layer=2), (ids[:2], labels[:2]), global_batch_size=16,
+                             optimizer=optimizer, **layout)
+
+
+def moves(root: str) -> dict:
+    out = {}
+    for name, (saved, loaded) in MOVES.items():
+        first = _engine(**saved)
+        losses = [first.train_step(b).loss for b in MOVE_BATCHES[:2]]
+        before = first.full_state_dict()
+        first.save(os.path.join(root, name)).wait()
+        second = _engine(**loaded)
+        second.load(os.path.join(root, name))
+        after = second.full_state_dict()
+        losses += [second.train_step(b).loss for b in MOVE_BATCHES[2:]]
+        out[name] = dict(losses=losses, before=before, after=after, state=second.full_state_dict())
+    return out
+
+
+class _ViewBlock(nn.Module):
+    """Reads its weights through views made before their last reader (``w.t()`` read by
+    two matmuls, ``scale.view``): zero=3 must free them after the views' last reader."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h):
+        wt = self.w.t()
+        a = torch.tanh(h @ wt)
+        return h + (a @ wt) * self.scale.view(1, 1, -1)
+
+
+class _Views(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_ViewBlock(dim) for _ in range(3))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for block in self.layers:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+VIEW_BATCHES = [make_batch(8, seed=60 + s) for s in range(3)]
+
+
+def _view_model() -> _Views:
+    torch.manual_seed(0)
+    return _Views()
+
+
+def views() -> dict:
+    ids, labels = VIEW_BATCHES[0]
+    engine = fxmeg.parallelize(_view_model(), (ids[:2], labels[:2]), global_batch_size=8, optimizer=optimizer, zero=3)
+    losses = [engine.train_step(b).loss for b in VIEW_BATCHES]
+    return dict(losses=losses, state=engine.full_state_dict())
+
+
+def run(rank: int, scenarios: list[Scenario], root: str) -> dict:
+    out = {sc.id: train(rank, sc, held) for sc in scenarios}
+    if torch.distributed.get_world_size() == 4:
+        out["moves"] = moves(root)
+    else:
+        out["views"] = views()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("zero"))
+    return {w: run_world(w, run, [s for s in SCENARIOS if s.world == w], root) for w in (2, 4)}
+
+
+def _zero(sc: Scenario) -> int:
+    return dict(sc.options)["zero"]
+
+
+@pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
+def test_parity(results, sc):
+    check_parity([r[sc.id] for r in results[sc.world]], sc)
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.id)
+def test_each_rank_holds_its_share_between_steps(results, sc):
+    """Gradients (zero >= 2) and parameters (zero=3) held between steps are 1 / (dp x cp) of
+    the stage's buffer, which is the stage's parameters plus padding; no whole gradient
+    (main_grad) survives the step and, at zero=3, no parameter memory does."""
+    for r in (r[sc.id] for r in results[sc.world]):
+        share = r["buffer_elements"] // r["dp_cp"]
+        assert r["buffer_elements"] % r["dp_cp"] == 0
+        assert r["buffer_elements"] - r["param_elements"] <= 128 * r["dp_cp"] * r["buckets"] + 64 * r["params"]
+        assert r["grad_elements"] == share and r["main_grads"] == 0
+        if _zero(sc) == 3:
+            assert r["param_bytes"] == 0 and r["shard_elements"] == share
+        else:
+            assert r["param_bytes"] >= 4 * r["param_elements"]
+
+
+def test_zero3_gathers_before_use_and_frees_after(results):
+    """dp=4, 6 buckets (one per block, embedding, head): in every step each bucket is
+    gathered and freed, forward keeps at most the bucket it computes with and the one it
+    prefetches, and nothing stays gathered when the step ends."""
+    sc = next(s for s in PARITY if s.id == "gpt-dp4-pp1-vpp1-auto-m4-zero3")
+    for r in results[sc.world]:
+        assert r[sc.id]["buckets"] == 6
+        for log in r[sc.id]["events"]:
+            live, most, gathered = set(), 0, set()
+            for kind, label in log:
+                if kind == "gather":
+                    live.add(label)
+                    gathered.add(label)
+                elif kind == "released":
+                    assert label in live
+                    live.discard(label)
+                most = max(most, len(live))
+            assert len(gathered) == 6 and not live and most <= 3
+
+
+def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results):
+    """Parameters gathered in bf16, gradients reduced in fp32, fp32 masters sharded: losses,
+    norms and every master as the plain-PyTorch mixed-precision oracle's."""
+    ranks = [r[BF16.id] for r in results[BF16.world]]
+    model = BF16.make_model()
+    ref = mixed_reference(model, BF16.batches(), dtype=torch.bfloat16, micro_batch_size=MBS)
+    steps = ranks[0]["steps"]
+    assert len(steps) == STEPS and not any(s.skipped for s in steps)
+    assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-5)
+    assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-5)
+    masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, 1)
+    assert_weights_close(masters, ref["masters"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_checkpoint_moves_between_zero3_and_zero1(results, move):
+    """Saved at one layout, loaded at the other: the loaded state is the saved one exactly,
+    and the four steps are single-device training's."""
+    got = results[4][0]["moves"][move]
+    assert_bitwise(got["after"], got["before"])
+    want_losses, _, want_state = plain_reference(make_model("gpt", n_layer=2), MOVE_BATCHES)
+    assert_losses_close(got["losses"], want_losses)
+    assert_weights_close(got["state"], want_state)
+
+
+def test_zero3_frees_a_parameter_after_the_last_reader_of_its_views(results):
+    """dp=2: weights read through ``w.t()`` twice and ``scale.view``: trains as one device
+    (a bucket freed before a view's last reader fails: its memory is not allocated)."""
+    want_losses, _, want_state = plain_reference(_view_model(), VIEW_BATCHES)
+    for r in results[2]:
+        assert_losses_close(r["views"]["losses"], want_losses)
+    assert_weights_close(results[2][0]["views"]["state"], want_state)
+
+
+@pytest.mark.parametrize("sc", [s for s in PARITY if s.pp == 1 and s.tp == 1 and s.cp == 1 and not s.meta][:4],
+                         ids=lambda s: s.id)
+def test_the_plan_counts_what_a_rank_holds(results, sc):
+    """``fxmeg.plan`` (no process) predicts the gradient and parameter bytes each rank
+    holds between steps at zero=2 and 3, as counted on the ranks."""
+    ids, labels = sc.batches()[0]
+    options = {k: v for k, v in sc.options}
+    stage = fxmeg.plan(sc.make_model(), (ids[:MBS], labels[:MBS]), dp=sc.dp, global_batch_size=sc.gbs,
+                       **options).stages[0]
+    r = results[sc.world][0][sc.id]
+    assert stage.gradient_buffers == 4 * r["grad_elements"]
+    assert stage.parameters == 4 * (r["shard_elements"] if _zero(sc) == 3 else r["param_elements"])
+    assert stage.buckets_in_flight > 0 and stage.total > stage.weights_and_optimizer
