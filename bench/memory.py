@@ -10,6 +10,9 @@ model is built), so the interpreter and torch's libraries do not count.
   real-tp2pp2    fxmeg at tp=2 x pp=2, real tensors
   meta-pp4       fxmeg at pp=4, the model built on meta (init_fn, seed)
   meta-tp2pp2    fxmeg at tp=2 x pp=2, built on meta
+  real-dp4z1     fxmeg at dp=4, zero=1 (the distributed optimizer), and likewise
+  real-dp4z2     zero=2 (gradients sharded too) and
+  real-dp4z3     zero=3 (parameters sharded too)
 
 ``ratio`` is a run's largest rank peak over plain's peak. For the meta runs,
 ``largest_module_bytes`` is the largest module's parameters (the most a rank ever makes
@@ -17,6 +20,8 @@ full size at once) and ``share_bytes`` the most-loaded rank's parameters + gradi
 Adam state. ``peak_after_parallelize`` is a rank's peak once parallelize returned
 (parameters and gradient buffers made, Adam's state not yet): for a meta run it stays
 far below the full model (``plain.params`` x 4 bytes), i.e. no rank ever made it whole.
+``plan`` is ``fxmeg.plan``'s total for the most loaded stage (no process: the model on meta),
+and ``plan_over_worst`` that prediction over the measured worst peak.
 
     python bench/memory.py [--layers 24 --hidden 1024 --vocab 8192 --steps 3]
 """
@@ -96,6 +101,16 @@ def parallel(rank: int, world: int, args, layout: dict, meta: bool, out: str) ->
     write_gathered(report, out)
 
 
+def _planned(args, layout: dict) -> int:
+    """fxmeg.plan's total bytes of the most loaded stage, for 4 ranks (no process)."""
+    with torch.device("meta"):
+        model = GPT(config(args))
+    ids, labels = batch(args, args.m)
+    dp = 4 // (layout.get("tp", 1) * layout.get("pp", 1))
+    plan = fxmeg.plan(model, (ids[:1], labels[:1]), global_batch_size=args.m, dp=dp, **layout)
+    return max(s.total for s in plan.stages)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=24)
@@ -104,9 +119,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--m", type=int, default=4, help="micro-batches (of 1 row) per step")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--runs", default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2")
+    p.add_argument("--runs", default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2,real-dp4z1,real-dp4z2,real-dp4z3")
     args = p.parse_args()
-    layouts = {"pp4": dict(pp=4, schedule="1f1b"), "tp2pp2": dict(tp=2, pp=2, schedule="1f1b")}
+    layouts = {"pp4": dict(pp=4, schedule="1f1b"), "tp2pp2": dict(tp=2, pp=2, schedule="1f1b"),
+               **{f"dp4z{z}": dict(zero=z) for z in (1, 2, 3)}}
     result = {"model": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         for run in args.runs.split(","):
@@ -126,7 +142,9 @@ def main() -> None:
                            "peak_after_parallelize": max(r["peak_after_parallelize"] for r in ranks),
                            "params_bytes_per_rank": [r["params_bytes"] for r in ranks],
                            "largest_module_bytes": worst["largest_module_bytes"],
-                           "share_bytes": max(r["share_bytes"] for r in ranks)}
+                           "share_bytes": max(r["share_bytes"] for r in ranks),
+                           "plan": _planned(args, layouts[layout])}
+            result[run]["plan_over_worst"] = round(result[run]["plan"] / worst["peak"], 3)
     if "plain" in result:
         for run, r in result.items():
             if isinstance(r, dict) and "worst" in r:

@@ -175,7 +175,8 @@ class Engine:
 
     @property
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's trainable parameters (tensor-parallel shards), by the user's FQN."""
+        """This rank's trainable parameters (tensor-parallel shards), by the user's FQN. At
+        zero=3 their memory is allocated only while a step uses them (docs/zero.md)."""
         return self.context.named_parameters
 
     @property

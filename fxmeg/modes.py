@@ -106,7 +106,7 @@ def check_sharding(config) -> None:
                           f"{OPTIMIZER_SHARDINGS}" + closest(config.optimizer_sharding, OPTIMIZER_SHARDINGS))
     if config.optimizer_sharding != "auto" and not config.distributed_optimizer:
         raise ConfigError(
-            f"optimizer_sharding={config.optimizer_sharding!r} needs zero >= 1 (distributed_optimizer=True; "
+            f"optimizer_sharding={config.optimizer_sharding!r} needs distributed_optimizer=True (zero >= 1; "
             "without it every data-parallel rank updates every whole parameter)"
         )
     if config.overlap_param_gather and config.optimizer_sharding == "layerwise":
@@ -116,13 +116,14 @@ def check_sharding(config) -> None:
         )
     if config.overlap_param_gather and not config.distributed_optimizer:
         raise ConfigError(
-            "overlap_param_gather=True needs zero >= 1 (distributed_optimizer=True: only the "
+            "overlap_param_gather=True needs distributed_optimizer=True (zero >= 1: only the "
             "distributed optimizer gathers parameters)"
         )
     decided = config.decided_sharding
     if decided is not None and decided not in _possible(config):
         raise ConfigError(
-            f"decided_sharding={decided.value!r} contradicts zero={zero}, optimizer_sharding="
+            f"decided_sharding={decided.value!r} contradicts distributed_optimizer={config.distributed_optimizer} "
+            f"(zero={zero}), optimizer_sharding="
             f"{config.optimizer_sharding!r}: leave decided_sharding to parallelize (it is not an option)"
         )
 

@@ -75,8 +75,6 @@ class ZeroBuffer(GradBuffer):
             self._whole, self.param_shard = self._shard_params(device)
             self._live: set[int] = set()
             self._gathering: dict[int, dist.Work | None] = {}
-            for i in self._whole:
-                self._free(i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()]
         self.reset()
 
@@ -224,8 +222,9 @@ class ZeroBuffer(GradBuffer):
     # ------------------------------------------------------------ parameters (zero=3)
 
     def _shard_params(self, device: torch.device) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Each bucket's flat parameter tensor (the parameters become views of it) and
-        this rank's shard of all of them."""
+        """Each bucket's flat parameter tensor (the parameters become views of it; freed
+        once its shard is copied, so one bucket is whole at a time) and this rank's shard
+        of all of them."""
         dtypes = {p.dtype for p in self.params.values()}
         assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
         dtype = dtypes.pop()
@@ -239,6 +238,7 @@ class ZeroBuffer(GradBuffer):
                 p.data = view
             lo, at, size = self._part[bucket.index]
             shard[at : at + size] = flat[lo - bucket.start :][:size]
+            flat.untyped_storage().resize_(0)
         return whole, shard
 
     def storages(self) -> dict[int, int]:
@@ -273,12 +273,9 @@ class ZeroBuffer(GradBuffer):
         if i not in self._live:
             return
         self.ensure(i)  # a gather in flight writes into the memory
-        self._free(i)
+        self._whole[i].untyped_storage().resize_(0)
         self._live.discard(i)
         self.events.log.append(("released", f"{self.label}/{i}"))
-
-    def _free(self, i: int) -> None:
-        self._whole[i].untyped_storage().resize_(0)
 
     def gather_params(self, *, overlap: bool) -> None:
         if self.stage == 2:

@@ -58,3 +58,66 @@ wait_param_gather_1_1 = fxmeg_ops_wait_param_gather(layers_1_mlp_proj_weight, bu
   before: linear_7
 wait_param_gather_1_0 = fxmeg_ops_wait_param_gather(wte_weight, bucket = (1, 0))
   before: linear_8""")
+
+
+def _zero3(model) -> str:
+    """zero=3's markers of a one-chunk graph: each gather with the node it precedes, each
+    release with the node it follows."""
+    parent = graph_after(model, make_batch(2, seed=0), "param_gather", dp=2, zero=3)
+    (chunk,) = chunks(parent)
+    lines = [ln.split(";")[0].strip() for ln in chunk.code.strip().splitlines()]
+    out = []
+    for i, ln in enumerate(lines):
+        if "zero_gather" in ln:
+            out.append(ln + "\n  before: " + lines[i + 1].split(" = ")[0])
+        elif "zero_release" in ln:
+            out.append(ln + "\n  after: " + lines[i - 1].split(" = ")[0])
+    return "\n".join(out)
+
+
+class Zero3(TestCase):
+    def test_a_bucket_per_block_gathered_before_and_released_after_its_readers(self):
+        """The tied embedding (wte, read again by the head) stays whole to the end."""
+        self.assertExpectedInline(_zero3(make_model("gpt", n_layer=2)), """\
+zero_gather_0_3 = fxmeg_ops_zero_gather(wte_weight, bucket = (0, 3), prefetch = (0, 2))
+  before: embedding
+zero_gather_0_2 = fxmeg_ops_zero_gather(layers_0_ln_1_weight, bucket = (0, 2), prefetch = (0, 1))
+  before: layer_norm
+zero_release_0_2 = fxmeg_ops_zero_release(layers_0_ln_1_weight, bucket = (0, 2))
+  after: linear_3
+zero_gather_0_1 = fxmeg_ops_zero_gather(layers_1_ln_1_weight, bucket = (0, 1), prefetch = (0, 0))
+  before: layer_norm_2
+zero_release_0_1 = fxmeg_ops_zero_release(layers_1_ln_1_weight, bucket = (0, 1))
+  after: linear_7
+zero_gather_0_0 = fxmeg_ops_zero_gather(ln_f_weight, bucket = (0, 0), prefetch = None)
+  before: layer_norm_4
+zero_release_0_0 = fxmeg_ops_zero_release(ln_f_weight, bucket = (0, 0))
+  after: layer_norm_4
+zero_release_0_3 = fxmeg_ops_zero_release(wte_weight, bucket = (0, 3))
+  after: linear_8""")
+
+    def test_a_release_follows_the_last_reader_of_a_view(self):
+        """Each block reads ``w.t()`` twice and ``scale.view(...)`` last (``mul``)."""
+        from tests.parity.test_zero import _view_model
+
+        self.assertExpectedInline(_zero3(_view_model()), """\
+zero_gather_0_4 = fxmeg_ops_zero_gather(emb_weight, bucket = (0, 4), prefetch = (0, 3))
+  before: embedding
+zero_release_0_4 = fxmeg_ops_zero_release(emb_weight, bucket = (0, 4))
+  after: embedding
+zero_gather_0_3 = fxmeg_ops_zero_gather(layers_0_w, bucket = (0, 3), prefetch = (0, 2))
+  before: t
+zero_release_0_3 = fxmeg_ops_zero_release(layers_0_w, bucket = (0, 3))
+  after: mul
+zero_gather_0_2 = fxmeg_ops_zero_gather(layers_1_w, bucket = (0, 2), prefetch = (0, 1))
+  before: t_1
+zero_release_0_2 = fxmeg_ops_zero_release(layers_1_w, bucket = (0, 2))
+  after: mul_1
+zero_gather_0_1 = fxmeg_ops_zero_gather(layers_2_w, bucket = (0, 1), prefetch = (0, 0))
+  before: t_2
+zero_release_0_1 = fxmeg_ops_zero_release(layers_2_w, bucket = (0, 1))
+  after: mul_2
+zero_gather_0_0 = fxmeg_ops_zero_gather(head_weight, bucket = (0, 0), prefetch = None)
+  before: linear
+zero_release_0_0 = fxmeg_ops_zero_release(head_weight, bucket = (0, 0))
+  after: linear""")
