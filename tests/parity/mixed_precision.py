@@ -205,3 +205,20 @@ def gather_masters(ranks: list[dict], shapes: dict[str, torch.Size], tp: int) ->
     for name, s in seen.items():
         assert s.all(), f"{name}: {int((~s).sum())} elements have no master on any rank"
     return full
+
+
+def check_sharded_bf16(ranks: list[dict], sc) -> None:
+    """A dp-only bf16 scenario whose ranks reported ``master_pieces`` trains as the
+    plain-PyTorch mixed-precision oracle: every step's loss and grad norm, and every fp32
+    master at the end (gathered from the ranks' shards), within 1e-5."""
+    from tests.helpers import assert_losses_close, assert_weights_close
+    from tests.parity.scenarios import MBS, STEPS
+
+    model = sc.make_model()
+    ref = reference(model, sc.batches(), dtype=torch.bfloat16, micro_batch_size=MBS)
+    steps = ranks[0]["steps"]
+    assert len(steps) == STEPS and not any(s.skipped for s in steps)
+    assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-5)
+    assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-5)
+    masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, 1)
+    assert_weights_close(masters, ref["masters"], rtol=1e-5)

@@ -10,17 +10,9 @@ import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 from tests.distributed import run_worlds
-from tests.helpers import (
-    assert_losses_close,
-    assert_weights_close,
-    dp_shard_elements,
-    make_batch,
-    make_model,
-    reference,
-)
-from tests.parity.mixed_precision import gather_masters, master_pieces
-from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.scenarios import MBS, STEPS, Scenario, check_parity, train
+from tests.helpers import dp_shard_elements, make_batch, make_model, reference
+from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
+from tests.parity.scenarios import Scenario, check_parity, train
 
 DISTOPT = (("distributed_optimizer", True),)
 PARITY = [
@@ -132,15 +124,7 @@ def test_bf16_sharded_masters_train_as_the_mixed_precision_oracle(results):
     mixed-precision oracle's. Without tp the arithmetic is the oracle's up to the order
     of fp32 sums (measured: equal losses, grad norms within 3e-16, masters bitwise), so
     1e-5 is far below the masters' 5 steps of change (2.4e-3 to 3e-2 of each parameter)."""
-    ranks = [r[BF16.id] for r in results[BF16.world]]
-    model = BF16.make_model()
-    ref = mixed_reference(model, BF16.batches(), dtype=torch.bfloat16, micro_batch_size=MBS)
-    steps = ranks[0]["steps"]
-    assert len(steps) == STEPS and not any(s.skipped for s in steps)
-    assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-5)
-    assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-5)
-    masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, 1)
-    assert_weights_close(masters, ref["masters"], rtol=1e-5)
+    check_sharded_bf16([r[BF16.id] for r in results[BF16.world]], BF16)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(results):

@@ -16,9 +16,8 @@ import fxmeg
 from tests.distributed import run_world
 from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
 from tests.helpers import reference as plain_reference
-from tests.parity.mixed_precision import gather_masters, master_pieces
-from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.scenarios import MBS, STEPS, Scenario, check_parity, train
+from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
+from tests.parity.scenarios import MBS, Scenario, check_parity, train
 
 Z2, Z3 = (("zero", 2),), (("zero", 3),)
 PARITY = [
@@ -190,15 +189,7 @@ def test_zero3_gathers_before_use_and_frees_after(results):
 def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results):
     """Parameters gathered in bf16, gradients reduced in fp32, fp32 masters sharded: losses,
     norms and every master as the plain-PyTorch mixed-precision oracle's."""
-    ranks = [r[BF16.id] for r in results[BF16.world]]
-    model = BF16.make_model()
-    ref = mixed_reference(model, BF16.batches(), dtype=torch.bfloat16, micro_batch_size=MBS)
-    steps = ranks[0]["steps"]
-    assert len(steps) == STEPS and not any(s.skipped for s in steps)
-    assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-5)
-    assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-5)
-    masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, 1)
-    assert_weights_close(masters, ref["masters"], rtol=1e-5)
+    check_sharded_bf16([r[BF16.id] for r in results[BF16.world]], BF16)
 
 
 @pytest.mark.parametrize("move", list(MOVES))
