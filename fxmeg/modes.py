@@ -80,12 +80,9 @@ def check_sharding(config) -> None:
         raise ConfigError("distributed_optimizer=True is zero=1, but zero=0 was given: drop "
                           "distributed_optimizer, or set zero to 1, 2 or 3")
     object.__setattr__(config, "distributed_optimizer", zero >= 1)
-    if zero >= 2:
-        for flag, why in ((par.ep > 1, f"ep={par.ep}"), (config.optimizer_sharding == "layerwise",
-                                                           "optimizer_sharding='layerwise'")):
-            if flag:
-                raise ConfigError(f"zero={zero} does not run with {why} yet (gradients sharded over the "
-                                  "expert-data-parallel ranks and layer-wise owners are not built); use zero=1")
+    if zero >= 2 and config.optimizer_sharding == "layerwise":
+        raise ConfigError(f"zero={zero} does not run with optimizer_sharding='layerwise' (it shards every "
+                          "gradient bucket flat, a layer-wise optimizer steps whole parameters); use zero=1")
     if zero == 3:
         refused = (
             (config.overlap_param_gather, "overlap_param_gather=True",
@@ -97,6 +94,7 @@ def check_sharding(config) -> None:
              "use 1f1b or interleaved, or zero=2"),
             (config.variable_seq_lengths, "variable_seq_lengths=True",
              "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
+            (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
         )
         for flag, what, fix in refused:
             if flag:

@@ -32,6 +32,7 @@ PARITY = [
     Scenario("gpt", dp=2, pp=2, schedule="zbh1", options=Z2),
     Scenario("llama", dp=4, options=Z3 + (("recompute", "full"),)),
     Scenario("gpt", dp=4, meta=True, options=Z3),
+    Scenario("moe-mixtral", dp=4, options=(("ep", 2),) + Z2),  # experts over edp = 2, the rest over dp = 4
 ]
 BF16 = Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),))
 SCENARIOS = PARITY + [BF16]
@@ -40,7 +41,8 @@ SCENARIOS = PARITY + [BF16]
 def held(rank: int, engine) -> dict:
     """What this rank holds between steps, counted from the tensors: parameter bytes whose
     memory is allocated, gradient elements of every buffer, shard elements."""
-    ctx = engine.context
+    ctx, par = engine.context, engine.config.parallel
+    dp_cp, edp = par.dp_cp, par.edp  # what the dense buffers and the expert banks' buffers shard over
     return dict(
         param_bytes=sum(p.untyped_storage().nbytes() for p in engine.named_parameters.values()),
         params=len(engine.named_parameters),
@@ -48,7 +50,8 @@ def held(rank: int, engine) -> dict:
         grad_elements=sum(b.reduced().numel() for b in ctx.ddp.all()),
         shard_elements=sum(b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")),
         buffer_elements=sum(b.layout.numel for b in ctx.ddp.all()),
-        dp_cp=engine.config.parallel.dp_cp,
+        share=sum(b.layout.numel // (edp if b.layout.experts else dp_cp) for b in ctx.ddp.all()),
+        dp_cp=dp_cp,
         buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
         **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
     )
@@ -153,13 +156,15 @@ def test_parity(results, sc):
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.id)
 def test_each_rank_holds_its_share_between_steps(results, sc):
     """Gradients (zero >= 2) and parameters (zero=3) held between steps are 1 / (dp x cp) of
-    the stage's buffer, which is the stage's parameters plus padding; no whole gradient
-    (main_grad) survives the step and, at zero=3, no parameter memory does."""
+    the stage's buffer (the experts' buffers: 1 / edp, the ranks holding the same experts),
+    which is the stage's parameters plus padding; no whole gradient (main_grad) survives
+    the step and, at zero=3, no parameter memory does."""
     for r in (r[sc.id] for r in results[sc.world]):
-        share = r["buffer_elements"] // r["dp_cp"]
-        assert r["buffer_elements"] % r["dp_cp"] == 0
+        share = r["share"]
         assert r["buffer_elements"] - r["param_elements"] <= 128 * r["dp_cp"] * r["buckets"] + 64 * r["params"]
         assert r["grad_elements"] == share and r["main_grads"] == 0
+        if dict(sc.options).get("ep", 1) == 1:
+            assert share * r["dp_cp"] == r["buffer_elements"]
         if _zero(sc) == 3:
             assert r["param_bytes"] == 0 and r["shard_elements"] == share
         else:
