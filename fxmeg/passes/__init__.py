@@ -27,7 +27,8 @@ tests/test_pass_list.py holds this table to ``PASSES``:
   recompute        chunk   activation-recompute regions                         passes/recompute.py
   buckets          parent  gradient-ready order, buffer layout, buckets: one    passes/buckets.py
                            slot per parameter per pipeline rank
-  param_gather     chunk   waits for parameter all-gathers (overlap_param_gather) passes/param_gather.py
+  param_gather     chunk   waits for parameter all-gathers (overlap_param_gather); passes/param_gather.py
+                           zero=3: gathers and releases of each bucket
   split_backward   chunk   zero bubble: forward, input- and weight-gradient     passes/split_backward.py
                            graphs
 

@@ -63,7 +63,6 @@ class ZeroBuffer(GradBuffer):
                                 (b.end - b.start) // self.n) for b in layout.buckets}
         """Bucket -> (lo: its first element this rank holds, where that part starts in the
         shard tensors, the part's size)."""
-        self.grad_shard = torch.zeros(layout.numel // self.n, dtype=torch.float32, device=device)
         self._deferred = {b.index for b in layout.buckets if deferred & set(b.params)}
         self._staging: dict[int, torch.Tensor] = {}
         self._in_flight: dict[int, dist.Work | None] = {}
@@ -75,6 +74,8 @@ class ZeroBuffer(GradBuffer):
             self._whole, self.param_shard = self._shard_params(device)
             self._live: set[int] = set()
             self._gathering: dict[int, dist.Work | None] = {}
+        # after the parameters moved: at zero=3 their whole memory is freed by now
+        self.grad_shard = torch.zeros(layout.numel // self.n, dtype=torch.float32, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()]
         self.reset()
 
@@ -228,7 +229,9 @@ class ZeroBuffer(GradBuffer):
         dtypes = {p.dtype for p in self.params.values()}
         assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
         dtype = dtypes.pop()
-        whole, shard = {}, torch.zeros(self.layout.numel // self.n, dtype=dtype, device=device)
+        # empty: its pages become resident as the buckets are copied in, while the
+        # parameters' own memory is freed bucket by bucket (every element is written)
+        whole, shard = {}, torch.empty(self.layout.numel // self.n, dtype=dtype, device=device)
         for bucket in self.layout.buckets:
             flat = whole[bucket.index] = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
             for name in bucket.params:
