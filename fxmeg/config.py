@@ -217,6 +217,9 @@ class EngineConfig:
     ``distributed_optimizer=True``, else 0."""
     distributed_optimizer: bool = False
     """ZeRO-1 (``zero >= 1`` sets it; kept as Megatron's spelling of zero=1)."""
+    reshard_after_forward: bool = True
+    """zero=3: free each bucket's parameters after forward's last use (False: keep them
+    until the chunk's backward is done: faster, more memory)."""
     optimizer_sharding: str = "auto"
     """Distributed optimizer: 'elementwise' (flat equal slices of every bucket, for
     elementwise optimizers such as AdamW), 'layerwise' (whole parameters per rank,

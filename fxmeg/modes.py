@@ -80,6 +80,9 @@ def check_sharding(config) -> None:
         raise ConfigError("distributed_optimizer=True is zero=1, but zero=0 was given: drop "
                           "distributed_optimizer, or set zero to 1, 2 or 3")
     object.__setattr__(config, "distributed_optimizer", zero >= 1)
+    if not config.reshard_after_forward and zero != 3:
+        raise ConfigError(f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
+                          "anyway); drop it or set zero=3")
     if zero >= 2 and config.optimizer_sharding == "layerwise":
         raise ConfigError(f"zero={zero} does not run with optimizer_sharding='layerwise' (it shards every "
                           "gradient bucket flat, a layer-wise optimizer steps whole parameters); use zero=1")

@@ -6,8 +6,9 @@
   * zero=3: parameters are kept as this rank's shard between uses. Before forward first
     reads a bucket, ``ops.zero_gather`` makes it whole (and starts gathering the next
     bucket forward reads, to overlap with this one's compute); after forward last reads
-    it, through any view of it, ``ops.zero_release`` frees it. Backward gathers again what
-    it needs (runtime/zero.py: autograd's saved tensors, recompute regions).
+    it, through any view of it, ``ops.zero_release`` frees it (not with
+    ``reshard_after_forward=False``: the chunk's backward frees it). Backward gathers again
+    what it needs (runtime/zero.py: autograd's saved tensors, recompute regions).
 
 Otherwise the graph is unchanged.
 
@@ -17,7 +18,7 @@ Requires: the bucket pass (``meta["fxmeg"]["bucket"]`` on trainable parameters' 
 Ensures: in the chunk graph, for every bucket whose parameters the chunk reads, one
 wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)``, comes before the
 first node that uses any parameter of that bucket; every use of those parameters follows
-it. At zero=3 one release node per bucket comes after every node that reads one of its
+it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node that reads one of its
 parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a
 region whose body returns a view of its input), and each gather names as ``prefetch``
 the bucket gathered next (None for the last). Forward reads the last buckets first
@@ -38,7 +39,7 @@ from fxmeg.program import ChunkInfo
 def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """The markers of the chunk graph ``gm`` (see the module docstring); ``chunk`` is not needed."""
     if config.zero_stage == 3:
-        return _gather_and_release(gm)
+        return _gather_and_release(gm, release=config.reshard_after_forward)
     if not config.overlap_param_gather:
         return gm
     for (home, index), (user, param) in _first_uses(gm).items():
@@ -65,7 +66,7 @@ def _marker(gm: fx.GraphModule, where: fx.Node, target, param: fx.Node, kwargs: 
     return node
 
 
-def _gather_and_release(gm: fx.GraphModule) -> fx.GraphModule:
+def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
     first = _first_uses(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last: dict[tuple[int, int], fx.Node] = {}
@@ -81,7 +82,9 @@ def _gather_and_release(gm: fx.GraphModule) -> fx.GraphModule:
         prefetch = keys[i + 1] if i + 1 < len(keys) else None
         home, index = key
         _marker(gm, user, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch}, f"zero_gather_{home}_{index}")
-        _marker(gm, last[key], ops.zero_release, param, {"bucket": key}, f"zero_release_{home}_{index}", after=True)
+        if release:
+            _marker(gm, last[key], ops.zero_release, param, {"bucket": key}, f"zero_release_{home}_{index}",
+                    after=True)
     return finish(gm)
 
 

@@ -26,6 +26,7 @@ PARITY = [
     Scenario("llama", dp=4, options=Z2),
     Scenario("gpt", dp=4, options=Z3),
     Scenario("gpt", dp=2, pp=2, schedule="1f1b", options=Z3),  # a tied embedding on both stages
+    Scenario("gpt", dp=2, pp=2, schedule="1f1b", options=Z3 + (("reshard_after_forward", False),)),
     Scenario("llama", dp=2, pp=2, vpp=2, schedule="interleaved", options=Z3),
     Scenario("gpt", dp=2, tp=2, options=Z3),
     Scenario("llama", dp=2, cp=2, options=Z3),
@@ -169,6 +170,18 @@ def test_each_rank_holds_its_share_between_steps(results, sc):
             assert r["param_bytes"] == 0 and r["shard_elements"] == share
         else:
             assert r["param_bytes"] >= 4 * r["param_elements"]
+
+
+def test_without_resharding_backward_needs_no_second_gather(results):
+    """reshard_after_forward=False at pp=2 x dp=2 (1F1B): forward keeps what it gathered
+    until backward has used it, so a step gathers fewer times than with the default,
+    which frees each bucket after forward and gathers it again for backward."""
+    kept = next(s for s in PARITY if ("reshard_after_forward", False) in s.options)
+    freed = next(s for s in PARITY if s.options == Z3 and s.pp == 2 and s.schedule == "1f1b")
+    for r in results[4]:
+        fewer = [sum(k == "gather" for k, _ in log) for log in r[kept.id]["events"]]
+        more = [sum(k == "gather" for k, _ in log) for log in r[freed.id]["events"]]
+        assert all(0 < a < b for a, b in zip(fewer, more)), (fewer, more)
 
 
 def test_zero3_gathers_before_use_and_frees_after(results):
