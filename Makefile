@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python bench/capture.py
 	$(BIN)/python bench/plan.py
 	$(BIN)/python bench/moe.py
+	$(BIN)/python bench/fsdp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,10 @@
-"""A tokenised corpus on disk: ``PREFIX.bin`` holds every document's token ids end to end,
-each followed by the end-of-document token; ``PREFIX.idx`` the int64 offset where each
-document starts; ``PREFIX.json`` the dtype, counts and tokenizer. The token array is
-memory-mapped, so a corpus larger than memory trains the same way."""
+"""A tokenised corpus on disk, in Megatron's indexed format (fxmeg/data/indexed.py):
+``PREFIX.bin`` holds every document's token ids end to end, each followed by the
+end-of-document token, ``PREFIX.idx`` Megatron's index of them (one sequence per
+document); ``PREFIX.json`` the dtype, counts and tokenizer, which the two files do not
+say. The token array is memory-mapped, so a corpus larger than memory trains the same
+way. Files of fxmeg's older format (``PREFIX.idx`` raw int64 document starts, told apart
+by the missing ``MMIDIDX`` magic) still read."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from fxmeg.data.indexed import IndexedDataset, is_indexed, write_indexed
 from fxmeg.data.tokenizer import Tokenizer
 
 
@@ -18,8 +22,12 @@ class Corpus:
     def __init__(self, prefix: str) -> None:
         with open(prefix + ".json") as f:
             self.meta = json.load(f)
-        self.tokens = np.memmap(prefix + ".bin", dtype=self.meta["dtype"], mode="r")
-        self.doc_starts = np.fromfile(prefix + ".idx", dtype=np.int64)
+        if is_indexed(prefix):
+            data = IndexedDataset(prefix)
+            self.tokens, self.doc_starts = data.tokens, data.document_starts()
+        else:  # fxmeg's older format
+            self.tokens = np.memmap(prefix + ".bin", dtype=self.meta["dtype"], mode="r")
+            self.doc_starts = np.fromfile(prefix + ".idx", dtype=np.int64)
         if len(self.tokens) != self.meta["num_tokens"]:
             raise ValueError(
                 f"{prefix}.bin holds {len(self.tokens)} tokens but {prefix}.json says "
@@ -35,24 +43,17 @@ class Corpus:
 
 
 def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict:
-    """Tokenise ``documents`` into the corpus at ``prefix``; returns its metadata."""
+    """Tokenise ``documents`` into the corpus at ``prefix`` (Megatron's indexed format, each
+    document followed by the end-of-document token); returns its metadata."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    starts, total = [], 0
-    with open(prefix + ".bin.tmp", "wb") as out:
-        for text in documents:
-            ids = tokenizer.encode(text)
-            if not ids:
-                continue
-            starts.append(total)
-            np.asarray(ids + [tokenizer.eos_id], dtype=dtype).tofile(out)
-            total += len(ids) + 1
-    np.asarray(starts, dtype=np.int64).tofile(prefix + ".idx")
+    encoded = (tokenizer.encode(text) for text in documents)
+    count, total = write_indexed(prefix, (np.asarray(ids + [tokenizer.eos_id]) for ids in encoded if ids), dtype)
     meta = {
-        "dtype": np.dtype(dtype).name, "num_tokens": total, "num_documents": len(starts),
+        "dtype": np.dtype(dtype).name, "num_tokens": total, "num_documents": count,
         "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "tokenizer": tokenizer.name,
+        "format": "megatron-indexed",
     }
-    os.replace(prefix + ".bin.tmp", prefix + ".bin")
     with open(prefix + ".json", "w") as f:
         json.dump(meta, f, indent=1)
     return meta
