@@ -1,0 +1,76 @@
+"""Megatron's GPT sample order (fxmeg/data/gpt_order.py) against megatron-core's own
+GPTDataset (the oracle, a test dependency only): the document, sample and shuffle indices
+and every sample's tokens, for one epoch, several epochs with the last one shuffled apart
+or not, and a split's subset of documents."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fxmeg.data.gpt_order import build_order, sample
+from fxmeg.data.indexed import IndexedDataset
+
+with warnings.catch_warnings():  # megatron-core warns that transformer-engine and apex are missing
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.datasets.utils import Split
+
+SEQ = 16
+
+
+class _Tokenizer:
+    """What GPTDataset reads of a tokenizer."""
+
+    eod, pad, vocab_size = 0, 1, 1000
+    unique_identifiers = {"class": "test"}
+
+
+def _written(tmp_path, docs: int = 25) -> str:
+    prefix = str(tmp_path / "data")
+    rng = np.random.default_rng(3)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(docs):
+        builder.add_item(torch.from_numpy(rng.integers(2, 1000, size=int(rng.integers(1, 60)))))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.mark.parametrize("documents, num_samples, seed, apart", [
+    (slice(None), None, 1234, False),  # one epoch, as many samples as it holds
+    (slice(None), 40, 7, False),  # within the first epoch
+    (slice(None), 170, 1, False),  # 4 epochs (689 tokens each), the last gives 41 samples: with the rest
+    (slice(None), 110, 5, True),  # 3 epochs, the last gives 24 < 80% of 43 samples: shuffled apart
+    (slice(5, 20), 90, 11, False),  # a split's documents only (4 epochs, the last with the rest)
+])
+def test_the_order_and_the_samples_are_megatrons(tmp_path, documents, num_samples, seed, apart):
+    prefix = _written(tmp_path)
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ, blend=([prefix], None), split="100,0,0",
+                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    theirs_data = MegatronDataset(prefix)
+    ids = np.arange(len(theirs_data), dtype=np.int32)[documents]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = GPTDataset(theirs_data, prefix, ids, num_samples, Split.train, config)
+    ours_data = IndexedDataset(prefix)
+    order = build_order(ours_data.lengths, ids, seq_len=SEQ, num_samples=num_samples, seed=seed)
+    assert np.array_equal(order.document_index, theirs.document_index)
+    assert np.array_equal(order.sample_index, theirs.sample_index)
+    assert np.array_equal(order.shuffle_index, theirs.shuffle_index)
+    assert len(order) >= (num_samples or 1)
+    epochs = int(order.document_index.size // len(ids))
+    before_last = ((epochs - 1) * int(ours_data.lengths[ids].sum()) - 1) // SEQ
+    tail = np.sort(order.shuffle_index[before_last:])
+    assert epochs > 1 or not apart
+    assert apart == (epochs > 1 and np.array_equal(tail, np.arange(before_last, len(order))))
+    for i in range(len(order)):
+        got = sample(lambda d: ours_data[d], order, i, seq_len=SEQ)
+        want = theirs[i]
+        assert np.array_equal(got[:-1], want["tokens"].numpy()) and np.array_equal(got[1:], want["labels"].numpy())
