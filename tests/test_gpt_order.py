@@ -74,3 +74,39 @@ def test_the_order_and_the_samples_are_megatrons(tmp_path, documents, num_sample
         got = sample(lambda d: ours_data[d], order, i, seq_len=SEQ)
         want = theirs[i]
         assert np.array_equal(got[:-1], want["tokens"].numpy()) and np.array_equal(got[1:], want["labels"].numpy())
+
+
+@pytest.mark.parametrize("split, sizes", [("90,8,2", [60, 8, 2]), ("98,2", [200, 3, None]), ("1", [30, None, None])])
+def test_a_split_reads_megatrons_samples(tmp_path, split, sizes):
+    """One prefix, ``--split``: each split's documents, and the samples the builder asked for
+    each split (train iterations x global batch, evaluations), in Megatron's order."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from fxmeg.data.gpt_order import split_documents
+
+    prefix = _written(tmp_path, docs=60)
+    config = GPTDatasetConfig(random_seed=9, sequence_length=SEQ, blend=([prefix], None), split=split,
+                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    data = IndexedDataset(prefix)
+    for ranges, size, their in zip(split_documents(split, data.num_documents), sizes, theirs):
+        assert (ranges is None) == (their is None)
+        if ranges is None:
+            continue
+        order = build_order(data.lengths, np.arange(*ranges, dtype=np.int32), seq_len=SEQ, num_samples=size, seed=9)
+        assert len(order) == len(their)
+        for i in range(len(order)):
+            assert np.array_equal(sample(lambda d: data[d], order, i, seq_len=SEQ)[:-1], their[i]["tokens"].numpy())
+
+
+def test_an_empty_split_is_refused():
+    """Megatron's builder loops forever on a split without tokens (969,30,1 of 60 documents
+    leaves test none); fxmeg refuses it."""
+    from fxmeg.data.gpt_order import split_documents
+
+    assert split_documents("969,30,1", 60) == [(0, 58), (58, 60), (60, 60)]
+    with pytest.raises(ValueError, match="0 documents of 0 tokens hold no sample of 17 tokens"):
+        build_order(np.ones(60, dtype=np.int32), np.arange(60, 60), seq_len=SEQ, num_samples=2, seed=0)

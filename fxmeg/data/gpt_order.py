@@ -21,6 +21,7 @@ one) that run across document boundaries:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,9 @@ def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num
     tokens over ``documents`` (ids into ``lengths``, the sequences' token counts); ``drop_last``
     False keeps a last partial sample (Megatron's validation default drops it too)."""
     tokens_per_epoch = int(np.sum(lengths[documents], dtype=np.int64))
+    if tokens_per_epoch <= extra:  # Megatron's builder loops forever here
+        raise ValueError(f"{len(documents)} documents of {tokens_per_epoch} tokens hold no sample of "
+                         f"{seq_len + extra} tokens; give that split more weight or more data")
     epochs = 1
     if num_samples is not None:
         needed = num_samples * seq_len + extra
@@ -64,6 +68,23 @@ def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num
     total = len(sample_index) - 1
     first = before_last if separate else total
     return GPTOrder(document_index, sample_index, _shuffle_index(first, total, rng))
+
+
+def split_documents(split: str, count: int) -> list[tuple[int, int] | None]:
+    """Megatron's ``--split`` ("969,30,1", weights of train, valid and test; missing ones
+    are 0): the document range [begin, end) of each split of ``count`` documents, None for
+    a split of weight 0. Bookends are the cumulative normalised weights, rounded to
+    documents."""
+    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
+    if len(weights) > 3 or not weights or sum(weights) <= 0:
+        raise ValueError(f"split {split!r} must give one to three non-negative weights of train, valid and test "
+                         "with a positive sum, e.g. '969,30,1'")
+    weights = (np.asarray(weights + [0.0] * (3 - len(weights)), dtype=np.float64) / sum(weights)).tolist()
+    edges = [0.0]
+    for w in weights:
+        edges.append(edges[-1] + w)
+    return [(int(round(lo * count)), int(round(hi * count))) if hi > lo else None
+            for lo, hi in zip(edges[:-1], edges[1:])]
 
 
 def _document_index(documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate: bool) -> np.ndarray:
