@@ -1,7 +1,9 @@
-"""Megatron's GPT sample order (fxmeg/data/gpt_order.py) against megatron-core's own
-GPTDataset (the oracle, a test dependency only): the document, sample and shuffle indices
-and every sample's tokens, for one epoch, several epochs with the last one shuffled apart
-or not, and a split's subset of documents."""
+"""Megatron's GPT sample order (fxmeg/data/gpt_order.py) and blends (fxmeg/data/blend.py)
+against megatron-core's own GPTDataset and BlendedMegatronDatasetBuilder (the oracle, a test
+dependency only): the document, sample and shuffle indices and every sample's tokens, for
+one epoch, several epochs with the last one shuffled apart or not, a split's subset of
+documents, ``--split`` strings, and blends of three datasets with weights and by prefixes
+alone."""
 
 from __future__ import annotations
 
@@ -110,3 +112,41 @@ def test_an_empty_split_is_refused():
     assert split_documents("969,30,1", 60) == [(0, 58), (58, 60), (60, 60)]
     with pytest.raises(ValueError, match="0 documents of 0 tokens hold no sample of 17 tokens"):
         build_order(np.ones(60, dtype=np.int32), np.arange(60, 60), seq_len=SEQ, num_samples=2, seed=0)
+
+
+@pytest.fixture
+def one_process(tmp_path):
+    """Megatron's BlendedDataset asks torch.distributed for its rank: a group of one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.5, 0.2], None], ids=["weights", "prefixes-only"])
+def test_a_blend_reads_megatrons_samples(tmp_path, one_process, weights):
+    """Three datasets, ``--split 80,15,5``: every sample of every split as Megatron's
+    BlendedMegatronDatasetBuilder gives it, with weights and with prefixes alone (weights
+    from their sample counts)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from fxmeg.data.blend import build_blend
+
+    prefixes = []
+    for k, docs in enumerate((40, 25, 60)):
+        (tmp_path / str(k)).mkdir()
+        prefixes.append(_written(tmp_path / str(k), docs=docs))
+    sizes = [150, 12, 3]
+    config = GPTDatasetConfig(random_seed=4, sequence_length=SEQ, blend=(prefixes, weights), split="80,15,5",
+                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    ours = build_blend(prefixes, weights, "80,15,5", sizes, seq_len=SEQ, seed=4)
+    for mine, their in zip(ours, theirs):
+        assert len(mine) == len(their)
+        assert np.array_equal(mine.dataset, their.dataset_index)
+        for j in range(len(mine)):
+            assert np.array_equal(mine.tokens(j)[:-1], their[j]["tokens"].numpy())
