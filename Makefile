@@ -44,6 +44,7 @@ bench: setup
 	$(BIN)/python bench/plan.py
 	$(BIN)/python bench/moe.py
 	$(BIN)/python bench/fsdp.py
+	$(BIN)/python bench/data.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
