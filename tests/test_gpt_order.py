@@ -150,3 +150,18 @@ def test_a_blend_reads_megatrons_samples(tmp_path, one_process, weights):
         assert np.array_equal(mine.dataset, their.dataset_index)
         for j in range(len(mine)):
             assert np.array_equal(mine.tokens(j)[:-1], their[j]["tokens"].numpy())
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [1 / 3, 1 / 3, 1 / 3], [0.05, 0.15, 0.2, 0.25, 0.35], [0.5, 0.5]])
+def test_the_blending_index_is_megatrons_helper(weights):
+    """100,000 samples, ties included (equal weights): the same dataset and sample for each
+    as megatron-core's C++ ``build_blending_indices``."""
+    from megatron.core.datasets import helpers
+
+    from fxmeg.data.blend import blending_indices
+
+    size = 100_000
+    index, within = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(index, within, np.asarray(weights, dtype=np.float64), len(weights), size, False)
+    ours = blending_indices(weights, size)
+    assert np.array_equal(ours[0], index) and np.array_equal(ours[1], within)
