@@ -165,3 +165,40 @@ def test_the_blending_index_is_megatrons_helper(weights):
     helpers.build_blending_indices(index, within, np.asarray(weights, dtype=np.float64), len(weights), size, False)
     ours = blending_indices(weights, size)
     assert np.array_equal(ours[0], index) and np.array_equal(ours[1], within)
+
+
+@pytest.mark.parametrize("eod_mask_loss", [False, True])
+@pytest.mark.parametrize("reset", ["none", "positions", "attention", "both"])
+def test_masks_and_positions_are_megatrons(tmp_path, eod_mask_loss, reset):
+    """Documents ending in the end-of-document token packed into samples: tokens, labels,
+    loss mask, position ids and attention mask as GPTDataset gives them for each switch."""
+    from fxmeg.data.masks import gpt_fields
+
+    prefix = str(tmp_path / "eod")
+    rng = np.random.default_rng(8)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(30):
+        doc = np.append(rng.integers(2, 1000, size=int(rng.integers(1, 12))), _Tokenizer.eod)
+        builder.add_item(torch.from_numpy(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    positions, attention = reset in ("positions", "both"), reset in ("attention", "both")
+    config = GPTDatasetConfig(random_seed=2, sequence_length=SEQ, blend=([prefix], None), split="1",
+                              tokenizer=_Tokenizer(), reset_position_ids=positions, reset_attention_mask=attention,
+                              eod_mask_loss=eod_mask_loss, path_to_cache=str(tmp_path / "cache"))
+    data = IndexedDataset(prefix)
+    ids = np.arange(len(data), dtype=np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = GPTDataset(MegatronDataset(prefix), prefix, ids, None, Split.train, config)
+    order = build_order(data.lengths, ids, seq_len=SEQ, num_samples=None, seed=2)
+    ends = 0
+    for i in range(len(order)):
+        text = sample(lambda d: data[d], order, i, seq_len=SEQ)
+        mine = gpt_fields(text, eod=_Tokenizer.eod, pad=_Tokenizer.pad, eod_mask_loss=eod_mask_loss,
+                          reset_position_ids=positions, reset_attention_mask=attention)
+        want = theirs[i]
+        for key, value in mine.items():
+            assert np.array_equal(value, want[key].numpy()), (i, key)
+        ends += int((mine["tokens"] == _Tokenizer.eod).sum())
+    assert ends > len(order)  # more than one document per sample on average
