@@ -17,7 +17,7 @@ from tests.distributed import run_world
 from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
 from tests.helpers import reference as plain_reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
-from tests.parity.scenarios import MBS, Scenario, check_parity, train
+from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_loss, train
 
 Z2, Z3 = (("zero", 2),), (("zero", 3),)
 PARITY = [
@@ -36,7 +36,9 @@ PARITY = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2),) + Z2),  # experts over edp = 2, the rest over dp = 4
 ]
 BF16 = Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),))
-SCENARIOS = PARITY + [BF16]
+ZOO = [Scenario("hf-llama", dp=2, options=Z3)]  # Hugging Face models, not written for fxmeg's tests
+ROUTER = Scenario("hf-mixtral", dp=2, options=Z3)  # 3-D expert banks whole (ep=1), a router loss
+SCENARIOS = PARITY + ZOO + [ROUTER, BF16]
 
 
 def held(rank: int, engine) -> dict:
@@ -149,9 +151,14 @@ def _zero(sc: Scenario) -> int:
     return dict(sc.options)["zero"]
 
 
-@pytest.mark.parametrize("sc", PARITY, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", PARITY + ZOO, ids=lambda s: s.id)
 def test_parity(results, sc):
     check_parity([r[sc.id] for r in results[sc.world]], sc)
+
+
+def test_a_mixture_of_experts_with_its_router_loss(results):
+    """Hugging Face Mixtral at zero=3: language-model and router loss as single-device training."""
+    check_router_loss([r[ROUTER.id] for r in results[ROUTER.world]], ROUTER)
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.id)
