@@ -100,10 +100,9 @@ class Checkpointer:
         program, ctx = self.program, self.context
         ctx.ddp.wait_for_params()
         with ctx.unsharded():  # zero=3: whole parameters, written or copied inside
-            self._save(program, ctx, directory, iteration, trainer_state)
-        return os.path.join(directory, f"iter_{iteration:07d}")
+            return self._save(program, ctx, directory, iteration, trainer_state)
 
-    def _save(self, program, ctx, directory: str, iteration: int, trainer_state: dict) -> None:
+    def _save(self, program, ctx, directory: str, iteration: int, trainer_state: dict) -> str:
         state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx)}
         state["optim/scalars"] = self._scalars(ctx)
         state["scaler"] = ctx.scaler.state_dict() if ctx.scaler else None
@@ -122,6 +121,7 @@ class Checkpointer:
         else:
             self._write(state, path, directory, meta)
             self._raise()
+        return path
 
     def _scalars(self, ctx) -> dict[str, float]:
         """Scalar optimizer states merged over every rank: a rank may hold no parameter of

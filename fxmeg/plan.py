@@ -60,6 +60,7 @@ from fxmeg.passes.graph_utils import attr, is_hop, requires_grad_nodes, val
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import Program
 from fxmeg.runtime import schedules, simulator
+from fxmeg.runtime.zero import IN_FLIGHT
 from fxmeg.transform import transform
 
 if TYPE_CHECKING:
@@ -271,8 +272,6 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
 
 def _zero_memory(layouts, size: int, config: EngineConfig) -> tuple[int, int]:
     """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once)."""
-    from fxmeg.runtime.zero import IN_FLIGHT
-
     grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts) // config.parallel.dp_cp
     largest = max((b.end - b.start for lay in layouts for b in lay.buckets), default=0)
     whole = (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging

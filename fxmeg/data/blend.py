@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
+from fxmeg.data.gpt_order import GPTOrder, build_order, normalise, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
@@ -78,7 +78,7 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
     datas = [IndexedDataset(p) for p in prefixes]
     ranges = [split_documents(split, d.num_documents) for d in datas]
     if weights is not None:
-        weights = _normalise(weights)
+        weights = normalise(weights)
     out: list[Blended | None] = []
     for i, size in enumerate(sizes):
         if ranges[0][i] is None:
@@ -90,7 +90,7 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
             asked = [math.ceil(size * w) for w in weights]
             built = [int(math.ceil(a * (1 + SURPLUS))) for a in asked]
             parts = [_part(d, r[i], seq_len, n, seed) for d, r, n in zip(datas, ranges, built)]
-            share, count = _normalise(weights), sum(asked)  # Megatron normalises them twice
+            share, count = normalise(weights), sum(asked)  # Megatron normalises them twice
         else:
             parts = [_part(d, r[i], seq_len, None, seed) for d, r in zip(datas, ranges)]
             lengths = [len(p.order) for p in parts]
@@ -101,7 +101,7 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
             if size is None:
                 raise ValueError("fxmeg reads a blend of prefixes only for a given number of samples")
             count = min(size, sum(lengths))
-            share = _normalise(lengths)
+            share = normalise(lengths)
         dataset, within = blending_indices(share, count)
         for d, part in enumerate(parts):
             needed = int(np.sum(dataset == d))
@@ -110,11 +110,6 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
                                  f"{len(part.order)} for this split")
         out.append(Blended(parts, dataset, within, seq_len))
     return out
-
-
-def _normalise(weights: Sequence[float]) -> list[float]:
-    w = np.asarray(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
 
 
 def _part(data: IndexedDataset, documents: tuple[int, int], seq_len: int, num_samples: int | None,

@@ -70,6 +70,13 @@ def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num
     return GPTOrder(document_index, sample_index, _shuffle_index(first, total, rng))
 
 
+def normalise(weights) -> list[float]:
+    """Weights over their sum, in float64 as Megatron's ``normalize`` computes them (the
+    blending index compares them exactly)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
 def split_documents(split: str, count: int) -> list[tuple[int, int] | None]:
     """Megatron's ``--split`` ("969,30,1", weights of train, valid and test; missing ones
     are 0): the document range [begin, end) of each split of ``count`` documents, None for
@@ -79,7 +86,7 @@ def split_documents(split: str, count: int) -> list[tuple[int, int] | None]:
     if len(weights) > 3 or not weights or sum(weights) <= 0:
         raise ValueError(f"split {split!r} must give one to three non-negative weights of train, valid and test "
                          "with a positive sum, e.g. '969,30,1'")
-    weights = (np.asarray(weights + [0.0] * (3 - len(weights)), dtype=np.float64) / sum(weights)).tolist()
+    weights = normalise(weights + [0.0] * (3 - len(weights)))
     edges = [0.0]
     for w in weights:
         edges.append(edges[-1] + w)

@@ -168,12 +168,12 @@ def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo, *, reshard: bool) -> None
     """zero=3: each bucket the chunk reads is gathered once before any read of its
     parameters and, with ``reshard`` (reshard_after_forward), released once after the
     last; each gather prefetches the next one."""
-    gathered, released, keys = [], set(), []
+    gathered, released, prefetched = [], set(), []
     for node in gm.graph.nodes:
         if node.target is ops.zero_gather:
             assert node.kwargs["bucket"] not in gathered, f"param_gather: {node.kwargs['bucket']} gathered twice"
             gathered.append(node.kwargs["bucket"])
-            keys.append(node.kwargs["prefetch"])
+            prefetched.append(node.kwargs["prefetch"])
             continue
         if node.target is ops.zero_release:
             key = node.kwargs["bucket"]
@@ -187,7 +187,8 @@ def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo, *, reshard: bool) -> None
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its gather")
     want = set(gathered) if reshard else set()
     assert released == want, f"param_gather: chunk {chunk.index} releases {released}, not {want}"
-    assert keys == [*gathered[1:], None], f"param_gather: chunk {chunk.index} prefetches {keys}, not {gathered[1:]}"
+    assert prefetched == [*gathered[1:], None], (
+        f"param_gather: chunk {chunk.index} prefetches {prefetched}, not {gathered[1:]}")
 
 
 def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
