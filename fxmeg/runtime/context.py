@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch import fx, nn
 from fxmeg import program as prog
 from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, FxmegError
-from fxmeg.layouts import is_split, reduces_grad
+from fxmeg.layouts import ParamLayout, is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.modes import OptimizerSharding
@@ -51,7 +52,7 @@ from fxmeg.materialize import Source
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.release import release
-from fxmeg.runtime.zero import ZeroBuffer, ZeroParams
+from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard
 from fxmeg.trace import Tracer
 
@@ -169,20 +170,25 @@ def build_context(
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep), tied=tied,
                           timeout_s=config.comm_timeout_s)
-    whole_names = _whole_names(program)
-    local = _local_values(program, groups, source, whole_names)
-    chunks = _materialise(program, groups, local)
-    masters = _local_masters(program, groups, local)
+    wanted = _wanted(program, groups, source, _whole_names(program))
+    later = _sharded_later(program, config, groups, wanted)
+    local = _values(program, groups, source, {n: w for n, w in wanted.items() if n not in later})
+    chunks = _materialise(program, groups, local, later)
+    masters = _local_masters(program, groups, local, later)
     # before release (the user's full tensors are compared over tp) and before gradient
-    # buffers and optimizer read the values
-    replicas.agree(program, groups, replicas.at_start(program, chunks, masters, local), device=program.device,
-                   broadcast=config.broadcast_params)
-    whole = {n: t for n, t in local.items() if n in whole_names}
+    # buffers and optimizer read the values; what is made later, as shards, comes from
+    # the source, the same on every rank
+    held = {n: h for n, h in replicas.at_start(program, chunks, masters, local).items() if n not in later}
+    replicas.agree(program, groups, held, device=program.device, broadcast=config.broadcast_params)
+    whole = {n: t for n, t in local.items() if n in wanted and wanted[n].whole}
+    pieces: dict[str, tuple[int, torch.Tensor]] = {}  # fp32 masters of what is made later, as shards
+    fill = ShardFill(later, _filler(program, groups, source, {n: wanted[n] for n in later}, pieces)) if later else None
     if model is not None:
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
-    ddp = _data_parallel(program, config, chunks, groups, tracer, shard=sharding is OptimizerSharding.ELEMENTWISE)
+    ddp = _data_parallel(program, config, chunks, groups, tracer, fill,
+                         shard=sharding is OptimizerSharding.ELEMENTWISE)
     zero = ZeroParams(ddp.buffers) if config.zero_stage == 3 else None
     names = _group_names(groups)
     load = _expert_load(program, config, chunks)
@@ -196,7 +202,7 @@ def build_context(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
         experts=frozenset(program.ep_specs),
-        sources=MasterSources(_master_source(masters), _full_source(program, groups, masters)),
+        sources=MasterSources(_master_source(masters, pieces), _full_source(program, groups, masters)),
     )
     executor = _executor(program, config, chunks, groups, ddp, tracer, zero)
     return RankContext(
@@ -299,9 +305,16 @@ def _whole_names(program: Program) -> set[str]:
     return names | {canonical.get(k, k) for k in program.untrained}
 
 
-def _local_values(program: Program, groups: Groups, source: Source | None,
-                  whole_names: set[str]) -> dict[str, torch.Tensor]:
-    """This rank's values of what ``source`` provides (nothing without a source): every
+class _Wanted(NamedTuple):
+    spec: ParamLayout | None
+    """The tensor-parallel split of a parameter this rank holds a shard of, else None."""
+    dtype: torch.dtype
+    whole: bool
+    """A buffer or untrained tensor every rank holds whole."""
+
+
+def _wanted(program: Program, groups: Groups, source: Source | None, whole_names: set[str]) -> dict[str, _Wanted]:
+    """What ``source`` provides of this rank's tensors (nothing without a source): every
     tensor of its chunks (parameters as their tensor-parallel shards) and, when the model
     was built on meta, the whole buffers and untrained state; in the dtype the user built
     them in (``Program.init_dtypes``: fp32 before a half-precision cast)."""
@@ -321,16 +334,57 @@ def _local_values(program: Program, groups: Groups, source: Source | None,
     for name, (t, is_param) in tensors.items():
         if t.is_meta or source.has(name):
             spec = program.tp_specs.get(name) if is_param else None
-            wanted[name] = (spec if is_split(spec) else None,
-                            program.init_dtypes.get(name, t.dtype))
-    return source.values(wanted, program.device, groups.topo.tp, groups.tp_rank)
+            wanted[name] = _Wanted(spec if is_split(spec) else None, program.init_dtypes.get(name, t.dtype),
+                                   name in whole_names)
+    return wanted
 
 
-def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor]) -> dict[int, fx.GraphModule]:
+def _values(program: Program, groups: Groups, source: Source | None,
+            wanted: dict[str, _Wanted]) -> dict[str, torch.Tensor]:
+    """This rank's value of each ``wanted`` tensor, made by ``source``."""
+    if not wanted:
+        return {}
+    return source.values({n: (w.spec, w.dtype) for n, w in wanted.items()}, program.device,
+                         groups.topo.tp, groups.tp_rank)
+
+
+def _sharded_later(program: Program, config: EngineConfig, groups: Groups,
+                   wanted: dict[str, _Wanted]) -> frozenset[str]:
+    """At zero=3, the trained parameters ``wanted`` from a source: made bucket by bucket
+    while the gradient buffers shard them (``ShardFill``), each rank making only the
+    parameters its shard covers, so that no rank ever holds its whole stage."""
+    if config.zero_stage != 3:
+        return frozenset()
+    trained = {s.name for c in program.chunks_of(groups.pp_rank) for layout in program.buffers[c]
+               for s in layout.slots}
+    return frozenset(n for n, w in wanted.items() if n in trained and not w.whole)
+
+
+def _filler(program: Program, groups: Groups, source: Source, wanted: dict[str, _Wanted],
+            pieces: dict[str, tuple[int, torch.Tensor]]):
+    """``ShardFill.make``: the values of some ``wanted`` parameters, given the element
+    range [lo, hi) of each that this rank's shard covers; in half precision the fp32
+    values of that range are kept in ``pieces`` (name -> (lo, values)) for the masters."""
+
+    halves = frozenset(n for n in wanted if n in program.master_values)  # before release empties it
+
+    def make(ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        values = _values(program, groups, source, {n: wanted[n] for n in ranges})
+        for name, (lo, hi) in ranges.items():
+            if name in halves:
+                pieces[name] = (lo, values[name].reshape(-1)[lo:hi].float().clone())
+        return values
+
+    return make
+
+
+def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor],
+                 later: frozenset[str] = frozenset()) -> dict[int, fx.GraphModule]:
     """Copies of this pipeline rank's chunk graphs holding this rank's tensors: ``local``
     values where there are some, else this tp rank's shard of the user's parameter (one
     tensor per name, shared by every chunk that reads it); unsharded parameters and
-    buffers without a local value are the user's own."""
+    buffers without a local value are the user's own. Parameters made ``later`` hold no
+    memory yet (their gradient buffer gives them their values)."""
     tp, rank = groups.topo.tp, groups.tp_rank
     memo: dict[int, torch.Tensor] = {}
     mine = program.chunks_of(groups.pp_rank)
@@ -340,7 +394,9 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
             if id(t) in memo:
                 continue
             spec = program.tp_specs.get(name)
-            if name in local:
+            if name in later:
+                value = _no_memory(t, program.tp_specs.get(name), groups.topo.tp, program.device)
+            elif name in local:
                 value = local[name].to(t.dtype)
             elif isinstance(t, nn.Parameter) and is_split(spec):
                 value = tp_shard(t, spec, tp, rank)
@@ -354,7 +410,17 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
     return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
 
 
-def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _no_memory(t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device) -> torch.Tensor:
+    """A tensor of this rank's shape of ``t`` (full-size, or its tensor-parallel shard)
+    whose storage holds no memory."""
+    shape = spec.local_shape(list(t.shape), tp) if is_split(spec) else t.shape
+    value = torch.empty(shape, dtype=t.dtype, device=device)
+    value.untyped_storage().resize_(0)
+    return value
+
+
+def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tensor],
+                   later: frozenset[str]) -> dict[str, torch.Tensor]:
     """Half precision: the fp32 values of this rank's shard of each trainable parameter
     (from ``local``, or from the user's fp32 tensor); read while the optimizer is built,
     then dropped."""
@@ -364,7 +430,7 @@ def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tens
     out = {}
     for c in program.chunks_of(groups.pp_rank):
         for name, _ in program.chunks[c].named_parameters():
-            if name in out or name not in program.master_values:
+            if name in out or name in later or name not in program.master_values:
                 continue
             if name in local:
                 out[name] = local[name]
@@ -376,12 +442,22 @@ def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tens
     return out
 
 
-def _master_source(masters: dict[str, torch.Tensor]) -> MasterSource | None:
+def _master_source(masters: dict[str, torch.Tensor],
+                   pieces: dict[str, tuple[int, torch.Tensor]]) -> MasterSource | None:
     """Half precision: the fp32 master of elements [lo, hi) of this rank's shard of a
-    parameter (only what the rank updates is made)."""
-    if not masters:
+    parameter (only what the rank updates is made): from ``masters``, or for a parameter
+    made as shards, its ``pieces`` entry (read once)."""
+    if not masters and not pieces:
         return None
-    return lambda name, lo, hi: masters[name].detach().reshape(-1)[lo:hi].float().clone()
+
+    def master(name: str, lo: int, hi: int) -> torch.Tensor:
+        if name in pieces:
+            at, values = pieces.pop(name)
+            assert (at, at + values.numel()) == (lo, hi), f"{name}: master [{lo}, {hi}) of a piece made for {at}"
+            return values
+        return masters[name].detach().reshape(-1)[lo:hi].float().clone()
+
+    return master
 
 
 def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tensor]) -> FullSource | None:
@@ -393,8 +469,8 @@ def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tens
     return lambda name: gather_tp(masters[name].detach().float(), program.tp_specs[name], groups.tp)
 
 
-def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer, *,
-                   shard: bool) -> DataParallel:
+def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer,
+                   fill: ShardFill | None = None, *, shard: bool) -> DataParallel:
     events = Events()
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     def buffer(c: int, gm: fx.GraphModule, layout) -> GradBuffer:
@@ -402,7 +478,7 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
                       group=groups.edp if layout.experts else groups.dp_cp, overlap=config.overlap_grad_reduce,
                       events=events, deferred=deferred, tracer=tracer)
         if config.zero_stage >= 2:
-            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, **common)
+            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, fill=fill, **common)
         return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
 
     buffers = {c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()}

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,18 @@ IN_FLIGHT = 2
 """Bucket reductions a buffer lets run at once before it waits for the oldest."""
 
 
+@dataclass(frozen=True)
+class ShardFill:
+    """Parameters whose values a zero=3 buffer makes itself, bucket by bucket, for a model
+    built on meta or read from weights: ``make({name: (lo, hi)})`` returns the values
+    (this rank's tensor-parallel shard, any dtype) of those parameters, of which elements
+    [lo, hi) are in this rank's shard. A parameter no element of which is in the shard is
+    never made, so a rank makes about 1/dp of its stage, and one bucket is whole at a time."""
+
+    names: frozenset[str]
+    make: Callable[[dict[str, tuple[int, int]]], dict[str, torch.Tensor]]
+
+
 class ZeroBuffer(GradBuffer):
     """One chunk's gradient buffer at ``stage`` 2 or 3 (see the module docstring). Same
     interface as GradBuffer; the buffer elements [start, end) of a bucket keep their
@@ -49,8 +63,9 @@ class ZeroBuffer(GradBuffer):
 
     def __init__(self, layout: BufferLayout, params: dict[str, nn.Parameter], *, label: str,
                  group: dist.ProcessGroup | None, overlap: bool, events: Events, stage: int,
-                 deferred: frozenset[str] = frozenset(), tracer=None) -> None:
+                 deferred: frozenset[str] = frozenset(), tracer=None, fill: ShardFill | None = None) -> None:
         assert stage in (2, 3), stage
+        assert fill is None or stage == 3, "parameters are made as shards at zero=3 only"
         self.layout, self.label, self.group, self.stage = layout, label, group, stage
         self.overlap, self.shard, self.events, self.tracer = overlap, True, events, tracer
         self.n = dist.get_world_size(group) if group is not None else 1
@@ -71,7 +86,7 @@ class ZeroBuffer(GradBuffer):
             self.param_data = self._move_params_into_buffer()
         else:
             self.param_data = None
-            self._whole, self.param_shard = self._shard_params(device)
+            self._whole, self.param_shard = self._shard_params(device, fill)
             self._live: set[int] = set()
             self._gathering: dict[int, dist.Work | None] = {}
         # after the parameters moved: at zero=3 their whole memory is freed by now
@@ -222,10 +237,11 @@ class ZeroBuffer(GradBuffer):
 
     # ------------------------------------------------------------ parameters (zero=3)
 
-    def _shard_params(self, device: torch.device) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def _shard_params(self, device: torch.device,
+                      fill: ShardFill | None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Each bucket's flat parameter tensor (the parameters become views of it; freed
         once its shard is copied, so one bucket is whole at a time) and this rank's shard
-        of all of them."""
+        of all of them. Values come from the parameters, or from ``fill`` for its names."""
         dtypes = {p.dtype for p in self.params.values()}
         assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
         dtype = dtypes.pop()
@@ -234,15 +250,30 @@ class ZeroBuffer(GradBuffer):
         whole, shard = {}, torch.empty(self.layout.numel // self.n, dtype=dtype, device=device)
         for bucket in self.layout.buckets:
             flat = whole[bucket.index] = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+            lo, at, size = self._part[bucket.index]
+            made = fill.make(self._covered(bucket, lo, size, fill.names)) if fill is not None else {}
             for name in bucket.params:
                 s, p = self.layout.slot(name), self.params[name]
                 view = flat[s.offset - bucket.start :][: s.numel].view(p.shape)
-                view.copy_(p.detach())
+                if name in made:
+                    view.copy_(made.pop(name))
+                elif fill is None or name not in fill.names:
+                    view.copy_(p.detach())
                 p.data = view
-            lo, at, size = self._part[bucket.index]
             shard[at : at + size] = flat[lo - bucket.start :][:size]
             flat.untyped_storage().resize_(0)
         return whole, shard
+
+    def _covered(self, bucket, lo: int, size: int, names: frozenset[str]) -> dict[str, tuple[int, int]]:
+        """Of ``names`` in ``bucket``, those with elements in this rank's part [lo, lo + size)
+        -> the range [a, b) of their own elements in it."""
+        out = {}
+        for name in bucket.params:
+            s = self.layout.slot(name)
+            a, b = max(lo, s.offset), min(lo + size, s.offset + s.numel)
+            if name in names and a < b:
+                out[name] = (a - s.offset, b - s.offset)
+        return out
 
     def storages(self) -> dict[int, int]:
         """Storage id (``untyped_storage()._cdata``) of each bucket's parameters -> bucket."""

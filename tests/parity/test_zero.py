@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fxmeg
+from fxmeg.materialize import Source
 from tests.distributed import run_world
 from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
 from tests.helpers import reference as plain_reference
@@ -33,12 +34,26 @@ PARITY = [
     Scenario("gpt", dp=2, pp=2, schedule="zbh1", options=Z2),
     Scenario("llama", dp=4, options=Z3 + (("recompute", "full"),)),
     Scenario("gpt", dp=4, meta=True, options=Z3),
+    Scenario("llama", dp=2, tp=2, meta=True, options=Z3),  # each rank makes its tp shard's dp part
     Scenario("moe-mixtral", dp=4, options=(("ep", 2),) + Z2),  # experts over edp = 2, the rest over dp = 4
 ]
-BF16 = Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),))
+BF16 = [Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),)),
+        Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),), meta=True)]  # fp32 masters of shards made
 ZOO = [Scenario("hf-llama", dp=2, options=Z3)]  # Hugging Face models, not written for fxmeg's tests
 ROUTER = Scenario("hf-mixtral", dp=2, options=Z3)  # 3-D expert banks whole (ep=1), a router loss
-SCENARIOS = PARITY + ZOO + [ROUTER, BF16]
+SCENARIOS = PARITY + ZOO + [ROUTER] + BF16
+
+MADE: list[dict[str, int]] = []
+"""Each call of ``Source.values`` on this rank (a model built on meta): tensor -> elements made."""
+
+
+def _counting(values):
+    def counted(self, wanted, *args):
+        out = values(self, wanted, *args)
+        MADE.append({n: t.numel() for n, t in out.items()})
+        return out
+
+    return counted
 
 
 def held(rank: int, engine) -> dict:
@@ -56,6 +71,8 @@ def held(rank: int, engine) -> dict:
         share=sum(b.layout.numel // (edp if b.layout.experts else dp_cp) for b in ctx.ddp.all()),
         dp_cp=dp_cp,
         buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
+        made=[sum(n for name, n in call.items() if name in engine.named_parameters) for call in MADE],
+        largest=max(p.numel() for p in engine.named_parameters.values()),
         **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
     )
 
@@ -132,12 +149,30 @@ def views() -> dict:
     return dict(losses=losses, state=engine.full_state_dict())
 
 
+def from_weights() -> dict:
+    """dp=2, zero=3: a Llama built on meta reads its values from weights (a state dict)."""
+    MADE.clear()
+    ids, labels = VIEW_BATCHES[0]
+    with torch.device("meta"):
+        model = make_model("llama", n_layer=2)
+    engine = fxmeg.parallelize(model, (ids[:2], labels[:2]), global_batch_size=8, optimizer=optimizer, zero=3,
+                               weights=make_model("llama", n_layer=2).state_dict(),
+                               init_fn=model.init_weights)  # for its rotary table, not in a state dict
+    return dict(state=engine.full_state_dict(), **held(0, engine),
+                param_elements=sum(p.numel() for p in engine.named_parameters.values()))
+
+
 def run(rank: int, scenarios: list[Scenario], root: str) -> dict:
-    out = {sc.id: train(rank, sc, held) for sc in scenarios}
+    Source.values = _counting(Source.values)
+    out = {}
+    for sc in scenarios:
+        MADE.clear()
+        out[sc.id] = train(rank, sc, held)
     if torch.distributed.get_world_size() == 4:
         out["moves"] = moves(root)
     else:
         out["views"] = views()
+        out["weights"] = from_weights()
     return out
 
 
@@ -211,10 +246,27 @@ def test_zero3_gathers_before_use_and_frees_after(results):
             assert len(gathered) == 6 and not live and most <= 3
 
 
-def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results):
-    """Parameters gathered in bf16, gradients reduced in fp32, fp32 masters sharded: losses,
-    norms and every master as the plain-PyTorch mixed-precision oracle's."""
-    check_sharded_bf16([r[BF16.id] for r in results[BF16.world]], BF16)
+@pytest.mark.parametrize("sc", BF16, ids=lambda s: s.id)
+def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results, sc):
+    """Parameters gathered in bf16, gradients reduced in fp32, fp32 masters sharded (for a
+    model built on meta, from the fp32 values of the shard each rank made): losses, norms
+    and every master as the plain-PyTorch mixed-precision oracle's."""
+    check_sharded_bf16([r[sc.id] for r in results[sc.world]], sc)
+
+
+@pytest.mark.parametrize("case", [s.id for s in SCENARIOS if s.meta] + ["weights"])
+def test_zero3_on_meta_makes_about_a_shard_of_the_stage(results, case):
+    """Built on meta at zero=3, from init_fn or from weights: a rank makes (or reads) only
+    the parameters its shard covers, bucket by bucket (a call of the source each): in all
+    its share of the stage and the parameters crossing the ends of its parts, never the
+    whole stage; and the values are the model's."""
+    world = 2 if case == "weights" else next(s.world for s in SCENARIOS if s.id == case)
+    if case == "weights":
+        assert_bitwise(results[2][0]["weights"]["state"], make_model("llama", n_layer=2).state_dict())
+    for r in (r[case] for r in results[world]):
+        made = r["made"]  # per bucket: a part of it, and the parameters crossing the part's two ends
+        assert sum(made) <= r["share"] + 2 * r["buckets"] * r["largest"]
+        assert sum(made) < r["param_elements"] and max(made) <= r["share"]
 
 
 @pytest.mark.parametrize("move", list(MOVES))
