@@ -246,6 +246,22 @@ def test_zero3_gathers_before_use_and_frees_after(results):
             assert len(gathered) == 6 and not live and most <= 3
 
 
+def test_zero3_frees_a_bucket_in_backward_once_autograd_let_go_of_it(results):
+    """dp=4, the tied embedding's bucket (5): backward reads it first (the head's input
+    gradient) and its gradient comes last (the embedding's). It is freed once autograd
+    let go of the tensors it saved from it, not when its gradient arrives: no block's
+    backward runs with it whole."""
+    sc = next(s for s in PARITY if s.id == "gpt-dp4-pp1-vpp1-auto-m4-zero3")
+    for r in results[sc.world]:
+        for log in r[sc.id]["events"]:
+            ready = [k for k, (kind, _) in enumerate(log) if kind == "ready"]
+            last = log.index(("ready", "wte.weight"))
+            live = set()
+            for k, (kind, label) in enumerate(log[:last]):
+                live = live | {label} if kind == "gather" else live - {label} if kind == "released" else live
+                assert k < ready[0] or "chunk0/5" not in live, log[k - 3 : k + 1]
+
+
 @pytest.mark.parametrize("sc", BF16, ids=lambda s: s.id)
 def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results, sc):
     """Parameters gathered in bf16, gradients reduced in fp32, fp32 masters sharded (for a
