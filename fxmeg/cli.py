@@ -125,7 +125,7 @@ PLAN_MODEL = ("model", "model_args", "seq_len")
 
 
 def _plan_parser(p: argparse.ArgumentParser) -> None:
-    from fxmeg.trainer import TrainConfig, flat_fields
+    from fxmeg.train_config import TrainConfig, flat_fields
 
     p.add_argument("--config", help="a `fxmeg train` TOML or YAML file: its model and layout keys are "
                                     "read, the trainer's other keys ignored (flags override it)")
@@ -146,7 +146,7 @@ def _plan(args) -> int:
     from fxmeg.build import build_model
     from fxmeg.hugging_face import is_hugging_face, keyword_batch
     from fxmeg.plan import plan
-    from fxmeg.trainer import engine_from_flat, flat_defaults
+    from fxmeg.train_config import engine_from_flat, flat_defaults
 
     values = _plan_values(args)
     model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}
@@ -174,7 +174,7 @@ def _plan_values(args) -> dict:
     """Flat names from --config (the trainer's own keys but the model's dropped), then
     the flags given."""
     from fxmeg.errors import ConfigError, closest
-    from fxmeg.trainer import TrainConfig, flat_fields
+    from fxmeg.train_config import TrainConfig, flat_fields
 
     names, values = flat_fields(), {}
     for key, value in (_read_config(args.config) if args.config else {}).items():
@@ -229,7 +229,7 @@ def hf_config(spec: list[str]):
 def _train_parser(p: argparse.ArgumentParser) -> None:
     """One flag per flat name of TrainConfig (its own fields, then EngineConfig's and
     ParallelConfig's scalar fields), its help the field's docstring."""
-    from fxmeg.trainer import flat_fields
+    from fxmeg.train_config import flat_fields
 
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * cp * pp * max(dp, 1))")
@@ -239,10 +239,14 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     _flags(p, flat_fields())
 
 
+WORDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+"""Options given as several words (flags with nargs='+'), kept as one space-separated string."""
+
+
 def _flags(p: argparse.ArgumentParser, names) -> None:
     """One flag per flat name (default None: not given), its help the field's docstring."""
     from fxmeg.config import EngineConfig, ParallelConfig
-    from fxmeg.trainer import TrainConfig, flat_defaults, flat_fields
+    from fxmeg.train_config import TrainConfig, flat_defaults, flat_fields
 
     docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
     defaults, fields = flat_defaults(), flat_fields()
@@ -251,6 +255,8 @@ def _flags(p: argparse.ArgumentParser, names) -> None:
         doc = docs[cls].get(name, "")
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif name in WORDS:  # --data-path 0.3 A 0.7 B, as Megatron's
+            p.add_argument(flag, nargs="+", default=None, metavar="WORD", help=doc)
         else:
             p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {defaults[name]!r})")
 
@@ -258,7 +264,7 @@ def _flags(p: argparse.ArgumentParser, names) -> None:
 def config_from(args: argparse.Namespace):
     """TrainConfig from a config file, then the flags given on the command line (flat
     names both: TrainConfig.from_flat)."""
-    from fxmeg.trainer import TrainConfig, flat_fields
+    from fxmeg.train_config import TrainConfig, flat_fields
 
     values = {key.replace("-", "_"): value for key, value in
               (_read_config(args.config) if args.config else {}).items()}
@@ -266,6 +272,9 @@ def config_from(args: argparse.Namespace):
         given = getattr(args, name)
         if given is not None:
             values[name] = given
+    for name in WORDS:  # words of the command line, or a list in the config file
+        if isinstance(values.get(name), list):
+            values[name] = " ".join(str(w) for w in values[name])
     if isinstance(values.get("model_args"), dict):
         import json
 
@@ -384,7 +393,7 @@ def _verify_worker(cfg) -> bool:
         trainer = Trainer(cfg.replace(run_dir=run_dir, save="", tensorboard=False, progress=False))
         trainer._switch_batch_size()  # the batch size at the resumed position (nothing is saved)
         engine = trainer.engine
-        batch = trainer.batch("train", trainer.train_order.indices(trainer.consumed, engine.config.global_batch_size))
+        batch = trainer.batch("train", range(trainer.consumed, trainer.consumed + engine.config.global_batch_size))
         result = engine.verify(batch)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

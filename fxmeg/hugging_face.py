@@ -117,7 +117,7 @@ def _config_errors() -> tuple[type[Exception], ...]:
 def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """The keyword batch of a window batch (the module docstring says why these keys).
 
-    Requires: ``labels`` is ``input_ids`` shifted by one (fxmeg.data.Samples.batch), both
+    Requires: ``labels`` is ``input_ids`` shifted by one (fxmeg.data.megatron.TrainData.batch), both
     (rows, seq_len) int64 and contiguous.
     Ensures: passed to a Hugging Face causal LM by keyword, position t is scored against
     labels[t]."""

@@ -213,7 +213,37 @@ class _Bank(nn.Module):
 
 
 # row id -> (set-up returning the failing call, or the failing call itself; message)
+def _data(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,10,0", **flags):
+    """The trainer's data (``train_data``) of a small indexed dataset written here (with a
+    PREFIX.json naming ``vocab``, unless None), read with ``flags``."""
+    import numpy as np
+
+    from fxmeg.data.indexed import write_indexed
+    from fxmeg.trainer import TrainConfig, train_data
+
+    prefix = os.path.join(tempfile.mkdtemp(), "data")
+    write_indexed(prefix, (np.arange(40, dtype=np.uint16) % 250 + k for k in range(30)), np.uint16)
+    if truncated:
+        with open(prefix + ".bin", "r+b") as f:
+            f.truncate(os.path.getsize(prefix + ".bin") - 6)
+    if vocab is not None:
+        with open(prefix + ".json", "w") as f:
+            f.write(f'{{"vocab_size": {vocab}}}')
+    where = {} if "data_path" in flags else {"data": prefix}
+    cfg = TrainConfig.from_flat(**(where | {"split": split} | flags), seq_len=16, train_iters=2,
+                                global_batch_size=4, micro_batch_size=2, eval_iters=1)
+    return train_data(cfg)
+
+
 ROWS = {
+    "data-indexed": (lambda: _data(truncated=True), "the .bin is truncated or from another run"),
+    "data-weights": (lambda: _data(data_path="0 a 0 b"), "--data-path weights ['0', '0'] must be non-negative"),
+    "data-sources": (lambda: _data(data_path="a", train_data_path="b"),
+                     "give either --data-path (cut by --split) or the per-split paths"),
+    "data-split-empty": (lambda: _data(split="100,0,0"), "split '100,0,0' leaves no validation data"),
+    "data-vocabulary": (lambda: _data(vocab=None), "pass --vocab-size N"),
+    "data-token-range": (lambda: _data(vocab=10).batch("train", range(4)),
+                         "which a vocabulary of 10 cannot hold"),
     "size-zero": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=0),
                   "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"),
     "size-type": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), tp="2"),

@@ -101,7 +101,7 @@ def test_memory_report_matches_hand_computed_bytes(corpus, tmp_path):
     # activations: an upper bound of what autograd really saves for one micro-batch
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        ids, labels = t.train_data.batch(range(4))
+        ids, labels = t.data.batch("train", range(4))
         t.engine.context.chunks[0](ids, labels)
     params_ptrs = {p.data_ptr() for p in t.engine.named_parameters.values()}
     measured = sum(x.numel() * x.element_size() for x in {x.data_ptr(): x for x in saved if x.data_ptr() not in params_ptrs}.values())
@@ -199,8 +199,8 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     t = Trainer(_config(corpus, tmp_path / "a", **hf))
     ref = T.LlamaForCausalLM._from_config(T.LlamaConfig(vocab_size=384, max_position_embeddings=32, **HF_ARGS))
     ref.load_state_dict(t.engine.full_state_dict())
-    ids, labels = t.train_data.batch(t.train_order.indices(0, 8))
-    batch = t.batch("train", t.train_order.indices(0, 8))
+    ids, labels = t.data.batch("train", range(8))
+    batch = t.batch("train", range(8))
     with torch.no_grad():
         own = ref(**batch).loss.item()
         logits = ref(input_ids=ids).logits

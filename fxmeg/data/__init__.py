@@ -1,7 +1,7 @@
-"""Data: tokenisers, a tokenised corpus on disk, fixed-length samples and samplers."""
+"""Data: tokenisers, Megatron's indexed format, its sample order and blends, and the
+trainer's splits (fxmeg.data.megatron)."""
 
 from fxmeg.data.corpus import Corpus, prepare
-from fxmeg.data.samples import Samples, Sampler
 from fxmeg.data.tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "Corpus", "Sampler", "Samples", "load_tokenizer", "prepare"]
+__all__ = ["ByteTokenizer", "Corpus", "load_tokenizer", "prepare"]

@@ -16,7 +16,7 @@ samples of each split of several indexed datasets, in Megatron's order
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,16 +72,18 @@ class Blended:
 
 
 def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split: str,
-                sizes: Sequence[int | None], *, seq_len: int, seed: int) -> list[Blended | None]:
+                sizes: Sequence[int | None], *, seq_len: int, seed: int,
+                open: Callable[[str], IndexedDataset] = IndexedDataset) -> list[Blended | None]:
     """Each split (train, valid, test) of the blend of ``prefixes`` (None where the split
-    has weight 0), asked ``sizes`` samples each."""
-    datas = [IndexedDataset(p) for p in prefixes]
+    has weight 0 or is asked 0 samples: not built), asked ``sizes`` samples each; ``open``
+    reads a prefix."""
+    datas = [open(p) for p in prefixes]
     ranges = [split_documents(split, d.num_documents) for d in datas]
     if weights is not None:
         weights = normalise(weights)
     out: list[Blended | None] = []
     for i, size in enumerate(sizes):
-        if ranges[0][i] is None:
+        if ranges[0][i] is None or size == 0:
             out.append(None)
             continue
         if weights is not None:

@@ -1,0 +1,217 @@
+"""The trainer's data as Megatron-LM builds it from ``--data-path``, ``--split`` and the
+per-split paths (docs/data.md): the same samples, in the same order, as Megatron-Core's
+``BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...)`` for the same seed and sequence
+length, with ``sizes`` from the run's own settings as Megatron's ``pretrain_gpt.py`` asks
+them (``sample_counts``).
+
+  one prefix               a GPTDataset over the split's documents, ``size`` samples
+  prefixes alone           a blend weighted by each dataset's samples in the split (one
+                           epoch each), ``min(size, their sum)`` samples
+  weights and prefixes     a blend of ``size`` samples, each dataset built for its share
+                           and 0.5% more
+  per-split paths          each split its own blend, over all documents of its datasets
+
+Sample ``j`` of a split is ``tokens(j)``, seq_len + 1 tokens; a trainer reads its stream
+position ``p`` as sample ``p``, so resuming at ``consumed_samples`` reads what an
+uninterrupted run reads, at any data-parallel size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fxmeg.data.blend import Blended, build_blend
+from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
+from fxmeg.data.indexed import IndexedDataset, is_indexed
+from fxmeg.errors import ConfigError
+
+SPLITS = ("train", "valid", "test")
+
+
+class DataError(ConfigError):
+    """Data the run cannot train on (refused before the first step)."""
+
+
+def parse_blend(words: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path`` words: 'W1 P1 W2 P2 ...' (weights and prefixes), else
+    prefixes alone."""
+    words = list(words)
+    if len(words) >= 2 and len(words) % 2 == 0:
+        try:
+            weights = [float(w) for w in words[::2]]
+        except ValueError:
+            return words, None
+        if sum(weights) <= 0 or min(weights) < 0:
+            raise DataError(f"--data-path weights {words[::2]} must be non-negative with a positive sum")
+        return words[1::2], weights
+    return words, None
+
+
+@dataclass(frozen=True)
+class DataPaths:
+    """Where a run's data is: ``blend`` (``--data-path`` words) cut by ``split``, or one
+    blend per split (``--train-data-path`` ...; then ``blend`` is empty)."""
+
+    blend: tuple[str, ...] = ()
+    split: str = "969,30,1"
+    per_split: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
+
+    def check(self) -> None:
+        if self.blend and any(self.per_split):
+            raise DataError("give either --data-path (cut by --split) or the per-split paths "
+                            "(--train-data-path, --valid-data-path, --test-data-path), not both")
+        if not self.blend and not self.per_split[0]:
+            raise DataError("no training data: give --data-path PREFIX (or 'W1 P1 W2 P2 ...'; --data PREFIX "
+                            "is the one-prefix case) or --train-data-path, prefixes of `fxmeg prepare-data` "
+                            "or Megatron's tools/preprocess_data.py output")
+        for words in (self.blend, *self.per_split):
+            if words:
+                parse_blend(words)
+
+    def check_files(self) -> None:
+        for prefix in self.prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(prefix + ext):
+                    raise DataError(f"data prefix {prefix!r}: {prefix + ext} does not exist")
+
+    @property
+    def prefixes(self) -> list[str]:
+        return [p for words in (self.blend, *self.per_split) if words for p in parse_blend(words)[0]]
+
+
+def sample_counts(train_samples: int, global_batch_size: int, eval_interval: int, eval_iters: int,
+                  train_iters: int) -> tuple[int, int, int]:
+    """The samples each split is built for, as Megatron asks them: every training sample;
+    eval_iters batches at each evaluation (every eval_interval steps, and one at the end);
+    eval_iters batches for the test."""
+    evaluations = (train_iters // eval_interval if eval_interval else 0) + 1
+    return train_samples, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size
+
+
+class _Single:
+    """One dataset's split: ``tokens(j)`` is sample j."""
+
+    def __init__(self, data, order: GPTOrder, seq_len: int) -> None:
+        self.data, self.order, self.seq_len = data, order, seq_len
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def tokens(self, j: int) -> np.ndarray:
+        return sample(lambda d: self.data[d], self.order, j, seq_len=self.seq_len)
+
+
+class _OldCorpus:
+    """A corpus of fxmeg's older format (``PREFIX.idx``: raw int64 document starts) read as
+    an indexed dataset of one sequence per document."""
+
+    def __init__(self, prefix: str) -> None:
+        with open(prefix + ".json") as f:
+            dtype = json.load(f)["dtype"]
+        self.tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+        starts = np.fromfile(prefix + ".idx", dtype=np.int64)
+        self._starts = starts
+        self.lengths = np.diff(np.append(starts, len(self.tokens))).astype(np.int32)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, d: int) -> np.ndarray:
+        return self.tokens[int(self._starts[d]) : int(self._starts[d]) + int(self.lengths[d])]
+
+
+def open_dataset(prefix: str):
+    """Megatron's indexed dataset at ``prefix``, or a corpus of fxmeg's older format."""
+    return IndexedDataset(prefix) if is_indexed(prefix) else _OldCorpus(prefix)
+
+
+def build_splits(paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int,
+                 seed: int) -> list[_Single | Blended | None]:
+    """The train, valid and test splits for ``sizes`` samples each (None: of weight 0, or
+    asked 0 samples: not built)."""
+    paths.check()
+    paths.check_files()
+    if paths.blend:
+        return _build(paths.blend, paths.split, sizes, seq_len, seed)
+    out: list[_Single | Blended | None] = []
+    for i, words in enumerate(paths.per_split):
+        whole = ",".join("1" if k == i else "0" for k in range(3))  # every document in split i
+        out.append(_build(words, whole, sizes, seq_len, seed)[i] if words and sizes[i] else None)
+    return out
+
+
+def _build(words, split: str, sizes, seq_len: int, seed: int) -> list:
+    prefixes, weights = parse_blend(words)
+    try:
+        if len(prefixes) == 1 and weights is None:
+            data = open_dataset(prefixes[0])
+            out = []
+            for i, documents in enumerate(split_documents(split, data.num_documents)):
+                if documents is None or sizes[i] == 0:
+                    out.append(None)
+                    continue
+                ids = np.arange(*documents, dtype=np.int32)
+                order = build_order(data.lengths, ids, seq_len=seq_len, num_samples=sizes[i], seed=seed)
+                out.append(_Single(data, order, seq_len))
+            return out
+        return build_blend(prefixes, weights, split, sizes, seq_len=seq_len, seed=seed, open=open_dataset)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise DataError(f"data {' '.join(words)!r}, split {split!r}: {e}") from e
+
+
+def vocab_size(prefixes: Sequence[str], given: int) -> int:
+    """``given`` (> 0), else the largest vocabulary ``PREFIX.json`` (written by `fxmeg
+    prepare-data`) names; Megatron's .bin / .idx do not say."""
+    if given > 0:
+        return given
+    sizes = []
+    for prefix in prefixes:
+        if not os.path.exists(prefix + ".json"):
+            raise DataError(f"{prefix}.idx / .bin do not say the vocabulary size and {prefix}.json does not "
+                            "exist (Megatron's preprocess_data.py writes none): pass --vocab-size N, the size "
+                            "of the tokenizer the data was made with")
+        with open(prefix + ".json") as f:
+            sizes.append(int(json.load(f)["vocab_size"]))
+    return max(sizes)
+
+
+class TrainData:
+    """A run's train and valid splits and its vocabulary (``batch`` checks every token
+    id against it)."""
+
+    def __init__(self, paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
+                 vocab: int = 0) -> None:
+        # the test split is not built: nothing in fxmeg reads it (Megatron builds it, and
+        # loops forever when the split leaves it no document)
+        self.train, self.valid, _ = build_splits(paths, (*sizes[:2], 0), seq_len=seq_len, seed=seed)
+        if self.valid is None or len(self.valid) == 0:
+            raise DataError(f"split {paths.split!r} leaves no validation data, which evaluation reads: give the "
+                            "valid split a weight (e.g. '98,2,0') or --valid-data-path")
+        if len(self.train) < sizes[0]:
+            raise DataError(f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
+                            f"than the {sizes[0]} the run trains on")
+        self.vocab_size = vocab_size(paths.prefixes, vocab)
+        self.seq_len = seq_len
+
+    def batch(self, split: str, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of stream positions ``positions``: sample p of the train
+        split; of the valid split, p modulo its samples (evaluation reads one stream)."""
+        data = self.train if split == "train" else self.valid
+        wrap = split != "train"
+        rows = np.stack([data.tokens(p % len(data) if wrap else p) for p in positions]).astype(np.int64)
+        top = int(rows.max())
+        if top >= self.vocab_size:
+            raise DataError(f"the {split} data holds token id {top} (stream positions {positions[0]}..."
+                            f"{positions[-1]}), which a vocabulary of {self.vocab_size} cannot hold: the data "
+                            "was made with another tokenizer, or --vocab-size is too small")
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -1,0 +1,264 @@
+"""`fxmeg train`'s options (TrainConfig) and their flat names: every scalar field of
+TrainConfig, EngineConfig and ParallelConfig is one flag and one config-file key."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
+from fxmeg.data.megatron import DataPaths
+from fxmeg.errors import ConfigError, closest
+from fxmeg.numbers import Size, check_numbers
+
+_ENGINE = EngineConfig(micro_batch_size=4, global_batch_size=32)
+"""The engine options of a TrainConfig that sets none: micro-batches of 4, global batches of 32."""
+OPTIMIZERS = ("adamw", "muon")
+"""What `--optimizer` chooses from."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every option of `fxmeg train`: the trainer's own fields, and ``engine`` (an
+    EngineConfig, which holds the ParallelConfig) for everything ``fxmeg.parallelize``
+    takes. Flags and config-file keys are flat: each scalar field of the three classes
+    is one name (--micro-batch-size 4, --tp 2; ``tp = 2`` in TOML); build one from them
+    with ``TrainConfig.from_flat`` and change one with ``replace``."""
+
+    model: str = "models.gpt:GPT"
+    """The model class, module:Class; built from model_args (kwargs or its config dataclass;
+    a Hugging Face class, e.g. transformers:LlamaForCausalLM, from its config_class)."""
+    model_args: str = "{}"
+    """JSON object of the model's constructor or config arguments."""
+    data: str = ""
+    """One data prefix (PREFIX.bin / .idx, Megatron's indexed format, e.g. from `fxmeg
+    prepare-data`): the same as data_path = PREFIX."""
+    data_path: str = ""
+    """Megatron's --data-path, cut by split: a prefix, prefixes (weighted by their samples),
+    or weights and prefixes 'W1 P1 W2 P2 ...'; samples in Megatron's order (docs/data.md)."""
+    split: str = "969,30,1"
+    """Megatron's --split: the weights of the train, valid and test documents of data_path."""
+    train_data_path: str = ""
+    """Instead of data_path: the training split's own blend (all its documents), as data_path."""
+    valid_data_path: str = ""
+    """With train_data_path: the validation split's own blend."""
+    test_data_path: str = ""
+    """With train_data_path: the test split's own blend (fxmeg trains and evaluates; nothing reads it)."""
+    vocab_size: int = 0
+    """The data's vocabulary size (0: from PREFIX.json, which `fxmeg prepare-data` writes and
+    Megatron's tools do not); every token id is checked against it."""
+    seq_len: int = 128
+    """Tokens per sample (each sample reads seq_len + 1 tokens)."""
+    seed: int = 1234
+    """Seed of model initialisation and data shuffling."""
+    step_batch_size_schedule: str = ""
+    """'THRESHOLD:BS ...': from THRESHOLD consumed samples on, train with global batch BS."""
+    train_iters: int = 0
+    """Steps to train (or train_samples)."""
+    train_samples: int = 0
+    """Samples to train (or train_iters)."""
+    exit_interval: int = 0
+    """Save and stop when the iteration is a multiple of this (0: never)."""
+    exit_duration_in_mins: float = 0.0
+    """Save and stop after this many minutes (0: never)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_samples: int = 0
+    """Linear warmup from 0 over this many samples."""
+    lr_decay_samples: int = 0
+    """Samples by the end of decay (0: the whole run)."""
+    lr_decay_style: str = "cosine"
+    """constant, linear, cosine, inverse-square-root or WSD."""
+    lr_wsd_decay_samples: int = 0
+    """WSD: samples of the final anneal (0: the last tenth of the decay)."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD: the anneal's shape: exponential, linear, cosine or minus_sqrt."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': Muon on the hidden layers' matrices and AdamW on the rest
+    (embeddings, head, biases, norms), one lr and weight decay for both
+    (fxmeg.runtime.optimizer.muon_adamw; with the distributed optimizer it shards layer-wise)."""
+    weight_decay: float = 0.01
+    """Weight decay (not applied to biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (0: only at the end)."""
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+    log_interval: int = 10
+    """Log every this many steps."""
+    run_dir: str = "runs/run"
+    """Where metrics.jsonl, TensorBoard files and plots go."""
+    tensorboard: bool = True
+    """Also write TensorBoard events (when tensorboard is installed)."""
+    progress: bool = True
+    """Show a live progress line on rank 0."""
+    save: str = ""
+    """Checkpoint directory ('' : no checkpoints)."""
+    load: str = ""
+    """Resume from the latest checkpoint in this directory, if any."""
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end and before batch-size switches)."""
+    keep_last: int = 0
+    """Keep only this many checkpoints (0: all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on."""
+    init_from: str = ""
+    """Start from these weights: a state_dict file (e.g. one written by `fxmeg export`), a
+    safetensors file or Hugging Face directory, or an fxmeg checkpoint. The model is built
+    on the meta device and each rank reads only its slices."""
+    check_determinism: bool = False
+    """Run each step's forward and backward twice and report steps that differ."""
+    trace: str = ""
+    """Write a Chrome / Perfetto timeline of traced steps to this directory ('' : off)."""
+    trace_interval: int = 1
+    """Trace every this many steps (with --trace); `fxmeg plot-schedule` draws one."""
+    engine: EngineConfig = _ENGINE
+    """Engine options and, in engine.parallel, the layout (flat names: see from_flat)."""
+
+    SIZES: ClassVar[dict[str, Size]] = {
+        "seq_len": Size(1, "sequence length (tokens per sample)"),
+        "vocab_size": Size(0, "vocabulary size of the data (0: from PREFIX.json)"),
+        "seed": Size(0, "random seed"),
+        "train_iters": Size(0, "number of training steps"),
+        "train_samples": Size(0, "number of training samples"),
+        "exit_interval": Size(0, "save-and-stop interval in steps (0: never)"),
+        "lr_warmup_samples": Size(0, "learning-rate warmup in samples"),
+        "lr_decay_samples": Size(0, "learning-rate decay in samples (0: the whole run)"),
+        "lr_wsd_decay_samples": Size(0, "WSD anneal in samples (0: the last tenth of the decay)"),
+        "eval_interval": Size(0, "evaluation interval in steps (0: only at the end)"),
+        "eval_iters": Size(1, "number of validation batches per evaluation"),
+        "log_interval": Size(1, "log interval in steps"),
+        "save_interval": Size(0, "checkpoint interval in steps (0: only at the end)"),
+        "keep_last": Size(0, "number of checkpoints kept (0: all)"),
+        "trace_interval": Size(1, "trace interval in steps"),
+    }
+    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        if (self.train_iters > 0) == (self.train_samples > 0):
+            raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
+        if self.data and (self.data_path or self.train_data_path):
+            raise ConfigError("data is the one-prefix spelling of data_path: give one of data, data_path and "
+                              "the per-split paths (train_data_path ...)")
+        self.data_paths().check()
+        if self.engine.lr_schedule is not None:
+            raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
+                              "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
+                              + closest(self.optimizer, OPTIMIZERS))
+        batch_size_schedule(self)  # validates
+
+    def data_paths(self) -> DataPaths:
+        """Where the data is (``fxmeg.data.megatron``)."""
+        return DataPaths(blend=tuple((self.data_path or self.data).split()), split=self.split,
+                         per_split=tuple(tuple(p.split()) for p in (self.train_data_path, self.valid_data_path,
+                                                                    self.test_data_path)))
+
+    @classmethod
+    def from_flat(cls, where: str = "", /, **values) -> TrainConfig:
+        """A TrainConfig from flat names (the flags' and config files' keys): every
+        trainer field and every scalar field of EngineConfig and ParallelConfig; unset
+        ones keep their defaults. An unknown name is refused with the nearest valid one
+        (``where``, e.g. a config file, is named in that message)."""
+        own, engine = _split_flat(values, where)
+        return cls(engine=_with_flat(_ENGINE, engine), **own)
+
+    def replace(self, **changes) -> TrainConfig:
+        """This config with some flat names (as ``from_flat`` takes them) changed."""
+        own, engine = _split_flat(changes)
+        return dataclasses.replace(self, engine=_with_flat(self.engine, engine), **own)
+
+    def flat(self) -> dict:
+        """Flat name -> value of every name ``from_flat`` takes (the scalar fields)."""
+        owners = {TrainConfig: self, EngineConfig: self.engine, ParallelConfig: self.engine.parallel}
+        return {name: getattr(owners[cls], name) for name, (cls, _) in flat_fields().items()}
+
+
+def flat_fields() -> dict[str, tuple[type, type]]:
+    """Flat name -> (the class declaring it, its value type), in flag order: TrainConfig's
+    fields, then EngineConfig's scalar fields, then ParallelConfig's."""
+    return {name: (cls, kind) for cls in (TrainConfig, EngineConfig, ParallelConfig)
+            for name, kind in scalar_fields(cls).items()}
+
+
+def flat_defaults() -> dict:
+    """Flat name -> the value a TrainConfig takes when that name is not given."""
+    own = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "engine"}
+    owners = {EngineConfig: _ENGINE, ParallelConfig: _ENGINE.parallel}
+    return {name: own[name] if cls is TrainConfig else getattr(owners[cls], name)
+            for name, (cls, _) in flat_fields().items()}
+
+
+def engine_from_flat(**values) -> EngineConfig:
+    """The EngineConfig of a TrainConfig given these flat EngineConfig / ParallelConfig
+    names (``fxmeg plan`` takes the layout flags of ``fxmeg train``)."""
+    own, engine = _split_flat(values)
+    if own:
+        raise ConfigError(f"{sorted(own)} are options of the trainer, not of the engine or the layout")
+    return _with_flat(_ENGINE, engine)
+
+
+def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
+    """(TrainConfig's own fields, the engine's and layout's) of flat ``values``; an
+    unknown name is refused naming the nearest."""
+    names = flat_fields()
+    for name in values:
+        if name not in names:
+            place = f" in {where}" if where else ""
+            raise ConfigError(f"unknown config key {name!r}{place}" + closest(name, names))
+    own = {k: v for k, v in values.items() if names[k][0] is TrainConfig}
+    return own, {k: v for k, v in values.items() if k not in own}
+
+
+def _with_flat(engine: EngineConfig, values: dict) -> EngineConfig:
+    """``engine`` with flat EngineConfig / ParallelConfig names changed (one check, at the end)."""
+    layout = scalar_fields(ParallelConfig)
+    parallel = dataclasses.replace(engine.parallel, **{k: v for k, v in values.items() if k in layout})
+    others = {k: v for k, v in values.items() if k not in layout}
+    return dataclasses.replace(engine, parallel=parallel, **others)
+
+
+def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) -> list[tuple[int, int]]:
+    """(threshold in consumed samples, global batch size) from 0 on, ascending. The
+    micro-batch count may only grow (docs/design.md §8.3.3): a shrinking size is refused.
+    Each size is checked as EngineConfig checks global_batch_size, against ``engine``
+    (default cfg.engine; pass the resolved one for the full check with dp)."""
+    engine = engine or cfg.engine
+    steps = [(0, engine.global_batch_size)]
+    for item in cfg.step_batch_size_schedule.split():
+        try:
+            threshold, size = (int(x) for x in item.split(":"))
+        except ValueError as exc:
+            raise ConfigError(
+                f"step_batch_size_schedule entry {item!r} is not THRESHOLD:BATCH_SIZE"
+            ) from exc
+        if threshold == 0:
+            steps[0] = (0, size)
+        else:
+            steps.append((threshold, size))
+    for (t0, b0), (t1, b1) in zip(steps, steps[1:]):
+        if t1 <= t0:
+            raise ConfigError(f"step_batch_size_schedule thresholds must increase: {t0} then {t1}")
+        if b1 < b0:
+            raise ConfigError(
+                f"step_batch_size_schedule would shrink the global batch from {b0} to {b1} at "
+                f"{t1} samples; the micro-batch count may only grow (docs/design.md §8.3.3)"
+            )
+    for threshold, size in steps:
+        try:
+            dataclasses.replace(engine, global_batch_size=size)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"step_batch_size_schedule, global batch {size} from {threshold} samples: {exc}"
+            ) from None
+    return steps
