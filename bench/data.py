@@ -6,7 +6,9 @@ One JSON line.
 The dataset: ``--tokens`` uint16 tokens in documents of 1 to 2000 tokens (random, seeded),
 written once with fxmeg's writer. Timed: the order of one epoch's samples at ``--seq``
 (document, sample and shuffle indices), and a blend of two copies at weights 0.3 / 0.7
-for ``--samples`` samples. Reading: samples per second of ``sample()`` in read order.
+for ``--samples`` samples. Reading: samples per second of the trainer's own reader
+(``TrainData.batch``, fxmeg/data/megatron.py: global batches of ``--gbs`` in stream order,
+as int64 tensors, every token id checked).
 
     python bench/data.py [--tokens 100000000 --seq 2048 --samples 200000]
 """
@@ -26,8 +28,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fxmeg.data.blend import blending_indices  # noqa: E402
-from fxmeg.data.gpt_order import build_order, sample  # noqa: E402
+from fxmeg.data.gpt_order import build_order  # noqa: E402
 from fxmeg.data.indexed import IndexedDataset, write_indexed  # noqa: E402
+from fxmeg.data.megatron import DataPaths, TrainData  # noqa: E402
 
 
 def _documents(tokens: int, seed: int = 0):
@@ -44,7 +47,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100_000_000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--samples", type=int, default=200_000, help="samples of the blend")
-    p.add_argument("--read", type=int, default=2000, help="samples read for the loader's rate")
+    p.add_argument("--read", type=int, default=2048, help="samples read for the loader's rate")
+    p.add_argument("--gbs", type=int, default=32, help="samples per read (a global batch)")
     args = p.parse_args()
     out = {"tokens": args.tokens, "seq": args.seq}
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,9 +66,11 @@ def main() -> None:
         blending_indices([0.3, 0.7], args.samples)
         out["fxmeg_blend_s"] = round(time.perf_counter() - t0, 3)
         out |= _megatron(prefix, ids, args)
+        reader = TrainData(DataPaths(blend=(prefix,), split="99,1,0"), (args.read, args.gbs, 0), seq_len=args.seq,
+                           seed=1234, vocab=65536)
         t0 = time.perf_counter()
-        for i in range(args.read):
-            sample(lambda d: data[d], order, i, seq_len=args.seq)
+        for start in range(0, args.read, args.gbs):
+            reader.batch("train", range(start, start + args.gbs))
         out["read_samples_per_s"] = round(args.read / (time.perf_counter() - t0))
     print(json.dumps(out))
 

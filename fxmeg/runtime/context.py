@@ -176,13 +176,10 @@ def build_context(
     chunks = _materialise(program, groups, local, later)
     masters = _local_masters(program, groups, local, later)
     # before release (the user's full tensors are compared over tp) and before gradient
-    # buffers and optimizer read the values; what is made later, as shards, comes from
-    # the source, the same on every rank
-    held = {n: h for n, h in replicas.at_start(program, chunks, masters, local).items() if n not in later}
-    replicas.agree(program, groups, held, device=program.device, broadcast=config.broadcast_params)
+    # buffers and optimizer read the values
+    _agree_at_start(program, config, groups, chunks, masters, local, later)
     whole = {n: t for n, t in local.items() if n in wanted and wanted[n].whole}
-    pieces: dict[str, tuple[int, torch.Tensor]] = {}  # fp32 masters of what is made later, as shards
-    fill = ShardFill(later, _filler(program, groups, source, {n: wanted[n] for n in later}, pieces)) if later else None
+    fill, pieces = _shard_fill(program, groups, source, {n: wanted[n] for n in later})
     if model is not None:
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
@@ -360,12 +357,31 @@ def _sharded_later(program: Program, config: EngineConfig, groups: Groups,
     return frozenset(n for n, w in wanted.items() if n in trained and not w.whole)
 
 
+def _agree_at_start(program: Program, config: EngineConfig, groups: Groups, chunks, masters, local,
+                    later: frozenset[str]) -> None:
+    """The start-up replica check (collective), of everything but what is made ``later``,
+    as shards: every rank makes those from the same source."""
+    held = {n: h for n, h in replicas.at_start(program, chunks, masters, local).items() if n not in later}
+    replicas.agree(program, groups, held, device=program.device, broadcast=config.broadcast_params)
+
+
+def _shard_fill(program: Program, groups: Groups, source: Source | None, wanted: dict[str, _Wanted]
+                ) -> tuple[ShardFill | None, dict[str, tuple[int, torch.Tensor]]]:
+    """The ShardFill of the parameters ``wanted`` later (None without any), and the dict
+    its calls fill, in half precision, with the fp32 masters of what they made (name ->
+    (its first element, the values)). Call it before ``release`` (which empties
+    ``Program.master_values``)."""
+    pieces: dict[str, tuple[int, torch.Tensor]] = {}
+    if not wanted:
+        return None, pieces
+    return ShardFill(frozenset(wanted), _filler(program, groups, source, wanted, pieces)), pieces
+
+
 def _filler(program: Program, groups: Groups, source: Source, wanted: dict[str, _Wanted],
             pieces: dict[str, tuple[int, torch.Tensor]]):
     """``ShardFill.make``: the values of some ``wanted`` parameters, given the element
     range [lo, hi) of each that this rank's shard covers; in half precision the fp32
     values of that range are kept in ``pieces`` (name -> (lo, values)) for the masters."""
-
     halves = frozenset(n for n in wanted if n in program.master_values)  # before release empties it
 
     def make(ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
