@@ -221,7 +221,7 @@ def _data(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,
     from fxmeg.data.indexed import write_indexed
     from fxmeg.trainer import TrainConfig, train_data
 
-    prefix = os.path.join(tempfile.mkdtemp(), "data")
+    prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-errors-data-"), "data")
     write_indexed(prefix, (np.arange(40, dtype=np.uint16) % 250 + k for k in range(30)), np.uint16)
     if truncated:
         with open(prefix + ".bin", "r+b") as f:
