@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
     prep.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
     prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
+    prep.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                      help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
+                           "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")
     export = sub.add_parser("export", help="write a checkpoint's model for one device: a plain state_dict, "
                                            "or a Hugging Face directory")
     export.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
@@ -112,9 +115,16 @@ def _prepare(args) -> int:
     from fxmeg.data import load_tokenizer, prepare
     from fxmeg.data.corpus import read_documents
 
-    meta = prepare(read_documents(args.input), args.output, load_tokenizer(args.tokenizer))
-    print(f"wrote {args.output}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} documents, "
-          f"vocabulary {meta['vocab_size']} ({meta['tokenizer']})")
+    from fxmeg.data.corpus import read_json_lines
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    jobs = [(read_documents(args.input), args.output)]
+    if args.json_keys:  # one dataset per key, named as Megatron's preprocess_data.py names them
+        jobs = [(read_json_lines(args.input, key), f"{args.output}_{key}_document") for key in args.json_keys]
+    for documents, prefix in jobs:
+        meta = prepare(documents, prefix, tokenizer)
+        print(f"wrote {prefix}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} documents, "
+              f"vocabulary {meta['vocab_size']} ({meta['tokenizer']})")
     return 0
 
 

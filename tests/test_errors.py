@@ -235,6 +235,16 @@ def _data(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,
     return train_data(cfg)
 
 
+def _json_lines(text: str):
+    """`fxmeg prepare-data --json-keys text` reading a JSON-lines file holding ``text``."""
+    from fxmeg.data.corpus import read_json_lines
+
+    path = os.path.join(tempfile.mkdtemp(prefix="fxmeg-errors-data-"), "in.jsonl")
+    with open(path, "w") as f:
+        f.write(text)
+    return read_json_lines([path], "text")
+
+
 ROWS = {
     "data-indexed": (lambda: _data(truncated=True), "the .bin is truncated or from another run"),
     "data-weights": (lambda: _data(data_path="0 a 0 b"), "--data-path weights ['0', '0'] must be non-negative"),
@@ -242,6 +252,8 @@ ROWS = {
                      "give either --data-path (cut by --split) or the per-split paths"),
     "data-split-empty": (lambda: _data(split="100,0,0"), "split '100,0,0' leaves no validation data"),
     "data-vocabulary": (lambda: _data(vocab=None), "pass --vocab-size N"),
+    "data-json-key": (lambda: list(_json_lines('{"text": "a"}\n{"body": "b"}\n')),
+                      "in.jsonl:2 has no text field 'text' (it has ['body'])"),
     "data-token-range": (lambda: _data(vocab=10).batch("train", range(4)),
                          "which a vocabulary of 10 cannot hold"),
     "size-zero": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=0),

@@ -161,3 +161,27 @@ def test_the_command_line_takes_megatrons_words(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('data-path = [0.3, "A", 0.7, "B"]\ntrain-iters = 1\n')
     assert config_from(parser.parse_args(["--config", str(toml)])).data_path == "0.3 A 0.7 B"
+
+
+def test_prepare_data_reads_json_lines_as_megatron(tmp_path):
+    """`fxmeg prepare-data --json-keys text` (Megatron's preprocess_data.py flag): each
+    line's field is a document, written to PREFIX_text_document as Megatron names it, and
+    Megatron's IndexedDataset reads it back; a line without the field is refused naming
+    the file and line, and nothing is written."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
+
+    from fxmeg.cli import main
+
+    docs = [f"document {i}: " + "xyz" * (i + 3) for i in range(12)]
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    assert main(["prepare-data", "--input", str(lines), "--output", str(tmp_path / "out"), "--json-keys", "text"]) == 0
+    theirs = MegatronDataset(str(tmp_path / "out_text_document"))
+    tok = ByteTokenizer()
+    assert len(theirs) == len(docs)
+    for doc, ids in zip(docs, (theirs[i] for i in range(len(theirs)))):
+        assert ids.tolist() == tok.encode(doc) + [tok.eos_id]
+    lines.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(DataError, match=r"in.jsonl:2 has no text field 'text' \(it has \['body'\]\)"):
+        main(["prepare-data", "--input", str(lines), "--output", str(tmp_path / "bad"), "--json-keys", "text"])
+    assert not list(tmp_path.glob("bad*"))

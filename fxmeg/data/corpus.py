@@ -44,7 +44,8 @@ class Corpus:
 
 def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict:
     """Tokenise ``documents`` into the corpus at ``prefix`` (Megatron's indexed format, each
-    document followed by the end-of-document token); returns its metadata."""
+    document followed by the end-of-document token); returns its metadata. When reading
+    the documents fails, nothing at ``prefix`` changes (``write_indexed``)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     encoded = (tokenizer.encode(text) for text in documents)
@@ -88,6 +89,38 @@ def read_documents(inputs: Iterable[str]) -> Iterator[str]:
             raise FileNotFoundError(
                 f"prepare-data input {spec!r} is neither a file, a directory, pydoc:topics nor stdlib:PKG"
             )
+
+
+def read_json_lines(inputs: Iterable[str], key: str) -> Iterator[str]:
+    """The ``key`` field of every line of JSON-lines files, as Megatron's
+    ``tools/preprocess_data.py --json-keys`` reads them (a directory: its .jsonl and .json
+    files, sorted). A line that is not a JSON object with a string ``key`` is refused,
+    naming the file and line."""
+    from fxmeg.data.megatron import DataError
+
+    for spec in inputs:
+        paths = [spec]
+        if os.path.isdir(spec):
+            paths = sorted(os.path.join(root, n) for root, _, files in os.walk(spec) for n in files
+                           if n.endswith((".jsonl", ".json")))
+        elif not os.path.isfile(spec):
+            raise FileNotFoundError(f"prepare-data input {spec!r} is neither a JSON-lines file nor a directory")
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{number} is not a JSON line ({e.msg}); --json-keys reads one "
+                                        "JSON object per line") from None
+                    value = record.get(key) if isinstance(record, dict) else None
+                    if not isinstance(value, str):
+                        found = sorted(record) if isinstance(record, dict) else type(record).__name__
+                        raise DataError(f"{path}:{number} has no text field {key!r} (it has {found}); pass "
+                                        "--json-keys with the field that holds the text")
+                    yield value
 
 
 def _read(path: str) -> str:

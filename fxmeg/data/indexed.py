@@ -106,22 +106,27 @@ class IndexedDataset:
 
 def write_indexed(prefix: str, documents: Iterable[np.ndarray], dtype) -> tuple[int, int]:
     """Write ``documents`` (arrays of token ids, one sequence each) as ``PREFIX.bin`` and
-    ``PREFIX.idx`` in Megatron's format, each file replaced only once complete. Returns
-    (documents, tokens)."""
+    ``PREFIX.idx`` in Megatron's format, each file replaced only once complete (when
+    ``documents`` fails, its partial file is removed and nothing at ``prefix`` changes).
+    Returns (documents, tokens)."""
     dtype = np.dtype(dtype)
     if dtype not in _CODE_OF:
         raise IndexedDataError(f"the indexed format has no code for dtype {dtype.name}")
     lengths = []
-    with open(prefix + ".bin.tmp", "wb") as out:
-        for doc in documents:
-            arr = np.asarray(doc)
-            if arr.size and dtype.kind in "iu":
-                info = np.iinfo(dtype)
-                if arr.min() < info.min or arr.max() > info.max:
-                    raise IndexedDataError(f"document {len(lengths)} holds token ids {arr.min()}..{arr.max()}, "
-                                           f"which {dtype.name} cannot hold")
-            arr.astype(dtype, copy=False).tofile(out)
-            lengths.append(arr.size)
+    try:
+        with open(prefix + ".bin.tmp", "wb") as out:
+            for doc in documents:
+                arr = np.asarray(doc)
+                if arr.size and dtype.kind in "iu":
+                    info = np.iinfo(dtype)
+                    if arr.min() < info.min or arr.max() > info.max:
+                        raise IndexedDataError(f"document {len(lengths)} holds token ids {arr.min()}..{arr.max()}, "
+                                               f"which {dtype.name} cannot hold")
+                arr.astype(dtype, copy=False).tofile(out)
+                lengths.append(arr.size)
+    except BaseException:
+        os.remove(prefix + ".bin.tmp")
+        raise
     lengths_ = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths_[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
