@@ -36,7 +36,7 @@ class TrainConfig:
     prepare-data`): the same as data_path = PREFIX."""
     data_path: str = ""
     """Megatron's --data-path, cut by split: a prefix, prefixes (weighted by their samples),
-    or weights and prefixes 'W1 P1 W2 P2 ...'; samples in Megatron's order (docs/data.md)."""
+    or weights and prefixes 'W1 P1 W2 P2 ...'; samples in Megatron's order (docs/cli.md, Data)."""
     split: str = "969,30,1"
     """Megatron's --split: the weights of the train, valid and test documents of data_path."""
     train_data_path: str = ""

@@ -1,5 +1,5 @@
 """The trainer's data as Megatron-LM builds it from ``--data-path``, ``--split`` and the
-per-split paths (docs/data.md): the same samples, in the same order, as Megatron-Core's
+per-split paths (docs/cli.md, "Data"): the same samples, in the same order, as Megatron-Core's
 ``BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...)`` for the same seed and sequence
 length, with ``sizes`` from the run's own settings as Megatron's ``pretrain_gpt.py`` asks
 them (``sample_counts``).
@@ -27,12 +27,10 @@ import numpy as np
 import torch
 
 from fxmeg.data.blend import Blended, build_blend
+from fxmeg.data.corpus import Corpus
 from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset, is_indexed
 from fxmeg.errors import ConfigError
-
-SPLITS = ("train", "valid", "test")
-
 
 class DataError(ConfigError):
     """Data the run cannot train on (refused before the first step)."""
@@ -108,16 +106,13 @@ class _Single:
 
 
 class _OldCorpus:
-    """A corpus of fxmeg's older format (``PREFIX.idx``: raw int64 document starts) read as
-    an indexed dataset of one sequence per document."""
+    """A corpus of fxmeg's older format (``PREFIX.idx``: raw int64 document starts; read
+    and checked by ``Corpus``) seen as an indexed dataset of one sequence per document."""
 
     def __init__(self, prefix: str) -> None:
-        with open(prefix + ".json") as f:
-            dtype = json.load(f)["dtype"]
-        self.tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-        starts = np.fromfile(prefix + ".idx", dtype=np.int64)
-        self._starts = starts
-        self.lengths = np.diff(np.append(starts, len(self.tokens))).astype(np.int32)
+        corpus = Corpus(prefix)
+        self.tokens, self._starts = corpus.tokens, corpus.doc_starts
+        self.lengths = np.diff(np.append(self._starts, len(self.tokens))).astype(np.int32)
 
     @property
     def num_documents(self) -> int:

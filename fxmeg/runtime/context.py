@@ -367,22 +367,15 @@ def _agree_at_start(program: Program, config: EngineConfig, groups: Groups, chun
 
 def _shard_fill(program: Program, groups: Groups, source: Source | None, wanted: dict[str, _Wanted]
                 ) -> tuple[ShardFill | None, dict[str, tuple[int, torch.Tensor]]]:
-    """The ShardFill of the parameters ``wanted`` later (None without any), and the dict
-    its calls fill, in half precision, with the fp32 masters of what they made (name ->
-    (its first element, the values)). Call it before ``release`` (which empties
+    """The ShardFill of the parameters ``wanted`` later (None without any): ``make`` gets
+    the element range [lo, hi) this rank's shard covers of some of them and returns their
+    values; in half precision it keeps the fp32 values of that range in the returned dict
+    (name -> (lo, values)) for the masters. Call it before ``release`` (which empties
     ``Program.master_values``)."""
     pieces: dict[str, tuple[int, torch.Tensor]] = {}
     if not wanted:
         return None, pieces
-    return ShardFill(frozenset(wanted), _filler(program, groups, source, wanted, pieces)), pieces
-
-
-def _filler(program: Program, groups: Groups, source: Source, wanted: dict[str, _Wanted],
-            pieces: dict[str, tuple[int, torch.Tensor]]):
-    """``ShardFill.make``: the values of some ``wanted`` parameters, given the element
-    range [lo, hi) of each that this rank's shard covers; in half precision the fp32
-    values of that range are kept in ``pieces`` (name -> (lo, values)) for the masters."""
-    halves = frozenset(n for n in wanted if n in program.master_values)  # before release empties it
+    halves = frozenset(n for n in wanted if n in program.master_values)
 
     def make(ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
         values = _values(program, groups, source, {n: wanted[n] for n in ranges})
@@ -391,7 +384,7 @@ def _filler(program: Program, groups: Groups, source: Source, wanted: dict[str, 
                 pieces[name] = (lo, values[name].reshape(-1)[lo:hi].float().clone())
         return values
 
-    return make
+    return ShardFill(frozenset(wanted), make), pieces
 
 
 def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor],

@@ -234,9 +234,14 @@ class ZeroBuffer(GradBuffer):
         i = self._bucket_of[name]
         if i in self._staging:  # a deferred bucket: whole until finish_deferred
             return self.params[name].main_grad
-        s, (lo, _, size) = self.layout.slot(name), self._part[i]
-        a, b = max(lo, s.offset), min(lo + size, s.offset + s.numel)
+        a, b = self._mine(name)
         return self.grad_piece(a, b) if a < b else self.grad_shard[:0]
+
+    def _mine(self, name: str) -> tuple[int, int]:
+        """The buffer elements [a, b) of parameter ``name`` in this rank's part of its
+        bucket (none when a >= b)."""
+        s, (lo, _, size) = self.layout.slot(name), self._part[self._bucket_of[name]]
+        return max(lo, s.offset), min(lo + size, s.offset + s.numel)
 
     def scale_(self, factor: float) -> None:
         self.grad_shard.mul_(factor)
@@ -257,7 +262,7 @@ class ZeroBuffer(GradBuffer):
         for bucket in self.layout.buckets:
             flat = whole[bucket.index] = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
             lo, at, size = self._part[bucket.index]
-            made = fill.make(self._covered(bucket, lo, size, fill.names)) if fill is not None else {}
+            made = fill.make(self._covered(bucket, fill.names)) if fill is not None else {}
             for name in bucket.params:
                 s, p = self.layout.slot(name), self.params[name]
                 view = flat[s.offset - bucket.start :][: s.numel].view(p.shape)
@@ -270,15 +275,15 @@ class ZeroBuffer(GradBuffer):
             flat.untyped_storage().resize_(0)
         return whole, shard
 
-    def _covered(self, bucket, lo: int, size: int, names: frozenset[str]) -> dict[str, tuple[int, int]]:
-        """Of ``names`` in ``bucket``, those with elements in this rank's part [lo, lo + size)
-        -> the range [a, b) of their own elements in it."""
+    def _covered(self, bucket, names: frozenset[str]) -> dict[str, tuple[int, int]]:
+        """Of ``names`` in ``bucket``, those with elements in this rank's part -> the range
+        [a, b) of their own elements in it."""
         out = {}
         for name in bucket.params:
-            s = self.layout.slot(name)
-            a, b = max(lo, s.offset), min(lo + size, s.offset + s.numel)
+            a, b = self._mine(name)
             if name in names and a < b:
-                out[name] = (a - s.offset, b - s.offset)
+                offset = self.layout.slot(name).offset
+                out[name] = (a - offset, b - offset)
         return out
 
     def storages(self) -> dict[int, int]:
