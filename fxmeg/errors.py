@@ -14,6 +14,11 @@ class ConfigError(FxmegError, ValueError):
     """An invalid or inconsistent configuration value."""
 
 
+class DataError(ConfigError):
+    """Data the run cannot train on, or input prepare-data cannot read (refused before
+    the first step, or before anything is written)."""
+
+
 class CaptureError(FxmegError):
     """The model could not be captured with torch.export."""
 

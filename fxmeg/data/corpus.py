@@ -16,6 +16,7 @@ import numpy as np
 
 from fxmeg.data.indexed import IndexedDataset, is_indexed, write_indexed
 from fxmeg.data.tokenizer import Tokenizer
+from fxmeg.errors import DataError
 
 
 class Corpus:
@@ -96,8 +97,6 @@ def read_json_lines(inputs: Iterable[str], key: str) -> Iterator[str]:
     ``tools/preprocess_data.py --json-keys`` reads them (a directory: its .jsonl and .json
     files, sorted). A line that is not a JSON object with a string ``key`` is refused,
     naming the file and line."""
-    from fxmeg.data.megatron import DataError
-
     for spec in inputs:
         paths = [spec]
         if os.path.isdir(spec):

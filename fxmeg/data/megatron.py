@@ -30,11 +30,7 @@ from fxmeg.data.blend import Blended, build_blend
 from fxmeg.data.corpus import Corpus
 from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset, is_indexed
-from fxmeg.errors import ConfigError
-
-class DataError(ConfigError):
-    """Data the run cannot train on (refused before the first step)."""
-
+from fxmeg.errors import ConfigError, DataError
 
 def parse_blend(words: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path`` words: 'W1 P1 W2 P2 ...' (weights and prefixes), else
