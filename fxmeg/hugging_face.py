@@ -16,6 +16,9 @@ is Hugging Face's own convention, so a model whose loss ignores ``shift_labels``
 ``takes_shift_labels``) still learns the next token; it only leaves the window's last
 target unused (seq_len - 1 targets per row). The mask is all ones: windows are cut from
 a token stream and hold no padding (padded dict batches work through the Python API).
+Megatron's mask switches change three keys (``keyword_batch``): ``shift_labels`` is -100
+where the loss mask is 0, ``position_ids`` restart after each end-of-document, and
+``attention_mask`` becomes the 4-D block-causal mask of the documents in the window.
 """
 
 from __future__ import annotations
@@ -114,15 +117,21 @@ def _config_errors() -> tuple[type[Exception], ...]:
     return (TypeError, ValueError, StrictDataclassError)
 
 
-def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                  attend: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The keyword batch of a window batch (the module docstring says why these keys).
 
-    Requires: ``labels`` is ``input_ids`` shifted by one (fxmeg.data.megatron.TrainData.batch), both
-    (rows, seq_len) int64 and contiguous.
+    Requires: ``labels`` is ``input_ids`` shifted by one, -100 where no loss counts
+    (fxmeg.data.megatron.TrainData.fields), both (rows, seq_len) int64 and contiguous;
+    ``position_ids`` the same shape; ``attend`` (rows, seq_len, seq_len) bool, True where a
+    query may attend to a key.
     Ensures: passed to a Hugging Face causal LM by keyword, position t is scored against
-    labels[t]."""
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-            "labels": input_ids, "shift_labels": labels}
+    labels[t]; with ``position_ids`` the model's positions are those; with ``attend`` its
+    attention mask is that 4-D mask (transformers uses a 4-D mask as given: it is the
+    whole mask, causality included)."""
+    mask = torch.ones_like(input_ids) if attend is None else attend[:, None]
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids, "shift_labels": labels}
+    return batch if position_ids is None else batch | {"position_ids": position_ids}
 
 
 def takes_shift_labels(model: nn.Module) -> bool:

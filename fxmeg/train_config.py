@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
-from fxmeg.data.megatron import DataPaths
+from fxmeg.data.megatron import DataPaths, MaskRule
 from fxmeg.errors import ConfigError, closest
 from fxmeg.numbers import Size, check_numbers
 
@@ -46,8 +46,21 @@ class TrainConfig:
     test_data_path: str = ""
     """With train_data_path: the test split's own blend (fxmeg trains and evaluates; nothing reads it)."""
     vocab_size: int = 0
-    """The data's vocabulary size (0: from PREFIX.json, which `fxmeg prepare-data` writes and
-    Megatron's tools do not); every token id is checked against it."""
+    """The data's vocabulary size (0: from tokenizer_model, else from PREFIX.json, which `fxmeg
+    prepare-data` writes and Megatron's tools do not); every token id is checked against it."""
+    tokenizer_model: str = ""
+    """The tokenizer the data was made with (a tokenizer.json, or a directory holding one, as
+    Megatron's --tokenizer-model): the vocabulary size and the end-of-document id."""
+    eod_id: int = -1
+    """The end-of-document token id (-1: from tokenizer_model or PREFIX.json); the masks need it."""
+    eod_mask_loss: bool = False
+    """Megatron's --eod-mask-loss: no loss where the input token is end-of-document."""
+    reset_position_ids: bool = False
+    """Megatron's --reset-position-ids: positions restart after each end-of-document (a model
+    that takes position_ids by keyword: a Hugging Face one)."""
+    reset_attention_mask: bool = False
+    """Megatron's --reset-attention-mask: the documents packed in a sample do not attend to
+    each other (a model that takes a 4-D attention_mask by keyword: a Hugging Face one)."""
     seq_len: int = 128
     """Tokens per sample (each sample reads seq_len + 1 tokens)."""
     seed: int = 1234
@@ -125,7 +138,8 @@ class TrainConfig:
 
     SIZES: ClassVar[dict[str, Size]] = {
         "seq_len": Size(1, "sequence length (tokens per sample)"),
-        "vocab_size": Size(0, "vocabulary size of the data (0: from PREFIX.json)"),
+        "vocab_size": Size(0, "vocabulary size of the data (0: from the tokenizer or PREFIX.json)"),
+        "eod_id": Size(-1, "end-of-document token id (-1: from the tokenizer or PREFIX.json)"),
         "seed": Size(0, "random seed"),
         "train_iters": Size(0, "number of training steps"),
         "train_samples": Size(0, "number of training samples"),
@@ -157,6 +171,10 @@ class TrainConfig:
             raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
                               + closest(self.optimizer, OPTIMIZERS))
         batch_size_schedule(self)  # validates
+
+    def masks(self) -> MaskRule:
+        """Megatron's three mask switches (``fxmeg.data.megatron.MaskRule``)."""
+        return MaskRule(self.eod_mask_loss, self.reset_position_ids, self.reset_attention_mask)
 
     def data_paths(self) -> DataPaths:
         """Where the data is (``fxmeg.data.megatron``)."""

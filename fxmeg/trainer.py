@@ -25,8 +25,8 @@ from torch import nn
 import fxmeg
 from fxmeg import checkpoint, hugging_face, trace
 from fxmeg.build import build_model
-from fxmeg.data.megatron import TrainData, sample_counts
-from fxmeg.errors import CheckpointError
+from fxmeg.data.megatron import TrainData, sample_counts, vocabulary
+from fxmeg.errors import CheckpointError, ConfigError
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
 from fxmeg.plan import memory_report
@@ -48,7 +48,19 @@ def train_data(cfg: TrainConfig) -> TrainData:
     final = batch_size_schedule(cfg)[-1][1]
     iters = cfg.train_iters or cfg.train_samples // final
     sizes = sample_counts(cfg.train_samples or iters * final, final, cfg.eval_interval, cfg.eval_iters, iters)
-    return TrainData(cfg.data_paths(), sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=cfg.vocab_size)
+    paths = cfg.data_paths()
+    vocab = vocabulary(paths.prefixes, size=cfg.vocab_size, eod=cfg.eod_id, tokenizer=cfg.tokenizer_model)
+    return TrainData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=vocab, masks=cfg.masks())
+
+
+def model_batch(fields: dict[str, torch.Tensor], *, keywords: bool):
+    """A batch of ``TrainData.fields`` (tokens, labels with -100 where no loss counts, and
+    the masks' position_ids and attend) as the model takes it: (input_ids, labels), or for
+    a Hugging Face model the keyword batch (``hugging_face.keyword_batch``)."""
+    if keywords:
+        return hugging_face.keyword_batch(fields["tokens"], fields["labels"], position_ids=fields.get("position_ids"),
+                                          attend=fields.get("attend"))
+    return fields["tokens"], fields["labels"]
 
 
 class Trainer:
@@ -73,6 +85,14 @@ class Trainer:
                 model = build_model(cfg.model, args)
         self.keywords = hugging_face.is_hugging_face(model)
         """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
+        resets = [f for f in cfg.masks().flags() if f != "--eod-mask-loss"]
+        if resets and not self.keywords:
+            raise ConfigError(f"{' and '.join(resets)}: {type(model).__name__} takes only token ids and labels; "
+                              "a model that takes position_ids and attention_mask by keyword (a Hugging Face "
+                              "one, e.g. --model transformers:LlamaForCausalLM) can use them")
+        if cfg.eod_mask_loss and self.keywords and not hugging_face.takes_shift_labels(model):
+            raise ConfigError(f"--eod-mask-loss: {type(model).__name__}'s loss ignores shift_labels, where the "
+                              "loss mask is; it would train on every position")
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
@@ -243,10 +263,8 @@ class Trainer:
 
     def batch(self, split: str, positions) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         """The samples at stream ``positions`` of the "train" or "valid" split as the model
-        takes them: (input_ids, labels), or for a Hugging Face model the keyword batch
-        (``hugging_face.keyword_batch``: the same next-token targets)."""
-        ids, labels = self.data.batch(split, positions)
-        return hugging_face.keyword_batch(ids, labels) if self.keywords else (ids, labels)
+        takes them (``model_batch``)."""
+        return model_batch(self.data.fields(split, positions), keywords=self.keywords)
 
     # ------------------------------------------------------------------ eval, log, save
 

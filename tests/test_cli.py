@@ -207,7 +207,9 @@ HF_ARGS = ('{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
 
 def test_a_hugging_face_class_trains_at_tp2_pp2_as_on_one_rank_and_resumes_exactly(corpus, tmp_path):
     """`--model transformers:LlamaForCausalLM` on 4 ranks (tp=2 x pp=2), fed keyword
-    batches (the first stage reads input_ids and attention_mask, the last the targets):
+    batches with Megatron's masks (--eod-mask-loss --reset-position-ids
+    --reset-attention-mask; the end-of-document id from PREFIX.json; the first stage reads
+    input_ids, position_ids and the 4-D attention_mask, the last the targets):
     every step's loss and the evaluation are those of the same command on one rank (whose
     first loss is the model's own: tests/test_trainer.py) within the parity tolerance; a
     resume from the step-2 checkpoint repeats steps 3-4 and the evaluation bitwise."""
@@ -216,7 +218,8 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_on_one_rank_and_resumes_exact
     flags = ["--data", corpus, "--model", "transformers:LlamaForCausalLM", "--model-args", HF_ARGS,
              "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
              "--lr", "3e-3", "--lr-decay-samples", "400", "--log-interval", "1", "--eval-iters", "1",
-             "--no-progress", "--no-tensorboard"]
+             "--no-progress", "--no-tensorboard", "--eod-mask-loss", "--reset-position-ids",
+             "--reset-attention-mask"]
     ckpt, layout = str(tmp_path / "ckpt"), ["--tp", "2", "--pp", "2"]
     out = fxmeg("train", *flags, *layout, "--save", ckpt, "--save-interval", "2", "--run-dir", str(tmp_path / "whole"))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -213,13 +213,20 @@ class _Bank(nn.Module):
 
 
 # row id -> (set-up returning the failing call, or the failing call itself; message)
-def _data(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,10,0", **flags):
-    """The trainer's data (``train_data``) of a small indexed dataset written here (with a
-    PREFIX.json naming ``vocab``, unless None), read with ``flags``."""
+def _data(**kw):
+    """The trainer's data (``train_data``) of ``_config(**kw)``."""
+    from fxmeg.trainer import train_data
+
+    return train_data(_config(**kw))
+
+
+def _config(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,10,0", **flags):
+    """The TrainConfig reading a small indexed dataset written here (with a PREFIX.json
+    naming ``vocab``, unless None), with ``flags``."""
     import numpy as np
 
     from fxmeg.data.indexed import write_indexed
-    from fxmeg.trainer import TrainConfig, train_data
+    from fxmeg.trainer import TrainConfig
 
     prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-errors-data-"), "data")
     write_indexed(prefix, (np.arange(40, dtype=np.uint16) % 250 + k for k in range(30)), np.uint16)
@@ -230,9 +237,14 @@ def _data(*, truncated: bool = False, vocab: int | None = 300, split: str = "90,
         with open(prefix + ".json", "w") as f:
             f.write(f'{{"vocab_size": {vocab}}}')
     where = {} if "data_path" in flags else {"data": prefix}
-    cfg = TrainConfig.from_flat(**(where | {"split": split} | flags), seq_len=16, train_iters=2,
-                                global_batch_size=4, micro_batch_size=2, eval_iters=1)
-    return train_data(cfg)
+    return TrainConfig.from_flat(**(where | {"split": split} | flags), seq_len=16, train_iters=2,
+                                 global_batch_size=4, micro_batch_size=2, eval_iters=1)
+
+
+def _trainer(**kw):
+    from fxmeg.trainer import Trainer
+
+    return Trainer(_config(**kw))
 
 
 def _json_lines(text: str):
@@ -251,7 +263,14 @@ ROWS = {
     "data-sources": (lambda: _data(data_path="a", train_data_path="b"),
                      "give either --data-path (cut by --split) or the per-split paths"),
     "data-split-empty": (lambda: _data(split="100,0,0"), "split '100,0,0' leaves no validation data"),
-    "data-vocabulary": (lambda: _data(vocab=None), "pass --vocab-size N"),
+    "data-vocabulary": (lambda: _data(vocab=None), "pass --tokenizer-model PATH (the tokenizer.json the data "
+                        "was made with) or --vocab-size N"),
+    "data-tokenizer": (lambda: _data(tokenizer_model="/nonexistent/tok"),
+                       "tokenizer '/nonexistent/tok': /nonexistent/tok does not exist"),
+    "data-eod": (lambda: _data(eod_mask_loss=True, reset_attention_mask=True),
+                 "--eod-mask-loss --reset-attention-mask needs the end-of-document id"),
+    "data-mask-model": (lambda: _trainer(reset_position_ids=True, eod_id=0),
+                        "--reset-position-ids: GPT takes only token ids and labels"),
     "data-json-key": (lambda: list(_json_lines('{"text": "a"}\n{"body": "b"}\n')),
                       "in.jsonl:2 has no text field 'text' (it has ['body'])"),
     "data-token-range": (lambda: _data(vocab=10).batch("train", range(4)),

@@ -112,7 +112,7 @@ def test_bad_data_is_refused_naming_it(tmp_path):
         train_data(TrainConfig.from_flat(**RUN, data=prefix, split="100,0,0"))
     with pytest.raises(DataError, match="does not exist"):
         train_data(TrainConfig.from_flat(**RUN, data=str(tmp_path / "missing")))
-    with pytest.raises(DataError, match=r"do not say the vocabulary size .* pass --vocab-size"):
+    with pytest.raises(DataError, match=r"do not say the vocabulary size .* or --vocab-size N"):
         train_data(TrainConfig.from_flat(**(RUN | dict(vocab_size=0)), data=prefix, split="60,40,0"))
     small = train_data(TrainConfig.from_flat(**(RUN | dict(vocab_size=500)), data=prefix, split="60,40,0"))
     with pytest.raises(DataError, match="token id .* a vocabulary of 500 cannot hold"):
@@ -185,3 +185,52 @@ def test_prepare_data_reads_json_lines_as_megatron(tmp_path):
     with pytest.raises(DataError, match=r"in.jsonl:2 has no text field 'text' \(it has \['body'\]\)"):
         main(["prepare-data", "--input", str(lines), "--output", str(tmp_path / "bad"), "--json-keys", "text"])
     assert not list(tmp_path.glob("bad*"))
+
+
+def _eod_dataset(tmp_path) -> str:
+    """Documents ending in the end-of-document token (as preprocess_data.py --append-eod writes them)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "eod")
+    rng = np.random.default_rng(8)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(60):
+        builder.add_item(torch.from_numpy(np.append(rng.integers(2, 1000, size=int(rng.integers(1, 12))),
+                                                    _Tokenizer.eod)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_the_trainer_feeds_megatrons_masks(tmp_path, one_process):  # noqa: F811
+    """--eod-mask-loss, --reset-position-ids and --reset-attention-mask: each batch the
+    trainer feeds a Hugging Face model (keywords) and its own models (ids, labels) carries
+    megatron-core GPTDataset's loss mask (as -100 targets), position ids and attention
+    mask for the same samples."""
+    from fxmeg.trainer import model_batch
+
+    prefix = _eod_dataset(tmp_path)
+    flags = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    sizes = list(sample_counts(12 * GBS, GBS, 5, 2, 12))
+    config = GPTDatasetConfig(random_seed=RUN["seed"], sequence_length=SEQ, tokenizer=_Tokenizer(),
+                              path_to_cache=str(tmp_path / "cache"), blend=([prefix], None), split="90,10,0",
+                              **flags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    data = train_data(TrainConfig.from_flat(**RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod, **flags))
+    loss_only = train_data(TrainConfig.from_flat(**RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod,
+                                                 eod_mask_loss=True))
+    for split, their in (("train", theirs[0]), ("valid", theirs[1])):
+        for start in range(0, len(their) - GBS + 1, GBS):
+            rows = range(start, start + GBS)
+            want = {k: torch.stack([their[j][k] for j in rows]) for k in their[0]}
+            target = want["labels"].long().masked_fill(want["loss_mask"] == 0, -100)
+            keywords = model_batch(data.fields(split, rows), keywords=True)
+            assert torch.equal(keywords["input_ids"], want["tokens"].long())
+            assert torch.equal(keywords["shift_labels"], target)
+            assert torch.equal(keywords["position_ids"], want["position_ids"].long())
+            assert torch.equal(keywords["attention_mask"], ~want["attention_mask"])  # Megatron's True: masked
+            ids, labels = model_batch(loss_only.fields(split, rows), keywords=False)
+            assert torch.equal(ids, want["tokens"].long()) and torch.equal(labels, target)
+    assert int((target == -100).sum()) > 0 and int(keywords["position_ids"][:, 1:].eq(0).sum()) > 0

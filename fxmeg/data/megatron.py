@@ -30,6 +30,7 @@ from fxmeg.data.blend import Blended, build_blend
 from fxmeg.data.corpus import Corpus
 from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset, is_indexed
+from fxmeg.data.masks import gpt_fields
 from fxmeg.errors import ConfigError, DataError
 
 def parse_blend(words: Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -159,28 +160,73 @@ def _build(words, split: str, sizes, seq_len: int, seed: int) -> list:
         raise DataError(f"data {' '.join(words)!r}, split {split!r}: {e}") from e
 
 
-def vocab_size(prefixes: Sequence[str], given: int) -> int:
-    """``given`` (> 0), else the largest vocabulary ``PREFIX.json`` (written by `fxmeg
-    prepare-data`) names; Megatron's .bin / .idx do not say."""
-    if given > 0:
-        return given
-    sizes = []
-    for prefix in prefixes:
-        if not os.path.exists(prefix + ".json"):
-            raise DataError(f"{prefix}.idx / .bin do not say the vocabulary size and {prefix}.json does not "
-                            "exist (Megatron's preprocess_data.py writes none): pass --vocab-size N, the size "
-                            "of the tokenizer the data was made with")
-        with open(prefix + ".json") as f:
-            sizes.append(int(json.load(f)["vocab_size"]))
-    return max(sizes)
+@dataclass(frozen=True)
+class Vocabulary:
+    """The data's vocabulary size and end-of-document id (None: not known; only the masks
+    need it). Megatron's .bin / .idx say neither."""
+
+    size: int
+    eod: int | None
+
+
+def vocabulary(prefixes: Sequence[str], *, size: int = 0, eod: int = -1, tokenizer: str = "") -> Vocabulary:
+    """Each of the two from, first to last: the flag (``size`` > 0, ``eod`` >= 0), the
+    tokenizer named (``tokenizer``: a tokenizer.json, or a directory holding one, as
+    Megatron's --tokenizer-model names it), the ``PREFIX.json`` files `fxmeg prepare-data`
+    writes (the largest vocabulary; their one end-of-document id)."""
+    if tokenizer:
+        from fxmeg.data.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(tokenizer, eos_required=eod < 0)
+        return Vocabulary(size or tok.vocab_size, eod if eod >= 0 else tok.eos_id)
+    metas = [_meta(p) for p in prefixes] if not size or eod < 0 else []
+    if not size:
+        missing = [p for p, m in zip(prefixes, metas) if m is None]
+        if missing:
+            raise DataError(f"{missing[0]}.idx / .bin do not say the vocabulary size and {missing[0]}.json does "
+                            "not exist (Megatron's preprocess_data.py writes none): pass --tokenizer-model PATH "
+                            "(the tokenizer.json the data was made with) or --vocab-size N")
+        size = max(int(m["vocab_size"]) for m in metas)
+    if eod < 0:
+        ids = {m.get("eos_id") for m in metas if m is not None}
+        eod = ids.pop() if len(ids) == 1 and None not in ids else None
+    return Vocabulary(size, eod)
+
+
+def _meta(prefix: str) -> dict | None:
+    if not os.path.exists(prefix + ".json"):
+        return None
+    with open(prefix + ".json") as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """Megatron's --eod-mask-loss, --reset-position-ids and --reset-attention-mask
+    (fxmeg/data/masks.py says what each does)."""
+
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    def __bool__(self) -> bool:
+        return self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask
+
+    def flags(self) -> list[str]:
+        return ["--" + f.replace("_", "-") for f, on in vars(self).items() if on]
 
 
 class TrainData:
-    """A run's train and valid splits and its vocabulary (``batch`` checks every token
-    id against it)."""
+    """A run's train and valid splits, its vocabulary (``batch`` checks every token id
+    against it) and its masks."""
 
     def __init__(self, paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
-                 vocab: int = 0) -> None:
+                 vocab: Vocabulary | None = None, masks: MaskRule = MaskRule()) -> None:
+        self.vocab = vocab or vocabulary(paths.prefixes)
+        if masks and self.vocab.eod is None:
+            raise DataError(f"{' '.join(masks.flags())} needs the end-of-document id, which the data does not "
+                            "say: pass --tokenizer-model PATH (the tokenizer.json the data was made with) or "
+                            "--eod-id N")
         # the test split is not built: nothing in fxmeg reads it (Megatron builds it, and
         # loops forever when the split leaves it no document)
         self.train, self.valid, _ = build_splits(paths, (*sizes[:2], 0), seq_len=seq_len, seed=seed)
@@ -190,11 +236,10 @@ class TrainData:
         if len(self.train) < sizes[0]:
             raise DataError(f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
                             f"than the {sizes[0]} the run trains on")
-        self.vocab_size = vocab_size(paths.prefixes, vocab)
-        self.seq_len = seq_len
+        self.vocab_size, self.masks, self.seq_len = self.vocab.size, masks, seq_len
 
-    def batch(self, split: str, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels) of stream positions ``positions``: sample p of the train
+    def rows(self, split: str, positions: Sequence[int]) -> np.ndarray:
+        """The seq_len + 1 tokens of stream positions ``positions``: sample p of the train
         split; of the valid split, p modulo its samples (evaluation reads one stream)."""
         data = self.train if split == "train" else self.valid
         wrap = split != "train"
@@ -204,5 +249,30 @@ class TrainData:
             raise DataError(f"the {split} data holds token id {top} (stream positions {positions[0]}..."
                             f"{positions[-1]}), which a vocabulary of {self.vocab_size} cannot hold: the data "
                             "was made with another tokenizer, or --vocab-size is too small")
-        rows = torch.from_numpy(rows)
+        return rows
+
+    def batch(self, split: str, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of stream positions ``positions`` (``rows``), without masks."""
+        rows = torch.from_numpy(self.rows(split, positions))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def fields(self, split: str, positions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The samples at ``positions`` with the run's masks, as Megatron's GPTDataset makes
+        them (``gpt_fields``): "tokens"; "labels", -100 where the loss mask is 0; with
+        --reset-position-ids "position_ids"; with --reset-attention-mask "attend", (rows,
+        s, s) bool, True where a query may attend to a key."""
+        if not self.masks:
+            tokens, labels = self.batch(split, positions)
+            return {"tokens": tokens, "labels": labels}
+        rule = self.masks
+        made = [gpt_fields(row, eod=self.vocab.eod, pad=-1, eod_mask_loss=rule.eod_mask_loss,
+                           reset_position_ids=rule.reset_position_ids,
+                           reset_attention_mask=rule.reset_attention_mask)
+                for row in self.rows(split, positions)]
+        f = {k: torch.from_numpy(np.stack([m[k] for m in made])) for k in made[0]}
+        out = {"tokens": f["tokens"], "labels": f["labels"].masked_fill(f["loss_mask"] == 0, -100)}
+        if rule.reset_position_ids:
+            out["position_ids"] = f["position_ids"]
+        if rule.reset_attention_mask:
+            out["attend"] = ~f["attention_mask"][:, 0]
+        return out

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
+
+from fxmeg.errors import DataError
 
 
 class Tokenizer(Protocol):
@@ -28,17 +31,27 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers`` JSON file (e.g. a model's tokenizer.json)."""
+    """A ``tokenizers`` JSON file (e.g. a model's tokenizer.json), or a directory holding
+    one. Its end-of-document token is ``eos``, else the first of EOS_NAMES it has; with
+    neither, ``eos_id`` is None, or with ``eos_required`` the file is refused."""
 
-    def __init__(self, path: str, eos: str | None = None) -> None:
+    EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str, eos: str | None = None, *, eos_required: bool = True) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise DataError(f"tokenizer {path!r}: {file} does not exist (give a tokenizer.json or its directory)")
+        self._tok = _Tokenizer.from_file(file)
         self.name = path
         self.vocab_size = self._tok.get_vocab_size()
-        candidates = [eos] if eos else ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
-        ids = [self._tok.token_to_id(c) for c in candidates if c]
-        self.eos_id = next((i for i in ids if i is not None), self.vocab_size - 1)
+        names = [eos] if eos else list(self.EOS_NAMES)
+        ids = [self._tok.token_to_id(c) for c in names]
+        self.eos_id = next((i for i in ids if i is not None), None)
+        if self.eos_id is None and eos_required:
+            raise DataError(f"tokenizer {file} has none of the end-of-document tokens {names}: name the "
+                            "end-of-document id (`fxmeg train --eod-id N`)")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

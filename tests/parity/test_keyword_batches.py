@@ -9,9 +9,16 @@ heads). Right padding is what fine-tuning collators make, but a causal model's r
 tokens never see the pads after them, so only left padding shows a lost mask (5e-4 on
 the loss): it runs with sdpa (a boolean mask; pad queries see no key) and with eager
 attention (an additive float mask), and with sequence parallelism (the mask stays whole while the
-hidden states are split along the sequence)."""
+hidden states are split along the sequence). In the same spawn, Megatron's masks as the
+trainer feeds them (``--eod-mask-loss --reset-position-ids --reset-attention-mask``: the
+documents packed in a window do not see each other, positions restart, no loss on an
+end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -30,10 +37,13 @@ LAYOUT = dict(tp=2, pp=2, dp=2)
 MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0
 GBS = MBS * M * LAYOUT["dp"]
 CASES = ("right-sdpa", "left-sdpa", "left-eager", "left-sdpa-sp")  # sp: sequence parallelism too
+MASKED = {"megatron-masks": LAYOUT, "megatron-masks-cp": dict(cp=2, tp=2, dp=2)}
+EOD = 1
 
 
 def model(case: str) -> torch.nn.Module:
-    return hf_model("llama", n_layer=4, pad_token_id=PAD, attn_implementation=case.split("-")[1])
+    attention = "sdpa" if case in MASKED else case.split("-")[1]
+    return hf_model("llama", n_layer=4, pad_token_id=PAD, attn_implementation=attention)
 
 
 def padded(rows: int, *, seed: int, side: str) -> dict[str, torch.Tensor]:
@@ -54,15 +64,38 @@ def padded(rows: int, *, seed: int, side: str) -> dict[str, torch.Tensor]:
 
 
 def batches(case: str) -> list[dict[str, torch.Tensor]]:
+    if case in MASKED:
+        return megatron_batches(masks=True)
     return [padded(GBS, seed=10 * s + len(case), side=case.split("-")[0]) for s in range(STEPS)]
+
+
+def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
+    """The trainer's batches (``model_batch`` of ``train_data``) of documents 1 to 11 tokens
+    long, each ending in EOD, with Megatron's three mask switches (or none)."""
+    import numpy as np
+
+    from fxmeg.data.indexed import write_indexed
+    from fxmeg.trainer import TrainConfig, model_batch, train_data
+
+    prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-masks-"), "data")
+    rng = np.random.default_rng(5)
+    write_indexed(prefix, (np.append(rng.integers(2, 128, int(rng.integers(1, 12))), EOD) for _ in range(80)),
+                  np.uint16)
+    switches = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True) if masks else {}
+    cfg = TrainConfig.from_flat(data=prefix, split="90,10,0", seq_len=SEQ, global_batch_size=GBS,
+                                micro_batch_size=MBS, train_iters=STEPS, eval_iters=1, vocab_size=128, eod_id=EOD,
+                                **switches)
+    data = train_data(cfg)
+    shutil.rmtree(os.path.dirname(prefix))
+    return [model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True) for s in range(STEPS)]
 
 
 def run(rank: int) -> dict:
     out = {}
-    for case in CASES:
+    for case in (*CASES, *MASKED):
         data = batches(case)
         engine = fxmeg.parallelize(model(case), {k: t[:MBS] for k, t in data[0].items()},
-                                   global_batch_size=GBS, optimizer=optimizer, **LAYOUT,
+                                   global_batch_size=GBS, optimizer=optimizer, **MASKED.get(case, LAYOUT),
                                    sequence_parallel=case.endswith("-sp"))
         steps = [engine.train_step(b) for b in data]
         out[case] = dict(losses=[s.loss for s in steps], tokens=[s.num_tokens for s in steps],
@@ -94,3 +127,22 @@ def test_padded_dict_batches_train_as_on_one_device(results, case):
     assert_losses_close(ranks[0]["losses"], losses)
     assert_losses_close([ranks[0]["eval"]], [final])
     assert_weights_close(ranks[0]["state"], state)
+
+
+@pytest.mark.parametrize("case", list(MASKED))
+def test_megatrons_masks_train_as_on_one_device(results, case):
+    ranks = [r[case] for r in results]
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"] and r["eval"] == ranks[0]["eval"]
+    losses, final, state = reference(case)
+    # the loss mask counts: every end-of-document input is left out
+    data = batches(case)
+    assert ranks[0]["tokens"] == [int((b["shift_labels"] != -100).sum()) for b in data]
+    assert all(int((b["shift_labels"] == -100).sum()) >= int((b["input_ids"] == EOD).sum()) > 0 for b in data)
+    assert_losses_close(ranks[0]["losses"], losses)
+    assert_losses_close([ranks[0]["eval"]], [final])
+    assert_weights_close(ranks[0]["state"], state)
+    # and the masks matter: the same training without them ends outside these tolerances
+    _, unmasked = train_dicts(model(case), megatron_batches(masks=False))
+    with pytest.raises(AssertionError):
+        assert_weights_close(unmasked.state_dict(), state)
