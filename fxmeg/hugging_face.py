@@ -124,12 +124,12 @@ def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids
     Requires: ``labels`` is ``input_ids`` shifted by one, -100 where no loss counts
     (fxmeg.data.megatron.TrainData.fields), both (rows, seq_len) int64 and contiguous;
     ``position_ids`` the same shape; ``attend`` (rows, seq_len, seq_len) bool, True where a
-    query may attend to a key.
+    query may attend to a key, or (rows, seq_len) a padding mask (1: a token, 0: padding).
     Ensures: passed to a Hugging Face causal LM by keyword, position t is scored against
     labels[t]; with ``position_ids`` the model's positions are those; with ``attend`` its
-    attention mask is that 4-D mask (transformers uses a 4-D mask as given: it is the
+    attention mask is that padding mask, or that 4-D mask (transformers uses a 4-D mask as given: it is the
     whole mask, causality included)."""
-    mask = torch.ones_like(input_ids) if attend is None else attend[:, None]
+    mask = torch.ones_like(input_ids) if attend is None else attend if attend.dim() == 2 else attend[:, None]
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids, "shift_labels": labels}
     return batch if position_ids is None else batch | {"position_ids": position_ids}
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data.megatron import DataPaths, MaskRule
+from fxmeg.data.sft import LAYOUTS, SFTFormat
 from fxmeg.errors import ConfigError, closest
 from fxmeg.numbers import Size, check_numbers
 
@@ -61,6 +62,25 @@ class TrainConfig:
     reset_attention_mask: bool = False
     """Megatron's --reset-attention-mask: the documents packed in a sample do not attend to
     each other (a model that takes a 4-D attention_mask by keyword: a Hugging Face one)."""
+    sft: bool = False
+    """Supervised fine-tuning: the data paths are JSON-lines files of prompt/response pairs
+    (or conversations, with chat_template), tokenised with tokenizer_model; the loss counts
+    response tokens only (fxmeg/data/sft.py)."""
+    sft_layout: str = "packed"
+    """With sft: 'packed' (examples kept apart in windows of seq_len: a Hugging Face model) or
+    'padded' (one example per row, each global batch padded to its length bucket; needs
+    variable_seq_lengths)."""
+    sft_pad_multiple: int = 8
+    """With sft_layout='padded': a global batch is padded to a multiple of this (at most seq_len)."""
+    sft_prompt_key: str = "prompt"
+    """With sft: the field of a line holding the prompt."""
+    sft_response_key: str = "response"
+    """With sft: the field of a line holding the response."""
+    sft_messages_key: str = "messages"
+    """With sft and chat_template: the field of a line holding the conversation."""
+    chat_template: str = ""
+    """With sft: a Jinja chat template file, or a tokenizer_config.json holding one; the
+    lines are then conversations and the loss counts the assistant turns."""
     seq_len: int = 128
     """Tokens per sample (each sample reads seq_len + 1 tokens)."""
     seed: int = 1234
@@ -139,6 +159,7 @@ class TrainConfig:
     SIZES: ClassVar[dict[str, Size]] = {
         "seq_len": Size(1, "sequence length (tokens per sample)"),
         "vocab_size": Size(0, "vocabulary size of the data (0: from the tokenizer or PREFIX.json)"),
+        "sft_pad_multiple": Size(1, "padding multiple of SFT batches"),
         "eod_id": Size(-1, "end-of-document token id (-1: from the tokenizer or PREFIX.json)"),
         "seed": Size(0, "random seed"),
         "train_iters": Size(0, "number of training steps"),
@@ -164,6 +185,7 @@ class TrainConfig:
             raise ConfigError("data is the one-prefix spelling of data_path: give one of data, data_path and "
                               "the per-split paths (train_data_path ...)")
         self.data_paths().check()
+        self._check_sft()
         if self.engine.lr_schedule is not None:
             raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
                               "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style")
@@ -171,6 +193,25 @@ class TrainConfig:
             raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
                               + closest(self.optimizer, OPTIMIZERS))
         batch_size_schedule(self)  # validates
+
+    def _check_sft(self) -> None:
+        if not self.sft:
+            return
+        if self.sft_layout not in LAYOUTS:
+            raise ConfigError(f"sft_layout={self.sft_layout!r} is not one of {LAYOUTS}" + closest(self.sft_layout, LAYOUTS))
+        if not self.tokenizer_model:
+            raise ConfigError("--sft tokenises its JSON lines with the model's tokenizer: pass --tokenizer-model "
+                              "PATH (a tokenizer.json, or the directory holding it)")
+        if self.masks():
+            raise ConfigError(f"--sft lays out its own masks (--sft-layout); {' '.join(self.masks().flags())} "
+                              "are for pretraining data")
+        if self.sft_layout == "padded" and not self.engine.variable_seq_lengths:
+            raise ConfigError("--sft-layout padded pads each global batch to its own length: add "
+                              "--variable-seq-lengths (or use --sft-layout packed)")
+
+    def sft_format(self) -> SFTFormat:
+        return SFTFormat(self.sft_prompt_key, self.sft_response_key, self.sft_messages_key, self.chat_template,
+                         self.sft_layout, self.sft_pad_multiple)
 
     def masks(self) -> MaskRule:
         """Megatron's three mask switches (``fxmeg.data.megatron.MaskRule``)."""

@@ -26,6 +26,8 @@ import fxmeg
 from fxmeg import checkpoint, hugging_face, trace
 from fxmeg.build import build_model
 from fxmeg.data.megatron import TrainData, sample_counts, vocabulary
+from fxmeg.data.sft import SFTData
+from fxmeg.data.tokenizer import HFTokenizer
 from fxmeg.errors import CheckpointError, ConfigError
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
@@ -40,15 +42,18 @@ from fxmeg.train_config import (  # noqa: F401  (the trainer's options, imported
     flat_fields,
 )
 
-def train_data(cfg: TrainConfig) -> TrainData:
+def train_data(cfg: TrainConfig) -> TrainData | SFTData:
     """The run's data as Megatron builds it (fxmeg/data/megatron.py), each split for the
     samples Megatron's pretrain_gpt.py asks from the run's settings: train_iters (or
     train_samples / the final global batch) x the final global batch; eval_iters batches
-    at each evaluation."""
+    at each evaluation. With --sft, the JSON lines as fxmeg/data/sft.py lays them out."""
     final = batch_size_schedule(cfg)[-1][1]
     iters = cfg.train_iters or cfg.train_samples // final
     sizes = sample_counts(cfg.train_samples or iters * final, final, cfg.eval_interval, cfg.eval_iters, iters)
     paths = cfg.data_paths()
+    if cfg.sft:
+        tokenizer = HFTokenizer(cfg.tokenizer_model, eos_id=cfg.eod_id if cfg.eod_id >= 0 else None)
+        return SFTData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer, fmt=cfg.sft_format())
     vocab = vocabulary(paths.prefixes, size=cfg.vocab_size, eod=cfg.eod_id, tokenizer=cfg.tokenizer_model)
     return TrainData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=vocab, masks=cfg.masks())
 
@@ -86,6 +91,7 @@ class Trainer:
         self.keywords = hugging_face.is_hugging_face(model)
         """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
         resets = [f for f in cfg.masks().flags() if f != "--eod-mask-loss"]
+        resets += ["--sft-layout packed"] if cfg.sft and cfg.sft_layout == "packed" else []
         if resets and not self.keywords:
             raise ConfigError(f"{' and '.join(resets)}: {type(model).__name__} takes only token ids and labels; "
                               "a model that takes position_ids and attention_mask by keyword (a Hugging Face "
@@ -102,6 +108,7 @@ class Trainer:
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
         self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
+        self.metrics.say(self.data.summary)
         if self.keywords and not hugging_face.takes_shift_labels(model):
             self.metrics.say(f"{type(model).__name__}'s loss ignores shift_labels: it shifts labels "
                              "itself, so the last token of each window is never a target")

@@ -241,6 +241,20 @@ def _config(*, truncated: bool = False, vocab: int | None = 300, split: str = "9
                                  global_batch_size=4, micro_batch_size=2, eval_iters=1)
 
 
+def _sft(lines: list[str], **flags):
+    """The trainer's --sft data of a JSON-lines file holding ``lines`` (tests/sft_data.py's tokenizer)."""
+    from fxmeg.trainer import TrainConfig, train_data
+    from tests import sft_data
+
+    root = tempfile.mkdtemp(prefix="fxmeg-errors-data-")
+    path = os.path.join(root, "sft.jsonl")
+    with open(path, "w") as f:
+        f.writelines(line + "\n" for line in lines)
+    return train_data(TrainConfig.from_flat(sft=True, data_path=path, tokenizer_model=sft_data.write_tokenizer(root),
+                                            seq_len=16, train_iters=2, global_batch_size=4, micro_batch_size=2,
+                                            eval_iters=1, **flags))
+
+
 def _trainer(**kw):
     from fxmeg.trainer import Trainer
 
@@ -271,6 +285,10 @@ ROWS = {
                  "--eod-mask-loss --reset-attention-mask needs the end-of-document id"),
     "data-mask-model": (lambda: _trainer(reset_position_ids=True, eod_id=0),
                         "--reset-position-ids: GPT takes only token ids and labels"),
+    "data-sft-line": (lambda: _sft(['{"prompt": "a", "response": "b"}', '{"prompt": "c"}']),
+                      "sft.jsonl:2 has no string fields 'prompt' and 'response' (it has ['prompt'])"),
+    "sft-config": (lambda: _sft([], sft_layout="padded"),
+                   "--sft-layout padded pads each global batch to its own length: add --variable-seq-lengths"),
     "data-json-key": (lambda: list(_json_lines('{"text": "a"}\n{"body": "b"}\n')),
                       "in.jsonl:2 has no text field 'text' (it has ['body'])"),
     "data-token-range": (lambda: _data(vocab=10).batch("train", range(4)),

@@ -105,21 +105,31 @@ def read_json_lines(inputs: Iterable[str], key: str) -> Iterator[str]:
         elif not os.path.isfile(spec):
             raise FileNotFoundError(f"prepare-data input {spec!r} is neither a JSON-lines file nor a directory")
         for path in paths:
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{number} is not a JSON line ({e.msg}); --json-keys reads one "
-                                        "JSON object per line") from None
-                    value = record.get(key) if isinstance(record, dict) else None
-                    if not isinstance(value, str):
-                        found = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path}:{number} has no text field {key!r} (it has {found}); pass "
-                                        "--json-keys with the field that holds the text")
-                    yield value
+            for number, record in json_records(path, "--json-keys reads"):
+                value = record.get(key)
+                if not isinstance(value, str):
+                    raise DataError(f"{path}:{number} has no text field {key!r} (it has {sorted(record)}); pass "
+                                    "--json-keys with the field that holds the text")
+                yield value
+
+
+def json_records(path: str, reader: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of the JSON-lines file ``path``; a line
+    that is not a JSON object is refused naming the file, the line and ``reader`` (who
+    reads it: "--json-keys reads")."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{number} is not a JSON line ({e.msg}); {reader} one JSON object "
+                                "per line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number} is a JSON {type(record).__name__}, not an object; {reader} "
+                                "one JSON object per line")
+            yield number, record
 
 
 def _read(path: str) -> str:

@@ -177,8 +177,8 @@ def vocabulary(prefixes: Sequence[str], *, size: int = 0, eod: int = -1, tokeniz
     if tokenizer:
         from fxmeg.data.tokenizer import HFTokenizer
 
-        tok = HFTokenizer(tokenizer, eos_required=eod < 0)
-        return Vocabulary(size or tok.vocab_size, eod if eod >= 0 else tok.eos_id)
+        tok = HFTokenizer(tokenizer, eos_id=eod if eod >= 0 else None)
+        return Vocabulary(size or tok.vocab_size, tok.eos_id)
     metas = [_meta(p) for p in prefixes] if not size or eod < 0 else []
     if not size:
         missing = [p for p, m in zip(prefixes, metas) if m is None]
@@ -237,6 +237,8 @@ class TrainData:
             raise DataError(f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
                             f"than the {sizes[0]} the run trains on")
         self.vocab_size, self.masks, self.seq_len = self.vocab.size, masks, seq_len
+        self.summary = (f"data: {len(self.train)} train and {len(self.valid)} valid samples of {seq_len + 1} tokens"
+                        + (f"; {' '.join(masks.flags())}" if masks else ""))
 
     def rows(self, split: str, positions: Sequence[int]) -> np.ndarray:
         """The seq_len + 1 tokens of stream positions ``positions``: sample p of the train

@@ -32,12 +32,12 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A ``tokenizers`` JSON file (e.g. a model's tokenizer.json), or a directory holding
-    one. Its end-of-document token is ``eos``, else the first of EOS_NAMES it has; with
-    neither, ``eos_id`` is None, or with ``eos_required`` the file is refused."""
+    one. Its end-of-document id is ``eos_id``, else the id of ``eos``, else that of the first
+    of EOS_NAMES it has; with none of them the file is refused."""
 
     EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
-    def __init__(self, path: str, eos: str | None = None, *, eos_required: bool = True) -> None:
+    def __init__(self, path: str, eos: str | None = None, *, eos_id: int | None = None) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -48,13 +48,22 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         names = [eos] if eos else list(self.EOS_NAMES)
         ids = [self._tok.token_to_id(c) for c in names]
-        self.eos_id = next((i for i in ids if i is not None), None)
-        if self.eos_id is None and eos_required:
+        self.eos_id = eos_id if eos_id is not None else next((i for i in ids if i is not None), None)
+        if self.eos_id is None:
             raise DataError(f"tokenizer {file} has none of the end-of-document tokens {names}: name the "
                             "end-of-document id (`fxmeg train --eod-id N`)")
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` as it stands (no special tokens added) and each one's
+        character span [start, end)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def token(self, i: int) -> str:
+        return self._tok.id_to_token(i)
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer:

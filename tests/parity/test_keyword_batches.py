@@ -12,7 +12,10 @@ attention (an additive float mask), and with sequence parallelism (the mask stay
 hidden states are split along the sequence). In the same spawn, Megatron's masks as the
 trainer feeds them (``--eod-mask-loss --reset-position-ids --reset-attention-mask``: the
 documents packed in a window do not see each other, positions restart, no loss on an
-end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2."""
+end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2; and SFT
+conversations as the trainer lays them out (--sft, loss on the assistant turns alone:
+tests/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
+(each step its own length, variable_seq_lengths), at tp2 x pp2 x dp2."""
 
 from __future__ import annotations
 
@@ -38,11 +41,12 @@ MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0
 GBS = MBS * M * LAYOUT["dp"]
 CASES = ("right-sdpa", "left-sdpa", "left-eager", "left-sdpa-sp")  # sp: sequence parallelism too
 MASKED = {"megatron-masks": LAYOUT, "megatron-masks-cp": dict(cp=2, tp=2, dp=2)}
+SFT = {"sft-packed": LAYOUT, "sft-padded": LAYOUT | dict(variable_seq_lengths=True)}
 EOD = 1
 
 
 def model(case: str) -> torch.nn.Module:
-    attention = "sdpa" if case in MASKED else case.split("-")[1]
+    attention = "sdpa" if case in MASKED or case in SFT else case.split("-")[1]
     return hf_model("llama", n_layer=4, pad_token_id=PAD, attn_implementation=attention)
 
 
@@ -66,6 +70,8 @@ def padded(rows: int, *, seed: int, side: str) -> dict[str, torch.Tensor]:
 def batches(case: str) -> list[dict[str, torch.Tensor]]:
     if case in MASKED:
         return megatron_batches(masks=True)
+    if case in SFT:
+        return sft_batches(case.split("-")[1])
     return [padded(GBS, seed=10 * s + len(case), side=case.split("-")[0]) for s in range(STEPS)]
 
 
@@ -90,12 +96,29 @@ def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
     return [model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True) for s in range(STEPS)]
 
 
+def sft_batches(layout: str) -> list[dict[str, torch.Tensor]]:
+    """The trainer's batches of 40 random conversations (tests/sft_data.py) in ``layout``."""
+    from fxmeg.trainer import TrainConfig, model_batch, train_data
+    from tests import sft_data
+
+    root = tempfile.mkdtemp(prefix="fxmeg-sft-")
+    lines = sft_data.write_lines(os.path.join(root, "c.jsonl"), sft_data.conversations(40, seed=4))
+    cfg = TrainConfig.from_flat(sft=True, sft_layout=layout, data_path=lines, split="80,20,0", seq_len=4 * SEQ,
+                                tokenizer_model=sft_data.write_tokenizer(os.path.join(root, "tok")),
+                                chat_template=sft_data.write_template(os.path.join(root, "chat.jinja")),
+                                global_batch_size=GBS, micro_batch_size=MBS, train_iters=STEPS, eval_iters=1,
+                                variable_seq_lengths=layout == "padded", sft_pad_multiple=4)
+    data = train_data(cfg)
+    shutil.rmtree(root)
+    return [model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True) for s in range(STEPS)]
+
+
 def run(rank: int) -> dict:
     out = {}
-    for case in (*CASES, *MASKED):
+    for case in (*CASES, *MASKED, *SFT):
         data = batches(case)
         engine = fxmeg.parallelize(model(case), {k: t[:MBS] for k, t in data[0].items()},
-                                   global_batch_size=GBS, optimizer=optimizer, **MASKED.get(case, LAYOUT),
+                                   global_batch_size=GBS, optimizer=optimizer, **(MASKED | SFT).get(case, LAYOUT),
                                    sequence_parallel=case.endswith("-sp"))
         steps = [engine.train_step(b) for b in data]
         out[case] = dict(losses=[s.loss for s in steps], tokens=[s.num_tokens for s in steps],
@@ -146,3 +169,18 @@ def test_megatrons_masks_train_as_on_one_device(results, case):
     _, unmasked = train_dicts(model(case), megatron_batches(masks=False))
     with pytest.raises(AssertionError):
         assert_weights_close(unmasked.state_dict(), state)
+
+
+@pytest.mark.parametrize("case", list(SFT))
+def test_sft_conversations_train_as_on_one_device(results, case):
+    ranks = [r[case] for r in results]
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"] and r["eval"] == ranks[0]["eval"]
+    losses, final, state = reference(case)
+    data = batches(case)
+    assert ranks[0]["tokens"] == [int((b["shift_labels"] != -100).sum()) for b in data]
+    if case == "sft-padded":  # the steps have their own lengths
+        assert len({b["input_ids"].shape[1] for b in data}) > 1
+    assert_losses_close(ranks[0]["losses"], losses)
+    assert_losses_close([ranks[0]["eval"]], [final])
+    assert_weights_close(ranks[0]["state"], state)

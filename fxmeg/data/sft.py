@@ -1,0 +1,261 @@
+"""Supervised fine-tuning data (``fxmeg train --sft``): JSON-lines files of prompt/response
+pairs, or of conversations rendered with a chat template, tokenised with the model's
+tokenizer (``--tokenizer-model``, a tokenizer.json); the loss counts response tokens only.
+
+  a line       {"prompt": ..., "response": ...} (the keys: --sft-prompt-key,
+               --sft-response-key); with --chat-template, {"messages": [{"role": "user",
+               "content": ...}, {"role": "assistant", "content": ...}, ...]}
+               (--sft-messages-key)
+  an example   its tokens and which of them are targets: of a pair, the prompt (with the
+               tokenizer's special tokens), then the response and the end-of-document token,
+               the targets; of a conversation, the rendered text, the targets the tokens that
+               start inside what each assistant turn adds to the rendering (its content and
+               the template's end-of-turn text, never the next turn's header)
+  a sample     input x[:-1], labels x[1:] with -100 where x[t + 1] is no target
+
+Two layouts (--sft-layout):
+
+  packed   the examples, in file order, fill windows of seq_len positions whole (an example
+           longer than a window is cut to it and fills one alone); the rest of a window is
+           padding. In a window each example's positions start at 0 and its tokens attend
+           only to earlier tokens of the same example: "position_ids" and "attend" (a 4-D
+           attention mask; a model that takes them by keyword: a Hugging Face one).
+  padded   one example per row, a global batch's rows padded on the right to the multiple
+           of --sft-pad-multiple above its longest (at most seq_len): steps have different
+           lengths (--variable-seq-lengths). Under a causal mask no real token sees the
+           padding after it, so any model trains on it; "attend" is the (rows, s) padding
+           mask for a model that takes one.
+
+Each split (--split over the examples of one file, or --train-data-path and
+--valid-data-path) is shuffled every epoch (numpy RandomState(seed + epoch).permutation of
+its samples); stream position p reads sample order[p], so a resume continues at any dp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from fxmeg.data.corpus import json_records
+from fxmeg.data.gpt_order import split_documents
+from fxmeg.data.tokenizer import HFTokenizer
+from fxmeg.errors import DataError
+
+LAYOUTS = ("packed", "padded")
+
+
+@dataclass(frozen=True)
+class SFTFormat:
+    """How to read the lines and lay the examples out (the --sft-* flags)."""
+
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str = "messages"
+    chat_template: str = ""
+    """A Jinja template file, or a tokenizer_config.json holding ``chat_template``."""
+    layout: str = "packed"
+    pad_multiple: int = 8
+
+
+class Example(NamedTuple):
+    tokens: np.ndarray  # int64
+    targets: np.ndarray  # bool, per token: a response token the loss learns
+
+
+class ChatTemplate:
+    """A chat template rendered as transformers renders it (sandboxed Jinja, trim_blocks,
+    lstrip_blocks; ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``)."""
+
+    def __init__(self, path: str, tokenizer: HFTokenizer) -> None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        specials = {"bos_token": "", "eos_token": tokenizer.token(tokenizer.eos_id)}
+        if path.endswith(".json"):
+            config = json.loads(text)
+            text = config.get("chat_template")
+            if isinstance(text, list):  # named templates: the default one
+                text = next((t["template"] for t in text if t.get("name") == "default"), None)
+            if not isinstance(text, str):
+                raise DataError(f"chat template {path}: the file has no chat_template string")
+            specials |= {k: _token_text(config[k]) for k in specials if config.get(k)}
+
+        def fail(message: str):
+            raise DataError(f"chat template {path}: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = fail
+        self.path, self._template, self._specials = path, env.from_string(text), specials
+
+    def __call__(self, messages: list, add_generation_prompt: bool = False) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._specials)
+
+
+def _token_text(value) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def read_examples(path: str, tokenizer: HFTokenizer, fmt: SFTFormat) -> list[Example]:
+    """Every line of the JSON-lines file ``path`` as an example; a line without the fields
+    its format needs, or a conversation without an assistant turn, is refused naming the
+    file and line."""
+    if not os.path.isfile(path):
+        raise DataError(f"--sft data {path!r} does not exist (one JSON-lines file per split)")
+    template = ChatTemplate(fmt.chat_template, tokenizer) if fmt.chat_template else None
+    examples = []
+    for number, record in json_records(path, "--sft reads"):
+        where = f"{path}:{number}"
+        examples.append(_conversation(record, tokenizer, template, fmt.messages_key, where) if template
+                        else _pair(record, tokenizer, fmt, where))
+    if not examples:
+        raise DataError(f"--sft data {path} holds no example")
+    return examples
+
+
+def _pair(record: dict, tokenizer: HFTokenizer, fmt: SFTFormat, where: str) -> Example:
+    texts = [record.get(fmt.prompt_key), record.get(fmt.response_key)]
+    if not all(isinstance(t, str) for t in texts):
+        raise DataError(f"{where} has no string fields {fmt.prompt_key!r} and {fmt.response_key!r} (it has "
+                        f"{sorted(record)}); name them with --sft-prompt-key and --sft-response-key, or give "
+                        "--chat-template for conversations")
+    prompt = tokenizer.encode(texts[0])
+    response = tokenizer.encode(texts[1], add_special_tokens=False) + [tokenizer.eos_id]
+    return Example(np.array(prompt + response, dtype=np.int64),
+                   np.array([False] * len(prompt) + [True] * len(response)))
+
+
+def _conversation(record: dict, tokenizer: HFTokenizer, template: ChatTemplate, key: str, where: str) -> Example:
+    messages = record.get(key)
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise DataError(f"{where} has no conversation {key!r} (a list of messages with a 'role'; the line has "
+                        f"{sorted(record)}); name it with --sft-messages-key")
+    text = template(messages)
+    chars = np.zeros(len(text) + 1, dtype=bool)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, upto = template(messages[:i], add_generation_prompt=True), template(messages[: i + 1])
+        if not (text.startswith(upto) and upto.startswith(before)):
+            raise DataError(f"{where}: chat template {template.path} does not render this conversation prefix "
+                            f"by prefix (message {i}), so its assistant turns cannot be told apart")
+        chars[len(before):len(upto)] = True
+    if not chars.any():
+        raise DataError(f"{where} has no assistant message to learn (roles {[m['role'] for m in messages]})")
+    ids, offsets = tokenizer.encode_offsets(text)
+    return Example(np.array(ids, dtype=np.int64),
+                   np.array([end > start and bool(chars[start]) for start, end in offsets], dtype=bool))
+
+
+def pack(examples: Sequence[Example], seq_len: int, pad: int) -> dict[str, np.ndarray]:
+    """The packed layout: (windows, seq_len) arrays "tokens", "labels" (-100: no target),
+    "position_ids" and "segment" (the example of each position; padding is one more)."""
+    windows: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    used = 0
+    for x, t in examples:
+        pairs = (x[:-1][:seq_len], np.where(t[1:], x[1:], -100)[:seq_len])
+        if used + len(pairs[0]) > seq_len and windows[-1]:
+            windows.append([])
+            used = 0
+        windows[-1].append(pairs)
+        used += len(pairs[0])
+    out = {k: np.zeros((len(windows), seq_len), dtype=np.int64) for k in ("tokens", "labels", "position_ids", "segment")}
+    for w, parts in enumerate(windows):
+        rest = seq_len - sum(len(inputs) for inputs, _ in parts)
+        padding = (np.full(rest, pad), np.full(rest, -100))
+        start = 0
+        for k, (inputs, labels) in enumerate([*parts, padding]):
+            end = start + len(inputs)
+            out["tokens"][w, start:end], out["labels"][w, start:end] = inputs, labels
+            out["position_ids"][w, start:end] = np.arange(end - start)
+            out["segment"][w, start:end] = k
+            start = end
+    return out
+
+
+class _Split:
+    """One split's samples and its order: every epoch a permutation of them."""
+
+    def __init__(self, samples: int, needed: int, seed: int) -> None:
+        epochs = max(1, -(-needed // samples))
+        self.order = np.concatenate([np.random.RandomState(seed + e).permutation(samples) for e in range(epochs)])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class SFTData:
+    """A run's SFT splits (the trainer's data when --sft): ``fields`` as TrainData's."""
+
+    def __init__(self, paths, sizes: tuple[int, int, int], *, seq_len: int, seed: int, tokenizer: HFTokenizer,
+                 fmt: SFTFormat) -> None:
+        files = _split_files(paths)
+        self.vocab_size, self.seq_len, self.fmt, self.pad = tokenizer.vocab_size, seq_len, fmt, tokenizer.eos_id
+        if len(files) == 1:
+            examples = read_examples(files[0], tokenizer, fmt)
+            ranges = split_documents(paths.split, len(examples))
+            parts = [examples[slice(*r)] if r else [] for r in ranges[:2]]
+        else:
+            parts = [read_examples(f, tokenizer, fmt) for f in files]
+        if not parts[1]:
+            raise DataError(f"split {paths.split!r} leaves no validation examples, which evaluation reads: give "
+                            "the valid split a weight (e.g. '98,2,0') or --valid-data-path")
+        self.examples = parts
+        self.windows = [pack(p, seq_len, self.pad) for p in parts] if fmt.layout == "packed" else None
+        counts = [len(w["tokens"]) for w in self.windows] if self.windows else [len(p) for p in parts]
+        self.train, self.valid = (_Split(n, sizes[i], seed) for i, n in enumerate(counts))
+        cut = sum(len(x) - 1 > seq_len for p in parts for x, _ in p)
+        self.summary = (f"sft: {len(parts[0])} train and {len(parts[1])} valid examples"
+                        + (f" packed into {counts[0]} and {counts[1]} windows of {seq_len} tokens" if self.windows
+                           else f", one per row, padded to at most {seq_len} tokens")
+                        + (f"; {cut} longer than {seq_len} tokens cut to it" if cut else ""))
+
+    def fields(self, split: str, positions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The samples at stream ``positions`` (of the valid split: modulo its length):
+        "tokens", "labels" (-100: no loss) and "position_ids" / "attend" (module docstring)."""
+        k = 0 if split == "train" else 1
+        order = (self.train, self.valid)[k].order
+        rows = [int(order[p if k == 0 else p % len(order)]) for p in positions]
+        if self.windows:
+            w = {name: torch.from_numpy(a[rows]) for name, a in self.windows[k].items()}
+            segment, s = w.pop("segment"), self.seq_len
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            return w | {"attend": (segment[:, :, None] == segment[:, None, :]) & causal}
+        return self._padded([self.examples[k][r] for r in rows])
+
+    def _padded(self, examples: list[Example]) -> dict[str, torch.Tensor]:
+        longest = max(len(x) - 1 for x, _ in examples)
+        s = min(self.seq_len, -(-longest // self.fmt.pad_multiple) * self.fmt.pad_multiple)
+        tokens = torch.full((len(examples), s), self.pad, dtype=torch.long)
+        labels = torch.full((len(examples), s), -100, dtype=torch.long)
+        attend = torch.zeros((len(examples), s), dtype=torch.long)
+        for r, (x, t) in enumerate(examples):
+            n = min(s, len(x) - 1)
+            tokens[r, :n] = torch.from_numpy(x[:n])
+            labels[r, :n] = torch.from_numpy(np.where(t[1 : n + 1], x[1 : n + 1], -100))
+            attend[r, :n] = 1
+        return {"tokens": tokens, "labels": labels, "attend": attend}
+
+
+def _split_files(paths) -> list[str]:
+    """The JSON-lines file cut by --split ([one]), or the train and valid files."""
+    if paths.blend:
+        if len(paths.blend) != 1:
+            raise DataError("--sft reads one JSON-lines file per split, not a blend: --data-path "
+                            + " ".join(paths.blend))
+        return list(paths.blend)
+    files = [paths.per_split[0], paths.per_split[1]]
+    if any(len(f) != 1 for f in files):
+        raise DataError("--sft reads one JSON-lines file per split: give --train-data-path FILE and "
+                        "--valid-data-path FILE")
+    return [f[0] for f in files]
