@@ -6,7 +6,8 @@ One JSON line.
 The dataset: ``--tokens`` uint16 tokens in documents of 1 to 2000 tokens (random, seeded),
 written once with fxmeg's writer. Timed: the order of one epoch's samples at ``--seq``
 (document, sample and shuffle indices), and a blend of two copies at weights 0.3 / 0.7
-for ``--samples`` samples. Reading: samples per second of the trainer's own reader
+for ``--samples`` samples; the same order through --data-cache-path (fxmeg/data/cache.py),
+written by a first run and read by the next. Reading: samples per second of the trainer's own reader
 (``TrainData.batch``, fxmeg/data/megatron.py: global batches of ``--gbs`` in stream order,
 as int64 tensors, every token id checked).
 
@@ -27,10 +28,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from fxmeg.data import cache  # noqa: E402
 from fxmeg.data.blend import blending_indices  # noqa: E402
 from fxmeg.data.gpt_order import build_order  # noqa: E402
 from fxmeg.data.indexed import IndexedDataset, write_indexed  # noqa: E402
-from fxmeg.data.megatron import DataPaths, TrainData  # noqa: E402
+from fxmeg.data.megatron import DataPaths, TrainData, Vocabulary  # noqa: E402
 
 
 def _documents(tokens: int, seed: int = 0):
@@ -65,9 +67,13 @@ def main() -> None:
         t0 = time.perf_counter()
         blending_indices([0.3, 0.7], args.samples)
         out["fxmeg_blend_s"] = round(time.perf_counter() - t0, 3)
+        for step in ("cache_write_s", "cache_read_s"):  # --data-cache-path: the first run writes, the next reads
+            t0 = time.perf_counter()
+            cache.order(os.path.join(tmp, "cache"), data, (0, documents), seq_len=args.seq, num_samples=None, seed=1234)
+            out[step] = round(time.perf_counter() - t0, 3)
         out |= _megatron(prefix, ids, args)
         reader = TrainData(DataPaths(blend=(prefix,), split="99,1,0"), (args.read, args.gbs, 0), seq_len=args.seq,
-                           seed=1234, vocab=65536)
+                           seed=1234, vocab=Vocabulary(65536, None))
         t0 = time.perf_counter()
         for start in range(0, args.read, args.gbs):
             reader.batch("train", range(start, start + args.gbs))

@@ -46,6 +46,9 @@ class TrainConfig:
     """With train_data_path: the validation split's own blend."""
     test_data_path: str = ""
     """With train_data_path: the test split's own blend (fxmeg trains and evaluates; nothing reads it)."""
+    data_cache_path: str = ""
+    """Megatron's --data-cache-path: a directory for the sample-order indices; later runs with
+    the same data and settings read them instead of building them (fxmeg/data/cache.py)."""
     vocab_size: int = 0
     """The data's vocabulary size (0: from tokenizer_model, else from PREFIX.json, which `fxmeg
     prepare-data` writes and Megatron's tools do not); every token id is checked against it."""
@@ -198,10 +201,14 @@ class TrainConfig:
         if not self.sft:
             return
         if self.sft_layout not in LAYOUTS:
-            raise ConfigError(f"sft_layout={self.sft_layout!r} is not one of {LAYOUTS}" + closest(self.sft_layout, LAYOUTS))
+            raise ConfigError(f"sft_layout={self.sft_layout!r} is not one of {LAYOUTS}"
+                              + closest(self.sft_layout, LAYOUTS))
         if not self.tokenizer_model:
             raise ConfigError("--sft tokenises its JSON lines with the model's tokenizer: pass --tokenizer-model "
                               "PATH (a tokenizer.json, or the directory holding it)")
+        if self.data_cache_path:
+            raise ConfigError("--data-cache-path caches the sample order of indexed (.bin / .idx) data; --sft "
+                              "reads JSON lines and orders them at start-up: drop --data-cache-path")
         if self.masks():
             raise ConfigError(f"--sft lays out its own masks (--sft-layout); {' '.join(self.masks().flags())} "
                               "are for pretraining data")

@@ -42,6 +42,7 @@ from fxmeg.train_config import (  # noqa: F401  (the trainer's options, imported
     flat_fields,
 )
 
+
 def train_data(cfg: TrainConfig) -> TrainData | SFTData:
     """The run's data as Megatron builds it (fxmeg/data/megatron.py), each split for the
     samples Megatron's pretrain_gpt.py asks from the run's settings: train_iters (or
@@ -55,7 +56,8 @@ def train_data(cfg: TrainConfig) -> TrainData | SFTData:
         tokenizer = HFTokenizer(cfg.tokenizer_model, eos_id=cfg.eod_id if cfg.eod_id >= 0 else None)
         return SFTData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer, fmt=cfg.sft_format())
     vocab = vocabulary(paths.prefixes, size=cfg.vocab_size, eod=cfg.eod_id, tokenizer=cfg.tokenizer_model)
-    return TrainData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=vocab, masks=cfg.masks())
+    return TrainData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=vocab, masks=cfg.masks(),
+                     cache_path=cfg.data_cache_path)
 
 
 def model_batch(fields: dict[str, torch.Tensor], *, keywords: bool):

@@ -234,3 +234,47 @@ def test_the_trainer_feeds_megatrons_masks(tmp_path, one_process):  # noqa: F811
             ids, labels = model_batch(loss_only.fields(split, rows), keywords=False)
             assert torch.equal(ids, want["tokens"].long()) and torch.equal(labels, target)
     assert int((target == -100).sum()) > 0 and int(keywords["position_ids"][:, 1:].eq(0).sum()) > 0
+
+
+@pytest.mark.parametrize("case", ["one-dataset-many-epochs", "weights"])
+def test_the_index_cache_is_reused_only_for_the_same_data_and_settings(tmp_path, monkeypatch, case):
+    """--data-cache-path: a second run reads the indices the first wrote (building them is
+    made to fail) and reads the same batches; another seed, or a dataset with other
+    documents at the same path, builds its own."""
+    import fxmeg.data.blend as blend
+    import fxmeg.data.cache as cache
+
+    prefixes = _datasets(tmp_path)
+    flags = _cases(prefixes)[case][0]
+    cfg = TrainConfig.from_flat(**RUN, **flags, data_cache_path=str(tmp_path / "cache"))
+    first = train_data(cfg)
+    written = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert any(n.endswith("-GPTOrder-shuffle_index.npy") for n in written), written
+    assert all(not n.endswith(".tmp") for n in written)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("built again")
+
+    with monkeypatch.context() as m:
+        m.setattr(cache, "build_order", refuse)
+        m.setattr(blend, "blending_indices", refuse)
+        again = train_data(cfg)
+        for split in ("train", "valid"):
+            n = len(getattr(first, split))
+            assert torch.equal(first.batch(split, range(n))[0], again.batch(split, range(n))[0])
+        with pytest.raises(AssertionError, match="built again"):
+            train_data(cfg.replace(seed=22))
+        _rewritten(prefixes[0])  # the first dataset changes in place: as many documents, other lengths
+        with pytest.raises(AssertionError, match="built again"):
+            train_data(cfg)
+
+
+def _rewritten(prefix: str) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(99)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(40):
+        builder.add_item(torch.from_numpy(rng.integers(2, 1000, size=int(rng.integers(1, 60)))))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")

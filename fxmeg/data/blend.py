@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxmeg.data.gpt_order import GPTOrder, build_order, normalise, sample, split_documents
+from fxmeg.data import cache
+from fxmeg.data.gpt_order import GPTOrder, normalise, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
@@ -73,10 +74,10 @@ class Blended:
 
 def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split: str,
                 sizes: Sequence[int | None], *, seq_len: int, seed: int,
-                open: Callable[[str], IndexedDataset] = IndexedDataset) -> list[Blended | None]:
+                open: Callable[[str], IndexedDataset] = IndexedDataset, cache_path: str = "") -> list[Blended | None]:
     """Each split (train, valid, test) of the blend of ``prefixes`` (None where the split
     has weight 0 or is asked 0 samples: not built), asked ``sizes`` samples each; ``open``
-    reads a prefix."""
+    reads a prefix; the indices go through the cache in ``cache_path`` (fxmeg/data/cache.py)."""
     datas = [open(p) for p in prefixes]
     ranges = [split_documents(split, d.num_documents) for d in datas]
     if weights is not None:
@@ -91,10 +92,10 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
                 raise ValueError("a blend with weights needs the number of samples of each split")
             asked = [math.ceil(size * w) for w in weights]
             built = [int(math.ceil(a * (1 + SURPLUS))) for a in asked]
-            parts = [_part(d, r[i], seq_len, n, seed) for d, r, n in zip(datas, ranges, built)]
+            parts = [_part(d, r[i], seq_len, n, seed, cache_path) for d, r, n in zip(datas, ranges, built)]
             share, count = normalise(weights), sum(asked)  # Megatron normalises them twice
         else:
-            parts = [_part(d, r[i], seq_len, None, seed) for d, r in zip(datas, ranges)]
+            parts = [_part(d, r[i], seq_len, None, seed, cache_path) for d, r in zip(datas, ranges)]
             lengths = [len(p.order) for p in parts]
             empty = [prefixes[d] for d, n in enumerate(lengths) if n == 0]
             if empty:
@@ -104,7 +105,8 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
                 raise ValueError("fxmeg reads a blend of prefixes only for a given number of samples")
             count = min(size, sum(lengths))
             share = normalise(lengths)
-        dataset, within = blending_indices(share, count)
+        dataset, within = cache.cached(cache_path, "Blend", {"weights": share, "samples": count}, cache.BLEND,
+                                       lambda: blending_indices(share, count))
         for d, part in enumerate(parts):
             needed = int(np.sum(dataset == d))
             if needed > len(part.order):
@@ -115,6 +117,5 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
 
 
 def _part(data: IndexedDataset, documents: tuple[int, int], seq_len: int, num_samples: int | None,
-          seed: int) -> Part:
-    ids = np.arange(*documents, dtype=np.int32)
-    return Part(data, build_order(data.lengths, ids, seq_len=seq_len, num_samples=num_samples, seed=seed))
+          seed: int, cache_path: str) -> Part:
+    return Part(data, cache.order(cache_path, data, documents, seq_len=seq_len, num_samples=num_samples, seed=seed))

@@ -13,7 +13,9 @@ them (``sample_counts``).
 
 Sample ``j`` of a split is ``tokens(j)``, seq_len + 1 tokens; a trainer reads its stream
 position ``p`` as sample ``p``, so resuming at ``consumed_samples`` reads what an
-uninterrupted run reads, at any data-parallel size.
+uninterrupted run reads, at any data-parallel size. ``TrainData.fields`` adds Megatron's
+loss mask, position ids and attention mask (``MaskRule``; fxmeg/data/masks.py); the indices
+can live on disk between runs (``cache_path``: fxmeg/data/cache.py).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fxmeg.data import cache
 from fxmeg.data.blend import Blended, build_blend
 from fxmeg.data.corpus import Corpus
-from fxmeg.data.gpt_order import GPTOrder, build_order, sample, split_documents
+from fxmeg.data.gpt_order import GPTOrder, sample, split_documents
 from fxmeg.data.indexed import IndexedDataset, is_indexed
 from fxmeg.data.masks import gpt_fields
 from fxmeg.errors import ConfigError, DataError
+
 
 def parse_blend(words: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path`` words: 'W1 P1 W2 P2 ...' (weights and prefixes), else
@@ -108,6 +112,7 @@ class _OldCorpus:
 
     def __init__(self, prefix: str) -> None:
         corpus = Corpus(prefix)
+        self.prefix = prefix
         self.tokens, self._starts = corpus.tokens, corpus.doc_starts
         self.lengths = np.diff(np.append(self._starts, len(self.tokens))).astype(np.int32)
 
@@ -124,22 +129,23 @@ def open_dataset(prefix: str):
     return IndexedDataset(prefix) if is_indexed(prefix) else _OldCorpus(prefix)
 
 
-def build_splits(paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int,
-                 seed: int) -> list[_Single | Blended | None]:
+def build_splits(paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
+                 cache_path: str = "") -> list[_Single | Blended | None]:
     """The train, valid and test splits for ``sizes`` samples each (None: of weight 0, or
-    asked 0 samples: not built)."""
+    asked 0 samples: not built); their indices through the cache in ``cache_path``
+    (fxmeg/data/cache.py; "": none)."""
     paths.check()
     paths.check_files()
     if paths.blend:
-        return _build(paths.blend, paths.split, sizes, seq_len, seed)
+        return _build(paths.blend, paths.split, sizes, seq_len, seed, cache_path)
     out: list[_Single | Blended | None] = []
     for i, words in enumerate(paths.per_split):
         whole = ",".join("1" if k == i else "0" for k in range(3))  # every document in split i
-        out.append(_build(words, whole, sizes, seq_len, seed)[i] if words and sizes[i] else None)
+        out.append(_build(words, whole, sizes, seq_len, seed, cache_path)[i] if words and sizes[i] else None)
     return out
 
 
-def _build(words, split: str, sizes, seq_len: int, seed: int) -> list:
+def _build(words, split: str, sizes, seq_len: int, seed: int, cache_path: str) -> list:
     prefixes, weights = parse_blend(words)
     try:
         if len(prefixes) == 1 and weights is None:
@@ -149,11 +155,11 @@ def _build(words, split: str, sizes, seq_len: int, seed: int) -> list:
                 if documents is None or sizes[i] == 0:
                     out.append(None)
                     continue
-                ids = np.arange(*documents, dtype=np.int32)
-                order = build_order(data.lengths, ids, seq_len=seq_len, num_samples=sizes[i], seed=seed)
+                order = cache.order(cache_path, data, documents, seq_len=seq_len, num_samples=sizes[i], seed=seed)
                 out.append(_Single(data, order, seq_len))
             return out
-        return build_blend(prefixes, weights, split, sizes, seq_len=seq_len, seed=seed, open=open_dataset)
+        return build_blend(prefixes, weights, split, sizes, seq_len=seq_len, seed=seed, open=open_dataset,
+                           cache_path=cache_path)
     except ConfigError:
         raise
     except ValueError as e:
@@ -221,7 +227,7 @@ class TrainData:
     against it) and its masks."""
 
     def __init__(self, paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
-                 vocab: Vocabulary | None = None, masks: MaskRule = MaskRule()) -> None:
+                 vocab: Vocabulary | None = None, masks: MaskRule = MaskRule(), cache_path: str = "") -> None:
         self.vocab = vocab or vocabulary(paths.prefixes)
         if masks and self.vocab.eod is None:
             raise DataError(f"{' '.join(masks.flags())} needs the end-of-document id, which the data does not "
@@ -229,7 +235,8 @@ class TrainData:
                             "--eod-id N")
         # the test split is not built: nothing in fxmeg reads it (Megatron builds it, and
         # loops forever when the split leaves it no document)
-        self.train, self.valid, _ = build_splits(paths, (*sizes[:2], 0), seq_len=seq_len, seed=seed)
+        self.train, self.valid, _ = build_splits(paths, (*sizes[:2], 0), seq_len=seq_len, seed=seed,
+                                                 cache_path=cache_path)
         if self.valid is None or len(self.valid) == 0:
             raise DataError(f"split {paths.split!r} leaves no validation data, which evaluation reads: give the "
                             "valid split a weight (e.g. '98,2,0') or --valid-data-path")

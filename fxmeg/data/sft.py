@@ -169,7 +169,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad: int) -> dict[str, np.nd
             used = 0
         windows[-1].append(pairs)
         used += len(pairs[0])
-    out = {k: np.zeros((len(windows), seq_len), dtype=np.int64) for k in ("tokens", "labels", "position_ids", "segment")}
+    names = ("tokens", "labels", "position_ids", "segment")
+    out = {k: np.zeros((len(windows), seq_len), dtype=np.int64) for k in names}
     for w, parts in enumerate(windows):
         rest = seq_len - sum(len(inputs) for inputs, _ in parts)
         padding = (np.full(rest, pad), np.full(rest, -100))
