@@ -111,3 +111,36 @@ def test_sft_input_is_refused_naming_it(files, tmp_path):
         _config(files, "pairs", reset_attention_mask=True)
     with pytest.raises(DataError, match="--sft reads one JSON-lines file per split, not a blend"):
         train_data(_config(files, "pairs", data_path=f"0.5 {files['pairs']} 0.5 {files['pairs']}"))
+
+
+def test_a_chat_template_from_tokenizer_config_json(files, tmp_path):
+    """--chat-template tokenizer_config.json: its chat_template (here the default of a list of
+    named ones) rendered with its eos_token; the targets as from the template file."""
+    import json
+
+    config = tmp_path / "tokenizer_config.json"
+    template = sft_data.TEMPLATE.replace("<|end|>", "{{ eos_token }}")
+    config.write_text(json.dumps({"eos_token": {"content": "<|end|>"},
+                                  "chat_template": [{"name": "tool_use", "template": "{{ raise_exception('no') }}"},
+                                                    {"name": "default", "template": template}]}))
+    from_file = train_data(_config(files, "conversations"))
+    from_config = train_data(_config(files, "conversations", chat_template=str(config)))
+    for a, b in zip(from_file.examples[0], from_config.examples[0]):
+        assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.targets, b.targets)
+
+
+def test_pretraining_data_takes_its_vocabulary_from_the_tokenizer(files, tmp_path):
+    """--tokenizer-model gives indexed data (no PREFIX.json) its vocabulary size and
+    end-of-document id ("</s>"), which the masks need; --eod-id overrides the id."""
+    from fxmeg.data.indexed import write_indexed
+
+    prefix = str(tmp_path / "data")
+    write_indexed(prefix, (np.append(np.arange(k % 7 + 1) + 6, 5) for k in range(40)), np.uint16)
+    cfg = TrainConfig.from_flat(seq_len=8, global_batch_size=4, micro_batch_size=2, train_iters=2, eval_iters=1,
+                                data=prefix, split="80,20,0", tokenizer_model=files["tokenizer_model"],
+                                eod_mask_loss=True)
+    data = train_data(cfg)
+    assert (data.vocab.size, data.vocab.eod) == (len(sft_data.SPECIALS + sft_data.WORDS), 5)
+    f = data.fields("train", range(4))
+    assert f["labels"][f["tokens"] == 5].eq(-100).all() and f["labels"][f["tokens"] != 5].ne(-100).all()
+    assert train_data(cfg.replace(eod_id=6)).vocab.eod == 6
