@@ -199,6 +199,11 @@ class TrainConfig:
 
     def _check_sft(self) -> None:
         if not self.sft:
+            given = [f for f in ("sft_layout", "sft_pad_multiple", "sft_prompt_key", "sft_response_key",
+                                 "sft_messages_key", "chat_template")
+                     if getattr(self, f) != getattr(TrainConfig, f)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} read SFT data: add --sft, or drop them")
             return
         if self.sft_layout not in LAYOUTS:
             raise ConfigError(f"sft_layout={self.sft_layout!r} is not one of {LAYOUTS}"
@@ -212,6 +217,9 @@ class TrainConfig:
         if self.masks():
             raise ConfigError(f"--sft lays out its own masks (--sft-layout); {' '.join(self.masks().flags())} "
                               "are for pretraining data")
+        if self.sft_layout == "padded" and self.seq_len % self.sft_pad_multiple:
+            raise ConfigError(f"--sft-layout padded pads to multiples of sft_pad_multiple={self.sft_pad_multiple}, "
+                              f"up to seq_len={self.seq_len}, which is not one: make seq_len a multiple of it")
         if self.sft_layout == "padded" and not self.engine.variable_seq_lengths:
             raise ConfigError("--sft-layout padded pads each global batch to its own length: add "
                               "--variable-seq-lengths (or use --sft-layout packed)")

@@ -70,6 +70,28 @@ def model_batch(fields: dict[str, torch.Tensor], *, keywords: bool):
     return fields["tokens"], fields["labels"]
 
 
+def _check_model_takes(cfg: TrainConfig, model: nn.Module, *, keywords: bool) -> None:
+    """Refuse data the model cannot take as it should: position ids and a 4-D attention mask
+    (the reset switches, packed SFT) need a Hugging Face model in sdpa attention (eager adds
+    a boolean mask to the scores instead of masking with it; flash attention takes no 4-D
+    mask); -100 targets (the loss mask, SFT) need one whose loss reads shift_labels."""
+    name = type(model).__name__
+    resets = [f for f in cfg.masks().flags() if f != "--eod-mask-loss"]
+    resets += ["--sft-layout packed"] if cfg.sft and cfg.sft_layout == "packed" else []
+    if resets and not keywords:
+        raise ConfigError(f"{' and '.join(resets)}: {name} takes only token ids and labels; a model that takes "
+                          "position_ids and attention_mask by keyword (a Hugging Face one, e.g. --model "
+                          "transformers:LlamaForCausalLM) can use them")
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if resets and attention != "sdpa":
+        raise ConfigError(f"{' and '.join(resets)}: {name} runs {attention!r} attention, which does not take a "
+                          "boolean 4-D attention mask as given; use --model-args attn_implementation=sdpa")
+    masked = ["--eod-mask-loss"] * cfg.eod_mask_loss + ["--sft"] * cfg.sft
+    if masked and keywords and not hugging_face.takes_shift_labels(model):
+        raise ConfigError(f"{' and '.join(masked)}: {name}'s loss ignores shift_labels, where the -100 targets "
+                          "are; it would train on every position")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model: nn.Module | None = None) -> None:
         self.cfg = cfg
@@ -92,15 +114,7 @@ class Trainer:
                 model = build_model(cfg.model, args)
         self.keywords = hugging_face.is_hugging_face(model)
         """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
-        resets = [f for f in cfg.masks().flags() if f != "--eod-mask-loss"]
-        resets += ["--sft-layout packed"] if cfg.sft and cfg.sft_layout == "packed" else []
-        if resets and not self.keywords:
-            raise ConfigError(f"{' and '.join(resets)}: {type(model).__name__} takes only token ids and labels; "
-                              "a model that takes position_ids and attention_mask by keyword (a Hugging Face "
-                              "one, e.g. --model transformers:LlamaForCausalLM) can use them")
-        if cfg.eod_mask_loss and self.keywords and not hugging_face.takes_shift_labels(model):
-            raise ConfigError(f"--eod-mask-loss: {type(model).__name__}'s loss ignores shift_labels, where the "
-                              "loss mask is; it would train on every position")
+        _check_model_takes(cfg, model, keywords=self.keywords)
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,

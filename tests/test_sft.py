@@ -144,3 +144,62 @@ def test_pretraining_data_takes_its_vocabulary_from_the_tokenizer(files, tmp_pat
     f = data.fields("train", range(4))
     assert f["labels"][f["tokens"] == 5].eq(-100).all() and f["labels"][f["tokens"] != 5].ne(-100).all()
     assert train_data(cfg.replace(eod_id=6)).vocab.eod == 6
+
+
+def test_what_the_review_found_stays_fixed(files, tmp_path):
+    """Templates with transformers' extras ({% generation %}, tojson's keywords) and the
+    bos_token of the tokenizer_config.json beside the tokenizer; an example with no target
+    within seq_len left out and counted; an empty training split, --sft-* flags without
+    --sft, and a padded seq_len off the multiple refused; a tokenizer with no known
+    end-of-document token still gives pretraining data its vocabulary."""
+    import json
+    import shutil
+
+    tok = tmp_path / "tok2"
+    shutil.copytree(files["tokenizer_model"], tok)
+    (tok / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|system|>"}))
+    fancy = tmp_path / "fancy.jinja"
+    fancy.write_text("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}"
+                     "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}{% else %}"
+                     "{% set _ = m | tojson(separators=(',', ':'), sort_keys=True) %}{{ m['content'] }}<|end|>"
+                     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    data = train_data(_config(files, "conversations", tokenizer_model=str(tok), chat_template=str(fancy)))
+    plain = train_data(_config(files, "conversations"))
+    first, again = data.examples[0][0], plain.examples[0][0]
+    assert first.tokens[0] == sft_data.SPECIALS.index("<|system|>")  # the bos_token, rendered
+    assert np.array_equal(first.tokens[1:], again.tokens) and np.array_equal(first.targets[1:], again.targets)
+
+    long = [{"question": " ".join(["the"] * 70), "answer": "a"}] + sft_data.pairs(20, seed=5)
+    lines = sft_data.write_lines(str(tmp_path / "long.jsonl"), long)
+    cut = train_data(_config(files, "pairs", data_path=lines))
+    assert "1 with no response token in their first 64 left out" in cut.summary and len(cut.examples[0]) == 16
+    with pytest.raises(DataError, match="leaves no training example with a target within seq_len 64"):
+        train_data(_config(files, "pairs", split="0,100,0"))
+    with pytest.raises(ConfigError, match="sft_layout, chat_template read SFT data: add --sft"):
+        TrainConfig.from_flat(**(RUN | dict(sft=False)), data_path="x", sft_layout="padded", chat_template="c")
+    with pytest.raises(ConfigError, match="which is not one: make seq_len a multiple of it"):
+        _config(files, "pairs", sft_layout="padded", variable_seq_lengths=True, sft_pad_multiple=5)
+
+    from fxmeg.data.megatron import vocabulary
+    from fxmeg.data.tokenizer import HFTokenizer
+
+    config = json.loads((tok / "tokenizer.json").read_text())
+    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] != "</s>"]
+    config["model"]["vocab"].pop("</s>")
+    (tok / "tokenizer.json").write_text(json.dumps(config))
+    assert HFTokenizer(str(tok)).eos_id is None
+    assert vocabulary([], tokenizer=str(tok)).eod is None
+    with pytest.raises(DataError, match="--sft needs the end-of-document id, and tokenizer .* name it with --eod-id"):
+        train_data(_config(files, "pairs", tokenizer_model=str(tok)))
+
+
+def test_masks_need_sdpa_attention(tmp_path):
+    """A 4-D boolean mask is a mask only to sdpa: eager attention would add it to the scores."""
+    from fxmeg.trainer import _check_model_takes
+    from tests.helpers import hf_model
+
+    cfg = TrainConfig.from_flat(seq_len=16, global_batch_size=4, micro_batch_size=2, train_iters=2, eval_iters=1,
+                                data="x", reset_attention_mask=True)
+    _check_model_takes(cfg, hf_model("llama", attn_implementation="sdpa"), keywords=True)
+    with pytest.raises(ConfigError, match="runs 'eager' attention, which does not take a boolean 4-D attention mask"):
+        _check_model_takes(cfg, hf_model("llama", attn_implementation="eager"), keywords=True)

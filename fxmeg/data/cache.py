@@ -5,14 +5,16 @@ building them again, as Megatron's ``path_to_cache`` does.
 An entry is the arrays one build makes (a dataset split's document, sample and shuffle
 indices; a blend's dataset and sample indices) under a key: the MD5 of a JSON description of
 everything the arrays depend on (for an order, the dataset's path, its document and token
-counts, the documents of the split, seq_len, the samples, the seed). Files:
+counts and the MD5 of its document lengths, the documents of the split, seq_len, the
+samples, the seed). Files:
 
   DIR/KEY-KIND-NAME.npy        each array
   DIR/KEY-KIND-description.txt the description, written last: an entry without it is not
                                complete and is built again
 
-Each file is written under a temporary name and renamed into place, so ranks building the
-same entry at once never read a partial file (they write the same bytes). Megatron's own
+Each file is written under a unique temporary name and renamed into place, so ranks (on
+any machine sharing the directory) building the same entry at once never read a partial
+file (they write the same bytes). Megatron's own
 cache is not read: its key hashes its tokenizer object's identifiers, which fxmeg does not
 have, so the files are named differently on purpose.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -60,9 +63,10 @@ def cached(directory: str, kind: str, description: dict, names: tuple[str, ...],
 
 
 def _write(path: str, fill: Callable) -> None:
-    temporary = f"{path}.{os.getpid()}.tmp"
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
+                                         suffix=".tmp")  # unique across ranks and machines sharing the directory
     try:
-        with open(temporary, "wb") as f:
+        with os.fdopen(handle, "wb") as f:
             fill(f)
         os.replace(temporary, path)
     finally:
@@ -75,7 +79,9 @@ def order(directory: str, data, documents: tuple[int, int], *, seq_len: int, num
     """``gpt_order.build_order`` of the documents [begin, end) of ``data`` (an indexed
     dataset: ``prefix``, ``lengths``, ``num_documents``), through the cache in ``directory``."""
     description = {"dataset": os.path.realpath(data.prefix), "documents_in_dataset": int(data.num_documents),
-                   "tokens_in_dataset": int(np.sum(data.lengths, dtype=np.int64)), "documents": list(documents),
+                   "tokens_in_dataset": int(np.sum(data.lengths, dtype=np.int64)),
+                   "lengths_md5": hashlib.md5(np.ascontiguousarray(data.lengths).tobytes()).hexdigest(),
+                   "documents": list(documents),
                    "seq_len": seq_len, "num_samples": num_samples, "seed": seed}
 
     def build():

@@ -47,10 +47,11 @@ def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict
     """Tokenise ``documents`` into the corpus at ``prefix`` (Megatron's indexed format, each
     document followed by the end-of-document token); returns its metadata. When reading
     the documents fails, nothing at ``prefix`` changes (``write_indexed``)."""
+    eos = tokenizer.require_eos("prepare-data", "it ends every document with it; use a tokenizer that has one")
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     encoded = (tokenizer.encode(text) for text in documents)
-    count, total = write_indexed(prefix, (np.asarray(ids + [tokenizer.eos_id]) for ids in encoded if ids), dtype)
+    count, total = write_indexed(prefix, (np.asarray(ids + [eos]) for ids in encoded if ids), dtype)
     meta = {
         "dtype": np.dtype(dtype).name, "num_tokens": total, "num_documents": count,
         "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "tokenizer": tokenizer.name,

@@ -33,6 +33,7 @@ its samples); stream position p reads sample order[p], so a resume continues at 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -69,16 +70,23 @@ class Example(NamedTuple):
 
 
 class ChatTemplate:
-    """A chat template rendered as transformers renders it (sandboxed Jinja, trim_blocks,
-    lstrip_blocks; ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``)."""
+    """A chat template rendered as transformers renders it: sandboxed Jinja (trim_blocks,
+    lstrip_blocks, loop controls, ``{% generation %}`` blocks rendered as they stand),
+    ``tojson``, ``raise_exception`` and ``strftime_now``; the variables ``messages`` and
+    ``add_generation_prompt``, and ``bos_token`` / ``eos_token`` from the tokenizer_config.json
+    beside the tokenizer (or the one holding the template), else "" and the tokenizer's
+    end-of-document token. A template error is refused naming the file."""
 
     def __init__(self, path: str, tokenizer: HFTokenizer) -> None:
+        from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        specials = {"bos_token": "", "eos_token": eos} | _specials(os.path.join(os.path.dirname(tokenizer.file),
+                                                                                "tokenizer_config.json"))
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        specials = {"bos_token": "", "eos_token": tokenizer.token(tokenizer.eos_id)}
         if path.endswith(".json"):
             config = json.loads(text)
             text = config.get("chat_template")
@@ -86,23 +94,59 @@ class ChatTemplate:
                 text = next((t["template"] for t in text if t.get("name") == "default"), None)
             if not isinstance(text, str):
                 raise DataError(f"chat template {path}: the file has no chat_template string")
-            specials |= {k: _token_text(config[k]) for k in specials if config.get(k)}
+            specials |= _specials(path)
 
         def fail(message: str):
             raise DataError(f"chat template {path}: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-        env.globals["raise_exception"] = fail
-        self.path, self._template, self._specials = path, env.from_string(text), specials
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, _generation_extension()])
+        env.filters["tojson"] = _tojson
+        env.globals |= {"raise_exception": fail, "strftime_now": lambda f: datetime.datetime.now().strftime(f)}
+        self.path, self._specials, self._errors = path, specials, TemplateError
+        try:
+            self._template = env.from_string(text)
+        except TemplateError as e:
+            raise DataError(f"chat template {path}: {type(e).__name__}: {e}") from e
 
     def __call__(self, messages: list, add_generation_prompt: bool = False) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._specials)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._specials)
+        except (self._errors, TypeError, KeyError) as e:
+            raise DataError(f"chat template {self.path} failed to render: {type(e).__name__}: {e}") from e
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _specials(config_path: str) -> dict[str, str]:
+    """bos_token and eos_token of a tokenizer_config.json (a string, or a dict with "content")."""
+    if not os.path.isfile(config_path):
+        return {}
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    found = {k: config.get(k) for k in ("bos_token", "eos_token")}
+    return {k: v["content"] if isinstance(v, dict) else str(v) for k, v in found.items() if v}
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_extension():
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant text with
+        it): its body, rendered as it stands; the targets come from rendering prefixes."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
 
 
 def read_examples(path: str, tokenizer: HFTokenizer, fmt: SFTFormat) -> list[Example]:
@@ -162,8 +206,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad: int) -> dict[str, np.nd
     "position_ids" and "segment" (the example of each position; padding is one more)."""
     windows: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
     used = 0
-    for x, t in examples:
-        pairs = (x[:-1][:seq_len], np.where(t[1:], x[1:], -100)[:seq_len])
+    for example in examples:
+        pairs = _pairs(example, seq_len)
         if used + len(pairs[0]) > seq_len and windows[-1]:
             windows.append([])
             used = 0
@@ -184,6 +228,19 @@ def pack(examples: Sequence[Example], seq_len: int, pad: int) -> dict[str, np.nd
     return out
 
 
+def _pairs(example: Example, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """An example's inputs and labels (-100 where the next token is no target), at most
+    ``limit`` of them."""
+    x, t = example
+    return x[:-1][:limit], np.where(t[1:], x[1:], -100)[:limit]
+
+
+def _learnable(examples: list[Example], seq_len: int) -> tuple[list[Example], int]:
+    """The examples with a target within their first seq_len positions, and how many had none."""
+    kept = [e for e in examples if (_pairs(e, seq_len)[1] != -100).any()]
+    return kept, len(examples) - len(kept)
+
+
 class _Split:
     """One split's samples and its order: every epoch a permutation of them."""
 
@@ -201,25 +258,31 @@ class SFTData:
     def __init__(self, paths, sizes: tuple[int, int, int], *, seq_len: int, seed: int, tokenizer: HFTokenizer,
                  fmt: SFTFormat) -> None:
         files = _split_files(paths)
-        self.vocab_size, self.seq_len, self.fmt, self.pad = tokenizer.vocab_size, seq_len, fmt, tokenizer.eos_id
+        self.pad = tokenizer.require_eos("--sft", "it ends each response with it: name it with --eod-id N")
+        self.vocab_size, self.seq_len, self.fmt = tokenizer.vocab_size, seq_len, fmt
         if len(files) == 1:
             examples = read_examples(files[0], tokenizer, fmt)
             ranges = split_documents(paths.split, len(examples))
             parts = [examples[slice(*r)] if r else [] for r in ranges[:2]]
         else:
             parts = [read_examples(f, tokenizer, fmt) for f in files]
-        if not parts[1]:
-            raise DataError(f"split {paths.split!r} leaves no validation examples, which evaluation reads: give "
-                            "the valid split a weight (e.g. '98,2,0') or --valid-data-path")
+        (parts[0], skipped), (parts[1], skipped_valid) = (_learnable(p, seq_len) for p in parts)
+        for part, name, fix in ((parts[0], "training", "--train-data-path"), (parts[1], "validation",
+                                                                             "--valid-data-path")):
+            if not part:
+                raise DataError(f"split {paths.split!r} leaves no {name} example with a target within seq_len "
+                                f"{seq_len}: give that split a weight (e.g. '98,2,0') or {fix}")
         self.examples = parts
         self.windows = [pack(p, seq_len, self.pad) for p in parts] if fmt.layout == "packed" else None
         counts = [len(w["tokens"]) for w in self.windows] if self.windows else [len(p) for p in parts]
         self.train, self.valid = (_Split(n, sizes[i], seed) for i, n in enumerate(counts))
         cut = sum(len(x) - 1 > seq_len for p in parts for x, _ in p)
+        skipped += skipped_valid
         self.summary = (f"sft: {len(parts[0])} train and {len(parts[1])} valid examples"
                         + (f" packed into {counts[0]} and {counts[1]} windows of {seq_len} tokens" if self.windows
                            else f", one per row, padded to at most {seq_len} tokens")
-                        + (f"; {cut} longer than {seq_len} tokens cut to it" if cut else ""))
+                        + (f"; {cut} longer than {seq_len} tokens cut to it" if cut else "")
+                        + (f"; {skipped} with no response token in their first {seq_len} left out" if skipped else ""))
 
     def fields(self, split: str, positions: Sequence[int]) -> dict[str, torch.Tensor]:
         """The samples at stream ``positions`` (of the valid split: modulo its length):
@@ -240,10 +303,10 @@ class SFTData:
         tokens = torch.full((len(examples), s), self.pad, dtype=torch.long)
         labels = torch.full((len(examples), s), -100, dtype=torch.long)
         attend = torch.zeros((len(examples), s), dtype=torch.long)
-        for r, (x, t) in enumerate(examples):
-            n = min(s, len(x) - 1)
-            tokens[r, :n] = torch.from_numpy(x[:n])
-            labels[r, :n] = torch.from_numpy(np.where(t[1 : n + 1], x[1 : n + 1], -100))
+        for r, example in enumerate(examples):
+            inputs, targets = _pairs(example, s)
+            n = len(inputs)
+            tokens[r, :n], labels[r, :n] = torch.from_numpy(inputs), torch.from_numpy(targets)
             attend[r, :n] = 1
         return {"tokens": tokens, "labels": labels, "attend": attend}
 

@@ -11,9 +11,11 @@ from fxmeg.errors import DataError
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    eos_id: int
+    eos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+
+    def require_eos(self, who: str, fix: str) -> int: ...
 
 
 class ByteTokenizer:
@@ -26,6 +28,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def require_eos(self, who: str, fix: str) -> int:
+        return self.eos_id
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -33,7 +38,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``tokenizers`` JSON file (e.g. a model's tokenizer.json), or a directory holding
     one. Its end-of-document id is ``eos_id``, else the id of ``eos``, else that of the first
-    of EOS_NAMES it has; with none of them the file is refused."""
+    of EOS_NAMES it has, else None (``require_eos`` refuses that where one is needed)."""
 
     EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -49,9 +54,14 @@ class HFTokenizer:
         names = [eos] if eos else list(self.EOS_NAMES)
         ids = [self._tok.token_to_id(c) for c in names]
         self.eos_id = eos_id if eos_id is not None else next((i for i in ids if i is not None), None)
+        self.file, self._eos_names = file, names
+
+    def require_eos(self, who: str, fix: str) -> int:
+        """The end-of-document id, which ``who`` needs; without one, refused naming ``fix``."""
         if self.eos_id is None:
-            raise DataError(f"tokenizer {file} has none of the end-of-document tokens {names}: name the "
-                            "end-of-document id (`fxmeg train --eod-id N`)")
+            raise DataError(f"{who} needs the end-of-document id, and tokenizer {self.file} has none of the tokens "
+                            f"{self._eos_names}: {fix}")
+        return self.eos_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
