@@ -186,7 +186,7 @@ REQUIRED = {EngineConfig: {"micro_batch_size": 2, "global_batch_size": 4},
             TrainConfig: {"data": "x", "train_iters": 1}}
 """The fields each class cannot be built without."""
 CONTEXT = {"train_iters": {"train_samples": 8}, "recompute_num_layers": {"recompute": "full"},
-           "global_batch_size": {"micro_batch_size": 1}}
+           "global_batch_size": {"micro_batch_size": 1}, "sft_pad_multiple": {"sft": True, "tokenizer_model": "t"}}
 """Other fields that a field's least value needs to pass the cross-field rules."""
 INTS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("int", "int | None")}
 FLOATS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("float", "float | None")}

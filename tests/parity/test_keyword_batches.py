@@ -152,19 +152,26 @@ def test_padded_dict_batches_train_as_on_one_device(results, case):
     assert_weights_close(ranks[0]["state"], state)
 
 
-@pytest.mark.parametrize("case", list(MASKED))
-def test_megatrons_masks_train_as_on_one_device(results, case):
+def _as_on_one_device(results, case: str) -> tuple[list[dict], dict]:
+    """Every rank reports the same steps, which count the targets of the trainer's batches
+    (shift_labels) and equal plain training on them; (the batches, the reference state)."""
     ranks = [r[case] for r in results]
     for r in ranks:
         assert r["losses"] == ranks[0]["losses"] and r["eval"] == ranks[0]["eval"]
     losses, final, state = reference(case)
-    # the loss mask counts: every end-of-document input is left out
     data = batches(case)
     assert ranks[0]["tokens"] == [int((b["shift_labels"] != -100).sum()) for b in data]
-    assert all(int((b["shift_labels"] == -100).sum()) >= int((b["input_ids"] == EOD).sum()) > 0 for b in data)
     assert_losses_close(ranks[0]["losses"], losses)
     assert_losses_close([ranks[0]["eval"]], [final])
     assert_weights_close(ranks[0]["state"], state)
+    return data, state
+
+
+@pytest.mark.parametrize("case", list(MASKED))
+def test_megatrons_masks_train_as_on_one_device(results, case):
+    data, state = _as_on_one_device(results, case)
+    # the loss mask counts: every end-of-document input is left out
+    assert all(int((b["shift_labels"] == -100).sum()) >= int((b["input_ids"] == EOD).sum()) > 0 for b in data)
     # and the masks matter: the same training without them ends outside these tolerances
     _, unmasked = train_dicts(model(case), megatron_batches(masks=False))
     with pytest.raises(AssertionError):
@@ -173,14 +180,6 @@ def test_megatrons_masks_train_as_on_one_device(results, case):
 
 @pytest.mark.parametrize("case", list(SFT))
 def test_sft_conversations_train_as_on_one_device(results, case):
-    ranks = [r[case] for r in results]
-    for r in ranks:
-        assert r["losses"] == ranks[0]["losses"] and r["eval"] == ranks[0]["eval"]
-    losses, final, state = reference(case)
-    data = batches(case)
-    assert ranks[0]["tokens"] == [int((b["shift_labels"] != -100).sum()) for b in data]
+    data, _ = _as_on_one_device(results, case)
     if case == "sft-padded":  # the steps have their own lengths
         assert len({b["input_ids"].shape[1] for b in data}) > 1
-    assert_losses_close(ranks[0]["losses"], losses)
-    assert_losses_close([ranks[0]["eval"]], [final])
-    assert_weights_close(ranks[0]["state"], state)

@@ -1,0 +1,180 @@
+"""The pipeline executor's own cost, per schedule, against torch.distributed.pipelining.
+
+Two measurements, one JSON line:
+
+- ``empty``: a GPT whose chunks do almost nothing (one block per chunk, hidden 8, seq 4,
+  one row per micro-batch: compute is ~0), every fxmeg schedule and every peer schedule
+  that runs on gloo (bench/zero_bubble.py's manual frontend on the same hand-split
+  stages). For each, the median step time at m and at 2m micro-batches (rotated, the
+  slowest rank's), and the cost of one more micro-batch: (t(2m) - t(m)) / m, which the
+  step's fixed costs (optimizer, gradient sync, clipping) do not enter. For fxmeg also per
+  action: the same difference over the difference in this rank's lowered actions
+  (compute, send, receive, deallocate, grad-sync steps).
+- ``traced``: the bench GPT (bench/zero_bubble.py's model, pp=2, m=8) under each fxmeg
+  schedule, one traced step per rank: the step's time split into chunk compute (the F / B /
+  I / W actions), point-to-point (posting and waiting), optimizer and finalize, and the
+  rest: the interpreter between actions.
+
+    python bench/overhead.py                # pp=2, m=8
+    python bench/overhead.py --steps 5 --fxmeg-schedules 1f1b,zbv --torch-schedules 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fxmeg  # noqa: E402
+from bench.common import median, parser, spawn, timed  # noqa: E402
+from bench.zero_bubble import FXMEG_VPP, TORCH_SCHEDULES, agree, torch_manual  # noqa: E402
+from fxmeg import trace  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+EMPTY = dict(layers=4, hidden=8, heads=2, seq=4, vocab=32, mbs=1)
+"""The near-empty model: 4 blocks (pp=2 x vpp=2 chunks of one block), 8 wide, 4 tokens."""
+
+
+def _model(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=heads, n_embd=hidden))
+
+
+def _batch(rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
+
+
+def _fxmeg(base: GPT, ids, labels, mbs: int, pp: int, schedule: str):
+    engine = fxmeg.parallelize(
+        copy.deepcopy(base), (ids[:mbs], labels[:mbs]), pp=pp, vpp=FXMEG_VPP.get(schedule, 1), schedule=schedule,
+        global_batch_size=ids.shape[0], optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+    return engine, lambda: engine.train_step((ids, labels))
+
+
+def _actions(engine) -> int:
+    """This rank's lowered actions in the last step (each point-to-point group counts once)."""
+    return len(engine.context.executor.steps)
+
+
+def empty(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Step times of the near-empty model at m and 2m, per schedule of both."""
+    base = _model(EMPTY["layers"], EMPTY["hidden"], EMPTY["heads"], EMPTY["seq"], EMPTY["vocab"])
+    variants, actions, failed = {}, defaultdict(dict), {}
+    for m in (args.m, 2 * args.m):
+        ids, labels = _batch(m * EMPTY["mbs"], EMPTY["seq"], EMPTY["vocab"])
+        for s in filter(None, args.fxmeg_schedules.split(",")):
+            made, err = agree(lambda s=s: _fxmeg(base, ids, labels, EMPTY["mbs"], world, s), world)
+            if err:
+                failed[f"fxmeg_{s}"] = err
+                continue
+            engine, step = made
+            step()
+            variants[(f"fxmeg_{s}", m)] = step
+            actions[f"fxmeg_{s}"][m] = _actions(engine)
+        for key in filter(None, args.torch_schedules.split(",")):
+            name, cls, placement = TORCH_SCHEDULES[key]
+            if placement == "traced":
+                continue
+            group = dist.new_group(list(range(world)))
+
+            def build(cls=cls, placement=placement, group=group, m=m, ids=ids, labels=labels):
+                step = torch_manual(copy.deepcopy(base), rank, world, m, cls, placement, group)
+                return lambda: step(ids, labels)
+
+            made, err = agree(build, world)
+            if err:
+                failed[name] = err
+                continue
+            variants[(name, m)] = made
+    times = _rotated(variants, args, world, failed)
+    out = {}
+    for name in sorted({n for n, _ in variants} | set(failed)):
+        if name in failed:
+            out[name] = {"failed": failed[name]}
+            continue
+        t1, t2 = median(times[(name, args.m)]), median(times[(name, 2 * args.m)])
+        row = {"step_ms": {args.m: 1e3 * t1, 2 * args.m: 1e3 * t2}, "per_microbatch_us": 1e6 * (t2 - t1) / args.m}
+        if name in actions:
+            a1, a2 = actions[name][args.m], actions[name][2 * args.m]
+            row |= {"actions": {args.m: a1, 2 * args.m: a2}, "per_action_us": 1e6 * (t2 - t1) / (a2 - a1)}
+        out[name] = row
+    return out
+
+
+def _rotated(variants: dict, args, world: int, failed: dict) -> dict:
+    """Median-ready step times of every variant: warmed up, then timed in an order rotated
+    each round (the CPUs are noisy); a variant that fails is dropped with its error."""
+    for (name, _), step in list(variants.items()):
+        _, err = agree(lambda step=step: [step() for _ in range(args.warmup)], world)
+        if err:
+            failed[name] = err
+    live = [k for k in variants if k[0] not in failed]
+    times = {k: [] for k in live}
+    for i in range(args.steps):
+        k = i % len(live)
+        for key in live[k:] + live[:k]:
+            took, err = agree(lambda key=key: timed(variants[key]), world)
+            if err:
+                failed[key[0]] = err
+            else:
+                times[key].append(took)
+    return times
+
+
+def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """One traced step of the bench GPT per fxmeg schedule: where the slowest rank's time went."""
+    base = _model(args.layers, args.hidden, 4, args.seq, args.vocab)
+    ids, labels = _batch(args.m * args.mbs, args.seq, args.vocab)
+    out = {}
+    for s in filter(None, args.fxmeg_schedules.split(",")):
+        engine, step = _fxmeg(base, ids, labels, args.mbs, world, s)
+        for _ in range(args.warmup):
+            step()
+        engine.train_step((ids, labels), trace=True)
+        gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
+        if gathered:
+            out[s] = [_split(spans) for spans in gathered[0]]
+    return out
+
+
+def _split(spans: list[tuple]) -> dict:
+    """A rank's step time by category (seconds) and the share left to the interpreter."""
+    total = sum(s[3] - s[2] for s in spans if s[1] == "step")
+    by = defaultdict(float)
+    for _, cat, start, end, *_ in spans:
+        if cat != "step":
+            by["compute" if cat in trace.COMPUTE else cat] += (end - start) / 1e9
+    step_s = total / 1e9
+    other = step_s - sum(by.values())
+    return {"step_s": step_s} | {f"{cat}_s": t for cat, t in sorted(by.items())} | {
+        "other_s": other, "other_share": other / step_s}
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    report = {"empty": empty(rank, world, args), "traced": traced(rank, world, args)}
+    if rank == 0:
+        print(json.dumps({"bench": "overhead", "pp": world, "m": args.m, "empty_model": EMPTY,
+                          "traced_model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq,
+                                           "vocab": args.vocab, "mbs": args.mbs},
+                          "steps": args.steps, **report}))
+
+
+def main() -> None:
+    p = parser(__doc__, pp=2)
+    p.add_argument("--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev")
+    p.add_argument("--torch-schedules", default="1f1b,interleaved,interleaved_zb,zbv,dualpipev")
+    args = p.parse_args()
+    spawn(args.pp, run, args)
+
+
+if __name__ == "__main__":
+    main()
