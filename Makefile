@@ -36,6 +36,7 @@ test: setup
 bench: setup
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/zero_bubble.py
+	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/data_parallel.py
 	$(BIN)/python bench/bubble.py
 	$(BIN)/python bench/p2p.py
