@@ -155,19 +155,37 @@ def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
 
 def _own_outputs(gm: fx.GraphModule) -> None:
     """Clone each output that is a view of an input or a buffer (a rotary table sliced and
-    sent on, a relayed value): AOT autograd's joint export needs outputs that own their
-    storage. Only such (small, or relayed) values are copied."""
+    sent on, a relayed value), a view of an intermediate, or a linear map of a 3-D tensor
+    (a block ending in a bare ``nn.Linear``): AOT autograd's joint export needs outputs that
+    own their storage. Only such values are copied (a block ending in a residual add is not)."""
     output = gm.graph.output_node()
     for value in output.args[0]:
-        source = value
-        while source.op == "call_function" and (source.target in (ops.send, ops.recv) or getattr(source.target, "is_view", False)):
+        source, viewed = value, False
+        while source.op == "call_function" and (source.target in (ops.send, ops.recv) or _is_view(source)):
+            viewed |= _is_view(source)
             source = source.args[0]
-        if source.op in ("placeholder", "get_attr"):
+        if source.op in ("placeholder", "get_attr") or viewed or _folds_back(source):
             with gm.graph.inserting_before(output):
                 clone = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
             clone.meta = dict(value.meta)
             output.replace_input_with(value, clone)
     gm.recompile()
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A view of another value (a linear map's output reshaped back to 3-D is a view of the
+    2-D product), which AOT autograd exports as an alias it refuses."""
+    return node.op == "call_function" and getattr(node.target, "is_view", False)
+
+
+def _folds_back(node: fx.Node) -> bool:
+    """A linear map or matmul of a tensor of 3 or more dimensions: AOT autograd computes it
+    as a 2-D product viewed back to the input's rank, an alias it refuses as an output."""
+    if node.op != "call_function" or node.target not in (torch.ops.aten.linear.default,
+                                                          torch.ops.aten.matmul.default):
+        return False
+    first = val(node.args[0])
+    return first is not None and first.dim() >= 3
 
 
 def _output_value(graph: fx.Graph, out, inner: dict) -> fx.Node:

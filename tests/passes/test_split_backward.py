@@ -155,3 +155,32 @@ def test_dropout_under_tensor_parallelism_is_refused():
     """Its per-tp-rank random stream is switched by markers the joint graph cannot keep."""
     with pytest.raises(PassError, match="draws random numbers per tensor-parallel rank"):
         _program(_Dropout(), tp=2)
+
+
+class _LinearBlocks(nn.Module):
+    """Blocks that are a bare ``nn.Linear``: a chunk ends in a linear map of a 3-D tensor,
+    which AOT autograd computes as a 2-D product viewed back (an aliasing output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(128, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 128, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_a_chunk_ending_in_a_linear_map_splits():
+    """Its output is copied before the split (the joint export refuses an alias), and I then
+    W still give autograd's gradients."""
+    program, batch = _program(_LinearBlocks())
+    loss, want = _autograd(program, batch)
+    got_loss, got, _ = _split(program, batch)
+    assert torch.equal(got_loss, loss.detach()) and got.keys() == want.keys()
+    for n, w in want.items():
+        assert torch.equal(got[n], w), n
