@@ -18,8 +18,11 @@ import numpy as np
 
 
 def gpt_fields(text: np.ndarray, *, eod: int, pad: int, eod_mask_loss: bool = False,
-               reset_position_ids: bool = False, reset_attention_mask: bool = False) -> dict[str, np.ndarray]:
-    """The fields of the sample ``text`` (seq_len + 1 token ids)."""
+               reset_position_ids: bool = False, reset_attention_mask: bool = False,
+               create_attention_mask: bool = True) -> dict[str, np.ndarray]:
+    """The fields of the sample ``text`` (seq_len + 1 token ids); the (1, s, s) attention
+    mask only with ``create_attention_mask`` (Megatron's switch of the same name: a caller
+    that does not use it skips s * s work per sample)."""
     text = np.asarray(text, dtype=np.int64)
     tokens, labels = text[:-1].copy(), text[1:].copy()
     s = len(tokens)
@@ -31,11 +34,13 @@ def gpt_fields(text: np.ndarray, *, eod: int, pad: int, eod_mask_loss: bool = Fa
     document = np.concatenate([[0], np.cumsum(ends)[:-1]])
     first = np.concatenate([[0], np.flatnonzero(ends) + 1])[document]  # where each position's document starts
     position_ids = np.arange(s, dtype=np.int64) - (first if reset_position_ids else 0)
-    causal = np.tril(np.ones((s, s), dtype=bool))
-    if reset_attention_mask:
-        causal &= document[:, None] == document[None, :]
     loss_mask[labels == pad] = 0.0
     tokens[tokens == pad] = 0
     labels[labels == pad] = 0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "attention_mask": ~causal[None]}
+    out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if create_attention_mask:
+        causal = np.tril(np.ones((s, s), dtype=bool))
+        if reset_attention_mask:
+            causal &= document[:, None] == document[None, :]
+        out["attention_mask"] = ~causal[None]
+    return out

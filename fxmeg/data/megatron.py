@@ -276,7 +276,8 @@ class TrainData:
         rule = self.masks
         made = [gpt_fields(row, eod=self.vocab.eod, pad=-1, eod_mask_loss=rule.eod_mask_loss,
                            reset_position_ids=rule.reset_position_ids,
-                           reset_attention_mask=rule.reset_attention_mask)
+                           reset_attention_mask=rule.reset_attention_mask,
+                           create_attention_mask=rule.reset_attention_mask)  # else the causal mask: the model's own
                 for row in self.rows(split, positions)]
         f = {k: torch.from_numpy(np.stack([m[k] for m in made])) for k in made[0]}
         out = {"tokens": f["tokens"], "labels": f["labels"].masked_fill(f["loss_mask"] == 0, -100)}
