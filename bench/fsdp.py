@@ -1,5 +1,5 @@
 """fxmeg zero=3 against torch FSDP2 (``fully_shard`` per block, then the root) and against
-fxmeg zero=1: the same GPT, the same global batches, dp=2 on gloo, AdamW, clipping at 1.0.
+fxmeg zero=1 (and zero=3 with backward_prefetch='post'): the same GPT, the same global batches, dp=2 on gloo, AdamW, clipping at 1.0.
 One JSON line.
 
 Each run is its own spawn, so that its peak resident set (``ru_maxrss`` above the rank's
@@ -27,7 +27,8 @@ import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
-RUNS = ("fxmeg-zero3", "fsdp2", "fxmeg-zero1")
+RUNS = ("fxmeg-zero3", "fsdp2", "fxmeg-zero1", "fxmeg-zero3-post")
+"""fxmeg-zero3-post: zero=3 with backward_prefetch='post' (less memory, less overlap)."""
 
 
 def _rss() -> int:
@@ -56,8 +57,9 @@ def run(rank: int, world: int, args, name: str, out: str) -> None:
     if name == "fsdp2":
         step = _fsdp2(model, rank, world, ids, labels, args)
     else:
+        zero = dict(zero=3, backward_prefetch="post") if name.endswith("-post") else dict(zero=int(name[-1]))
         engine = fxmeg.parallelize(model, (ids[: args.mbs], labels[: args.mbs]), global_batch_size=len(ids),
-                                   optimizer=adamw, zero=int(name[-1]))
+                                   optimizer=adamw, **zero)
         step = lambda: engine.train_step((ids, labels))  # noqa: E731
     times = [timed(step) for _ in range(args.warmup + args.steps)][args.warmup:]
     write_gathered({"peak": _peak() - base, "step_s": median(times)}, out)

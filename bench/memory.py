@@ -14,6 +14,8 @@ model is built), so the interpreter and torch's libraries do not count.
   real-dp4z2     zero=2 (gradients sharded too) and
   real-dp4z3     zero=3 (parameters sharded too)
   real-dp4z3b4m  zero=3 with buckets of at most 4M elements (bucket_size) instead of a block
+  real-dp4z3b4mpost  and backward_prefetch='post' (one bucket of parameters and one of
+                 gradients whole at a time in backward)
   meta-dp4z3     zero=3, the model built on meta: each rank makes only what its shard covers
 
 Every process runs with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_,
@@ -127,12 +129,13 @@ def main() -> None:
     p.add_argument("--m", type=int, default=4, help="micro-batches (of 1 row) per step")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--runs", default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2,real-dp4z1,real-dp4z2,real-dp4z3,"
-                                     "real-dp4z3b4m,meta-dp4z3")
+                                     "real-dp4z3b4m,real-dp4z3b4mpost,meta-dp4z3")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each (spawned) process
     layouts = {"pp4": dict(pp=4, schedule="1f1b"), "tp2pp2": dict(tp=2, pp=2, schedule="1f1b"),
                **{f"dp4z{z}": dict(zero=z) for z in (1, 2, 3)},
-               "dp4z3b4m": dict(zero=3, bucket_size=4_000_000)}
+               "dp4z3b4m": dict(zero=3, bucket_size=4_000_000),
+               "dp4z3b4mpost": dict(zero=3, bucket_size=4_000_000, backward_prefetch="post")}
     result = {"model": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         for run in args.runs.split(","):

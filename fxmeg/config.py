@@ -220,6 +220,13 @@ class EngineConfig:
     reshard_after_forward: bool = True
     """zero=3: free each bucket's parameters after forward's last use (False: keep them
     until the chunk's backward is done: faster, more memory)."""
+    backward_prefetch: str = "pre"
+    """zero=3 (docs/zero.md): 'pre' gathers the next bucket when backward first reads one,
+    and reduces a bucket's gradients while the next bucket's are made (most overlap; up to
+    two buckets of parameters and two of gradients whole at once); 'post' gathers the next
+    bucket once backward freed the current one, and waits for a reduction before it stages
+    the next bucket's gradients (at most one of each, and the next bucket's gather is
+    exposed: less memory, slower)."""
     optimizer_sharding: str = "auto"
     """Distributed optimizer: 'elementwise' (flat equal slices of every bucket, for
     elementwise optimizers such as AdamW), 'layerwise' (whole parameters per rank,

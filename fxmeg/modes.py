@@ -16,6 +16,7 @@ from fxmeg.errors import ConfigError, closest
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
 """How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
 ZERO_STAGES = (0, 1, 2, 3)
+BACKWARD_PREFETCH = ("pre", "post")
 """What ``EngineConfig.zero`` may be (docs/zero.md)."""
 
 
@@ -70,7 +71,7 @@ def check_sharding(config) -> None:
     ``__post_init__``, before any process group). ``zero`` None stands for 1 with
     ``distributed_optimizer=True``, else 0 (``zero_stage``); ``distributed_optimizer`` is set
     when ``zero >= 1`` is given."""
-    zero, par = config.zero, config.parallel
+    zero = config.zero
     if zero is None:
         zero = 1 if config.distributed_optimizer else 0
     if zero not in ZERO_STAGES or isinstance(zero, bool):
@@ -80,28 +81,10 @@ def check_sharding(config) -> None:
         raise ConfigError("distributed_optimizer=True is zero=1, but zero=0 was given: drop "
                           "distributed_optimizer, or set zero to 1, 2 or 3")
     object.__setattr__(config, "distributed_optimizer", zero >= 1)
-    if not config.reshard_after_forward and zero != 3:
-        raise ConfigError(f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
-                          "anyway); drop it or set zero=3")
+    _check_zero3_options(config, zero)
     if zero >= 2 and config.optimizer_sharding == "layerwise":
         raise ConfigError(f"zero={zero} does not run with optimizer_sharding='layerwise' (it shards every "
                           "gradient bucket flat, a layer-wise optimizer steps whole parameters); use zero=1")
-    if zero == 3:
-        refused = (
-            (config.overlap_param_gather, "overlap_param_gather=True",
-             "zero=3 gathers each bucket before its first use by itself; drop overlap_param_gather"),
-            (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
-                                            "set compile=False or zero=2"),
-            (par.splits_backward, f"schedule={par.resolved_schedule!r}",
-             "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
-             "use 1f1b or interleaved, or zero=2"),
-            (config.variable_seq_lengths, "variable_seq_lengths=True",
-             "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
-            (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
-        )
-        for flag, what, fix in refused:
-            if flag:
-                raise ConfigError(f"zero=3 does not run with {what}: {fix}")
     if config.optimizer_sharding not in OPTIMIZER_SHARDINGS:
         raise ConfigError(f"optimizer_sharding={config.optimizer_sharding!r} is not one of "
                           f"{OPTIMIZER_SHARDINGS}" + closest(config.optimizer_sharding, OPTIMIZER_SHARDINGS))
@@ -127,6 +110,37 @@ def check_sharding(config) -> None:
             f"(zero={zero}), optimizer_sharding="
             f"{config.optimizer_sharding!r}: leave decided_sharding to parallelize (it is not an option)"
         )
+
+
+def _check_zero3_options(config, zero: int) -> None:
+    """The options that only zero=3 takes, and what zero=3 does not run with."""
+    par = config.parallel
+    if not config.reshard_after_forward and zero != 3:
+        raise ConfigError(f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
+                          "anyway); drop it or set zero=3")
+    if config.backward_prefetch not in BACKWARD_PREFETCH:
+        raise ConfigError(f"backward_prefetch={config.backward_prefetch!r} is not one of {BACKWARD_PREFETCH} "
+                          "('pre': more overlap, 'post': less memory)"
+                          + closest(config.backward_prefetch, BACKWARD_PREFETCH))
+    if config.backward_prefetch != "pre" and zero != 3:
+        raise ConfigError(f"backward_prefetch={config.backward_prefetch!r} needs zero=3 (zero={zero} gathers no "
+                          "parameters in backward); drop it or set zero=3")
+    if zero == 3:
+        refused = (
+            (config.overlap_param_gather, "overlap_param_gather=True",
+             "zero=3 gathers each bucket before its first use by itself; drop overlap_param_gather"),
+            (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
+                                            "set compile=False or zero=2"),
+            (par.splits_backward, f"schedule={par.resolved_schedule!r}",
+             "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
+             "use 1f1b or interleaved, or zero=2"),
+            (config.variable_seq_lengths, "variable_seq_lengths=True",
+             "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
+            (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
+        )
+        for flag, what, fix in refused:
+            if flag:
+                raise ConfigError(f"zero=3 does not run with {what}: {fix}")
 
 
 def _possible(config) -> tuple[OptimizerSharding, ...]:

@@ -115,6 +115,16 @@ def zero_release(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
     needs it again. A no-op until bound."""
 
 
+def early_linear(x: torch.Tensor, weight: torch.Tensor, *, name: str) -> torch.Tensor:
+    """``linear(x, weight)`` for a read of the parameter ``weight`` (named ``name``) that
+    backward reaches long before its first read: a tied embedding's output head
+    (param-gather pass, zero >= 2). The runtime binds it to a product whose backward
+    frees the weight (zero=3) before it makes the weight's gradient, sums that gradient
+    over the data-parallel ranks at once and keeps this rank's part, instead of autograd
+    holding it whole until the parameter's first read (fxmeg/runtime/zero.py)."""
+    return torch.nn.functional.linear(x, weight)
+
+
 @has_side_effect
 def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
     """The experts ``top_k_index [T, k]`` routes each of T tokens to, in the block of
@@ -164,8 +174,8 @@ def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_u
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
                               num_experts=num_experts, capacity_factor=capacity_factor, layer=layer)
 
-for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, expert_load, tp_rng_fork, tp_rng_join, routed_experts,
-            global_tokens):
+for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, early_linear, expert_load,
+            tp_rng_fork, tp_rng_join, routed_experts, global_tokens):
     _fn.__module__ = "fxmeg.ops"  # printed graphs read fxmeg_ops_recv(...)
 
 

@@ -21,6 +21,8 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
                      is whole at once (runtime/zero.py): 1 + IN_FLIGHT gradient buckets
                      being staged or reduced, and at zero=3 two parameter buckets (the one
                      computed with and the one prefetched), each the stage's largest
+                     (not counting a tied embedding's, whole alone); with
+                     ``backward_prefetch='post'`` one of each and the fresh gradient
   activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
                      largest chunk, times the micro-batches in flight at the schedule's
                      peak (the simulator's count of forwards whose backward, or
@@ -253,7 +255,7 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     buckets = 0
     if config.zero_stage >= 2:
         size = params // max(elements, 1)  # bytes per parameter element
-        grads, buckets = _zero_memory(layouts, size, config)
+        grads, buckets = _zero_memory(layouts, size, config, _early_read(graphs))
         if config.zero_stage == 3:
             params = sum(lay.numel for lay in layouts) // par.dp_cp * size
     act = max(activation_bytes(gm) for gm in graphs)
@@ -270,14 +272,25 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     )
 
 
-def _zero_memory(layouts, size: int, config: EngineConfig) -> tuple[int, int]:
-    """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once)."""
+def _zero_memory(layouts, size: int, config: EngineConfig, early: frozenset[str]) -> tuple[int, int]:
+    """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once). A
+    bucket holding a weight that ``ops.early_linear`` reads (a tied embedding) is whole
+    alone (at the head and the embedding), so the others set the working set."""
     grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts) // config.parallel.dp_cp
-    largest = max((b.end - b.start for lay in layouts for b in lay.buckets), default=0)
-    whole = (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging
-    if config.zero_stage == 3:
-        whole += 2 * largest * size  # the bucket computed with and the prefetched one
-    return grads, whole
+    sizes = [(b.end - b.start, bool(early & set(b.params))) for lay in layouts for b in lay.buckets]
+    largest = max((n for n, tied in sizes if not tied), default=0)
+    if config.zero_stage < 3:
+        return grads, (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging
+    if config.backward_prefetch == "post":  # one bucket of each whole, and the fresh gradient
+        whole = 2 * largest * 4 + largest * size
+    else:  # gradients staged and reducing, parameters computed with and prefetched
+        whole = (1 + IN_FLIGHT) * largest * 4 + 2 * largest * size
+    return grads, max([whole] + [n * size for n, tied in sizes if tied])
+
+
+def _early_read(graphs) -> frozenset[str]:
+    """The parameters that ``ops.early_linear`` nodes read as their weight."""
+    return frozenset(n.args[1].target for gm in graphs for n in gm.graph.nodes if n.target is ops.early_linear)
 
 
 def expert_banks(program: Program) -> frozenset[str]:

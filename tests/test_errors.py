@@ -363,6 +363,8 @@ ROWS = {
                           "zero=3 does not run with compile=True"),
     "reshard-without-zero3": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), zero=1, reshard_after_forward=False),
                               "reshard_after_forward=False needs zero=3 (zero=1 keeps whole parameters anyway)"),
+    "backward-prefetch": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), zero=2, backward_prefetch="post"),
+                          "backward_prefetch='post' needs zero=3 (zero=2 gathers no parameters in backward)"),
     "config-file-key": (lambda: _config_file('data = "x"\ntrain_iters = 1\nglobal_bach_size = 8\n'),
                         "unknown config key 'global_bach_size'"),
     "model-arg-unknown": (lambda: _hugging_face(hiden_size=32),

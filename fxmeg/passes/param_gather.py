@@ -7,20 +7,35 @@
     reads a bucket, ``ops.zero_gather`` makes it whole (and starts gathering the next
     bucket forward reads, to overlap with this one's compute); after forward last reads
     it, through any view of it, ``ops.zero_release`` frees it (not with
-    ``reshard_after_forward=False``: the chunk's backward frees it). Backward gathers again
-    what it needs (runtime/zero.py: autograd's saved tensors, recompute regions).
+    ``reshard_after_forward=False``: the chunk's backward frees it). A bucket read again
+    after every read of another bucket (a tied embedding, by the head) is released and
+    gathered again in between, so it is not whole over the whole forward. Backward
+    gathers again what it needs (runtime/zero.py: autograd's saved tensors, recompute
+    regions).
+
+  * zero >= 2 (not compiled, not split for a zero-bubble schedule): a parameter read
+    again long after its first read in forward (a tied embedding's output head: another
+    bucket's parameter is read between the two) by ``linear(x, weight)`` without a bias
+    has that read replaced by ``ops.early_linear``. The runtime binds it to a product
+    whose backward frees the weight before making its gradient, and sums that gradient
+    over the data-parallel ranks at once; otherwise autograd holds the weight's whole
+    gradient from the head's backward until the embedding's, the last, and the head's
+    backward holds the weight and its gradient at once (runtime/zero.py).
 
 Otherwise the graph is unchanged.
 
 Scope: one chunk graph (the driver runs it on each); the bucket tags name their home
 chunk, so it needs no other chunk.
 Requires: the bucket pass (``meta["fxmeg"]["bucket"]`` on trainable parameters' get_attr).
-Ensures: in the chunk graph, for every bucket whose parameters the chunk reads, one
+Ensures: every ``ops.early_linear`` node reads a trainable parameter as its weight, and a
+parameter of another bucket is read between that parameter's first read and it. In the
+chunk graph, for every bucket whose parameters the chunk reads, one
 wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)``, comes before the
 first node that uses any parameter of that bucket; every use of those parameters follows
-it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node that reads one of its
-parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a
-region whose body returns a view of its input), and each gather names as ``prefetch``
+it. At zero=3 (with ``reshard_after_forward``) every read of a bucket's parameters, or of a
+value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a region whose
+body returns a view of its input), lies between a gather of the bucket and the release
+that follows it, and nothing is whole at the end; each gather names as ``prefetch``
 the bucket gathered next (None for the last). Forward reads the last buckets first
 (buckets are laid out in backward order), so the keys come in descending bucket order.
 """
@@ -32,19 +47,63 @@ from torch import fx
 
 from fxmeg import ops
 from fxmeg.config import EngineConfig
-from fxmeg.passes.graph_utils import attr, body_call, finish
+from fxmeg.passes.graph_utils import attr, body_call, finish, val
 from fxmeg.program import ChunkInfo
+
+aten = torch.ops.aten
 
 
 def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """The markers of the chunk graph ``gm`` (see the module docstring); ``chunk`` is not needed."""
+    if config.zero_stage >= 2 and not config.compile and not config.parallel.splits_backward:
+        _early_reads(gm)
     if config.zero_stage == 3:
         return _gather_and_release(gm, release=config.reshard_after_forward)
     if not config.overlap_param_gather:
-        return gm
+        return finish(gm)
     for (home, index), (user, param) in _first_uses(gm).items():
         _marker(gm, user, ops.wait_param_gather, param, {"bucket": (home, index)}, f"wait_param_gather_{home}_{index}")
     return finish(gm)
+
+
+def _early_reads(gm: fx.GraphModule) -> None:
+    """Replace each qualifying later read of a parameter by ``ops.early_linear``."""
+    first: dict[str, int] = {}
+    seen: list[tuple[int, tuple[int, int]]] = []  # (position, bucket key) of every read so far
+    for at, node in enumerate(list(gm.graph.nodes)):
+        for param in dict.fromkeys(a for a in node.all_input_nodes if _bucket(a) is not None):
+            key = _bucket(param).gather_key
+            start = first.setdefault(param.target, at)
+            if at > start and _bias_free_linear(node, param) and _other_since(seen, key, start):
+                with gm.graph.inserting_before(node):
+                    early = gm.graph.call_function(ops.early_linear, (node.args[0], param), {"name": param.target})
+                early.meta = {**node.meta, "fxmeg": {**node.meta.get("fxmeg", {})}}
+                node.replace_all_uses_with(early)
+                gm.graph.erase_node(node)
+            seen.append((at, key))
+
+
+def _bias_free_linear(node: fx.Node, weight: fx.Node) -> bool:
+    """``node`` is ``linear(x, weight)`` with no bias, ``x`` of two or more dimensions."""
+    if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
+        return False
+    x, w, *bias = node.args
+    x_val = val(x) if isinstance(x, fx.Node) else None
+    return w is weight and x is not weight and bias in ([], [None]) and x_val is not None and x_val.dim() >= 2
+
+
+def _other_since(seen: list[tuple[int, tuple[int, int]]], key: tuple[int, int], start: int) -> bool:
+    """Whether a parameter of a bucket other than ``key`` was read after position ``start``."""
+    for pos, other in reversed(seen):
+        if pos <= start:
+            return False
+        if other != key:
+            return True
+    return False
+
+
+def _bucket(node: fx.Node):
+    return node.meta.get("fxmeg", {}).get("bucket") if node.op == "get_attr" else None
 
 
 def _first_uses(gm: fx.GraphModule) -> dict[tuple[int, int], tuple[fx.Node, fx.Node]]:
@@ -67,25 +126,44 @@ def _marker(gm: fx.GraphModule, where: fx.Node, target, param: fx.Node, kwargs: 
 
 
 def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
-    first = _first_uses(gm)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    last: dict[tuple[int, int], fx.Node] = {}
-    for node in gm.graph.nodes:
-        tag = node.meta.get("fxmeg", {}).get("bucket") if node.op == "get_attr" else None
-        if tag is not None:
-            for reader in _readers(node, gm):
-                if tag.gather_key not in last or order[reader] > order[last[tag.gather_key]]:
-                    last[tag.gather_key] = reader
-    keys = list(first)
-    for i, key in enumerate(keys):
-        user, param = first[key]
-        prefetch = keys[i + 1] if i + 1 < len(keys) else None
+    segments, seen = _segments(gm, split=release), set()
+    for i, (first, param, last) in enumerate(segments):
+        key = _bucket(param).gather_key
+        prefetch = _bucket(segments[i + 1][1]).gather_key if i + 1 < len(segments) else None
+        again = "re" if key in seen else ""  # a tied embedding's second stretch: zero_regather_...
+        seen.add(key)
         home, index = key
-        _marker(gm, user, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch}, f"zero_gather_{home}_{index}")
+        _marker(gm, first, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch},
+                f"zero_{again}gather_{home}_{index}")
         if release:
-            _marker(gm, last[key], ops.zero_release, param, {"bucket": key}, f"zero_release_{home}_{index}",
+            _marker(gm, last, ops.zero_release, param, {"bucket": key}, f"zero_{again}release_{home}_{index}",
                     after=True)
     return finish(gm)
+
+
+def _segments(gm: fx.GraphModule, *, split: bool) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(first reader, a parameter it reads, last reader) of each stretch of the graph over
+    which a bucket stays whole, in graph order. A bucket's reads form one stretch, or with
+    ``split`` several: a gap between two of its reads that holds every read of another
+    bucket (the blocks between a tied embedding and its head) ends a stretch."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reads: dict[tuple[int, int], list[tuple[int, fx.Node, fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        if _bucket(node) is not None:
+            for reader in _readers(node, gm):
+                reads.setdefault(_bucket(node).gather_key, []).append((order[reader], reader, node))
+    spans = {key: (min(r[0] for r in rs), max(r[0] for r in rs)) for key, rs in reads.items()}
+    out = []
+    for key, rs in reads.items():
+        rs.sort(key=lambda r: r[0])
+        start = prev = rs[0]
+        for r in rs[1:]:
+            if split and any(prev[0] < lo and hi < r[0] for k, (lo, hi) in spans.items() if k != key):
+                out.append((start, prev))
+                start = r
+            prev = r
+        out.append((start, prev))
+    return [(start[1], start[2], end[1]) for start, end in sorted(out, key=lambda se: se[0][0])]
 
 
 def _readers(param: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
@@ -110,6 +188,8 @@ def _may_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
     schema says so, a region whose body returns such a value, and (unknown) anything else."""
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         return any(r.alias_info is not None for r in node.target._schema.returns)
+    if node.target is ops.early_linear:  # a product: new memory
+        return False
     body = _body(node, gm)
     if body is None:
         return True

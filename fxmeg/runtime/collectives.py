@@ -256,6 +256,7 @@ def bind(
     *,
     wait_param_gather: Callable[..., None] | None = None,
     zero: tuple[Callable[..., None], Callable[..., None]] | None = None,
+    early_linear: Callable[..., torch.Tensor] | None = None,
     expert_load: Callable[..., None] | None = None,
     global_tokens: Callable[..., torch.Tensor] | None = None,
 ) -> None:
@@ -263,7 +264,8 @@ def bind(
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
     names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
     ``ops.wait_param_gather`` markers call ``wait_param_gather``, ``ops.zero_gather`` and
-    ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.expert_load``
+    ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.early_linear``
+    ``early_linear`` (zero >= 2: ``DataParallel.early_linear``), ``ops.expert_load``
     markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
     ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert). Only
     arguments and call targets change; the graph's structure does not."""
@@ -286,6 +288,8 @@ def bind(
                 node.target = wait_param_gather
             elif node.target in (ops.zero_gather, ops.zero_release) and zero is not None:
                 node.target = zero[node.target is ops.zero_release]
+            elif node.target is ops.early_linear and early_linear is not None:
+                node.target = early_linear
             elif node.target is ops.expert_load and expert_load is not None:
                 node.target = expert_load
             elif node.target is ops.global_tokens and global_tokens is not None:

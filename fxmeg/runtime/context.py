@@ -186,12 +186,13 @@ def build_context(
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, fill,
                          shard=sharding is OptimizerSharding.ELEMENTWISE)
-    zero = ZeroParams(ddp.buffers) if config.zero_stage == 3 else None
+    zero = ZeroParams(ddp.buffers, post=config.backward_prefetch == "post") if config.zero_stage == 3 else None
     names = _group_names(groups)
     load = _expert_load(program, config, chunks)
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
+                         early_linear=ddp.early_linear if config.zero_stage >= 2 else None,
                          expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
     if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
         experts.exchange(groups.ep.group_name).tracer = tracer
@@ -276,6 +277,7 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     names = _group_names(ctx.groups)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather, zero=_zero_markers(ctx.zero),
+                         early_linear=ctx.ddp.early_linear if ctx.config.zero_stage >= 2 else None,
                          expert_load=ctx.load.record if ctx.load is not None else None,
                          global_tokens=ctx.global_tokens.running_mean)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
@@ -487,7 +489,8 @@ def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Group
                       group=groups.edp if layout.experts else groups.dp_cp, overlap=config.overlap_grad_reduce,
                       events=events, deferred=deferred, tracer=tracer)
         if config.zero_stage >= 2:
-            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, fill=fill, **common)
+            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, fill=fill,
+                              lean=config.backward_prefetch == "post", **common)
         return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
 
     buffers = {c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()}

@@ -290,10 +290,37 @@ class DataParallel:
         buf, name = self._home[id(param)]
         return buf.grad_of(name)
 
+    def early_linear(self, x: torch.Tensor, weight: nn.Parameter, *, name: str) -> torch.Tensor:
+        """What a bound ``ops.early_linear`` calls (zero >= 2): ``linear(x, weight)``, whose
+        backward hands the weight's gradient to its buffer's ``reduce_read``."""
+        return _EarlyLinear.apply(x, weight, self._home[id(weight)][0], name)
+
     def end_backward(self, chunk: int) -> None:
         """A backward or weight-gradient action of ``chunk`` is done (zero >= 2 reduces then)."""
         for b in self.buffers.get(chunk, ()):
             b.end_backward()
+
+
+class _EarlyLinear(torch.autograd.Function):
+    """``linear(x, weight)`` whose backward makes the input's gradient with the weight
+    whole, lets its buffer free the weight, then makes the weight's gradient and hands it
+    to the buffer (``reduce_read``); none goes on to the parameter (its other reads' do).
+    So the weight and its gradient are never whole at once (a tied embedding: the
+    largest parameter), and the gradient lives only until its reduction."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, buffer: GradBuffer, name: str) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.buffer, ctx.name = weight, buffer, name  # not saved: whole again on demand
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        with ctx.buffer.whole(ctx.name):
+            grad_x = grad @ ctx.weight if ctx.needs_input_grad[0] else None
+        ctx.buffer.reduce_read(ctx.name, grad.flatten(0, -2).t() @ x.flatten(0, -2))
+        return grad_x, None, None, None
 
 
 def finalize_model_grads(

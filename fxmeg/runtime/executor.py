@@ -84,7 +84,7 @@ class Executor:
         tracer: Tracer | None = None,
         accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
         wait_params: Callable[[], None] | None = None,
-        running: Callable[[], contextlib.AbstractContextManager] | None = None,
+        running: Callable[[bool], contextlib.AbstractContextManager] | None = None,
         on_backward: Callable[[int], None] | None = None,
         pack: bool = True,
     ) -> None:
@@ -94,7 +94,8 @@ class Executor:
         """Chunks whose backward runs as input- and weight-gradient graphs (zero bubble)."""
         self.accumulate, self.wait_params = accumulate, wait_params
         self.running = running or contextlib.nullcontext
-        """Entered around every chunk forward and backward (zero=3: the parameters' gathers)."""
+        """Entered around every chunk forward (called with False) and backward (True); zero=3:
+        the parameters' gathers and releases."""
         self.on_backward = on_backward
         """Called with the chunk index once a backward (or weight-gradient) action is done
         (zero >= 2: the gradient buckets are reduced then)."""
@@ -176,7 +177,7 @@ class Executor:
         if self._train:
             for t, b in zip(received, spec.recv):
                 t.requires_grad_(b.grad)
-        with self.running():
+        with self.running(False):
             outs = self._run[a.chunk](*data, *received)
         sends = list(outs[: len(spec.send)])
         loss = None
@@ -201,7 +202,7 @@ class Executor:
         else:
             roots = [t for t, b in zip(sends, spec.send) if b.grad]
             grads = self._state.grad_inbox.pop(key)
-        with self.running():
+        with self.running(True):
             _run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
                           inputs=(), allow_unreachable=True, accumulate_grad=True)
         if self.on_backward is not None:

@@ -24,7 +24,13 @@ backward still holds tensors saved from it) or when a recompute region runs agai
 frees it as soon as autograd holds no tensor saved from it any more (seen at the next
 unpack), or once every gradient of the bucket arrived, or at the end of the backward,
 whichever comes first. A tied embedding's bucket is so freed after the head's backward
-read it, not kept whole until the embedding's gradient, the last, arrives.
+read it, not kept whole until the embedding's gradient, the last, arrives; the head's own
+read is an ``ops.early_linear`` (param-gather pass), whose gradient ``reduce_read`` reduces
+at once, so autograd does not hold it whole through the backward either.
+
+``backward_prefetch='post'`` (``lean`` buffers, ``ZeroParams(post=True)``): backward gathers
+the next bucket only once it freed one, and waits for a reduction before it stages the next
+bucket's gradients, so one bucket of parameters and one of gradients are whole at a time.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from torch import nn
 from fxmeg import recomputation
 from fxmeg.program import BufferLayout
 from fxmeg.runtime.ddp import Events, GradBuffer
-from fxmeg.runtime.groups import gather_into, reduce_scatter_
+from fxmeg.runtime.groups import Works, gather_into, reduce_scatter_
 
 IN_FLIGHT = 1
 """Bucket reductions a buffer lets run at once before it waits for the oldest: each one
@@ -69,11 +75,14 @@ class ZeroBuffer(GradBuffer):
 
     def __init__(self, layout: BufferLayout, params: dict[str, nn.Parameter], *, label: str,
                  group: dist.ProcessGroup | None, overlap: bool, events: Events, stage: int,
-                 deferred: frozenset[str] = frozenset(), tracer=None, fill: ShardFill | None = None) -> None:
+                 deferred: frozenset[str] = frozenset(), tracer=None, fill: ShardFill | None = None,
+                 lean: bool = False) -> None:
         assert stage in (2, 3), stage
         assert fill is None or stage == 3, "parameters are made as shards at zero=3 only"
         self.layout, self.label, self.group, self.stage = layout, label, group, stage
         self.overlap, self.shard, self.events, self.tracer = overlap, True, events, tracer
+        self.lean = lean
+        """backward_prefetch='post': a reduction is waited for before the next bucket is staged."""
         self.n = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         self.params = {s.name: params[s.name] for s in layout.slots}
@@ -86,6 +95,7 @@ class ZeroBuffer(GradBuffer):
         shard tensors, the part's size)."""
         self._deferred = {b.index for b in layout.buckets if deferred & set(b.params)}
         self._staging: dict[int, torch.Tensor] = {}
+        self._read: tuple[Works, str, torch.Tensor] | None = None  # reduce_read's, in flight
         self._in_flight: dict[int, dist.Work | None] = {}
         self.pending = {}  # GradBuffer's overlap_param_gather waits (zero=2)
         if stage == 2:
@@ -104,7 +114,8 @@ class ZeroBuffer(GradBuffer):
 
     def reset(self) -> None:
         """Start a step: no gradient yet."""
-        assert not self._staging and not self._in_flight, f"{self.label}: a reduction outlived its step"
+        assert not self._staging and not self._in_flight and self._read is None, (
+            f"{self.label}: a reduction outlived its step")
         self.grad_shard.zero_()
         self.syncing = True  # every micro-batch is reduced
         self._round()
@@ -118,6 +129,7 @@ class ZeroBuffer(GradBuffer):
         """Nothing to start: zero >= 2 reduces every micro-batch."""
 
     def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        self._settle_read()
         name = self._name_of[id(p)]
         i = self._bucket_of[name]
         if i in self._in_flight:  # a second gradient of a parameter read by two chunks
@@ -138,8 +150,63 @@ class ZeroBuffer(GradBuffer):
                     self._issue(self._next)
                 self._next += 1
 
+    def reduce_read(self, name: str, grad: torch.Tensor) -> None:
+        """The gradient of parameter ``name`` through one read that backward reaches long
+        before the parameter's first read (``ops.early_linear``: a tied embedding's head),
+        a tensor of its own: summed over the group now, in place, one reduce per rank's
+        part of the bucket it overlaps, and this rank's part added into the shard when the
+        next gradient arrives or the backward ends. A weight that pipeline ranks share is
+        summed over them first: staged as usual."""
+        i = self._bucket_of[name]
+        if i in self._deferred:
+            if i not in self._staging:
+                self._stage(i)
+            self.params[name].main_grad.add_(grad)
+            return
+        self._settle_read()
+        flat = grad.to(self.layout.dtype).reshape(-1)  # a half-precision gradient is summed in fp32
+        slot, bucket, works = self.layout.slot(name), self.layout.buckets[i], []
+        size = (bucket.end - bucket.start) // self.n
+        for r in range(self.n if self.group is not None else 0):
+            a, b = max(bucket.start + r * size, slot.offset), min(bucket.start + (r + 1) * size, slot.offset + slot.numel)
+            if a < b:
+                works.append(dist.reduce(flat[a - slot.offset : b - slot.offset], group_dst=r, group=self.group,
+                                         async_op=True))
+        self.events.log.append(("reduce_read", f"{self.label}/{i}:{name}"))
+        self._read = (Works(works), name, flat)
+
+    def _settle_read(self) -> None:
+        """Add this rank's part of the summed gradient of ``reduce_read`` into the shard."""
+        if self._read is None:
+            return
+        (works, name, flat), self._read = self._read, None
+        works.wait()
+        a, b = self._mine(name)
+        if a < b:
+            _, at, n = self._at(a, b)
+            offset = self.layout.slot(name).offset
+            self.grad_shard[at : at + n].add_(flat[a - offset : b - offset])
+
+    @contextlib.contextmanager
+    def whole(self, name: str):
+        """Parameter ``name`` whole inside (zero=3: its bucket gathered, and freed after;
+        a saved tensor that still needs it gathers it again)."""
+        if self.stage == 2:
+            yield
+            return
+        i = self._bucket_of[name]
+        self.ensure(i)
+        try:
+            yield
+        finally:
+            self.release(i)
+
     def _stage(self, i: int) -> None:
+        if self.lean:  # one bucket's gradients whole at a time
+            for j in list(self._in_flight):
+                self._settle(j)
         bucket = self.layout.buckets[i]
+        self.events.log.append(("staged", f"{self.label}/{i}"))
         data = torch.zeros(bucket.end - bucket.start, dtype=self.layout.dtype, device=self.grad_shard.device)
         self._staging[i] = data
         for name in bucket.params:
@@ -167,6 +234,7 @@ class ZeroBuffer(GradBuffer):
         lo, at, size = self._part[i]
         start = self.layout.buckets[i].start
         self.grad_shard[at : at + size].add_(self._staging.pop(i)[lo - start :][:size])
+        self.events.log.append(("settled", f"{self.label}/{i}"))
         for name in self.layout.buckets[i].params:
             self.params[name].main_grad = None
 
@@ -183,6 +251,7 @@ class ZeroBuffer(GradBuffer):
 
     def _settle_all(self) -> None:
         start = time.perf_counter_ns()
+        self._settle_read()
         for i in list(self._in_flight):
             self._settle(i)
         if self.tracer is not None:
@@ -345,12 +414,16 @@ class ZeroParams:
     """zero=3 over every buffer of this rank: what the bound graph nodes, autograd's saved
     tensors and the recompute regions call, and whole parameters on demand."""
 
-    def __init__(self, buffers: dict[int, list[GradBuffer]]) -> None:
+    def __init__(self, buffers: dict[int, list[GradBuffer]], *, post: bool = False) -> None:
         self.buffers = {c: bufs[0] for c, bufs in buffers.items() if bufs}
+        self.post = post
+        """backward_prefetch='post': backward gathers the next bucket once it freed one."""
         assert all(len(b) <= 1 for b in buffers.values()), "zero=3 with expert banks is refused by the config"
         self._storage = {key: (buf, i) for buf in self.buffers.values() for key, i in buf.storages().items()}
         self.pending: dict[tuple[ZeroBuffer, int], int] = {}
         """(buffer, bucket) -> tensors autograd saved in its memory and still holds."""
+        self.backward = False
+        """Inside a chunk's backward (``running(backward=True)``)."""
 
     def gather(self, param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None) -> None:
         """A bound ``ops.zero_gather``."""
@@ -378,11 +451,18 @@ class ZeroParams:
         for other in self.buffers.values():
             for j in list(other._live):
                 if (other is not buf or j not in (i, i + 1)) and not self.pending.get((other, j)):
-                    other.release(j)
+                    self.freed(other, j)
         buf.ensure(i)
-        if self.pending.get((buf, i + 1)):  # backward reaches buckets in index order
+        if not self.post and self.pending.get((buf, i + 1)):  # backward reaches buckets in index order
             buf.prefetch(i + 1)
         return saved.tensor
+
+    def freed(self, buf: ZeroBuffer, i: int) -> None:
+        """Free bucket ``i`` of ``buf`` in backward (no saved tensor needs it any more); with
+        ``post``, start gathering the next one if backward still needs it."""
+        buf.release(i)
+        if self.post and self.pending.get((buf, i + 1)):
+            buf.prefetch(i + 1)
 
     def _prepare(self, args) -> None:
         for t in args:
@@ -392,13 +472,19 @@ class ZeroParams:
                     found[0].ensure(found[1])
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self, backward: bool = False):
         """Around a chunk's forward and backward: a saved tensor in a bucket's memory is
         kept as a reference (its memory may be freed), made whole again when backward
-        unpacks it; a recompute region's parameters are made whole before it runs."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                recomputation.preparing(self._prepare):
-            yield
+        unpacks it; a recompute region's parameters are made whole before it runs. In a
+        backward, a bucket is freed once autograd let go of the last tensor it saved from
+        it (``_Saved.__del__``)."""
+        self.backward = backward
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    recomputation.preparing(self._prepare):
+                yield
+        finally:
+            self.backward = False
 
     @contextlib.contextmanager
     def whole(self, *, write: bool = False):
@@ -425,4 +511,7 @@ class _Saved:
         self.tensor, self.buffer, self.bucket, self.owner = tensor, buffer, bucket, owner
 
     def __del__(self) -> None:  # autograd let go of it: the node that read it has run
-        self.owner.pending[self.buffer, self.bucket] -= 1
+        owner, key = self.owner, (self.buffer, self.bucket)
+        owner.pending[key] -= 1
+        if owner.backward and not owner.pending[key]:  # no node left in this backward reads it
+            owner.freed(self.buffer, self.bucket)

@@ -26,6 +26,8 @@ PARITY = [
     Scenario("gpt", dp=2, options=Z3),
     Scenario("llama", dp=4, options=Z2),
     Scenario("gpt", dp=4, options=Z3),
+    Scenario("gpt", dp=2, options=Z3 + (("bucket_size", 3000),)),  # and the same with:
+    Scenario("gpt", dp=2, options=Z3 + (("bucket_size", 3000), ("backward_prefetch", "post"))),
     Scenario("gpt", dp=2, pp=2, schedule="1f1b", options=Z3),  # a tied embedding on both stages
     Scenario("gpt", dp=2, pp=2, schedule="1f1b", options=Z3 + (("reshard_after_forward", False),)),
     Scenario("llama", dp=2, pp=2, vpp=2, schedule="interleaved", options=Z3),
@@ -260,6 +262,35 @@ def test_zero3_frees_a_bucket_in_backward_once_autograd_let_go_of_it(results):
             for k, (kind, label) in enumerate(log[:last]):
                 live = live | {label} if kind == "gather" else live - {label} if kind == "released" else live
                 assert k < ready[0] or "chunk0/5" not in live, log[k - 3 : k + 1]
+
+
+def _most_whole_in_backward(log: list[tuple[str, str]]) -> int:
+    """The most parameter buckets gathered plus gradient buckets staged at once, from the
+    step's first gradient on (backward)."""
+    params, grads, most = set(), set(), 0
+    first = next(k for k, (kind, _) in enumerate(log) if kind == "ready")
+    for k, (kind, label) in enumerate(log):
+        if kind in ("gather", "released"):
+            params = params | {label} if kind == "gather" else params - {label}
+        elif kind in ("staged", "settled"):
+            grads = grads | {label} if kind == "staged" else grads - {label}
+        if k >= first:
+            most = max(most, len(params) + len(grads))
+    return most
+
+
+def test_backward_prefetch_post_keeps_one_bucket_of_each_whole(results):
+    """dp=2, zero=3, 3000-element buckets: with backward_prefetch='post' backward holds at
+    most one parameter bucket and one gradient bucket whole at once (it gathers the next
+    bucket once it freed one, and waits for a reduction before it stages the next); with
+    'pre' it holds up to four (the current and next parameters, a gradient bucket being
+    reduced and the one being filled)."""
+    pre, post = (next(s for s in PARITY if s.options == Z3 + (("bucket_size", 3000),) + extra)
+                 for extra in ((), (("backward_prefetch", "post"),)))
+    for r in results[2]:
+        most_pre = [_most_whole_in_backward(log) for log in r[pre.id]["events"]]
+        most_post = [_most_whole_in_backward(log) for log in r[post.id]["events"]]
+        assert all(m <= 2 for m in most_post) and all(m == 4 for m in most_pre), (most_post, most_pre)
 
 
 @pytest.mark.parametrize("sc", BF16, ids=lambda s: s.id)
