@@ -46,6 +46,7 @@ bench: setup
 	$(BIN)/python bench/moe.py
 	$(BIN)/python bench/fsdp.py
 	$(BIN)/python bench/data.py
+	$(BIN)/python bench/collectives.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,11 +7,11 @@
     reads a bucket, ``ops.zero_gather`` makes it whole (and starts gathering the next
     bucket forward reads, to overlap with this one's compute); after forward last reads
     it, through any view of it, ``ops.zero_release`` frees it (not with
-    ``reshard_after_forward=False``: the chunk's backward frees it). A bucket read again
-    after every read of another bucket (a tied embedding, by the head) is released and
-    gathered again in between, so it is not whole over the whole forward. Backward
-    gathers again what it needs (runtime/zero.py: autograd's saved tensors, recompute
-    regions).
+    ``reshard_after_forward=False``: the chunk's backward frees it). A tied embedding's
+    bucket stays whole from the embedding to the head: the head needs it at the end of
+    forward, where activations peak, so freeing it in between would cost a gather and
+    lower no peak. Backward gathers again what it needs (runtime/zero.py: autograd's
+    saved tensors, recompute regions).
 
   * zero >= 2 (not compiled, not split for a zero-bubble schedule): a parameter read
     again long after its first read in forward (a tied embedding's output head: another
@@ -32,10 +32,9 @@ parameter of another bucket is read between that parameter's first read and it. 
 chunk graph, for every bucket whose parameters the chunk reads, one
 wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)``, comes before the
 first node that uses any parameter of that bucket; every use of those parameters follows
-it. At zero=3 (with ``reshard_after_forward``) every read of a bucket's parameters, or of a
-value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a region whose
-body returns a view of its input), lies between a gather of the bucket and the release
-that follows it, and nothing is whole at the end; each gather names as ``prefetch``
+it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node that reads one of its
+parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a
+region whose body returns a view of its input), and each gather names as ``prefetch``
 the bucket gathered next (None for the last). Forward reads the last buckets first
 (buckets are laid out in backward order), so the keys come in descending bucket order.
 """
@@ -126,44 +125,25 @@ def _marker(gm: fx.GraphModule, where: fx.Node, target, param: fx.Node, kwargs: 
 
 
 def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
-    segments, seen = _segments(gm, split=release), set()
-    for i, (first, param, last) in enumerate(segments):
-        key = _bucket(param).gather_key
-        prefetch = _bucket(segments[i + 1][1]).gather_key if i + 1 < len(segments) else None
-        again = "re" if key in seen else ""  # a tied embedding's second stretch: zero_regather_...
-        seen.add(key)
+    first = _first_uses(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last: dict[tuple[int, int], fx.Node] = {}
+    for node in gm.graph.nodes:
+        tag = node.meta.get("fxmeg", {}).get("bucket") if node.op == "get_attr" else None
+        if tag is not None:
+            for reader in _readers(node, gm):
+                if tag.gather_key not in last or order[reader] > order[last[tag.gather_key]]:
+                    last[tag.gather_key] = reader
+    keys = list(first)
+    for i, key in enumerate(keys):
+        user, param = first[key]
+        prefetch = keys[i + 1] if i + 1 < len(keys) else None
         home, index = key
-        _marker(gm, first, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch},
-                f"zero_{again}gather_{home}_{index}")
+        _marker(gm, user, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch}, f"zero_gather_{home}_{index}")
         if release:
-            _marker(gm, last, ops.zero_release, param, {"bucket": key}, f"zero_{again}release_{home}_{index}",
+            _marker(gm, last[key], ops.zero_release, param, {"bucket": key}, f"zero_release_{home}_{index}",
                     after=True)
     return finish(gm)
-
-
-def _segments(gm: fx.GraphModule, *, split: bool) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """(first reader, a parameter it reads, last reader) of each stretch of the graph over
-    which a bucket stays whole, in graph order. A bucket's reads form one stretch, or with
-    ``split`` several: a gap between two of its reads that holds every read of another
-    bucket (the blocks between a tied embedding and its head) ends a stretch."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    reads: dict[tuple[int, int], list[tuple[int, fx.Node, fx.Node]]] = {}
-    for node in gm.graph.nodes:
-        if _bucket(node) is not None:
-            for reader in _readers(node, gm):
-                reads.setdefault(_bucket(node).gather_key, []).append((order[reader], reader, node))
-    spans = {key: (min(r[0] for r in rs), max(r[0] for r in rs)) for key, rs in reads.items()}
-    out = []
-    for key, rs in reads.items():
-        rs.sort(key=lambda r: r[0])
-        start = prev = rs[0]
-        for r in rs[1:]:
-            if split and any(prev[0] < lo and hi < r[0] for k, (lo, hi) in spans.items() if k != key):
-                out.append((start, prev))
-                start = r
-            prev = r
-        out.append((start, prev))
-    return [(start[1], start[2], end[1]) for start, end in sorted(out, key=lambda se: se[0][0])]
 
 
 def _readers(param: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:

@@ -165,30 +165,28 @@ def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> 
 
 
 def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo, *, reshard: bool) -> None:
-    """zero=3: every read of a bucket's parameters lies between a gather of the bucket and
-    its release; with ``reshard`` (reshard_after_forward) each gather is released before
-    the bucket is gathered again and none is left whole at the end, without it each bucket
-    is gathered once and never released; each gather prefetches the next one."""
-    gathered, live, prefetched = [], set(), []
+    """zero=3: each bucket the chunk reads is gathered once before any read of its
+    parameters and, with ``reshard`` (reshard_after_forward), released once after the
+    last; each gather prefetches the next one."""
+    gathered, released, prefetched = [], set(), []
     for node in gm.graph.nodes:
         if node.target is ops.zero_gather:
-            key = node.kwargs["bucket"]
-            assert key not in live and (reshard or key not in gathered), f"param_gather: {key} gathered twice"
-            gathered.append(key)
-            live.add(key)
+            assert node.kwargs["bucket"] not in gathered, f"param_gather: {node.kwargs['bucket']} gathered twice"
+            gathered.append(node.kwargs["bucket"])
             prefetched.append(node.kwargs["prefetch"])
             continue
         if node.target is ops.zero_release:
             key = node.kwargs["bucket"]
-            assert reshard and key in live, f"param_gather: {key} released twice, ungathered or kept whole"
-            live.discard(key)
+            assert key in gathered and key not in released, f"param_gather: {key} released twice or ungathered"
+            released.add(key)
             continue
         for arg in node.all_input_nodes:
             tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
             if tag is not None:
-                assert tag.gather_key in live, (
+                assert tag.gather_key in gathered and tag.gather_key not in released, (
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its gather")
-    assert not reshard or not live, f"param_gather: chunk {chunk.index} leaves {live} whole"
+    want = set(gathered) if reshard else set()
+    assert released == want, f"param_gather: chunk {chunk.index} releases {released}, not {want}"
     assert prefetched == [*gathered[1:], None], (
         f"param_gather: chunk {chunk.index} prefetches {prefetched}, not {gathered[1:]}")
 

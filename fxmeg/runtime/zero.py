@@ -479,12 +479,15 @@ class ZeroParams:
         backward, a bucket is freed once autograd let go of the last tensor it saved from
         it (``_Saved.__del__``)."""
         self.backward = backward
+        log = next(iter(self.buffers.values())).events.log if backward and self.buffers else []
+        log.append(("backward", "begin"))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     recomputation.preparing(self._prepare):
                 yield
         finally:
             self.backward = False
+            log.append(("backward", "end"))
 
     @contextlib.contextmanager
     def whole(self, *, write: bool = False):

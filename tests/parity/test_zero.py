@@ -265,16 +265,17 @@ def test_zero3_frees_a_bucket_in_backward_once_autograd_let_go_of_it(results):
 
 
 def _most_whole_in_backward(log: list[tuple[str, str]]) -> int:
-    """The most parameter buckets gathered plus gradient buckets staged at once, from the
-    step's first gradient on (backward)."""
-    params, grads, most = set(), set(), 0
-    first = next(k for k, (kind, _) in enumerate(log) if kind == "ready")
-    for k, (kind, label) in enumerate(log):
+    """The most parameter buckets gathered plus gradient buckets staged at once inside the
+    chunk's backward actions."""
+    params, grads, most, inside = set(), set(), 0, False
+    for kind, label in log:
         if kind in ("gather", "released"):
             params = params | {label} if kind == "gather" else params - {label}
         elif kind in ("staged", "settled"):
             grads = grads | {label} if kind == "staged" else grads - {label}
-        if k >= first:
+        elif kind == "backward":
+            inside = label == "begin"
+        if inside:
             most = max(most, len(params) + len(grads))
     return most
 
