@@ -1,5 +1,6 @@
 """fxmeg zero=3 against torch FSDP2 (``fully_shard`` per block, then the root) and against
-fxmeg zero=1 (and zero=3 with backward_prefetch='post'): the same GPT, the same global batches, dp=2 on gloo, AdamW, clipping at 1.0.
+fxmeg zero=1 (and zero=3 with backward_prefetch='post'): the same GPT, the same global
+batches, dp=2 on gloo, AdamW, clipping at 1.0.
 One JSON line.
 
 Each run is its own spawn, so that its peak resident set (``ru_maxrss`` above the rank's

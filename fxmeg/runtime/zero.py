@@ -168,7 +168,8 @@ class ZeroBuffer(GradBuffer):
         slot, bucket, works = self.layout.slot(name), self.layout.buckets[i], []
         size = (bucket.end - bucket.start) // self.n
         for r in range(self.n if self.group is not None else 0):
-            a, b = max(bucket.start + r * size, slot.offset), min(bucket.start + (r + 1) * size, slot.offset + slot.numel)
+            lo = bucket.start + r * size  # rank r's part of the bucket: [lo, lo + size)
+            a, b = max(lo, slot.offset), min(lo + size, slot.offset + slot.numel)
             if a < b:
                 works.append(dist.reduce(flat[a - slot.offset : b - slot.offset], group_dst=r, group=self.group,
                                          async_op=True))
