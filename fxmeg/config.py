@@ -337,11 +337,6 @@ class EngineConfig:
         self._check_experts()
         self._check_router_bias()
         self._check_router_loss()
-        if self.parallel.cp > 1 and self.compile:
-            raise ConfigError(  # the cp ops under torch.compile are not tested yet
-                f"cp={self.parallel.cp} (context parallelism) does not run yet with compile=True; "
-                "set compile=False or cp=1"
-            )
 
     def _check_experts(self) -> None:
         """The capacity factor, and what expert parallelism does not run with yet, refused

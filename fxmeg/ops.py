@@ -260,9 +260,9 @@ torch.library.register_fake("fxmeg::cp_gather", lambda x, dim, size, group: _res
 torch.library.register_fake("fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
 torch.library.register_fake("fxmeg::cp_all_reduce", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q))
-torch.library.register_fake(
+torch.library.register_fake(  # contiguous, as the kernel's products and reduce-scatters are (not q's strides)
     "fxmeg::cp_attention_backward",
-    lambda grad, q, k, v, scale, gqa, size, group: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    lambda grad, q, k, v, scale, gqa, size, group: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)),
 )
 torch.library.register_fake(
     "fxmeg::cp_causal_mask",

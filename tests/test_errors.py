@@ -329,8 +329,6 @@ ROWS = {
     "cp-attention-mask": (lambda: fxmeg.parallelize(_MaskedAttention(), _ex(), cp=2),
                           "a mask that depends on the split inputs (padding): mask 'unsqueeze_2' is computed "
                           "from input(s) ['ids'], which are cut along the sequence"),
-    "cp-compile": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), cp=2, compile=True),
-                   "cp=2 (context parallelism) does not run yet with compile=True"),
     "example-batch-size": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),
                            "batch dimension is 2, but micro_batch_size=4"),
     "example-batch-dims": (lambda: fxmeg.parallelize(make_model("gpt"), (_ex()[0], _ex(3)[1])),

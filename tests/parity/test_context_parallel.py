@@ -2,7 +2,7 @@
 positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with
 dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
 local sequence slices), tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recompute, overlapped parameter
-gathers and layer-wise sharding (Muon); and Hugging Face's Llama at cp=2 in sdpa (a causal
+gathers and layer-wise sharding (Muon), compiled chunks (torch.compile); and Hugging Face's Llama at cp=2 in sdpa (a causal
 mask built from positions, labels shifted inside the model) and eager attention (matmul,
 softmax, matmul; also at cp2 x tp2), and on padded dict batches (attention_mask kept
 whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with position_ids,
@@ -61,6 +61,7 @@ PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llam
     Scenario("hf-llama", cp=2, tp=2, model_args=EAGER),
     Scenario("llama", cp=2, tp=2, pp=2, schedule="1f1b", options=(("sequence_parallel", True),)),  # 8 ranks
     Scenario("gpt", cp=2, dp=2, options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full"))),
+    Scenario("llama", cp=2, options=(("compile", True),)),  # the cp ops inside inductor's graphs
     Scenario("llama", cp=2, dp=2, opt="muon",
              options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
 ]
