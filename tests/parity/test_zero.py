@@ -41,7 +41,9 @@ PARITY = [
 ]
 BF16 = [Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),)),
         Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),), meta=True)]  # fp32 masters of shards made
-ZOO = [Scenario("hf-llama", dp=2, options=Z3)]  # Hugging Face models, not written for fxmeg's tests
+ZOO = [Scenario("hf-llama", dp=2, options=Z3),  # Hugging Face models, not written for fxmeg's tests;
+       Scenario("hf-gpt2", dp=2, options=Z3),  # tied heads: read through ops.early_linear
+       Scenario("hf-gemma2", dp=2, options=Z3)]  # (Gemma 2's softcapped)
 ROUTER = Scenario("hf-mixtral", dp=2, options=Z3)  # 3-D expert banks whole (ep=1), a router loss
 SCENARIOS = PARITY + ZOO + [ROUTER] + BF16
 
