@@ -8,6 +8,7 @@ and lives only for one ``run``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +60,10 @@ class _State:
     saved: dict[Key, tuple] = field(default_factory=dict)
     carry: dict[Key, tuple] = field(default_factory=dict)
     """Zero bubble: what a micro-batch's W needs, from its I."""
-    stats: torch.Tensor | None = None
+    losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(loss_sum, num_tokens) of each micro-batch the last chunk ran, summed once at the end."""
     posted: dict[Action, tuple] = field(default_factory=dict)
-    """Point-to-point action -> (work, its tensors, peer rank), until awaited."""
+    """Point-to-point action -> (its works, its tensors), until awaited."""
 
 
 class Executor:
@@ -115,6 +117,12 @@ class Executor:
         """Send the tensors crossing a cut (one direction, one micro-batch) as one packed
         message (runtime/packing.py); False: one message per tensor (tests, benchmarks)."""
         self._layouts: dict[tuple[int, Kind], Layout] = {}
+        self._peers: dict[tuple[int, Kind], int] = {}
+        self._planned: tuple[list[Step], list] | None = None
+        self._coalesce: bool | None = None
+        """Post a group of several point-to-point ops as one coalesced batch (NCCL must:
+        a send and a receive posted apart can wait on each other); gloo takes each op as it
+        comes. Known at the first post."""
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -136,27 +144,23 @@ class Executor:
         over the micro-batches this rank's last chunk saw (zeros elsewhere)."""
         self.steps = steps
         self._mbs, self._train, self._scale = microbatches, train, loss_scale
-        self._state = _State(stats=torch.zeros(2, dtype=torch.float64, device=self.device))
+        self._state = _State()
         self.counters = Counters()
         tracer = self.tracer
         with torch.set_grad_enabled(train):
-            for index, step in enumerate(self.steps):
-                a = step[0]
+            for index, (step, act, compute, reads) in enumerate(self._plan(steps)):
                 try:
-                    if a.kind in COMPUTE:
-                        self._await(input_of(a))
+                    if compute:
+                        self._await(reads)
                     start = time.perf_counter_ns() if tracer.on else 0
-                    handler = self._handlers.get(a.kind)
-                    if handler is None:
-                        self._post(step)
-                    else:
-                        handler(a)
-                    if a.kind in COMPUTE:
-                        self._hand_off(a)
+                    act()
+                    if compute:
+                        self._hand_off(step[0])
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
                 if tracer.on:
-                    tracer.add(fmt(step), CATEGORY.get(a.kind.value, "p2p"), start, time.perf_counter_ns())
+                    category = CATEGORY.get(step[0].kind.value, "p2p")
+                    tracer.add(fmt(step), category, start, time.perf_counter_ns())
             try:
                 for a in list(self._state.posted):  # sends nobody freed (gradients, eval)
                     self._await(a)
@@ -164,7 +168,27 @@ class Executor:
                 raise ScheduleError(self._failure(len(self.steps) - 1, exc)) from exc
         state, self._state = self._state, None
         assert not state.saved and not state.inbox and not state.carry, "schedule left work unfinished"
-        return state.stats
+        return self._stats(state.losses)
+
+    def _plan(self, steps: list[Step]) -> list[tuple[Step, Callable[[], None], bool, Action | None]]:
+        """Each step, its handler bound to it, whether it computes and the receive it
+        reads: worked out once per lowered schedule (the same list object every training
+        step), not at every step."""
+        if self._planned is None or self._planned[0] is not steps:
+            plan = []
+            for step in steps:
+                a = step[0]
+                handler = self._handlers.get(a.kind)
+                act = functools.partial(self._post, step) if handler is None else functools.partial(handler, a)
+                plan.append((step, act, a.kind in COMPUTE, input_of(a)))
+            self._planned = (steps, plan)
+        return self._planned[1]
+
+    def _stats(self, losses: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """float64 ``[sum of loss_sum, sum of num_tokens]``: a few ops per step, not per micro-batch."""
+        if not losses:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return torch.stack([torch.stack(column).double().sum() for column in zip(*losses)])
 
     # ------------------------------------------------------------ compute
 
@@ -183,7 +207,7 @@ class Executor:
         loss = None
         if spec.is_last:
             loss, num_tokens = outs[-2:]
-            self._state.stats += torch.stack([loss.detach().double(), num_tokens.double()])
+            self._state.losses.append((loss.detach(), num_tokens))
         if spec.send:
             self._state.outbox[key] = sends
         if self._train:
@@ -229,7 +253,7 @@ class Executor:
         loss = None
         if spec.is_last:
             loss, num_tokens = outs[n - 2 : n]
-            self._state.stats += torch.stack([loss.double(), num_tokens.double()])
+            self._state.losses.append((loss, num_tokens))
         if spec.send:
             self._state.outbox[key] = sends
         self._state.saved[key] = (saved, sends, loss)
@@ -297,23 +321,39 @@ class Executor:
         tensor is needed (``_await``)."""
         ops, owners = [], []
         for a in step:
-            tensors, peer_chunk, send = self._buffers(a)
-            peer = self.peer(self.placement[peer_chunk])
-            ops.extend(dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group) for t in tensors)
-            owners.append((a, len(tensors), tensors, peer))
+            tensors, peer, send = self._buffers(a)
+            ops.extend((send, t, peer) for t in tensors)
+            owners.append((a, len(tensors), tensors))
         if not ops:
             return
-        if len(ops) == 1:  # a fifth of the host time of a batch of one
-            op = ops[0]
-            works = [op.op(op.tensor, op.peer, op.group)]
-        else:
-            works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # coalesced (NCCL): one handle stands for the group
-            works = works[:1] * len(ops)
+        if self._coalesce is None:
+            self._coalesce = dist.get_backend(self._wire_group()) != "gloo"
+        if len(ops) == 1 or not self._coalesce:  # a fifth of the host time of a batch of one
+            works = [self._post_one(*op) for op in ops]
+        else:  # NCCL: one coalesced group, one handle standing for all of it
+            group = self._wire_group()
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer)
+                for send, t, peer in ops
+            ])
+            if len(works) != len(ops):
+                works = works[:1] * len(ops)
         i = 0
-        for a, n, tensors, peer in owners:
-            self._state.posted[a] = (works[i : i + n], tensors, peer)
+        for a, n, tensors in owners:
+            self._state.posted[a] = (works[i : i + n], tensors)
             i += n
+
+    def _post_one(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.Work:
+        """One send or receive, straight on the process group: ``dist.isend`` / ``irecv``
+        check and resolve their arguments on every call; here that was done at bind time
+        (``_peer_of``)."""
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        group = self._wire_group()
+        return group.send([tensor], peer, 0) if send else group.recv([tensor], peer, 0)
+
+    def _wire_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
 
     def _await(self, a: Action | None) -> None:
         """Wait, at most the timeout, for posted action ``a`` (no-op when not posted): a
@@ -321,13 +361,14 @@ class Executor:
         entry = self._state.posted.pop(a, None) if a is not None else None
         if entry is None:
             return
-        works, _, peer = entry
+        works, _ = entry
         start = time.perf_counter_ns()
         for work in works:
             try:
                 work.wait(timeout=self.timeout)
             except RuntimeError as exc:
                 stage = self.placement[peer_chunk(a)]
+                peer = self.peer(stage)
                 what = "sending to" if is_send(a) else "receiving from"
                 raise CommTimeoutError(
                     f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
@@ -335,7 +376,8 @@ class Executor:
                     f"answering (crashed, hung, or far slower). Raise comm_timeout_s if it is "
                     f"just slow. ({exc})"
                 ) from exc
-        self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
+        if self.tracer.on:
+            self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
 
     def _hand_off(self, a: Action) -> None:
         """Chunks next to each other on this rank (chunks pp-1 and pp of a V placement)
@@ -348,25 +390,30 @@ class Executor:
             s.grad_inbox[(a.chunk - 1, a.mb)] = s.grad_outbox.pop(key)
 
     def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
-        """What action ``a`` puts on the wire, its peer chunk, and whether it sends. A
-        receive leaves the tensors the compute reads in the inbox: views into the buffer
-        it posts when the cut is packed."""
-        key, s, layout = (a.chunk, a.mb), self._state, self._layout(a)
+        """What action ``a`` puts on the wire, its peer (rank in the pipeline group), and
+        whether it sends. A receive leaves the tensors the compute reads in the inbox:
+        views into the buffer it posts when the cut is packed."""
+        key, s, layout, peer = (a.chunk, a.mb), self._state, self._layout(a), self._peer_of(a)
         if a.kind is Kind.SEND_F:
-            return self._wire(layout, s.outbox.pop(key)), a.chunk + 1, True
+            return self._wire(layout, s.outbox.pop(key)), peer, True
         if a.kind is Kind.SEND_B:
-            return self._wire(layout, s.grad_outbox.pop(key)), a.chunk - 1, True
+            return self._wire(layout, s.grad_outbox.pop(key)), peer, True
         if self._packs(layout):
             wire = [self._empty((layout.nbytes,), torch.uint8)]
             tensors = layout.unpack(wire[0])
         else:
             wire = tensors = [self._empty(p.shape, p.dtype) for p in layout.pieces]
-        if a.kind is Kind.RECV_F:
-            s.inbox[key] = tensors
-            return wire, a.chunk - 1, False
-        assert a.kind is Kind.RECV_B
-        s.grad_inbox[key] = tensors
-        return wire, a.chunk + 1, False
+        (s.inbox if a.kind is Kind.RECV_F else s.grad_inbox)[key] = tensors
+        return wire, peer, False
+
+    def _peer_of(self, a: Action) -> int:
+        """The rank, in the pipeline group, at the other end of point-to-point action
+        ``a`` (resolved once per chunk and kind)."""
+        key = (a.chunk, a.kind)
+        if key not in self._peers:
+            rank = self.peer(self.placement[peer_chunk(a)])
+            self._peers[key] = rank if self.group is None else dist.get_group_rank(self.group, rank)
+        return self._peers[key]
 
     def _wire(self, layout: Layout, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The buffers that carry ``tensors``: one packed copy, or the tensors themselves.

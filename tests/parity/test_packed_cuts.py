@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from tests.distributed import run_world
 from tests.parity.scenarios import Scenario
@@ -23,27 +22,22 @@ SCENARIOS = [
 
 @contextlib.contextmanager
 def counting_messages(counts: Counter):
-    """Count every point-to-point message posted, whether the executor calls isend / irecv
-    itself or through batch_isend_irecv (which checks ``op is isend`` against c10d's)."""
-    originals = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+    """Count every point-to-point message posted, at the process group: the executor
+    posts on it directly, ``dist.isend`` / ``irecv`` and ``batch_isend_irecv`` end there."""
+    originals = {"isend": dist.ProcessGroup.send, "irecv": dist.ProcessGroup.recv}
 
     def counted(name):
-        def post(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
+        def post(self, tensors, *args, **kwargs):
+            counts[name] += len(tensors)
+            return originals[name](self, tensors, *args, **kwargs)
 
         return post
 
-    wrappers = {name: counted(name) for name in originals}
     try:
-        for module in (c10d, dist):
-            for name, fn in wrappers.items():
-                setattr(module, name, fn)
+        dist.ProcessGroup.send, dist.ProcessGroup.recv = counted("isend"), counted("irecv")
         yield counts
     finally:
-        for module in (c10d, dist):
-            for name, fn in originals.items():
-                setattr(module, name, fn)
+        dist.ProcessGroup.send, dist.ProcessGroup.recv = originals["isend"], originals["irecv"]
 
 
 def train(rank: int, sc: Scenario, pack: bool) -> dict:
