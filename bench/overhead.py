@@ -12,9 +12,13 @@ Two measurements, one JSON line:
   action: the same difference over the difference in this rank's lowered actions
   (compute, send, receive, deallocate, grad-sync steps).
 - ``traced``: the bench GPT (bench/zero_bubble.py's model, pp=2, m=8) under each fxmeg
-  schedule, one traced step per rank: the step's time split into chunk compute (the F / B /
-  I / W actions), point-to-point (posting and waiting), optimizer and finalize, and the
-  rest: the interpreter between actions.
+  schedule, ``--traced-steps`` traced steps, per rank: the step's mean time split into
+  chunk compute (the F / B / I / W actions), point-to-point (posting and waiting),
+  optimizer and finalize, and the rest: the interpreter between actions. And the bound:
+  the schedule run in fxmeg.runtime.simulator with each (chunk, kind)'s mean measured
+  time and free communication (``bound_s``, ``rank_busy_s``), beside ``pipeline_s``, the
+  step less optimizer and finalize: their gap is what the executor and the wire cost;
+  the bound's own excess over the busiest rank's compute is the schedule's bubble.
 
     python bench/overhead.py                # pp=2, m=8
     python bench/overhead.py --steps 5 --fxmeg-schedules 1f1b,zbv --torch-schedules 1f1b
@@ -30,6 +34,7 @@ import copy
 import datetime
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -44,6 +49,8 @@ import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed  # noqa: E402
 from bench.zero_bubble import FXMEG_VPP, TORCH_SCHEDULES, agree, torch_manual  # noqa: E402
 from fxmeg import trace  # noqa: E402
+from fxmeg.runtime.schedules import Kind  # noqa: E402
+from fxmeg.runtime.simulator import simulate  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 EMPTY = dict(layers=4, hidden=8, seq=4, vocab=32, mbs=1)
@@ -144,7 +151,7 @@ def _rotated(variants: dict, args, world: int, failed: dict) -> dict:
             failed[name] = err
     live = [k for k in variants if k[0] not in failed]
     times = {k: [] for k in live}
-    for i in range(args.steps):
+    for i in range(args.steps if live else 0):
         k = i % len(live)
         for key in live[k:] + live[:k]:
             took, err = agree(lambda key=key: timed(variants[key]), world)
@@ -156,7 +163,8 @@ def _rotated(variants: dict, args, world: int, failed: dict) -> dict:
 
 
 def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
-    """One traced step of the bench GPT per fxmeg schedule: where the slowest rank's time went."""
+    """Traced steps of the bench GPT per fxmeg schedule: where the slowest rank's time
+    went, and how far the schedule ran from its bound with the measured action times."""
     base = _model(args.layers, args.hidden, 4, args.seq, args.vocab)
     ids, labels = _batch(args.m * args.mbs, args.seq, args.vocab)
     out = {}
@@ -164,24 +172,49 @@ def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
         engine, step = _fxmeg(base, ids, labels, args.mbs, world, s)
         for _ in range(args.warmup):
             step()
-        engine.train_step((ids, labels), trace=True)
-        gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
-        if gathered:
-            out[s] = [_split(spans) for spans in gathered[0]]
+        steps = []
+        for _ in range(args.traced_steps):
+            engine.train_step((ids, labels), trace=True)
+            steps.append(trace.gather(engine.context.tracer.events, f"rank {rank}"))
+        if rank == 0:
+            ranks = [[span for gathered in steps for span in gathered[0][r]] for r in range(world)]
+            bound = _bound(engine, ranks, world)
+            out[s] = [_split(spans, len(steps)) | bound for spans in ranks]
     return out
 
 
-def _split(spans: list[tuple]) -> dict:
-    """A rank's step time by category (seconds) and the share left to the interpreter."""
+def _bound(engine, ranks: list[list[tuple]], world: int) -> dict:
+    """The schedule's makespan in the simulator (fxmeg.runtime.simulator) with each
+    (chunk, kind)'s mean measured time and free communication: what the step's pipeline
+    part (all but optimizer and finalize) would take with no executor and no wire."""
+    times = defaultdict(list)
+    for spans in ranks:
+        for name, _, start, end, *_ in spans:
+            match = _COMPUTE.match(name)
+            if match:
+                times[(int(match[1]), Kind(match[2]))].append((end - start) / 1e9)
+    costs = {key: sum(t) / len(t) for key, t in times.items()}
+    ctx = engine.context
+    sim = simulate(ctx.lower(ctx.schedule), pp=world, placement=engine.partition.placement, costs=costs)
+    return {"bound_s": sim.makespan, "rank_busy_s": [sim.busy[r] for r in range(world)]}
+
+
+_COMPUTE = re.compile(r"^(\d+)([FBIW])\d+$")
+
+
+def _split(spans: list[tuple], n: int) -> dict:
+    """A rank's mean step time over ``n`` traced steps by category (seconds), the share
+    left to the interpreter, and the pipeline part (all but optimizer and finalize)."""
     total = sum(s[3] - s[2] for s in spans if s[1] == "step")
     by = defaultdict(float)
     for _, cat, start, end, *_ in spans:
         if cat != "step":
-            by["compute" if cat in trace.COMPUTE else cat] += (end - start) / 1e9
-    step_s = total / 1e9
+            by["compute" if cat in trace.COMPUTE else cat] += (end - start) / 1e9 / n
+    step_s = total / 1e9 / n
     other = step_s - sum(by.values())
     return {"step_s": step_s} | {f"{cat}_s": t for cat, t in sorted(by.items())} | {
-        "other_s": other, "other_share": other / step_s}
+        "other_s": other, "other_share": other / step_s,
+        "pipeline_s": step_s - by["optimizer"] - by["finalize"]}
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -196,6 +229,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 def main() -> None:
     p = parser(__doc__, pp=2)
     p.add_argument("--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev", help="traced")
+    p.add_argument("--traced-steps", type=int, default=3, help="traced steps per schedule (times are their means)")
     p.add_argument("--empty-fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev",
                    help="on the empty model")
     p.add_argument("--torch-schedules", default="1f1b,interleaved",

@@ -55,6 +55,7 @@ def simulate(
     b_cost: float = 1.0,
     i_cost: float | None = None,
     w_cost: float | None = None,
+    costs: dict[tuple[int, Kind], float] | None = None,
 ) -> Simulation:
     """Run lowered schedules as a discrete-event simulation of the executor: posting
     never blocks; a compute waits until the peer has posted the send it reads, DEALLOC
@@ -62,10 +63,12 @@ def simulate(
     deadlock, an out-of-order message, a compute before one it depends on (a backward
     before its forward, a W before its I, across a same-rank boundary a forward before
     the previous chunk's) or a DEALLOC after its micro-batch's backward. I and W cost
-    half a B each unless given. ``placement``: each chunk's rank, default round robin."""
+    half a B each unless given; ``costs`` sets the cost of a (chunk, kind) of its own (say,
+    measured: bench/overhead.py), the rest cost as above. ``placement``: each chunk's
+    rank, default round robin."""
     cost = {Kind.F: f_cost, Kind.B: b_cost, Kind.I: b_cost / 2 if i_cost is None else i_cost,
             Kind.W: b_cost / 2 if w_cost is None else w_cost}
-    sim = _Run(lowered, pp, placement, cost)
+    sim = _Run(lowered, pp, placement, cost, costs or {})
     progress = True
     while progress:
         progress = False
@@ -86,9 +89,9 @@ class _Run:
     messages posted on each (side, src, dst) link in order, what each rank has run."""
 
     def __init__(self, lowered: dict[int, list[Step]], pp: int, placement: tuple[int, ...] | None,
-                 cost: dict[Kind, float]) -> None:
+                 cost: dict[Kind, float], costs: dict[tuple[int, Kind], float]) -> None:
         last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
-        self.lowered, self.cost = lowered, cost
+        self.lowered, self.cost, self.costs = lowered, cost, costs
         self.num_chunks = len(placement) if placement else last + 1
         self.where = placement or round_robin(pp, last + 2)  # + a send's peer
         self.pos = {r: 0 for r in lowered}
@@ -121,7 +124,7 @@ class _Run:
         for k in (0, 1):
             held[k] += delta[k]
             peak[k] = max(peak[k], held[k])
-        cost = self.cost[a.kind]
+        cost = self.costs.get((a.chunk, a.kind), self.cost[a.kind])
         self.spans[a] = (self.clock[rank], self.clock[rank] + cost)
         self.clock[rank] += cost
         self.busy[rank] += cost

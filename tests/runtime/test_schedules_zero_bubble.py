@@ -172,3 +172,17 @@ rank 1: 1RF0      1F0       1RF1      2F0       2SF0      2D0       1F1       1R
         self.assertExpectedInline(table(_run("dualpipev", 2, 4)[1]), """\
 rank 0: 3RF0           0F0            0SF0           0F1            0SF1           0F2            0SF2           3F0            3RF1           0D0            0D1            3I0            3SB0           3W0            3F1            3RF2           0D2            0F3            3B1            0SF3+3SB1+0RB0 3F2            0D3            0B0            3RF3           3B2            3SB2+0RB1      3F3            0B1            0RB2           3GS3           3B3            3SB3           0I2            0RB3           0W2            0I3            0GS3           0W3
 rank 1: 1RF0           1F0            1RF1           2F0            2SF0           2D0            1F1            1RF2           2F1            2SF1           1F2            2RB0           2B0            1RF3           2D1            2F2            1B0            2SF2+1SB0+2RB1 1F3            2D2            2B1            2RB2           2F3            1B1            2SF3+1SB1      2B2            2RB3           2D3            1B2            1SB2           2I3            1I3            1SB3           2GS3           2W3            1GS3           1W3""")
+
+
+def test_measured_costs_per_chunk_set_the_makespan():
+    """``costs`` prices a (chunk, kind) of its own (bench/overhead.py passes measured
+    times): each rank is busy for exactly the sum of its actions' costs, and a ZB-V whose
+    rank 0 holds the dearer chunks runs longer than one with unit costs."""
+    _, lowered, unit = _run("zbv", 2, 8)
+    where = placement("zbv", pp=2, vpp=2)
+    dear = {(3, kind): 2.0 * cost for kind, cost in ((Kind.F, 1), (Kind.I, 1), (Kind.W, 1))}
+    sim = simulate(lowered, pp=2, placement=where, **UNIT, costs=dear)
+    assert sim.busy == {0: unit.busy[0] + 8 * 3, 1: unit.busy[1]}
+    assert sim.makespan >= sim.busy[0] > unit.makespan
+    for a, (start, end) in sim.spans.items():
+        assert end - start == dear.get((a.chunk, a.kind), UNIT[f"{a.kind.value.lower()}_cost"])
