@@ -163,3 +163,33 @@ def test_a_v_of_even_chunks_can_leave_a_rank_busier():
     even_chunks = cut(_graph("gpt", n_layer=4), num_chunks=4)
     assert max(_rank_loads(p.unit_costs, p.starts, p.placement)) < max(
         _rank_loads(p.unit_costs, even_chunks.starts, p.placement))
+
+
+def test_views_move_no_bytes():
+    """A view, transpose, split or a reshape that needs no copy costs nothing; a reshape
+    of a transposed tensor copies, and costs its bytes like any op."""
+
+    class Reshapes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(128, 16)
+
+        def forward(self, ids, labels):
+            h = self.emb(ids)  # (2, s, 16)
+            a, b = h.split(8, dim=-1)
+            copied = a.transpose(1, 2).reshape(2, -1)  # not contiguous: a copy
+            viewed = b.reshape(2, -1)  # the second half of each row: strided, a copy
+            flat = h.view(2, -1)
+            return (copied.sum() + viewed.sum() + flat.sum()) * labels.sum()
+
+    gm = capture(Reshapes(), make_batch(2, seed=0)).gm
+    costs = {n.name: node_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    by_op = {}
+    for name, cost in costs.items():
+        by_op.setdefault(str(nodes[name].target), []).append(cost)
+    assert by_op["aten.split.Tensor"] == [0.0] and by_op["aten.view.default"] == [0.0]
+    assert by_op["aten.transpose.int"] == [0.0]
+    assert all(c == 0.0 for c in by_op["<built-in function getitem>"])
+    copying = [c for c in by_op["aten.reshape.default"] if c > 0]
+    assert copying and min(copying) >= 32 * 2 * (2 * 16 * 8 * 4)  # reads and writes a (2, s * 8) fp32 tensor
