@@ -474,11 +474,14 @@ def _crossing(spec: ChunkSpec, kind: Kind) -> tuple[Boundary, ...]:
 
 def _saves_its_result(t: torch.Tensor) -> bool:
     """True when t's autograd node saved t itself (e.g. relu, exp): freeing it would
-    corrupt backward."""
-    kind = type(t.grad_fn)
-    if kind not in _SAVES_RESULT:
-        _SAVES_RESULT[kind] = any(name.startswith("_saved_result") for name in dir(t.grad_fn))
-    return _SAVES_RESULT[kind]
+    corrupt backward. Autograd names a saved output ``_saved_result`` (one output) or
+    ``_saved_result<k>`` (output k of several: layer norm saves its mean and rstd, 1 and
+    2, not its output 0, which crosses a cut before the head)."""
+    key = (type(t.grad_fn), t.output_nr)
+    if key not in _SAVES_RESULT:
+        names = dir(t.grad_fn)
+        _SAVES_RESULT[key] = "_saved_result" in names or f"_saved_result{t.output_nr}" in names
+    return _SAVES_RESULT[key]
 
 
-_SAVES_RESULT: dict[type, bool] = {}
+_SAVES_RESULT: dict[tuple[type, int], bool] = {}

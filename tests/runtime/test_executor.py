@@ -193,3 +193,22 @@ def test_neighbour_chunks_on_one_rank_hand_off_without_messages():
     evaluation = schedules.lower(schedules.forward_only({0: [(a,) for a in order]}), num_chunks=2, placement=(0, 0))
     stats = ex.run(evaluation[0], mbs, train=False)
     assert abs(stats[0].item() - want_loss) <= 1e-5 * want_loss
+
+
+def test_a_sent_output_is_kept_only_when_its_node_saved_it():
+    """DEALLOC frees a sent activation unless backward reads it: exp and relu save their
+    result; layer norm saves its mean and rstd (outputs 1 and 2), not the normed output
+    that crosses a cut before the head, which is freed; its backward still agrees."""
+    from fxmeg.runtime.executor import _saves_its_result
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert _saves_its_result(x.exp()) and _saves_its_result(torch.relu(x))
+    assert not _saves_its_result(x * 2)
+    normed = torch.nn.functional.layer_norm(x, (8,))
+    assert not _saves_its_result(normed)
+    want = torch.autograd.grad(torch.nn.functional.layer_norm(x, (8,)), x, torch.ones(4, 8))[0]
+    normed.data = torch.empty(1)  # what DEALLOC does; the executor runs backward from it as Megatron does
+    torch.autograd.Variable._execution_engine.run_backward(
+        (normed,), (torch.ones(4, 8),), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
+        accumulate_grad=True)
+    assert torch.equal(x.grad, want)
