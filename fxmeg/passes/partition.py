@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from fxmeg.capture import owning_module
-from fxmeg.config import EngineConfig
+from fxmeg.config import V_SCHEDULES, EngineConfig
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.passes.graph_utils import is_hop, subgraphs, val
 from fxmeg.program import Partition
@@ -48,11 +48,11 @@ _MATMULS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.d
 
 
 def partition(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced over the pipeline
-    ranks under the schedule's placement, or at the config's ``split_points``); tag every
-    node's chunk."""
+    """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced; under a V schedule
+    over the pipeline ranks; or at the config's ``split_points``); tag every node's chunk."""
     par = config.parallel
-    split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement)
+    v = par.resolved_schedule in V_SCHEDULES  # a rank runs its two chunks back to back
+    split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement if v else None)
     gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=par.placement)
     return gm
 
@@ -65,8 +65,9 @@ def cut(
     placement: tuple[int, ...] | None = None,
 ) -> Partition:
     """The cut into ``num_chunks`` chunks; tags every node's chunk. With a ``placement``
-    that puts several chunks on a rank (interleaved, V), the busiest rank's estimated
-    cost is what the balanced cut minimises first (``_rank_balanced``)."""
+    that puts several chunks on a rank, the busiest rank's estimated cost is what the
+    balanced cut minimises first (``_rank_balanced``; ``partition`` passes it for the V
+    schedules)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     blocks, units, unit_of = _units(nodes)
     if num_chunks == 1:
@@ -282,10 +283,12 @@ SEARCH_BUDGET = 200_000
 def _rank_balanced(starts: tuple[int, ...], costs: list[float], placement: tuple[int, ...]) -> tuple[int, ...]:
     """The cut whose busiest pipeline rank (the sum of the costs of the chunks
     ``placement`` puts on it) costs least, ties to the smaller largest chunk; starting
-    from the chunk-balanced ``starts``, never worse. A rank's load sets its steady-state
-    pace under every schedule that runs several chunks a rank: ``_balanced_starts`` evens
-    the chunks, and in a V (chunks 0 and 2pp-1 on rank 0, the middle ones on pp-1) even
-    chunks can leave one rank a third busier than the other (bench GPT, pp=2).
+    from the chunk-balanced ``starts``, never worse. In a V (chunks 0 and 2pp-1 on rank 0,
+    the middle ones on pp-1) a rank runs its two chunks back to back, so its load sets its
+    pace, and even chunks can leave one rank 40% busier than the other (bench GPT, pp=2;
+    zbv and dualpipev ran 4-6% faster with the ranks evened). The interleaved schedule
+    keeps even chunks: its ranks take turns chunk by chunk, and evened ranks of very
+    uneven chunks measured no faster there.
 
     Branch and bound over each chunk's end in order: a chunk that lifts its rank past the
     best cut so far ends the branch, and so does a remainder larger than the room left

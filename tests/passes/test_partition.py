@@ -136,22 +136,30 @@ def _rank_loads(costs, starts, where):
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("schedule,pp,vpp", [("zbv", 2, 2), ("zbv", 3, 2), ("interleaved", 2, 3), ("interleaved", 3, 2)])
-def test_several_chunks_a_rank_balance_the_ranks(name, schedule, pp, vpp):
-    """With two or more chunks on a rank (V, interleaved) the cut minimises the busiest
+@pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("zbv", 3), ("dualpipev", 2)])
+def test_a_v_balances_the_ranks(name, schedule, pp):
+    """In a V each rank runs two chunks back to back: the cut minimises the busiest
     rank's cost, not the largest chunk's: brute force over every cut agrees, and it is
     never worse than the chunk-balanced cut."""
     config = EngineConfig(micro_batch_size=2, global_batch_size=8,
-                          parallel=ParallelConfig(pp=pp, vpp=vpp, schedule=schedule))
+                          parallel=ParallelConfig(pp=pp, vpp=2, schedule=schedule))
     where = config.parallel.placement
-    gm = partition(_graph(name, n_layer=6), config)
-    p = gm.meta["fxmeg"]["partition"]
-    units, k = p.unit_costs, pp * vpp
+    p = partition(_graph(name, n_layer=6), config).meta["fxmeg"]["partition"]
+    units, k = p.unit_costs, 2 * pp
     best = min(max(_rank_loads(units, (0, *cuts), where)) for cuts in itertools.combinations(range(1, len(units)), k - 1))
     assert max(_rank_loads(units, p.starts, where)) == pytest.approx(best)
     even_chunks = cut(_graph(name, n_layer=6), num_chunks=k)
     assert max(_rank_loads(units, p.starts, where)) <= max(_rank_loads(units, even_chunks.starts, where))
     assert [round(c) for c in p.costs] == [round(sum(r)) for r in _runs(units, p.starts[1:])]
+
+
+@pytest.mark.parametrize("vpp", [2, 3])
+def test_interleaved_keeps_even_chunks(vpp):
+    """Interleaved ranks take turns chunk by chunk: the cut stays the chunk-balanced one."""
+    config = EngineConfig(micro_batch_size=2, global_batch_size=8,
+                          parallel=ParallelConfig(pp=2, vpp=vpp, schedule="interleaved"))
+    p = partition(_graph("llama", n_layer=6), config).meta["fxmeg"]["partition"]
+    assert p.starts == cut(_graph("llama", n_layer=6), num_chunks=2 * vpp).starts
 
 
 def test_a_v_of_even_chunks_can_leave_a_rank_busier():
