@@ -360,9 +360,10 @@ class EngineConfig:
                 "schedule splits backward into input- and weight-gradient passes, and the experts' "
                 "all-to-all exchanges tokens whose counts are known only at run time (data-dependent "
                 f"shapes{untested}); use schedule='1f1b' or 'interleaved'")
-        if self.compile:
-            raise ConfigError(f"ep={ep} does not run with compile=True: the experts' token counts are "
-                              f"data-dependent shapes{untested}; set compile=False")
+        if self.compile and not factor:
+            raise ConfigError(f"ep={ep} does not run with compile=True and dropless experts: the experts' token "
+                              "counts are data-dependent shapes (dynamo recompiles for each new count); set "
+                              "moe_capacity_factor (static shapes) or compile=False")
         if self.optimizer_sharding == "layerwise" or self.decided_sharding is OptimizerSharding.LAYERWISE:
             raise ConfigError(
                 f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "

@@ -148,29 +148,42 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
-dropped: dict[str, tuple[Tensor, int]] = {}
-"""Capacity mode, per layer since the last ``log_dropped``: (the (token, slot) pairs
-dropped on this rank, on the device, summed without waiting for it; the pairs routed).
-The forwards of a recompute in backward are not counted again."""
+dropped: dict[str, Tensor] = {}
+"""Capacity mode, per layer: ``[pairs dropped, pairs routed]`` on this rank since the last
+``log_dropped``, an int64 tensor on the device added to in place (no wait for the device).
+The runtime makes each bound layer's before the first forward (``track_dropped``), so a
+compiled forward updates a tensor it was given and guards on no Python value. The forwards
+of a recompute in backward are not counted again."""
+
+
+def track_dropped(layer: str, device: torch.device) -> None:
+    """Make ``layer``'s counter (zeros) on ``device`` unless it exists."""
+    if layer not in dropped:
+        dropped[layer] = torch.zeros(2, dtype=torch.long, device=device)
 
 
 def _count_dropped(layer: str, keep: Tensor) -> None:
     if recomputation.recomputing():  # the forward of a recompute region, run again in backward
         return
-    n, routed = keep.numel() - keep.sum(), keep.numel()
-    if layer in dropped:
-        n, routed = n + dropped[layer][0], routed + dropped[layer][1]
-    dropped[layer] = (n, routed)
+    track_dropped(layer, keep.device)  # a caller the runtime did not bind (eager, tests)
+    routed = torch.full((), keep.numel(), dtype=torch.long, device=keep.device)
+    dropped[layer].add_(torch.stack([routed - keep.sum(), routed]))
 
 
 def log_dropped(when: str) -> dict[str, int]:
-    """The pairs dropped by layer (``dropped``, then cleared); logged at INFO on
-    "fxmeg.moe" in one line (``when``: the step), with the pairs routed."""
+    """The pairs dropped by layer since the last call (``dropped``, then zeroed; {} when no
+    pair was routed); logged at INFO on "fxmeg.moe" in one line (``when``: the step), with
+    the pairs routed."""
     if not dropped:
         return {}
-    counts = dict(zip(dropped, torch.stack([n for n, _ in dropped.values()]).tolist()))
-    routed = sum(r for _, r in dropped.values())
-    dropped.clear()
+    both = torch.stack(list(dropped.values())).tolist()
+    counted = {layer: pair for layer, pair in zip(dropped, both) if pair[1]}
+    for t in dropped.values():
+        t.zero_()
+    if not counted:
+        return {}
+    counts = {layer: n for layer, (n, _) in counted.items()}
+    routed = sum(r for _, r in counted.values())
     each = ", ".join(f"{layer or 'routed experts'} {n}" for layer, n in counts.items())
     log.info("%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank (%s)",
              when, sum(counts.values()), routed, each)

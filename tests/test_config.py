@@ -161,8 +161,9 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
             engine(pp=2, vpp=vpp, schedule=schedule)  # dp=None: refused before the world is known
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         make_config(example, world=4, pp=2, ep=2, schedule="zbh1")
-    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True: the experts' token counts are "
-                                          r"data-dependent shapes; set compile=False"):
+    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and dropless experts: the experts' "
+                                          r"token counts are data-dependent shapes \(dynamo recompiles for each new "
+                                          r"count\); set moe_capacity_factor \(static shapes\) or compile=False"):
         engine(compile=True)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True"):
         make_config(example, world=2, ep=2, compile=True)

@@ -9,7 +9,9 @@ per-expert row counts, the drop counter and its log, and the configuration's che
 One 2-rank spawn (Mixtral at ep=2): with a factor of E (nothing dropped) training equals
 single-device training, and every all-to-all of the experts, forward and backward, has
 the same static split sizes (no counts exchanged); with a factor of 1 pairs are dropped,
-counted and logged, and the ranks agree on every step."""
+counted and logged, and the ranks agree on every step. In the same spawn, compiled
+(``compile=True``): a factor of E trains as one device, each chunk compiled once (dynamo's
+``error_on_recompile``), and the drop counter still counts every routed pair."""
 
 from __future__ import annotations
 
@@ -164,7 +166,7 @@ def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_
     dropped = int((~keep).sum())
     assert moe.dropped["layers.0.experts"][0].item() == dropped
     assert set(moe.log_dropped("test")) == {"layers.0.experts"}
-    assert not moe.dropped
+    assert not moe.dropped["layers.0.experts"].any()  # zeroed in place: a compiled forward holds it
 
 
 def test_the_expert_matmuls_see_capacity_rows_each_whatever_the_routing(monkeypatch):
@@ -228,10 +230,11 @@ def test_the_capacity_factor_is_checked():
     with pytest.raises(ConfigError, match=r"^moe_capacity_factor=1.0 needs ep > 1: at ep=1 fxmeg runs the model's "
                                           r"own experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"):
         config(1.0, ep=1)
-    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True: .*; moe_capacity_factor makes them "
-                                          r"static, but that is not tested yet; set compile=False"):
-        EngineConfig(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True,
-                     parallel=ParallelConfig(ep=2))
+    assert EngineConfig(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True,
+                        parallel=ParallelConfig(ep=2)).compile  # static shapes: compiled (the spawn below)
+    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and dropless experts: .*; set "
+                                          r"moe_capacity_factor \(static shapes\) or compile=False"):
+        EngineConfig(micro_batch_size=2, global_batch_size=8, compile=True, parallel=ParallelConfig(ep=2))
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         config(1.0, pp=2, schedule="zbh1")
 
@@ -253,6 +256,7 @@ def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():
 
 NO_DROPS = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0)))
 DROPS = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 1.0)))
+COMPILED = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0), ("compile", True)))
 
 
 def train_capacity(rank: int) -> dict:
@@ -280,6 +284,10 @@ def train_capacity(rank: int) -> dict:
         splits.clear()
         logged.clear()
         out[sc.id] = train(rank, sc, lambda r, e: dict(splits=list(splits), logged=list(logged)))
+    dist.all_to_all_single = original  # not traced into the compiled graphs
+    torch._dynamo.config.error_on_recompile = True  # a guard on Python state would recompile a micro-batch
+    logged.clear()
+    out[COMPILED.id] = train(rank, COMPILED, lambda r, e: dict(logged=list(logged)))
     return out
 
 
@@ -290,6 +298,17 @@ def results():
 
 def test_ep2_without_drops_trains_as_one_device(results):
     check_parity([r[NO_DROPS.id] for r in results], NO_DROPS)
+
+
+def test_compiled_ep2_trains_as_one_device_and_counts_every_pair(results):
+    """compile=True with a capacity factor: static shapes, so each chunk compiles once
+    (a recompile raised in the spawn), and the counters, tensors the compiled forward adds
+    to in place, count every routed pair of the step."""
+    check_parity([r[COMPILED.id] for r in results], COMPILED)
+    for r in results:
+        logged = r[COMPILED.id]["logged"]
+        each = f"dropped 0 of {4 * 4 * 32 * 2} routed (token, slot) pairs on this rank ("
+        assert len(logged) == 5 and all(each in line for line in logged), logged
 
 
 @pytest.mark.parametrize("sc", [NO_DROPS, DROPS], ids=lambda s: s.id)

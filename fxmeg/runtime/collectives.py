@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 from torch.fx.node import has_side_effect
 
-from fxmeg import ops
+from fxmeg import moe, ops
 from fxmeg.runtime import experts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 
@@ -259,6 +259,7 @@ def bind(
     early_linear: Callable[..., torch.Tensor] | None = None,
     expert_load: Callable[..., None] | None = None,
     global_tokens: Callable[..., torch.Tensor] | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects: symbolic group names (``"tp"``) become the real process groups'
@@ -267,7 +268,8 @@ def bind(
     ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.early_linear``
     ``early_linear`` (zero >= 2: ``DataParallel.early_linear``), ``ops.expert_load``
     markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
-    ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert). Only
+    ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert); a routed
+    experts layer with a capacity factor gets its dropped-pairs counter on ``device``. Only
     arguments and call targets change; the graph's structure does not."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
@@ -284,6 +286,8 @@ def bind(
             elif node.target is ops.routed_experts and node.kwargs["group"] in groups:
                 node.target = experts.routed_experts
                 node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
+                if node.kwargs.get("capacity_factor") is not None and device is not None:
+                    moe.track_dropped(node.kwargs.get("layer", ""), device)  # before any (compiled) forward
             elif node.target is ops.wait_param_gather and wait_param_gather is not None:
                 node.target = wait_param_gather
             elif node.target in (ops.zero_gather, ops.zero_release) and zero is not None:

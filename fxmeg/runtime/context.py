@@ -192,7 +192,7 @@ def build_context(
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     for gm in chunks.values():
         collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
-                         early_linear=ddp.early_linear if config.zero_stage >= 2 else None,
+                         early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
                          expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
     if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
         experts.exchange(groups.ep.group_name).tracer = tracer
@@ -279,7 +279,7 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
         collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather, zero=_zero_markers(ctx.zero),
                          early_linear=ctx.ddp.early_linear if ctx.config.zero_stage >= 2 else None,
                          expert_load=ctx.load.record if ctx.load is not None else None,
-                         global_tokens=ctx.global_tokens.running_mean)
+                         global_tokens=ctx.global_tokens.running_mean, device=program.device)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 
