@@ -1,5 +1,6 @@
 """Zero-bubble schedules on real gloo ranks (issue 18): ZB-H1 at pp=2 and pp=4, ZB-V and
-DualPipeV at pp=2 (two chunks per rank in a V), Hugging Face Llama and GPT-2 under ZB-H1,
+DualPipeV at pp=2 (two chunks per rank in a V), Hugging Face Llama and GPT-2 under ZB-H1
+(and GPT-2 under ZB-V, Llama under DualPipeV),
 with the tied embedding, the distributed
 optimizer at dp=2 and tp=2, recompute and compiled graphs: every step's loss and the final
 weights match single-device training, and GPT's match the same engine under 1F1B
@@ -19,6 +20,8 @@ PARITY = [
     *(Scenario(m, pp=2, vpp=2, schedule=s) for m in ("gpt", "llama") for s in ("zbv", "dualpipev")),
     Scenario("gpt", pp=2, schedule="1f1b"),  # the bitwise baseline
     *(Scenario(m, pp=2, schedule="zbh1") for m in ("hf-llama", "hf-gpt2")),  # models fxmeg did not write
+    Scenario("hf-gpt2", pp=2, vpp=2, schedule="zbv"),  # a V cut by rank load, on a model fxmeg did not write
+    Scenario("hf-llama", pp=2, vpp=2, schedule="dualpipev"),
     Scenario("gpt", pp=2, schedule="zbh1", options=(("recompute", "full"),)),
     Scenario("gpt", pp=2, schedule="zbh1", options=(("compile", True),)),
     Scenario("gpt", pp=4, schedule="zbh1", m=8),
