@@ -19,6 +19,9 @@ Two measurements, one JSON line:
   time and free communication (``bound_s``, ``rank_busy_s``), beside ``pipeline_s``, the
   step less optimizer and finalize: their gap is what the executor and the wire cost;
   the bound's own excess over the busiest rank's compute is the schedule's bubble.
+  ``bound_latency_s`` is the same bound when each message arrives ``--latency-ms`` after
+  both ends posted it: how much of the wire the schedule could hide if the cost were
+  latency alone.
 
     python bench/overhead.py                # pp=2, m=8
     python bench/overhead.py --steps 5 --fxmeg-schedules 1f1b,zbv --torch-schedules 1f1b
@@ -178,12 +181,12 @@ def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
             steps.append(trace.gather(engine.context.tracer.events, f"rank {rank}"))
         if rank == 0:
             ranks = [[span for gathered in steps for span in gathered[0][r]] for r in range(world)]
-            bound = _bound(engine, ranks, world)
+            bound = _bound(engine, ranks, world, args.latency_ms / 1e3)
             out[s] = [_split(spans, len(steps)) | bound for spans in ranks]
     return out
 
 
-def _bound(engine, ranks: list[list[tuple]], world: int) -> dict:
+def _bound(engine, ranks: list[list[tuple]], world: int, latency: float) -> dict:
     """The schedule's makespan in the simulator (fxmeg.runtime.simulator) with each
     (chunk, kind)'s mean measured time and free communication: what the step's pipeline
     part (all but optimizer and finalize) would take with no executor and no wire."""
@@ -195,8 +198,11 @@ def _bound(engine, ranks: list[list[tuple]], world: int) -> dict:
                 times[(int(match[1]), Kind(match[2]))].append((end - start) / 1e9)
     costs = {key: sum(t) / len(t) for key, t in times.items()}
     ctx = engine.context
-    sim = simulate(ctx.lower(ctx.schedule), pp=world, placement=engine.partition.placement, costs=costs)
-    return {"bound_s": sim.makespan, "rank_busy_s": [sim.busy[r] for r in range(world)]}
+    lowered, placement = ctx.lower(ctx.schedule), engine.partition.placement
+    sim = simulate(lowered, pp=world, placement=placement, costs=costs)
+    late = simulate(lowered, pp=world, placement=placement, costs=costs, latency=latency)
+    return {"bound_s": sim.makespan, "bound_latency_s": late.makespan,
+            "rank_busy_s": [sim.busy[r] for r in range(world)]}
 
 
 _COMPUTE = re.compile(r"^(\d+)([FBIW])\d+$")
@@ -230,6 +236,7 @@ def main() -> None:
     p = parser(__doc__, pp=2)
     p.add_argument("--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev", help="traced")
     p.add_argument("--traced-steps", type=int, default=3, help="traced steps per schedule (times are their means)")
+    p.add_argument("--latency-ms", type=float, default=1.0, help="each message's latency in bound_latency_s")
     p.add_argument("--empty-fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev",
                    help="on the empty model")
     p.add_argument("--torch-schedules", default="1f1b,interleaved",

@@ -56,6 +56,7 @@ def simulate(
     i_cost: float | None = None,
     w_cost: float | None = None,
     costs: dict[tuple[int, Kind], float] | None = None,
+    latency: float = 0.0,
 ) -> Simulation:
     """Run lowered schedules as a discrete-event simulation of the executor: posting
     never blocks; a compute waits until the peer has posted the send it reads, DEALLOC
@@ -64,11 +65,12 @@ def simulate(
     before its forward, a W before its I, across a same-rank boundary a forward before
     the previous chunk's) or a DEALLOC after its micro-batch's backward. I and W cost
     half a B each unless given; ``costs`` sets the cost of a (chunk, kind) of its own (say,
-    measured: bench/overhead.py), the rest cost as above. ``placement``: each chunk's
-    rank, default round robin."""
+    measured: bench/overhead.py), the rest cost as above. ``latency``: a message reaches
+    the compute that reads it this long after both ends posted it (gloo moves it once the
+    receive is posted). ``placement``: each chunk's rank, default round robin."""
     cost = {Kind.F: f_cost, Kind.B: b_cost, Kind.I: b_cost / 2 if i_cost is None else i_cost,
             Kind.W: b_cost / 2 if w_cost is None else w_cost}
-    sim = _Run(lowered, pp, placement, cost, costs or {})
+    sim = _Run(lowered, pp, placement, cost, costs or {}, latency)
     progress = True
     while progress:
         progress = False
@@ -89,9 +91,9 @@ class _Run:
     messages posted on each (side, src, dst) link in order, what each rank has run."""
 
     def __init__(self, lowered: dict[int, list[Step]], pp: int, placement: tuple[int, ...] | None,
-                 cost: dict[Kind, float], costs: dict[tuple[int, Kind], float]) -> None:
+                 cost: dict[Kind, float], costs: dict[tuple[int, Kind], float], latency: float) -> None:
         last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
-        self.lowered, self.cost, self.costs = lowered, cost, costs
+        self.lowered, self.cost, self.costs, self.latency = lowered, cost, costs, latency
         self.num_chunks = len(placement) if placement else last + 1
         self.where = placement or round_robin(pp, last + 2)  # + a send's peer
         self.pos = {r: 0 for r in lowered}
@@ -139,7 +141,9 @@ class _Run:
                 match = self.counterpart(rank, needed)
                 if match is None:
                     return False  # the peer has not sent it yet
-                self.clock[rank] = max(self.clock[rank], match[1])
+                slot, index = self.posted[(rank, needed)]
+                both = max(match[1], self.queues[slot][index][1])  # the later of the two posts
+                self.clock[rank] = max(self.clock[rank], both + self.latency)
             self.compute(rank, a)
         elif a.kind is Kind.DEALLOC:
             if any(Action(a.chunk, k, a.mb) in self.done[rank] for k in BACKWARD):

@@ -66,6 +66,27 @@ def test_interleaved_bubble_is_smaller(pp, vpp, m):
     assert all(inter.bubble(r) < one.bubble(r) for r in range(pp))
 
 
+@pytest.mark.parametrize("p2p", ["paired", "eager"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_latency_delays_each_message_on_the_critical_path(pp, p2p):
+    """One micro-batch is a chain: pp forwards and pp backwards (cost 1 each), with
+    pp - 1 messages each way between them, and nothing to hide their latency behind."""
+    lowered = lower(build("1f1b", pp=pp, vpp=1, m=1), num_chunks=pp, p2p=p2p)
+    for latency in (0.0, 0.25, 3.0):
+        sim = simulate(lowered, pp=pp, latency=latency)
+        assert sim.makespan == pytest.approx(2 * pp + 2 * (pp - 1) * latency)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_eager_posts_hide_latency_that_paired_posts_expose(pp):
+    """A message moves once both ends posted it. Paired posts a receive right before the
+    compute that reads it, so in the steady state each one waits the whole latency;
+    eager posts it a unit ahead, and the latency overlaps that unit's compute."""
+    paired, eager = (lower(build("1f1b", pp=pp, vpp=1, m=8), num_chunks=pp, p2p=p2p) for p2p in ("paired", "eager"))
+    assert simulate(paired, pp=pp).makespan == simulate(eager, pp=pp).makespan
+    assert simulate(paired, pp=pp, latency=0.5).makespan > simulate(eager, pp=pp, latency=0.5).makespan
+
+
 def test_gpipe_and_forward_only():
     sim = simulate(lower(build("gpipe", pp=2, vpp=1, m=3), num_chunks=2), pp=2)
     assert sim.peak_in_flight == {0: 3, 1: 3} and abs(sim.bubble(0) - 1 / 4) < 1e-12
