@@ -3,6 +3,10 @@ runs on gloo, on the same GPT, pp and micro-batching, in one window.
 
 Variants, all with AdamW(lr=1e-4, fused=True) stepping once per global batch:
 - ``one_process``: plain PyTorch on one rank, same micro-batching (the speedup baseline);
+- ``one_process_on_every_rank``: the same step on every rank at once (each its own
+  copy), which prices the machine: ``ceiling_over_1_process`` = pp x one_process / this
+  is the most any pp-way split could reach here, before bubble, imbalance or messages
+  (ranks that share cores, memory bandwidth or caches slow each other down);
 - ``fxmeg_<S>``: ``fxmeg.parallelize(..., pp, vpp, schedule=S)`` for S in
   ``--fxmeg-schedules`` (vpp=2 for interleaved / zbv / dualpipev, else 1);
 - ``torch_*``: the manual frontend on the hand-split stages of bench/pipeline.py (each
@@ -143,7 +147,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
                           ids, labels, args.m, args.mbs)
 
-    builders = [("one_process", one_process)]
+    def on_every_rank():
+        model = copy.deepcopy(base)
+        return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+                          ids, labels, args.m, args.mbs)
+
+    builders = [("one_process", one_process), ("one_process_on_every_rank", on_every_rank)]
     for s in filter(None, args.fxmeg_schedules.split(",")):
         def build(s=s):
             engine = fxmeg.parallelize(
@@ -204,6 +213,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         return {"name": n, "tokens_per_s": ok[n]}
 
     best_fxmeg, best_torch = best("fxmeg_"), best("torch_")
+    everywhere = results["one_process_on_every_rank"].get("median_step_s")
+    ceiling = world * single / everywhere if single and everywhere else None
     if rank == 0:
         print(json.dumps({
             "bench": "zero_bubble", "pp": world, "m": args.m, "mbs": args.mbs,
@@ -211,6 +222,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             "steps": args.steps, "warmup": args.warmup,
             "load_avg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
             "results": results, "best_fxmeg": best_fxmeg, "best_torch": best_torch,
+            "ceiling_over_1_process": ceiling,
             "ratio_best_fxmeg_over_best_torch": (best_fxmeg["tokens_per_s"] / best_torch["tokens_per_s"]
                                                  if best_fxmeg and best_torch else None),
         }))
