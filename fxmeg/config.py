@@ -255,7 +255,7 @@ class EngineConfig:
     p2p: str = "auto"
     """Where pipeline sends / receives are posted: 'paired' (Megatron's send+receive
     groups between units; NCCL needs it), 'eager' (each send right after its compute,
-    receives one unit ahead; host backends such as gloo) or 'auto' (eager unless NCCL)."""
+    receives four units ahead; host backends such as gloo) or 'auto' (eager unless NCCL)."""
     bucket_size: int | None = None
     """Elements per gradient bucket; None = Megatron's max(40M, 1M * dp)."""
     recompute: str = "none"

@@ -516,10 +516,7 @@ def _aux_loss(program: Program, chunks: dict[int, fx.GraphModule]) -> AuxLoss | 
 
 def _lowering(program: Program, config: EngineConfig, groups: Groups) -> schedules.Lowering:
     grad_cuts = program.grad_cuts
-    p2p = config.p2p
-    if p2p == "auto":
-        nccl = groups.pp is not None and dist.get_backend(groups.pp) == "nccl"
-        p2p = "paired" if nccl else "eager"
+    p2p = schedules.p2p_mode(config.p2p, dist.get_backend(groups.pp) if groups.pp is not None else None)
     num_chunks, placement = program.num_chunks, program.placement
     return lambda schedule: schedules.lower(schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p,
                                             placement=placement)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fxmeg import config
 from fxmeg.config import P2P_MODES
+from fxmeg.errors import ConfigError
 from fxmeg.runtime.actions import (
     BACKWARD,
     COMPUTE,
@@ -21,6 +22,13 @@ from fxmeg.runtime.actions import (
 )
 
 PAIRED, EAGER = P2P_MODES
+
+EAGER_AHEAD = 4
+"""How many units ahead ``p2p="eager"`` posts a receive. A message then moves as soon as
+its send is posted, while the receiver computes, rather than once a busy receiver gets to
+post for it. On gloo over two shared cores (the bench GPT at pp=2, m=8, docs/performance.md)
+it made zbv and dualpipev steps 2-4% shorter and 1f1b, interleaved and zbh1 0-4%. The
+price: the received buffers of up to that many units exist before they are read."""
 
 
 def lower(
@@ -41,8 +49,8 @@ def lower(
         by the same group on the neighbour. NCCL needs this: it runs a pair's messages in
         order on one stream and a send holds that stream until the peer receives it.
       * ``"eager"`` (host backends such as gloo, whose sends never hold anything back):
-        each send right after the compute that made it; the receives of the next unit
-        before this unit's compute, so the data lands while this rank computes.
+        each send right after the compute that made it; the receives of unit k before
+        unit k - EAGER_AHEAD, so the data lands while this rank computes.
     Both keep every channel's message order, so they pair up on both ends.
 
     ``grad_cuts``: cuts c (between chunks c and c+1) across which a gradient flows back;
@@ -56,13 +64,30 @@ def lower(
     where = placement or default
     cuts = frozenset(c for c in range(num_chunks - 1) if where[c] != where[c + 1])
     grads = cuts if grad_cuts is None else cuts & grad_cuts
+    ahead = EAGER_AHEAD if p2p == EAGER else 0
     if where == default:  # every channel carries messages in the receiver's order
-        return {rank: _rank_steps(units, _needs(units, cuts, grads), cuts, grads, p2p=p2p, planned=False)
-                for rank, units in schedule.items()}
+        return {rank: _rank_steps(units, _ahead(_needs(units, cuts, grads), ahead), cuts, grads, p2p=p2p,
+                                  planned=False) for rank, units in schedule.items()}
     channels = _channels(schedule, where, cuts, grads)
-    lowered = {rank: _rank_steps(units, _lookahead(_needs(units, cuts, grads), channels, rank), cuts, grads,
+    lowered = {rank: _rank_steps(units, _lookahead(_needs(units, cuts, grads), channels, rank, ahead), cuts, grads,
                                  p2p=p2p, planned=True) for rank, units in schedule.items()}
     return _free_when_received(lowered, where)
+
+
+def p2p_mode(requested: str, backend: str | None) -> str:
+    """The posting mode ``lower`` takes for ``EngineConfig.p2p`` on a pipeline group of
+    ``backend`` (None: no pipeline group): 'auto' is paired under NCCL, eager elsewhere.
+    Eager under NCCL is refused, not run: its receives go out units before the sends the
+    peer waits for, and NCCL runs a rank pair's messages in order on one stream."""
+    if requested == "auto":
+        return PAIRED if backend == "nccl" else EAGER
+    if requested == EAGER and backend == "nccl":
+        raise ConfigError(
+            "p2p='eager' posts each receive up to EAGER_AHEAD units before the unit that reads it, ahead of "
+            "sends the peer is waiting for; NCCL runs a rank pair's messages in order on one stream, so the "
+            "first step would hang. Use p2p='paired' or 'auto' (paired under NCCL, eager on gloo)"
+        )
+    return requested
 
 
 def round_robin(pp: int, num_chunks: int) -> tuple[int, ...]:
@@ -77,19 +102,23 @@ def _needs(units: list[Unit], cuts: frozenset[int], grads: frozenset[int]) -> li
     return [[r for a in unit for r in _recvs_before(a, cuts, grads)] for unit in units] + [[]]
 
 
+def _ahead(needs: list[list[Action]], ahead: int) -> list[list[Action]]:
+    """The receives to post before each unit when each is posted ``ahead`` units before
+    the unit that reads it (the first ones before the first unit), in the units' order."""
+    first = [r for unit in needs[: ahead + 1] for r in unit]
+    return [first] + [needs[k + ahead] if k + ahead < len(needs) else [] for k in range(1, len(needs))]
+
+
 def _rank_steps(
     units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
     p2p: str, planned: bool,
 ) -> list[Step]:
-    """One rank's steps. ``recvs[k]``: the receives unit k reads (eager posts them one
-    unit ahead), or with ``planned`` the receives to post before unit k (``_lookahead``,
-    a V placement: its DEALLOCs then come from ``_free_when_received``, not at the next
-    unit)."""
+    """One rank's steps. ``recvs[k]``: the receives to post before unit k (paired groups
+    them with the previous unit's sends). With ``planned`` (a V placement, ``_lookahead``)
+    the DEALLOCs come from ``_free_when_received``, not at the next unit."""
     if p2p == PAIRED:
         return _paired(units, recvs, cuts, grads, free_sent=not planned)
-    if planned:
-        return _eager(units, recvs, cuts, grads, first=[], free_sent=False)
-    return _eager(units, recvs[1:], cuts, grads, first=recvs[0], free_sent=True)
+    return _eager(units, recvs, cuts, grads, free_sent=not planned)
 
 
 def _paired(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
@@ -114,13 +143,11 @@ def _paired(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], 
 
 
 def _eager(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
-           first: list[Action], free_sent: bool) -> list[Step]:
-    """Each send posted right after its compute; ``first`` before everything, then
-    ``recvs[k]`` before unit k."""
+           free_sent: bool) -> list[Step]:
+    """Each send posted right after its compute; ``recvs[k]`` before unit k."""
     steps: list[Step] = []
     sent: list[Action] = []  # forward activations sent, to free at the next unit
     last_weight = _last_weights(units)
-    _post(steps, first)
     for k, unit in enumerate(units):
         _post(steps, recvs[k])
         _free(steps, sent)
@@ -207,13 +234,14 @@ def _channels(
 
 
 def _lookahead(
-    needs: list[list[Action]], channels: dict[tuple[int, int], list[Action]], rank: int
+    needs: list[list[Action]], channels: dict[tuple[int, int], list[Action]], rank: int, ahead: int
 ) -> list[list[Action]]:
     """The receives to post before each unit when a channel's order is not the
     receiver's (the V: one rank pair carries forward activations one way and gradients
     of the other leg, interleaved as the sender computes them): each channel's receives
     in the sender's order, the next one posted as soon as the last posted one is read,
-    or earlier when a unit needs it. Receives of unit k are in ``needs[k]``."""
+    or earlier when a unit at most ``ahead`` units on needs it. Receives of unit k are
+    in ``needs[k]``."""
     mine = {src: msgs for (src, dst), msgs in channels.items() if dst == rank}
     index = {r: (src, j) for src, msgs in mine.items() for j, r in enumerate(msgs)}
     posted = dict.fromkeys(mine, 0)
@@ -227,7 +255,7 @@ def _lookahead(
     for src in mine:
         upto(src, 0, 0)
     for k, unit in enumerate(needs[:-1]):
-        for r in unit:
+        for r in (r for soon in needs[k : k + ahead + 1] for r in soon):
             upto(*index[r], k)
         for r in unit:
             src, j = index[r]

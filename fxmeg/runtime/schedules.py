@@ -45,12 +45,12 @@ from fxmeg.runtime.actions import (
     peer_chunk,
     table,
 )
-from fxmeg.runtime.lowering import EAGER, PAIRED, lower, round_robin
+from fxmeg.runtime.lowering import EAGER, PAIRED, lower, p2p_mode, round_robin
 
 __all__ = [  # the vocabulary and the lowering, read from here by the rest of the runtime
     "BACKWARD", "COMPUTE", "EAGER", "PAIRED", "WEIGHT", "Action", "Kind", "Lowering", "Schedule", "Step",
-    "Unit", "build", "compute_actions", "fmt", "forward_only", "input_of", "is_send", "lower", "peer_chunk",
-    "round_robin", "table",
+    "Unit", "build", "compute_actions", "fmt", "forward_only", "input_of", "is_send", "lower", "p2p_mode",
+    "peer_chunk", "round_robin", "table",
 ]
 
 

@@ -81,7 +81,7 @@ def test_latency_delays_each_message_on_the_critical_path(pp, p2p):
 def test_eager_posts_hide_latency_that_paired_posts_expose(pp):
     """A message moves once both ends posted it. Paired posts a receive right before the
     compute that reads it, so in the steady state each one waits the whole latency;
-    eager posts it a unit ahead, and the latency overlaps that unit's compute."""
+    eager posts it units ahead, and the latency overlaps their compute."""
     paired, eager = (lower(build("1f1b", pp=pp, vpp=1, m=8), num_chunks=pp, p2p=p2p) for p2p in ("paired", "eager"))
     assert simulate(paired, pp=pp).makespan == simulate(eager, pp=pp).makespan
     assert simulate(paired, pp=pp, latency=0.5).makespan > simulate(eager, pp=pp, latency=0.5).makespan
@@ -148,15 +148,15 @@ rank 1: 1RF0                1F0                 1SF0+1RF1           1D0         
 
 
     def test_eager_1f1b_pp2_m4(self):
-        # each send right after its compute; the next unit's receives posted before this one
+        # each send right after its compute; each receive EAGER_AHEAD (4) units before the unit that reads it
         self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2, p2p="eager")), """\
-rank 0: 0F0  0SF0 0RB0 0D0  0F1  0SF1 0D1  0B0  0RB1 0F2  0SF2 0D2  0B1  0RB2 0F3  0SF3 0RB3 0D3  0B2  0GS3 0B3
-rank 1: 1RF0 1F0  1RF1 1B0  1SB0 1F1  1RF2 1B1  1SB1 1F2  1RF3 1B2  1SB2 1F3  1GS3 1B3  1SB3""")
+rank 0: 0RB0+0RB1      0F0            0SF0           0D0            0F1            0SF1           0RB2           0D1            0B0            0RB3           0F2            0SF2           0D2            0B1            0F3            0SF3           0D3            0B2            0GS3           0B3
+rank 1: 1RF0+1RF1+1RF2 1F0            1B0            1SB0           1RF3           1F1            1B1            1SB1           1F2            1B2            1SB2           1F3            1GS3           1B3            1SB3""")
 
     def test_eager_interleaved_pp2_vpp2_m4(self):
         self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4, p2p="eager")), """\
-rank 0: 0F0       0SF0      2RF0      0D0       0F1       0SF1      2RF1      0D1       2F0       2SF0      2RB0      2D0       2F1       2SF1      2RB1      2D1       0F2       0SF2      2B0       2SB0      2RF2+0RB0 0D2       0F3       0SF3      2B1       2SB1      2RF3+0RB1 0D3       2F2       2SF2      0B0       2RB2      2D2       2F3       2SF3      0B1       2RB3      2D3       2B2       2SB2      0RB2      2GS3      2B3       2SB3      0RB3      0B2       0GS3      0B3
-rank 1: 1RF0      1RF1      1F0       1SF0      3RF0      1D0       1F1       1SF1      3RF1      1D1       3F0       3B0       3SB0      1RF2+1RB0 3F1       3B1       3SB1      1RF3+1RB1 1F2       1SF2      1B0       1SB0      3RF2      1D2       1F3       1SF3      1B1       1SB1      3RF3      1D3       3F2       3B2       3SB2      1RB2      3F3       3GS3      3B3       3SB3      1RB3      1B2       1SB2      1GS3      1B3       1SB3""")
+rank 0: 2RF0+2RF1+2RB0                0F0                           0SF0                          2RB1                          0D0                           0F1                           0SF1                          2RF2+0RB0                     0D1                           2F0                           2SF0                          2RF3+0RB1                     2D0                           2F1                           2SF1                          2RB2                          2D1                           0F2                           0SF2                          2B0                           2SB0                          2RB3                          0D2                           0F3                           0SF3                          2B1                           2SB1                          0RB2                          0D3                           2F2                           2SF2                          0B0                           0RB3                          2D2                           2F3                           2SF3                          0B1                           2D3                           2B2                           2SB2                          2GS3                          2B3                           2SB3                          0B2                           0GS3                          0B3
+rank 1: 1RF0+1RF1+3RF0+3RF1+1RF2+1RB0 1F0                           1SF0                          1RF3+1RB1                     1D0                           1F1                           1SF1                          3RF2                          1D1                           3F0                           3B0                           3SB0                          3RF3                          3F1                           3B1                           3SB1                          1RB2                          1F2                           1SF2                          1B0                           1SB0                          1RB3                          1D2                           1F3                           1SF3                          1B1                           1SB1                          1D3                           3F2                           3B2                           3SB2                          3F3                           3GS3                          3B3                           3SB3                          1B2                           1SB2                          1GS3                          1B3                           1SB3""")
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (4, 2, 8)])

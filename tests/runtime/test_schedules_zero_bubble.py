@@ -7,8 +7,19 @@ import pytest
 from expecttest import TestCase
 
 from fxmeg.config import placement
-from fxmeg.errors import ScheduleError
-from fxmeg.runtime.schedules import Action, Kind, build, compute_actions, forward_only, lower, table
+from fxmeg.errors import ConfigError, ScheduleError
+from fxmeg.runtime.lowering import EAGER_AHEAD, p2p_mode
+from fxmeg.runtime.schedules import (
+    COMPUTE,
+    Action,
+    Kind,
+    build,
+    compute_actions,
+    forward_only,
+    input_of,
+    lower,
+    table,
+)
 from fxmeg.runtime.simulator import simulate
 
 ZERO_BUBBLE = {"zbh1": 1, "zbv": 2, "dualpipev": 2}  # name -> vpp
@@ -59,6 +70,39 @@ def test_grid_runs_every_pass_once_in_order(name, pp, m, p2p):
         if c + 1 < pp * vpp:  # forwards down the chunks, input gradients back up
             assert start[Action(c + 1, Kind.F, i)] >= end[f]
             assert start[grad] >= end[_input_grad(end, c + 1, i)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", *ZERO_BUBBLE])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_eager_posts_each_receive_units_before_it_is_read(name, pp):
+    """Eager posts a receive EAGER_AHEAD units before the unit that reads it (all of the
+    first ones before the first unit), round robin or V; paired at the latest right
+    before it. Counted in units: the schedule's units a rank had begun when it posted."""
+    for p2p, ahead in (("eager", EAGER_AHEAD), ("paired", 0)):
+        sched, lowered, _ = _run(name, pp, 8, p2p)
+        for rank, steps in lowered.items():
+            unit_of = {a: u for u, unit in enumerate(sched[rank]) for a in unit}
+            begun, posted_at, reads = 0, {}, 0
+            for step in steps:
+                a = step[0]
+                if a.kind in COMPUTE:
+                    begun = max(begun, unit_of[a] + 1)
+                    r = input_of(a)
+                    if r in posted_at:
+                        reads += 1
+                        assert unit_of[a] - posted_at[r] >= min(ahead, unit_of[a]), (p2p, rank, a)
+                else:
+                    posted_at.update((r, begun) for r in step if r.kind in (Kind.RECV_F, Kind.RECV_B))
+            assert reads == sum(r.kind in (Kind.RECV_F, Kind.RECV_B) for step in steps for r in step)
+
+
+def test_p2p_mode_by_backend():
+    """auto: paired under NCCL (one stream per rank pair, in order), eager elsewhere;
+    eager under NCCL would post receives before the sends the peer waits for: refused."""
+    assert [p2p_mode("auto", b) for b in ("nccl", "gloo", None)] == ["paired", "eager", "eager"]
+    assert p2p_mode("paired", "nccl") == "paired" and p2p_mode("eager", "gloo") == "eager"
+    with pytest.raises(ConfigError, match=r"p2p='eager' .* NCCL .* Use p2p='paired' or 'auto'"):
+        p2p_mode("eager", "nccl")
 
 
 def _input_grad(end: dict, c: int, i: int) -> Action:
