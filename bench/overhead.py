@@ -37,7 +37,6 @@ import copy
 import datetime
 import json
 import os
-import re
 import sys
 from collections import defaultdict
 
@@ -52,7 +51,7 @@ import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed  # noqa: E402
 from bench.zero_bubble import FXMEG_VPP, TORCH_SCHEDULES, agree, torch_manual  # noqa: E402
 from fxmeg import trace  # noqa: E402
-from fxmeg.runtime.schedules import Kind  # noqa: E402
+from fxmeg.runtime.schedules import Action  # noqa: E402
 from fxmeg.runtime.simulator import simulate  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -192,10 +191,10 @@ def _bound(engine, ranks: list[list[tuple]], world: int, latency: float) -> dict
     part (all but optimizer and finalize) would take with no executor and no wire."""
     times = defaultdict(list)
     for spans in ranks:
-        for name, _, start, end, *_ in spans:
-            match = _COMPUTE.match(name)
-            if match:
-                times[(int(match[1]), Kind(match[2]))].append((end - start) / 1e9)
+        for name, cat, start, end, *_ in spans:
+            if cat in trace.COMPUTE:  # one compute action a span, named by it ("1W3")
+                a = Action.parse(name)
+                times[(a.chunk, a.kind)].append((end - start) / 1e9)
     costs = {key: sum(t) / len(t) for key, t in times.items()}
     ctx = engine.context
     lowered, placement = ctx.lower(ctx.schedule), engine.partition.placement
@@ -203,9 +202,6 @@ def _bound(engine, ranks: list[list[tuple]], world: int, latency: float) -> dict
     late = simulate(lowered, pp=world, placement=placement, costs=costs, latency=latency)
     return {"bound_s": sim.makespan, "bound_latency_s": late.makespan,
             "rank_busy_s": [sim.busy[r] for r in range(world)]}
-
-
-_COMPUTE = re.compile(r"^(\d+)([FBIW])\d+$")
 
 
 def _split(spans: list[tuple], n: int) -> dict:
