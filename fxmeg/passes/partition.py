@@ -306,30 +306,31 @@ def _rank_balanced(starts: tuple[int, ...], costs: list[float], placement: tuple
             loads[placement[chunk]] += cost
         return max(loads), max(chunks)
 
-    best = {"score": score(starts), "cut": starts}
-    loads, cut, visits = [0.0] * (max(placement) + 1), [0] * k, [SEARCH_BUDGET]
+    best_score, best_cut = score(starts), starts
+    loads, cut, visits = [0.0] * (max(placement) + 1), [0] * k, SEARCH_BUDGET
 
     def extend(j: int, largest: float) -> None:  # chunk j starts at cut[j]
-        visits[0] -= 1
+        nonlocal best_score, best_cut, visits
+        visits -= 1
         rank, first = placement[j], cut[j]
         if j == k - 1:
             c = prefix[n] - prefix[first]
             found = (max(*loads, loads[rank] + c), max(largest, c))
-            if found < best["score"]:
-                best["score"], best["cut"] = found, tuple(cut)
+            if found < best_score:
+                best_score, best_cut = found, tuple(cut)
             return
         for end in range(first + 1, n - (k - 1 - j) + 1):
             c = prefix[end] - prefix[first]
-            if visits[0] <= 0 or loads[rank] + c > best["score"][0]:
+            if visits <= 0 or loads[rank] + c > best_score[0]:
                 return
             loads[rank] += c
-            if sum(best["score"][0] - x for x in loads) >= prefix[n] - prefix[end]:
+            if sum(best_score[0] - x for x in loads) >= prefix[n] - prefix[end]:
                 cut[j + 1] = end
                 extend(j + 1, max(largest, c))
             loads[rank] -= c
 
     extend(0, 0.0)
-    return best["cut"]
+    return best_cut
 
 
 def _pinned_starts(blocks: list[str], units: list[str], split_points: tuple[str, ...], k: int) -> tuple[int, ...]:
