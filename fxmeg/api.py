@@ -25,7 +25,7 @@ from fxmeg.runtime import step
 from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups, plan_optimizers
-from fxmeg.runtime.state import gather_full_state
+from fxmeg.runtime.state import gather_full_grads, gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
@@ -144,9 +144,9 @@ def _stand_in_device(model: nn.Module, example_inputs: Example, device: torch.de
 class Engine:
     """Trains this rank's part of a Program. Built by ``parallelize``.
 
-    Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``, ``params_norm``,
-    ``save``, ``load``, ``set_global_batch_size``; ``config``, ``named_parameters``, ``partition``,
-    ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
+    Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``,
+    ``full_grad_dict``, ``params_norm``, ``save``, ``load``, ``set_global_batch_size``; ``config``,
+    ``named_parameters``, ``partition``, ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
     ``context`` (this rank's RankContext) for tools that need more."""
 
     def __init__(self, program: Program, context: RankContext, shapes: Shapes | None = None) -> None:
@@ -250,6 +250,16 @@ class Engine:
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
         return gather_full_state(self.program, self.context)
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last ``train_step``, whole, in fp32, by the user's parameter
+        names (every name of a tied parameter): summed over the global batch, divided by
+        its token count, clipped as the optimizer used them; what ``param.grad`` holds in
+        plain PyTorch after ``loss.backward()`` and ``clip_grad_norm_``. Parameters the
+        model never reads have none (PyTorch leaves their ``grad`` None). Zeros before the
+        first step. Collective: call it on every rank."""
+        grads = gather_full_grads(self.program, self.context)
+        return {alias: g for name, g in grads.items() for alias in self.program.aliases.get(name, (name,))}
 
     def save(self, directory: str, *, async_save: bool = False, state: dict | None = None) -> Saving:
         """Checkpoint this engine into ``directory`` (``iter_<N>/``, N the train steps

@@ -6,6 +6,9 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -18,6 +21,11 @@ from models.llama import Llama, LlamaConfig
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 5e-5
+GRAD_RTOL = 1e-4
+"""Each parameter's gradient at each step, relative to its own norm (the reference's)."""
+FLOAT64_FACTOR = 2.0
+"""Beyond GRAD_RTOL, a gradient still passes when it is no farther from a float64 run of the
+same training than this times the fp32 reference's own distance from it (rounding)."""
 MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 
 
@@ -262,25 +270,56 @@ def muon_bf16(groups):
 OPTIMIZERS = {"adamw": optimizer, "sgd": sgd, "muon": muon, "muon-bf16": muon_bf16}
 
 
-def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = "adamw"):
+@dataclass(frozen=True)
+class Run:
+    """What a plain single-device training gives, step by step."""
+
+    losses: list[float]
+    norms: list[float]
+    """Global gradient norms before clipping."""
+    state: dict[str, torch.Tensor]
+    """The final state_dict."""
+    grads: list[dict[str, torch.Tensor]]
+    """Each step's gradients as the optimizer used them (after clipping), by every name of
+    each parameter (tied ones under each name); a parameter without one is left out."""
+
+
+def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = "adamw",
+                  dtype: torch.dtype | None = None) -> Run:
     """Plain single-device training: mean CE over the whole global batch, the named
-    optimizer(s) on Megatron's weight-decay groups (``reference_groups``), clipping.
-    Returns (losses, grad norms, final state_dict)."""
+    optimizer(s) on Megatron's weight-decay groups (``reference_groups``), clipping; on a
+    copy of ``model``, cast to ``dtype`` if given (float64: the judge of rounding), which is
+    then also the default dtype (a model's ``torch.full((), finfo(dtype).min)``)."""
+    if dtype is not None:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return reference_run(copy.deepcopy(model).to(dtype), batches, clip=clip, opt=opt)
+        finally:
+            torch.set_default_dtype(default)
     model = copy.deepcopy(model)
     made = OPTIMIZERS[opt](reference_groups(model.named_parameters()))
     opts = made if isinstance(made, list) else [made]  # several over disjoint groups (Muon + AdamW)
-    losses, norms = [], []
+    losses, norms, grads = [], [], []
     for ids, labels in batches:
         for o in opts:
             o.zero_grad()
         loss = model_loss(model, ids, labels)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+                      if p.grad is not None})
         for o in opts:
             o.step()
         losses.append(loss.item())
         norms.append(norm.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads)
+
+
+def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = "adamw"):
+    """``reference_run``'s (losses, grad norms, final state_dict)."""
+    run = reference_run(model, batches, clip=clip, opt=opt)
+    return run.losses, run.norms, run.state
 
 
 def train_dicts(model: torch.nn.Module, batches: list[dict]) -> tuple[list[float], torch.nn.Module]:
@@ -311,6 +350,37 @@ def assert_weights_close(got: dict, want: dict, rtol: float = WEIGHT_RTOL) -> No
     for name, w in want.items():
         err = (got[name].double() - w.double()).norm() / w.double().norm().clamp_min(1e-12)
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (0 when both are zero, inf when only want is)."""
+    diff, norm = float((got.double() - want.double()).norm()), float(want.double().norm())
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def assert_grads_close(got: list[dict], want: Run, float64: Callable[[], Run]) -> None:
+    """Every parameter's gradient at every step (``Engine.full_grad_dict`` after each
+    ``train_step``) equals the reference's within GRAD_RTOL of its own norm, or, where fp32
+    rounding is in doubt, is no farther from ``float64()`` (the same training in float64,
+    run on first need) than FLOAT64_FACTOR times the fp32 reference. Not only the first
+    step: a path dead at initialisation (Doge's dynamic mask) comes alive later, and a
+    wrong gradient on a parameter the loss barely feels leaves every loss exact."""
+    assert len(got) == len(want.grads), f"{len(got)} steps of gradients against {len(want.grads)}"
+    exact = None
+    for step, (g, w) in enumerate(zip(got, want.grads)):
+        missing = sorted(set(w) - set(g))
+        assert not missing, f"step {step}: no gradient for {missing[:5]}"
+        for name in sorted(set(g) - set(w)):  # the reference has None: fxmeg must have zeros
+            assert not g[name].any(), f"step {step}: {name} has a gradient the reference has not"
+        for name, ref in w.items():
+            err = relative(g[name], ref)
+            if err <= GRAD_RTOL:
+                continue
+            exact = exact or float64()
+            mine, theirs = relative(g[name], exact.grads[step][name]), relative(ref, exact.grads[step][name])
+            assert mine <= FLOAT64_FACTOR * theirs, (
+                f"step {step}: gradient of {name} off by {err:.2e} of its norm ({float(ref.norm()):.2e}); "
+                f"from float64 {mine:.2e}, the fp32 reference {theirs:.2e}")
 
 
 def assert_bitwise(got: dict, want: dict) -> None:

@@ -10,9 +10,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
+from fxmeg.runtime.groups import all_gather_
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.sharding import Pieces, flat_index, flat_to_boxes, local_to_global, view
 
@@ -33,6 +35,38 @@ def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Ten
             local = ctx.named_parameters.get(name)
             out[key] = gather_full(program, ctx, name, local.detach() if local is not None else None,
                                    program.full_shapes[key][1])
+    return out
+
+
+def gather_full_grads(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's gradient as the gradient buffers hold it, whole, in
+    fp32, on every rank, by canonical FQN in graph order (``graph_order``): reduced over
+    micro-batches and data-parallel ranks and divided by the global token count, as the
+    last forward-backward left it (after a train step: clipped, as the optimizer read it).
+    Parameters no chunk reads (``Program.unread``) have none. Collective."""
+    local: dict[str, torch.Tensor] = {}
+    for buf in ctx.ddp.all():
+        data = buf.local_grads()
+        if buf.shard:  # reduce-scattered: each data-parallel rank holds its part of a bucket
+            data = data.clone()
+            for b in buf.layout.buckets:
+                work = all_gather_(data[b.start : b.end], buf.group)
+                if work is not None:
+                    work.wait()
+        for s in buf.layout.slots:
+            local[s.name] = data[s.offset : s.offset + s.numel].view(buf.params[s.name].shape)
+    return {name: gather_full(program, ctx, name, local[name].float() if name in local else None, torch.float32)
+            for name, _, _ in graph_order(program)}
+
+
+def graph_order(program: Program) -> list[tuple[str, int, fx.Node]]:
+    """(parameter, chunk, get_attr node) of each trainable parameter at its first read."""
+    seen, out = set(), []
+    for c, gm in enumerate(program.chunks):
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in program.parameters and node.target not in seen:
+                seen.add(node.target)
+                out.append((node.target, c, node))
     return out
 
 

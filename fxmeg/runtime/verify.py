@@ -36,8 +36,7 @@ from fxmeg.ops import AUX_SCALE
 from fxmeg.program import Program
 from fxmeg.runtime.batches import Batch, UserBatch, check, microbatches, positional
 from fxmeg.runtime.context import RankContext
-from fxmeg.runtime.groups import all_gather_
-from fxmeg.runtime.state import gather_full, gather_full_state
+from fxmeg.runtime.state import gather_full_grads, gather_full_state, graph_order
 from fxmeg.runtime.step import _any_rank, forward_backward
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (1e-2, 2e-2)}
@@ -148,7 +147,7 @@ def verify(program: Program, ctx: RankContext, batch: UserBatch | None, *, loss_
     ctx.ddp.wait_for_params()
     try:
         loss_sum, num_tokens = forward_backward(program, ctx, microbatches(program, ctx, batch, m))
-        grads = _gather_grads(program, ctx)
+        grads = gather_full_grads(program, ctx)
     finally:
         ctx.ddp.zero_grad_buffer()
         _set_rng_state(rng)
@@ -165,35 +164,6 @@ def verify(program: Program, ctx: RankContext, batch: UserBatch | None, *, loss_
         dist.broadcast_object_list(box, src=0)
         result = box[0]
     return result
-
-
-def graph_order(program: Program) -> list[tuple[str, int, fx.Node]]:
-    """(parameter, chunk, get_attr node) of each trainable parameter at its first read."""
-    seen, out = set(), []
-    for c, gm in enumerate(program.chunks):
-        for node in gm.graph.nodes:
-            if node.op == "get_attr" and node.target in program.parameters and node.target not in seen:
-                seen.add(node.target)
-                out.append((node.target, c, node))
-    return out
-
-
-def _gather_grads(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:
-    """Every trainable parameter's reduced gradient, whole, in fp32 (on every rank)."""
-    local: dict[str, torch.Tensor] = {}
-    for buf in ctx.ddp.all():
-        data = buf.local_grads()
-        if buf.shard:  # reduce-scattered: each data-parallel rank holds its shard of a bucket
-            data = data.clone()
-            for b in buf.layout.buckets:
-                work = all_gather_(data[b.start : b.end], buf.group)
-                if work is not None:
-                    work.wait()
-        for s in buf.layout.slots:
-            local[s.name] = data[s.offset : s.offset + s.numel].view(buf.params[s.name].shape)
-    return {name: gather_full(program, ctx, name, local[name].float() if name in local else None,
-                              torch.float32)
-            for name, _, _ in graph_order(program)}
 
 
 def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, num_tokens: float):

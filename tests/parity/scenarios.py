@@ -12,13 +12,14 @@ import fxmeg
 from tests.helpers import (
     OPTIMIZERS,
     assert_bitwise,
+    assert_grads_close,
     assert_losses_close,
     assert_weights_close,
     make_batch,
     make_model,
     optimizer,
-    reference,
     reference_groups,
+    reference_run,
     seeded_init,
 )
 
@@ -97,15 +98,17 @@ def train(rank: int, sc: Scenario, extra=None) -> dict:
     ``extra(rank, engine)`` returns, after training)."""
     engine = sc.engine()
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
-    steps, counters, events = [], [], []
+    steps, counters, events, grads = [], [], [], []
     for b in sc.batches():
         steps.append(engine.train_step(b))
         counters.append(engine.context.executor.counters)
         events.append(list(engine.context.ddp.events.log))
+        grad = engine.full_grad_dict()  # collective: every rank calls it
+        grads.append(grad if rank == 0 else None)
     state = engine.full_state_dict()  # collective: every rank calls it
     return dict(
         optimizer_elements=engine.context.optimizer.state_elements(),
-        steps=steps, counters=counters, events=events,
+        steps=steps, counters=counters, events=events, grads=grads,
         state=state if rank == 0 else None,
         initial=initial if rank == 0 else None,
         pp_rank=engine.context.groups.pp_rank, dp_rank=engine.context.groups.dp_rank,
@@ -122,17 +125,18 @@ def train_each(rank: int, scenarios: list[Scenario]) -> dict:
 
 
 def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) -> None:
-    """Every rank reports the same step results, equal to single-device training."""
-    ref_losses, ref_norms, ref_state = reference(
-        sc.make_model(), sc.batches(), clip=sc.clip, opt=sc.opt
-    )
+    """Every rank reports the same step results, equal to single-device training: losses,
+    grad norms, every parameter's gradient at every step and the final weights."""
+    ref = reference_run(sc.make_model(), sc.batches(), clip=sc.clip, opt=sc.opt)
     for r in ranks:
         assert [s.loss for s in r["steps"]] == [s.loss for s in ranks[0]["steps"]]
         assert [s.grad_norm for s in r["steps"]] == [s.grad_norm for s in ranks[0]["steps"]]
     steps = ranks[0]["steps"]
-    assert_losses_close([s.loss for s in steps], ref_losses)
-    assert_losses_close([s.grad_norm for s in steps], ref_norms, rtol=norm_rtol)
-    assert_weights_close(ranks[0]["state"], ref_state)
+    assert_losses_close([s.loss for s in steps], ref.losses)
+    assert_losses_close([s.grad_norm for s in steps], ref.norms, rtol=norm_rtol)
+    assert_grads_close(ranks[0]["grads"], ref, lambda: reference_run(sc.make_model(), sc.batches(), clip=sc.clip,
+                                                                      opt=sc.opt, dtype=torch.float64))
+    assert_weights_close(ranks[0]["state"], ref.state)
     if sc.meta:  # each rank made its part exactly as the single-device twin
         assert_bitwise(ranks[0]["initial"], sc.make_model().state_dict())
 

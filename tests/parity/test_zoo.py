@@ -48,11 +48,13 @@ from fxmeg.layouts import Shard
 from tests.distributed import run_world
 from tests.helpers import (
     MOE,
+    Run,
+    assert_grads_close,
     assert_losses_close,
     assert_weights_close,
     make_batch,
     optimizer,
-    reference,
+    reference_run,
 )
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
@@ -241,44 +243,57 @@ def batches(name: str):
     return [(ids, labels.masked_fill(labels == -100, ignore)) for ids, labels in out]
 
 
-def train(name: str, layout: str):
-    """(losses, grad norms, full state dict, the parameters tensor parallelism splits) of
-    fxmeg's training, or ``Type: message``."""
+def train(name: str, layout: str, rank: int = 0):
+    """What the tests read of fxmeg's training of ``name`` at ``layout`` on this rank (a
+    dict: losses, grad norms, every step's gradients and the final state on rank 0, the
+    parameters tensor parallelism splits, the elements this rank holds and their whole), or
+    ``Type: message``."""
     try:
         data = batches(name)
         options = dict(LAYOUTS[layout]) | (ZOO[name][1] if "tp" in LAYOUTS[layout] else {})
         engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
                                    optimizer=optimizer, **options)
-        steps = [engine.train_step(b) for b in data]
-        sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
-        state = engine.full_state_dict()
-        held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts
-        whole = sum(state[n].numel() for n in engine.named_parameters)  # the same parameters, whole
-        return [s.loss for s in steps], [s.grad_norm for s in steps], state, sharded, (held, whole)
+        return trained(engine, data, rank)
     except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"
 
 
+def trained(engine, data, rank: int) -> dict:
+    """Train ``engine`` on ``data`` and report what the zoo's tests compare (collective)."""
+    steps, grads = [], []
+    for b in data:
+        steps.append(engine.train_step(b))
+        grad = engine.full_grad_dict()  # collective: every rank calls it
+        grads.append(grad if rank == 0 else None)
+    sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
+    state = engine.full_state_dict()
+    held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts
+    whole = sum(state[n].numel() for n in engine.named_parameters)  # the same parameters, whole
+    return dict(losses=[s.loss for s in steps], norms=[s.grad_norm for s in steps], grads=grads,
+                state=state if rank == 0 else None, sharded=sharded, held=held, whole=whole)
+
+
 def train_zoo(rank: int, names: list[str], layout: str) -> dict:
-    return {name: train(name, layout) for name in names}
+    return {name: train(name, layout, rank) for name in names}
 
 
 @functools.cache
-def single_device(name: str, layers: int | None = None):
-    return reference(make(name, layers), batches(name))
+def single_device(name: str, layers: int | None = None, dtype: torch.dtype | None = None) -> Run:
+    return reference_run(make(name, layers), batches(name), dtype=dtype)
 
 
 def outcome(result, name: str, layers: int | None = None) -> str | None:
-    """None when ``result`` trains like single-device PyTorch (``make(name, layers)``);
+    """None when ``result`` (``train``'s, of rank 0) trains like single-device PyTorch
+    (``make(name, layers)``): losses, grad norms, every step's gradients, final weights;
     else the failure's text."""
     if isinstance(result, str):
         return result
-    ref_losses, ref_norms, ref_state = single_device(name, layers)
-    losses, norms, state = result[:3]
+    ref = single_device(name, layers)
     try:
-        assert_losses_close(losses, ref_losses)
-        assert_losses_close(norms, ref_norms, rtol=1e-4)
-        assert_weights_close(state, ref_state)
+        assert_losses_close(result["losses"], ref.losses)
+        assert_losses_close(result["norms"], ref.norms, rtol=1e-4)
+        assert_grads_close(result["grads"], ref, lambda: single_device(name, layers, torch.float64))
+        assert_weights_close(result["state"], ref.state)
     except AssertionError as e:
         return f"AssertionError: {e}"
     return None
@@ -300,10 +315,17 @@ def _result(request, name: str, layout: str):
         pytest.importorskip(OPTIONAL[name])
     if layout == "w1":  # in this process
         return train(name, layout)
-    results = request.getfixturevalue("spawned")[layout][name]
-    for r in results[1:]:  # every rank reports the same steps
-        if not isinstance(r, str):
-            assert r[:2] == results[0][:2], f"{name}: ranks disagree"
+    return first_failure(request.getfixturevalue("spawned")[layout][name])
+
+
+def first_failure(results: list):
+    """Rank 0's result, or the failure of the first rank that failed (``rank k: ...`` if
+    not rank 0: a rank that crashes alone is seen); every rank reports the same steps."""
+    for rank, r in enumerate(results):
+        if isinstance(r, str):
+            return r if rank == 0 else f"rank {rank}: {r}"
+    for r in results[1:]:
+        assert (r["losses"], r["norms"]) == (results[0]["losses"], results[0]["norms"]), "ranks disagree"
     return results[0]
 
 
@@ -313,16 +335,16 @@ def test_zoo(request, name, layout):
     failure = outcome(result, name)
     assert failure is None, failure
     if "tp" in LAYOUTS[layout]:  # tensor parallelism really splits something (not all replicated)
-        print(f"{name}: {len(result[3])} parameters split over tp")
-        assert result[3], f"{name}: no parameter split over tp"
+        sharded = result["sharded"]
+        print(f"{name}: {len(sharded)} parameters split over tp")
+        assert sharded, f"{name}: no parameter split over tp"
         for rank, r in enumerate(request.getfixturevalue("spawned")[layout][name]):
-            held, whole = r[4]
-            assert held < whole, f"{name}: rank {rank} holds all {whole} elements of its parameters"
+            assert r["held"] < r["whole"], f"{name}: rank {rank} holds all {r['whole']} elements of its parameters"
     if name in SPLIT and "tp" in LAYOUTS[layout]:
-        assert set(SPLIT[name]) <= set(result[3]), f"{name}: {sorted(set(SPLIT[name]) - set(result[3]))} not split"
+        assert set(SPLIT[name]) <= set(result["sharded"]), f"{name}: {sorted(set(SPLIT[name]) - set(result['sharded']))} not split"
     if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
-        assert "model.layers.0.self_attn.q_proj.weight" in result[3]
-        assert not [n for n in result[3] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]
+        assert "model.layers.0.self_attn.q_proj.weight" in result["sharded"]
+        assert not [n for n in result["sharded"] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]
 
 
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")

@@ -32,12 +32,11 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.layouts import Shard
 from tests.distributed import run_world
 from tests.helpers import optimizer
 from tests.parity.mixed_precision import gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
+from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome, trained
 
 DEADLINE_S = 600  # a loaded CI machine; a hang still fails
 LAYERS = 4  # pp2 x vpp2 makes 4 chunks, one layer each (the zoo's own models have 2)
@@ -59,13 +58,7 @@ def train(name: str, layout: str, rank: int):
         engine = fxmeg.parallelize(make(name, LAYERS), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
                                    optimizer=optimizer, **options)
         first = master_pieces(engine) if "precision" in options else None
-        steps = [engine.train_step(b) for b in data]
-        state = engine.full_state_dict()
-        held = sum(p.numel() for p in engine.named_parameters.values())
-        whole = sum(state[n].numel() for n in engine.named_parameters)
-        out = dict(losses=[s.loss for s in steps], norms=[s.grad_norm for s in steps],
-                   state=state if rank == 0 else None, held=held, whole=whole,
-                   sharded=sorted(n for n, s in engine.program.tp_specs.items() if isinstance(s, Shard)))
+        out = trained(engine, data, rank)
         if "precision" in options:
             out |= dict(first=first, pieces=master_pieces(engine), tp_rank=engine.context.groups.tp_rank,
                         tp_specs=engine.program.tp_specs)
@@ -162,7 +155,7 @@ def failure(ranks: list, name: str, layout: str) -> str | None:
     if "precision" in LAYOUTS[layout][1]:
         wrong = bf16_failure(ranks, name)
     else:
-        wrong = outcome((first["losses"], first["norms"], first["state"]), name, LAYERS)
+        wrong = outcome(first, name, LAYERS)
     if wrong is not None:
         return wrong if wrong.startswith("AssertionError") else f"AssertionError: {wrong}"
     if "tp" in LAYOUTS[layout][1]:
