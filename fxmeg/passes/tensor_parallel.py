@@ -110,6 +110,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
         self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
+        self.reductions: list[tuple[fx.Node, fx.Node]] = []  # row-parallel outputs' tp_reduce
         self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
         self.regions: dict[fx.Graph, fx.Node] = {}  # entered region bodies -> their region (tp_regions)
         self.kv_weights: dict[str, str] = {}  # replicated key/value weight -> its heads (tp_heads)
@@ -316,14 +317,14 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
         """Sum a partial output over tp ranks (or reduce-scatter it along the sequence),
         then add the bias; later readers see the result."""
         users = list(node.users)
-        with self.g.inserting_after(node):
-            if self.sp:
-                red = call(self.g, torch.ops.fxmeg.sp_scatter.default,
-                           (node, self.seq_dim, self.tp, TP), like=node)
-                place = Shard(self.seq_dim, (val(node).shape[self.seq_dim],), seq=True,
-                              origin=owning_module(node))
-            else:
+        if self.sp:
+            with self.g.inserting_after(node):
+                red = call(self.g, torch.ops.fxmeg.sp_scatter.default, (node, self.seq_dim, self.tp, TP), like=node)
+            place = Shard(self.seq_dim, (val(node).shape[self.seq_dim],), seq=True, origin=owning_module(node))
+        else:  # Megatron's g; summed backward too where only split values read it (_check_statistics)
+            with self.g.inserting_after(node):
                 red, place = call(self.g, torch.ops.fxmeg.tp_reduce.default, (node, TP), like=node), None
+            self.reductions.append((red, node))
         self.place[red] = place
         out = red
         if bias is not None:

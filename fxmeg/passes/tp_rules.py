@@ -19,7 +19,7 @@ from torch import fx
 
 from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
-from fxmeg.layouts import LOCAL, Shard
+from fxmeg.layouts import LOCAL, PARTIAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
@@ -338,39 +338,56 @@ class PropagationRules:
         return total
 
     def _check_statistics(self) -> None:
-        """The backward of each all-reduced statistic, by its readers: all of them reach a
-        split value (a norm): this rank's part of the gradient, summed over ranks (kept
+        """The backward of each all-reduced sum, by its readers. A norm's statistic: all of
+        them reach a split value: this rank's part of the gradient, summed over ranks (kept
         tp_copy); none does (all replicated): the same gradient on every rank, passed as it
-        is (tp_copy dropped: Megatron's g); some do and some not: refused."""
+        is (tp_copy dropped: Megatron's g). A row-parallel output (Megatron's g) whose readers
+        all reach split values or this rank's slice of a replicated one (Doge's dynamic mask
+        from dt_proj, cut to this rank's heads) gets a tp_copy before it: each rank holds
+        the gradient of its own part, summed before the split linear reads it. Some readers
+        split and some not: refused."""
         for total, origin in self.statistics:
-            split, whole, todo, seen = [], [], list(total.users), {total}
-            while todo:
-                n = todo.pop()
-                inner = self._through(n, seen)  # into and out of region bodies
-                if inner is not None:
-                    todo.extend(u for u in inner if u not in seen)
-                    continue
-                if n in seen:
-                    continue
-                seen.add(n)
-                p = self.place.get(n)
-                if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
-                    whole.append(n)
-                elif isinstance(p, Shard):
-                    split.append(n)
-                elif p is None and n.op == "call_function" and n.users:
-                    todo.extend(n.users)
-                else:
-                    whole.append(n)
-            if split and whole:
-                raise self._unsupported(
-                    origin, f"the sum it takes over tp ranks is read both with split values (node "
-                            f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
-                            "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
-            if not split:  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
+            if not self._split_readers(total, origin):  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
                 copy = total if total.target == fxmeg_ops.tp_copy.default else total.args[0]
                 copy.replace_all_uses_with(copy.args[0])
                 copy.graph.erase_node(copy)  # the graph it is in: a region's body, maybe
+        for total, origin in self.reductions:
+            if self._split_readers(total, origin):
+                with total.graph.inserting_before(total):
+                    copy = call(total.graph, fxmeg_ops.tp_copy.default, (origin, TP), like=origin)
+                total.replace_input_with(origin, copy)
+                self.place[copy] = PARTIAL
+
+    def _split_readers(self, total: fx.Node, origin: fx.Node) -> bool:
+        """Whether the readers of all-reduced ``total`` reach split values (or this rank's
+        slice of a replicated one) through replicated ops, each rank then holding the
+        gradient of its own part; False when none does (every rank holds the whole).
+        Refused when some do and some do not."""
+        split, whole, todo, seen = [], [], list(total.users), {total}
+        while todo:
+            n = todo.pop()
+            inner = self._through(n, seen)  # into and out of region bodies
+            if inner is not None:
+                todo.extend(u for u in inner if u not in seen)
+                continue
+            if n in seen:
+                continue
+            seen.add(n)
+            p = self.place.get(n)
+            if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
+                whole.append(n)
+            elif isinstance(p, Shard) or p is LOCAL:  # this rank's part: a padded gradient
+                split.append(n)
+            elif p is None and n.op == "call_function" and n.users:
+                todo.extend(n.users)
+            else:
+                whole.append(n)
+        if split and whole:
+            raise self._unsupported(
+                origin, f"the sum it takes over tp ranks is read both with split values (node "
+                        f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
+                        "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
+        return bool(split)
 
     @rule(TP, "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):

@@ -182,12 +182,16 @@ SPLIT = {
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
 ZOO["llama2.c"] = (Llama2cLoss, {}, -1)  # its rotary embedding unbinds the head-split q and k
 ZOO["xglm-eager"] = (xglm, {}, -100)  # heads merged into the batch of bmm; no sdpa
+# issue 44: Doge's dynamic mask: value heads flattened into dt_proj (row-parallel under tp),
+# its output cut to this rank's heads; its gradient path is dead at step 1 (A starts at 0)
+ZOO["doge"] = (hf("doge"), {}, -100)
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 
 ISSUE_CASES = ("mistral", "qwen3", "granite", "stablelm", "gemma", "gemma3_text",  # a pad token
-               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers")  # refused before
+               "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers",  # refused before
+               "doge")  # issue 44: a wrong gradient at tp=2
 """The cases issue 15 found silently wrong, refused or not captured: also trained at plain
 tp=2 (issue 28's cases train at tp=2 x pp=2, where each tp rank's share is asserted)."""
 
