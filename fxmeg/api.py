@@ -25,6 +25,7 @@ from fxmeg.runtime import step
 from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups, plan_optimizers
+from fxmeg.runtime.release import Released
 from fxmeg.runtime.state import gather_full_grads, gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
@@ -158,6 +159,7 @@ class Engine:
         """A transformers model's config and tied names (``fxmeg.export.hugging_face_info``),
         recorded in checkpoints for ``fxmeg export --format hf``."""
         self._checkpointer: Checkpointer | None = None
+        self._placeholders: dict[str, nn.Parameter] | None = None
 
     def _select(self, batch, m: int) -> tuple[Program, UserBatch | Iterator[UserBatch] | None]:
         """The Program for ``batch``'s shape (compiled on first sight; collective over the
@@ -176,8 +178,15 @@ class Engine:
     @property
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's trainable parameters (tensor-parallel shards), by the user's FQN. At
-        zero=3 their memory is allocated only while a step uses them (docs/zero.md)."""
-        return self.context.named_parameters
+        zero=3 their memory is allocated only while a step uses them (docs/zero.md): there
+        they are placeholders that give shapes and raise ``ReleasedError`` on a read of
+        values (read ``full_state_dict()``)."""
+        if self.config.zero_stage != 3:
+            return self.context.named_parameters
+        if self._placeholders is None:
+            why = "zero=3 allocates its memory only while a step reads it (docs/zero.md)"
+            self._placeholders = {n: Released(p, n, why) for n, p in self.context.named_parameters.items()}
+        return self._placeholders
 
     @property
     def partition(self) -> Partition:

@@ -48,6 +48,11 @@ class NonFiniteGradError(FxmegError):
     """A gradient held inf or NaN and the run asked to stop (on_nonfinite='raise')."""
 
 
+class ReleasedError(FxmegError, RuntimeError):
+    """A parameter of the user's module read after ``parallelize``, where this rank does not
+    hold it readable (another pipeline stage's, the full tensor of a shard, zero=3's)."""
+
+
 class CheckpointError(FxmegError):
     """A checkpoint that is missing, incomplete or from an incompatible model."""
 

@@ -14,8 +14,8 @@ from one of two sources:
 
 Non-persistent buffers (rotary tables, masks) are never in a checkpoint: their modules
 are initialised even when the parameters come from weights. ``init_fn`` defaults to
-``module.reset_parameters()``, or for a Hugging Face model to its ``_init_weights``
-(which also recomputes rotary tables). A tensor ``init_fn`` leaves unwritten is an error
+``module.reset_parameters()``, or for the modules of a Hugging Face model (also one wrapped
+in the user's loss module) to its ``_init_weights`` (which also recomputes rotary tables). A tensor ``init_fn`` leaves unwritten is an error
 naming it: found by recording which storages the call writes.
 """
 
@@ -44,13 +44,22 @@ def seed_for(seed: int, module: str) -> int:
 
 
 def default_init(model: nn.Module) -> InitFn:
-    """``module.reset_parameters()``; for a Hugging Face model its own ``_init_weights``."""
+    """``module.reset_parameters()``; for a module inside a Hugging Face model (the model
+    itself, or one wrapped in the user's loss module) that model's own ``_init_weights``,
+    which also recomputes rotary tables (the outermost one's, as ``from_config`` applies it)."""
     from fxmeg.hugging_face import is_hugging_face
 
     if is_hugging_face(model):
         return model._init_weights
+    owner: dict[int, nn.Module] = {}
+    for sub in model.modules():  # outer before inner: the outermost model claims a module first
+        if is_hugging_face(sub):
+            for m in sub.modules():
+                owner.setdefault(id(m), sub)
 
     def reset(module: nn.Module) -> None:
+        if id(module) in owner:
+            return owner[id(module)]._init_weights(module)
         reset_parameters = getattr(module, "reset_parameters", None)
         if reset_parameters is None:
             raise InitError(f"{type(module).__name__} has no reset_parameters()")

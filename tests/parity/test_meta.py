@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fxmeg
+from fxmeg.errors import ReleasedError
 from fxmeg.weights import open_weights
 from tests.distributed import run_world, run_worlds
 from tests.helpers import assert_bitwise, hf_model, make_batch, make_model
@@ -43,7 +44,13 @@ def _released(rank: int) -> dict:
     engine = fxmeg.parallelize(model, (ids, labels), pp=2, schedule="1f1b")
     gc.collect()
     mine = engine.named_parameters
-    return dict(
+    other = next(n for n in refs if n not in mine)
+    try:
+        model.get_parameter(other).norm()
+        read = "no error"
+    except ReleasedError as e:
+        read = str(e)
+    return dict(read=read, other=other,
         meta=sorted(n for n, p in model.named_parameters() if p.is_meta),
         shared=sorted(n for n, p in model.named_parameters() if n in mine and p is mine[n]),
         mine=sorted(mine),
@@ -69,6 +76,7 @@ def test_real_model_keeps_only_what_the_rank_holds(results):
         assert r["shared"] == r["mine"], "the user's module holds the engine's own parameters"
         assert r["meta"] == sorted(set(r["every"]) - set(r["mine"]))
         assert r["freed"] == r["meta"], "a released parameter's memory is freed"
+        assert f"{r['other']!r}" in r["read"] and "pipeline rank" in r["read"] and "full_state_dict()" in r["read"]
     assert ranks[0]["meta"] and ranks[1]["meta"], "each stage releases the other stage's weights"
 
 

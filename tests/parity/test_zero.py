@@ -14,6 +14,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg.materialize import Source
+from models.gpt import GPT, GPTConfig
 from tests.distributed import run_world
 from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
 from tests.helpers import reference as plain_reference
@@ -66,17 +67,17 @@ def held(rank: int, engine) -> dict:
     ctx, par = engine.context, engine.config.parallel
     dp_cp, edp = par.dp_cp, par.edp  # what the dense buffers and the expert banks' buffers shard over
     return dict(
-        param_bytes=sum(p.untyped_storage().nbytes() for p in engine.named_parameters.values()),
-        params=len(engine.named_parameters),
-        main_grads=sum(getattr(p, "main_grad", None) is not None for p in engine.named_parameters.values()),
+        param_bytes=sum(p.untyped_storage().nbytes() for p in ctx.named_parameters.values()),
+        params=len(ctx.named_parameters),
+        main_grads=sum(getattr(p, "main_grad", None) is not None for p in ctx.named_parameters.values()),
         grad_elements=sum(b.reduced().numel() for b in ctx.ddp.all()),
         shard_elements=sum(b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")),
         buffer_elements=sum(b.layout.numel for b in ctx.ddp.all()),
         share=sum(b.layout.numel // (edp if b.layout.experts else dp_cp) for b in ctx.ddp.all()),
         dp_cp=dp_cp,
         buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
-        made=[sum(n for name, n in call.items() if name in engine.named_parameters) for call in MADE],
-        largest=max(p.numel() for p in engine.named_parameters.values()),
+        made=[sum(n for name, n in call.items() if name in ctx.named_parameters) for call in MADE],
+        largest=max(p.numel() for p in ctx.named_parameters.values()),
         **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
     )
 
@@ -166,6 +167,33 @@ def from_weights() -> dict:
                 param_elements=sum(p.numel() for p in engine.named_parameters.values()))
 
 
+def _read(fn) -> tuple[str, str]:
+    """("ok", the value) or (the error's type, its message) of reading something."""
+    try:
+        return "ok", repr(fn())
+    except Exception as e:  # noqa: BLE001 (compared by the test)
+        return type(e).__name__, str(e)
+
+
+def readme_reads() -> dict:
+    """The README's train.py at dp=2 with zero=3, one step, then what a user reads of the
+    module they passed (its parameters are views of memory freed between uses): a norm,
+    state_dict(), a count of its elements; and of engine.named_parameters."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=4, n_embd=64))
+    tokens = torch.randint(0, 128, (32, 33))
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    engine = fxmeg.parallelize(model, (ids[:4], labels[:4]), global_batch_size=32, zero=3,
+                               optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3))
+    engine.train_step((ids, labels))
+    return dict(norm=_read(lambda: model.wte.weight.norm()), state_dict=_read(model.state_dict),
+                printed=_read(lambda: str(model.layers[0].mlp.fc.weight)),
+                tied=_read(lambda: model.lm_head.weight + 1),
+                elements=sum(p.numel() for p in model.parameters()),
+                engine=_read(lambda: engine.named_parameters["wte.weight"].sum()),
+                full=engine.full_state_dict()["wte.weight"].norm().item())
+
+
 def run(rank: int, scenarios: list[Scenario], root: str) -> dict:
     Source.values = _counting(Source.values)
     out = {}
@@ -177,6 +205,7 @@ def run(rank: int, scenarios: list[Scenario], root: str) -> dict:
     else:
         out["views"] = views()
         out["weights"] = from_weights()
+        out["readme"] = readme_reads()
     return out
 
 
@@ -328,6 +357,22 @@ def test_checkpoint_moves_between_zero3_and_zero1(results, move):
     want_losses, _, want_state = plain_reference(make_model("gpt", n_layer=2), MOVE_BATCHES)
     assert_losses_close(got["losses"], want_losses)
     assert_weights_close(got["state"], want_state)
+
+
+def test_reading_the_users_module_after_zero3_is_a_named_error(results):
+    """After parallelize(zero=3) the user's module holds placeholders, not views of freed
+    memory (reading those was a segfault): a norm, state_dict() and printing a weight raise
+    ReleasedError naming the parameter and engine.full_state_dict(); shapes still count the
+    model; full_state_dict() reads it."""
+    for r in (r["readme"] for r in results[2]):
+        for what in ("norm", "state_dict", "printed", "engine", "tied"):
+            kind, message = r[what]
+            assert kind == "ReleasedError" and "full_state_dict()" in message and "zero=3" in message, r[what]
+        assert "'wte.weight' (tied: 'lm_head.weight')" in r["norm"][1] == r["tied"][1]
+        assert "'layers.0.mlp.fc.weight'" in r["printed"][1]
+        assert r["elements"] == sum(p.numel() for p in GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=4,
+                                                                          n_embd=64)).parameters())
+        assert r["full"] > 0
 
 
 def test_zero3_frees_a_parameter_after_the_last_reader_of_its_views(results):
