@@ -13,6 +13,7 @@ from unittest import mock
 
 import torch
 
+from fxmeg.layouts import Shard
 from fxmeg.program import chunks
 from fxmeg.runtime.optimizer import muon_groups
 from fxmeg.transform import transform
@@ -383,6 +384,16 @@ def assert_grads_close(got: list[dict], want: Run, float64: Callable[[], Run]) -
                 f"from float64 {mine:.2e}, the fp32 reference {theirs:.2e}")
 
 
+def assert_run_close(result: dict, ref: Run, float64: Callable[[], Run]) -> None:
+    """``trained``'s report (rank 0's) against plain single-device training ``ref``:
+    losses, grad norms (1e-4), every step's gradients (``float64()`` the judge of rounding)
+    and the final weights."""
+    assert_losses_close(result["losses"], ref.losses)
+    assert_losses_close(result["norms"], ref.norms, rtol=1e-4)
+    assert_grads_close(result["grads"], ref, float64)
+    assert_weights_close(result["state"], ref.state)
+
+
 def assert_bitwise(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for name, w in want.items():
@@ -403,3 +414,32 @@ def assert_overlapped(log: list, layout, chunk: int) -> None:
     last_bucket = set(layout.buckets[-1].params)
     first_of_last = min(i for i, (k, w) in enumerate(log) if k == "ready" and w in last_bucket)
     assert sync < first_issue < first_of_last
+
+
+def trained(engine, data, rank: int) -> dict:
+    """Train ``engine`` on ``data`` (a global batch a step) and report what the parity
+    tests compare (collective): losses, grad norms, every step's gradients and the final
+    state (rank 0 only), the parameters tensor parallelism splits, the elements this rank
+    holds and their whole."""
+    steps, grads = [], []
+    for b in data:
+        steps.append(engine.train_step(b))
+        grad = engine.full_grad_dict()  # collective: every rank calls it
+        grads.append(grad if rank == 0 else None)
+    sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
+    state = engine.full_state_dict()
+    held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts
+    whole = sum(state[n].numel() for n in engine.named_parameters)  # the same parameters, whole
+    return dict(losses=[s.loss for s in steps], norms=[s.grad_norm for s in steps], grads=grads,
+                state=state if rank == 0 else None, sharded=sharded, held=held, whole=whole)
+
+
+def first_failure(results: list):
+    """Rank 0's result, or the failure of the first rank that failed (``rank k: ...`` if
+    not rank 0: a rank that crashes alone is seen); every rank reports the same steps."""
+    for rank, r in enumerate(results):
+        if isinstance(r, str):
+            return r if rank == 0 else f"rank {rank}: {r}"
+    for r in results[1:]:
+        assert (r["losses"], r["norms"]) == (results[0]["losses"], results[0]["norms"]), "ranks disagree"
+    return results[0]

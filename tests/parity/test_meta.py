@@ -13,12 +13,23 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 import fxmeg
 from fxmeg.errors import ReleasedError
 from fxmeg.weights import open_weights
 from tests.distributed import run_world, run_worlds
-from tests.helpers import assert_bitwise, hf_model, make_batch, make_model
+from tests.helpers import (
+    assert_bitwise,
+    assert_run_close,
+    first_failure,
+    hf_model,
+    make_batch,
+    make_model,
+    optimizer,
+    reference_run,
+    trained,
+)
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
@@ -147,12 +158,69 @@ def _box(name: str, shape: tuple[int, ...], tp_rank: int) -> tuple:
     return tuple((0, n) for n in shape)
 
 
-def test_hugging_face_checkpoint_loads_sharded(tmp_path):
+class _Wrapped(nn.Module):
+    """A Hugging Face Llama inside the user's own loss module: forward returns the loss
+    (the shape the README asks for), so the root is not a PreTrainedModel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = hf_model("llama")
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+WRAPPED_BATCHES = [make_batch(8, seed=70 + s) for s in range(3)]
+
+
+def _wrapped(rank: int, path: str) -> dict:
+    """The wrapped Llama built on meta reads ``path`` (its weights, torch.save'd) at pp2 x
+    dp2; its rotary tables come from the Llama's own _init_weights."""
+    try:
+        with torch.device("meta"):
+            model = _Wrapped()
+        ids, labels = WRAPPED_BATCHES[0]
+        engine = fxmeg.parallelize(model, (ids[:2], labels[:2]), weights=path, pp=2, global_batch_size=8,
+                                   optimizer=optimizer)
+        return trained(engine, WRAPPED_BATCHES, rank)
+    except fxmeg.FxmegError as e:  # reported by the test (the spawn's other test goes on)
+        return f"{type(e).__name__}: {e}"
+
+
+def _hugging_face(rank: int, sharded: str, wrapped: str) -> dict:
+    return dict(load=_load_hf(rank, sharded), wrapped=_wrapped(rank, wrapped))
+
+
+@pytest.fixture(scope="module")
+def hugging_face(tmp_path_factory):
+    """The saved Llama (sharded safetensors) and the wrapped one (a torch.save file), and
+    what four ranks make of them in one spawn."""
+    root = tmp_path_factory.mktemp("hf")
     model = hf_model("llama")
-    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    torch.manual_seed(0)
+    torch.save(_Wrapped().state_dict(), root / "wrapped.pt")
+    return model, root, run_world(4, _hugging_face, str(root / "sharded"), str(root / "wrapped.pt"))
+
+
+def test_wrapped_hugging_face_model_on_meta_trains_as_built_on_a_device(hugging_face):
+    """A Hugging Face Llama wrapped in a loss module, built on meta, weights= a file of its
+    weights, pp2 x dp2: as the same model built on a device trains on one (losses, every
+    step's gradients, final weights). Refused before: its rotary embedding had no init."""
+    torch.manual_seed(0)
+    device_built = _Wrapped()
+    result = first_failure([r["wrapped"] for r in hugging_face[2]])
+    assert not isinstance(result, str), result
+    assert_run_close(result, reference_run(device_built, WRAPPED_BATCHES),
+                     lambda: reference_run(device_built, WRAPPED_BATCHES, dtype=torch.float64))
+
+
+def test_hugging_face_checkpoint_loads_sharded(hugging_face):
+    model, root, ranks = hugging_face
+    tmp_path = root / "sharded"
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").exists()
-    ranks = run_world(4, _load_hf, str(tmp_path))
+    ranks = [r["load"] for r in ranks]
     assert_bitwise(ranks[0]["state"], model.state_dict())
     full = model.state_dict()
     for r in ranks:

@@ -44,17 +44,16 @@ import torch
 from torch import nn
 
 import fxmeg
-from fxmeg.layouts import Shard
 from tests.distributed import run_world
 from tests.helpers import (
     MOE,
     Run,
-    assert_grads_close,
-    assert_losses_close,
-    assert_weights_close,
+    assert_run_close,
+    first_failure,
     make_batch,
     optimizer,
     reference_run,
+    trained,
 )
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
@@ -262,21 +261,6 @@ def train(name: str, layout: str, rank: int = 0):
         return f"{type(e).__name__}: {e}"
 
 
-def trained(engine, data, rank: int) -> dict:
-    """Train ``engine`` on ``data`` and report what the zoo's tests compare (collective)."""
-    steps, grads = [], []
-    for b in data:
-        steps.append(engine.train_step(b))
-        grad = engine.full_grad_dict()  # collective: every rank calls it
-        grads.append(grad if rank == 0 else None)
-    sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
-    state = engine.full_state_dict()
-    held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts
-    whole = sum(state[n].numel() for n in engine.named_parameters)  # the same parameters, whole
-    return dict(losses=[s.loss for s in steps], norms=[s.grad_norm for s in steps], grads=grads,
-                state=state if rank == 0 else None, sharded=sharded, held=held, whole=whole)
-
-
 def train_zoo(rank: int, names: list[str], layout: str) -> dict:
     return {name: train(name, layout, rank) for name in names}
 
@@ -292,12 +276,8 @@ def outcome(result, name: str, layers: int | None = None) -> str | None:
     else the failure's text."""
     if isinstance(result, str):
         return result
-    ref = single_device(name, layers)
     try:
-        assert_losses_close(result["losses"], ref.losses)
-        assert_losses_close(result["norms"], ref.norms, rtol=1e-4)
-        assert_grads_close(result["grads"], ref, lambda: single_device(name, layers, torch.float64))
-        assert_weights_close(result["state"], ref.state)
+        assert_run_close(result, single_device(name, layers), lambda: single_device(name, layers, torch.float64))
     except AssertionError as e:
         return f"AssertionError: {e}"
     return None
@@ -320,17 +300,6 @@ def _result(request, name: str, layout: str):
     if layout == "w1":  # in this process
         return train(name, layout)
     return first_failure(request.getfixturevalue("spawned")[layout][name])
-
-
-def first_failure(results: list):
-    """Rank 0's result, or the failure of the first rank that failed (``rank k: ...`` if
-    not rank 0: a rank that crashes alone is seen); every rank reports the same steps."""
-    for rank, r in enumerate(results):
-        if isinstance(r, str):
-            return r if rank == 0 else f"rank {rank}: {r}"
-    for r in results[1:]:
-        assert (r["losses"], r["norms"]) == (results[0]["losses"], results[0]["norms"]), "ranks disagree"
-    return results[0]
 
 
 @pytest.mark.parametrize("name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}")

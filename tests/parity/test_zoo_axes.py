@@ -33,10 +33,10 @@ import torch
 
 import fxmeg
 from tests.distributed import run_world
-from tests.helpers import optimizer
+from tests.helpers import optimizer, trained
 from tests.parity.mixed_precision import gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome, trained
+from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
 
 DEADLINE_S = 600  # a loaded CI machine; a hang still fails
 LAYERS = 4  # pp2 x vpp2 makes 4 chunks, one layer each (the zoo's own models have 2)
