@@ -209,8 +209,11 @@ def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Ten
 
 def grouped_mm(x: Tensor, w: Tensor, sizes: list[int]) -> Tensor:
     """Rows ``x`` grouped by expert (``sizes[e]`` rows each) times ``w[e]``, one matmul
-    per expert (any device and dtype; an expert without rows costs nothing)."""
+    per expert (any device and dtype; an expert without rows costs nothing). With no rows
+    at all the (empty) result still reads ``x`` and ``w``: under expert parallelism ``x``
+    came through an all-to-all whose backward every ep rank must run, the rank that got no
+    rows too (its peers wait in it for their gradients)."""
     parts = [x_e @ w[e] for e, x_e in enumerate(torch.split(x, sizes)) if sizes[e]]
     if not parts:
-        return x.new_zeros((0, w.shape[-1])) + w.sum() * 0  # keeps the weights in the graph
+        return x @ w[0]  # [0, N]: the banks get a zero gradient, the rows an empty one
     return torch.cat(parts)

@@ -82,6 +82,9 @@ MOE: dict[str, dict] = {
                         topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
                         kv_lora_rank=16, qk_rope_head_dim=4, head_dim=4, qk_nope_head_dim=8,
                         v_head_dim=8),  # latent attention (MLA); layer 0 dense
+    # sigmoid router initialised to zero: at step 1 every token picks the same two experts
+    # (ties), so at ep=2 one rank's experts get no rows; a shared expert; layer 0 dense
+    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1),
 }
 """Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
 

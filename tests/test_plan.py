@@ -205,9 +205,11 @@ def _moe_example(rows: int = 2, seq: int = 16):
 def _expert_and_dense_elements(model) -> tuple[int, int]:
     """By hand, from the model's own parameters: the routed experts' banks (the
     ``mlp.experts`` module of each MoE layer: weights, and GPT-OSS's bias banks) and the
-    rest (attention, router, shared experts, dense layers, embeddings, norms)."""
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    return experts, sum(p.numel() for p in model.parameters()) - experts
+    rest (attention, router, shared experts, dense layers, embeddings, norms); trainable
+    ones only, as the plan counts them (AFMoE's expert_bias is a frozen parameter)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = sum(p.numel() for n, p in trainable if ".mlp.experts." in n)
+    return experts, sum(p.numel() for _, p in trainable) - experts
 
 
 @pytest.mark.parametrize("kind", list(MOE))

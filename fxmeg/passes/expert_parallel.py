@@ -17,7 +17,7 @@ reading nothing else); a bias bank [E, N] is added as ``bias[ids]`` after either
 the block's result is the sum over the k slots after the second matmul, shaped like
 ``hidden`` (the weighted rows put back in token order and summed). That is the
 shape of Hugging Face's grouped experts (``grouped_mm_experts_forward``), whatever the
-model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3): routing (softmax, top-k,
+model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, AFMoE): routing (softmax, top-k,
 group-limited top-k, normalisation) and shared experts are outside it and stay as the
 model computes them.
 

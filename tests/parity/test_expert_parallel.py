@@ -3,12 +3,14 @@ gloo ranks against single-device training of the same Hugging Face mixture of ex
 (built with ``AutoModelForCausalLM.from_config``, nothing set by hand: 4 experts, top-2).
 
 One 2-rank spawn: Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE, OLMoE, DeepSeek-V3
-(latent attention, group-limited routing, a dense first layer) and GPT-OSS (biased
-experts, clamped GLU) at ep=2 (dp=2: each rank holds half the experts); Mixtral and
+(latent attention, group-limited routing, a dense first layer), GPT-OSS (biased
+experts, clamped GLU) and AFMoE (a zero-initialised sigmoid router: at step 1 every token
+goes to the experts of one rank, the other receives no rows) at ep=2 (dp=2: each rank
+holds half the experts); Mixtral and
 Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
-ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2,
+ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2, AFMoE at pp=2,
 OLMoE at tp=2, and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
@@ -55,6 +57,7 @@ FOUR = [
     # DeepSeek-V3 (latent attention, group-limited routing) and OLMoE in the other layouts too
     Scenario("moe-deepseek_v3", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-deepseek_v3", dp=2, pp=2, options=(("ep", 2),)),
+    Scenario("moe-afmoe", dp=2, pp=2, options=(("ep", 2),)),  # a rank without rows, as in EP2
     Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
 ]
@@ -144,7 +147,7 @@ def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ep-ckpt"))  # saved in the 2-rank spawn, loaded in both
-    # the 4-rank spawn trains 14 runs (about 2 minutes on 2 cores): twice the usual deadline
+    # the 4-rank spawn trains 15 runs (about 2 minutes on 2 cores): twice the usual deadline
     return {w: run_world(w, train_ep, [s for s in ALL if s.world == w], root, deadline_s=600) for w in (2, 4)}
 
 
@@ -165,7 +168,7 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
     for r in _ranks(results, sc):
         specs = r["ep_specs"]
         layers = {s.origin for s in specs.values()}
-        assert len(layers) == sc.layers - (sc.model == "moe-deepseek_v3"), layers  # DeepSeek's layer 0 is dense
+        assert layers == {n.partition(".experts.")[0] + ".experts" for n in full if ".mlp.experts." in n}, layers
         for name, spec in specs.items():
             if name not in r["shapes"]:
                 continue  # another pipeline rank's layer
@@ -313,6 +316,21 @@ def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16():
                                            experts.down_proj.transpose(-2, -1), num_experts=4))
     for name, a, b in zip(["output", "hidden", "weights", "gate_up_proj", "down_proj"], want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_experts_without_rows_keep_their_rows_in_backward():
+    """In process: a rank whose experts receive no rows (AFMoE's zero-initialised router
+    sends every token to another rank's experts) still has a gradient path from the
+    experts' output to those (empty) rows, so backward runs the dispatch's all-to-all there
+    as on its peers (without it the peers wait for gradients this rank never sends, and
+    gloo aborts); the banks get a zero gradient."""
+    rows = torch.zeros(0, 32, requires_grad=True)
+    w_up, w_down = torch.randn(2, 32, 96, requires_grad=True), torch.randn(2, 48, 32, requires_grad=True)
+    middle = make_model("moe-mixtral", n_layer=1).model.layers[0].mlp.experts._apply_gate
+    out = moe.expert_mlp(middle, rows, [0, 0], w_up, w_down, None, None)
+    d_rows, d_up, d_down = torch.autograd.grad(out.sum(), [rows, w_up, w_down])
+    assert out.shape == (0, 32) and d_rows.shape == (0, 32)
+    assert not d_up.any() and not d_down.any()
 
 
 def _numel(shape) -> int:
