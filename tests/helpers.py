@@ -298,7 +298,10 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            return reference_run(copy.deepcopy(model).to(dtype), batches, clip=clip, opt=opt)
+            model = copy.deepcopy(model).to(dtype)
+            if dtype == torch.float64 and getattr(model, "_can_set_experts_implementation", lambda: False)():
+                model.set_experts_implementation("eager")  # torch._grouped_mm has no float64
+            return reference_run(model, batches, clip=clip, opt=opt)
         finally:
             torch.set_default_dtype(default)
     model = copy.deepcopy(model)

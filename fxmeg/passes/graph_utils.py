@@ -52,6 +52,33 @@ def val(node: fx.Node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def carries_grad(node: fx.Node) -> bool:
+    """Whether a gradient can flow back through ``node``: it outputs a floating-point
+    tensor (or several, or is no tensor op: an output, a region's call). Integer and
+    boolean results (top-k indices, a comparison) pass none to their inputs."""
+    v = node.meta.get("val")
+    values = v if isinstance(v, (list, tuple)) else [v]
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    return not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors)
+
+
+def bound(x) -> float:
+    """A traced size (or a product of them) as a number: a data-dependent size (an unbacked
+    symbol, e.g. the tokens JetMoE's router sends to one expert, read with ``.tolist()``)
+    counts at the upper bound of its value range, where torch knows one: a cost estimate
+    that never undercounts. Plain numbers pass through."""
+    if not isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return float(x)
+    node = x.node
+    if node.hint is not None:
+        return float(node.hint)
+    env = node.shape_env
+    upper = env.bound_sympy(node.expr).upper
+    if upper.is_finite:
+        return float(upper)
+    raise ValueError(f"the size {node.expr} depends on the data and has no upper bound")
+
+
 def call(
     graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like: fx.Node, name: str | None = None
 ):

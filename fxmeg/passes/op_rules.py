@@ -73,6 +73,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("unbind", "every entry along their dim argument, that dim removed", _ops("unbind.int")),
     Family("advanced_index", "index by tensors, one per leading dim (None: all of it)", _ops("index.Tensor")),
     Family("repeat", "repeat entries along their dim argument", _ops("repeat_interleave.self_int")),
+    Family("tile", "the whole tensor repeated along each dim (Tensor.repeat)", _ops("repeat.default")),
     Family("concat", "join operands along a dim (new for stack)", _ops("cat.default", "stack.default")),
     Family("softmax", "normalise along their dim argument",
            _ops("_softmax.default", "softmax.int", "_safe_softmax.default", "_log_softmax.default",

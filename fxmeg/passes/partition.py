@@ -34,7 +34,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import V_SCHEDULES, EngineConfig
 from fxmeg.errors import ConfigError, PassError
-from fxmeg.passes.graph_utils import is_hop, subgraphs, val
+from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
 from fxmeg.program import Partition
 
 aten = torch.ops.aten
@@ -108,7 +108,12 @@ def cut(
 def node_flops(node: fx.Node) -> float:
     """Forward FLOPs of a matmul-like node (linear, matmul, attention); 0 for the rest.
     Attention counts QK^T and AV over the full square (as Megatron's formula does). A
-    higher-order op (an autocast or no-grad region) counts its bodies' nodes."""
+    higher-order op (an autocast or no-grad region) counts its bodies' nodes. A size that
+    depends on the data counts at its upper bound (``graph_utils.bound``)."""
+    return bound(_flops(node))
+
+
+def _flops(node: fx.Node):
     if is_hop(node):
         return sum(node_flops(n) for n in _body_nodes(node))
     out = val(node)
@@ -139,7 +144,7 @@ def node_cost(node: fx.Node) -> float:
         moved = 2 * out.numel() * out.element_size()
     if _is_view(node):
         moved = 0
-    return node_flops(node) + BYTE_COST * moved
+    return node_flops(node) + BYTE_COST * bound(moved)
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -71,7 +71,7 @@ from fxmeg.errors import PassError
 from fxmeg import ops as fxmeg_ops
 from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.graph_utils import attr, call, carries_grad, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
@@ -231,12 +231,35 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
             return self._linear(node)
         if not any(isinstance(self.place.get(a), (Shard, list)) for a in node.all_input_nodes):
             return None
+        if slots is not None and self._computed_weight(node, slots):
+            bias = node.args[slots.bias] if slots.bias is not None and len(node.args) > slots.bias else None
+            self._slice_weight(node, slots)
+            return self._reduce(node, bias=bias)
         if not in_family(node.target, "matmul"):
             split = next((p for p in map(self.place.get, node.all_input_nodes) if isinstance(p, Shard)), None)
             inside = " (in a region's body, as here, a parameter is an operand of the region)"
             raise self._unsupported(node, "a linear whose weight is not a parameter reads a split value"
                                           + (inside if self.g in self.regions else ""), split)
         return self._matmul(node)
+
+    def _computed_weight(self, node: fx.Node, slots) -> bool:
+        """A linear whose weight is a replicated value computed in the graph (one expert's
+        matrix picked from a 3-D bank: JetMoE's attention experts), reading an input split
+        on its features."""
+        x, w = node.args[slots.x], node.args[slots.weight]
+        px = self.place.get(x)
+        return (isinstance(w, fx.Node) and self.place.get(w) is None and isinstance(px, Shard)
+                and px.dim == val(x).dim() - 1 and not px.seq)
+
+    def _slice_weight(self, node: fx.Node, slots) -> None:
+        """Cut a ``_computed_weight`` to this rank's input features: the output becomes a
+        partial sum (the caller's ``_reduce``, after which the bias goes) and the bank's
+        gradient, this rank's columns, is summed over tp (``Replicate(reduce_grad)``)."""
+        x, w = node.args[slots.x], node.args[slots.weight]
+        w = self._local_slice(node, w, 1 - slots.out_dim, self.place[x])
+        node.args = (x, w) if node.target == aten.addmm.default else (*node.args[:slots.weight], w)
+        if node.target == aten.addmm.default:
+            node.target = aten.mm.default
 
     def _linear(self, node: fx.Node):
         slots = LINEAR_SLOTS[node.target]
@@ -485,7 +508,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
             if inner is not None:
                 todo.extend(u for u in inner if u not in seen)
                 continue
-            if n in seen or n.target in _SYNCED:
+            if n in seen or n.target in _SYNCED or not carries_grad(n):
                 continue
             seen.add(n)
             p = self.place.get(n)
@@ -496,8 +519,14 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
         return False
 
     def _refresh_values(self) -> None:
+        """Every tensor's fake value anew, on the local shapes. Nodes of no tensor (a size
+        read with ``.item()``: the tokens JetMoE sends to an expert; an assertion on it)
+        stay: they count data, which tensor parallelism does not cut, and a new symbol
+        would not be the one the nodes after it were traced with."""
         for node in self.g.nodes:
-            if node.op == "call_function":
+            v = node.meta.get("val")
+            if node.op == "call_function" and (is_hop(node) or isinstance(v, torch.Tensor) or (
+                    isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v))):
                 try:
                     if not self._refresh_region(node):  # an entered region: its body first
                         node.meta["val"] = fake_eval(node)

@@ -66,8 +66,11 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
                     f"larger dim with dims outside it")
         o = outer_out[0]
-        if len(s.parts) > 1 and len(outer_in) == 1 and len(outer_out) > 1:
-            return _unmerged(s, b, outer_out, tp)
+        if len(s.parts) > 1 and len(outer_out) > 1:
+            inner = 1
+            for d in outer_in[1:]:
+                inner *= a[d]
+            return _unmerged(s, b, outer_out, tp, inner)
         if s.dim == len(a) - 1 and len(gj) > 1 and gj[-1] == len(b) - 1:
             o = gj[0]  # features -> (heads, head_dim): the split is over heads, even one
         elif len(outer_in) == 1 and len(outer_out) == 1:
@@ -95,18 +98,20 @@ def _merged(s: Shard, a: tuple[int, ...], gi: list[int], o: int) -> Shard:
     return s.moved(o, tuple(p * inner for p in s.parts) * outer)
 
 
-def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int) -> Shard | str:
-    """A dim of equal blocks cut into several dims: the split goes to the dim ``o``
-    where the dims before it count the blocks and ``o`` with the dims after it spans one
-    block ((b * heads, t, d) -> (b, heads, t, d); a fused q, k, v viewed as (3, heads,
-    head_dim)); rank r's part of every block is then the r-th tp-th of ``o``."""
+def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int, inner: int = 1) -> Shard | str:
+    """A dim of equal blocks (with the ``inner`` elements of the dims after it in its
+    group) cut into several dims: the split goes to the dim ``o`` where the dims before it
+    count the blocks and ``o`` with the dims after it spans one block ((b * heads, t, d) ->
+    (b, heads, t, d); a fused q, k, v viewed as (3, heads, head_dim); JetMoE's attention
+    output (k * heads, head_dim) viewed as (k, heads * head_dim)); rank r's part of every
+    block, a contiguous run of its elements, is then the r-th tp-th of ``o``."""
     count, size = len(s.parts), s.parts[0]
     before = 1
     for i, o in enumerate(outs):
         after = 1
         for d in outs[i + 1:]:
             after *= b[d]
-        if before == count and b[o] * after == size and set(s.parts) == {size}:
+        if before == count and b[o] * after == size * inner and set(s.parts) == {size}:
             if b[o] % tp:
                 why = Indivisible(f"it splits each of its {count} blocks into a dim of size {b[o]}, "
                                   f"which tp={tp} does not divide")

@@ -21,7 +21,7 @@ from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
 from fxmeg.layouts import LOCAL, PARTIAL, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, divide_shape_arg, full_args, val
+from fxmeg.passes.graph_utils import attr, call, carries_grad, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
@@ -222,9 +222,23 @@ class PropagationRules:
             raise self._unsupported(node, "it flattens the split value", s)
         return s
 
+    @rule(TP, "tile")
+    def _tile(self, node: fx.Node):
+        """``x.repeat(sizes)``: the split dim repeated r times holds r copies of its blocks
+        (JetMoE's keys repeated for the query heads of each attention expert), each rank
+        its part of every copy; other dims keep the split (moved past new leading dims)."""
+        s = self.place[node.args[0]]
+        sizes = list(node.args[1])
+        lead = len(sizes) - val(node.args[0]).dim()
+        return s.moved(s.dim + lead, s.parts * sizes[s.dim + lead])
+
     @rule(TP, "attention")
     def _attention(self, node: fx.Node):
         q, k, v = (self.place.get(a) for a in node.args[:3])
+        if q is None and isinstance(k, Shard) and k == v and k.dim < val(node).dim() - 2:
+            # a replicated query (JetMoE's, from whole attention experts): this rank's heads
+            node.replace_input_with(node.args[0], self._local_slice(node, node.args[0], k.dim, k))
+            q = k
         if not (isinstance(q, Shard) and q.dim < val(node).dim() - 2):
             raise self._unsupported(node, "query, key and value must be split alike over heads", q)
         for a, p in zip(node.args[1:3], (k, v)):
@@ -345,7 +359,10 @@ class PropagationRules:
         all reach split values or this rank's slice of a replicated one (Doge's dynamic mask
         from dt_proj, cut to this rank's heads) gets a tp_copy before it: each rank holds
         the gradient of its own part, summed before the split linear reads it. Some readers
-        split and some not: refused."""
+        split and some not: where the split ones are slices of a replicated value (JetMoE's
+        query, from whole attention experts on the residual stream), each slice's gradient
+        is summed over ranks at the slice (a tp_copy before it), so that every reader's is
+        whole; else refused."""
         for total, origin in self.statistics:
             if not self._split_readers(total, origin):  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
                 copy = total if total.target == fxmeg_ops.tp_copy.default else total.args[0]
@@ -361,8 +378,9 @@ class PropagationRules:
     def _split_readers(self, total: fx.Node, origin: fx.Node) -> bool:
         """Whether the readers of all-reduced ``total`` reach split values (or this rank's
         slice of a replicated one) through replicated ops, each rank then holding the
-        gradient of its own part; False when none does (every rank holds the whole).
-        Refused when some do and some do not."""
+        gradient of its own part; False when none does (every rank holds the whole), also
+        once slices read beside whole readers have their gradient summed at the slice.
+        Refused when some do and some do not otherwise."""
         split, whole, todo, seen = [], [], list(total.users), {total}
         while todo:
             n = todo.pop()
@@ -370,7 +388,7 @@ class PropagationRules:
             if inner is not None:
                 todo.extend(u for u in inner if u not in seen)
                 continue
-            if n in seen:
+            if n in seen or not carries_grad(n):
                 continue
             seen.add(n)
             p = self.place.get(n)
@@ -382,6 +400,13 @@ class PropagationRules:
                 todo.extend(n.users)
             else:
                 whole.append(n)
+        if split and whole and all(n.target == fxmeg_ops.tp_slice.default for n in split):
+            for n in split:  # each slice's gradient summed over ranks there: every reader's is whole
+                with n.graph.inserting_before(n):
+                    copy = call(n.graph, fxmeg_ops.tp_copy.default, (n.args[0], TP), like=n)
+                n.replace_input_with(n.args[0], copy)
+                self.place[copy] = None
+            return False
         if split and whole:
             raise self._unsupported(
                 origin, f"the sum it takes over tp ranks is read both with split values (node "

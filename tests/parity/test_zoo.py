@@ -184,6 +184,10 @@ ZOO["xglm-eager"] = (xglm, {}, -100)  # heads merged into the batch of bmm; no s
 # issue 44: Doge's dynamic mask: value heads flattened into dt_proj (row-parallel under tp),
 # its output cut to this rank's heads; its gradient path is dead at step 1 (A starts at 0)
 ZOO["doge"] = (hf("doge"), {}, -100)
+# JetMoE: experts (MLP and attention: a mixture of query / output projections) that split
+# tokens by sizes read with .tolist() (data-dependent shapes); keys repeated for each
+# attention expert's query heads; not under ep (its experts are not Hugging Face's grouped form)
+ZOO["jetmoe"] = (hf("jetmoe", num_local_experts=4, num_experts_per_tok=2), {}, -100)
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
@@ -224,9 +228,11 @@ def _eager_repeats() -> set[str]:
 
 
 EAGER_REPEATS = _eager_repeats()
+W1_CASES = ("jetmoe",)
+"""Also at world size 1 (issue 44: data-dependent sizes, captured and costed)."""
 CASES = ([(name, "tp2-pp2") for name in ZOO if name not in EAGER_REPEATS]
          + [(name, "tp2") for name in ISSUE_CASES]
-         + [(name, "w1") for name in ZOO if name in EAGER_REPEATS])
+         + [(name, "w1") for name in ZOO if name in EAGER_REPEATS or name in W1_CASES])
 """Every model trains once at tp2 x pp2, where each tp rank's share is asserted, or, if
 its eager attention repeats an earlier type's, at world size 1 (capture and the loss pass
 on their own). World size 1 for the rest would add only their capture again (a tp2 x pp2

@@ -42,6 +42,7 @@ index            tp _select              cp _along         index_select.default,
 unbind           tp _unbind              cp -              unbind.int
 advanced_index   tp _advanced_index      cp -              index.Tensor
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
+tile             tp _tile                cp -              repeat.default
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
 cumulative       tp _along               cp _along         cumprod.default, cumsum.default, logcumsumexp.default
