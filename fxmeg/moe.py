@@ -6,7 +6,9 @@ A routed-experts block maps tokens ``hidden [T, H]`` with their top-k experts
 ``out[t] = sum_j w[t, j] * down_e(middle(up_e(hidden[t])))`` with ``e = index[t, j]``,
 where ``up_e`` / ``down_e`` multiply by expert e's slice of a 3-D bank (plus its bias row
 when the bank has biases) and ``middle`` is the model's own activation (SwiGLU,
-GPT-OSS's clamped GLU ...), taken from its graph.
+GPT-OSS's clamped GLU ...), taken from its graph. With ``probs_on_input`` (Llama 4's
+experts; Megatron's ``moe_apply_probs_on_input``) the weight scales the expert's input
+instead: ``out[t] = sum_j down_e(middle(up_e(w[t, j] * hidden[t])))``.
 
 ``routed_experts`` computes it as Megatron's dropless token dispatcher does: sort the
 (token, slot) pairs by expert, hand each expert's rows to the rank holding it
@@ -66,27 +68,31 @@ class Exchange(Protocol):
 def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
                    num_experts: int, exchange: Exchange | None = None, capacity_factor: float | None = None,
-                   layer: str = "") -> Tensor:
+                   layer: str = "", probs_on_input: bool = False) -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
     this rank's ``E_l = num_experts / exchange.size`` experts (all of them without an
     exchange). With ``capacity_factor``: capacity mode (module docstring), its drops
-    counted under ``layer``."""
+    counted under ``layer``. With ``probs_on_input`` each pair's weight scales its row
+    before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed unweighted: Llama
+    4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result."""
     if capacity_factor is not None:
         return _with_capacity(middle, hidden, top_k_index, top_k_weights, (w_up, w_down, b_up, b_down),
                               num_experts=num_experts, exchange=exchange, capacity_factor=capacity_factor,
-                              layer=layer)
+                              layer=layer, probs_on_input=probs_on_input)
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden[perm // k]
-    weights = top_k_weights.reshape(-1)[perm]
+    weights = top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    if probs_on_input:  # in the promoted dtype, as Llama 4's repeated tokens times its scores
+        rows = rows * weights
     counts = torch.bincount(ids, minlength=num_experts)
     if exchange is not None:
         rows, counts, state = exchange.dispatch(rows, counts)
     out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down)
     if exchange is not None:
         out = exchange.combine(out, state)
-    weighted = out * weights.unsqueeze(-1)  # promoted as Hugging Face's: fp32 router weights, fp32 sums
+    weighted = out if probs_on_input else out * weights  # promoted as Hugging Face's: fp32 router weights, fp32 sums
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
@@ -123,7 +129,7 @@ def _rank_in_expert(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int
 
 def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    banks: tuple, *, num_experts: int, exchange: Exchange | None, capacity_factor: float,
-                   layer: str) -> Tensor:
+                   layer: str, probs_on_input: bool) -> Tensor:
     """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
     tokens, k = top_k_index.shape
     capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
@@ -133,9 +139,12 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     _count_dropped(layer, keep)
     pad = num_experts * capacity  # one row past the buffer: the dropped pairs' place, and the pads' source
     slot = torch.where(keep, ids * capacity + rank, pad)  # each pair's row in the [E * capacity] buffer
-    token = torch.full((pad + 1,), tokens, dtype=torch.long, device=ids.device)
-    token = token.scatter(0, slot, torch.arange(ids.numel(), device=ids.device) // k)[:pad]
-    rows = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[-1]))])[token]  # pads: zero rows
+    pair = torch.full((pad + 1,), ids.numel(), dtype=torch.long, device=ids.device)
+    pair = pair.scatter(0, slot, torch.arange(ids.numel(), device=ids.device))[:pad]  # pads: pair T * k
+    rows = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[-1]))])[pair // k]  # pads: zero rows
+    if probs_on_input:
+        flat = top_k_weights.reshape(-1)
+        rows = rows * torch.cat([flat, flat.new_zeros(1)])[pair].unsqueeze(-1)
     sizes = [capacity] * num_experts
     if exchange is not None:
         rows, state = exchange.dispatch_padded(rows, capacity)
@@ -144,7 +153,7 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     if exchange is not None:
         out = exchange.combine(out, state)
     per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
-    weighted = per_pair * top_k_weights.reshape(-1, 1)  # promoted as in the dropless path
+    weighted = per_pair if probs_on_input else per_pair * top_k_weights.reshape(-1, 1)  # as in the dropless path
     return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 

@@ -164,15 +164,18 @@ DP = "dp"
 
 
 def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up=None, b_down=None, *,
-                   num_experts: int, group: str, capacity_factor: float | None = None, layer: str = ""):
+                   num_experts: int, group: str, capacity_factor: float | None = None, layer: str = "",
+                   probs_on_input: bool = False):
     """A routed-experts block (expert-parallel pass; ``fxmeg.moe``): ``middle`` is the
     model's activation between the two expert matmuls (a sub-graph); ``capacity_factor``
-    (None: dropless) and ``layer`` (the block's module, naming its dropped pairs) as
+    (None: dropless), ``layer`` (the block's module, naming its dropped pairs) and
+    ``probs_on_input`` (the weights scale the experts' input rows) as
     ``moe.routed_experts`` takes them. Unbound, every expert is local (the parent graph
     in one process); the runtime binds it to ``fxmeg.runtime.experts.routed_experts``,
     which exchanges rows over ``group``."""
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
-                              num_experts=num_experts, capacity_factor=capacity_factor, layer=layer)
+                              num_experts=num_experts, capacity_factor=capacity_factor, layer=layer,
+                              probs_on_input=probs_on_input)
 
 for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, early_linear, expert_load,
             tp_rng_fork, tp_rng_join, routed_experts, global_tokens):

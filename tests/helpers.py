@@ -87,17 +87,27 @@ MOE: dict[str, dict] = {
     "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1),
 }
 """Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
+BATCHED_MOE: dict[str, dict] = {
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                        intermediate_size_mlp=48, no_rope_layer_interval=2, attention_chunk_size=8, floor_scale=4),
+}
+"""Mixtures of experts whose experts run over every token, the routing zeroing the rows
+it skips (Llama 4's Llama4TextExperts; fxmeg/passes/ep_batched.py), 4 experts, top-2.
+Llama 4's layers alternate: even layers dense (intermediate_size_mlp) with complex rotary,
+q/k L2 norm and chunked attention (chunks of 8), odd ones routed experts plus a shared
+expert, no rotary, full attention and the attention temperature (floor_scale=4: it
+varies within 16 positions)."""
 
 
 def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> torch.nn.Module:
-    """A tiny Hugging Face mixture of experts of ``MOE`` (random init, no download, no
-    dropout), its experts implementation as transformers picks it unless ``extra`` names
-    one (``experts_implementation="eager"``); GPT-OSS has eager attention only."""
+    """A tiny Hugging Face mixture of experts of ``MOE`` or ``BATCHED_MOE`` (random init, no
+    download, no dropout), its experts implementation as transformers picks it unless
+    ``extra`` names one (``experts_implementation="eager"``); GPT-OSS has eager attention only."""
     import transformers as T
 
     base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    cfg = T.AutoConfig.for_model(kind, **(base | MOE[kind]))
+    cfg = T.AutoConfig.for_model(kind, **(base | (MOE | BATCHED_MOE)[kind]))
     torch.manual_seed(0)
     attn = "eager" if kind == "gpt_oss" else "sdpa"
     return T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **extra)

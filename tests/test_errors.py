@@ -19,6 +19,7 @@ from fxmeg.cli import _train_parser, config_from
 from fxmeg.runtime.optimizer import muon_adamw
 from tests.distributed import run_world
 from tests.helpers import make_batch, make_model
+from tests.passes.test_expert_parallel import BatchedExperts
 from tests.passes.test_tp_heads import _KeyReadWhole
 
 COUNTED = ["new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object",
@@ -409,6 +410,9 @@ ROWS = {
                       "ep=2, but fxmeg finds no routed experts in this model"),
     "ep-unfound-experts": (lambda: fxmeg.parallelize(_Bank(), _ex(), ep=2),
                            "ep > 1, but fxmeg cannot find the routed experts that read 'bank' (shape [2, 16, 128]"),
+    "ep-batched-experts": (lambda: fxmeg.parallelize(BatchedExperts(scores="softmax"), _ex(), ep=2),
+                           "expert_parallel: fxmeg cannot show that the routing scores 'softmax' (node 'bmm', "
+                           "module '') are zero outside each token's top-k experts"),
 }
 SET_UP = {  # rows whose failing call needs a working engine first: counted from the call on
     "batch-shape": (lambda: (lambda e=_engine(): lambda: e.train_step(_bad_batch(lambda i, l: (i[:, :15], l))))(),

@@ -4,7 +4,8 @@ Megatron's ``--moe-expert-capacity-factor`` with drop policy "probs" and
 
 Single process: the drop rule on hand-built routings (expected masks written by hand),
 no drops and the dropless values when the capacity holds every pair, values and
-gradients equal to a per-(token, slot) loop that skips the dropped pairs, static
+gradients equal to a per-(token, slot) loop that skips the dropped pairs (the weights
+after the experts, or on their input as Llama 4's), static
 per-expert row counts, the drop counter and its log, and the configuration's checks.
 One 2-rank spawn (Mixtral at ep=2): with a factor of E (nothing dropped) training equals
 single-device training, and every all-to-all of the experts, forward and backward, has
@@ -114,10 +115,11 @@ def _grads(case: dict, out: torch.Tensor) -> dict:
     return dict(zip(leaves, grads))
 
 
-def _reference(case: dict, capacity_factor: float) -> torch.Tensor:
+def _reference(case: dict, capacity_factor: float, probs_on_input: bool = False) -> torch.Tensor:
     """The drop rule and the experts written out: per expert, its pairs ordered by weight
     (higher first), then by (token, slot); the first ``capacity`` kept; then each token's
-    kept pairs, one at a time."""
+    kept pairs, one at a time, weighted after the expert or (``probs_on_input``, Llama 4's)
+    on its input."""
     index, w = case["top_k_index"], case["top_k_weights"]
     tokens, k = index.shape
     experts = case["w_up"].shape[0]
@@ -133,18 +135,22 @@ def _reference(case: dict, capacity_factor: float) -> torch.Tensor:
             if (t, j) not in kept:
                 continue
             e = int(index[t, j])
-            up = case["hidden"][t] @ case["w_up"][e] + (case["b_up"][e] if case["b_up"] is not None else 0)
+            x = w[t, j] * case["hidden"][t] if probs_on_input else case["hidden"][t]
+            up = x @ case["w_up"][e] + (case["b_up"][e] if case["b_up"] is not None else 0)
             down = torch.nn.functional.silu(up) @ case["w_down"][e]
             down = down + (case["b_down"][e] if case["b_down"] is not None else 0)
-            total = total + w[t, j] * down
+            total = total + (down if probs_on_input else w[t, j] * down)
         rows.append(total)
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(bias):
+@pytest.mark.parametrize("bias,probs_on_input", [(True, False), (False, False), (False, True)])
+def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(bias, probs_on_input):
     case = _case(bias=bias)
-    dropless, capped = _run(case), _run(case, capacity_factor=4.0)
+    dropless = _run(case, probs_on_input=probs_on_input)
+    capped = _run(case, capacity_factor=4.0, probs_on_input=probs_on_input)
+    if probs_on_input:  # and they are the experts written out, the weights on their input
+        torch.testing.assert_close(dropless, _reference(case, 4.0, probs_on_input=True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(capped, dropless, rtol=1e-6, atol=1e-6)
     want = _grads(case, dropless)
     for name, grad in _grads(case, capped).items():
@@ -152,13 +158,13 @@ def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradi
     assert moe.log_dropped("test") == {"": 0}
 
 
-@pytest.mark.parametrize("factor", [0.5, 1.0])
-def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(factor):
+@pytest.mark.parametrize("factor,probs_on_input", [(0.5, False), (1.0, False), (1.0, True)])
+def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(factor, probs_on_input):
     case = _case(seed=3, tokens=12, skew=2.0)  # expert 0 is over its capacity
     keep = moe.capacity_mask(case["top_k_index"], case["top_k_weights"], 4, factor)
     assert not bool(keep.all())
-    out = _run(case, capacity_factor=factor, layer="layers.0.experts")
-    ref = _reference(case, factor)
+    out = _run(case, capacity_factor=factor, layer="layers.0.experts", probs_on_input=probs_on_input)
+    ref = _reference(case, factor, probs_on_input)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     got, want = _grads(case, out), _grads(case, ref)
     for name in got:

@@ -271,6 +271,15 @@ class _ContextParallel:
         full = None if s.full is None else where.get(s.full, s.full)
         return Seq(where.get(s.dim, s.dim), s.merged, full)
 
+    @rule(CP, "complex")
+    def _complex_view(self, node: fx.Node) -> Seq:
+        """``view_as_complex`` / ``view_as_real`` (a complex rotary embedding: the pairs of
+        the head dim as complex numbers) keep every dim but the trailing pair, the sequence
+        among them; the rotary table is cut to this rank's positions where it meets them
+        (``_elementwise``). The pair dim (size 2) never holds the sequence: its length is
+        a multiple of 2 * cp."""
+        return self._seq(node, node.args[0])
+
     @rule(CP, "embedding")
     def _embedding(self, node: fx.Node) -> Seq:
         if isinstance(self.place.get(node.args[0]), Seq):
@@ -359,11 +368,12 @@ class _ContextParallel:
             raise self.refuse(node, "it normalises over the sequence dim")
         return s
 
-    @rule(CP, "split", "slice", "index", "repeat", "softmax", "cumulative", "rank")
+    @rule(CP, "split", "slice", "index", "repeat", "scatter", "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):
         """Ops along one dim (softmax, cumsum, split, slice, select, repeat, a router's
-        top-k or sort): fine along another dim than the sequence; along it they mix
-        positions (a slice of all of it is the value itself)."""
+        top-k or sort, or its scatter of the top-k scores into a row): fine along another
+        dim than the sequence; along it they mix positions (a slice of all of it is the
+        value itself)."""
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
         dim = dim_argument(node, 0) % n
         if s.full is not None and dim == s.full:

@@ -19,7 +19,11 @@ the block's result is the sum over the k slots after the second matmul, shaped l
 shape of Hugging Face's grouped experts (``grouped_mm_experts_forward``), whatever the
 model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, AFMoE): routing (softmax, top-k,
 group-limited top-k, normalisation) and shared experts are outside it and stay as the
-model computes them.
+model computes them. A second form is read too: *batched* experts (Llama 4's), two
+``bmm`` over the banks of every expert's slot of the tokens, each token's rows scaled by
+routing scores that are zero outside its top-k (fxmeg/passes/ep_batched.py says how it
+is read and what makes it exact); its rewrite gathers the scores at the top-k index as
+the weights and applies them to the experts' input (``probs_on_input``).
 
 The router's expert bias (loss-free balancing, ``moe_router_bias_update_rate``) is found
 from the graph too: walking back from the top-k index to the scores the ``topk`` ranks,
@@ -35,7 +39,8 @@ unless ``moe_router_bias_update_rate`` > 0, which refuses (PassError naming the 
 a block it cannot read or a router without a bias buffer. At ep > 1 besides, each
 block's nodes are replaced by one ``routed_experts`` node computing the
 same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
-grouping of rows into matmuls differs), or with ``config.moe_capacity_factor`` the
+grouping of rows into matmuls differs; a batched block's skipped experts, which added
+exact zeros, are not run), or with ``config.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
 factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
@@ -57,7 +62,8 @@ from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import ExpertShard
-from fxmeg.passes.graph_utils import arg, attr, fake_eval, requires_grad_nodes, val
+from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
+from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, requires_grad_nodes, val
 from fxmeg.program import CONSTANTS, ChunkInfo
 
 log = logging.getLogger(__name__)
@@ -120,9 +126,9 @@ def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:
     per token). Not ``strict`` (ep = 1, no bias update): a grouped matmul fxmeg cannot
     read as a block is no block (logged)."""
     blocks = []
-    for up in [n for n in gm.graph.nodes if _is_grouped_mm(n)]:
+    for up in [n for n in gm.graph.nodes if _is_grouped_mm(n) or n.target is aten.bmm.default]:
         try:
-            block = _block(gm, up)
+            block = _block(gm, up) if _is_grouped_mm(up) else _batched(gm, up)
         except Exception as exc:  # at ep = 1 a block is only counted: never fail for it
             if strict:
                 raise
@@ -194,8 +200,8 @@ class _Block:
         self.__dict__.update(fields)
 
     def inputs(self) -> set[fx.Node]:
-        return {n for n in (self.hidden, self.top_k_index, self.top_k_weights, self.w_up, self.w_down,
-                            self.b_up, self.b_down) if n is not None}
+        return {n for n in (self.hidden, self.top_k_index, self.top_k_weights, self.scores, self.w_up,
+                            self.w_down, self.b_up, self.b_down) if n is not None}
 
     def inner(self) -> set[fx.Node]:
         """The nodes between the block's inputs and its result (the result included)."""
@@ -272,9 +278,32 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
                         f"{down.name!r} ({where}); fxmeg cannot find the block's result")
     banks = [_bank(up.args[1], experts, where), _bank(down.args[1], experts, where)]
     return _Block(up=up, down=down, experts=experts, hidden=hidden, top_k_index=top_k_index,
-                  top_k_weights=top_k_weights, w_up=up.args[1], w_down=down.args[1], b_up=b_up, b_down=b_down,
-                  up_out=up_out, middle=middle, middle_out=mid_in_cast, result=result, where=where,
+                  top_k_weights=top_k_weights, scores=None, w_up=up.args[1], w_down=down.args[1], b_up=b_up,
+                  b_down=b_down, up_out=up_out, middle=middle, middle_out=mid_in_cast, result=result, where=where,
                   banks=banks + [b for b in (b_up, b_down) if b is not None], module=_module(up))
+
+
+def _batched(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
+    """The batched-experts block (Llama 4's: fxmeg/passes/ep_batched.py) whose first
+    matmul is ``up``, or None. Its routing weights are the scores at the top-k index, applied
+    to the experts' input (``probs_on_input``); ``scores`` stands for them until the rewrite
+    gathers them."""
+    found = batched_experts(gm, up)
+    if found is None:
+        return None
+    where = f"module {_module(up)!r}"
+    middle = _between(up, found.down.args[0])
+    features, out_features = val(up).shape[-1], val(found.down.args[0]).shape[-1]
+    if not maps_zero_to_zero(_subgraph(gm, up, middle, found.down.args[0]), features, out_features):
+        raise PassError(f"expert_parallel: the batched experts' activation between {up.name!r} and "
+                        f"{found.down.name!r} ({where}) does not run per row, or maps a zero row to a nonzero one: "
+                        "the experts a token's routing skipped would not add zeros, so fxmeg cannot run only "
+                        "those it picked. Fix: train this model with ep=1 (every rank computes every expert)")
+    banks = [_bank(up.args[1], found.experts, where), _bank(found.down.args[1], found.experts, where)]
+    return _Block(up=up, down=found.down, experts=found.experts, hidden=found.hidden,
+                  top_k_index=found.top_k_index, top_k_weights=None, scores=found.scores, w_up=up.args[1],
+                  w_down=found.down.args[1], b_up=None, b_down=None, up_out=up, middle=middle,
+                  middle_out=found.down.args[0], result=found.result, where=where, banks=banks, module=_module(up))
 
 
 def _offsets(mm: fx.Node) -> fx.Node:
@@ -345,24 +374,24 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
         raise PassError(f"ep={ep} does not divide the {b.experts} experts of module {b.module!r}; choose ep "
                         f"among {[d for d in range(1, b.experts + 1) if b.experts % d == 0]}")
     graph = gm.graph
-    sub = fx.Graph()
-    env = {b.up_out: sub.placeholder("rows")}
-    env[b.up_out].meta = dict(b.up_out.meta)
-    for n in b.middle:
-        env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(env[b.middle_out])
-    gm.add_submodule(name, fx.GraphModule(gm, sub))
+    weights, on_input = b.top_k_weights, b.scores is not None
+    body_gm = _subgraph(gm, b.up_out, b.middle, b.middle_out)
+    if on_input:  # the activation ran on [E, T, N]: give its values the routed rows' shapes [T * k, N]
+        _per_row(body_gm, val(b.top_k_index).numel())
+    gm.add_submodule(name, body_gm)
+    if on_input:  # batched experts: the scores at the top-k index, [T, k]
+        with graph.inserting_before(b.result):
+            weights = call(graph, aten.gather.default, (b.scores, 1, b.top_k_index), like=b.result)
     with graph.inserting_before(b.result):
         body = graph.get_attr(name)
-        call = graph.call_function(
-            ops.routed_experts,
-            (body, b.hidden, b.top_k_index, b.top_k_weights, b.w_up, b.w_down, b.b_up, b.b_down),
-            {"num_experts": b.experts, "group": ops.EP, "capacity_factor": capacity_factor, "layer": b.module},
-        )
-    call.meta = {**b.result.meta, "val": val(b.result)}
+        kwargs = {"num_experts": b.experts, "group": ops.EP, "capacity_factor": capacity_factor, "layer": b.module}
+        routed = graph.call_function(
+            ops.routed_experts, (body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down),
+            kwargs | ({"probs_on_input": True} if on_input else {}))
+    routed.meta = {**b.result.meta, "val": val(b.result)}
     body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}
     old = b.inner()
-    b.result.replace_all_uses_with(call)
+    b.result.replace_all_uses_with(routed)
     for n in reversed(list(graph.nodes)):  # in-place ops too: they wrote only the block's temporaries
         if n in old and not n.users:
             graph.erase_node(n)
@@ -381,6 +410,26 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
     log.debug("expert_parallel: %s: %d experts over ep=%d", b.module, b.experts, ep)
 
 
+def _subgraph(gm: fx.GraphModule, start: fx.Node, middle: list[fx.Node], end: fx.Node) -> fx.GraphModule:
+    """The activation ``middle`` (``start`` -> ``end``) as a graph of its own, run on rows."""
+    sub = fx.Graph()
+    env = {start: sub.placeholder("rows")}
+    env[start].meta = dict(start.meta)
+    for n in middle:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(env[end])
+    return fx.GraphModule(gm, sub)
+
+
+def _per_row(body: fx.GraphModule, rows: int) -> None:
+    """The activation graph's values for ``rows`` rows (what ``routed_experts`` runs it on)."""
+    for n in body.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = val(n).new_empty((rows, val(n).shape[-1]))
+        elif n.op == "call_function":
+            n.meta["val"] = fake_eval(n)
+
+
 def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
     """A bank of experts (a trainable parameter of 3 or more dims) no block reads."""
     for n in gm.graph.nodes:
@@ -392,5 +441,6 @@ def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
                 f"ep > 1, but fxmeg cannot find the routed experts that read {n.target!r} (shape "
                 f"{list(t.shape)}, module {_module(n) or n.target.rpartition('.')[0]!r}, chunk {chunk.index}): "
                 "expert parallelism recognises a Hugging Face grouped-experts block (two grouped matmuls "
-                "over a bank of experts, fed by top-k routing; fxmeg/passes/expert_parallel.py). Build the "
-                "model with experts_implementation='grouped_mm' or train it with ep=1")
+                "over a bank of experts, fed by top-k routing; fxmeg/passes/expert_parallel.py) and Llama 4's "
+                "batched experts (fxmeg/passes/ep_batched.py). Build the model with "
+                "experts_implementation='grouped_mm' or train it with ep=1")

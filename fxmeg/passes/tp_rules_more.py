@@ -67,6 +67,18 @@ class MoreRules:
             raise self._unsupported(node, f"it unbinds the split dim {dim}", s)
         return [s.moved(s.dim - (dim < s.dim))] * len(node.meta["val"])
 
+    @rule(TP, "complex")
+    def _complex_view(self, node: fx.Node):
+        """``view_as_complex`` reads the last dim's (real, imaginary) pairs as one complex
+        value, ``view_as_real`` spells each out again as a trailing pair (Llama 4's rotary
+        embedding of the head-split q and k): every other dim, the split one (heads) among
+        them, stays where it is. The pair dim itself must not be split: a rank would hold
+        half of a number."""
+        s = self.place[node.args[0]]
+        if node.target == aten.view_as_complex.default and s.dim == val(node.args[0]).dim() - 1:
+            raise self._unsupported(node, f"it reads the split dim {s.dim} as (real, imaginary) pairs", s)
+        return s
+
     @rule(TP, "advanced_index")
     def _advanced_index(self, node: fx.Node):
         """``x[..., idx, ...]`` with replicated index tensors on other dims than the split

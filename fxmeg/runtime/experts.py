@@ -103,8 +103,8 @@ def exchange(group: str) -> AllToAllExchange:
 def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
                    num_experts: int, group: str, capacity_factor: float | None = None,
-                   layer: str = "") -> Tensor:
+                   layer: str = "", probs_on_input: bool = False) -> Tensor:
     """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over ``group``."""
     return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
                               num_experts=num_experts, exchange=exchange(group), capacity_factor=capacity_factor,
-                              layer=layer)
+                              layer=layer, probs_on_input=probs_on_input)

@@ -4,9 +4,10 @@ gloo ranks against single-device training of the same Hugging Face mixture of ex
 
 One 2-rank spawn: Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE, OLMoE, DeepSeek-V3
 (latent attention, group-limited routing, a dense first layer), GPT-OSS (biased
-experts, clamped GLU) and AFMoE (a zero-initialised sigmoid router: at step 1 every token
-goes to the experts of one rank, the other receives no rows) at ep=2 (dp=2: each rank
-holds half the experts); Mixtral and
+experts, clamped GLU), AFMoE (a zero-initialised sigmoid router: at step 1 every token
+goes to the experts of one rank, the other receives no rows) and Llama 4 (batched experts:
+every expert over every token, the routing weights on their input; every other layer
+dense) at ep=2 (dp=2: each rank holds half the experts); Mixtral and
 Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
@@ -40,12 +41,12 @@ from fxmeg.checkpoint import META, Checkpointer
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
 from tests.distributed import run_world
-from tests.helpers import MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
+from tests.helpers import BATCHED_MOE, MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
 from tests.parity.mixed_precision import gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_loss, train
 
-EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE)]
+EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE) + sorted(BATCHED_MOE)]
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]  # folded over cp
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -76,6 +77,7 @@ RESUMED = [  # the same global batch (16 rows) as SAVED: the same batches
     Scenario("moe-mixtral", dp=2, pp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, m=2, options=(("ep", 4),)),
 ]
+"""Layers of routed experts among n (the rest dense): DeepSeek-V3's first, every other of Llama 4's."""
 BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5  # tests/parity/test_mixed_precision.py's
 FIRST_LOSS_RTOL = 1e-6  # the first step's forward: the oracle's arithmetic up to the order of fp32 sums
 
@@ -168,7 +170,7 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
     for r in _ranks(results, sc):
         specs = r["ep_specs"]
         layers = {s.origin for s in specs.values()}
-        assert layers == {n.partition(".experts.")[0] + ".experts" for n in full if ".mlp.experts." in n}, layers
+        assert layers == {n.partition(".experts.")[0] + ".experts" for n in full if ".experts." in n}, layers
         for name, spec in specs.items():
             if name not in r["shapes"]:
                 continue  # another pipeline rank's layer

@@ -9,8 +9,11 @@ relative norm: docs/design.md §3).
   key-value heads, head_dim 8, pad token 0, no dropout; random init, no download), with sdpa and eager attention (at tp2 x pp2,
   eager only for each distinct eager attention function: EAGER_REPEATS);
 * Hugging Face mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS: 4
-  experts, top-2; Mixtral also with experts_implementation="eager") at tp=2 x pp=2 only
-  (MOE_ZOO), where each tp rank holds less than the whole model;
+  experts, top-2; Mixtral also with experts_implementation="eager"; Llama 4, whose
+  experts run batched over every token and whose rotary embedding is complex
+  (``view_as_complex`` of the head-split q and k), layer 0 dense with rotary and chunked
+  attention, layer 1 routed without rotary: tests.helpers.BATCHED_MOE) at tp=2 x pp=2
+  only (MOE_ZOO), where each tp rank holds less than the whole model;
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
   embedding runs in autocast regions reading the head-split q and k (split inside them:
   fxmeg/passes/tp_regions.py); a skip when x-transformers is not installed;
@@ -46,6 +49,7 @@ from torch import nn
 import fxmeg
 from tests.distributed import run_world
 from tests.helpers import (
+    BATCHED_MOE,
     MOE,
     Run,
     assert_run_close,
@@ -155,7 +159,9 @@ for _kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
     ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
 ZOO["gpt_oss-eager"] = (hf("gpt_oss", "eager", **MOE["gpt_oss"]), {}, -100)  # sinks, biased experts; no sdpa
 ZOO["mixtral-eager-experts"] = (hf("mixtral", experts_implementation="eager", **MOE["mixtral"]), {}, -100)
-MOE_ZOO = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss-eager", "mixtral-eager-experts")
+# Llama 4: complex rotary (view_as_complex of the head-split q and k), chunked attention, batched experts
+ZOO["llama4_text"] = (hf("llama4_text", **BATCHED_MOE["llama4_text"]), {}, -100)
+MOE_ZOO = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss-eager", "mixtral-eager-experts", "llama4_text")
 """Mixtures of experts (tests.helpers.MOE: 4 experts, top-2) as transformers builds them
 (grouped_mm experts), and Mixtral with experts_implementation="eager", which fxmeg captures
 as grouped_mm (its single-device reference runs eager). At tp the router stays whole and
@@ -323,7 +329,8 @@ def test_zoo(request, name, layout):
         assert set(SPLIT[name]) <= set(result["sharded"]), f"{name}: {sorted(set(SPLIT[name]) - set(result['sharded']))} not split"
     if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
         assert "model.layers.0.self_attn.q_proj.weight" in result["sharded"]
-        assert not [n for n in result["sharded"] if ".experts." in n or re.search(r"\.mlp\.(gate|router)\.", n)]
+        assert not [n for n in result["sharded"]
+                    if ".experts." in n or re.search(r"\.(mlp|feed_forward)\.(gate|router)\.", n)]
 
 
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")

@@ -1,9 +1,11 @@
 """The expert-parallel pass (fxmeg/passes/expert_parallel.py) in one process: each Hugging
-Face grouped-experts block becomes one ``routed_experts`` node computing the same values,
+Face grouped-experts block, and each batched-experts block (Llama 4's;
+fxmeg/passes/ep_batched.py), becomes one ``routed_experts`` node computing the same values,
 its banks tagged with their split and local shapes; ep=1 changes nothing."""
 
 import pytest
 import torch
+from torch import nn
 
 from fxmeg import ops
 from fxmeg.layouts import ExpertShard
@@ -62,3 +64,83 @@ def test_global_router_loss_wraps_the_tokens_per_expert_and_is_refused_without_a
                         recompute="full")
     with pytest.raises(ConfigError, match="is not one of"):
         fxmeg.transform(hf_model("mixtral"), batch, moe_router_load_balancing_type="global")
+
+
+class BatchedExperts(nn.Module):
+    """Llama 4's experts written out in plain PyTorch (no transformers class: the pass reads
+    the graph): every expert runs over every token (``bmm`` over [E, T, H] slots), each
+    token's rows scaled by its router scores, which a top-k and a scatter into a row of
+    -inf make zero, through the sigmoid, outside its top-k. ``scores="softmax"``: the
+    scores of every expert (none zero); ``shift``: an activation that maps zero to nonzero."""
+
+    def __init__(self, scores: str = "top-k", shift: float = 0.0):
+        super().__init__()
+        self.scores, self.shift = scores, shift
+        self.layers = nn.ModuleList([nn.ModuleDict({"emb": nn.Embedding(128, 16), "router": nn.Linear(16, 4),
+                                                    "head": nn.Linear(16, 128)})])
+        self.gate_up = nn.Parameter(torch.randn(4, 16, 64) * 0.1)  # [E, H, 2I]
+        self.down = nn.Parameter(torch.randn(4, 32, 16) * 0.1)  # [E, I, H]
+
+    def forward(self, ids, labels):
+        layer = self.layers[0]
+        h = layer["emb"](ids)
+        x = h.reshape(-1, 16)  # (T, H)
+        logits = layer["router"](x)
+        if self.scores == "softmax":
+            scores = logits.softmax(-1)
+        else:
+            top, index = torch.topk(logits, 2, dim=1)
+            scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top).sigmoid()
+        rows = x.repeat(4, 1) * scores.transpose(0, 1).reshape(-1, 1)  # (E * T, H), expert-major
+        gate, up = torch.bmm(rows.view(4, -1, 16), self.gate_up).chunk(2, dim=-1)
+        out = torch.bmm(nn.functional.silu(gate) * up + self.shift, self.down)
+        y = h + out.view(-1, 16).reshape(4, -1, 16).sum(0).view_as(h)
+        return nn.functional.cross_entropy(layer["head"](y).flatten(0, 1), labels.flatten())
+
+
+def _bank_matmuls(parent) -> list:
+    return _nodes(parent, lambda n: n.target is torch.ops.aten.bmm.default)
+
+
+@pytest.mark.parametrize("model", ["llama4_text", "plain"])
+def test_batched_experts_become_one_routed_experts_node_with_the_weights_on_their_input(model):
+    """Llama 4 as transformers builds it, and the same form written out: at ep=2 one
+    ``routed_experts`` node per block (probs_on_input; the weights gathered from the
+    scores at the top-k index) replaces the two bank matmuls; each rank's banks hold 2 of
+    the 4 experts; unbound (every expert local) it computes the loss it did."""
+    torch.manual_seed(0)
+    make = (lambda: tiny_moe("llama4_text")) if model == "llama4_text" else BatchedExperts
+    batch = make_batch(2, seed=0, vocab=96)
+    torch.manual_seed(0)
+    before = graph_after(make(), batch, "expert_parallel", dp=2)
+    torch.manual_seed(0)
+    after = graph_after(make(), batch, "expert_parallel", ep=2, dp=2)
+    assert len(_bank_matmuls(before)) == 2 and not _bank_matmuls(after)
+    (call,) = _nodes(after, lambda n: n.target is ops.routed_experts)
+    assert (call.kwargs["num_experts"], call.kwargs["probs_on_input"]) == (4, True)
+    assert call.args[3].target == torch.ops.aten.gather.default and tuple(val(call.args[3]).shape) == (32, 2)
+    assert len(_nodes(before, lambda n: n.target is ops.expert_load)) == 1  # counted at ep=1 too
+    banks = _nodes(after, lambda n: n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {}))
+    assert sorted(tuple(val(b).shape) for b in banks) == (
+        [(2, 32, 96), (2, 48, 32)] if model == "llama4_text" else [(2, 16, 64), (2, 32, 16)])
+    with torch.no_grad():
+        want, got = before(*batch), after(*batch)
+    assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"scores": "softmax"}, "cannot show that the routing scores 'softmax' .* are zero outside each token's top-k"),
+    ({"shift": 0.5}, "maps a zero row to a nonzero one"),
+])
+def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_at_ep1(kwargs, words):
+    """Scores not zero outside the top-k (every expert weighs in), or an activation that
+    turns a skipped expert's zero rows into something: running only the picked experts
+    would change the values, so ep=2 refuses by name (row ep-batched-experts); at ep=1
+    the block is not counted and nothing changes."""
+    from fxmeg.errors import PassError
+
+    batch = make_batch(2, seed=0)
+    with pytest.raises(PassError, match=words + ".* Fix: train this model with ep=1"):
+        graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", ep=2, dp=2)
+    parent = graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", dp=2)
+    assert len(_bank_matmuls(parent)) == 2 and not _nodes(parent, lambda n: n.target is ops.expert_load)

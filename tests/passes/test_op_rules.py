@@ -31,10 +31,11 @@ class Registry(TestCase):
     def test_families_and_the_rule_of_each_axis(self):
         """``*``: the rule runs even when no input is split (it starts a split)."""
         self.assertExpectedInline(_table(), """\
-copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, ones_like.default, to.device, to.dtype, to.dtype_layout, type_as.default, zeros_like.default
+copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, full_like.default, ones_like.default, to.device, to.dtype, to.dtype_layout, type_as.default, zeros_like.default
 random           tp _same                cp _elementwise   bernoulli.default, bernoulli.p, dropout.default, native_dropout.default, rand_like.default, randn_like.default
-pointwise        tp _elementwise         cp _elementwise   masked_fill.Tensor, where.ScalarOther, where.ScalarSelf, tag pointwise
+pointwise        tp _elementwise         cp _elementwise   complex.default, masked_fill.Tensor, polar.default, where.ScalarOther, where.ScalarSelf, tag pointwise
 view             tp _reshape             cp _reshape       _unsafe_view.default, expand.default, flatten.using_ints, reshape.default, squeeze.default, squeeze.dim, unflatten.int, unsqueeze.default, view.default
+complex          tp _complex_view        cp _complex_view  view_as_complex.default, view_as_real.default
 permute          tp _permute             cp _permute       permute.default, t.default, transpose.int
 split            tp _split               cp _along         chunk.default, split.Tensor, split_with_sizes.default
 slice            tp _slice               cp _along         slice.Tensor
@@ -43,6 +44,7 @@ unbind           tp _unbind              cp -              unbind.int
 advanced_index   tp _advanced_index      cp -              index.Tensor
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
 tile             tp _tile                cp -              repeat.default
+scatter          tp -                    cp _along         scatter.src, scatter.value, scatter_.src, scatter_.value
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
 cumulative       tp _along               cp _along         cumprod.default, cumsum.default, logcumsumexp.default
@@ -120,3 +122,57 @@ def test_one_family_entry_gives_an_op_a_rule_on_every_axis(axis, local):
     gm = transform(ZerosLike(), make_batch(2, seed=0), stop_after="tensor_parallel", **{axis: 2})
     (node,) = [n for n in gm.graph.nodes if n.target == aten.zeros_like.default]
     assert tuple(node.meta["val"].shape) == local
+
+
+class ComplexRotary(_UpDown):
+    """A rotary embedding in complex numbers, as Llama 4 writes it: the hidden value as
+    (batch, seq, 4 heads, 4 pairs) through ``view_as_complex``, times a per-position
+    table, back through ``view_as_real``. The table is a buffer, or (``from_input``) made
+    by ``torch.polar`` from angles computed from an input (as from position_ids passed in:
+    split along the sequence under cp). ``pairs_split``: the value read as 16 pairs of
+    features 16 apart, so a column split lands on the pair dim (refused under tp)."""
+
+    def __init__(self, pairs_split: bool = False, from_input: bool = False):
+        super().__init__()
+        self.pairs_split, self.from_input = pairs_split, from_input
+        self.register_buffer("freqs", torch.tensor([1.0, 0.3, 0.1, 0.03]), persistent=False)
+        angles = torch.arange(16.0)[:, None] * self.freqs
+        self.register_buffer("table", torch.polar(torch.ones(16, 4), angles), persistent=False)  # (seq, pairs)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        x = x + self.layers[0]["down"](self.rotate(self.layers[0]["up"](x), ids))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+    def rotate(self, h, ids):
+        b, s, _ = h.shape
+        if self.pairs_split:
+            pairs = h.view(b, s, 2, 16).transpose(2, 3).contiguous()  # (b, s, 16, 2): the pair dim split
+            return torch.view_as_real(torch.view_as_complex(pairs) * self.table[:s, :1]).transpose(2, 3).reshape(b, s, 32)
+        if self.from_input:
+            angles = (ids % 7).float()[..., None] * self.freqs  # (b, s, pairs)
+            table = torch.polar(torch.ones_like(angles), angles)[:, :, None, :]
+        else:
+            table = self.table[None, :s, None, :]
+        x = torch.view_as_complex(h.float().reshape(b, s, 4, 4, 2))  # (b, s, heads, pairs)
+        return torch.view_as_real(x * table).flatten(3).reshape(b, s, 32)
+
+
+@pytest.mark.parametrize("axis,from_input,local", [
+    ("tp", False, (2, 16, 2, 4, 2)), ("cp", False, (2, 8, 4, 4, 2)), ("cp", True, (2, 8, 4, 4, 2))])
+def test_a_complex_rotary_keeps_the_split_of_heads_or_positions(axis, from_input, local):
+    """tp=2 splits the heads (4 -> 2 a rank) through view_as_complex and back; cp=2 the
+    sequence, a complex table of every position cut to this rank's (``cp_slice``), one
+    made by ``polar`` from split angles split with them."""
+    gm = transform(ComplexRotary(from_input=from_input), make_batch(2, seed=0), stop_after="tensor_parallel",
+                   **{axis: 2})
+    (real,) = [n for n in gm.graph.nodes if n.target == aten.view_as_real.default]
+    assert tuple(real.meta["val"].shape) == local
+    cut = [n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.cp_slice.default]
+    assert [n.meta["val"].dtype for n in cut] == ([torch.complex64] if axis == "cp" and not from_input else [])
+
+
+def test_a_complex_view_of_the_split_features_as_pairs_is_refused():
+    with pytest.raises(PassError, match=r"cannot split node 'view_as_complex' .* it reads the split dim 3 as "
+                                        r"\(real, imaginary\) pairs"):
+        transform(ComplexRotary(pairs_split=True), make_batch(2, seed=0), tp=2)
