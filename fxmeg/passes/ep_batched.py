@@ -44,7 +44,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _BANK_VIEWS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.transpose.int,
                aten.permute.default, aten.t.default}
 _SCATTERS = {aten.scatter.src, aten.scatter_.src, aten.scatter.value, aten.scatter_.value}
-_FULLS = {aten.full_like.default: 1, aten.full.default: 1}  # op -> its fill value's position
+_FULLS = {aten.full_like.default, aten.full.default}  # their fill value: argument 1
 _FIX = ". Fix: train this model with ep=1 (every rank computes every expert)"
 
 
@@ -75,10 +75,11 @@ def batched_experts(gm: fx.GraphModule, up: fx.Node) -> BatchedExperts | None:
     experts = val(bank).shape[0]
     weighted = _source(up.args[0], _VIEWS)
     repeat = next((a for a in weighted.args if isinstance(a, fx.Node) and a.target is aten.repeat.default), None)
-    if weighted.target is not aten.mul.Tensor or repeat is None:
-        return None
+    column = next((a for a in weighted.args if a is not repeat), None)
+    if weighted.target is not aten.mul.Tensor or repeat is None or not isinstance(column, fx.Node):
+        return None  # not rows of tokens scaled per row
     where = f"node {up.name!r}, module {owning_module(up)!r}"
-    hidden, column = repeat.args[0], next(a for a in weighted.args if a is not repeat)
+    hidden = repeat.args[0]
     tokens = val(hidden).shape[0]
     if val(hidden).dim() != 2 or list(repeat.args[1]) != [experts, 1] or \
             tuple(val(up.args[0]).shape) != (experts, tokens, val(hidden).shape[1]):
@@ -138,7 +139,7 @@ def _top_k_index(scores: fx.Node, where: str) -> fx.Node:
     index = _source(n.args[2], _VIEWS)
     if index.target is not operator.getitem or index.args[1] != 1 or index.args[0].target is not aten.topk.default:
         raise PassError(fail)
-    value = torch.tensor(float(n.args[0].args[_FULLS[n.args[0].target]]))
+    value = torch.tensor(float(n.args[0].args[1]))
     for c in reversed(chain):
         if in_family(c.target, "copy"):
             value = value.to(val(c).dtype)
@@ -162,8 +163,8 @@ def _second_matmul(gm: fx.GraphModule, up: fx.Node, experts: int, where: str) ->
 
 def _result(down: fx.Node, shape: tuple[int, int, int], where: str) -> fx.Node:
     """The sum over the experts of ``down``'s [E, T, H] output (through views)."""
-    n = down
-    while len(n.users) == 1 and tuple(val(down).shape) == shape:
+    n = down if tuple(val(down).shape) == shape else None
+    while n is not None and len(n.users) == 1:
         n = next(iter(n.users))
         if n.target is aten.sum.dim_IntList and tuple(val(n.args[0]).shape) == shape and \
                 [d % 3 for d in n.args[1]] == [0]:
