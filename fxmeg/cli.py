@@ -21,7 +21,8 @@
 (--nproc, default tp * cp * pp * max(dp, 1)) unless they already run under torchrun.
 `fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
 of the training data (or the one at the --load checkpoint) through the parallel program and
-the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch.
+the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch; with
+--verify-steps N it checks N batches, training a step on each after its check.
 `fxmeg plan` takes the model and layout flags of `fxmeg train` (or its --config file) and
 prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/plan.py); the model is
 built on the meta device, so no memory is allocated and no process is started.
@@ -40,8 +41,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub.add_parser("train", help="train a model (see --help)"))
-    _train_parser(sub.add_parser("verify", help="check a layout against single-device execution on one "
-                                                "batch (the flags of train)"))
+    verify = sub.add_parser("verify", help="check a layout against single-device execution, batch by "
+                                           "batch (the flags of train)")
+    _train_parser(verify)
+    verify.add_argument("--verify-steps", type=int, default=1, metavar="N",
+                        help="check N global batches, training one step on each after its check (a "
+                             "gradient path dead at initialisation comes alive once the weights move); "
+                             "stops at the first mismatch")
     _plan_parser(sub.add_parser("plan", help="per-stage memory, FLOPs and bubble of a layout, with no "
                                              "process and no real tensor"))
     prep = sub.add_parser("prepare-data", help="tokenise text into a corpus")
@@ -321,26 +327,32 @@ def _train(args) -> int:
 
 def _verify(args) -> int:
     """`fxmeg verify`: the train command's configuration (train_iters / train_samples may
-    be left out), its launcher; exit 0 when the layout matches single-device execution."""
+    be left out), its launcher; exit 0 when the layout matches single-device execution on
+    each of ``--verify-steps`` batches."""
+    from fxmeg.errors import ConfigError
+
+    if args.verify_steps < 1:
+        raise ConfigError(f"--verify-steps {args.verify_steps}: check at least one batch (1 or more)")
     if args.train_iters is None and args.train_samples is None:
         values = _read_config(args.config) if args.config else {}
         if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
             args.train_iters = 1  # required by TrainConfig, unused here
     cfg = config_from(args)
+    steps = args.verify_steps
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return 0 if _worker(cfg, verify=True) else 1
+        return 0 if _worker(cfg, verify=steps) else 1
     par = cfg.engine.parallel
     nproc = args.nproc or par.model_ranks * max(par.dp or 1, 1)
     if nproc == 1:
-        return 0 if _worker(cfg, verify=True) else 1
-    return _launch(cfg, nproc, verify=True)
+        return 0 if _worker(cfg, verify=steps) else 1
+    return _launch(cfg, nproc, verify=steps)
 
 
-def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: bool = False) -> int:
+def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: int = 0) -> int:
     """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
     On SIGTERM the launcher passes it to the ranks, which finish their step, save and
-    exit 0; the command then exits 0 too. With ``verify`` the ranks run `fxmeg verify`;
-    1 when rank 0 reports a mismatch.
+    exit 0; the command then exits 0 too. With ``verify`` (its number of batches) the ranks
+    run `fxmeg verify`; 1 when rank 0 reports a mismatch.
 
     Ranks fork from a multiprocessing fork server that imported torch and fxmeg once,
     instead of each spawned rank importing them again (seconds of CPU per rank). The server
@@ -367,7 +379,7 @@ def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: bool = False) -> 
     return 0
 
 
-def _worker(cfg, verify: bool = False) -> bool | None:
+def _worker(cfg, verify: int = 0) -> bool | None:
     import torch
     import torch.distributed as dist
 
@@ -382,17 +394,18 @@ def _worker(cfg, verify: bool = False) -> bool | None:
         dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
     try:
         if verify:
-            return _verify_worker(cfg)
+            return _verify_worker(cfg, verify)
         Trainer(cfg).run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _verify_worker(cfg) -> bool:
+def _verify_worker(cfg, steps: int) -> bool:
     """Set up as `fxmeg train` does (model, data, engine; --load / --init-from honoured),
-    with nothing written: run the next global batch through ``Engine.verify``; rank 0
-    prints the report. Whether the layout matched."""
+    with nothing written: run the next ``steps`` global batches through ``Engine.verify``,
+    training one step on each after its check; rank 0 prints each report. Whether the
+    layout matched on every one (it stops at the first mismatch)."""
     import shutil
     import tempfile
 
@@ -403,16 +416,25 @@ def _verify_worker(cfg) -> bool:
         trainer = Trainer(cfg.replace(run_dir=run_dir, save="", tensorboard=False, progress=False))
         trainer._switch_batch_size()  # the batch size at the resumed position (nothing is saved)
         engine = trainer.engine
-        batch = trainer.batch("train", range(trainer.consumed, trainer.consumed + engine.config.global_batch_size))
-        result = engine.verify(batch)
+        if trainer.rank == 0:
+            par = engine.config.parallel
+            print(f"layout tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} vpp={par.vpp} dp={par.dp}, "
+                  f"precision {engine.config.precision}, global batch {engine.config.global_batch_size} from "
+                  f"{trainer.consumed} consumed samples, {steps} step(s)")
+        gbs = engine.config.global_batch_size
+        for step in range(steps):
+            start = trainer.consumed + step * gbs
+            batch = trainer.batch("train", range(start, start + gbs))
+            result = engine.verify(batch)
+            if trainer.rank == 0:
+                print(f"step {step + 1} of {steps}:", result.report(), flush=True)
+            if not result.ok:
+                return False
+            if step + 1 < steps:
+                engine.train_step(batch)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    if trainer.rank == 0:
-        par = engine.config.parallel
-        print(f"layout tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} vpp={par.vpp} dp={par.dp}, precision {engine.config.precision}, "
-              f"global batch {engine.config.global_batch_size} at {trainer.consumed} consumed samples")
-        print(result.report(), flush=True)
-    return result.ok
+    return True
 
 
 def _attempt_store(rank: int, world: int):

@@ -2,9 +2,11 @@
 gradients against the single-device graph on one global batch, at tp=2 x pp=2 on 4 gloo
 ranks (one spawn): a GPT and a Hugging Face Mistral with a pad token pass, the engine's
 state is untouched (its next step equals a run without verify), and an engine whose
-tensor-parallel pass drops the padding row's gradient fix fails naming the embedding; and
-`fxmeg verify` on 2 ranks (dp=2 with the distributed optimizer: the reduce-scattered
-gradients are gathered) exits 0."""
+tensor-parallel pass drops the padding row's gradient fix fails naming the embedding;
+Doge verified batch after batch, a step between checks, names dt_proj from the second batch
+when the tp pass loses its fix (issue 44: a path dead at initialisation); and `fxmeg verify`
+on 2 ranks (dp=2 with the distributed optimizer: the reduce-scattered gradients are
+gathered) exits 0 on each of two batches."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.distributed import run_world
 from tests.helpers import assert_losses_close, graph_after, make_batch, make_model, optimizer, reference
+from tests.parity import test_zoo as zoo
 from tests.parity.scenarios import MBS, Scenario
 
 GPT = Scenario("gpt", tp=2, pp=2)
@@ -59,8 +62,32 @@ def _differ(a: dict, b: dict) -> list[str]:
             and not (k.startswith("grad/") and not b[k].any())]
 
 
+def _doge(broken: bool) -> list:
+    """Hugging Face Doge at tp2 x pp2, three batches, each verified then trained on; with
+    ``broken`` the tp pass without its fix for a row-parallel output read through this
+    rank's slice (Doge's dt_proj): its gradient path is dead at the first step only."""
+    data = zoo.batches("doge")
+    with mock.patch.object(_TensorParallel, "_check_statistics", _without_reductions if broken
+                           else _TensorParallel._check_statistics):
+        engine = fxmeg.parallelize(zoo.make("doge"), tuple(t[:zoo.MBS] for t in data[0]), tp=2, pp=2,
+                                   global_batch_size=zoo.GBS, optimizer=optimizer)
+    out = []
+    for batch in data:
+        out.append(engine.verify(batch))
+        engine.train_step(batch)
+    return out
+
+
+def _without_reductions(self) -> None:
+    self.reductions.clear()  # no row-parallel output gets its gradient summed
+    return _CHECK_STATISTICS(self)
+
+
+_CHECK_STATISTICS = _TensorParallel._check_statistics
+
+
 def run(rank: int) -> dict:
-    out = {}
+    out = {"doge": _doge(False), "doge-broken": _doge(True)}
     b0, b1, b2 = GPT.batches()[:3]
     # GPT: a step, verify, a step; against the same two steps without verify
     engine = GPT.engine()
@@ -117,6 +144,16 @@ def test_verify_names_the_parameter_a_broken_pass_got_wrong(results):
     assert r.loss_error <= 1e-5  # the forward is right: only the gradient is wrong
 
 
+def test_verify_over_steps_catches_a_gradient_dead_at_the_first(results):
+    """Doge at tp2 x pp2 (issue 44): verified on each of three batches, a train step after
+    each, every check passes; with the tp fix removed, the first passes (the path to dt_proj
+    is dead while A is 0: a one-batch verify misses the bug) and the second names dt_proj."""
+    fixed, broken = results[0]["doge"], results[0]["doge-broken"]
+    assert all(r.ok for r in fixed), [r.report() for r in fixed if not r.ok]
+    assert broken[0].ok and not broken[1].ok, [r.report() for r in broken]
+    assert broken[1].first_failure.name.endswith("self_attn.dt_proj.weight"), broken[1].report()
+
+
 def test_passes_tag_the_nodes_they_insert():
     model = make_model("gpt", n_layer=2)
     gm = graph_after(model, tuple(t[:MBS] for t in make_batch(MBS, seed=0)), "tensor_parallel", tp=2)
@@ -132,10 +169,11 @@ def test_cli_verify_on_two_ranks(corpus):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "fxmeg.cli", "verify", "--data", corpus, "--model-args", MODEL, "--dp", "2", "--distributed-optimizer",
-         "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4"],
+         "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--verify-steps", "2"],
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "fxmeg verify: OK" in out.stdout and "layout tp=1 pp=1 vpp=1 dp=2" in out.stdout
+    assert "layout tp=1 pp=1 vpp=1 dp=2" in out.stdout
+    assert "step 1 of 2: fxmeg verify: OK" in out.stdout and "step 2 of 2: fxmeg verify: OK" in out.stdout
 
 
 # ------------------------------------- what verify cannot see: capture and the loss pass
