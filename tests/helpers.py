@@ -77,6 +77,9 @@ MOE: dict[str, dict] = {
                       shared_expert_intermediate_size=48),  # a shared expert and its one-feature gate
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),  # block_sparse_moe.router / .experts
+    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48),  # a dense shared MLP beside the experts
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),  # attention sinks, biased experts
     "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_group=1,
                         topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
@@ -308,10 +311,7 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = copy.deepcopy(model).to(dtype)
-            if dtype == torch.float64 and getattr(model, "_can_set_experts_implementation", lambda: False)():
-                model.set_experts_implementation("eager")  # torch._grouped_mm has no float64
-            return reference_run(model, batches, clip=clip, opt=opt)
+            return reference_run(_float64_experts(copy.deepcopy(model).to(dtype)), batches, clip=clip, opt=opt)
         finally:
             torch.set_default_dtype(default)
     model = copy.deepcopy(model)
@@ -331,6 +331,16 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
         losses.append(loss.item())
         norms.append(norm.item())
     return Run(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads)
+
+
+def _float64_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with Hugging Face's "eager" experts (a loop of per-expert linears) where
+    it runs them "grouped_mm": ``torch._grouped_mm`` has no float64 kernel (it refuses
+    Double), so the float64 judge of a grouped MoE would raise instead of judging."""
+    chosen = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+    if "grouped_mm" in chosen.values() and model.dtype == torch.float64:
+        model.set_experts_implementation({k: "eager" if v == "grouped_mm" else v for k, v in chosen.items()})
+    return model
 
 
 def reference(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: str = "adamw"):

@@ -204,11 +204,12 @@ def _moe_example(rows: int = 2, seq: int = 16):
 
 def _expert_and_dense_elements(model) -> tuple[int, int]:
     """By hand, from the model's own parameters: the routed experts' banks (the
-    ``mlp.experts`` module of each MoE layer: weights, and GPT-OSS's bias banks) and the
-    rest (attention, router, shared experts, dense layers, embeddings, norms); trainable
-    ones only, as the plan counts them (AFMoE's expert_bias is a frozen parameter)."""
+    ``mlp.experts`` module of each MoE layer, Granite's ``block_sparse_moe.experts``:
+    weights, and GPT-OSS's bias banks) and the rest (attention, router, shared experts,
+    dense layers, embeddings, norms); trainable ones only, as the plan counts them (AFMoE's
+    expert_bias is a frozen parameter)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = sum(p.numel() for n, p in trainable if ".mlp.experts." in n)
+    experts = sum(p.numel() for n, p in trainable if ".mlp.experts." in n or ".block_sparse_moe.experts." in n)
     return experts, sum(p.numel() for _, p in trainable) - experts
 
 

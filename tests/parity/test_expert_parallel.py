@@ -5,10 +5,12 @@ gloo ranks against single-device training of the same Hugging Face mixture of ex
 One 2-rank spawn: Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE, OLMoE, DeepSeek-V3
 (latent attention, group-limited routing, a dense first layer), GPT-OSS (biased
 experts, clamped GLU), AFMoE (a zero-initialised sigmoid router: at step 1 every token
-goes to the experts of one rank, the other receives no rows) and Llama 4 (batched experts:
+goes to the experts of one rank, the other receives no rows), Llama 4 (batched experts:
 every expert over every token, the routing weights on their input; every other layer
-dense) at ep=2 (dp=2: each rank holds half the experts); Mixtral and
-Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
+dense) and Granite's granitemoe and granitemoeshared (a shared MLP) at ep=2 (dp=2: each
+rank holds half the experts); the two Granite types also at dp=2 with ep=1 (each rank every
+expert, m=4 micro-batches); Mixtral
+and Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
 ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2, AFMoE at pp=2,
@@ -48,6 +50,7 @@ from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_los
 
 EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE) + sorted(BATCHED_MOE)]
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]  # folded over cp
+DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]  # ep=1: every rank all experts
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -67,7 +70,7 @@ RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute",
 ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))  # counts all-reduced over cp, probabilities summed
 GLOBAL_LOSS = Scenario("hf-mixtral", dp=2, options=(("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss")))
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))  # experts: aten._grouped_mm
-ALL = EP2 + CP + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, BF16]
+ALL = EP2 + CP + DP2 + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, BF16]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
@@ -157,7 +160,7 @@ def _ranks(results, sc) -> list[dict]:
     return [r[sc.id] for r in results[sc.world]]
 
 
-@pytest.mark.parametrize("sc", EP2 + CP + FOUR, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", EP2 + CP + DP2 + FOUR, ids=lambda s: s.id)
 def test_parity(results, sc):
     check_parity(_ranks(results, sc), sc)
 

@@ -13,7 +13,8 @@ relative norm: docs/design.md §3).
   experts run batched over every token and whose rotary embedding is complex
   (``view_as_complex`` of the head-split q and k), layer 0 dense with rotary and chunked
   attention, layer 1 routed without rotary: tests.helpers.BATCHED_MOE) at tp=2 x pp=2
-  only (MOE_ZOO), where each tp rank holds less than the whole model;
+  only (MOE_ZOO), where each tp rank holds less than the whole model; Granite's (granitemoe,
+  granitemoeshared) at world size 1 with 4 micro-batches (WORLD1_MOE);
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
   embedding runs in autocast regions reading the head-split q and k (split inside them:
   fxmeg/passes/tp_regions.py); a skip when x-transformers is not installed;
@@ -168,6 +169,15 @@ as grouped_mm (its single-device reference runs eager). At tp the router stays w
 every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared expert) are
 split. At tp2-pp2 only: about 8 s each in the zoo's spawn, where world size 1 would add
 about 10 s each in the test process (they train there too: issue 27)."""
+for _kind in ("granitemoe", "granitemoeshared"):
+    ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
+WORLD1_MOE = ("granitemoe", "granitemoeshared")
+"""Granite's mixtures of experts (tests.helpers.MOE: 4 experts, top-2; the shared one with
+its dense shared MLP), grouped_mm experts as transformers builds them, at world size 1
+only: the zoo's 8 rows in 4 micro-batches of 2, where each block's top-k ranks a quarter
+of the tokens its single-device twin ranks at once (a layout reported 1.2e-5 off in
+loss, not reproduced here); tests/parity/test_expert_parallel.py trains them at dp2 and
+ep2. About 10 s each in the test process."""
 ZOO["x-transformers"] = (XDecoder, {}, -100)  # rotary inside autocast regions: split inside them
 # key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py): Falcon's
 # default config (multi-query, parallel attention, FalconLinear's x @ w.T) and gpt_bigcode's
@@ -237,15 +247,17 @@ EAGER_REPEATS = _eager_repeats()
 # FlexOlmo (issue 44 measured its embedding 4.3e-4 from the reference at tp2 x pp2; on the
 # zoo's batches it trains as one device, every gradient within fp32 rounding)
 ZOO["flex_olmo"] = (hf("flex_olmo", num_experts=4, num_experts_per_tok=2), {}, -100)
-W1_CASES = ("jetmoe",)
-"""Also at world size 1 (issue 44: data-dependent sizes, captured and costed)."""
-CASES = ([(name, "tp2-pp2") for name in ZOO if name not in EAGER_REPEATS]
+W1_CASES = ("jetmoe", *WORLD1_MOE)
+"""Also at world size 1: JetMoE (issue 44: data-dependent sizes, captured and costed);
+Granite's mixtures of experts only there."""
+CASES = ([(name, "tp2-pp2") for name in ZOO if name not in EAGER_REPEATS and name not in WORLD1_MOE]
          + [(name, "tp2") for name in ISSUE_CASES]
          + [(name, "w1") for name in ZOO if name in EAGER_REPEATS or name in W1_CASES])
 """Every model trains once at tp2 x pp2, where each tp rank's share is asserted, or, if
 its eager attention repeats an earlier type's, at world size 1 (capture and the loss pass
-on their own). World size 1 for the rest would add only their capture again (a tp2 x pp2
-run captures the same graph and is checked against the same single-device training)."""
+on their own); Granite's mixtures of experts at world size 1 (WORLD1_MOE). World size 1
+for the rest would add only their capture again (a tp2 x pp2 run captures the same graph
+and is checked against the same single-device training)."""
 
 
 def make(name: str, layers: int | None = None) -> nn.Module:

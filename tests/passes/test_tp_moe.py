@@ -26,19 +26,22 @@ def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
         gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
     tp = _layouts(gm)
-    router = "router" if kind == "gpt_oss" else "gate"
-    assert tp[f"model.layers.0.mlp.{router}.weight"] == Replicate()
+    block = "block_sparse_moe" if kind.startswith("granitemoe") else "mlp"  # Granite's MoE module
+    router = "router" if kind == "gpt_oss" or kind.startswith("granitemoe") else "gate"
+    assert tp[f"model.layers.0.{block}.{router}.weight"] == Replicate()
     assert tp["model.layers.1.self_attn.q_proj.weight"] == Shard(0, (32,))
-    assert tp["model.layers.1.mlp.experts.down_proj"] == Replicate()
+    assert tp[f"model.layers.1.{block}.experts.down_proj"] == Replicate()
     if kind == "qwen2_moe":  # the shared expert is a dense MLP: split; its one-feature gate: whole
         assert tp["model.layers.0.mlp.shared_expert.up_proj.weight"] == Shard(0, (48,))
         assert tp["model.layers.0.mlp.shared_expert_gate.weight"] == Replicate()
+    if kind == "granitemoeshared":  # its shared MLP is dense: split, gate and up halves each
+        assert tp["model.layers.0.shared_mlp.input_linear.weight"] == Shard(0, (48, 48))
     said = [r for r in caplog.records if r.name == "fxmeg.passes.tensor_parallel"]
     (info,) = [r.getMessage() for r in said if r.levelno == logging.INFO]
     assert f"tp=2 keeps {2 + 2 * (kind == 'qwen2_moe')} router linears whole" in info
-    assert f"model.layers.*.mlp.{router}" in info
+    assert f"model.layers.*.{block}.{router}" in info
     (warning,) = [r.getMessage() for r in said if r.levelno == logging.WARNING]
-    assert warning.startswith("tp=2 leaves") and "'model.layers.*.mlp.experts' (" in warning
+    assert warning.startswith("tp=2 leaves") and f"'model.layers.*.{block}.experts' (" in warning
 
 
 def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
