@@ -311,7 +311,8 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            return reference_run(_float64_experts(copy.deepcopy(model).to(dtype)), batches, clip=clip, opt=opt)
+            judge = _float64_experts(copy.deepcopy(model).to(dtype))
+            return reference_run(judge, batches, clip=clip, opt=opt)
         finally:
             torch.set_default_dtype(default)
     model = copy.deepcopy(model)
@@ -337,9 +338,10 @@ def _float64_experts(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with Hugging Face's "eager" experts (a loop of per-expert linears) where
     it runs them "grouped_mm": ``torch._grouped_mm`` has no float64 kernel (it refuses
     Double), so the float64 judge of a grouped MoE would raise instead of judging."""
-    chosen = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+    chosen = getattr(model, "get_experts_implementation", dict)()
     if "grouped_mm" in chosen.values() and model.dtype == torch.float64:
-        model.set_experts_implementation({k: "eager" if v == "grouped_mm" else v for k, v in chosen.items()})
+        model.set_experts_implementation({k: "eager" if v == "grouped_mm" else v
+                                          for k, v in chosen.items()})
     return model
 
 

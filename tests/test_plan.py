@@ -4,6 +4,7 @@ Program's own records, the closed-form pipeline bubble, and the real (non-meta) 
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def _expert_and_dense_elements(model) -> tuple[int, int]:
     dense layers, embeddings, norms); trainable ones only, as the plan counts them (AFMoE's
     expert_bias is a frozen parameter)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = sum(p.numel() for n, p in trainable if ".mlp.experts." in n or ".block_sparse_moe.experts." in n)
+    experts = sum(p.numel() for n, p in trainable if re.search(r"\.(mlp|block_sparse_moe)\.experts\.", n))
     return experts, sum(p.numel() for _, p in trainable) - experts
 
 
