@@ -61,6 +61,9 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
         "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # q_norm / k_norm per head
         # eager attention with logit softcapping, softcapped tied head
         "gemma2": lambda: T.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8),
+        # ALiBi through baddbmm, heads merged into the batch; eager attention only
+        "bloom": lambda: T.BloomConfig(vocab_size=vocab_size, hidden_size=32, n_layer=n_layer, n_head=4,
+                                       hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=pad_token_id),
         "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                            output_router_logits=True, router_aux_loss_coef=0.1),
     }

@@ -70,7 +70,7 @@ from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import constant_value, mask_inputs
 from fxmeg.passes.cp_moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
-    call, divide_shape_arg, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
+    call, divide_shape_arg, expand_add_matmul, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
 )
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.tp_placement import dim_groups, divisors
@@ -229,8 +229,13 @@ class _ContextParallel:
                 sizes[s.dim + lead] //= self.cp
             node.args = (node.args[0], sizes, *node.args[2:])
             return s.shifted(lead)
-        if s.full is not None:
-            raise self.refuse(node, "it reshapes attention scores (queries x all keys)")
+        if s.full is not None:  # attention scores (queries x all keys): only the dims before them
+            n = len(a)
+            if (s.dim, s.full) != (n - 2, n - 1) or a[-2:] != b[-2:]:
+                raise self.refuse(node, "it reshapes attention scores (queries x all keys)")
+            if node.target in SHAPE_ARGUMENT:  # heads in or out of the batch (Bloom's baddbmm)
+                divide_shape_arg(node, len(b) - 2, self.cp)
+            return Seq(len(b) - 2, full=len(b) - 1)
         if len(b) == 1 and b[0] == math.prod(a) and only_counted(node):
             return Seq(0, merged=True)  # flattened to be counted (a router loss's expert ids): order is moot
         moved = self._moved(node, s, a, b)
@@ -306,6 +311,15 @@ class _ContextParallel:
         if s.dim == n - 1 or s.full is not None:
             raise self.refuse(node, "it contracts the sequence dim")
         return s.shifted(val(node).dim() - n)
+
+    @rule(CP, "add_matmul")
+    def _add_matmul(self, node: fx.Node):
+        """``baddbmm`` as ``beta * input + alpha * (a @ b)`` (``expand_add_matmul``), each
+        part by its own rule: Bloom's scores, ALiBi's bias (per key: whole along the keys,
+        broadcast over the queries) plus ``q @ k^T`` of eager attention."""
+        for n in (new := expand_add_matmul(node)):
+            self.place[n] = self._visit(n)
+        return self.place[new[-1]]
 
     @rule(CP, "convolution")
     def _convolution(self, node: fx.Node):

@@ -109,6 +109,32 @@ def fake_eval(node: fx.Node) -> Any:
         return node.target(*args, **kwargs)
 
 
+def expand_add_matmul(node: fx.Node) -> list[fx.Node]:
+    """Replace ``baddbmm(input, a, b, beta, alpha)`` in its graph by ``beta * input + alpha *
+    (a @ b)``, so that a sharding pass places each part by its own rule (GPT-BigCode's and
+    Bloom's attention scores: ALiBi's bias plus q @ k^T); with ``beta == 0`` the product
+    alone, as torch ignores the input then (GPT-BigCode passes ``torch.empty``: its NaN
+    must not leak). Returns the new nodes in order, the last computing the result."""
+    g, aten = node.graph, torch.ops.aten
+    x, a, b = node.args[:3]
+    beta, alpha = full_args(node)[3:5]
+    new: list[fx.Node] = []
+
+    def add(target, *args) -> fx.Node:
+        with g.inserting_before(node):
+            new.append(call(g, target, args, like=node))
+        return new[-1]
+
+    out = add(aten.bmm.default, a, b)
+    if alpha != 1:
+        out = add(aten.mul.Tensor, out, alpha)
+    if beta != 0:
+        out = add(aten.add.Tensor, add(aten.mul.Tensor, x, beta) if beta != 1 else x, out)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return new
+
+
 def divide_shape_arg(node: fx.Node, dim: int, k: int) -> None:
     """Make the reshape / view (its shape argument) or ``unflatten`` (its sizes) ``node``
     produce 1/k of output dim ``dim``; an inferred size (-1) stays inferred. What a pass

@@ -20,7 +20,7 @@ from torch import fx
 
 from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import call, full_args, users_reached, val
+from fxmeg.passes.graph_utils import call, expand_add_matmul, full_args, users_reached, val
 from fxmeg.passes.tp_placement import dim_groups
 from fxmeg.passes.op_rules import LINEAR_SLOTS, dim_argument, in_family, rule
 
@@ -99,36 +99,12 @@ class MoreRules:
 
     @rule(TP, "add_matmul")
     def _add_matmul(self, node: fx.Node):
-        """``baddbmm(input, a, b, beta, alpha)`` as ``beta * input + alpha * (a @ b)``: the
+        """``baddbmm`` as ``beta * input + alpha * (a @ b)`` (``expand_add_matmul``): the
         product by the matmul rule, the sum by the pointwise rule (``input`` split alike,
-        or cut to this rank's part); with ``beta == 0`` the product alone, as torch
-        ignores the input then."""
-        x, a, b = node.args[:3]
-        beta, alpha = full_args(node)[3:5]
-        ops = []
-
-        def add(target, *args, place=None):
-            with self.g.inserting_before(node):
-                ops.append(call(self.g, target, args, like=node))
-            self.place[ops[-1]] = place
-            return ops[-1]
-
-        product = add(aten.bmm.default, a, b)
-        if any(isinstance(self.place.get(v), Shard) for v in (a, b)):
-            self.place[product] = self._matmul(product)
-        if alpha != 1:
-            product = add(aten.mul.Tensor, product, alpha, place=self.place[product])
-        if beta == 0:  # torch ignores the input then (gpt_bigcode passes torch.empty): NaN must not leak
-            out = product
-        else:
-            if beta != 1:
-                x = add(aten.mul.Tensor, x, beta, place=self.place.get(x))
-            out = add(aten.add.Tensor, x, product)
-            if any(isinstance(self.place.get(v), Shard) for v in (x, product)):
-                self.place[out] = self._elementwise(out)
-        node.replace_all_uses_with(out)
-        self.g.erase_node(node)
-        return self.place[out]
+        or cut to this rank's part)."""
+        for n in (new := expand_add_matmul(node)):
+            self.place[n] = self._visit(n)
+        return self.place[new[-1]]
 
     def _softmax_over_split(self, node: fx.Node, s: Shard):
         """Softmax (or log-softmax) along the split dim: the maximum (no gradient: a

@@ -5,7 +5,8 @@ local sequence slices), tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recom
 gathers and layer-wise sharding (Muon), compiled chunks (torch.compile); and Hugging Face's Llama at cp=2 in sdpa (a causal
 mask built from positions, labels shifted inside the model) and eager attention (matmul,
 softmax, matmul; also at cp2 x tp2), Llama 4 at cp=2 (its complex rotary table cut to each
-rank's positions, chunked attention, the attention temperature, batched experts), and on padded dict batches (attention_mask kept
+rank's positions, chunked attention, the attention temperature, batched experts), Bloom at
+cp=2 (ALiBi added to the scores by baddbmm, heads merged into the batch dim), and on padded dict batches (attention_mask kept
 whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with position_ids,
 cp2 x tp2, cp2 x dp2, cp2 x pp2: the mask crosses the pipeline cut) against plain
 training on the same dicts. Every batch ignores a different number of leading labels per
@@ -66,6 +67,7 @@ PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llam
     Scenario("llama", cp=2, dp=2, opt="muon",
              options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
     Scenario("moe-llama4_text", cp=2),  # complex rotary, chunked attention, batched experts per token
+    Scenario("hf-bloom", cp=2),  # ALiBi: baddbmm of the scores, heads in and out of the batch dim
 ]
 
 

@@ -53,7 +53,7 @@ reduction        tp _reduction           cp _reduction     tag reduction
 histogram        tp -                    cp _histogram     bincount.default, histc.default
 linear           tp _product*            cp _linear        addmm.default, linear.default
 matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
-add_matmul       tp _add_matmul          cp -              baddbmm.default
+add_matmul       tp _add_matmul          cp _add_matmul    baddbmm.default
 attention        tp _attention           cp _attention     scaled_dot_product_attention.default
 norm             tp _layer_norm          cp _layer_norm    layer_norm.default
 embedding        tp _embedding*          cp _embedding     embedding.default
