@@ -556,6 +556,11 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
             where = f" (split along dim {s.dim} by module {s.origin!r})"
             glob = re.sub(r"\.\d+\.", ".*.", s.origin)
             default = f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
+            if module and s.origin.startswith(module + "."):  # the op is its parent's (an attention's
+                # own arithmetic on its projections, as DiffLlama's chunk of heads): keep the parent whole
+                block = re.sub(r"\.\d+(\.|$)", r".*\1", module)
+                default = (f"keep module {block!r} whole with tp_plan={{{block + '.*'!r}: 'replicate'}} (its other "
+                           "linears compute with the same split values), or use tp=1")
         fix = fix or default
         return PassError(
             f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "

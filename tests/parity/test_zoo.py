@@ -210,7 +210,7 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 ISSUE_CASES = ("mistral", "qwen3", "granite", "stablelm", "gemma", "gemma3_text",  # a pad token
                "llama-eager", "gemma2-eager", "phi3", "olmo2", "x-transformers",  # refused before
-               "doge")  # issue 44: a wrong gradient at tp=2
+               "doge", "diffllama")  # issue 44: a wrong gradient at tp=2; refused at tp=2
 """The cases issue 15 found silently wrong, refused or not captured: also trained at plain
 tp=2 (issue 28's cases train at tp=2 x pp=2, where each tp rank's share is asserted)."""
 
@@ -244,6 +244,12 @@ def _eager_repeats() -> set[str]:
 
 
 EAGER_REPEATS = _eager_repeats()
+# DiffLlama: differential attention pairs query head h with h + heads/2 (a chunk of the heads
+# after attention) and cuts the value heads in two halves: with 2 key/value heads a tp rank
+# cannot hold its heads' halves, so tensor parallelism is refused naming this tp_plan (the
+# attention whole on every tp rank, the MLP split), with which it trains
+DIFFLLAMA_PLAN = {"model.layers.*.self_attn.*": "replicate"}
+ZOO["diffllama"] = (hf("diffllama"), {"tp_plan": DIFFLLAMA_PLAN}, -100)
 # FlexOlmo (issue 44 measured its embedding 4.3e-4 from the reference at tp2 x pp2; on the
 # zoo's batches it trains as one device, every gradient within fp32 rounding)
 ZOO["flex_olmo"] = (hf("flex_olmo", num_experts=4, num_experts_per_tok=2), {}, -100)

@@ -521,3 +521,18 @@ def test_unshardable_pattern_names_node_module_and_fix():
     assert "cannot split node 'var'" in msg and "it reduces over dim 2" in msg
     assert "split along dim 2 by module 'layers.0.up'" in msg
     assert "tp_plan={'layers.*.up': 'replicate'}" in msg
+
+
+def test_differential_attention_is_refused_naming_the_block_to_keep_whole():
+    """DiffLlama (issue 44) cuts its value heads in two halves (chunk of the heads dim) and
+    pairs query heads across the halves: with 2 key/value heads a tp=2 rank cannot hold
+    its heads' halves. The refusal names the attention block and a tp_plan keeping it whole
+    (with which it trains: tests/parity/test_zoo.py), not the one linear it met first."""
+    pytest.importorskip("transformers")
+    from tests.parity.test_zoo import DIFFLLAMA_PLAN, make
+
+    with pytest.raises(PassError) as err:
+        graph_after(make("diffllama"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+    msg = str(err.value)
+    assert "module 'model.layers.0.self_attn.v_proj'" in msg and "it splits the dim into [1, 1]" in msg
+    assert f"tp_plan={DIFFLLAMA_PLAN}" in msg
