@@ -71,7 +71,7 @@ from fxmeg.errors import PassError
 from fxmeg import ops as fxmeg_ops
 from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, carries_grad, fake_eval, finish, full_args, is_hop, val
+from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
@@ -79,7 +79,7 @@ from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, lin
 from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_regions import RegionRules
-from fxmeg.passes.tp_rules import _SYNCED, PropagationRules, _bounds
+from fxmeg.passes.tp_rules import PropagationRules, _bounds
 from fxmeg.passes.tp_rules_more import MoreRules, fused_view
 
 aten = torch.ops.aten
@@ -131,7 +131,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
                 continue
             self.place[node] = self._visit(node)
         self._check_statistics()
-        check_kv_readers(self, _SYNCED)
+        check_kv_readers(self)
         self._per_rank_streams()
         self._tag_parameters()
         say_whole_projections(self)  # never silent: tp_heads
@@ -501,22 +501,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
     def _touches_split(self, param: fx.Node) -> bool:
         """True when the parameter's gradient differs per tp rank: it reaches a split or
         sliced value through replicated ops, with no collective in between."""
-        todo, seen = list(param.users), {param}
-        while todo:
-            n = todo.pop()
-            inner = self._through(n, seen)  # into and out of region bodies
-            if inner is not None:
-                todo.extend(u for u in inner if u not in seen)
-                continue
-            if n in seen or n.target in _SYNCED or not carries_grad(n):
-                continue
-            seen.add(n)
-            p = self.place.get(n)
-            if isinstance(p, (Shard, list)) or p is LOCAL:
-                return True
-            if p is None:
-                todo.extend(n.users)
-        return False
+        return any(kind == "split" for kind, _ in self._gradient_readers(param))
 
     def _refresh_values(self) -> None:
         """Every tensor's fake value anew, on the local shapes. Nodes of no tensor (a size

@@ -310,27 +310,14 @@ def kv_linear(tpass, node: fx.Node):
     return Shard(val(node).dim() - 1, (val(node).shape[-1],), origin=owning_module(node))
 
 
-def check_kv_readers(tpass, synced) -> None:
+def check_kv_readers(tpass) -> None:
     """A replicated key/value's gradient on a rank is its split readers' part: every path
     from it must reach a value split over tp (or this rank's slice of it) before any
     collective or output, else that reader's gradient would be summed tp times. Paths go
     into and out of the region bodies the pass entered (a no-grad body passes no gradient)."""
     for kv in tpass.kv_outputs:
-        todo, seen = list(kv.users), {kv}
-        while todo:
-            n = todo.pop()
-            inner = tpass._through(n, seen)  # into and out of region bodies
-            if inner is not None:
-                todo.extend(u for u in inner if u not in seen)
-                continue
-            if n in seen:
-                continue
-            seen.add(n)
-            p = tpass.place.get(n)
-            if isinstance(p, Shard) or p is LOCAL:
-                continue
-            if p is None and n.op == "call_function" and n.target not in synced and n.users:
-                todo.extend(n.users)
+        for kind, n in tpass._gradient_readers(kv):
+            if kind == "split":
                 continue
             glob = layer_glob(owning_module(kv))
             raise PassError(

@@ -13,6 +13,8 @@ PassError naming the node and a fix (docs/errors.md, row tp-unsplittable).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 import torch
 from torch import fx
@@ -375,13 +377,14 @@ class PropagationRules:
                 total.replace_input_with(origin, copy)
                 self.place[copy] = PARTIAL
 
-    def _split_readers(self, total: fx.Node, origin: fx.Node) -> bool:
-        """Whether the readers of all-reduced ``total`` reach split values (or this rank's
-        slice of a replicated one) through replicated ops, each rank then holding the
-        gradient of its own part; False when none does (every rank holds the whole), also
-        once slices read beside whole readers have their gradient summed at the slice.
-        Refused when some do and some do not otherwise."""
-        split, whole, todo, seen = [], [], list(total.users), {total}
+    def _gradient_readers(self, start: fx.Node) -> Iterator[tuple[str, fx.Node]]:
+        """Where the gradient of ``start`` comes from: its readers, followed through
+        replicated ops (into and out of region bodies; integer and boolean values pass
+        none), each end as ("split", node) for a split value or this rank's slice of a
+        replicated one (each rank holds the gradient of its own part), ("summed", node) for
+        a tp collective (its backward sums over ranks, or passes a whole gradient on), and
+        ("whole", node) for anything else (an output)."""
+        todo, seen = list(start.users), {start}
         while todo:
             n = todo.pop()
             inner = self._through(n, seen)  # into and out of region bodies
@@ -392,14 +395,24 @@ class PropagationRules:
                 continue
             seen.add(n)
             p = self.place.get(n)
-            if n.target in _SYNCED:  # a column-parallel input: its gradient is summed there
-                whole.append(n)
-            elif isinstance(p, Shard) or p is LOCAL:  # this rank's part: a padded gradient
-                split.append(n)
+            if n.target in _SYNCED:
+                yield "summed", n
+            elif isinstance(p, (Shard, list)) or p is LOCAL:
+                yield "split", n
             elif p is None and n.op == "call_function" and n.users:
                 todo.extend(n.users)
             else:
-                whole.append(n)
+                yield "whole", n
+
+    def _split_readers(self, total: fx.Node, origin: fx.Node) -> bool:
+        """Whether the readers of all-reduced ``total`` reach split values (or this rank's
+        slice of a replicated one) through replicated ops, each rank then holding the
+        gradient of its own part; False when none does (every rank holds the whole), also
+        once slices read beside whole readers have their gradient summed at the slice.
+        Refused when some do and some do not otherwise."""
+        split, whole = [], []
+        for kind, n in self._gradient_readers(total):
+            (split if kind == "split" else whole).append(n)
         if split and whole and all(n.target == fxmeg_ops.tp_slice.default for n in split):
             for n in split:  # each slice's gradient summed over ranks there: every reader's is whole
                 with n.graph.inserting_before(n):

@@ -20,7 +20,7 @@ from torch import fx
 
 from fxmeg.layouts import LOCAL, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import call, expand_add_matmul, full_args, users_reached, val
+from fxmeg.passes.graph_utils import call, expand_add_matmul, users_reached, val
 from fxmeg.passes.tp_placement import dim_groups
 from fxmeg.passes.op_rules import LINEAR_SLOTS, dim_argument, in_family, rule
 

@@ -9,7 +9,6 @@ AttributeError (GPT-OSS at tp=2 did)."""
 import logging
 
 import pytest
-import torch
 from torch import nn
 
 from fxmeg.errors import PassError
@@ -54,12 +53,13 @@ def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
 
 def test_deepseek_v3_is_refused_at_its_latent_attention_by_name():
     """MLA slices the rotary part out of kv_a_proj_with_mqa's output: refused naming the
-    node, the module and the fix; with attention whole as the fix says, the router (a
+    node, the module and the fix (the attention block whole); with attention whole as the fix says, the router (a
     linear of fp32 casts of its weight) and the experts stay whole, the shared experts split."""
     model, batch = tiny_moe("deepseek_v3"), make_batch(2, seed=0, vocab=96)
     refusal = (r"cannot split node 'slice_\d+' \(slice.Tensor, module 'model.layers.0.self_attn'\) over tp=2 "
                r"ranks \(split along dim 3 by module 'model.layers.0.self_attn.kv_a_proj_with_mqa'\): it slices "
-               r"\[0:4:2\] .* Fix: keep that module whole with tp_plan=\{'model.layers.\*.self_attn.kv_a_proj")
+               r"\[0:4:2\] .* Fix: keep module 'model.layers.\*.self_attn' whole with "
+               r"tp_plan=\{'model.layers.\*.self_attn.\*': 'replicate'\}")
     with pytest.raises(PassError, match=refusal):
         graph_after(model, batch, "tensor_parallel", tp=2)
     plan = {"model.layers.*.self_attn.*": "replicate"}
