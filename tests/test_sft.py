@@ -2,8 +2,10 @@
 targets a sample counts are exactly the assistant turns of each conversation (their words
 and the template's end-of-turn token, looked up in the tokenizer's vocabulary, not
 rendered) or each pair's response and end-of-document token; no prompt token's label ever
-counts. Packed windows keep examples whole and apart (positions restart, a block-causal
-attention mask); padded rows are bucketed. Then the refusals."""
+counts. A conversation's token ids, rendered text and targets are those of transformers'
+``apply_chat_template`` (the oracle) on the same tokenizer files. Packed windows keep
+examples whole and apart (positions restart, a block-causal attention mask); padded rows
+are bucketed. Then the refusals."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from fxmeg.data.sft import ChatTemplate, SFTFormat, read_examples
+from fxmeg.data.tokenizer import HFTokenizer
 from fxmeg.errors import ConfigError, DataError
 from fxmeg.trainer import TrainConfig, train_data
 from tests import sft_data
@@ -75,6 +79,71 @@ def test_packed_windows_count_the_responses_alone(files, kind):
                 if keep.any():
                     counted.append(labels[a:b][keep].tolist())
         assert counted == [_expected(r) for r in lines]
+
+
+TURNS = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+         "{{ m['content'] }}<|end|>\n{% endgeneration %}{% else %}{{ m['content'] }}<|end|>\n{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+"""sft_data.TEMPLATE with its assistant turns in ``{% generation %}`` blocks: the same text."""
+FANCY = """{{ bos_token }}
+{% for m in messages %}
+    {% if loop.first and m['role'] != 'system' %}
+<|system|>
+{{ {'role': 'system', 'content': 'you are one'} | tojson(separators=(',', ':'), sort_keys=True) }}<|end|>
+    {% endif %}
+    {% if m['role'] == 'assistant' %}
+<|assistant|>
+{% generation %}{{ m['content'] | trim }}{{ eos_token }}{% endgeneration %}
+
+    {% else %}
+<|{{ m['role'] }}|>
+{{ m['content'] }}<|end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+"""Block tags on indented lines of their own (trim_blocks and lstrip_blocks decide the
+text), the tokenizer_config.json's bos_token and eos_token, loop.first, tojson's keywords."""
+TEMPLATES = {"turns": (sft_data.TEMPLATE, TURNS), "fancy": (FANCY, FANCY)}
+"""name -> (the template fxmeg reads, its twin with ``{% generation %}`` blocks, from which
+transformers computes the assistant mask)."""
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_conversations_are_transformers_apply_chat_template(tmp_path, name):
+    """Every conversation, read by fxmeg from a tokenizer_config.json's chat_template, is
+    what transformers' ``apply_chat_template`` makes of it with the same tokenizer.json and
+    tokenizer_config.json: the same rendered text, token ids and targets (its assistant
+    mask, ``return_assistant_tokens_mask``: the tokens of the ``{% generation %}`` blocks of
+    the template or of its twin, which renders the same text)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    read, masked = TEMPLATES[name]
+    tok = sft_data.write_tokenizer(str(tmp_path / "tok"))
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|system|>",
+                                  "eos_token": "<|end|>", "chat_template": read}))
+    records = sft_data.conversations(12, seed=4) + [{"messages": [  # a system turn, three exchanges
+        {"role": "system", "content": "you are the one"}, {"role": "user", "content": "what is it"},
+        {"role": "assistant", "content": "a word"}, {"role": "user", "content": "and"},
+        {"role": "assistant", "content": "two"}, {"role": "user", "content": "then"},
+        {"role": "assistant", "content": "the end of it"}]}]
+    lines = sft_data.write_lines(str(tmp_path / "c.jsonl"), records)
+    ours = read_examples(lines, HFTokenizer(tok), SFTFormat(chat_template=str(config)))
+    render = ChatTemplate(str(config), HFTokenizer(tok))
+    theirs = AutoTokenizer.from_pretrained(tok)  # a local directory: nothing is downloaded
+    for record, example in zip(records, ours, strict=True):
+        messages = record["messages"]
+        text = theirs.apply_chat_template(messages, tokenize=False)
+        assert render(messages) == text == theirs.apply_chat_template(messages, chat_template=masked, tokenize=False)
+        want = theirs.apply_chat_template(messages, chat_template=masked, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert example.tokens.tolist() == want["input_ids"], text
+        assert example.targets.astype(int).tolist() == want["assistant_masks"], text
+        assert 0 < sum(want["assistant_masks"]) < len(want["input_ids"])
 
 
 def test_padded_rows_are_bucketed_and_count_the_responses_alone(files):
