@@ -171,7 +171,8 @@ def test_the_blending_index_is_megatrons_helper(weights):
 @pytest.mark.parametrize("reset", ["none", "positions", "attention", "both"])
 def test_masks_and_positions_are_megatrons(tmp_path, eod_mask_loss, reset):
     """Documents ending in the end-of-document token packed into samples: tokens, labels,
-    loss mask, position ids and attention mask as GPTDataset gives them for each switch."""
+    loss mask, position ids and attention mask as GPTDataset gives them for each switch,
+    and no field more or less than it gives."""
     from fxmeg.data.masks import gpt_fields
 
     prefix = str(tmp_path / "eod")
@@ -198,6 +199,7 @@ def test_masks_and_positions_are_megatrons(tmp_path, eod_mask_loss, reset):
         mine = gpt_fields(text, eod=_Tokenizer.eod, pad=_Tokenizer.pad, eod_mask_loss=eod_mask_loss,
                           reset_position_ids=positions, reset_attention_mask=attention)
         want = theirs[i]
+        assert mine.keys() == want.keys(), (i, sorted(mine), sorted(want))  # a field either side lacks fails
         for key, value in mine.items():
             assert np.array_equal(value, want[key].numpy()), (i, key)
         ends += int((mine["tokens"] == _Tokenizer.eod).sum())
