@@ -7,11 +7,16 @@ time in the suite. A Program is rank-free (docs/design.md §2), so one transform
 
 ``install(directory)`` (tests/distributed.py calls it in every rank) wraps ``transform``
 where fxmeg calls it. A call is keyed by its index among this rank's transforms and by
-everything the transform reads: the model's class, ``repr``, Hugging Face config,
-state-dict names, shapes, dtypes, devices and values; the example's; the config or
-options; the loss function's name; the device. The index keeps apart two transforms of
-one rank that look alike but are not (a test that patches a pass, or a model's forward,
-between them): only the n-th transforms of two ranks are one. The first rank to create
+everything the transform reads: the model's class, ``repr``, Hugging Face config and the
+attention / experts implementations it runs (``config._attn_implementation``,
+``_experts_implementation``, which its ``repr`` leaves out), the names, shapes, dtypes,
+devices and values of its state dict and of every buffer (non-persistent ones too, e.g.
+rotary tables); the code each module runs (``_code``: its ``forward``, hooks and the
+functions they call by global name); the example's tensors; the config or options;
+``FXMEG_SKIP_PASSES``; the loss function (its code and state, not only its name) and
+the loss each Hugging Face model inside calls; the device. The index keeps apart two
+transforms of one rank that look alike but are not (a test that patches a pass between
+them): only the n-th transforms of two ranks are one. The first rank to create
 ``KEY.lock`` transforms (with ``FXMEG_VERIFY``'s pass checks when the spawn sets it) and
 writes ``KEY.program``; a rank that finds the lock waits for that file and loads it.
 
@@ -39,6 +44,7 @@ import io
 import os
 import pickle
 import time
+import types
 
 import torch
 from torch import fx, nn
@@ -113,11 +119,15 @@ def _key(model, example, config, loss_fn, device, options) -> str | None:
         return None
     h = hashlib.sha256()
     for part in (type(model).__module__, type(model).__qualname__, repr(model),
-                 repr(getattr(model, "config", None)), repr(config), repr(sorted(options.items())),
-                 _stable_name(loss_fn) if loss_fn is not None else "", repr(device)):
+                 repr(getattr(model, "config", None)), repr(_implementations(model)), repr(config),
+                 repr(sorted(options.items())), os.environ.get("FXMEG_SKIP_PASSES", ""), repr(device)):
         h.update(part.encode())
+    h.update(_code(model).encode())
+    h.update(_losses(model, loss_fn).encode())
     for name, t in model.state_dict(keep_vars=True).items():
         _hash_tensor(h, name, t)
+    for name, t in model.named_buffers(remove_duplicate=False):  # non-persistent ones are not in the state dict
+        _hash_tensor(h, f"buffer {name}", t)
     leaves, spec = pytree.tree_flatten(example)
     h.update(repr(spec).encode())
     for i, t in enumerate(leaves):
@@ -130,10 +140,151 @@ def _stable_name(fn) -> str | None:
     return None if "<locals>" in name or "<lambda>" in name or name == "." else name
 
 
+def _implementations(model: nn.Module) -> list[tuple[str, str, object]]:
+    """The attention and experts implementation of every Hugging Face config in ``model``
+    (sub-configs included): transformers picks the attention / experts code by them, and
+    a config's ``repr`` does not show them."""
+    found, seen = [], set()
+    configs = [(name, getattr(m, "config", None)) for name, m in model.named_modules()]
+    while configs:
+        name, cfg = configs.pop(0)
+        if not hasattr(cfg, "to_dict") or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        found += [(name, k, getattr(cfg, k, None)) for k in ("_attn_implementation", "_experts_implementation")]
+        configs += [(f"{name}/{k}", getattr(cfg, k, None)) for k in getattr(cfg, "sub_configs", {})]
+    return found
+
+
+def _code(model: nn.Module) -> str:
+    """A digest of the code every module of ``model`` runs: its ``forward`` (a method of its
+    class or a function set on the instance), its forward hooks, and what they call."""
+    seen: dict[int, object] = {}
+    parts = []
+    for name, m in model.named_modules():
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+        parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}:"
+                     + "|".join(_callable(f, seen) for f in (m.forward, *hooks)))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _losses(model: nn.Module, loss_fn) -> str:
+    """A digest of the loss functions: ``loss_fn``'s code and state (two instances of one
+    class with other settings differ), and for each Hugging Face model inside ``model`` the
+    function its ``loss_function`` gives: one set on it (``model.loss_function = f``), else
+    its loss_type's entry of transformers' LOSS_MAPPING (read without the property, which
+    warns for a model without a loss)."""
+    seen: dict[int, object] = {}
+    parts = [_callable(loss_fn, seen) if loss_fn is not None else ""]
+    for name, m in model.named_modules():
+        if not isinstance(getattr(type(m), "loss_function", None), property):
+            continue
+        own = vars(m).get("_loss_function")
+        if own is None:
+            from transformers.loss.loss_utils import LOSS_MAPPING
+
+            own = LOSS_MAPPING.get(getattr(m, "loss_type", None) or "ForCausalLM", LOSS_MAPPING["ForCausalLM"])
+        parts.append(f"{name}:{_callable(own, seen)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _callable(fn, seen: dict[int, object]) -> str:
+    """What ``fn`` computes, as far as its code and state show: a function's code (with its
+    defaults, closure values and the functions it names globally, once each), a bound
+    method's function, a partial's function and arguments, another callable object's class,
+    ``__call__`` and attributes. No memory address enters it: the ranks must agree.
+    ``seen`` holds what was digested (by id, kept alive: a bound method is made anew at
+    each access, and a freed one's id is reused)."""
+    if id(fn) in seen:
+        return "<seen>"
+    seen[id(fn)] = fn
+    if isinstance(fn, types.MethodType):
+        return f"method {type(fn.__self__).__qualname__} {_callable(fn.__func__, seen)}"
+    if isinstance(fn, functools.partial):
+        return f"partial {_callable(fn.func, seen)} {_value(fn.args, seen)} {_value(fn.keywords, seen)}"
+    if isinstance(fn, types.FunctionType):
+        code = fn.__code__
+        called = sorted({n for c in _codes(code) for n in c.co_names if isinstance(fn.__globals__.get(n), types.FunctionType)})
+        cells = [c.cell_contents if c.cell_contents is not c else None for c in fn.__closure__ or ()]
+        return " ".join([f"function {fn.__module__}.{fn.__qualname__}", _code_text(code),
+                         _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen), _value(cells, seen),
+                         _value(getattr(fn, "__wrapped__", None), seen)]
+                        + [f"{n}={_callable(fn.__globals__[n], seen)}" for n in called])
+    if isinstance(fn, types.BuiltinFunctionType):  # its repr may hold its object's address
+        return f"builtin {getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None)}"
+    call = getattr(type(fn), "__call__", None)
+    state = vars(fn) if hasattr(fn, "__dict__") else {}
+    return " ".join([f"object {type(fn).__module__}.{type(fn).__qualname__}",
+                     _callable(call, seen) if isinstance(call, types.FunctionType) else "", _value(state, seen)])
+
+
+def _codes(code: types.CodeType):
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _codes(c)
+
+
+def _code_text(code: types.CodeType) -> str:
+    """A code object's bytecode, constants and names (line numbers left out)."""
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else _value(c, {}) for c in code.co_consts]
+    return hashlib.sha256(repr((code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars,
+                                code.co_cellvars, code.co_argcount, code.co_kwonlyargcount)).encode()).hexdigest()
+
+
+def _value(v, seen: dict[int, object]) -> str:
+    """A value a function closes over or is given, without memory addresses."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ",".join(_value(x, seen) for x in v) + "]"
+    if isinstance(v, (set, frozenset)):
+        return "{" + ",".join(sorted(_value(x, seen) for x in v)) + "}"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{_value(k, seen)}:{_value(x, seen)}" for k, x in v.items()) + "}"
+    if isinstance(v, torch.Tensor):
+        h = hashlib.sha256()
+        _hash_tensor(h, "", v)
+        return h.hexdigest()
+    if isinstance(v, type):
+        return f"class {v.__module__}.{v.__qualname__}"
+    if isinstance(v, (nn.Module, types.ModuleType)):  # a module's own code and state are keyed apart
+        return f"{type(v).__qualname__} {getattr(v, '__name__', '')}"
+    if callable(v):
+        return _callable(v, seen)
+    return f"{type(v).__module__}.{type(v).__qualname__}"
+
+
 def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
     h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}{t.device}{t.requires_grad}".encode())
     if not t.is_meta:
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------- without it
+
+def transform_alone(model: nn.Module, example, config=None, **options):
+    """fxmeg's own transform, the cache left out: this rank transforms for itself."""
+    return _ORIGINAL(model, example, config, **options)
+
+
+def program_digest(program) -> str:
+    """A digest of what a Program tells the runtime (docs/design.md §2: identical on every
+    rank): each graph's code and its nodes' fxmeg tags (the parent, its chunks and their
+    submodules, the reference), the chunks' calling conventions, placement, gradient
+    buffer layouts, tp and ep specs, holders, shapes and the other records; not the
+    tensors' values (the model's own, bound per rank)."""
+    h = hashlib.sha256()
+    graphs = [("reference", program.reference)] + [
+        (name, gm) for name, gm in program.graph.named_modules() if isinstance(gm, fx.GraphModule)]
+    for name, gm in graphs:
+        h.update(f"{name}\n{gm.code}\n".encode())
+        h.update(repr([(n.name, n.meta.get("fxmeg")) for n in gm.graph.nodes]).encode())
+    for field in ("config", "specs", "placement", "buffers", "tp_specs", "ep_specs", "holders", "partition",
+                  "full_shapes", "aliases", "inputs", "value_checks", "flops_per_microbatch", "aux_scale",
+                  "init_dtypes", "keywords", "position_tables", "tp_whole", "cp_layout", "unread"):
+        h.update(f"{field}={getattr(program, field)!r}\n".encode())  # dicts in their order: the runtime walks it
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- the file

@@ -3,7 +3,10 @@ from other weights is refused at parallelize on every rank, naming the parameter
 the ranks (tensor- and data-parallel replicas, the holders of a tied weight);
 broadcast_params=True copies the first replica's values instead and then trains exactly
 like one device; a replica changed between steps stops the next step
-(check_replicas_interval). Frozen parameters and buffers are checked too."""
+(check_replicas_interval). Frozen parameters and buffers are checked too. And the Program
+replicas are built from: with the spawn's shared transform left out, every rank transforms
+a Mixtral at tp=2 x pp=2 x ep=2 by itself and all ranks make the same Program (its digest:
+graphs, specs, placement, buffer layouts, tp / ep specs; tests/shared_transform.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fxmeg
 from fxmeg.errors import ReplicaError
+from tests import shared_transform
 from tests.distributed import run_world
 from tests.helpers import (
     assert_losses_close,
@@ -23,6 +28,7 @@ from tests.helpers import (
     make_model,
     optimizer,
     reference,
+    tiny_moe,
 )
 
 MBS, GBS, STEPS = 2, 8, 3
@@ -115,8 +121,20 @@ def _state(rank: int) -> dict:
     return out
 
 
+def _transformed_alone(rank: int) -> dict:
+    """Each rank transforms for itself (the shared cache, which lets one rank transform for
+    the spawn, left out); every rank's Program digest, all-gathered."""
+    program = shared_transform.transform_alone(tiny_moe("mixtral"), make_batch(MBS, seed=0, vocab=96), tp=2, pp=2,
+                                               ep=2, dp=2, global_batch_size=GBS)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, shared_transform.program_digest(program))
+    return {"digests": digests, "tp": len(program.tp_specs), "ep": len(program.ep_specs),
+            "placement": program.placement, "buffers": sum(len(b) for b in program.buffers)}
+
+
 def run(rank: int) -> dict:
     return {
+        "alone": _transformed_alone(rank),
         "state": _state(rank),
         # rank 3 = (tp 1, dp 1): its full wte differs from rank 2's, its shard from rank 1's
         "tp-dp": _refused(1 if rank == 3 else 0, tp=2),
@@ -210,3 +228,10 @@ def test_frozen_parameters_and_buffers_must_agree_too(results):
         assert r["state"]["gpt"] == ("wpe.weight", [(1, 0)])
         assert r["state"]["llama"] == ("rope_cos", [(3, 0)])
         assert r["state"]["broadcast"] == results[0]["state"]["broadcast"]
+
+
+def test_ranks_that_transform_by_themselves_make_the_same_program(results):
+    got = results[0]["alone"]
+    assert got["tp"] and got["ep"] and got["buffers"] and got["placement"] == (0, 1)  # something to agree on
+    assert all(r["alone"]["digests"] == got["digests"] for r in results)
+    assert len(set(got["digests"])) == 1, f"the ranks' Programs differ: {got['digests']}"
