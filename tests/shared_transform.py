@@ -204,7 +204,8 @@ def _callable(fn, seen: dict[int, object]) -> str:
         return f"partial {_callable(fn.func, seen)} {_value(fn.args, seen)} {_value(fn.keywords, seen)}"
     if isinstance(fn, types.FunctionType):
         code = fn.__code__
-        called = sorted({n for c in _codes(code) for n in c.co_names if isinstance(fn.__globals__.get(n), types.FunctionType)})
+        called = sorted({n for c in _codes(code) for n in c.co_names
+                         if isinstance(fn.__globals__.get(n), types.FunctionType)})
         cells = [c.cell_contents if c.cell_contents is not c else None for c in fn.__closure__ or ()]
         return " ".join([f"function {fn.__module__}.{fn.__qualname__}", _code_text(code),
                          _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen), _value(cells, seen),
@@ -212,7 +213,7 @@ def _callable(fn, seen: dict[int, object]) -> str:
                         + [f"{n}={_callable(fn.__globals__[n], seen)}" for n in called])
     if isinstance(fn, types.BuiltinFunctionType):  # its repr may hold its object's address
         return f"builtin {getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None)}"
-    call = getattr(type(fn), "__call__", None)
+    call = type(fn).__call__ if callable(fn) else None
     state = vars(fn) if hasattr(fn, "__dict__") else {}
     return " ".join([f"object {type(fn).__module__}.{type(fn).__qualname__}",
                      _callable(call, seen) if isinstance(call, types.FunctionType) else "", _value(state, seen)])

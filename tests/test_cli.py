@@ -204,8 +204,9 @@ def test_two_torchrun_nodes_train_save_and_resume_exactly(corpus, tmp_path):
 
 HF_ARGS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2}
-HF_RUN = dict(seq_len=32, micro_batch_size=2, global_batch_size=8, train_iters=4, lr=3e-3, lr_decay_samples=400,
-              eval_iters=1, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+HF_RUN = {"seq_len": 32, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 4, "lr": 3e-3,
+          "lr_decay_samples": 400, "eval_iters": 1, "eod_mask_loss": True, "reset_position_ids": True,
+          "reset_attention_mask": True}
 """The trainer's settings (flat names) of the Hugging Face run; the rest are defaults: seed
 1234, AdamW betas (0.9, 0.95), eps 1e-8, weight decay 0.01 (not on 1-D parameters),
 cosine decay to 0 with no warmup, gradients clipped at norm 1."""
