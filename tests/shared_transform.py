@@ -206,7 +206,7 @@ def _callable(fn, seen: dict[int, object]) -> str:
         code = fn.__code__
         called = sorted({n for c in _codes(code) for n in c.co_names
                          if isinstance(fn.__globals__.get(n), types.FunctionType)})
-        cells = [c.cell_contents if c.cell_contents is not c else None for c in fn.__closure__ or ()]
+        cells = [_cell(c) for c in fn.__closure__ or ()]
         return " ".join([f"function {fn.__module__}.{fn.__qualname__}", _code_text(code),
                          _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen), _value(cells, seen),
                          _value(getattr(fn, "__wrapped__", None), seen)]
@@ -217,6 +217,13 @@ def _callable(fn, seen: dict[int, object]) -> str:
     state = vars(fn) if hasattr(fn, "__dict__") else {}
     return " ".join([f"object {type(fn).__module__}.{type(fn).__qualname__}",
                      _callable(call, seen) if isinstance(call, types.FunctionType) else "", _value(state, seen)])
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable the function closes over, not yet assigned
+        return "<empty cell>"
 
 
 def _codes(code: types.CodeType):
