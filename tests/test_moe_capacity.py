@@ -10,7 +10,9 @@ per-expert row counts, the drop counter and its log, and the configuration's che
 One 2-rank spawn (Mixtral at ep=2): with a factor of E (nothing dropped) training equals
 single-device training, and every all-to-all of the experts, forward and backward, has
 the same static split sizes (no counts exchanged); with a factor of 1 pairs are dropped,
-counted and logged, and the ranks agree on every step. In the same spawn, compiled
+counted and logged, the ranks agree on every step, and training equals single-device
+training of the same Hugging Face model with Megatron-Core's capacity written out in the
+test (per micro-batch of a rank, the dropped pairs' weights zero). In the same spawn, compiled
 (``compile=True``): a factor of E trains as one device, each chunk compiled once (dynamo's
 ``error_on_recompile``), and the drop counter still counts every routed pair."""
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,7 +31,8 @@ from fxmeg import moe, recomputation
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError
 from tests.distributed import run_world
-from tests.parity.scenarios import Scenario, check_parity, train
+from tests.helpers import LOSS_RTOL, reference_run
+from tests.parity.scenarios import MBS, Scenario, check_parity, train
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +74,27 @@ def test_equal_weights_keep_the_earlier_pairs():
     expected = torch.tensor([[True, True], [True, True], [False, True],  # expert 0: 0.5 x 5 first, then 0.4
                              [False, True], [False, False], [False, False]])
     assert torch.equal(keep, expected)  # expert 1: 0.6 (token 2), then 0.5 at tokens 0 and 1
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_the_written_out_rule_is_megatron_cores(factor):
+    """The tests' own drop rule (``_kept``, the oracle of the ep=2 run below) is
+    Megatron-Core's apply_router_token_dropping (drop policy "probs", padded to capacity;
+    megatron-core, a test dependency) on routings without ties: the same (token, expert)
+    pairs kept, the same weights on them, and the padding it adds has weight zero."""
+    with warnings.catch_warnings():  # megatron-core warns that transformer-engine and apex are missing
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+    for seed in range(3):
+        index, weights = _routing(tokens=24, experts=4, k=2, seed=seed, skew=2.0)
+        probs = torch.zeros(24, 4).scatter(1, index, weights)
+        got, mask = apply_router_token_dropping(probs, probs > 0, router_topk=2, capacity_factor=factor,
+                                                drop_policy="probs", pad_to_capacity=True)
+        want = torch.zeros(24, 4, dtype=torch.bool)
+        for t, j in _kept(index, weights, 4, factor):
+            want[t, index[t, j]] = True
+        assert torch.equal(mask & (probs > 0), want) and torch.equal(got, probs * want), (seed, factor)
+        assert not want.all() or factor > 1  # something is dropped
 
 
 def test_a_capacity_that_holds_every_pair_drops_nothing():
@@ -115,6 +141,22 @@ def _grads(case: dict, out: torch.Tensor) -> dict:
     return dict(zip(leaves, grads))
 
 
+def _kept(index: torch.Tensor, weights: torch.Tensor, experts: int, capacity_factor: float) -> set[tuple[int, int]]:
+    """The (token, slot) pairs kept under Megatron-Core's capacity with drop policy
+    "probs" (moe_utils.topk_softmax_with_capacity), written out: capacity =
+    ceil(T * k / E * factor) of the T tokens given (get_capacity of T * k), and of the
+    pairs routed to an expert the ``capacity`` of highest weight (ties: the earlier
+    (token, slot), which Megatron leaves to torch.topk and fxmeg fixes)."""
+    tokens, k = index.shape
+    capacity = math.ceil(tokens * k / experts * capacity_factor)
+    kept = set()
+    for e in range(experts):
+        pairs = sorted(((-float(weights[t, j]), t, j) for t in range(tokens) for j in range(k)
+                        if int(index[t, j]) == e))
+        kept |= {(t, j) for _, t, j in pairs[:capacity]}
+    return kept
+
+
 def _reference(case: dict, capacity_factor: float, probs_on_input: bool = False) -> torch.Tensor:
     """The drop rule and the experts written out: per expert, its pairs ordered by weight
     (higher first), then by (token, slot); the first ``capacity`` kept; then each token's
@@ -122,12 +164,7 @@ def _reference(case: dict, capacity_factor: float, probs_on_input: bool = False)
     on its input."""
     index, w = case["top_k_index"], case["top_k_weights"]
     tokens, k = index.shape
-    experts = case["w_up"].shape[0]
-    capacity = math.ceil(tokens * k / experts * capacity_factor)
-    kept = set()
-    for e in range(experts):
-        pairs = sorted(((-float(w[t, j]), t, j) for t in range(tokens) for j in range(k) if int(index[t, j]) == e))
-        kept |= {(t, j) for _, t, j in pairs[:capacity]}
+    kept = _kept(index, w, case["w_up"].shape[0], capacity_factor)
     rows = []
     for t in range(tokens):
         total = torch.zeros_like(case["hidden"][t])
@@ -327,6 +364,52 @@ def test_every_expert_all_to_all_has_the_same_static_splits(results, sc):
         assert splits and all(s == ([2 * capacity] * 2, [2 * capacity] * 2) for s in splits), splits[:4]
         # 4 layers x 4 micro-batches x 5 steps: dispatch and combine forward, and both in backward
         assert len(splits) == 4 * 4 * 5 * 4
+
+
+@dataclass(frozen=True)
+class _Capacity:
+    """A forward pre-hook of a Hugging Face experts module (called as ``experts(hidden,
+    top_k_index, top_k_weights)``): Megatron-Core's capacity ("probs" drop policy, padded
+    to capacity) on one device. The hidden rows are the global batch's tokens,
+    batch-major, so each ``tokens`` rows are one micro-batch of one rank (capacity counts
+    a rank's tokens of a micro-batch); a pair ``_kept`` drops gets weight zero: it adds
+    nothing to its token and passes no gradient to the expert, the token or the router."""
+
+    tokens: int
+    factor: float
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        keep = torch.zeros(index.shape, dtype=torch.bool)
+        for lo in range(0, index.shape[0], self.tokens):
+            part = slice(lo, lo + self.tokens)
+            for t, j in _kept(index[part], weights[part].detach(), module.num_experts, self.factor):
+                keep[lo + t, j] = True
+        return hidden, index, weights * keep
+
+
+def capped(model: torch.nn.Module, *, tokens: int, factor: float) -> torch.nn.Module:
+    """``model`` (a Hugging Face mixture of experts) with Megatron's capacity on every
+    experts module, per micro-batch of ``tokens`` tokens (``_Capacity``)."""
+    for name, module in model.named_modules():
+        if name.endswith(".experts"):
+            module.register_forward_pre_hook(_Capacity(tokens, factor))
+    return model
+
+
+def test_ep2_with_drops_trains_as_megatrons_capacity_on_one_device(results):
+    """A factor of 1 at ep=2: losses, grad norms, every step's gradients and the final
+    weights as single-device training of the same Hugging Face Mixtral with Megatron's
+    capacity written out (``capped``: 32 tokens a micro-batch, capacity 16 pairs per
+    expert, the dropped pairs' weights zero). The capacity binds: that reference is not
+    the dropless one, its losses and grad norms differ beyond the parity bounds (measured:
+    up to 6e-5 and 2e-3 relative)."""
+    factor = dict(DROPS.options)["moe_capacity_factor"]
+    model = capped(DROPS.make_model(), tokens=MBS * DROPS.batches()[0][0].shape[1], factor=factor)
+    check_parity([r[DROPS.id] for r in results], DROPS, model=model)
+    dropped, dropless = reference_run(model, DROPS.batches()), reference_run(DROPS.make_model(), DROPS.batches())
+    assert any(abs(a - b) > LOSS_RTOL * b for a, b in zip(dropped.losses, dropless.losses)), dropped.losses
+    assert any(abs(a - b) > 1e-4 * b for a, b in zip(dropped.norms, dropless.norms)), dropped.norms
 
 
 def test_drops_are_counted_and_logged_per_step_and_layer(results):

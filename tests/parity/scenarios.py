@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 import fxmeg
+from fxmeg.layouts import Shard
 from tests.helpers import (
     OPTIMIZERS,
+    Run,
     assert_bitwise,
     assert_grads_close,
     assert_losses_close,
@@ -112,11 +114,11 @@ def train(rank: int, sc: Scenario, extra=None) -> dict:
         state=state if rank == 0 else None,
         initial=initial if rank == 0 else None,
         pp_rank=engine.context.groups.pp_rank, dp_rank=engine.context.groups.dp_rank,
+        tp_rank=engine.context.groups.tp_rank, param_names=sorted(engine.named_parameters),
         param_elements=sum(p.numel() for p in engine.named_parameters.values()),
         tp_specs=engine.program.tp_specs,
         layouts={c: engine.program.buffers[c] for c in engine.context.chunks},
-        **(extra(rank, engine) if extra is not None else {}),
-    )
+    ) | (extra(rank, engine) if extra is not None else {})  # an extra may repeat a key (tp_rank)
 
 
 def train_each(rank: int, scenarios: list[Scenario]) -> dict:
@@ -124,38 +126,123 @@ def train_each(rank: int, scenarios: list[Scenario]) -> dict:
     return {sc.id: train(rank, sc) for sc in scenarios}
 
 
-def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4) -> None:
-    """Every rank reports the same step results, equal to single-device training: losses,
-    grad norms, every parameter's gradient at every step and the final weights."""
-    ref = reference_run(sc.make_model(), sc.batches(), clip=sc.clip, opt=sc.opt)
+def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4,
+                 model: torch.nn.Module | None = None) -> None:
+    """Every rank reports the same step results, equal to single-device training of
+    ``model`` (default: ``sc.make_model()``): losses, grad norms, every parameter's
+    gradient at every step and the final weights."""
+    model = model if model is not None else sc.make_model()
+    ref = reference_run(model, sc.batches(), clip=sc.clip, opt=sc.opt)
     for r in ranks:
         assert [s.loss for s in r["steps"]] == [s.loss for s in ranks[0]["steps"]]
         assert [s.grad_norm for s in r["steps"]] == [s.grad_norm for s in ranks[0]["steps"]]
     steps = ranks[0]["steps"]
     assert_losses_close([s.loss for s in steps], ref.losses)
     assert_losses_close([s.grad_norm for s in steps], ref.norms, rtol=norm_rtol)
-    assert_grads_close(ranks[0]["grads"], ref, lambda: reference_run(sc.make_model(), sc.batches(), clip=sc.clip,
+    assert_grads_close(ranks[0]["grads"], ref, lambda: reference_run(model, sc.batches(), clip=sc.clip,
                                                                       opt=sc.opt, dtype=torch.float64))
     assert_weights_close(ranks[0]["state"], ref.state)
     if sc.meta:  # each rank made its part exactly as the single-device twin
         assert_bitwise(ranks[0]["initial"], sc.make_model().state_dict())
 
 
+def check_optimizer_share(ranks: list[dict], sc: Scenario) -> None:
+    """The optimizer state each rank keeps (``Optimizer.state_elements``: fp32 masters,
+    AdamW's exp_avg and exp_avg_sq) is its share of the model, counted from the plain
+    single-device model's parameters, not from fxmeg's buffer layouts:
+      * a rank holds the parameters it reports (its pipeline stage's), a tp-split one as
+        numel / tp, an expert bank (``.experts.``, [E, ...]) as its E / ep experts; over
+        all ranks every parameter of the model is held;
+      * without the distributed optimizer each rank keeps state of exactly what it holds;
+      * with it (zero >= 1) the ranks of one (pipeline, tp) coordinate split the state:
+        dense parameters over their dp x cp ranks, banks over the expert-data-parallel
+        ranks (dp x cp / ep), so their states sum to the dense parameters one of them
+        holds plus the banks of all of them, each divided by its sharers; at pp = tp = 1
+        exactly the model's element count.
+    No padding is allowed: the buffers pad each bucket to a multiple of the ranks sharing
+    it, but padding belongs to no parameter, so no master or moment covers it (Megatron's
+    distributed optimizer keeps state of its parameters' ranges only)."""
+    model = sc.make_model()
+    plain = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} <= {n for r in ranks for n in r["param_names"]}
+    options = dict(sc.options)
+    ep, dp_cp = options.get("ep", 1), sc.dp * sc.cp
+    shared = options.get("zero", 0) >= 1 or options.get("distributed_optimizer", False)
+    coordinates: dict[tuple[int, int], list[dict]] = {}
+    for r in ranks:
+        coordinates.setdefault((r["pp_rank"], r["tp_rank"]), []).append(r)
+    for where, members in coordinates.items():
+        held = [_held_elements(r, plain, sc.tp, ep) for r in members]
+        if not shared:
+            wants = [dense + banks for dense, banks in held]
+            gots = [r["optimizer_elements"] for r in members]
+        else:
+            dense, banks = sum(d for d, _ in held), sum(b for _, b in held)
+            assert dense % dp_cp == 0 and banks % (dp_cp // ep) == 0, (where, dense, banks)
+            wants = [dense // dp_cp + banks // (dp_cp // ep)]
+            keys = members[0]["optimizer_elements"]
+            gots = [{key: sum(r["optimizer_elements"][key] for r in members) for key in keys}]
+            if sc.pp == sc.tp == 1:
+                assert wants == [sum(p.numel() for p in model.parameters() if p.requires_grad)], (wants, where)
+        for got, want in zip(gots, wants, strict=True):
+            assert got == dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), want), (
+                f"(pp, tp) rank {where}: {got}, the model's share {want} each")
+
+
+def _held_elements(rank: dict, plain: dict[str, int], tp: int, ep: int) -> tuple[int, int]:
+    """(dense elements, expert-bank elements) of the parameters ``rank`` holds, from the
+    plain model's sizes: a tp-split parameter's 1 / tp, a bank's E / ep experts."""
+    dense = banks = 0
+    for name in rank["param_names"]:
+        if ".experts." in name:
+            assert plain[name] % ep == 0, name
+            banks += plain[name] // ep
+        else:
+            split = isinstance(rank["tp_specs"].get(name), Shard)
+            dense += plain[name] // tp if split else plain[name]
+    return dense, banks
+
+
 def check_router_loss(ranks: list[dict], sc: Scenario) -> None:
-    """Parity of a Mixtral trained with its router loss: the reference is token-weighted
+    """Parity of a Mixtral trained with its router loss (``router_loss_reference``):
+    losses, grad norms, every step's gradients and the final weights."""
+    ref = router_loss_reference(sc)
+    steps = ranks[0]["steps"]
+    assert_losses_close([s.loss for s in steps], ref.losses)
+    assert_losses_close([s.grad_norm for s in steps], ref.norms, rtol=1e-4)
+    assert_grads_close(ranks[0]["grads"], ref, lambda: router_loss_reference(sc, torch.float64))
+    assert_weights_close(ranks[0]["state"], ref.state)
+
+
+def router_loss_reference(sc: Scenario, dtype: torch.dtype | None = None) -> Run:
+    """Single-device training of a Mixtral with its router loss: token-weighted
     cross-entropy over the global batch plus each micro-batch's router loss weighted
     1 / (the global batch's micro-batches, m * dp), as Megatron's MoEAuxLossAutoScaler
     averaged over data-parallel ranks. With moe_router_load_balancing_type
     "global_aux_loss" the router loss's tokens per expert are their mean over the
     micro-batches run so far on every dp rank (micro-batch g of the global batch is the
     g // dp-th of its rank), written out here from the router logits (Switch's loss:
-    E * sum_e f_e * P_e, checked against the model's own per micro-batch)."""
+    E * sum_e f_e * P_e, checked against the model's own per micro-batch). In ``dtype``
+    (float64: the judge of rounding) if given, eager experts then."""
     model = make_model(sc.model, n_layer=sc.layers)
+    if dtype is not None:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            if model._can_set_experts_implementation():
+                model.set_experts_implementation("eager")  # torch._grouped_mm has no float64
+            return _router_loss_run(model.to(dtype), sc)
+        finally:
+            torch.set_default_dtype(default)
+    return _router_loss_run(model, sc)
+
+
+def _router_loss_run(model, sc: Scenario) -> Run:
     coef, experts, k = model.config.router_aux_loss_coef, model.config.num_local_experts, model.config.num_experts_per_tok
     running = dict(sc.options).get("moe_router_load_balancing_type") == "global_aux_loss"
     ref = copy.deepcopy(model)
     opt = optimizer(reference_groups(ref.named_parameters()))
-    losses = []
+    losses, norms, grads = [], [], []
     for ids, labels in sc.batches():
         opt.zero_grad()
         total = int((labels[:, 1:] != -100).sum())
@@ -175,17 +262,19 @@ def check_router_loss(ranks: list[dict], sc: Scenario) -> None:
             aux = experts * (f.detach() * probs).sum()
             (ce * n / total + coef * aux / micro_batches).backward()
             ce_sum += ce.item() * n
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)
+                      if p.grad is not None})
         opt.step()
         losses.append(ce_sum / total)
-    assert_losses_close([s.loss for s in ranks[0]["steps"]], losses)
-    assert_weights_close(ranks[0]["state"], ref.state_dict())
+    return Run(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, grads)
 
 
 def _switch_terms(out, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(f, P) of a Mixtral forward's router logits, all layers' tokens together: each
     expert's share of the routed (token, slot) pairs per token, and its mean probability."""
-    logits = torch.cat(out.router_logits, 0).float()
+    logits = torch.cat(out.router_logits, 0)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
     probs = torch.softmax(logits, -1)
     chosen = torch.topk(probs, k, -1).indices
     f = torch.nn.functional.one_hot(chosen, experts).float().sum((0, 1)) / logits.shape[0]

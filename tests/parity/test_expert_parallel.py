@@ -44,9 +44,14 @@ from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
 from tests.distributed import run_world
 from tests.helpers import BATCHED_MOE, MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
-from tests.parity.mixed_precision import gather_masters, master_pieces
+from tests.parity.mixed_precision import (
+    assert_float64_rule_per_parameter,
+    float64_grad_failures,
+    gather_masters,
+    master_pieces,
+)
 from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_loss, train
+from tests.parity.scenarios import MBS, Scenario, check_optimizer_share, check_parity, check_router_loss, train
 
 EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE) + sorted(BATCHED_MOE)]
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]  # folded over cp
@@ -192,6 +197,14 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
         assert any(label.endswith("/experts") for label in r["reduced_over"])
 
 
+@pytest.mark.parametrize("sc", ALL, ids=lambda s: s.id)
+def test_the_optimizer_state_is_each_ranks_share_of_the_model(results, sc):
+    """Masters, exp_avg and exp_avg_sq: each rank's dense parameters and its E / ep
+    experts of every bank; with the distributed optimizer summed over the ranks sharing
+    them, the model's elements (scenarios.check_optimizer_share)."""
+    check_optimizer_share(_ranks(results, sc), sc)
+
+
 @pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS], ids=lambda s: s.id)
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):
     """With recompute='full' each block, its routed experts and their all-to-alls
@@ -244,7 +257,10 @@ def test_bf16_matches_the_mixed_precision_oracle(results):
       * every step's loss within 2e-3, as test_mixed_precision.py's;
       * the fp32 masters, gathered from every rank (each ep rank's experts in order), by
         the developers' float64 rule (test_mixed_precision.py's, for tensor parallelism):
-        no farther from float64 training than the oracle's, within FLOAT64_SLACK. Not
+        no farther from float64 training than the oracle's, within FLOAT64_SLACK, all
+        together and each parameter on its own (mixed_precision.PARAM_SLACK, as a share of
+        its change), and so is each parameter's gradient at every step (a wrong router
+        gradient vanishes among all parameters). Not
         1e-3 per parameter, for two roundings the oracle does not share: (1) at any world
         size, even ep=1 on one process, the captured attention repeats the 2 key/value
         heads with an explicit mask and sums their gradients in bf16, where Hugging Face's
@@ -270,10 +286,14 @@ def test_bf16_matches_the_mixed_precision_oracle(results):
     for name, m in got.items():
         assert torch.equal(state[name], m.to(state[name].dtype)), name
     f64_model = make_model(BF16.model, n_layer=BF16.layers, experts_implementation="eager")  # no float64 grouped_mm
-    exact = mixed_reference(f64_model, BF16.batches(), dtype=torch.float64, micro_batch_size=MBS, clip=BF16.clip,
-                            skips=ref["skipped"])["masters"]
+    float64 = mixed_reference(f64_model, BF16.batches(), dtype=torch.float64, micro_batch_size=MBS, clip=BF16.clip,
+                              skips=ref["skipped"])
+    exact = float64["masters"]
     distance, oracle = _relative(_flat(got), _flat(exact)), _relative(_flat(ref["masters"]), _flat(exact))
     assert distance <= FLOAT64_SLACK * oracle, f"masters {distance:.2e} from float64, the oracle's {oracle:.2e}"
+    assert_float64_rule_per_parameter(got, ref["masters"], exact, dict(BF16.make_model().named_parameters()))
+    failures = float64_grad_failures(ranks[0]["grads"], ref, float64)
+    assert failures is None, failures
 
 
 def _bf16_masters(ranks: list[dict]) -> dict[str, torch.Tensor]:

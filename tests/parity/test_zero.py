@@ -19,7 +19,7 @@ from tests.distributed import run_world
 from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
 from tests.helpers import reference as plain_reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
-from tests.parity.scenarios import MBS, Scenario, check_parity, check_router_loss, train
+from tests.parity.scenarios import MBS, Scenario, check_optimizer_share, check_parity, check_router_loss, train
 
 Z2, Z3 = (("zero", 2),), (("zero", 3),)
 PARITY = [
@@ -74,10 +74,9 @@ def held(rank: int, engine) -> dict:
         shard_elements=sum(b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")),
         buffer_elements=sum(b.layout.numel for b in ctx.ddp.all()),
         share=sum(b.layout.numel // (edp if b.layout.experts else dp_cp) for b in ctx.ddp.all()),
-        dp_cp=dp_cp,
+        dp_cp=dp_cp, dp_cp_rank=ctx.groups.dp_cp_rank,
         buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
-        made=[sum(n for name, n in call.items() if name in ctx.named_parameters) for call in MADE],
-        largest=max(p.numel() for p in ctx.named_parameters.values()),
+        made=[{name: n for name, n in call.items() if name in ctx.named_parameters} for call in MADE],
         **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
     )
 
@@ -164,7 +163,8 @@ def from_weights() -> dict:
                                weights=make_model("llama", n_layer=2).state_dict(),
                                init_fn=model.init_weights)  # for its rotary table, not in a state dict
     return dict(state=engine.full_state_dict(), **held(0, engine),
-                param_elements=sum(p.numel() for p in engine.named_parameters.values()))
+                param_elements=sum(p.numel() for p in engine.named_parameters.values()),
+                layouts={c: engine.program.buffers[c] for c in engine.context.chunks})
 
 
 def _read(fn) -> tuple[str, str]:
@@ -245,6 +245,14 @@ def test_each_rank_holds_its_share_between_steps(results, sc):
             assert r["param_bytes"] == 0 and r["shard_elements"] == share
         else:
             assert r["param_bytes"] >= 4 * r["param_elements"]
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.id)
+def test_the_optimizer_state_is_each_ranks_share_of_the_model(results, sc):
+    """Masters, exp_avg and exp_avg_sq summed over the ranks that share them are the
+    model's elements (scenarios.check_optimizer_share): no rank keeps state of a whole
+    stage, none of the buffers' padding."""
+    check_optimizer_share([r[sc.id] for r in results[sc.world]], sc)
 
 
 def test_without_resharding_backward_needs_no_second_gather(results):
@@ -333,19 +341,38 @@ def test_bf16_zero3_trains_as_the_mixed_precision_oracle(results, sc):
     check_sharded_bf16([r[sc.id] for r in results[sc.world]], sc)
 
 
+def must_make(layouts, parts: int, part: int) -> dict[str, int]:
+    """Parameter -> elements a rank makes of it at zero=3 on meta, from the bucket
+    layout's slots alone (not fxmeg's ZeroBuffer): a rank makes a parameter (its local,
+    tensor-parallel shard, whole) iff some element of it lies in the rank's equal part
+    (``part`` of ``parts``) of its bucket."""
+    out = {}
+    for layout in layouts:
+        for b in layout.buckets:
+            size = (b.end - b.start) // parts
+            lo, hi = b.start + part * size, b.start + (part + 1) * size
+            out |= {s.name: s.numel for s in layout.slots
+                    if s.bucket == b.index and s.offset < hi and lo < s.offset + s.numel}
+    return out
+
+
 @pytest.mark.parametrize("case", [s.id for s in SCENARIOS if s.meta] + ["weights"])
-def test_zero3_on_meta_makes_about_a_shard_of_the_stage(results, case):
-    """Built on meta at zero=3, from init_fn or from weights: a rank makes (or reads) only
-    the parameters its shard covers, bucket by bucket (a call of the source each): in all
-    its share of the stage and the parameters crossing the ends of its parts, never the
-    whole stage; and the values are the model's."""
+def test_zero3_on_meta_makes_exactly_the_parameters_its_shard_covers(results, case):
+    """Built on meta at zero=3, from init_fn or from weights: each rank makes (or reads)
+    exactly the parameters its parts of the buckets cover (``must_make``), each once, and
+    none other: never the whole stage; and the values are the model's."""
     world = 2 if case == "weights" else next(s.world for s in SCENARIOS if s.id == case)
     if case == "weights":
         assert_bitwise(results[2][0]["weights"]["state"], make_model("llama", n_layer=2).state_dict())
     for r in (r[case] for r in results[world]):
-        made = r["made"]  # per bucket: a part of it, and the parameters crossing the part's two ends
-        assert sum(made) <= r["share"] + 2 * r["buckets"] * r["largest"]
-        assert sum(made) < r["param_elements"] and max(made) <= r["share"]
+        made = {}
+        for call in r["made"]:  # a call of the source a bucket
+            assert not made.keys() & call.keys(), f"made twice: {sorted(made.keys() & call.keys())}"
+            made |= call
+        want = must_make([lay for lays in r["layouts"].values() for lay in lays], r["dp_cp"], r["dp_cp_rank"])
+        assert made == want, f"made but not covered {sorted(made.keys() - want.keys())}, " \
+                             f"covered but not made {sorted(want.keys() - made.keys())}"
+        assert 0 < sum(made.values()) < r["param_elements"]
 
 
 @pytest.mark.parametrize("move", list(MOVES))

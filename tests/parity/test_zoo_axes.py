@@ -16,8 +16,11 @@ against single-device PyTorch at the zoo's tolerances (loss 1e-5, grad norm 1e-4
 2e-3 of the recipe's, the bf16 parameters their masters rounded, masters starting from the
 fp32 values, and (tp rounds row-parallel partial sums differently) masters no farther from
 a float64 run than the recipe's, within 1.5x (measured 1.03 to 1.18; a master that keeps
-only the bf16 values gives 2.4). Every tp layout asserts each tp rank holds less than the
-whole.
+only the bf16 values gives 2.4), all parameters together, and each parameter's
+gradient at every step no farther from float64's than mixed_precision.PARAM_SLACK x the
+recipe's (one wrong norm gradient vanishes among all parameters; the masters' per-parameter
+rule is noise after 3 steps: mixed_precision.float64_rule_failures). Every tp layout
+asserts each tp rank holds less than the whole.
 
 One 4-rank and one 2-rank spawn run every layout of every model: about 255 CPU seconds
 in all (about 2 minutes on 2 idle cores); the capture, not the steps, is the cost of a
@@ -34,7 +37,7 @@ import torch
 import fxmeg
 from tests.distributed import run_world
 from tests.helpers import optimizer, trained
-from tests.parity.mixed_precision import gather_masters, master_pieces
+from tests.parity.mixed_precision import float64_grad_failures, gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
 
@@ -119,7 +122,8 @@ def _distance(got: dict, want: dict) -> float:
 
 def bf16_failure(ranks: list[dict], name: str) -> str | None:
     """None when the bf16 run matches the mixed-precision oracle (test_mixed_precision's
-    rule with tp); else what differs."""
+    rule with tp: the masters all together, each parameter's every gradient); else what
+    differs."""
     ref, exact = mixed_oracle(name, torch.bfloat16), mixed_oracle(name, torch.float64)
     for step, (got, want) in enumerate(zip(ranks[0]["losses"], ref["losses"], strict=True)):
         if abs(got - want) > BF16_LOSS_RTOL * want:
@@ -138,7 +142,7 @@ def bf16_failure(ranks: list[dict], name: str) -> str | None:
     got, want = _distance(masters, exact["masters"]), _distance(ref["masters"], exact["masters"])
     if got > FLOAT64_SLACK * want:
         return f"masters {got:.2e} from float64, the oracle's {want:.2e}"
-    return None
+    return float64_grad_failures(ranks[0]["grads"], ref, exact)  # each parameter too, at every step
 
 
 def failure(ranks: list, name: str, layout: str) -> str | None:
