@@ -326,6 +326,31 @@ class _ContextParallel:
         raise self.refuse(node, "a convolution over a value split along the sequence mixes "
                                  "neighbouring positions across ranks")
 
+    @rule(CP, "pad", "triangle")
+    def _pad_or_triangle(self, node: fx.Node) -> Seq:
+        """A constant pad, or a triangle of the last two dims: fine on other dims than
+        the sequence; on it they shift or mask positions against one another (a chunked
+        scan pads the sequence to whole chunks)."""
+        s, n = self._seq(node, node.args[0]), val(node).dim()
+        if in_family(node.target, "pad"):
+            along = {n - 1 - i // 2 for i, w in enumerate(node.args[1]) if w}
+        else:
+            along = {n - 2, n - 1}
+        if s.dim in along or s.full in along:
+            op = getattr(node.target, "__name__", str(node.target))
+            raise self.refuse(node, f"it computes along dim {s.dim}, the sequence ({op})")
+        return s
+
+    @rule(CP, "write")
+    def _write(self, node: fx.Node) -> Seq:
+        """``copy_(dst, src)`` in place: both split alike along the sequence."""
+        (dst, src), lead = node.args[:2], val(node).dim() - val(node.args[1]).dim()
+        d, s = self.place.get(dst), self.place.get(src)
+        spans = not isinstance(s, Seq) and isinstance(d, Seq) and d.dim >= lead and val(src).shape[d.dim - lead] != 1
+        if not isinstance(d, Seq) or spans or (isinstance(s, Seq) and s.shifted(lead) != d):
+            raise self.refuse(node, "it writes a value into one split differently along the sequence", mixing=False)
+        return d
+
     def _attention_product(self, node: fx.Node) -> Seq:
         """Eager attention (Hugging Face's eager path, ``q @ k^T ... softmax ... @ v``):
         the scores of this rank's queries against all-gathered keys (``fxmeg::cp_gather``

@@ -72,14 +72,16 @@ from fxmeg import ops as fxmeg_ops
 from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
-from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
+from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, in_family, rule, rule_for
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
                                     say_whole_projections)
 from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
 from fxmeg.passes.tp_regions import RegionRules
-from fxmeg.passes.tp_rules import PropagationRules, _bounds
+from fxmeg.passes.tp_rules import PropagationRules
+from fxmeg.passes.tp_blocks import split_edges
+from fxmeg.passes.tp_channels import ChannelRules
 from fxmeg.passes.tp_rules_more import MoreRules, fused_view
 
 aten = torch.ops.aten
@@ -98,7 +100,7 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     return finish(gm)
 
 
-class _TensorParallel(PropagationRules, RegionRules, MoreRules):
+class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
     def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
         self.gm, self.g, self.tp, self.sp, self.ep = gm, gm.graph, tp, sp, ep
         for glob, role in plan.items():
@@ -294,32 +296,21 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules):
         return self._reduce(node, bias=b)
 
     def _parts(self, node: fx.Node, out: int) -> tuple[int, ...]:
-        """Blocks of a fused output: the sizes it is split into along its last dim (after
-        reshapes that keep that dim, as Conv1D's), if any."""
+        """Blocks of a fused output: the runs between the bounds at which splits and
+        slices along its last dim cut it, there or downstream (tp_blocks: Mamba's
+        in_proj cut into [z, xBC, dt], xBC convolved, then cut into [x, B, C]); else
+        equal blocks a view unpacks (after reshapes that keep that dim, as Conv1D's)."""
+        edges = split_edges(node, val(node).dim() - 1)
+        if edges:
+            return tuple(e - b for b, e in zip([0, *edges], [*edges, out]))
         todo = [node]
         while todo:
             n = todo.pop()
-            slices = set()
             for user in n.users:
-                if user.target == aten.slice.Tensor:
-                    dim, start, end, step = full_args(user)[1:5]
-                    if dim % val(n).dim() == val(n).dim() - 1 and step == 1:
-                        slices.add(_bounds(start, end, out))
-                    continue
                 if user.target in SHAPE_ARGUMENT and val(user).shape[-1] == out:
                     todo.append(user)
                 elif user.target in SHAPE_ARGUMENT and (count := fused_view(user, out)):
                     return (out // count,) * count  # (..., 3, heads, head_dim), q / k / v unpacked
-                elif in_family(user.target, "split") and dim_argument(user) % val(n).dim() == val(n).dim() - 1:
-                    if user.target == aten.split.Tensor:
-                        return (user.args[1],) * (out // user.args[1])
-                    if user.target == aten.chunk.default:
-                        return (out // user.args[1],) * user.args[1]
-                    return tuple(user.args[1])
-            blocks = sorted(slices - {(0, out)})
-            if blocks and blocks[0][0] == 0 and blocks[-1][1] == out and all(
-                    a[1] == b[0] for a, b in zip(blocks, blocks[1:])):
-                return tuple(e - b for b, e in blocks)  # slices that tile the output: qkv[..., :q]
         return (out,)
 
     def _entry(self, node: fx.Node, x: fx.Node) -> fx.Node:

@@ -59,9 +59,14 @@ column-split query block of a fused projection."""
 
 
 def linears_from_products(gm: fx.GraphModule) -> None:
-    """``matmul(x, weight.T)`` of a 2-D parameter becomes ``linear(x, weight)``."""
+    """``matmul(x, weight.T)`` of a 2-D parameter becomes ``linear(x, weight)``;
+    ``matmul(weight, x)`` (Jamba's ``dt_proj.weight @ x``, features along dim -2) becomes
+    ``linear(x.mT, weight).mT``."""
     g = gm.graph
     for node in list(g.nodes):
+        if node.target == aten.matmul.default and _is_param(node.args[0]) and _is_value(node.args[1]):
+            _weight_first(g, node)
+            continue
         if node.target != aten.matmul.default or not isinstance(node.args[1], fx.Node):
             continue
         t = node.args[1]
@@ -77,6 +82,21 @@ def linears_from_products(gm: fx.GraphModule) -> None:
         g.erase_node(node)
         if not t.users:
             g.erase_node(t)
+
+
+def _is_value(x) -> bool:
+    return isinstance(x, fx.Node) and x.op != "get_attr" and val(x) is not None and val(x).dim() >= 2
+
+
+def _weight_first(g: fx.Graph, node: fx.Node) -> None:
+    """``weight @ x`` (x: (..., in, n)) as ``linear(x.transpose(-1, -2), weight)`` transposed back."""
+    w, x = node.args[:2]
+    with g.inserting_before(node):
+        xt = call(g, aten.transpose.int, (x, -1, -2), like=node)
+        linear = call(g, aten.linear.default, (xt, w), like=node)
+        out = call(g, aten.transpose.int, (linear, -1, -2), like=node)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,9 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
         if outer_in and outer_in[0] != s.dim and len(outer_out) == 1 and not s.seq:
             return _merged(s, a, gi, outer_out[0])  # (a sequence split stays refused: see below)
         if not outer_in or outer_in[0] != s.dim or not outer_out:
-            return (f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a "
-                    f"larger dim with dims outside it")
+            return _regrouped(s, a, b, gi, gj, tp) or (
+                f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a larger dim with dims "
+                "outside it")
         o = outer_out[0]
         if len(s.parts) > 1 and len(outer_out) > 1:
             inner = 1
@@ -76,7 +77,7 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
         elif len(outer_in) == 1 and len(outer_out) == 1:
             return s.moved(o)  # the split dim keeps its size: blocks survive
         if len(s.parts) > 1:
-            return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
+            return _regrouped(s, a, b, gi, gj, tp) or f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
         if b[o] % tp:
             why = Indivisible(f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide")
             why.size, why.sizes = b[o], tuple(b[d] for d in gj if b[d] != 1)
@@ -120,6 +121,37 @@ def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int, inner: int
             return s.moved(o, (b[o],))
         before *= b[o]
     return f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts} across their bounds"
+
+
+def _regrouped(s: Shard, a: tuple[int, ...], b: tuple[int, ...], gi: list[int], gj: list[int],
+               tp: int) -> Shard | None:
+    """The split when a reshape both cuts and merges around it, as a gated norm per head
+    does: (b, s, heads * d) -> (b * s * heads, d) and back. Which rank holds an element
+    depends only on its index along the split dim, which repeats with the period of the
+    blocks (``base``, the shortest prefix of ``parts`` they repeat). An output dim ``o``
+    whose own size times the dims inside it (``after``) spans whole periods holds the
+    split, when ``after`` is a multiple of the dims inside the split dim (``inner``) that
+    leaves each rank's part whole (a cut inside heads), or divides it; None if no dim does.
+    Not a sequence-parallel split (its collectives act on one dim)."""
+    if s.seq:
+        return None
+    base = next(s.parts[:k] for k in range(1, len(s.parts) + 1)
+                if len(s.parts) % k == 0 and s.parts[:k] * (len(s.parts) // k) == s.parts)
+    period, inner = sum(base), 1
+    for d in gi:
+        inner *= a[d] if d > s.dim else 1
+    for i, o in enumerate(gj):
+        after = 1
+        for d in gj[i + 1:]:
+            after *= b[d]
+        if b[o] == 1 or (b[o] * after) % (period * inner):
+            continue
+        copies = b[o] * after // (period * inner)
+        if after % inner == 0 and all(p % tp == 0 and (p // tp) % (after // inner) == 0 for p in base):
+            return s.moved(o, tuple(p // (after // inner) for p in base) * copies)
+        if inner % after == 0:
+            return s.moved(o, tuple(p * (inner // after) for p in base) * copies)
+    return None
 
 
 def divisors(n: int) -> list[int]:

@@ -72,19 +72,10 @@ class PropagationRules:
                 continue
             j = s0.dim - (out_dim - val(a).dim())
             if j >= 0 and val(a).shape[j] != 1:  # a replicated operand spans the split dim
-                if self._own_parameter(a):  # a norm's weight over split features: shard it too
-                    self._spec(a, j, s0.parts, node)
+                if self._own_chain(a, j, s0, node):  # a norm's weight over split features: shard it too
                     continue
                 node.replace_input_with(a, self._local_slice(node, a, j, s0))
         return s0
-
-    def _own_parameter(self, a: fx.Node) -> bool:
-        """``a`` is a trainable parameter read here only: it can be split with the value
-        it meets instead of being sliced per rank."""
-        if a.op != "get_attr" or not getattr(attr(self.gm, a.target), "requires_grad", False):
-            return False
-        readers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == a.target]
-        return readers == [a] and len(a.users) == 1
 
     def _local_slice(self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None) -> fx.Node:
         """This rank's part of replicated operand ``a`` along ``dim``, where the value it
@@ -92,8 +83,8 @@ class PropagationRules:
         the batch), cut as (blocks, block) so one tp_slice takes every block's part."""
         size = val(a).shape[dim]
         parts = split.parts if split is not None and val(a).shape[dim] == sum(split.parts) else (size,)
-        if len(set(parts)) > 1:
-            raise self._unsupported(node, "a replicated operand spans a dim of fused blocks", split)
+        if len(set(parts)) > 1:  # unequal blocks (tp_channels)
+            return self._local_blocks(node, a, dim, split)
         self._check_divides(node, parts[0], f"dim {dim} of operand {a.name!r}")
         shape = list(val(a).shape)
         with self.g.inserting_before(node):
@@ -148,13 +139,14 @@ class PropagationRules:
         if dim != s.dim:
             return [s] * len(pieces)
         sizes = [v.shape[dim] for v in pieces]
-        if tuple(sizes) != s.parts:
-            raise self._unsupported(node, f"it splits the dim into {sizes}, not into its blocks {s.parts}", s)
+        runs = _runs(s.parts, sizes)
+        if runs is None:
+            raise self._unsupported(node, f"it splits the dim into {sizes}, not into runs of its blocks {s.parts}", s)
         if node.target == aten.split.Tensor:
             node.args = (node.args[0], node.args[1] // self.tp, *node.args[2:])
         elif node.target == aten.split_with_sizes.default:
             node.args = (node.args[0], [x // self.tp for x in node.args[1]], *node.args[2:])
-        return [s.moved(dim, (p,)) for p in s.parts]
+        return [s.moved(dim, run) for run in runs]
 
     @rule(TP, "slice")
     def _slice(self, node: fx.Node):
@@ -219,6 +211,9 @@ class PropagationRules:
         s = self.place[node.args[0]]
         dim = node.args[2] % val(node).dim() if len(node.args) > 2 else None
         if dim == s.dim:  # GQA: each local KV head repeated for its local query heads
+            args = full_args(node)
+            if args[3] is not None:  # output_size: the local one
+                node.args, node.kwargs = tuple(args[:3]), {"output_size": args[3] // self.tp}
             return s.moved(dim, (val(node).shape[dim],))
         if dim is None:
             raise self._unsupported(node, "it flattens the split value", s)
@@ -478,6 +473,22 @@ class PropagationRules:
         for user in users:
             user.replace_input_with(node, out)
         return LOCAL
+
+
+def _runs(parts: tuple[int, ...], sizes: list[int]) -> list[tuple[int, ...]] | None:
+    """The blocks of ``parts`` each piece of ``sizes`` holds, laid end to end (a fused
+    projection's [z, xBC, dt] over its blocks [z, x, B, C, dt]); None unless every piece
+    is a run of whole blocks."""
+    runs, i = [], 0
+    for size in sizes:
+        run = []
+        while i < len(parts) and sum(run) < size:
+            run.append(parts[i])
+            i += 1
+        if sum(run) != size:
+            return None
+        runs.append(tuple(run))
+    return runs if i == len(parts) else None
 
 
 def _bounds(start, end, size: int) -> tuple[int, int]:

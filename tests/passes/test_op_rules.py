@@ -58,7 +58,10 @@ attention        tp _attention           cp _attention     scaled_dot_product_at
 norm             tp _layer_norm          cp _layer_norm    layer_norm.default
 embedding        tp _embedding*          cp _embedding     embedding.default
 loss             tp _loss                cp _loss          cross_entropy_loss.default, nll_loss.default, nll_loss_nd.default
-convolution      tp -                    cp _convolution   conv1d.default, conv2d.default, convolution.default
+pad              tp _pad                 cp _pad_or_triangle constant_pad_nd.default, pad.default
+triangle         tp _triangle            cp _pad_or_triangle tril.default, triu.default
+write            tp _write               cp _write         copy_.default
+convolution      tp _convolution         cp _convolution   conv1d.default, conv2d.default, convolution.default
 context_parallel tp _context_parallel    cp -              fxmeg.cp_attention.default, fxmeg.cp_causal_mask.default, fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
 
 
