@@ -348,12 +348,20 @@ class TwoArrivals(nn.Module):
 
 
 def test_a_statistic_reaching_a_region_twice_is_followed_on_both_arrivals():
-    """Its gradient is neither this rank's part nor the whole: refused. A traversal that
-    marked the region seen on its first arrival missed the second reader, kept the
-    statistic's all-reduce for a split reader only, and trained wrong silently."""
+    """Read with split values in the body (u * s: each rank holds its part of that
+    gradient) and whole through a (z scales the next block's input): the statistic's
+    all-reduce passes its gradient as it is, and a tp_copy on the body's edge into the
+    split product sums that reader's parts (tests/parity/test_higher_order.py trains it).
+    A traversal that marked the region seen on its first arrival missed the second
+    reader, kept the statistic's all-reduce for a split reader only, and trained wrong
+    silently."""
     torch.manual_seed(0)
-    with pytest.raises(PassError, match="read both with split values"):
-        transform(TwoArrivals(), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2)
+    gm = transform(TwoArrivals(), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), stop_after="tensor_parallel", tp=2)
+    local = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    assert [u.target for u in local.users] == [torch.ops.fxmeg.tp_reduce.default]
+    bodies = [m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule)]
+    edges = [n for b in bodies for n in b.graph.nodes if n.target == torch.ops.fxmeg.tp_copy.default]
+    assert len(edges) == 1 and [u.target for u in edges[0].users] == [torch.ops.aten.mul.Tensor]
 
 
 # ---------------------------------------------------------------- x-transformers

@@ -356,71 +356,85 @@ class PropagationRules:
         all reach split values or this rank's slice of a replicated one (Doge's dynamic mask
         from dt_proj, cut to this rank's heads) gets a tp_copy before it: each rank holds
         the gradient of its own part, summed before the split linear reads it. Some readers
-        split and some not: where the split ones are slices of a replicated value (JetMoE's
-        query, from whole attention experts on the residual stream), each slice's gradient
-        is summed over ranks at the slice (a tp_copy before it), so that every reader's is
-        whole; else refused."""
+        split and some not (Jamba's x_proj: its time steps read by a column-parallel dt_proj,
+        its B and C by this rank's channels; JetMoE's query, from whole attention experts on
+        the residual stream, cut to this rank's heads): a tp_copy on each edge into a split
+        reader instead, so the split readers' parts are summed there and the whole ones'
+        gradient is added once (``_sum_into``)."""
         for total, origin in self.statistics:
-            if not self._split_readers(total, origin):  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
+            split, whole = self._readers(total)
+            if not split or whole:  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
                 copy = total if total.target == fxmeg_ops.tp_copy.default else total.args[0]
                 copy.replace_all_uses_with(copy.args[0])
                 copy.graph.erase_node(copy)  # the graph it is in: a region's body, maybe
+            if split and whole:
+                self._sum_into(split)
         for total, origin in self.reductions:
-            if self._split_readers(total, origin):
+            split, whole = self._readers(total)
+            if split and whole:
+                self._sum_into(split)
+            elif split:
                 with total.graph.inserting_before(total):
                     copy = call(total.graph, fxmeg_ops.tp_copy.default, (origin, TP), like=origin)
                 total.replace_input_with(origin, copy)
                 self.place[copy] = PARTIAL
 
     def _gradient_readers(self, start: fx.Node) -> Iterator[tuple[str, fx.Node]]:
+        """Where the gradient of ``start`` comes from (``_gradient_edges``, by reader)."""
+        for kind, n, _ in self._gradient_edges(start):
+            yield kind, n
+
+    def _gradient_edges(self, start: fx.Node) -> Iterator[tuple[str, fx.Node, fx.Node]]:
         """Where the gradient of ``start`` comes from: its readers, followed through
         replicated ops (into and out of region bodies; integer and boolean values pass
-        none), each end as ("split", node) for a split value or this rank's slice of a
-        replicated one (each rank holds the gradient of its own part), ("summed", node) for
-        a tp collective (its backward sums over ranks, or passes a whole gradient on), and
-        ("whole", node) for anything else (an output)."""
-        todo, seen = list(start.users), {start}
+        none), each end as ("split", node, operand) for a split value or this rank's slice
+        of a replicated one (each rank holds the gradient of its own part; once per
+        replicated operand it reads on the way), ("summed", node, operand) for a tp
+        collective (its backward sums over ranks, or passes a whole gradient on), and
+        ("whole", node, operand) for anything else (an output)."""
+        todo, seen = [(u, start) for u in start.users], {start}
         while todo:
-            n = todo.pop()
+            n, via = todo.pop()
             inner = self._through(n, seen)  # into and out of region bodies
             if inner is not None:
-                todo.extend(u for u in inner if u not in seen)
+                todo.extend((u, _entered_from(u, n)) for u in inner if u not in seen)
                 continue
-            if n in seen or not carries_grad(n):
+            if not carries_grad(n):
+                continue
+            p = self.place.get(n)
+            if n.target not in _SYNCED and (isinstance(p, (Shard, list)) or p is LOCAL):
+                yield "split", n, via  # every edge into it: each is summed on its own (_sum_into)
+                continue
+            if n in seen:
                 continue
             seen.add(n)
-            p = self.place.get(n)
             if n.target in _SYNCED:
-                yield "summed", n
-            elif isinstance(p, (Shard, list)) or p is LOCAL:
-                yield "split", n
+                yield "summed", n, via
             elif p is None and n.op == "call_function" and n.users:
-                todo.extend(n.users)
+                todo.extend((u, n) for u in n.users)
             else:
-                yield "whole", n
+                yield "whole", n, via
 
-    def _split_readers(self, total: fx.Node, origin: fx.Node) -> bool:
-        """Whether the readers of all-reduced ``total`` reach split values (or this rank's
-        slice of a replicated one) through replicated ops, each rank then holding the
-        gradient of its own part; False when none does (every rank holds the whole), also
-        once slices read beside whole readers have their gradient summed at the slice.
-        Refused when some do and some do not otherwise."""
+    def _readers(self, total: fx.Node) -> tuple[list[tuple[fx.Node, fx.Node]], list[fx.Node]]:
+        """The readers of all-reduced ``total``: (split reader, the replicated operand it
+        reads on that path) for each edge into a value split over tp or this rank's slice of
+        a replicated one; and the readers that are not (every rank holds the whole gradient)."""
         split, whole = [], []
-        for kind, n in self._gradient_readers(total):
-            (split if kind == "split" else whole).append(n)
-        if split and whole and all(n.target == fxmeg_ops.tp_slice.default for n in split):
-            for n in split:  # each slice's gradient summed over ranks there: every reader's is whole
-                with n.graph.inserting_before(n):
-                    copy = call(n.graph, fxmeg_ops.tp_copy.default, (n.args[0], TP), like=n)
-                n.replace_input_with(n.args[0], copy)
-                self.place[copy] = None
-            return False
-        if split and whole:
-            raise self._unsupported(
-                origin, f"the sum it takes over tp ranks is read both with split values (node "
-                        f"{split[0].name!r}) and without (node {whole[0].name!r}), so its gradient "
-                        "is neither this rank's part nor the whole", self.place.get(origin.args[0]))
-        return bool(split)
+        for kind, n, via in self._gradient_edges(total):
+            if kind != "split":
+                whole.append(n)
+            elif (n, via) not in split:
+                split.append((n, via))
+        return split, whole
+
+    def _sum_into(self, edges: list[tuple[fx.Node, fx.Node]]) -> None:
+        """A tp_copy on each (split reader, operand) edge: forward the operand itself,
+        backward the readers' parts summed over tp ranks."""
+        for reader, operand in edges:
+            with reader.graph.inserting_before(reader):
+                copy = call(reader.graph, fxmeg_ops.tp_copy.default, (operand, TP), like=reader)
+            reader.replace_input_with(operand, copy)
+            self.place[copy] = None
 
     @rule(TP, "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):
@@ -473,6 +487,14 @@ class PropagationRules:
         for user in users:
             user.replace_input_with(node, out)
         return LOCAL
+
+
+def _entered_from(node: fx.Node, boundary: fx.Node) -> fx.Node:
+    """The operand through which ``node`` is reached across a region boundary: a body
+    placeholder it reads, or (out of a body) the region node its ``getitem`` reads."""
+    if boundary.op == "output":
+        return node.args[0]
+    return next(a for a in node.all_input_nodes if a.op == "placeholder")
 
 
 def _runs(parts: tuple[int, ...], sizes: list[int]) -> list[tuple[int, ...]] | None:

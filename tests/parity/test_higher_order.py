@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 import fxmeg
 from tests.distributed import run_world
 from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
-from tests.test_higher_order import GBS, MBS, SEQ, _model, _no_grad_mix, _xt
+from tests.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
 
 STEPS = 3
 CASES = {
@@ -25,6 +26,7 @@ CASES = {
     "own-tp2": ("own", dict(tp=2)),
     "gelu-tp2": ("gelu", dict(tp=2)),
     "no-grad-mix-tp2": ("no-grad-mix", dict(tp=2)),
+    "two-arrivals-tp2": ("two-arrivals", dict(tp=2)),
     "xt-pp2": ("xt", dict(pp=2)),
 }
 HAS_XT = importlib.util.find_spec("x_transformers") is not None
@@ -34,6 +36,9 @@ HAS_XT = importlib.util.find_spec("x_transformers") is not None
 def _make(kind: str):
     if kind == "no-grad-mix":
         return _no_grad_mix()
+    if kind == "two-arrivals":
+        torch.manual_seed(0)
+        return TwoArrivals()
     return _xt() if kind == "xt" else _model("gelu" if kind == "gelu" else "after")
 
 

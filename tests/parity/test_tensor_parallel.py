@@ -56,7 +56,8 @@ def compiled_collectives(rank: int) -> dict:
                 grads_equal=bool(torch.equal(x1.grad, x2.grad)), grad=x1.grad.tolist())
 
 
-RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "cat-blocks": _CatStack,
+RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "sum-read-both": lambda: _SplitSum(mixed=True),
+         "cat-blocks": _CatStack,
          "einsum-bias": _EinsumAttention, "zeros-like": ZerosLike}
 RULES |= {kind: lambda kind=kind: _Heads(kind) for kind in KINDS}  # issue 28's layouts (test_tp_ops)
 

@@ -446,10 +446,18 @@ def test_a_sum_read_whole_is_all_reduced_forward_only():
     assert [u.target for u in total.users] == [torch.ops.fxmeg.tp_reduce.default]
 
 
-def test_a_sum_read_both_split_and_whole_is_refused():
-    with pytest.raises(PassError, match=r"cannot split node 'sum_1'.*by module 'layers.0.up'.*read both with split values \(node 'mul'\) "
-                                        r"and without \(node '"):
-        _tp(_SplitSum(mixed=True))
+def test_a_sum_read_both_split_and_whole_sums_the_split_readers_parts_on_their_edge():
+    """The total is read with the split values (h * total: each rank holds its part of
+    that gradient) and by the residual stream (every rank the whole): a tp_copy on the
+    edge into the split reader sums their parts, the sum's own all-reduce passes its
+    gradient as it is (tests/parity/test_tensor_parallel.py trains it)."""
+    gm = _tp(_SplitSum(mixed=True))
+    total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    (reduce,) = total.users
+    assert reduce.target == torch.ops.fxmeg.tp_reduce.default
+    mul = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor and n.meta["fxmeg"]["module"] == "")
+    edge = next(a for a in mul.all_input_nodes if a is not mul.args[0])
+    assert edge.target == torch.ops.fxmeg.tp_copy.default and edge.args[0] is reduce
 
 
 class _NewPointwise(nn.Module):
