@@ -104,6 +104,41 @@ q/k L2 norm and chunked attention (chunks of 8), odd ones routed experts plus a 
 expert, no rotary, full attention and the attention temperature (floor_scale=4: it
 varies within 16 positions)."""
 
+HYBRID: dict[str, dict] = {
+    # Gated DeltaNet (fused in_proj_qkvz viewed per key head, depthwise conv1d, chunked delta rule) + MoE
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=48),
+    # Mamba-2 beside attention in every layer; in_proj [z, xBC, dt] scaled by a per-block mup_vector
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, mamba_n_groups=2, mamba_d_state=8,
+                      mamba_chunk_size=8),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=4,
+                       mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8, num_local_experts=4,
+                             num_experts_per_tok=2, shared_intermediate_size=48),
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16),
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),  # gated short conv
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                  mamba_chunk_size=8),
+    # Mamba-1: x_proj row-parallel, read by dt_proj (weight @ x) and by the scan's B and C
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=4),
+    # a Mamba-2 layer, then a hybrid one (Mamba-2 and the shared attention block)
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, mamba_headdim=16, mamba_ngroups=2,
+                   mamba_d_state=8, chunk_size=8, attention_head_dim=8, num_key_value_heads=4),
+    # Kimi Delta Attention, then latent attention (MLA) with MoE
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_token=2,
+                        moe_intermediate_size=48, linear_head_dim=8, linear_num_heads=4,
+                        mlp_layer_types=["dense", "sparse"], qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                        num_key_value_heads=4),
+}
+"""Hugging Face hybrids (config fields of AutoConfig.for_model, over the zoo's recipe): one
+state-space or linear-attention layer, then one attention layer; heads and groups that tp=2
+divides; MoE at 4 experts, top-2."""
+
 
 def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> torch.nn.Module:
     """A tiny Hugging Face mixture of experts of ``MOE`` or ``BATCHED_MOE`` (random init, no

@@ -323,8 +323,14 @@ class _ContextParallel:
 
     @rule(CP, "convolution")
     def _convolution(self, node: fx.Node):
-        raise self.refuse(node, "a convolution over a value split along the sequence mixes "
-                                 "neighbouring positions across ranks")
+        """Refused: each position needs its neighbours on the rank before. In a state-space
+        or linear-attention layer (Mamba, Gated DeltaNet) a short causal convolution over
+        time comes before the recurrence, which would need the state passed between ranks."""
+        raise self.refuse(node, "a convolution over a value split along the sequence mixes neighbouring "
+                                 "positions across ranks (in a state-space or linear-attention layer it "
+                                 "precedes a recurrence over time, whose state fxmeg does not pass between "
+                                 "cp ranks)",
+                          fix="use cp=1 for this model (tp and pp split such layers by heads and by layers)")
 
     @rule(CP, "pad", "triangle")
     def _pad_or_triangle(self, node: fx.Node) -> Seq:
@@ -339,6 +345,17 @@ class _ContextParallel:
         if s.dim in along or s.full in along:
             op = getattr(node.target, "__name__", str(node.target))
             raise self.refuse(node, f"it computes along dim {s.dim}, the sequence ({op})")
+        return s
+
+    @rule(CP, "new")
+    def _new(self, node: fx.Node):
+        """``x.new_empty(sizes)`` and kin: sized like ``x`` along the sequence, it is split
+        there too; otherwise it holds no positions of ``x`` (replicated)."""
+        s, sizes, x = self._seq(node, node.args[0]), list(node.args[1]), val(node.args[0])
+        if s.merged or s.full is not None or len(sizes) != x.dim() or sizes[s.dim] != x.shape[s.dim]:
+            return None
+        sizes[s.dim] //= self.cp
+        node.args = (node.args[0], sizes, *node.args[2:])
         return s
 
     @rule(CP, "write")

@@ -132,6 +132,20 @@ class ChannelRules:
             node.replace_input_with(src, self._local_slice(node, src, j, d))
         return d
 
+    @rule(TP, "new")
+    def _new(self, node: fx.Node):
+        """``x.new_empty(sizes)`` and kin: a fresh tensor, filled later (MLA's key states,
+        written a slice at a time). Sized like ``x`` along its split dim, it is split there
+        too (its size there divided by tp); otherwise it is replicated."""
+        s = self.place[node.args[0]]
+        sizes = list(node.args[1])
+        x = val(node.args[0])
+        if len(sizes) != x.dim() or sizes[s.dim] != x.shape[s.dim]:
+            return None
+        sizes[s.dim] //= self.tp
+        node.args = (node.args[0], sizes, *node.args[2:])
+        return s
+
     def _local_blocks(self, node: fx.Node, a: fx.Node, dim: int, split: Shard) -> fx.Node:
         """This rank's part of every block of replicated ``a`` along ``dim`` (blocks of
         unequal sizes), laid end to end as the split value holds them."""

@@ -80,7 +80,7 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return _regrouped(s, a, b, gi, gj, tp) or f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
         if b[o] % tp:
             why = Indivisible(f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide")
-            why.size, why.sizes = b[o], tuple(b[d] for d in gj if b[d] != 1)
+            why.size, why.sizes = b[o], tuple(b[d] for d in gj if b[d] != 1 or d == o)
             return why
         return s.moved(o, (b[o],))
     raise AssertionError("dim not found in groups")

@@ -13,8 +13,8 @@ PassError naming the node and a fix (docs/errors.md, row tp-unsplittable).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
-
 
 import torch
 from torch import fx
@@ -43,9 +43,11 @@ def _indivisible(node: fx.Node, why: Indivisible, s: Shard, tp: int) -> str:
     where = f"node {node.name!r} ({node.target.__name__}, module {owning_module(node)!r})"
     msg = (f"tp={tp} does not divide {why.size}, the number of heads (or groups) that {where} "
            f"splits the features into {why.sizes}")
-    if len(why.sizes) < 3:
-        return f"{msg}; choose tp in {divisors(why.size)}"
     block = s.origin.rpartition(".")[0]
+    if len(why.sizes) < 3:
+        glob = re.sub(r"\.\d+\.", ".*.", s.origin)
+        return (f"{msg}; choose tp in {divisors(why.size)}, or keep the projection that splits them whole with "
+                f"tp_plan={{{glob!r}: 'replicate'}}")
     return (f"{msg}. If the {why.size} are fused blocks (q, k, v as in rearrange('b n (three h d) -> "
             f"three b n (h d)')), split them before the heads: write the projection's output as "
             f".chunk({why.size}, dim=-1) (or separate linears), then rearrange each; or keep the "

@@ -51,6 +51,7 @@ import fxmeg
 from tests.distributed import run_world
 from tests.helpers import (
     BATCHED_MOE,
+    HYBRID,
     MOE,
     Run,
     assert_run_close,
@@ -99,6 +100,20 @@ def xglm() -> nn.Module:
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.k_proj.bias.normal_(0.0, 0.02)
+    return model
+
+
+def qwen3_next(layers: int = LAYERS) -> nn.Module:
+    """Qwen3-Next (HYBRID) with each Gated DeltaNet head's decay rate A drawn from [0.5, 2]
+    instead of [0.01, 16]: a head with A near 16 forgets in one token, and the gradients of
+    A_log and dt_bias become sums that cancel to 1e-6 of their terms, whose fp32 rounding
+    alone moves them by 6e-4 of their norm (plain PyTorch with the loss scaled by 120, as
+    the loss pass's sum scales it, measured so)."""
+    model = hf("qwen3_next", **HYBRID["qwen3_next"])(layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 2.0).log())
     return model
 
 
@@ -204,6 +219,28 @@ ZOO["doge"] = (hf("doge"), {}, -100)
 # tokens by sizes read with .tolist() (data-dependent shapes); keys repeated for each
 # attention expert's query heads; not under ep (its experts are not Hugging Face's grouped form)
 ZOO["jetmoe"] = (hf("jetmoe", num_local_experts=4, num_experts_per_tok=2), {}, -100)
+
+# hybrids (tests.helpers.HYBRID): a state-space or linear-attention layer, then an attention
+# layer; split by heads over tp (fxmeg/passes/tp_channels.py), a pipeline cut between them
+ZOO["qwen3_next"] = (qwen3_next, {}, -100)
+for _kind in ("falcon_h1", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2", "bamba", "jamba", "zamba2"):
+    ZOO[_kind] = (hf(_kind, **HYBRID[_kind]), {}, -100)
+# its latent attention (MLA) needs kv_a_proj_with_mqa whole (refused by name without this plan)
+ZOO["kimi_linear"] = (hf("kimi_linear", **HYBRID["kimi_linear"]),
+                      {"tp_plan": {"model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}}, -100)
+SPLIT |= {
+    "qwen3_next": tuple(f"model.layers.0.linear_attn.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight",
+                                                                    "conv1d.weight", "A_log", "out_proj.weight")),
+    "kimi_linear": tuple(f"model.layers.0.self_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "o_proj.weight")),
+    "olmo_hybrid": tuple(f"model.layers.0.linear_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "A_log")),
+    "lfm2": ("model.layers.0.conv.in_proj.weight", "model.layers.0.conv.conv.weight", "model.layers.0.conv.out_proj.weight"),
+    "jamba": tuple(f"model.layers.0.mamba.{p}" for p in ("in_proj.weight", "conv1d.weight", "x_proj.weight",
+                                                         "dt_proj.weight", "A_log", "out_proj.weight")),
+}
+SPLIT |= {kind: tuple(f"model.layers.0.{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias",
+                                                              "A_log", "D", "out_proj.weight"))
+          for kind, mixer in (("falcon_h1", "mamba"), ("nemotron_h", "mixer"), ("granitemoehybrid", "mamba"),
+                              ("bamba", "mamba"), ("zamba2", "mamba"))}
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""

@@ -126,7 +126,8 @@ class _Conv(nn.Module):
 
 @pytest.mark.parametrize("model,words", [
     (_Shift, "it computes along dim 1, the sequence"),
-    (_Conv, "a convolution over a value split along the sequence"),
+    (_Conv, "(conv1d.default, module 'conv') along the sequence over cp=2 ranks: it mixes positions outside "
+            "attention: a convolution over a value split along the sequence"),
 ])
 def test_position_mixing_is_refused_naming_the_node(model, words):
     with pytest.raises(PassError, match="mixes positions outside attention") as err:

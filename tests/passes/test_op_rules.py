@@ -31,7 +31,7 @@ class Registry(TestCase):
     def test_families_and_the_rule_of_each_axis(self):
         """``*``: the rule runs even when no input is split (it starts a split)."""
         self.assertExpectedInline(_table(), """\
-copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, full_like.default, ones_like.default, to.device, to.dtype, to.dtype_layout, type_as.default, zeros_like.default
+copy             tp _same                cp _elementwise   _to_copy.default, alias.default, clone.default, contiguous.default, detach.default, empty_like.default, full_like.default, ones_like.default, to.device, to.dtype, to.dtype_layout, type_as.default, zeros_like.default
 random           tp _same                cp _elementwise   bernoulli.default, bernoulli.p, dropout.default, native_dropout.default, rand_like.default, randn_like.default
 pointwise        tp _elementwise         cp _elementwise   complex.default, masked_fill.Tensor, polar.default, where.ScalarOther, where.ScalarSelf, tag pointwise
 view             tp _reshape             cp _reshape       _unsafe_view.default, expand.default, flatten.using_ints, reshape.default, squeeze.default, squeeze.dim, unflatten.int, unsqueeze.default, view.default
@@ -61,6 +61,7 @@ loss             tp _loss                cp _loss          cross_entropy_loss.de
 pad              tp _pad                 cp _pad_or_triangle constant_pad_nd.default, pad.default
 triangle         tp _triangle            cp _pad_or_triangle tril.default, triu.default
 write            tp _write               cp _write         copy_.default
+new              tp _new                 cp _new           new_empty.default, new_full.default, new_ones.default, new_zeros.default
 convolution      tp _convolution         cp _convolution   conv1d.default, conv2d.default, convolution.default
 context_parallel tp _context_parallel    cp -              fxmeg.cp_attention.default, fxmeg.cp_causal_mask.default, fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
 
