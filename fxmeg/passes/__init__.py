@@ -17,7 +17,8 @@ tests/test_pass_list.py holds this table to ``PASSES``:
   context_parallel model   sequences split over cp ranks, K/V all-gathered      passes/context_parallel.py
                            (padding-mask inputs it keeps whole: passes/cp_masks.py)
   tensor_parallel  model   column / row / vocab-parallel, sequence parallelism  passes/tensor_parallel.py
-                           (its rules by op family: passes/tp_rules.py; inside
+                           (its rules by op family: passes/tp_rules.py, for
+                           state-space layers passes/tp_channels.py; inside
                            autocast / no-grad regions: passes/tp_regions.py)
   partition        model   balanced cut: every node tagged with its chunk       passes/partition.py
   pipeline         model   chunk graphs under a parent (returned), with recv /  passes/pipeline.py
