@@ -26,7 +26,12 @@ relative norm: docs/design.md §3).
 * key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py):
   Falcon's default config (multi-query, parallel attention, ``x @ w.T`` linears) and
   gpt_bigcode's multi-query fused ``c_attn``; bloom's per-head interleaved fused QKV with
-  ALiBi through ``baddbmm``, split by whole heads. SPLIT names the parameters each must split.
+  ALiBi through ``baddbmm``, split by whole heads. SPLIT names the parameters each must split;
+* hybrids of attention with state-space or linear-attention layers (tests.helpers.HYBRID,
+  one such layer then one attention layer, a pipeline cut between them): Qwen3-Next,
+  Falcon-H1, Nemotron-H, Granite-4.0, OLMo-Hybrid, LFM2, Bamba, Jamba, Zamba2, Kimi-Linear,
+  their convolution, recurrence and projections split by heads (fxmeg/passes/tp_channels.py;
+  SPLIT names them), about 4 s each in the 4-rank spawn.
 
 Gemma-2 is eager only (transformers refuses sdpa for it). Screened and training at world
 size 1 too, left out to keep the spawn short: olmo, glm, smollm3, helium,
