@@ -23,7 +23,7 @@ from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
 from fxmeg.layouts import LOCAL, PARTIAL, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, carries_grad, divide_shape_arg, full_args, val
+from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
