@@ -45,7 +45,11 @@ def train(rank: int, sc: Scenario) -> dict:
     """Train; report the steps, the full state (rank 0), the fp32 masters and what each
     inner optimizer holds state for."""
     engine = sc.engine()
-    steps = [engine.train_step(b) for b in sc.batches()]
+    steps, grads = [], []
+    for b in sc.batches():
+        steps.append(engine.train_step(b))
+        grad = engine.full_grad_dict()  # collective: every rank calls it
+        grads.append(grad if rank == 0 else None)
     state = engine.full_state_dict()
     opt = engine.context.optimizer
     held: dict[str, dict[str, dict[str, int]]] = {}
@@ -58,7 +62,7 @@ def train(rank: int, sc: Scenario) -> dict:
                 held.setdefault(type(o).__name__, {})[name] = {
                     k: v.numel() for k, v in o.state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     groups = engine.context.groups
-    return dict(steps=steps, state=state if rank == 0 else None, held=held, strays=strays,
+    return dict(steps=steps, grads=grads, state=state if rank == 0 else None, held=held, strays=strays,
                 sharding=opt.sharding, owner=opt.owner, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
                 local={n: p.numel() for n, p in engine.named_parameters.items()},
                 pieces=master_pieces(engine), tp_specs=engine.program.tp_specs)

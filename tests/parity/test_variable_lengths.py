@@ -84,7 +84,10 @@ def run(rank: int) -> dict:
     for sc in CASES:
         engine = sc.engine()
         feeds = engine.needs_data
-        steps = [engine.train_step(b if feeds else None) for b in sc.batches()]
+        steps, grads = [], []
+        for b in sc.batches():
+            steps.append(engine.train_step(b if feeds else None))
+            grads.append(engine.full_grad_dict())  # collective: every rank calls it
         evaluated = engine.eval_step(make_batch(sc.gbs, **EVAL) if feeds else None, num_microbatches=sc.m).loss
         state = engine.full_state_dict()
         try:
@@ -98,7 +101,8 @@ def run(rank: int) -> dict:
             refused = "no error"
         except BatchError as e:
             refused = str(e)
-        out[sc.id] = dict(steps=steps, state=state if rank == 0 else None, feeds=feeds, eval=evaluated,
+        out[sc.id] = dict(steps=steps, grads=grads if rank == 0 else None, state=state if rank == 0 else None,
+                          feeds=feeds, eval=evaluated,
                           compiled=[key for key, _ in engine.shapes.compiled], error=error, refused=refused)
     return out
 
