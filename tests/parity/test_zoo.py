@@ -407,3 +407,48 @@ def test_zoo_size():
     hf_archs = {n.removesuffix("-eager-experts").removesuffix("-eager") for n in ZOO}
     hf_archs -= {"x-transformers", "nanogpt", "llama2.c"}
     assert len(hf_archs) >= 12
+
+
+ZOO_LAYOUTS = {"tp2-pp2": "tp2 x pp2", "tp2": "tp2", "w1": "1 rank"}
+AXES_LAYOUTS = {"pp2-vpp2-tp2-sp": "tp2 sp x pp2 x vpp2", "cp2-dp2-distopt": "cp2 x dp2 zero1",
+                "pp2-zbh1": "pp2 zbh1", "bf16-tp2": "tp2 bf16"}
+"""How docs/hugging-face.md's zoo table names the layouts of this module and of test_zoo_axes."""
+
+
+def tested_layouts() -> dict[str, set[str]]:
+    """Model type -> the layouts the zoo (this module and test_zoo_axes) and the expert
+    parallel spawn (every ``tests.helpers.MOE`` family at ep2) train it on; a variant
+    (eager attention, eager experts, multi-query) in parentheses."""
+    from tests.helpers import BATCHED_MOE
+    from tests.parity import test_zoo_axes
+
+    def kind(name: str) -> tuple[str, str]:
+        base = re.sub(r"-(eager-experts|eager|mqa)$", "", name)
+        variant = name[len(base):].lstrip("-").replace("-", " ")
+        return base, f" ({variant})" if variant else ""
+
+    out: dict[str, set[str]] = {}
+    for name, layout in CASES:
+        base, variant = kind(name)
+        out.setdefault(base, set()).add(ZOO_LAYOUTS[layout] + variant)
+    for name in test_zoo_axes.AXES_ZOO:
+        base, variant = kind(name)
+        out[base] |= {AXES_LAYOUTS[layout] + variant for layout in test_zoo_axes.LAYOUTS}
+    for family in (*MOE, *BATCHED_MOE):
+        out.setdefault(family, set()).add("ep2")
+    return out
+
+
+def test_the_docs_list_every_tested_type_with_its_layouts():
+    """docs/hugging-face.md's table of the tested zoo names every type these tests train,
+    each with (at least) the layouts they train it on: it cannot go stale."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "hugging-face.md")
+    with open(path) as f:
+        table = next(b for b in f.read().split("### The tested zoo")[1].split("\n\n") if b.startswith("|"))
+    documented = {m[0]: {x.strip() for x in m[1].split(";")}
+                  for m in re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", table, flags=re.MULTILINE)}
+    for base, layouts in tested_layouts().items():
+        assert base in documented, f"docs/hugging-face.md's zoo table lacks {base!r} ({sorted(layouts)})"
+        assert layouts <= documented[base], f"{base}: {sorted(layouts - documented[base])} not documented"
