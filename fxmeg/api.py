@@ -26,7 +26,7 @@ from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
 from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups, plan_optimizers
 from fxmeg.runtime.release import Released
-from fxmeg.runtime.state import gather_full_grads, gather_full_state
+from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
@@ -146,7 +146,7 @@ class Engine:
     """Trains this rank's part of a Program. Built by ``parallelize``.
 
     Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``,
-    ``full_grad_dict``, ``params_norm``, ``save``, ``load``, ``set_global_batch_size``; ``config``,
+    ``params_norm``, ``save``, ``load``, ``set_global_batch_size``; ``config``,
     ``named_parameters``, ``partition``, ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
     ``context`` (this rank's RankContext) for tools that need more."""
 
@@ -206,7 +206,8 @@ class Engine:
         return 3.0 * self._current.flops_per_microbatch * cfg.num_microbatches * cfg.parallel.dp
 
     def train_step(
-        self, batch: UserBatch | Iterator[UserBatch] | None, *, check_determinism: bool = False, trace: bool = False
+        self, batch: UserBatch | Iterator[UserBatch] | None, *, check_determinism: bool = False, trace: bool = False,
+        full_grads: bool = False,
     ) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
         the same on every rank) or an iterator over this rank's micro-batches.
@@ -214,11 +215,14 @@ class Engine:
         ``check_determinism`` runs forward and backward twice on the batch (Megatron's
         rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
         differed; the step then uses the second run. ``trace`` records this step's
-        timeline in ``context.tracer.events`` (see fxmeg.trace). With
-        ``check_replicas_interval=N``, every N-th call first checks that replicas still hold
-        the same parameters (``ReplicaError`` on every rank if not)."""
+        timeline in ``context.tracer.events`` (see fxmeg.trace). ``full_grads`` gathers
+        every parameter's gradient whole into ``StepResult.grads``, before the optimizer
+        clips and applies it (collective; for tests and debugging: it costs a gather of
+        the model). With ``check_replicas_interval=N``, every N-th call first checks that
+        replicas still hold the same parameters (``ReplicaError`` on every rank if not)."""
         program, batch = self._select(batch, self.config.num_microbatches)
-        return step.train_step(program, self.context, batch, check_determinism=check_determinism, trace=trace)
+        return step.train_step(program, self.context, batch, check_determinism=check_determinism, trace=trace,
+                               full_grads=full_grads)
 
     def eval_step(self, batch: UserBatch | Iterator[UserBatch] | None, *,
                   num_microbatches: int | None = None) -> EvalResult:
@@ -259,16 +263,6 @@ class Engine:
         engine's current values, gathered on every rank. Collective: call it on every
         rank."""
         return gather_full_state(self.program, self.context)
-
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """The gradients of the last ``train_step``, whole, in fp32, by the user's parameter
-        names (every name of a tied parameter): summed over the global batch, divided by
-        its token count, clipped as the optimizer used them; what ``param.grad`` holds in
-        plain PyTorch after ``loss.backward()`` and ``clip_grad_norm_``. Parameters the
-        model never reads have none (PyTorch leaves their ``grad`` None). Zeros before the
-        first step. Collective: call it on every rank."""
-        grads = gather_full_grads(self.program, self.context)
-        return {alias: g for name, g in grads.items() for alias in self.program.aliases.get(name, (name,))}
 
     def save(self, directory: str, *, async_save: bool = False, state: dict | None = None) -> Saving:
         """Checkpoint this engine into ``directory`` (``iter_<N>/``, N the train steps

@@ -335,7 +335,7 @@ class Run:
     state: dict[str, torch.Tensor]
     """The final state_dict."""
     grads: list[dict[str, torch.Tensor]]
-    """Each step's gradients as the optimizer used them (after clipping), by every name of
+    """Each step's gradients after ``loss.backward()``, before clipping, by every name of
     each parameter (tied ones under each name); a parameter without one is left out."""
 
 
@@ -362,9 +362,9 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
             o.zero_grad()
         loss = model_loss(model, ids, labels)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
                       if p.grad is not None})
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         for o in opts:
             o.step()
         losses.append(loss.item())
@@ -427,8 +427,8 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def assert_grads_close(got: list[dict], want: Run, float64: Callable[[], Run], *,
                        factor: float = FLOAT64_FACTOR) -> None:
-    """Every parameter's gradient at every step (``Engine.full_grad_dict`` after each
-    ``train_step``) equals the reference's within GRAD_RTOL of its own norm, or, where
+    """Every parameter's gradient at every step (``StepResult.grads`` of
+    ``train_step(full_grads=True)``) equals the reference's within GRAD_RTOL of its own norm, or, where
     rounding is in doubt, is no farther from ``float64()`` (the same training in float64,
     run on first need) than ``factor`` times the reference (fp32, or a mixed-precision
     oracle: tests/parity/mixed_precision.float64_grad_failures). Not only the first
@@ -491,9 +491,9 @@ def trained(engine, data, rank: int) -> dict:
     holds and their whole."""
     steps, grads = [], []
     for b in data:
-        steps.append(engine.train_step(b))
-        grad = engine.full_grad_dict()  # collective: every rank calls it
-        grads.append(grad if rank == 0 else None)
+        step = engine.train_step(b, full_grads=True)  # collective: every rank gathers them
+        steps.append(step)
+        grads.append(step.grads if rank == 0 else None)
     sharded = sorted(n for n, spec in engine.program.tp_specs.items() if isinstance(spec, Shard))
     state = engine.full_state_dict()
     held = sum(p.numel() for p in engine.named_parameters.values())  # this rank's parts

@@ -42,8 +42,9 @@ def gather_full_grads(program: Program, ctx: RankContext) -> dict[str, torch.Ten
     """Every trainable parameter's gradient as the gradient buffers hold it, whole, in
     fp32, on every rank, by canonical FQN in graph order (``graph_order``): reduced over
     micro-batches and data-parallel ranks and divided by the global token count, as the
-    last forward-backward left it (after a train step: clipped, as the optimizer read it).
-    Parameters no chunk reads (``Program.unread``) have none. Collective."""
+    last forward-backward left it: read it before the optimizer step, which clips in
+    place what this rank updates. Parameters no chunk reads (``Program.unread``) have
+    none. Collective."""
     local: dict[str, torch.Tensor] = {}
     for buf in ctx.ddp.all():
         data = buf.local_grads()

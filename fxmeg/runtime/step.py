@@ -23,6 +23,7 @@ from fxmeg.runtime.groups import all_reduce
 from fxmeg.runtime.load import load_imbalance
 from fxmeg.runtime.optimizer import StepOutcome
 from fxmeg.runtime.schedules import forward_only
+from fxmeg.runtime.state import gather_full_grads
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class StepResult:
     """Why the step was skipped: 'nonfinite' (inf / NaN gradient) or 'grad_norm'."""
     rerun_mismatch: bool | None = None
     """With check_determinism: whether a second forward / backward differed."""
+    grads: Mapping[str, torch.Tensor] | None = None
+    """With ``full_grads``: every parameter's gradient of the step, whole, in fp32, by every
+    name of the user's model (tied ones under each), as reduced over the global batch and
+    divided by its token count, before clipping: what ``param.grad`` holds in plain PyTorch
+    after ``loss.backward()``. Parameters no chunk reads have none (PyTorch: None)."""
     expert_load: Mapping[str, tuple[int, ...]] | None = None
     """Tokens per expert of each routed-experts layer (its experts module's FQN) over the
     global batch: the (token, slot) pairs its router sent to each expert
@@ -63,7 +69,7 @@ class EvalResult:
 
 def train_step(
     program: Program, ctx: RankContext, batch: UserBatch | Iterator[UserBatch] | None, *,
-    check_determinism: bool = False, trace: bool = False,
+    check_determinism: bool = False, trace: bool = False, full_grads: bool = False,
 ) -> StepResult:
     """One optimizer step (see ``fxmeg.Engine.train_step``)."""
     interval = ctx.config.check_replicas_interval
@@ -84,6 +90,10 @@ def train_step(
     if check_determinism:
         same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all()))
         mismatch = _any_rank(not same, ctx.device)
+    grads = None
+    if full_grads:  # before the optimizer clips them (in place, and only in the pieces it updates here)
+        grads = {alias: g for name, g in gather_full_grads(program, ctx).items()
+                 for alias in program.aliases.get(name, (name,))}
     lr = float(ctx.optimizer.param_groups[0]["lr"])
     with ctx.tracer.span("optimizer", "optimizer"):
         outcome = ctx.optimizer.step()
@@ -97,7 +107,7 @@ def train_step(
     return StepResult(
         loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens),
         grad_norm=outcome.grad_norm, skipped=outcome.skipped, lr=lr,
-        skip_reason=outcome.skip_reason, rerun_mismatch=mismatch, expert_load=load,
+        skip_reason=outcome.skip_reason, rerun_mismatch=mismatch, grads=grads, expert_load=load,
     )
 
 

@@ -131,10 +131,10 @@ def reference(model: torch.nn.Module, batches, *, dtype: torch.dtype, micro_batc
         if found_inf:
             out["grads"].append({a: grads[n].clone() for a, n in aliases.items()})
             continue
+        out["grads"].append({a: grads[n].clone() for a, n in aliases.items()})  # before clipping
         coeff = clip / (norm + 1e-6)
         for n, m in masters.items():
             m.grad = grads[n] * coeff if clip > 0 and coeff < 1.0 else grads[n].clone()
-        out["grads"].append({a: masters[n].grad.clone() for a, n in aliases.items()})
         for o in inner:
             o.step()
         with torch.no_grad():
@@ -184,7 +184,7 @@ def float64_rule_failures(masters: dict, oracle: dict, exact: dict, initial: dic
 
 def float64_grad_failures(got: list[dict], oracle: dict, exact: dict) -> str | None:
     """None when every parameter's gradient at every step (``got``: fxmeg's
-    ``full_grad_dict`` after each step) is no farther from the float64 run's (``exact``)
+    ``StepResult.grads`` of each step) is no farther from the float64 run's (``exact``)
     than PARAM_SLACK x the oracle's, per parameter (tests.helpers.assert_grads_close with
     that factor; ``oracle`` and ``exact``: ``reference``'s results); else what is."""
     def run(r: dict) -> Run:

@@ -4,6 +4,7 @@ what it reports, and the comparison with plain single-device PyTorch."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -102,11 +103,11 @@ def train(rank: int, sc: Scenario, extra=None) -> dict:
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events, grads = [], [], [], []
     for b in sc.batches():
-        steps.append(engine.train_step(b))
+        step = engine.train_step(b, full_grads=True)  # collective: every rank gathers them
+        steps.append(dataclasses.replace(step, grads=None))
+        grads.append(step.grads if rank == 0 else None)
         counters.append(engine.context.executor.counters)
         events.append(list(engine.context.ddp.events.log))
-        grad = engine.full_grad_dict()  # collective: every rank calls it
-        grads.append(grad if rank == 0 else None)
     state = engine.full_state_dict()  # collective: every rank calls it
     return dict(
         optimizer_elements=engine.context.optimizer.state_elements(),
@@ -262,9 +263,9 @@ def _router_loss_run(model, sc: Scenario) -> Run:
             aux = experts * (f.detach() * probs).sum()
             (ce * n / total + coef * aux / micro_batches).backward()
             ce_sum += ce.item() * n
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)
-                      if p.grad is not None})
+                      if p.grad is not None})  # before clipping
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         opt.step()
         losses.append(ce_sum / total)
     return Run(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, grads)

@@ -12,6 +12,8 @@ Muon's own."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import fnmatch
 import math
 
@@ -47,9 +49,9 @@ def train(rank: int, sc: Scenario) -> dict:
     engine = sc.engine()
     steps, grads = [], []
     for b in sc.batches():
-        steps.append(engine.train_step(b))
-        grad = engine.full_grad_dict()  # collective: every rank calls it
-        grads.append(grad if rank == 0 else None)
+        step = engine.train_step(b, full_grads=True)  # collective: every rank gathers them
+        steps.append(dataclasses.replace(step, grads=None))
+        grads.append(step.grads if rank == 0 else None)
     state = engine.full_state_dict()
     opt = engine.context.optimizer
     held: dict[str, dict[str, dict[str, int]]] = {}

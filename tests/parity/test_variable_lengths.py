@@ -10,6 +10,8 @@ tp2 x pp2 and at cp2 x dp2. One spawn of 4 ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import pytest
@@ -86,8 +88,9 @@ def run(rank: int) -> dict:
         feeds = engine.needs_data
         steps, grads = [], []
         for b in sc.batches():
-            steps.append(engine.train_step(b if feeds else None))
-            grads.append(engine.full_grad_dict())  # collective: every rank calls it
+            step = engine.train_step(b if feeds else None, full_grads=True)  # collective: every rank gathers
+            steps.append(dataclasses.replace(step, grads=None))
+            grads.append(step.grads)
         evaluated = engine.eval_step(make_batch(sc.gbs, **EVAL) if feeds else None, num_microbatches=sc.m).loss
         state = engine.full_state_dict()
         try:
