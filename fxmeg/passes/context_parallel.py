@@ -67,7 +67,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
-from fxmeg.passes.cp_masks import constant_value, mask_inputs
+from fxmeg.passes.cp_masks import is_causal_mask, mask_inputs
 from fxmeg.passes.cp_moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
     call, divide_shape_arg, expand_add_matmul, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
@@ -501,11 +501,11 @@ class _ContextParallel:
         encoder's: every query sees every key). A mask that depends on a split input is
         refused."""
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
-        if mask is not None and not causal and self._is_causal_mask(mask, val(q).shape[-2], val(k).shape[-2]):
+        if mask is not None and not causal and is_causal_mask(mask, self.gm, val(q).shape[-2], val(k).shape[-2]):
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
         if mask is not None and not self._sliceable_mask(mask):
             split = isinstance(self.place.get(mask), (Seq, list))
-            raise self.refuse(node, self._unsliceable(mask), mixing=False, fix=(
+            raise self.refuse(node, self.masks.unsliceable(mask, split, self.seq), mixing=False, fix=(
                 "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
                 "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
                 f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
@@ -540,30 +540,6 @@ class _ContextParallel:
         v = val(mask)
         return (self.place.get(mask) is None and v is not None and v.dim() >= 2
                 and v.shape[-2] in (1, self.seq) and v.shape[-1] in (1, self.seq))
-
-    def _unsliceable(self, mask: fx.Node) -> str:
-        split = sorted(x.name for x in self.masks.deps.get(mask, ()) if x not in self.masks.whole)
-        if isinstance(self.place.get(mask), (Seq, list)):
-            return (f"it is an attention with a mask that depends on the split inputs (padding): mask "
-                    f"{mask.name!r} is computed from input(s) {split}, which are cut along the sequence"
-                    + (self.masks.hint(mask) or " (they are not used by attention masks alone)"))
-        return (f"it is an attention whose mask {mask.name!r} {tuple(val(mask).shape)} is not (..., 1 or {self.seq}, "
-                f"1 or {self.seq}) (queries, keys): its rows cannot be cut to this rank's queries")
-
-    def _is_causal_mask(self, mask: fx.Node, queries: int, keys: int) -> bool:
-        """Whether ``mask`` depends on no input and, computed now, is the causal mask of
-        the whole sequence (True, or 0 in an additive mask, exactly where key <= query)
-        for every batch and head: then attention under it is causal attention."""
-        value = constant_value(mask, self.gm)
-        if value is None or queries != keys or value.dim() < 2 or value.shape[-2:] != (queries, keys):
-            return False
-        allowed = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
-        if value.dtype == torch.bool:
-            return bool((value == allowed).all())
-        if not value.is_floating_point():
-            return False
-        blocked = value <= torch.finfo(value.dtype).min / 2
-        return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
 
     # ------------------------------------------------------------------ finish
 

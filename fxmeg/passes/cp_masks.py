@@ -1,5 +1,6 @@
-"""Which sequence inputs the context-parallel pass keeps whole (padding masks), and the
-value of a mask that depends on no input (``constant_value``).
+"""Which sequence inputs the context-parallel pass keeps whole (padding masks), the
+value of a mask that depends on no input (``constant_value``), whether it is the causal
+mask (``is_causal_mask``), and why a mask cannot be cut to a rank's queries.
 
 A padding mask (Hugging Face's ``attention_mask``, (batch, seq): 1 for real tokens, 0 for
 pads) is an input along the sequence, but attention reads it along the keys, and every
@@ -53,6 +54,18 @@ class MaskInputs:
         return (f" (input {x.name!r} feeds the attention mask at node {mask.name!r} but also node "
                 f"{other.name!r}: only an input that feeds attention masks alone stays whole on every cp "
                 "rank; this one is cut)")
+
+    def unsliceable(self, mask: fx.Node, split: bool, seq: int) -> str:
+        """Why an attention's ``mask`` cannot have its rows cut to a cp rank's queries:
+        it depends on inputs cut along the sequence (``split``), or it is not shaped
+        (..., 1 or seq, 1 or seq)."""
+        if split:
+            inputs = sorted(x.name for x in self.deps.get(mask, ()) if x not in self.whole)
+            return (f"it is an attention with a mask that depends on the split inputs (padding): mask "
+                    f"{mask.name!r} is computed from input(s) {inputs}, which are cut along the sequence"
+                    + (self.hint(mask) or " (they are not used by attention masks alone)"))
+        return (f"it is an attention whose mask {mask.name!r} {tuple(val(mask).shape)} is not (..., 1 or {seq}, "
+                f"1 or {seq}) (queries, keys): its rows cannot be cut to this rank's queries")
 
 
 def mask_inputs(graph: fx.Graph, inputs: list[fx.Node], seq: int) -> MaskInputs:
@@ -130,3 +143,19 @@ def constant_value(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
 
 def _is_meta_device(d) -> bool:
     return d is not None and torch.device(d).type == "meta"
+
+
+def is_causal_mask(mask: fx.Node, gm: fx.GraphModule, queries: int, keys: int) -> bool:
+    """Whether ``mask`` depends on no input and, computed now, is the causal mask of the
+    whole sequence (True, or 0 in an additive mask, exactly where key <= query) for every
+    batch and head: then attention under it is causal attention."""
+    value = constant_value(mask, gm)
+    if value is None or queries != keys or value.dim() < 2 or value.shape[-2:] != (queries, keys):
+        return False
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=value.device).tril()
+    if value.dtype == torch.bool:
+        return bool((value == allowed).all())
+    if not value.is_floating_point():
+        return False
+    blocked = value <= torch.finfo(value.dtype).min / 2
+    return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
