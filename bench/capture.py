@@ -39,7 +39,7 @@ def main() -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("fxmeg.transform")
+    log = logging.getLogger("fxmeg.pass_driver")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     fxmeg.transform(model, batch, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=2, sequence_parallel=True,

@@ -51,7 +51,7 @@ def one(kind: str, layers: int, seq: int) -> dict:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("fxmeg.transform")
+    log = logging.getLogger("fxmeg.pass_driver")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     start = time.perf_counter()

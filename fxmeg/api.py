@@ -15,23 +15,28 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.capture import LossFn
-from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
 from fxmeg.checkpoint import Checkpointer, find_complete
+from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
 from fxmeg.errors import CheckpointError, ConfigError
 from fxmeg.export import hugging_face_info
-from fxmeg.materialize import InitFn, value_source
+from fxmeg.meta_init import InitFn, value_source
+from fxmeg.pass_driver import transform
 from fxmeg.program import Partition, Program
 from fxmeg.runtime import step
 from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
-from fxmeg.runtime.optimizer import OptimizerFactory, default_optimizer, param_groups, plan_optimizers
+from fxmeg.runtime.optimizer import (
+    OptimizerFactory,
+    default_optimizer,
+    param_groups,
+    plan_optimizers,
+)
 from fxmeg.runtime.release import Released
 from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
 from fxmeg.shapes import Shapes, collect, meta_twin
-from fxmeg.transform import transform
 
 __all__ = ["Engine", "EvalResult", "ParamError", "Saving", "StepResult", "VerifyResult", "parallelize"]
 

@@ -34,7 +34,7 @@ from torch import fx, nn
 from fxmeg.config import Example
 from fxmeg.errors import CaptureError
 from fxmeg.hugging_face import exportable_experts, is_hugging_face
-from fxmeg.materialize import on_meta
+from fxmeg.meta_init import on_meta
 from fxmeg.program import CONSTANTS, CaptureInfo, InputSpec
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]

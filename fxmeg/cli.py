@@ -24,7 +24,7 @@ of the training data (or the one at the --load checkpoint) through the parallel 
 the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch; with
 --verify-steps N it checks N batches, training a step on each after its check.
 `fxmeg plan` takes the model and layout flags of `fxmeg train` (or its --config file) and
-prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/plan.py); the model is
+prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/layout_plan.py); the model is
 built on the meta device, so no memory is allocated and no process is started.
 """
 
@@ -119,9 +119,7 @@ def _plot_schedule(args) -> int:
 
 def _prepare(args) -> int:
     from fxmeg.data import load_tokenizer, prepare
-    from fxmeg.data.corpus import read_documents
-
-    from fxmeg.data.corpus import read_json_lines
+    from fxmeg.data.corpus import read_documents, read_json_lines
 
     tokenizer = load_tokenizer(args.tokenizer)
     jobs = [(read_documents(args.input), args.output)]
@@ -161,7 +159,7 @@ def _plan(args) -> int:
 
     from fxmeg.build import build_model
     from fxmeg.hugging_face import is_hugging_face, keyword_batch
-    from fxmeg.plan import plan
+    from fxmeg.layout_plan import plan
     from fxmeg.train_config import engine_from_flat, flat_defaults
 
     values = _plan_values(args)

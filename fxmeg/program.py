@@ -11,8 +11,8 @@ Metadata convention (written by the passes, read only through this module):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,7 +108,7 @@ def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
 @dataclass(frozen=True)
 class ChunkInfo:
     """Where a chunk graph sits in the pipeline: what the driver tells a per-chunk pass
-    besides the graph itself (fxmeg/transform.py)."""
+    besides the graph itself (fxmeg/pass_driver.py)."""
 
     index: int
     """Chunk index in model order, 0 .. num_chunks - 1."""

@@ -1,5 +1,5 @@
 """Measured activation memory: what autograd really saves for backward (the estimate it
-checks is fxmeg/plan.py's ``activation_bytes``)."""
+checks is fxmeg/layout_plan.py's ``activation_bytes``)."""
 
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ class Shapes:
         return _unflat(high, widths)
 
     def _compile(self, key: Key, ctx: RankContext) -> Bound:
-        from fxmeg.transform import transform  # the passes: only here, when a new shape arrives
+        from fxmeg.pass_driver import transform  # the passes: only here, when a new shape arrives
 
         first = self.first
         check_positions(first, key)

@@ -29,9 +29,9 @@ from fxmeg.data.megatron import TrainData, sample_counts, vocabulary
 from fxmeg.data.sft import SFTData
 from fxmeg.data.tokenizer import HFTokenizer
 from fxmeg.errors import CheckpointError, ConfigError
+from fxmeg.layout_plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.metrics import Metrics, perplexity
-from fxmeg.plan import memory_report
 from fxmeg.runtime.optimizer import adamw, muon_adamw
 from fxmeg.train_config import (  # noqa: F401  (the trainer's options, imported from here too)
     OPTIMIZERS,

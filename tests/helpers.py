@@ -14,9 +14,9 @@ from unittest import mock
 import torch
 
 from fxmeg.layouts import Shard
+from fxmeg.pass_driver import transform
 from fxmeg.program import chunks
 from fxmeg.runtime.optimizer import muon_groups
-from fxmeg.transform import transform
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 

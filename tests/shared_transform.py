@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import io
 import os
 import pickle
@@ -53,13 +52,13 @@ from torch.utils import _pytree as pytree
 
 import fxmeg
 import fxmeg.api
-import fxmeg.plan
+import fxmeg.layout_plan
+import fxmeg.pass_driver as transform_module
 import fxmeg.shapes
 
 WAIT_S = 300.0
-transform_module = importlib.import_module("fxmeg.transform")  # fxmeg.transform is the function
 _ORIGINAL = transform_module.transform
-_CALLERS = (fxmeg, fxmeg.api, fxmeg.plan, fxmeg.shapes)
+_CALLERS = (fxmeg, fxmeg.api, fxmeg.layout_plan, fxmeg.shapes)
 _calls = 0
 
 

@@ -21,10 +21,10 @@ from fxmeg.checkpoint import Checkpointer
 from fxmeg.config import make_config
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.metrics import plot, read
+from fxmeg.pass_driver import transform
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks, load_marks
 from fxmeg.trainer import TrainConfig, Trainer
-from fxmeg.transform import transform
 from tests.helpers import (
     assert_losses_close,
     assert_weights_close,

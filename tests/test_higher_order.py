@@ -16,11 +16,17 @@ import fxmeg
 from fxmeg.capture import capture
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
+from fxmeg.pass_driver import transform
 from fxmeg.passes.graph_utils import body_call, is_hop, is_subgraph, requires_grad_nodes
 from fxmeg.passes.partition import node_cost, node_flops
 from fxmeg.program import chunk_spec
-from fxmeg.transform import transform
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
+from tests.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    optimizer,
+    reference,
+)
 
 VOCAB, SEQ, GBS, MBS, STEPS = 64, 16, 4, 2, 3
 

@@ -12,7 +12,7 @@ import torch
 
 import fxmeg
 from fxmeg.errors import InitError
-from fxmeg.transform import transform
+from fxmeg.pass_driver import transform
 from tests.helpers import assert_bitwise, hf_model, make_batch, make_model, seeded_init
 
 

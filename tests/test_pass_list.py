@@ -1,4 +1,4 @@
-"""The pass list is written once, as ``fxmeg.transform.PASSES``; everything else that lists
+"""The pass list is written once, as ``fxmeg.pass_driver.PASSES``; everything else that lists
 the passes (their checks, fxmeg/passes/__init__.py's table, docs/design.md's table and flow),
 the Program's fields (docs/design.md §2) or the metadata keys (fxmeg/passes/__init__.py,
 docs/design.md §2) is held to the code here, in order and with nothing extra."""
@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 import fxmeg.passes
+from fxmeg.pass_driver import NAMES, PASSES
 from fxmeg.passes import verify
 from fxmeg.program import Program
-from fxmeg.transform import NAMES, PASSES
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = (ROOT / "docs" / "design.md").read_text()

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import fxmeg
 from fxmeg.cli import main
 from fxmeg.errors import ConfigError
+from fxmeg.layout_plan import plan_of
 from fxmeg.layouts import Shard
-from fxmeg.plan import plan_of
-from fxmeg.transform import transform
+from fxmeg.pass_driver import transform
 from models.llama import Llama, LlamaConfig
 from tests.helpers import MOE, make_batch, make_model, tiny_moe
 

@@ -12,9 +12,9 @@ import torch
 
 import fxmeg
 from fxmeg.errors import BatchError
+from fxmeg.pass_driver import transform
 from fxmeg.passes.analyse import position_tables
 from fxmeg.program import PositionTable
-from fxmeg.transform import transform
 from tests.helpers import hf_model, make_batch, make_model
 
 

@@ -11,9 +11,9 @@ import torch
 
 from fxmeg.cli import _train_parser, config_from
 from fxmeg.errors import CheckpointError, ConfigError
-from fxmeg.metrics import read
-from fxmeg.plan import memory_report
+from fxmeg.layout_plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
+from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})

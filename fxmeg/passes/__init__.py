@@ -1,6 +1,6 @@
 """Graph passes, one per file, pure (no torch.distributed, no rank, no I/O); each
 docstring states what the pass requires and ensures, and ``verify.py`` checks the Ensures
-after each pass when FXMEG_VERIFY=1 (the tests set it). ``fxmeg/transform.py`` holds the
+after each pass when FXMEG_VERIFY=1 (the tests set it). ``fxmeg/pass_driver.py`` holds the
 order (``PASSES``, with each pass's scope and check) and the driver, which calls a pass
 as ``run(gm, config=config) -> gm``. Its scope says what ``gm`` is: the whole-model graph
 (model); one chunk graph, the call adding ``chunk=``, the chunk's

@@ -25,7 +25,7 @@ For chunk k:
   * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.program.ChunkSpec``;
   * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, cp, partition).
 ``fxmeg.program.chunks`` lists the chunk graphs; the driver hands each to the per-chunk
-passes after this one (fxmeg/transform.py).
+passes after this one (fxmeg/pass_driver.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 from fxmeg.config import EngineConfig
+from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 from fxmeg.program import Boundary, ChunkSpec, chunk_name, chunk_spec
 
 aten = torch.ops.aten

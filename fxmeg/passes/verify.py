@@ -2,7 +2,7 @@
 it). A failed check is an internal error: an ``AssertionError`` naming the pass, the chunk
 or node, and what does not hold.
 
-One check per pass, named like it; ``fxmeg.transform.PASSES`` pairs each pass with its
+One check per pass, named like it; ``fxmeg.pass_driver.PASSES`` pairs each pass with its
 check, and the driver calls the check like the pass: on the result of a per-chunk pass
 once per chunk graph (with its ``ChunkInfo``), otherwise on the whole result.
 """

@@ -31,12 +31,15 @@ from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.layouts import ParamLayout, is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
+from fxmeg.meta_init import Source
 from fxmeg.modes import OptimizerSharding
 from fxmeg.program import CONSTANTS, Program
 from fxmeg.runtime import collectives, experts, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.groups import Groups, Topology, build_groups
+from fxmeg.runtime.layerwise import gather_tp
+from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.optimizer import (
     FullSource,
     MasterSource,
@@ -48,9 +51,6 @@ from fxmeg.runtime.optimizer import (
     param_groups,
     plan_optimizers,
 )
-from fxmeg.materialize import Source
-from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.release import release
 from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard

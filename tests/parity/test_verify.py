@@ -10,7 +10,6 @@ gathered) exits 0 on each of two batches."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -20,11 +19,19 @@ import pytest
 import torch
 
 import fxmeg
+import fxmeg.pass_driver as driver
 from fxmeg.layouts import Shard
 from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.distributed import run_world
-from tests.helpers import assert_losses_close, graph_after, make_batch, make_model, optimizer, reference
+from tests.helpers import (
+    assert_losses_close,
+    graph_after,
+    make_batch,
+    make_model,
+    optimizer,
+    reference,
+)
 from tests.parity import test_zoo as zoo
 from tests.parity.scenarios import MBS, Scenario
 
@@ -177,8 +184,6 @@ def test_cli_verify_on_two_ranks(corpus):
 
 
 # ------------------------------------- what verify cannot see: capture and the loss pass
-
-driver = importlib.import_module("fxmeg.transform")  # the module: fxmeg.transform is also the function
 
 
 def _count_ignored_labels(monkeypatch):

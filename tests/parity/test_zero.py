@@ -13,13 +13,27 @@ import torch
 from torch import nn
 
 import fxmeg
-from fxmeg.materialize import Source
+from fxmeg.meta_init import Source
 from models.gpt import GPT, GPTConfig
 from tests.distributed import run_world
-from tests.helpers import assert_bitwise, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer
+from tests.helpers import (
+    assert_bitwise,
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    make_model,
+    optimizer,
+)
 from tests.helpers import reference as plain_reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
-from tests.parity.scenarios import MBS, Scenario, check_optimizer_share, check_parity, check_router_loss, train
+from tests.parity.scenarios import (
+    MBS,
+    Scenario,
+    check_optimizer_share,
+    check_parity,
+    check_router_loss,
+    train,
+)
 
 Z2, Z3 = (("zero", 2),), (("zero", 3),)
 PARITY = [

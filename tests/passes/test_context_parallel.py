@@ -9,8 +9,8 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.ops import cp_positions
+from fxmeg.pass_driver import transform
 from fxmeg.runtime.batches import context_slice
-from fxmeg.transform import transform
 from tests.helpers import graph_after, graph_diff, make_batch, make_model
 
 

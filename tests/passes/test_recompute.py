@@ -11,8 +11,8 @@ import torch
 
 import fxmeg
 from fxmeg.errors import ConfigError
+from fxmeg.layout_plan import activation_bytes
 from fxmeg.passes.recompute import Recompute
-from fxmeg.plan import activation_bytes
 from fxmeg.report import SavedBytes
 from tests.helpers import (
     assert_losses_close,

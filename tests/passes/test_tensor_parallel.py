@@ -9,9 +9,9 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
+from fxmeg.pass_driver import transform
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
-from fxmeg.transform import transform
 from tests.helpers import graph_after, graph_diff, make_batch, make_model
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fxmeg.layouts import LOCAL, Replicate, Shard  # noqa: F401
-from fxmeg.transform import transform
+from fxmeg.pass_driver import transform
 from tests.helpers import graph_after, make_batch
 
 aten, fx_ops = torch.ops.aten, torch.ops.fxmeg

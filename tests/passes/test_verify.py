@@ -3,20 +3,19 @@
 graph that breaks what its pass ensures."""
 
 import dataclasses
-import importlib
 import logging
 
 import pytest
 import torch
 
 import fxmeg
+import fxmeg.pass_driver as driver
 from fxmeg.errors import ConfigError
+from fxmeg.pass_driver import NAMES, check_pass
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks
-from fxmeg.transform import NAMES, check_pass
 from tests.helpers import graph_after, make_batch, make_model
 
-driver = importlib.import_module("fxmeg.transform")  # the module: fxmeg.transform is also the function
 OPTIONS = dict(tp=2, num_chunks=2, dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
 
 
@@ -32,7 +31,7 @@ def _after(name):
 
 
 def test_every_pass_runs_and_verifies(caplog):
-    with caplog.at_level(logging.INFO, logger="fxmeg.transform"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.pass_driver"):
         program = fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
     logged = [r.getMessage().split()[0] for r in caplog.records]
     assert logged == ["capture", *NAMES]
@@ -109,7 +108,7 @@ def test_stop_after_names_a_pass():
 
 def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
     monkeypatch.setenv("FXMEG_SKIP_PASSES", "recompute, param_gather")
-    with caplog.at_level(logging.INFO, logger="fxmeg.transform"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.pass_driver"):
         program = fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config(recompute="full"))
     logged = [r.getMessage().split()[0] for r in caplog.records if r.levelno == logging.INFO]
     assert logged == ["capture", *(n for n in NAMES if n not in ("recompute", "param_gather"))]

@@ -58,12 +58,12 @@ from fxmeg import ops
 from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, Example, batch_dim
 from fxmeg.errors import ConfigError
+from fxmeg.pass_driver import transform
 from fxmeg.passes.graph_utils import attr, is_hop, requires_grad_nodes, val
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import Program
 from fxmeg.runtime import schedules, simulator
 from fxmeg.runtime.zero import IN_FLIGHT
-from fxmeg.transform import transform
 
 if TYPE_CHECKING:
     from fxmeg.runtime.context import RankContext

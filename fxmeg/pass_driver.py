@@ -19,7 +19,7 @@ pass that returns anything but a GraphModule.
     FXMEG_SKIP_PASSES=a,b   debugging: do not run passes a and b (logged as a warning; the
                             passes the Program is built from cannot be skipped)
 
-The ``fxmeg.transform`` logger reports each step at INFO; its records carry ``step``,
+The ``fxmeg.pass_driver`` logger reports each step at INFO; its records carry ``step``,
 ``seconds`` and ``nodes`` (bench/capture.py reads them).
 """
 
@@ -41,6 +41,7 @@ from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.errors import ConfigError, PassError, closest
 from fxmeg.layouts import ExpertShard
+from fxmeg.ops import AUX_SCALE
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
@@ -53,10 +54,17 @@ from fxmeg.passes.pipeline import pipeline
 from fxmeg.passes.recompute import recompute
 from fxmeg.passes.split_backward import split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
-from fxmeg.program import Program, buffer_layouts, chunk_infos, chunk_name, chunk_spec, chunks, load_marks
-from fxmeg.ops import AUX_SCALE
+from fxmeg.program import (
+    Program,
+    buffer_layouts,
+    chunk_infos,
+    chunk_name,
+    chunk_spec,
+    chunks,
+    load_marks,
+)
 
-log = logging.getLogger("fxmeg.transform")
+log = logging.getLogger("fxmeg.pass_driver")
 
 
 class Scope(enum.Enum):
@@ -138,7 +146,7 @@ def transform(
 
     A model built under ``with torch.device("meta"):`` is captured and transformed on
     shapes alone; the Program then holds meta tensors, and the runtime materialises each
-    rank's part (``fxmeg.materialize``). Tensors its forward creates go to ``device``
+    rank's part (``fxmeg.meta_init``). Tensors its forward creates go to ``device``
     (default: the example's device, or the current accelerator when the example is on
     meta too, else the CPU). For a model with real tensors, ``device`` is theirs.
     """
