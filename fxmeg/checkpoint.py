@@ -237,6 +237,19 @@ def check_complete(path: str) -> None:
             raise CheckpointError(f"checkpoint file {file} {what}")
 
 
+def saved_trainer_state(directory: str) -> dict | None:
+    """The trainer state (as ``meta.json`` records it, without the config) of the checkpoint
+    ``Checkpointer.load`` would restore from ``directory``; None when it holds none. Reads
+    one small file (no model), so the trainer can decide before it builds one."""
+    with warnings.catch_warnings():  # load() warns about skipped checkpoints, once
+        warnings.simplefilter("ignore")
+        path = find_complete(directory)
+    if path is None:
+        return None
+    with open(os.path.join(path, META)) as f:
+        return json.load(f).get("trainer", {})
+
+
 def find_complete(directory: str) -> str | None:
     """The checkpoint ``latest`` names, or, when it is incomplete, the newest complete
     one before it (with a warning); None when the directory holds none."""

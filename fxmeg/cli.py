@@ -13,12 +13,14 @@
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
-    fxmeg plan --model models.llama:Llama --model-args '{"n_layer": 80, ...}' --tp 8 --pp 8 \
+    fxmeg plan --model models.llama:Llama --model-args '{"n_layer": 80, ...}' --tp 8 --pp 8 \\
                --vpp 2 --seq-len 4096 --precision bf16     # per-stage memory, FLOPs, bubble
     fxmeg plan --hf-config LlamaConfig num_hidden_layers=80 hidden_size=8192 ... --tp 8 --json
 
 `fxmeg train` and `fxmeg verify` start their own ranks with torch's elastic launcher
-(--nproc, default tp * cp * pp * max(dp, 1)) unless they already run under torchrun.
+(--nproc, default tp * cp * pp * dp, dp at least what --ep needs) unless they already run
+under torchrun. An error of the user's is one line (`fxmeg: error: ...`); --debug shows its
+traceback.
 `fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
 of the training data (or the one at the --load checkpoint) through the parallel program and
 the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch; with
@@ -34,68 +36,155 @@ import argparse
 import os
 import sys
 import uuid
+from collections.abc import Callable
+from typing import NamedTuple
+
+DEBUG = "show the whole traceback of an error (also FXMEG_DEBUG=1)"
+
+
+class Command(NamedTuple):
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _commands() -> dict[str, Command]:
+    return {
+        "train": Command("train a model", _train_parser, _train),
+        "verify": Command("check a layout against single-device execution, batch by batch (the flags "
+                          "of train)", _verify_parser, _verify),
+        "plan": Command("per-stage memory, FLOPs and bubble of a layout, with no process and no real "
+                        "tensor", _plan_parser, _plan),
+        "prepare-data": Command("tokenise text into a corpus", _prepare_parser, _prepare),
+        "export": Command("write a checkpoint's model for one device: a plain state_dict, or a Hugging "
+                          "Face directory", _export_parser, _export),
+        "plot": Command("draw loss / lr / throughput (and expert load) curves of a run to PNG",
+                        _plot_parser, _plot),
+        "plot-schedule": Command("draw a traced step (--trace) as a rank x time chart",
+                                 _plot_schedule_parser, _plot_schedule),
+    }
+
+
+def console(argv: list[str] | None = None) -> int:
+    """The `fxmeg` command line: ``main``, with an error of the user's (``FxmegError``)
+    shown as one line, ``fxmeg: error: ...``, and exit status 1; with --debug (or
+    FXMEG_DEBUG=1) the traceback too."""
+    from fxmeg.errors import FxmegError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return main(argv)
+    except FxmegError as exc:
+        if _debug(argv):
+            raise
+        print(f"fxmeg: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fxmeg", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub.add_parser("train", help="train a model (see --help)"))
-    verify = sub.add_parser("verify", help="check a layout against single-device execution, batch by "
-                                           "batch (the flags of train)")
-    _train_parser(verify)
-    verify.add_argument("--verify-steps", type=int, default=1, metavar="N",
-                        help="check N global batches, training one step on each after its check (a "
-                             "gradient path dead at initialisation comes alive once the weights move); "
-                             "stops at the first mismatch")
-    _plan_parser(sub.add_parser("plan", help="per-stage memory, FLOPs and bubble of a layout, with no "
-                                             "process and no real tensor"))
-    prep = sub.add_parser("prepare-data", help="tokenise text into a corpus")
-    prep.add_argument("--input", action="append", required=True,
-                      help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
-    prep.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
-    prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
-    prep.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
-                      help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
-                           "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")
-    export = sub.add_parser("export", help="write a checkpoint's model for one device: a plain state_dict, "
-                                           "or a Hugging Face directory")
-    export.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
-    export.add_argument("--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)")
-    export.add_argument("--format", default="pt", choices=["pt", "hf", "safetensors"],
-                        help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
-                             "config.json, for from_pretrained (a transformers model); safetensors: the "
-                             "weight files alone (any model)")
-    export.add_argument("--max-shard-size", default="50GB",
-                        help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
-                             "model.safetensors.index.json (default 50GB, as save_pretrained)")
-    plot = sub.add_parser("plot", help="draw loss / lr / throughput (and expert load) curves of a run to PNG")
-    plot.add_argument("run_dir")
-    plot.add_argument("--out", default=None)
-    schedule = sub.add_parser("plot-schedule", help="draw a traced step (--trace) as a rank x time chart")
-    schedule.add_argument("trace", help="a step_N.json written with --trace DIR")
-    schedule.add_argument("--out", default=None, help="PNG path (default: the trace's, .png)")
-    args = parser.parse_args(argv)
-    if args.command == "prepare-data":
-        return _prepare(args)
-    if args.command == "export":
-        from fxmeg.checkpoint import export as write
+    """Run one `fxmeg` command; errors propagate (``console`` is the command line's entry).
+    Only the named command's flags are built, so `fxmeg --help` imports no torch."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name, parser, rest = _command_parser(argv)
+    return _commands()[name].run(parser.parse_args(rest))
 
-        names = write(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
-        print(f"wrote {args.to}: {len(names)} tensors")
-        return 0
-    if args.command == "plot":
-        from fxmeg.metrics import plot as draw
 
-        print(draw(args.run_dir, args.out))
-        return 0
-    if args.command == "plot-schedule":
-        return _plot_schedule(args)
-    if args.command == "verify":
-        return _verify(args)
-    if args.command == "plan":
-        return _plan(args)
-    return _train(args)
+def _command_parser(argv: list[str]) -> tuple[str, argparse.ArgumentParser, list[str]]:
+    """(the command, its own parser, the words it parses): a bad flag is answered with the
+    command's usage line, not the top level's."""
+    commands = _commands()
+    top = argparse.ArgumentParser(prog="fxmeg", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--debug", action="store_true", help=DEBUG)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in commands.items():
+        sub.add_parser(name, help=command.help, add_help=False)
+    at = next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
+    if at is None or argv[at] not in commands:
+        top.parse_args(argv)  # the help, or the error naming the commands: exits
+        raise AssertionError(f"argparse accepted {argv}")
+    name = argv[at]
+    usage = f"fxmeg {name} [--FLAG VALUE ...]  (fxmeg {name} --help lists them)" if name in FLAGGED else None
+    parser = _Parser(prog=f"fxmeg {name}", description=commands[name].help, usage=usage)
+    parser.add_argument("--debug", action="store_true", help=DEBUG)
+    commands[name].arguments(parser)
+    return name, parser, argv[:at] + argv[at + 1:]
+
+
+FLAGGED = ("train", "verify", "plan")
+"""Commands with a flag per option: their usage line is short, their --help lists them."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An unrecognised flag is answered with the nearest one."""
+
+    def error(self, message: str):
+        from fxmeg.errors import closest
+
+        if message.startswith("unrecognized arguments:"):
+            flags = [f for action in self._actions for f in action.option_strings]
+            words = message.split(":", 1)[1].split()
+            message += "".join(closest(w.split("=")[0], flags) for w in words if w.startswith("--"))
+        super().error(message)
+
+
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("FXMEG_DEBUG") == "1"
+
+
+def _verify_parser(p: argparse.ArgumentParser) -> None:
+    _train_parser(p)
+    p.add_argument("--verify-steps", type=int, default=1, metavar="N",
+                   help="check N global batches, training one step on each after its check (a gradient "
+                        "path dead at initialisation comes alive once the weights move); stops at the "
+                        "first mismatch")
+
+
+def _prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", action="append", required=True,
+                   help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
+    p.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
+    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                   help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
+                        "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")
+
+
+def _export_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
+    p.add_argument("--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)")
+    p.add_argument("--format", default="pt", choices=["pt", "hf", "safetensors"],
+                   help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
+                        "config.json, for from_pretrained (a transformers model); safetensors: the "
+                        "weight files alone (any model)")
+    p.add_argument("--max-shard-size", default="50GB",
+                   help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
+                        "model.safetensors.index.json (default 50GB, as save_pretrained)")
+
+
+def _export(args) -> int:
+    from fxmeg.checkpoint import export as write
+
+    names = write(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.to}: {len(names)} tensors")
+    return 0
+
+
+def _plot_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+
+
+def _plot(args) -> int:
+    from fxmeg.metrics import plot as draw
+
+    print(draw(args.run_dir, args.out))
+    return 0
+
+
+def _plot_schedule_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a step_N.json written with --trace DIR")
+    p.add_argument("--out", default=None, help="PNG path (default: the trace's, .png)")
 
 
 # ---------------------------------------------------------------- prepare-data / plot
@@ -188,16 +277,18 @@ def _plan_values(args) -> dict:
     """Flat names from --config (the trainer's own keys but the model's dropped), then
     the flags given."""
     from fxmeg.errors import ConfigError, closest
-    from fxmeg.train_config import TrainConfig, flat_fields
+    from fxmeg.train_config import MEGATRON_NAMES, TrainConfig, flat_fields, from_megatron
 
     names, values = flat_fields(), {}
-    for key, value in (_read_config(args.config) if args.config else {}).items():
-        key = key.replace("-", "_")
+    read = from_megatron({key.replace("-", "_"): value for key, value in
+                          (_read_config(args.config) if args.config else {}).items()})
+    for key, value in read.items():
         if key not in names:
             raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(key, names))
         if names[key][0] is not TrainConfig or key in PLAN_MODEL:
             values[key] = value
-    return values | {k: v for k, v in vars(args).items() if k in names and v is not None}
+    given = {k: v for k, v in vars(args).items() if (k in names or k in MEGATRON_NAMES) and v is not None}
+    return values | from_megatron(given)  # a flag overrides the file
 
 
 def hf_config(spec: list[str]):
@@ -246,7 +337,8 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     from fxmeg.train_config import flat_fields
 
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
-    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default tp * cp * pp * max(dp, 1))")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to launch (default tp * cp * pp * dp; without --dp, the least dp --ep needs)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
@@ -273,19 +365,39 @@ def _flags(p: argparse.ArgumentParser, names) -> None:
             p.add_argument(flag, nargs="+", default=None, metavar="WORD", help=doc)
         else:
             p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {defaults[name]!r})")
+    _megatron_flags(p, names)
+
+
+def _megatron_flags(p: argparse.ArgumentParser, names) -> None:
+    """Megatron-LM's flag for each of ``names`` that has one (train_config.MEGATRON_NAMES),
+    setting the same option: --tensor-model-parallel-size 2 is --tp 2, --bf16 is
+    --precision bf16."""
+    from fxmeg.train_config import MEGATRON_NAMES, flat_fields
+
+    group = p.add_argument_group("Megatron-LM's names (each sets the fxmeg option named)")
+    fields = flat_fields()
+    for alias, (name, switch) in MEGATRON_NAMES.items():
+        if name not in names:
+            continue
+        flag, target = "--" + alias.replace("_", "-"), "--" + name.replace("_", "-")
+        if switch is None:
+            group.add_argument(flag, dest=alias, type=fields[name][1], default=None, metavar="VALUE",
+                               help=f"{target}")
+        else:
+            group.add_argument(flag, dest=alias, action="store_const", const=True, default=None,
+                               help=f"{target} {switch}" if switch is not True else target)
 
 
 def config_from(args: argparse.Namespace):
     """TrainConfig from a config file, then the flags given on the command line (flat
-    names both: TrainConfig.from_flat)."""
-    from fxmeg.train_config import TrainConfig, flat_fields
+    names both, Megatron's too: TrainConfig.from_flat)."""
+    from fxmeg.train_config import MEGATRON_NAMES, TrainConfig, flat_fields, from_megatron
 
-    values = {key.replace("-", "_"): value for key, value in
-              (_read_config(args.config) if args.config else {}).items()}
-    for name in flat_fields():
-        given = getattr(args, name)
-        if given is not None:
-            values[name] = given
+    values = from_megatron({key.replace("-", "_"): value for key, value in
+                            (_read_config(args.config) if args.config else {}).items()})
+    given = {name: getattr(args, name) for name in [*flat_fields(), *MEGATRON_NAMES]
+             if getattr(args, name, None) is not None}
+    values |= from_megatron(given)  # a flag overrides the file
     for name in WORDS:  # words of the command line, or a list in the config file
         if isinstance(values.get(name), list):
             values[name] = " ".join(str(w) for w in values[name])
@@ -315,12 +427,11 @@ def _train(args) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun already
         _worker(cfg)
         return 0
-    par = cfg.engine.parallel
-    nproc = args.nproc or par.model_ranks * max(par.dp or 1, 1)
+    nproc = args.nproc or default_ranks(cfg.engine.parallel)
     if nproc == 1:
         _worker(cfg)
         return 0
-    return _launch(cfg, nproc, args.max_restarts)
+    return _launch(cfg, nproc, args.max_restarts, debug=_debug(sys.argv) or args.debug)
 
 
 def _verify(args) -> int:
@@ -339,26 +450,42 @@ def _verify(args) -> int:
     steps = args.verify_steps
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return 0 if _worker(cfg, verify=steps) else 1
-    par = cfg.engine.parallel
-    nproc = args.nproc or par.model_ranks * max(par.dp or 1, 1)
+    nproc = args.nproc or default_ranks(cfg.engine.parallel)
     if nproc == 1:
         return 0 if _worker(cfg, verify=steps) else 1
-    return _launch(cfg, nproc, verify=steps)
+    return _launch(cfg, nproc, verify=steps, debug=_debug(sys.argv) or args.debug)
 
 
-def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: int = 0) -> int:
+def default_ranks(par) -> int:
+    """The ranks `fxmeg train` launches without --nproc: tp * cp * pp * dp, with dp (when
+    not given) the least that ep divides: ep folds over dp * cp."""
+    import math
+
+    dp = par.dp or par.ep // math.gcd(par.ep, par.cp)
+    return par.model_ranks * dp
+
+
+def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: int = 0, debug: bool = False) -> int:
     """Start ``nproc`` local ranks with torch's elastic launcher (standalone rendezvous).
     On SIGTERM the launcher passes it to the ranks, which finish their step, save and
     exit 0; the command then exits 0 too. With ``verify`` (its number of batches) the ranks
     run `fxmeg verify`; 1 when rank 0 reports a mismatch.
 
+    A rank that fails with an FxmegError (the same one on every rank, as a bad layout is)
+    leaves it in a file and exits quietly; the launcher raises the lowest rank's, so it is
+    shown once, without torch elastic's report (``debug``: every rank's traceback, and the
+    report).
+
     Ranks fork from a multiprocessing fork server that imported torch and fxmeg once,
     instead of each spawned rank importing them again (seconds of CPU per rank). The server
     only imports (no process group, no device, no CUDA context), so a rank forked from it
     starts as clean as a spawned one, CUDA included."""
+    import logging
     import multiprocessing
+    import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -367,33 +494,77 @@ def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: int = 0) -> int:
         monitor_interval=0.1, start_method="forkserver",
     )
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fxmeg.trainer"])
-    try:
-        results = elastic_launch(config, _worker)(cfg, verify)
-    except SignalException as exc:
-        print(f"fxmeg: {exc.sigval.name} received; ranks saved and stopped", file=sys.stderr)
-        return 0
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in loggers]
+    with tempfile.TemporaryDirectory(prefix="fxmeg-errors-") as errors:
+        for log in loggers if not debug else ():  # the agent's report of the ranks it stops
+            log.setLevel(logging.CRITICAL)
+        try:
+            results = elastic_launch(config, _worker)(cfg, verify, None if debug else errors)
+        except SignalException as exc:
+            print(f"fxmeg: {exc.sigval.name} received; ranks saved and stopped", file=sys.stderr)
+            return 0
+        except ChildFailedError:
+            _raise_rank_error(errors)
+            raise
+        finally:
+            for log, level in zip(loggers, levels):
+                log.setLevel(level)
     if verify:
         return 0 if results.get(0) else 1
     return 0
 
 
-def _worker(cfg, verify: int = 0) -> bool | None:
+ERROR_EXIT = 3
+"""A rank's exit status after an FxmegError it left for the launcher."""
+
+
+def _raise_rank_error(directory: str) -> None:
+    """Raise the FxmegError of the lowest rank that left one in ``directory`` (nothing
+    when none did: the failure was not the user's, and torch's report says what it was)."""
+    import pickle
+
+    from fxmeg.errors import FxmegError
+
+    names = sorted((f for f in os.listdir(directory) if f.startswith("rank")), key=lambda f: int(f[4:]))
+    if names:
+        with open(os.path.join(directory, names[0]), "rb") as f:
+            kind, text, data = pickle.load(f)
+        try:
+            error = pickle.loads(data)
+        except Exception:  # an error class whose constructor pickle cannot call again
+            error = FxmegError(f"{text} ({kind})")
+        raise error from None
+
+
+def _worker(cfg, verify: int = 0, errors: str | None = None) -> bool | None:
+    """One rank of `fxmeg train` (or verify). With ``errors`` (a launcher's directory), an
+    FxmegError is written there and the rank exits with ERROR_EXIT, printing nothing."""
+    import pickle
+
     import torch
     import torch.distributed as dist
 
+    from fxmeg.errors import FxmegError
     from fxmeg.trainer import Trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
     try:
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
         if verify:
             return _verify_worker(cfg, verify)
         Trainer(cfg).run()
+    except FxmegError as exc:
+        if errors is None:
+            raise
+        with open(os.path.join(errors, f"rank{os.environ.get('RANK', '0')}"), "wb") as f:
+            pickle.dump((type(exc).__name__, str(exc), pickle.dumps(exc)), f)
+        raise SystemExit(ERROR_EXIT) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -462,4 +633,4 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

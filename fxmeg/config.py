@@ -133,7 +133,8 @@ class ParallelConfig:
                 f"ep={self.ep} does not divide {names} = {sizes}: experts are split over ep ranks "
                 f"carved out of the data-parallel{' x context-parallel' if self.cp > 1 else ''} ranks; "
                 f"choose ep among {[d for d in range(1, self.dp_cp + 1) if self.dp_cp % d == 0]} "
-                f"or launch more ranks")
+                f"or launch more ranks (`fxmeg train --dp` / --nproc, torchrun --nproc-per-node): "
+                f"ep={self.ep} needs dp * cp to be a multiple of {self.ep}")
 
     @property
     def edp(self) -> int:

@@ -76,6 +76,33 @@ class Metrics:
             sys.stdout.flush()
 
 
+DEFAULT_RUN_DIR = "runs/run"
+"""The first run's directory when --run-dir is not given; later ones take runs/run-2, -3, ..."""
+
+
+def run_directory(given: str, *, resuming: bool, resumed: str | None = None) -> str:
+    """The directory of a run's metrics: ``given`` (--run-dir), or when it is '' the one
+    the resumed checkpoint recorded (``resumed``), else the first of runs/run, runs/run-2,
+    ... that holds no run. A run never appends to another's metrics: a given directory
+    holding one is refused unless this run resumes (a checkpoint, or a restart)."""
+    from fxmeg.errors import ConfigError
+
+    if not given:
+        if resuming and resumed:
+            return resumed
+        path, n = DEFAULT_RUN_DIR, 1
+        while os.path.exists(os.path.join(path, "metrics.jsonl")):
+            n += 1
+            path = f"{DEFAULT_RUN_DIR}-{n}"
+        return path
+    if not resuming and os.path.exists(os.path.join(given, "metrics.jsonl")):
+        raise ConfigError(
+            f"--run-dir {given} holds the metrics of an earlier run, and this run resumes none (no "
+            f"checkpoint loaded): give a new --run-dir (or leave it out: each run takes its own), delete "
+            f"{given}, or --load that run's checkpoints to continue it")
+    return given
+
+
 def _tensorboard(run_dir: str):
     try:
         from torch.utils.tensorboard import SummaryWriter

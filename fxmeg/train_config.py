@@ -104,12 +104,19 @@ class TrainConfig:
     """Learning rate at the end of decay."""
     lr_warmup_samples: int = 0
     """Linear warmup from 0 over this many samples."""
+    lr_warmup_iters: int = 0
+    """Linear warmup over this many steps (with train_iters; Megatron's: steps x the final
+    global batch size in samples)."""
     lr_decay_samples: int = 0
     """Samples by the end of decay (0: the whole run)."""
+    lr_decay_iters: int = 0
+    """Steps by the end of decay (with train_iters; 0: the whole run)."""
     lr_decay_style: str = "cosine"
     """constant, linear, cosine, inverse-square-root or WSD."""
     lr_wsd_decay_samples: int = 0
     """WSD: samples of the final anneal (0: the last tenth of the decay)."""
+    lr_wsd_decay_iters: int = 0
+    """WSD: steps of the final anneal (with train_iters)."""
     lr_wsd_decay_style: str = "exponential"
     """WSD: the anneal's shape: exponential, linear, cosine or minus_sqrt."""
     optimizer: str = "adamw"
@@ -130,8 +137,9 @@ class TrainConfig:
     """Validation batches per evaluation."""
     log_interval: int = 10
     """Log every this many steps."""
-    run_dir: str = "runs/run"
-    """Where metrics.jsonl, TensorBoard files and plots go."""
+    run_dir: str = ""
+    """Where metrics.jsonl, TensorBoard files and plots go ('': runs/run, or runs/run-N when
+    that holds a run; a resumed run continues the directory its checkpoint names)."""
     tensorboard: bool = True
     """Also write TensorBoard events (when tensorboard is installed)."""
     progress: bool = True
@@ -171,6 +179,9 @@ class TrainConfig:
         "lr_warmup_samples": Size(0, "learning-rate warmup in samples"),
         "lr_decay_samples": Size(0, "learning-rate decay in samples (0: the whole run)"),
         "lr_wsd_decay_samples": Size(0, "WSD anneal in samples (0: the last tenth of the decay)"),
+        "lr_warmup_iters": Size(0, "learning-rate warmup in steps"),
+        "lr_decay_iters": Size(0, "learning-rate decay in steps (0: the whole run)"),
+        "lr_wsd_decay_iters": Size(0, "WSD anneal in steps"),
         "eval_interval": Size(0, "evaluation interval in steps (0: only at the end)"),
         "eval_iters": Size(1, "number of validation batches per evaluation"),
         "log_interval": Size(1, "log interval in steps"),
@@ -188,6 +199,7 @@ class TrainConfig:
             raise ConfigError("data is the one-prefix spelling of data_path: give one of data, data_path and "
                               "the per-split paths (train_data_path ...)")
         self.data_paths().check()
+        self._check_lr_units()
         self._check_sft()
         if self.engine.lr_schedule is not None:
             raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
@@ -196,6 +208,25 @@ class TrainConfig:
             raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
                               + closest(self.optimizer, OPTIMIZERS))
         batch_size_schedule(self)  # validates
+
+    def _check_lr_units(self) -> None:
+        """The lr schedule in steps or in samples, as the run's length is (Megatron's rule:
+        the *_iters lengths go with train_iters); never both for one length."""
+        for what in ("warmup", "decay", "wsd_decay"):
+            iters, samples = getattr(self, f"lr_{what}_iters"), getattr(self, f"lr_{what}_samples")
+            if iters and samples:
+                raise ConfigError(f"lr_{what}_iters={iters} and lr_{what}_samples={samples} both set: "
+                                  f"give the {what.replace('_', ' ')} length once, in steps or in samples")
+            if iters and not self.train_iters:
+                raise ConfigError(f"lr_{what}_iters={iters} counts steps, but the run is given in samples "
+                                  f"(train_samples={self.train_samples}): use lr_{what}_samples, or train_iters")
+
+    def lr_samples(self, global_batch_size: int) -> tuple[int, int, int]:
+        """(warmup, decay, WSD anneal) lengths in samples, steps converted at
+        ``global_batch_size`` (the final one, as Megatron's ``args.global_batch_size``); 0
+        where not set."""
+        return tuple(getattr(self, f"lr_{w}_samples") or getattr(self, f"lr_{w}_iters") * global_batch_size
+                     for w in ("warmup", "decay", "wsd_decay"))
 
     def _check_sft(self) -> None:
         if not self.sft:
@@ -282,9 +313,46 @@ def engine_from_flat(**values) -> EngineConfig:
     return _with_flat(_ENGINE, engine)
 
 
+MEGATRON_NAMES: dict[str, tuple[str, object]] = {
+    "tensor_model_parallel_size": ("tp", None),
+    "pipeline_model_parallel_size": ("pp", None),
+    "context_parallel_size": ("cp", None),
+    "expert_model_parallel_size": ("ep", None),
+    "num_virtual_stages_per_pipeline_rank": ("vpp", None),
+    "seq_length": ("seq_len", None),
+    "bf16": ("precision", "bf16"),
+    "fp16": ("precision", "fp16"),
+    "use_distributed_optimizer": ("distributed_optimizer", True),
+    "recompute_granularity": ("recompute", None),
+    "recompute_activations": ("recompute", "selective"),
+    "moe_expert_capacity_factor": ("moe_capacity_factor", None),
+}
+"""Megatron-LM's names for fxmeg's flat names where the meaning is the same, as flags and
+config-file keys: name -> (fxmeg's name, the value a switch sets; None: the value given)."""
+
+
+def from_megatron(values: dict) -> dict:
+    """``values`` with Megatron-LM's names (``MEGATRON_NAMES``) turned into fxmeg's; a
+    switch given false (``--no-bf16``) sets nothing; a name given twice with two values is
+    refused."""
+    out = {k: v for k, v in values.items() if k not in MEGATRON_NAMES}
+    for alias, (name, switch) in MEGATRON_NAMES.items():
+        if alias not in values:
+            continue
+        value = values[alias] if switch is None else (switch if values[alias] else None)
+        if value is None:
+            continue
+        if name in out and out[name] != value:
+            raise ConfigError(f"{alias}={values[alias]!r} (Megatron's name) and {name}={out[name]!r} "
+                              f"disagree: give one of them")
+        out[name] = value
+    return out
+
+
 def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
-    """(TrainConfig's own fields, the engine's and layout's) of flat ``values``; an
-    unknown name is refused naming the nearest."""
+    """(TrainConfig's own fields, the engine's and layout's) of flat ``values``, Megatron's
+    names read as fxmeg's; an unknown name is refused naming the nearest."""
+    values = from_megatron(values)
     names = flat_fields()
     for name in values:
         if name not in names:

@@ -28,10 +28,10 @@ from fxmeg.build import build_model
 from fxmeg.data.megatron import TrainData, sample_counts, vocabulary
 from fxmeg.data.sft import SFTData
 from fxmeg.data.tokenizer import HFTokenizer
-from fxmeg.errors import CheckpointError, ConfigError
+from fxmeg.errors import CheckpointError, ConfigError, FxmegError
 from fxmeg.layout_plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.metrics import Metrics, perplexity
+from fxmeg.metrics import Metrics, perplexity, run_directory
 from fxmeg.runtime.optimizer import adamw, muon_adamw
 from fxmeg.train_config import (  # noqa: F401  (the trainer's options, imported from here too)
     OPTIMIZERS,
@@ -115,14 +115,16 @@ class Trainer:
         self.keywords = hugging_face.is_hugging_face(model)
         """Batches are keyword dicts (a Hugging Face model: fxmeg.hugging_face), else tuples."""
         _check_model_takes(cfg, model, keywords=self.keywords)
+        self.run_dir = self._run_dir()  # before the capture: a refused directory costs none
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
             hugging_face=self.engine.hugging_face,  # config.json for `fxmeg export --format hf`
         )
         total = cfg.train_iters or None
-        self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
+        self.metrics = Metrics(self.run_dir, enabled=self.rank == 0, total=total,
                                progress=cfg.progress, tensorboard=cfg.tensorboard)
+        self.metrics.say(self._start_line())
         self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
         self.metrics.say(self.data.summary)
         if self.keywords and not hugging_face.takes_shift_labels(model):
@@ -141,12 +143,13 @@ class Trainer:
         """The lr / weight-decay schedule in samples from the lr fields; decay over the
         whole run unless lr_decay_samples says otherwise."""
         cfg = self.cfg
-        decay = cfg.lr_decay_samples or cfg.train_samples or cfg.train_iters * self.sizes[-1][1]
+        warmup, decay, anneal = cfg.lr_samples(self.sizes[-1][1])
+        decay = decay or cfg.train_samples or cfg.train_iters * self.sizes[-1][1]
         style = cfg.lr_decay_style
         return LRSchedule(
-            max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_samples=cfg.lr_warmup_samples,
-            decay_samples=max(decay, cfg.lr_warmup_samples + 1), style=style,
-            wsd_decay_samples=(cfg.lr_wsd_decay_samples or max(1, decay // 10)) if style == "WSD" else None,
+            max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_samples=warmup,
+            decay_samples=max(decay, warmup + 1), style=style,
+            wsd_decay_samples=(anneal or max(1, decay // 10)) if style == "WSD" else None,
             wsd_style=cfg.lr_wsd_decay_style,
         )
 
@@ -365,11 +368,42 @@ class Trainer:
         for the previous one and the snapshot."""
         tick = time.perf_counter()
         state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
-                 "skipped": self.skipped, "config": dataclasses.asdict(self.cfg)}
+                 "skipped": self.skipped, "config": dataclasses.asdict(self.cfg), "run_dir": self.run_dir}
         path = self.checkpointer.save(self.cfg.save, self.iteration, state)
         self._saved = (self.iteration, self.valid_consumed)
         self.metrics.record("event", {"iteration": self.iteration, "save_started": path,
                                       "save_time": time.perf_counter() - tick})
+
+    def _run_dir(self) -> str:
+        """Where this run's metrics go (``metrics.run_directory``), decided by rank 0 (the
+        one that writes there) and told to every rank, so all take the same path or raise
+        the same error. It resumes when --load holds a checkpoint (whose trainer state
+        names its directory) or the launcher restarted it (--max-restarts)."""
+        decided: str | Exception | None = None
+        if self.rank == 0:
+            saved = checkpoint.saved_trainer_state(self.cfg.load) if self.cfg.load else None
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            try:
+                decided = run_directory(self.cfg.run_dir, resumed=(saved or {}).get("run_dir"),
+                                        resuming=saved is not None or restarted)
+            except FxmegError as exc:  # every rank raises it
+                decided = exc
+        if self.world > 1:
+            box = [decided]
+            dist.broadcast_object_list(box, src=0)
+            decided = box[0]
+        if isinstance(decided, Exception):
+            raise decided
+        return decided
+
+    def _start_line(self) -> str:
+        """The resolved layout, the run directory and where checkpoints go."""
+        cfg, par, engine = self.cfg, self.engine.config.parallel, self.engine.config
+        layout = " ".join(f"{name}={getattr(par, name)}" for name in ("tp", "cp", "ep", "pp", "vpp", "dp"))
+        saving = (f"checkpoints to {cfg.save}" + (f" every {cfg.save_interval} steps" if cfg.save_interval
+                                                   else " at the end") if cfg.save else "no checkpoints (--save)")
+        return (f"layout {layout} zero={engine.zero or 0} on {self.world} rank(s), schedule {par.resolved_schedule}, "
+                f"{engine.precision}; run directory {self.run_dir}; {saving}")
 
     def _resume(self) -> None:
         state = self.checkpointer.load(self.cfg.load)

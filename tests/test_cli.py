@@ -39,12 +39,14 @@ def corpus(tmp_path_factory):
 
 def test_train_on_four_ranks_and_plot(corpus, tmp_path):
     run = str(tmp_path / "run")
-    out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2",
+    out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pipeline-model-parallel-size", "2", "--dp", "2",
                 "--seq-len", "64", "--global-batch-size", "32", "--train-iters", "30", "--lr", "3e-3",
                 "--lr-warmup-samples", "64", "--eval-interval", "10", "--eval-iters", "4",
                 "--log-interval", "5", "--run-dir", run, "--no-progress",
                 "--trace", str(tmp_path / "trace"), "--trace-interval", "15")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"layout tp=1 cp=1 ep=1 pp=2 vpp=1 dp=2 zero=0 on 4 rank(s), schedule 1f1b, fp32; run directory "
+            f"{run}; no checkpoints (--save)") in out.stdout  # Megatron's flag name set pp
     records = read(run)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r["valid_loss"] for r in records if r["kind"] == "eval"]
@@ -332,3 +334,45 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
     assert_losses_close(evals["whole"], [valid])
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert_weights_close(trained.state_dict(), model.state_dict())
+
+
+def test_a_users_error_is_one_line_and_debug_shows_its_traceback(corpus):
+    flags = ["train", "--data", corpus, "--train-iters", "1", "--schedule", "1f1d"]
+    out = fxmeg(*flags)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        "fxmeg: error: schedule='1f1d' is not one of ('auto', 'none', 'gpipe', '1f1b', 'interleaved', 'zbh1', "
+        "'zbv', 'dualpipev') (did you mean '1f1b'?)"]
+    debug = fxmeg("--debug", *flags)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError: schedule='1f1d'" in debug.stderr
+    bad = fxmeg("train", "--tensor-model-paralel-size", "2")
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [
+        "usage: fxmeg train [--FLAG VALUE ...]  (fxmeg train --help lists them)",
+        "fxmeg train: error: unrecognized arguments: --tensor-model-paralel-size 2 "
+        "(did you mean '--tensor-model-parallel-size'?)"]
+
+
+def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
+    """Four ranks refuse a tp that does not divide the heads: one line, no rank's
+    traceback, none of torch elastic's report."""
+    llama = {"vocab_size": 384, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 3, "num_key_value_heads": 3}
+    out = fxmeg("train", "--data", corpus, "--model", "transformers:LlamaForCausalLM", "--model-args",
+                json.dumps(llama), "--tp", "2", "--nproc", "4", "--seq-len", "32", "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--train-iters", "1", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fxmeg: error: "), out.stderr[-3000:]
+    assert "3" in lines[0] and "tp" in lines[0]
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_help_imports_no_torch():
+    """`fxmeg --help` answers from the argument table alone (bench/cli_startup.py times it)."""
+    code = ("import sys, contextlib, io\nfrom fxmeg.cli import console\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "    console(['--help'])\n"
+            "assert 'plan' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]

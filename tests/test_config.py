@@ -2,15 +2,17 @@
 names (flags, config-file keys) map onto the nested fields, dp resolves from the world."""
 
 import argparse
+import os
 import dataclasses
 import re
 import tempfile
 
 import pytest
 
-from fxmeg.cli import _train_parser, main
+from fxmeg.cli import _train_parser, config_from, main
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError
+from fxmeg.train_config import MEGATRON_NAMES
 from fxmeg.trainer import TrainConfig, batch_size_schedule, flat_fields
 
 
@@ -75,7 +77,10 @@ def test_every_cli_flag_maps_to_a_field():
     _train_parser(parser)
     launcher = {"help", "config", "nproc", "max_restarts"}
     flags = {a.dest: a.option_strings for a in parser._actions if a.dest not in launcher}
-    assert set(flags) == set(flat_fields())
+    assert set(flags) == set(flat_fields()) | set(MEGATRON_NAMES)
+    for alias, (name, _) in MEGATRON_NAMES.items():
+        assert name in flat_fields(), alias
+        assert flags[alias] == ["--" + alias.replace("_", "-")]
     for name, (cls, _) in flat_fields().items():
         assert name in {f.name for f in dataclasses.fields(cls)}
         assert "--" + name.replace("_", "-") in flags[name]
@@ -278,3 +283,48 @@ def test_fxmeg_train_reports_the_same_size_error(source):
         message = "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         main(args)
+
+
+def test_megatron_names_set_the_same_options_and_conflicts_are_refused():
+    parser = argparse.ArgumentParser()
+    _train_parser(parser)
+    common = ["--data", "x", "--train-iters", "10", "--global-batch-size", "8"]
+    megatron = config_from(parser.parse_args(common + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--bf16",
+        "--use-distributed-optimizer", "--recompute-granularity", "full", "--seq-length", "64",
+        "--lr-warmup-iters", "3", "--lr-decay-iters", "9"]))
+    ours = config_from(parser.parse_args(common + [
+        "--tp", "2", "--pp", "2", "--precision", "bf16", "--distributed-optimizer", "--recompute", "full",
+        "--seq-len", "64", "--lr-warmup-iters", "3", "--lr-decay-iters", "9"]))
+    assert megatron == ours
+    assert ours.lr_samples(8) == (24, 72, 0)  # Megatron: iterations x the global batch size
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 .Megatron's name. and tp=4 disagree"):
+        config_from(parser.parse_args(common + ["--tensor-model-parallel-size", "2", "--tp", "4"]))
+    with pytest.raises(ConfigError, match="lr_warmup_iters=3 counts steps, but the run is given in samples"):
+        TrainConfig.from_flat(data="x", train_samples=80, lr_warmup_iters=3)
+    with pytest.raises(ConfigError, match="lr_decay_iters=3 and lr_decay_samples=8 both set"):
+        TrainConfig.from_flat(data="x", train_iters=8, lr_decay_iters=3, lr_decay_samples=8)
+    toml = TrainConfig.from_flat(data="x", train_iters=1, tensor_model_parallel_size=2, fp16=True)
+    assert (toml.engine.parallel.tp, toml.engine.precision) == (2, "fp16")  # config-file keys too
+
+
+def test_default_ranks_take_ep_into_account():
+    from fxmeg.cli import default_ranks
+
+    assert default_ranks(ParallelConfig(ep=2)) == 2  # dp 2, which ep=2 folds over
+    assert default_ranks(ParallelConfig(tp=2, pp=2, ep=4)) == 16
+    assert default_ranks(ParallelConfig(tp=2, cp=2, ep=4)) == 8  # ep folds over dp * cp = 2 * 2
+    assert default_ranks(ParallelConfig(tp=2, dp=3)) == 6
+    with pytest.raises(ConfigError, match=r"launch more ranks \(`fxmeg train --dp` / --nproc"):
+        ParallelConfig(dp=3, ep=2)
+
+
+def test_docs_list_every_megatron_name():
+    """docs/cli.md's table of Megatron-LM's flags is MEGATRON_NAMES, row for row."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")).read()
+    rows = re.findall(r"^\| `--([a-z0-9-]+)[^`]*` \| `--([a-z-]+) ?([^`]*)` \|$", text, re.M)
+    listed = {alias.replace("-", "_"): (name.replace("-", "_"), value) for alias, name, value in rows}
+    want = {alias: (name, switch if isinstance(switch, str) else "") for alias, (name, switch) in
+            MEGATRON_NAMES.items()}
+    assert {a: n for a, (n, _) in listed.items()} == {a: n for a, (n, _) in want.items()}
+    assert all(listed[a][1] == v for a, (_, v) in want.items() if v), listed

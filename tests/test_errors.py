@@ -16,7 +16,9 @@ from torch import nn
 import fxmeg
 from fxmeg.checkpoint import Checkpointer, export
 from fxmeg.cli import _train_parser, config_from
+from fxmeg.metrics import run_directory
 from fxmeg.runtime.optimizer import muon_adamw
+from fxmeg.train_config import TrainConfig
 from tests.distributed import run_world
 from tests.helpers import make_batch, make_model
 from tests.passes.test_expert_parallel import BatchedExperts
@@ -272,6 +274,12 @@ def _json_lines(text: str):
     return read_json_lines([path], "text")
 
 
+def _taken_run_dir() -> str:
+    path = tempfile.mkdtemp()
+    open(os.path.join(path, "metrics.jsonl"), "w").close()
+    return path
+
+
 ROWS = {
     "data-indexed": (lambda: _data(truncated=True), "the .bin is truncated or from another run"),
     "data-weights": (lambda: _data(data_path="0 a 0 b"), "--data-path weights ['0', '0'] must be non-negative"),
@@ -298,6 +306,13 @@ ROWS = {
                   "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"),
     "size-type": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), tp="2"),
                   "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"),
+    "megatron-name-conflict": (lambda: TrainConfig.from_flat(data="x", train_iters=1, tensor_model_parallel_size=2,
+                                                           tp=4),
+                               "tensor_model_parallel_size=2 (Megatron's name) and tp=4 disagree"),
+    "lr-units": (lambda: TrainConfig.from_flat(data="x", train_samples=64, lr_warmup_iters=3),
+                 "lr_warmup_iters=3 counts steps, but the run is given in samples"),
+    "run-dir-taken": (lambda: run_directory(_taken_run_dir(), resuming=False),
+                      "holds the metrics of an earlier run, and this run resumes none"),
     "size-negative": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), global_batch_size=-4),
                       ("global_batch_size=-4: global batch size (samples per optimizer step) must be a "
                        "positive integer (got -4)")),

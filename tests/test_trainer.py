@@ -61,21 +61,26 @@ def test_exit_interval_saves_and_stops(corpus, tmp_path):
     assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000003"
 
 
-def test_resume_continues_exactly(corpus, tmp_path):
+def test_resume_continues_exactly(corpus, tmp_path, capsys):
     same = dict(lr_decay_samples=200, lr_warmup_samples=8)  # not derived from train_iters
     whole = Trainer(_config(corpus, tmp_path / "a", train_iters=8, **same))
     whole.run()
     first = Trainer(_config(corpus, tmp_path / "b", train_iters=5, save=str(tmp_path / "ckpt"), **same))
     first.run()
+    assert (f"layout tp=1 cp=1 ep=1 pp=1 vpp=1 dp=1 zero=0 on 1 rank(s), schedule none, fp32; run directory "
+            f"{tmp_path / 'b' / 'run'}; checkpoints to {tmp_path / 'ckpt'} at the end") in capsys.readouterr().out
     first.engine.save(str(tmp_path / "python"))  # no data position: the trainer cannot resume it
     with pytest.raises(CheckpointError, match=r"saved by engine.save .* --init-from .*python"):
         Trainer(_config(corpus, tmp_path / "d", train_iters=8, load=str(tmp_path / "python"), **same))
-    second = Trainer(_config(corpus, tmp_path / "c", train_iters=8, load=str(tmp_path / "ckpt"), **same))
-    assert (second.iteration, second.consumed) == (5, 40)
+    with pytest.raises(ConfigError, match=r"--run-dir .*a/run holds the metrics of an earlier run"):
+        Trainer(_config(corpus, tmp_path / "a", train_iters=8, **same))  # it would mix two runs' curves
+    # without --run-dir, the resumed run continues the directory its checkpoint names
+    second = Trainer(_config(corpus, tmp_path, train_iters=8, load=str(tmp_path / "ckpt"), run_dir="", **same))
+    assert (second.iteration, second.consumed, second.run_dir) == (5, 40, str(tmp_path / "b" / "run"))
     second.run()
     losses = [r["loss"] for r in read(str(tmp_path / "a" / "run")) if r["kind"] == "train"]
-    resumed = [r["loss"] for r in read(str(tmp_path / "c" / "run")) if r["kind"] == "train"]
-    assert resumed == losses[5:]  # bitwise in fp32 on one process
+    resumed = [r["loss"] for r in read(str(tmp_path / "b" / "run")) if r["kind"] == "train"]
+    assert resumed == losses  # 5 steps, then 3 resumed: bitwise in fp32 on one process
     sd_a, sd_c = whole.engine.full_state_dict(), second.engine.full_state_dict()
     assert all(torch.equal(sd_a[k], sd_c[k]) for k in sd_a)
 
@@ -285,3 +290,18 @@ def test_a_model_arg_the_config_dataclass_lacks_is_refused():
                                           r"\(did you mean 'n_layer'\?\)"):
         build_model("models.gpt:GPT", {"n_layr": 2, "vocab_size": 128, "seq_len": 16})
     assert len(build_model("models.llama:Llama", {"n_layer": 1, "vocab_size": 128, "seq_len": 16}).layers) == 1
+
+
+def test_each_run_takes_its_own_directory_by_default(tmp_path, monkeypatch):
+    from fxmeg.metrics import run_directory
+
+    monkeypatch.chdir(tmp_path)
+    assert run_directory("", resuming=False) == "runs/run"
+    for taken in ("runs/run", "runs/run-2"):
+        os.makedirs(taken)
+        open(os.path.join(taken, "metrics.jsonl"), "w").close()
+    assert run_directory("", resuming=False) == "runs/run-3"  # never appended to another run
+    assert run_directory("", resuming=True, resumed="runs/run") == "runs/run"
+    assert run_directory("runs/run", resuming=True) == "runs/run"  # a restart, or --load: continue it
+    with pytest.raises(ConfigError, match="--run-dir runs/run-2 holds the metrics of an earlier run"):
+        run_directory("runs/run-2", resuming=False)
