@@ -27,7 +27,8 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -139,6 +140,47 @@ def takes_shift_labels(model: nn.Module) -> bool:
     if not, its last target per row goes unused (module docstring)."""
     loss = getattr(model, "loss_function", None)
     return loss is not None and "shift_labels" in inspect.signature(loss).parameters
+
+
+def warn_shifted_labels(model: nn.Module, example, *, loss_fn=None) -> None:
+    """Warn (UserWarning) when a Hugging Face causal LM is given labels already shifted.
+
+    Requires: ``example`` is the example micro-batch, (input_ids, labels, ...) or a dict.
+    Ensures: a warning naming the rule when ``model`` is a transformers causal LM (its loss
+    shifts ``labels`` itself: ``loss_type`` "ForCausalLM"), no ``loss_fn`` replaces that loss,
+    no ``shift_labels`` is given, and on every row the labels are the input ids shifted by
+    one (labels[:, :-1] == input_ids[:, 1:] wherever labels are not -100) but not the ids
+    themselves: such a model would learn the token two ahead. Silent on meta tensors (no
+    values: ``fxmeg.plan``) and on anything else."""
+    if loss_fn is not None or not is_hugging_face(model) or not _shifts_labels(model):
+        return
+    if isinstance(example, Mapping):
+        if "shift_labels" in example:
+            return
+        ids, labels = example.get("input_ids"), example.get("labels")
+    else:
+        ids, labels = (*example, None, None)[:2] if isinstance(example, tuple) else (None, None)
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or ids.is_meta or labels.is_meta:
+        return
+    if ids.shape != labels.shape or ids.dim() != 2 or ids.shape[1] < 2:
+        return
+    if _matches(labels[:, :-1], ids[:, 1:]) and not _matches(labels, ids):
+        warnings.warn(
+            f"{type(model).__name__} got labels equal to its input_ids shifted by one (labels[:, :-1] == "
+            "input_ids[:, 1:] on every row of the example), so it would learn the token two ahead: Hugging Face "
+            "causal LMs shift labels themselves: pass labels=input_ids (-100 where no loss counts), or targets "
+            "already shifted as shift_labels; see docs/hugging-face.md", UserWarning, stacklevel=3)
+
+
+def _shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's own loss shifts ``labels`` (transformers' causal-LM loss)."""
+    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+
+
+def _matches(labels: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Every row has a label that counts (not -100), and every such label equals the id."""
+    counted = labels != -100
+    return bool(counted.any(dim=1).all()) and bool((labels == ids)[counted].all())
 
 
 @contextlib.contextmanager

@@ -40,7 +40,9 @@ from fxmeg import ops
 from fxmeg.capture import LossFn, capture, on_meta, retarget
 from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.errors import ConfigError, PassError, closest
+from fxmeg.hugging_face import warn_shifted_labels
 from fxmeg.layouts import ExpertShard
+from fxmeg.model_checks import check_model
 from fxmeg.ops import AUX_SCALE
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
@@ -156,6 +158,8 @@ def transform(
         raise TypeError(f"pass either config or options, not both: {sorted(options)}")
     if stop_after is not None and stop_after not in NAMES:
         raise ValueError(f"stop_after={stop_after!r} is not one of {NAMES}")
+    check_model(model, config)  # what the model's config states, before a capture that may take minutes
+    warn_shifted_labels(model, example, loss_fn=loss_fn)
     meta = on_meta(model)
     target = _device(model, example, device, meta)
     dtypes = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}

@@ -60,6 +60,26 @@ def train_data(cfg: TrainConfig) -> TrainData | SFTData:
                      cache_path=cfg.data_cache_path)
 
 
+def passes_report(cfg: TrainConfig, data: TrainData | SFTData, final: int) -> str:
+    """How many passes over its training data the run makes, said at start: the run's
+    samples (as ``train_data`` asks them) against the train split's rows; for SFT, a warning
+    past one pass (an SFT run's data is small: 100 steps repeat it silently)."""
+    samples = cfg.train_samples or cfg.train_iters * final
+    steps = f"{cfg.train_iters} step{'s' * (cfg.train_iters > 1)}"
+    run = (f"{steps} x {final} samples = {samples} samples" if cfg.train_iters
+           else f"--train-samples {samples}")
+    if isinstance(data, SFTData):
+        line = f"SFT: {run} is {data.passes:.1f} passes over {data.rows}"
+        if data.passes <= 1:
+            return line
+        return (f"WARNING: {line}; fine-tuning usually makes 1-3: lower --train-iters, or give more examples "
+                "(each pass reads them in a new order)")
+    epochs = f"Megatron's sample index: {data.epochs} epoch{'s' * (data.epochs > 1)}"
+    if data.passes is None:
+        return f"pretraining: {run}; {epochs} (the most of the blend's datasets)"
+    return f"pretraining: {run} is {data.passes:.2f} passes over the train split ({epochs})"
+
+
 def model_batch(fields: dict[str, torch.Tensor], *, keywords: bool):
     """A batch of ``TrainData.fields`` (tokens, labels with -100 where no loss counts, and
     the masks' position_ids and attend) as the model takes it: (input_ids, labels), or for
@@ -127,6 +147,7 @@ class Trainer:
         self.metrics.say(self._start_line())
         self.checkpointer.on_saved = lambda path: self.metrics.record("event", {"saved": path})
         self.metrics.say(self.data.summary)
+        self.metrics.say(passes_report(cfg, self.data, self.sizes[-1][1]))
         if self.keywords and not hugging_face.takes_shift_labels(model):
             self.metrics.say(f"{type(model).__name__}'s loss ignores shift_labels: it shifts labels "
                              "itself, so the last token of each window is never a target")

@@ -418,7 +418,7 @@ ROWS = {
                                                optimizer_sharding="layerwise"),
                      "ep=2 does not run with optimizer_sharding='layerwise' yet"),
     "ep-experts": (lambda: fxmeg.parallelize(_three_experts(), _moe_batch(), ep=2),
-                   "ep=2 does not divide the 3 experts of module 'model.layers.0.mlp.experts'; choose ep among [1, 3]"),
+                   "ep=2 does not divide the 3 experts of MixtralForCausalLM (MixtralConfig.num_local_experts=3)"),
     "ep-weights": (lambda: fxmeg.parallelize(_meta("moe-mixtral", n_layer=1), _moe_batch(), ep=2, global_batch_size=4),
                    "ep=2 does not run yet with weights= or a model built on meta (each rank would read every expert)"),
     "ep-no-experts": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2),

@@ -2,6 +2,7 @@
 a mixture of experts captured whatever experts implementation its config names."""
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from expecttest import TestCase
 import fxmeg
 from fxmeg.capture import capture
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import chunk_boundaries, graph_after, hf_model
+import fxmeg.hugging_face
+from tests.helpers import chunk_boundaries, graph_after, hf_model, make_model
 
 
 def _batch():
@@ -168,3 +170,32 @@ def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp
             assert torch.equal(v, trained[k]), k
         with torch.no_grad():
             assert torch.equal(back(input_ids=ids).logits, want)
+
+
+def _shifted(rows: int = 2, seq: int = 16):
+    """(input_ids, labels) pre-shifted as for a model that does not shift (the README's
+    plain GPT), the first labels of row 1 ignored."""
+    tokens = torch.randint(0, 128, (rows, seq + 1), generator=torch.Generator().manual_seed(1))
+    ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[1, :3] = -100
+    return ids, labels
+
+
+def test_pre_shifted_labels_warn_for_a_causal_lm():
+    """A Hugging Face causal LM shifts labels itself: given pre-shifted ones it would learn
+    the token two ahead. parallelize / transform warn (before capture); labels = input_ids,
+    a plain model or the user's own loss_fn do not."""
+    ids, labels = _shifted()
+    with pytest.warns(UserWarning, match=r"LlamaForCausalLM got labels equal to its input_ids shifted by one "
+                                         r".*Hugging Face causal LMs shift labels themselves: pass "
+                                         r"labels=input_ids .*see docs/hugging-face.md"):
+        graph_after(hf_model("llama", n_layer=1), (ids, labels), "loss")
+    with pytest.warns(UserWarning, match="shift labels themselves"):  # a dict batch too
+        graph_after(hf_model("llama", n_layer=1), {"input_ids": ids, "labels": labels}, "loss")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        graph_after(hf_model("llama", n_layer=1), (ids, ids), "loss")  # Hugging Face's own convention
+        graph_after(hf_model("llama", n_layer=1), {"input_ids": ids, "labels": ids, "shift_labels": labels}, "loss")
+        graph_after(make_model("gpt"), (ids, labels), "loss")  # the README's GPT: it does not shift
+        fxmeg.hugging_face.warn_shifted_labels(hf_model("llama", n_layer=1), (ids, labels),
+                                               loss_fn=lambda model, i, l: None)  # the user's loss reads them

@@ -272,3 +272,23 @@ def test_masks_need_sdpa_attention(tmp_path):
     _check_model_takes(cfg, hf_model("llama", attn_implementation="sdpa"), keywords=True)
     with pytest.raises(ConfigError, match="runs 'eager' attention, which does not take a boolean 4-D attention mask"):
         _check_model_takes(cfg, hf_model("llama", attn_implementation="eager"), keywords=True)
+
+
+def test_the_passes_over_the_data_are_said_and_past_one_warned(files):
+    """The trainer says at start how many passes over its rows the run makes
+    (trainer.passes_report, printed by Trainer on rank 0); past one pass, SFT warns."""
+    from fxmeg.trainer import passes_report
+
+    cfg = _config(files, "pairs", train_iters=100)
+    data = train_data(cfg)
+    windows, examples = len(data.windows[0]["tokens"]), len(data.examples[0])
+    passes = 100 * GBS / windows
+    assert passes > 1 and data.passes == passes
+    assert passes_report(cfg, data, GBS) == (
+        f"WARNING: SFT: 100 steps x {GBS} samples = {100 * GBS} samples is {passes:.1f} passes over {windows} "
+        f"packed windows ({examples} examples); fine-tuning usually makes 1-3: lower --train-iters, or give more "
+        "examples (each pass reads them in a new order)")
+    one = _config(files, "pairs", train_iters=1, global_batch_size=4)  # within one pass: said, not warned
+    assert windows >= 4 and passes_report(one, train_data(one), 4) == (
+        f"SFT: 1 step x 4 samples = 4 samples is {4 / windows:.1f} passes over {windows} packed windows "
+        f"({examples} examples)")

@@ -85,8 +85,15 @@ def test_resume_continues_exactly(corpus, tmp_path, capsys):
     assert all(torch.equal(sd_a[k], sd_c[k]) for k in sd_a)
 
 
-def test_flops_match_the_closed_form(corpus, tmp_path):
+def test_flops_match_the_closed_form(corpus, tmp_path, capsys):
     t = Trainer(_config(corpus, tmp_path))
+    # said at start: the run's 6 x 8 samples against the train split's sample index, whose
+    # epochs are Megatron's num_epochs (the document index lists every document once per epoch)
+    order = t.data.train.order
+    assert order.epochs == len(order.document_index) // len(set(order.document_index.tolist())) == t.data.epochs
+    passes = 48 * order.epochs / len(t.data.train)
+    assert (f"pretraining: 6 steps x 8 samples = 48 samples is {passes:.2f} passes over the train split "
+            f"(Megatron's sample index: {order.epochs} epoch") in capsys.readouterr().out
     b, s, h, heads, layers, vocab = 4, 32, 32, 4, 2, 128  # vocab: 257 padded to 128 * tp... = 384
     vocab = 384
     per_layer = 2 * b * s * (h * 3 * h + h * h + h * 4 * h + 4 * h * h) + 4 * b * heads * s * s * (h // heads)

@@ -87,6 +87,9 @@ def order(directory: str, data, documents: tuple[int, int], *, seq_len: int, num
     def build():
         ids = np.arange(*documents, dtype=np.int32)
         made = build_order(data.lengths, ids, seq_len=seq_len, num_samples=num_samples, seed=seed)
+        assert made.epochs == len(made.document_index) // len(ids)
         return made.document_index, made.sample_index, made.shuffle_index
 
-    return GPTOrder(*cached(directory, "GPTOrder", description, ORDER, build))
+    arrays = cached(directory, "GPTOrder", description, ORDER, build)
+    # a cached index records no epoch count: its document index lists each document once per epoch
+    return GPTOrder(*arrays, epochs=len(arrays[0]) // (documents[1] - documents[0]))

@@ -39,6 +39,9 @@ class GPTOrder:
     starts; the last row ends the last sample."""
     shuffle_index: np.ndarray
     """The order samples are read in."""
+    epochs: int
+    """Megatron's num_epochs: the passes over the split's documents the document index lays
+    end to end (the last one maybe partly read)."""
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
@@ -67,7 +70,7 @@ def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num
     sample_index = _sample_index(lengths, document_index, seq_len, epochs * tokens_per_epoch, extra, drop_last)
     total = len(sample_index) - 1
     first = before_last if separate else total
-    return GPTOrder(document_index, sample_index, _shuffle_index(first, total, rng))
+    return GPTOrder(document_index, sample_index, _shuffle_index(first, total, rng), epochs)
 
 
 def normalise(weights) -> list[float]:

@@ -244,6 +244,11 @@ class TrainData:
             raise DataError(f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
                             f"than the {sizes[0]} the run trains on")
         self.vocab_size, self.masks, self.seq_len = self.vocab.size, masks, seq_len
+        self.epochs = max(p.order.epochs for p in self.train.parts) if isinstance(self.train, Blended) \
+            else self.train.order.epochs
+        """Megatron's num_epochs of the train split's sample index (a blend: its datasets' most)."""
+        self.passes = None if isinstance(self.train, Blended) else sizes[0] * self.epochs / len(self.train)
+        """The passes over the train split the run's samples make (one dataset; None for a blend)."""
         self.summary = (f"data: {len(self.train)} train and {len(self.valid)} valid samples of {seq_len + 1} tokens"
                         + (f"; {' '.join(masks.flags())}" if masks else ""))
 

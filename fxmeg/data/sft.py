@@ -276,6 +276,10 @@ class SFTData:
         self.windows = [pack(p, seq_len, self.pad) for p in parts] if fmt.layout == "packed" else None
         counts = [len(w["tokens"]) for w in self.windows] if self.windows else [len(p) for p in parts]
         self.train, self.valid = (_Split(n, sizes[i], seed) for i, n in enumerate(counts))
+        self.passes = sizes[0] / counts[0]
+        """The passes over the train split the run's samples make (each pass a new permutation)."""
+        self.rows = f"{counts[0]} packed windows ({len(parts[0])} examples)" if self.windows else f"{counts[0]} examples"
+        """What one pass reads: the train split's rows."""
         cut = sum(len(x) - 1 > seq_len for p in parts for x, _ in p)
         skipped += skipped_valid
         self.summary = (f"sft: {len(parts[0])} train and {len(parts[1])} valid examples"

@@ -34,6 +34,7 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.config import V_SCHEDULES, EngineConfig
 from fxmeg.errors import ConfigError, PassError
+from fxmeg.model_checks import blocks_error
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
 from fxmeg.program import Partition
 
@@ -70,19 +71,10 @@ def cut(
     schedules)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     blocks, units, unit_of = _units(nodes)
-    if num_chunks == 1:
-        starts = (0,)
-    elif not blocks:
-        raise ConfigError(
-            f"pp * vpp = {num_chunks} chunks, but no repeated blocks were found in the "
-            "model (module lists such as 'layers.0', 'layers.1'); fxmeg cuts pipelines at "
-            "block boundaries"
-        )
-    elif num_chunks > len(blocks):
-        raise ConfigError(
-            f"pp * vpp = {num_chunks} chunks, but the model has only {len(blocks)} blocks "
-            f"({blocks[0]} .. {blocks[-1]}); choose pp * vpp <= {len(blocks)}"
-        )
+    error = blocks_error(num_chunks, blocks)  # model_checks refused most before capture; the graph may hold fewer
+    if error is not None:
+        raise error
+    starts = (0,)
     unit_costs = [0.0] * max(len(units), 1)
     for node in nodes:
         unit_costs[unit_of[node]] += node_cost(node)
