@@ -72,8 +72,9 @@ def passes_report(cfg: TrainConfig, data: TrainData | SFTData, final: int) -> st
         line = f"SFT: {run} is {data.passes:.1f} passes over {data.rows}"
         if data.passes <= 1:
             return line
-        return (f"WARNING: {line}; fine-tuning usually makes 1-3: lower --train-iters, or give more examples "
-                "(each pass reads them in a new order)")
+        one = max(1, round(samples / data.passes) // final)  # the steps of one pass
+        return (f"WARNING: {line}: each example is trained on about {data.passes:.0f} times; for one pass, "
+                f"--train-iters {one}, or give more examples (each pass reads them in a new order)")
     epochs = f"Megatron's sample index: {data.epochs} epoch{'s' * (data.epochs > 1)}"
     if data.passes is None:
         return f"pretraining: {run}; {epochs} (the most of the blend's datasets)"

@@ -286,8 +286,8 @@ def test_the_passes_over_the_data_are_said_and_past_one_warned(files):
     assert passes > 1 and data.passes == passes
     assert passes_report(cfg, data, GBS) == (
         f"WARNING: SFT: 100 steps x {GBS} samples = {100 * GBS} samples is {passes:.1f} passes over {windows} "
-        f"packed windows ({examples} examples); fine-tuning usually makes 1-3: lower --train-iters, or give more "
-        "examples (each pass reads them in a new order)")
+        f"packed windows ({examples} examples): each example is trained on about {passes:.0f} times; for one "
+        f"pass, --train-iters {max(1, windows // GBS)}, or give more examples (each pass reads them in a new order)")
     one = _config(files, "pairs", train_iters=1, global_batch_size=4)  # within one pass: said, not warned
     assert windows >= 4 and passes_report(one, train_data(one), 4) == (
         f"SFT: 1 step x 4 samples = 4 samples is {4 / windows:.1f} passes over {windows} packed windows "
