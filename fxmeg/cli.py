@@ -10,6 +10,7 @@
                                                            # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg export runs/ckpt --to runs/hf --format hf        # from_pretrained("runs/hf")
+    fxmeg export runs/ckpt --to runs/hf --format hf --check    # ... and compare its logits with the checkpoint's
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--max-shard-size", default="50GB",
                         help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
                              "model.safetensors.index.json (default 50GB, as save_pretrained)")
+    export.add_argument("--check", action="store_true",
+                        help="hf: load the export with from_pretrained and compare its tensors and logits with "
+                             "the checkpoint's model; exit 1 naming the first difference")
     plot = sub.add_parser("plot", help="draw loss / lr / throughput (and expert load) curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
@@ -79,11 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-data":
         return _prepare(args)
     if args.command == "export":
-        from fxmeg.checkpoint import export as write
-
-        names = write(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
-        print(f"wrote {args.to}: {len(names)} tensors")
-        return 0
+        return _export(args)
     if args.command == "plot":
         from fxmeg.metrics import plot as draw
 
@@ -98,7 +98,32 @@ def main(argv: list[str] | None = None) -> int:
     return _train(args)
 
 
-# ---------------------------------------------------------------- prepare-data / plot
+# ---------------------------------------------------------------- prepare-data / export / plot
+
+
+def _export(args) -> int:
+    from fxmeg.checkpoint import export
+
+    if args.check and args.format != "hf":
+        parser_error = f"--check compares a Hugging Face export: it needs --format hf, not {args.format}"
+        print(f"fxmeg export: error: {parser_error}", file=sys.stderr)
+        return 2
+    done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
+    for note in done.notes:
+        print(f"  {note}")
+    if not args.check:
+        return 0
+    from fxmeg.export_check import ExportMismatch, check
+
+    try:
+        lines = check(done.checkpoint, args.to)
+    except ExportMismatch as exc:
+        print(f"fxmeg export --check: {exc}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(f"check: {line}")
+    return 0
 
 
 def _plot_schedule(args) -> int:

@@ -119,6 +119,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
             hugging_face=self.engine.hugging_face,  # config.json for `fxmeg export --format hf`
+            data={"vocab_size": self.data.vocab_size, "eod": self.data.vocab.eod},  # and its eos
         )
         total = cfg.train_iters or None
         self.metrics = Metrics(cfg.run_dir, enabled=self.rank == 0, total=total,
