@@ -10,7 +10,6 @@
                                                            # one global batch: parallel vs single device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg export runs/ckpt --to runs/hf --format hf        # from_pretrained("runs/hf")
-    fxmeg export runs/ckpt --to runs/hf --format hf --check    # ... and compare its logits with the checkpoint's
     fxmeg plot runs/run
     fxmeg train ... --trace runs/trace --trace-interval 50
     fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
@@ -98,15 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     return _train(args)
 
 
-# ---------------------------------------------------------------- prepare-data / export / plot
+# ---------------------------------------------------------------- prepare-data / plot
 
 
 def _export(args) -> int:
     from fxmeg.checkpoint import export
 
     if args.check and args.format != "hf":
-        parser_error = f"--check compares a Hugging Face export: it needs --format hf, not {args.format}"
-        print(f"fxmeg export: error: {parser_error}", file=sys.stderr)
+        print(f"fxmeg export: error: --check loads the export with from_pretrained: it needs --format hf, "
+              f"not {args.format}", file=sys.stderr)
         return 2
     done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
     print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
