@@ -19,6 +19,7 @@ and falls back to the previous complete checkpoint, with a warning, when they ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -30,15 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fxmeg.errors import CheckpointError
-from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, check_target, hugging_face_names, write
+from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, check_target, for_generation, hugging_face_names, write
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
-from fxmeg.sharding import LoadPlanner, Pieces, SavePlanner
+from fxmeg.sharding import Pieces, dcp_load, dcp_save
 
 LATEST = "latest"
 META = "meta.json"
@@ -79,12 +79,16 @@ class Checkpointer:
 
     def __init__(
         self, program: Program, context: RankContext, *, keep: int | None = None, async_save: bool = False,
-        hugging_face: dict | None = None,
+        hugging_face: dict | None = None, data: dict | None = None,
     ) -> None:
         self.program, self.context, self.keep, self.async_save = program, context, keep, async_save
         self.hugging_face = hugging_face
         """``fxmeg.export.hugging_face_info`` of a transformers model, kept in meta.json
         so that ``export(..., format="hf")`` can write its config.json."""
+        self.data = data
+        """The trainer's data vocabulary (``vocab_size``: the tokenizer's ids, before
+        padding; ``eod``: the end-of-document id or None), kept in meta.json so that
+        ``export(..., format="hf")`` writes the data's eos and says what padding it trained."""
         multi = dist.is_initialized() and dist.get_world_size() > 1
         # a group of its own: a background save's collectives never meet training's
         self.group = dist.new_group(backend="gloo") if multi else None
@@ -112,7 +116,7 @@ class Checkpointer:
         meta = {"iteration": iteration, "layout": layout(ctx), "world_size": _world(),
                 "model": model_signature(program), "aliases": program.aliases,
                 "trainer": {k: v for k, v in trainer_state.items() if k != "config"},
-                "hugging_face": self.hugging_face}
+                "hugging_face": self.hugging_face, "data": self.data}
         path = os.path.join(directory, f"iter_{iteration:07d}")
         if self.async_save:
             state = {k: v.snapshot() if isinstance(v, Pieces) else v for k, v in state.items()}
@@ -148,8 +152,7 @@ class Checkpointer:
     def _write(self, state: dict, path: str, directory: str, meta: dict) -> None:
         try:
             os.makedirs(path, exist_ok=True)
-            dcp.save(state, storage_writer=self.writer_factory(path), planner=SavePlanner(),
-                     process_group=self.group, no_dist=self.group is None)
+            dcp_save(state, self.writer_factory(path), group=self.group)
             _barrier(self.group)  # every rank's files are in place
             if _rank() == 0:
                 _atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
@@ -184,8 +187,7 @@ class Checkpointer:
         with ctx.unsharded(write=True):  # zero=3: loaded into whole parameters, kept in the shards
             state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, entries)}
             state |= {k: None for k in objects if k in saved}
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
-                     process_group=self.group, no_dist=self.group is None)
+            dcp_load(state, path, group=self.group)
         ctx.optimizer.reload()  # parameters follow loaded masters (or full-matrix masters the parameters)
         for piece in ctx.optimizer.pieces:
             inner = ctx.optimizer.inner.state[piece.master]
@@ -277,48 +279,82 @@ def find_complete(directory: str) -> str | None:
     return None
 
 
-def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
-    """Write the model of checkpoint ``path`` (a checkpoint or its directory) for a single
-    device, under the user model's names; the tensor names written.
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote."""
 
-    ``format`` "pt": a plain state_dict (tied names included) in the torch.save file
-    ``out``. "hf": the Hugging Face directory ``out`` that ``from_pretrained`` loads
-    (``fxmeg.export.write``: safetensors, sharded above ``max_shard_size``, and
-    config.json; tied names once); only for a checkpoint of a transformers model.
-    "safetensors": the same files without config.json, for any model."""
-    if format not in FORMATS:
-        raise CheckpointError(f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}")
-    if format != "pt":
-        check_target(out, max_shard_size)  # before reading anything
+    checkpoint: str
+    """The checkpoint iteration read (``DIR/iter_N``)."""
+    names: list[str]
+    """The tensor names written."""
+    notes: list[str]
+    """For the user: what an "hf" export set for inference (``fxmeg.export.for_generation``)."""
+
+
+def read_model(path: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """The model of checkpoint ``path`` (a checkpoint or its directory) on one device:
+    (the iteration read, its meta.json, every tensor under each of its names: tied
+    names share one tensor, as in the model's state_dict)."""
+    path, meta = _iteration(path)
+    return path, meta, _model_tensors(path, meta)
+
+
+def _iteration(path: str) -> tuple[str, dict]:
+    """The complete checkpoint iteration ``path`` names (itself, or its directory's
+    latest) and its meta.json."""
     if os.path.exists(os.path.join(path, LATEST)) or not os.path.exists(os.path.join(path, META)):
         path = find_complete(path) or path
     check_complete(path)
     with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+        return path, json.load(f)
+
+
+def _model_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    full = {}
+    for canonical in meta["aliases"]:
+        key = f"model/{canonical}"
+        if key in saved:
+            md = saved[key]
+            full[canonical] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp_load({f"model/{n}": Pieces(t.shape, [((0,) * t.dim(), t)]) for n, t in full.items()}, path)
+    return {alias: full[canonical] for canonical, names in meta["aliases"].items()
+            if canonical in full for alias in names}
+
+
+def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Exported:
+    """Write the model of checkpoint ``path`` (a checkpoint or its directory) for a single
+    device, under the user model's names.
+
+    ``format`` "pt": a plain state_dict (tied names included) in the torch.save file
+    ``out``. "hf": the Hugging Face directory ``out`` that ``from_pretrained`` loads
+    (``fxmeg.export.write``: safetensors, sharded above ``max_shard_size``, config.json
+    and generation_config.json set for inference by ``fxmeg.export.for_generation``;
+    tied names once); only for a checkpoint of a transformers model. "safetensors": the
+    same weight files alone, for any model."""
+    if format not in FORMATS:
+        raise CheckpointError(f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}")
+    if format != "pt":
+        check_target(out, max_shard_size)  # before reading anything
+    path, meta = _iteration(path)
     info = meta.get("hugging_face")
     if format == "hf" and info is None:
         raise CheckpointError(
             f"export {path} with format 'hf': the checkpoint records no Hugging Face config (its model is "
             f"not a transformers model, or an older fxmeg saved it) to write as config.json; use format "
             f"'safetensors' for the weights alone, or 'pt'")
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    full = {}
-    for canonical, names in meta["aliases"].items():
-        key = f"model/{canonical}"
-        if key in saved:
-            md = saved[key]
-            full[canonical] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load({f"model/{n}": Pieces(t.shape, [((0,) * t.dim(), t)]) for n, t in full.items()},
-             storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
-    state = {alias: full[canonical] for canonical, names in meta["aliases"].items()
-             if canonical in full for alias in names}
+    state = _model_tensors(path, meta)
     if format == "pt":
         torch.save(state, out)
-        return sorted(state)
+        return Exported(path, sorted(state), [])
     state = {k: state[k] for k in meta["model"] if k in state}  # the model's state_dict order
     state = hugging_face_names(state, meta["aliases"], info["tied"] if info else [])
-    write(state, out, config=info["config"] if format == "hf" else None, max_shard_size=max_shard_size)
-    return sorted(state)
+    config = generation = None
+    notes: list[str] = []
+    if format == "hf":
+        config, generation, notes = for_generation(info["config"], meta.get("data"))
+    write(state, out, config=config, generation=generation, max_shard_size=max_shard_size)
+    return Exported(path, sorted(state), notes)
 
 
 # ---------------------------------------------------------------- files

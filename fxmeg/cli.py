@@ -160,13 +160,33 @@ def _export_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", default="50GB",
                    help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
                         "model.safetensors.index.json (default 50GB, as save_pretrained)")
+    p.add_argument("--check", action="store_true",
+                   help="hf: load the export with from_pretrained and compare its tensors and logits with "
+                        "the checkpoint's model; exit 1 naming the first difference")
 
 
 def _export(args) -> int:
-    from fxmeg.checkpoint import export as write
+    from fxmeg.checkpoint import export
+    from fxmeg.errors import ConfigError
 
-    names = write(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
-    print(f"wrote {args.to}: {len(names)} tensors")
+    if args.check and args.format != "hf":
+        raise ConfigError(f"export --check loads the export with from_pretrained: it needs --format hf, "
+                          f"not {args.format}")
+    done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
+    for note in done.notes:
+        print(f"  {note}")
+    if not args.check:
+        return 0
+    from fxmeg.export_check import ExportMismatch, check
+
+    try:
+        lines = check(done.checkpoint, args.to)
+    except ExportMismatch as exc:
+        print(f"fxmeg export --check: {exc}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(f"check: {line}")
     return 0
 
 

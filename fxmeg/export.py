@@ -3,8 +3,9 @@
 above a size, and the model's ``config.json`` when it is a transformers model.
 
 What a checkpoint needs for that is recorded when it is saved (``hugging_face_info``, in
-its ``meta.json``): the model's config and its tied names. ``fxmeg.checkpoint.export``
-reads the tensors back and calls ``write``.
+its ``meta.json``): the model's config and its tied names, and from the trainer the data's
+vocabulary. ``fxmeg.checkpoint.export`` reads the tensors back, sets the config for
+inference (``for_generation``) and calls ``write``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ DEFAULT_SHARD_SIZE = "50GB"
 """transformers 5's default ``max_shard_size``."""
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -43,6 +45,45 @@ def hugging_face_info(model: torch.nn.Module) -> dict | None:
     config["architectures"] = [type(model).__name__]
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return {"config": config, "tied": sorted(tied)}
+
+
+def for_generation(config: dict, data: dict | None) -> tuple[dict, dict, list[str]]:
+    """``config.json`` and ``generation_config.json`` of an export of the model trained with
+    ``config`` (``hugging_face_info``'s) on ``data`` (the trainer's vocabulary: vocab_size,
+    eod; None when not recorded), and one line for the user per setting changed or kept.
+
+    Ensures: ``use_cache`` true in both (the trainer builds the model without the
+    key/value cache, which training never reads and generate() needs); ``eos_token_id``
+    the data's end-of-document id where recorded, also as generation's ``pad_token_id``
+    when the config has none (the config's stays: it is the embedding's padding row,
+    which training would freeze); ``vocab_size`` as trained, the rows past the
+    tokenizer's ids (padding) in generation's ``suppress_tokens`` and said in the
+    config's ``fxmeg`` entry, so from_pretrained loads the trained tensors as they are."""
+    config, notes = dict(config), []
+    if "use_cache" in config:
+        config["use_cache"] = True
+    notes.append("use_cache true: generate() keeps the key/value cache (training ran without it)")
+    eod = (data or {}).get("eod")
+    eos = config.get("eos_token_id")
+    if eod is not None:
+        notes.append(f"eos_token_id {eod}: the data's end of document" + (f" (the model config said {eos})"
+                                                                          if eos != eod else ""))
+        eos = config["eos_token_id"] = eod
+    else:
+        notes.append(f"eos_token_id {eos} kept from the model config: the checkpoint records no data "
+                     f"end-of-document id (saved without the trainer); set it in config.json")
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos,
+                  "pad_token_id": config.get("pad_token_id") if config.get("pad_token_id") is not None else eos,
+                  "use_cache": True}
+    rows, ids = config.get("vocab_size"), (data or {}).get("vocab_size")
+    if rows is not None and ids is not None and rows > ids:
+        generation["suppress_tokens"] = list(range(ids, rows))
+        config["fxmeg"] = {"trained_vocab_size": rows, "tokenizer_vocab_size": ids,
+                           "padding": f"ids {ids}..{rows - 1} pad the vocabulary for training; generate() "
+                                      "suppresses them (generation_config.json)"}
+        notes.append(f"vocabulary {rows} rows as trained (tokenizer {ids}, padded for training as Megatron's "
+                     f"--make-vocab-size-divisible-by); generate() suppresses ids {ids}..{rows - 1}")
+    return config, {k: v for k, v in generation.items() if v is not None}, notes
 
 
 def parse_size(size: int | str) -> int:
@@ -100,7 +141,7 @@ def shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
 
 
 def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None = None,
-          max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
+          generation: dict | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
     """Write ``state`` (one name per tensor) into ``directory`` as ``save_pretrained``
     does; the files written.
 
@@ -108,8 +149,9 @@ def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None
     Ensures: ``model.safetensors`` (metadata format "pt"), or, above ``max_shard_size``,
     ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (weight_map,
     total_size, total_parameters); ``config.json`` from ``config`` when given, its
-    ``dtype`` that of the floating tensors; stale weight files of an earlier export in
-    ``directory`` removed (as ``save_pretrained`` does)."""
+    ``dtype`` that of the floating tensors; ``generation_config.json`` from ``generation``
+    when given; every file the mode ``open`` gives (0666 less the umask); stale weight
+    files of an earlier export in ``directory`` removed (as ``save_pretrained`` does)."""
     from safetensors.torch import save_file
 
     check_target(directory, max_shard_size)
@@ -122,6 +164,7 @@ def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None
                                                 for i in range(len(groups))]
     for file, group in zip(names, groups):
         save_file({k: state[k].contiguous() for k in group}, os.path.join(directory, file), metadata={"format": "pt"})
+        _as_opened(os.path.join(directory, file))
     written = list(names)
     if len(groups) > 1:
         index = {"metadata": {"total_parameters": sum(t.numel() for t in state.values()),
@@ -134,7 +177,18 @@ def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None
         dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else config.get("dtype")
         _write_json(os.path.join(directory, "config.json"), config | {"dtype": dtype})
         written.append("config.json")
+    if generation is not None:
+        _write_json(os.path.join(directory, GENERATION), generation)
+        written.append(GENERATION)
     return written
+
+
+def _as_opened(path: str) -> None:
+    """Give ``path`` the mode ``open`` would (0666 less the umask): safetensors writes
+    through a temporary file (mkstemp's 0600), which would hide the model from other users."""
+    umask = os.umask(0)  # the only way to read it; set back at once (export runs no other thread)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_json(path: str, value: dict) -> None:

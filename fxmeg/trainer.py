@@ -113,6 +113,14 @@ def _check_model_takes(cfg: TrainConfig, model: nn.Module, *, keywords: bool) ->
                           "are; it would train on every position")
 
 
+def _vocabulary(data: TrainData | SFTData) -> dict:
+    """What a checkpoint records of the data for `fxmeg export --format hf`: the tokenizer's
+    ids (before the model's padding) and the end of document (SFT: the eos that ends each
+    response; None where the data does not say)."""
+    eod = data.vocab.eod if isinstance(data, TrainData) else data.pad
+    return {"vocab_size": data.vocab_size, "eod": eod}
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model: nn.Module | None = None) -> None:
         self.cfg = cfg
@@ -141,6 +149,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
             hugging_face=self.engine.hugging_face,  # config.json for `fxmeg export --format hf`
+            data=_vocabulary(self.data),  # and its eos
         )
         total = cfg.train_iters or None
         self.metrics = Metrics(self.run_dir, enabled=self.rank == 0, total=total,

@@ -30,12 +30,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fxmeg.errors import WeightsError, closest
-from fxmeg.sharding import Box, LoadPlanner, Pieces, view
+from fxmeg.sharding import Box, Pieces, dcp_load, view
 
 # fxmeg.checkpoint's layout; not imported from there: it imports the runtime, which
 # imports this module
@@ -221,12 +220,7 @@ class DcpWeights(Weights):
         for name, out, pairs in requests:
             _check_request(self, name, out, pairs)
         for state in _dcp_rounds(self, requests):
-            dcp.load(
-                state,
-                storage_reader=FileSystemReader(self.where),
-                planner=LoadPlanner(),
-                no_dist=True,
-            )
+            dcp_load(state, self.where)  # each rank reads its own slices: no collective
         for name, _, _ in requests:
             self.reads[name] += 1
 

@@ -313,7 +313,8 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
     ckpt, layout = str(tmp_path / "ckpt"), ["--tp", "2", "--pp", "2"]
     out = fxmeg("train", *flags, *layout, "--save", ckpt, "--save-interval", "2", "--run-dir", str(tmp_path / "whole"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert main(["export", ckpt, "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0  # iteration 4, the latest
+    # iteration 4, the latest; --check: from_pretrained gives the checkpoint's tensors and logits
+    assert main(["export", ckpt, "--to", str(tmp_path / "hf"), "--format", "hf", "--check"]) == 0
     shutil.rmtree(os.path.join(ckpt, "iter_0000004"))  # resume from step 2
     with open(os.path.join(ckpt, "latest"), "w") as f:
         f.write("iter_0000002")

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -228,17 +229,35 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     saver = Trainer(_config(corpus, tmp_path / "b", **hf | {"train_iters": 2, "save": ckpt}))
     saver.run()
     out = str(tmp_path / "hf")  # `fxmeg export --format hf`: from_pretrained gives the trained model's logits
-    assert main(["export", ckpt, "--to", out, "--format", "hf"]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["export", ckpt, "--to", out, "--format", "hf", "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "eos_token_id 256: the data's end of document (the model config said 2)" in printed
+    assert "vocabulary 384 rows as trained (tokenizer 257, padded" in printed and "check: logits" in printed
     trained = saver.engine.full_state_dict()
     ref.load_state_dict(trained)
     back = T.AutoModelForCausalLM.from_pretrained(out)
     assert type(back) is T.LlamaForCausalLM and back.config.vocab_size == 384
+    assert back.config.use_cache and back.generation_config.use_cache
+    assert back.config.eos_token_id == back.generation_config.eos_token_id == 256  # the byte tokenizer's
+    assert back.generation_config.suppress_tokens == list(range(257, 384))  # the padding rows
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, ref(input_ids=ids).logits)
+        prompt = {"input_ids": ids[:2, :6], "attention_mask": torch.ones_like(ids[:2, :6])}
+        cached = back.generate(**prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert cached.get("cache" if "cache" in cached else "past_key_values") is not None  # the KV cache kept
+        assert torch.equal(cached.sequences, back.generate(**prompt, max_new_tokens=3, do_sample=False,
+                                                           use_cache=False))
     again = Trainer(_config(corpus, tmp_path / "d", **hf | {"init_from": out, "save": ""}))  # and back in
     assert all(torch.equal(v, trained[k]) for k, v in again.engine.full_state_dict().items())
-    resumed = Trainer(_config(corpus, tmp_path / "c", **hf | {"load": ckpt}))
+    with warnings.catch_warnings(record=True) as loading:
+        warnings.simplefilter("always")
+        resumed = Trainer(_config(corpus, tmp_path / "c", **hf | {"load": ckpt}))
     assert resumed.iteration == 2
+    # DCP's "torch.distributed is disabled ..." on each single-process read: fxmeg asked for it
+    assert not [w for w in caught + loading if "torch.distributed" in str(w.message)]
     resumed.run()
     assert [r["loss"] for r in read(str(tmp_path / "c" / "run")) if r["kind"] == "train"] == whole[2:]
     assert set(batch) == {"input_ids", "attention_mask", "labels", "shift_labels"}

@@ -120,14 +120,14 @@ def save(rank: int, root: str) -> dict:
     engine = SAVED.engine()
     for b in SAVED.batches()[:SAVE_AT]:
         engine.train_step(b)
-    path = Checkpointer(engine.program, engine.context).save(root, SAVE_AT, {})
+    path = Checkpointer(engine.program, engine.context, hugging_face=engine.hugging_face).save(root, SAVE_AT, {})
     state = engine.full_state_dict()  # collective
     out = dict(banks=sorted(engine.program.ep_specs), state=None)
     if rank == 0:
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
-        out.update(state=state, meta=meta["model"],
+        out.update(state=state, meta=meta["model"], path=path,
                    saved={k: list(md.size) for k, md in saved.items() if hasattr(md, "size")})
     return out
 
@@ -226,6 +226,49 @@ def test_checkpoint_names_each_bank_whole(results):
         assert saved["meta"][name] == full[name], name
         for key in (f"model/{name}", f"optim/exp_avg/{name}", f"optim/exp_avg_sq/{name}"):
             assert saved["saved"][key] == full[name], key
+
+
+def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(results, tmp_path, capsys, monkeypatch):
+    """`fxmeg export --format hf --check` of the ep=2 checkpoint: the export's tensors are
+    the checkpoint's bit for bit, its logits the checkpoint's model's, generate() keeps the
+    key/value cache (use_cache true in config.json and generation_config.json), files are
+    0644 under umask 022 and DCP's single-process warning stays out. A wrong expert bank
+    fails the check naming it: planted in the files (fxmeg.export_check.check), or made on
+    the way out (the command exits 1)."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from fxmeg import checkpoint
+    from fxmeg.cli import main
+    from fxmeg.export_check import ExportMismatch, check
+
+    ckpt, out = results[SAVED.world][0]["save"]["path"], str(tmp_path / "hf")
+    umask = os.umask(0o022)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["export", ckpt, "--to", out, "--format", "hf", "--check"]) == 0
+    finally:
+        os.umask(umask)
+    printed = capsys.readouterr()
+    assert "check: tensors: 39 equal to the checkpoint's" in printed.out and "check: generate()" in printed.out
+    assert not [w for w in caught if "torch.distributed" in str(w.message)] and "torch.distributed" not in printed.err
+    assert {f: oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in os.listdir(out)} == {
+        f: "0o644" for f in ("model.safetensors", "config.json", "generation_config.json")}
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(out, name)) as f:
+            assert json.load(f)["use_cache"] is True, name
+    bank = "model.layers.1.mlp.experts.down_proj"
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    tensors[bank][3, 0, 5] += 1e-3  # expert 3: rank 1's at ep=2
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExportMismatch, match=rf"tensor '{bank}' differs from the checkpoint's \(max abs diff 0.001 at \(3, 0, 5\)"):
+        check(ckpt, out)
+    write = checkpoint.write
+    monkeypatch.setattr(checkpoint, "write", lambda state, *a, **kw: write({**state, bank: state[bank] * 2}, *a, **kw))
+    assert main(["export", ckpt, "--to", out, "--format", "hf", "--check"]) == 1
+    assert f"fxmeg export --check: export check of {out} against {ckpt}: tensor '{bank}' differs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sc", RESUMED, ids=lambda s: s.id)
