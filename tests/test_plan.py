@@ -363,9 +363,9 @@ def test_activation_bytes_are_what_autograd_saves(kind, options):
     """The plan's per-micro-batch activations against what autograd really packs in a
     training step (``SavedBytes``, one process, one micro-batch). The Hugging Face model
     differs by its attention mask: the CPU kernel keeps a float copy of it per layer."""
+    from fxmeg.hugging_face import keyword_batch
     from fxmeg.layout_plan import activation_bytes
     from fxmeg.report import SavedBytes
-    from fxmeg.hugging_face import keyword_batch
 
     batch = make_batch(4, seed=1)
     batch = keyword_batch(*batch) if kind.startswith("hf-") else batch
