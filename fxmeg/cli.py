@@ -245,6 +245,10 @@ def _prepare(args) -> int:
 
 PLAN_MODEL = ("model", "model_args", "seq_len")
 """The trainer's own flat names `fxmeg plan` reads (the rest: engine and layout names)."""
+PLAN_MICRO_BATCH = 1
+"""`fxmeg plan`'s micro-batch size when neither the flag nor --config gives one: Megatron's
+default, and what long sequences train with (train's default of 4 at seq 8192 planned 4x
+the activations anyone runs)."""
 
 
 def _plan_parser(p: argparse.ArgumentParser) -> None:
@@ -257,7 +261,19 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
                         "config class (LlamaConfig) or model type (llama), then KEY=VALUE overrides "
                         "(values read as JSON), e.g. LlamaConfig num_hidden_layers=80 hidden_size=8192")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _flags(p, [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL])
+    p.add_argument("--device-memory", metavar="SIZE_OR_DEVICE",
+                   help="one rank's device memory: a size (80GB = 80e9 bytes, 80GiB, 79.6GiB) or a device "
+                        "(h100: 79.6 GiB, h200: 140.4 GiB, a100-40gb: 40 GiB, a100-80gb: 80 GiB, as "
+                        "nvidia-smi reports them); says per stage 'fits' or 'exceeds by', and what would "
+                        "make a stage that exceeds fit")
+    p.add_argument("--split-points", nargs="+", metavar="UNIT",
+                   help="pin the pipeline cuts: the first unit of every chunk but the first, pp * vpp - 1 "
+                        "of them, e.g. model.layers.20 model.layers.40 model.layers.60 (default: balanced "
+                        "at block boundaries)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _flags(p, [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
+           defaults={"micro_batch_size": f"{PLAN_MICRO_BATCH}, Megatron's --micro-batch-size default; "
+                                         "`fxmeg train`'s is 4"})
 
 
 def _plan(args) -> int:
@@ -268,12 +284,19 @@ def _plan(args) -> int:
 
     from fxmeg.build import build_model
     from fxmeg.hugging_face import is_hugging_face, keyword_batch
-    from fxmeg.layout_plan import plan
+    from fxmeg.layout_plan import plan, stderr_progress
+    from fxmeg.plan_verdict import device_bytes
     from fxmeg.train_config import engine_from_flat, flat_defaults
 
+    device = device_bytes(args.device_memory) if args.device_memory else None
     values = _plan_values(args)
     model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}
     engine = engine_from_flat(**values)
+    if args.split_points:
+        import dataclasses
+
+        engine = dataclasses.replace(engine, parallel=dataclasses.replace(
+            engine.parallel, split_points=tuple(args.split_points)))
     with torch.device("meta"):
         if args.hf_config:
             import transformers
@@ -288,7 +311,8 @@ def _plan(args) -> int:
     # a Hugging Face model takes the trainer's keyword batch (positionally, labels would
     # land on its second parameter, attention_mask)
     example = keyword_batch(ids, labels) if is_hugging_face(net) else (ids, labels)
-    result = plan(net, example, config=engine)
+    result = plan(net, example, config=engine, device_memory=device,
+                  progress=None if args.quiet else stderr_progress())
     print(result.to_json() if args.json else result)
     return 0
 
@@ -308,7 +332,9 @@ def _plan_values(args) -> dict:
         if names[key][0] is not TrainConfig or key in PLAN_MODEL:
             values[key] = value
     given = {k: v for k, v in vars(args).items() if (k in names or k in MEGATRON_NAMES) and v is not None}
-    return values | from_megatron(given)  # a flag overrides the file
+    values |= from_megatron(given)  # a flag overrides the file
+    values.setdefault("micro_batch_size", PLAN_MICRO_BATCH)
+    return values
 
 
 def hf_config(spec: list[str]):
@@ -369,13 +395,14 @@ WORDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 """Options given as several words (flags with nargs='+'), kept as one space-separated string."""
 
 
-def _flags(p: argparse.ArgumentParser, names) -> None:
-    """One flag per flat name (default None: not given), its help the field's docstring."""
+def _flags(p: argparse.ArgumentParser, names, defaults: dict[str, str] | None = None) -> None:
+    """One flag per flat name (default None: not given), its help the field's docstring and
+    the default (as ``defaults`` says it where the command's own differs)."""
     from fxmeg.config import EngineConfig, ParallelConfig
     from fxmeg.train_config import TrainConfig, flat_defaults, flat_fields
 
     docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
-    defaults, fields = flat_defaults(), flat_fields()
+    fields_default, fields = flat_defaults(), flat_fields()
     for name in names:
         (cls, kind), flag = fields[name], "--" + name.replace("_", "-")
         doc = docs[cls].get(name, "")
@@ -384,7 +411,8 @@ def _flags(p: argparse.ArgumentParser, names) -> None:
         elif name in WORDS:  # --data-path 0.3 A 0.7 B, as Megatron's
             p.add_argument(flag, nargs="+", default=None, metavar="WORD", help=doc)
         else:
-            p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {defaults[name]!r})")
+            said = (defaults or {}).get(name, repr(fields_default[name]))
+            p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {said})")
     _megatron_flags(p, names)
 
 

@@ -23,10 +23,12 @@ tensor-parallel pass needs tp to divide every split dimension, so shards never d
                      computed with and the one prefetched), each the stage's largest
                      (not counting a tied embedding's, whole alone); with
                      ``backward_prefetch='post'`` one of each and the fresh gradient
-  activations        one micro-batch's upper bound (``activation_bytes``) of the stage's
-                     largest chunk, times the micro-batches in flight at the schedule's
-                     peak (the simulator's count of forwards whose backward, or
-                     with zero bubble whose weight gradient W, has not run)
+  activations        what autograd keeps for one micro-batch of the stage's largest chunk
+                     (fxmeg/saved_activations.py: each op's saved tensors, each storage
+                     once), times the micro-batches in flight at the schedule's peak (the
+                     simulator's count of forwards whose backward, or with zero bubble
+                     whose weight gradient W, has not run); under recompute, plus once the
+                     largest region's own tensors while backward runs it again
   FLOPs              forward matmul / attention FLOPs of one micro-batch on this rank
   bubble             idle share of the rank in the schedule simulator, with a forward
                      costing 1 and a backward 2 on every chunk (F_COST, B_COST; a
@@ -47,8 +49,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,11 +64,13 @@ from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, Example, batch_dim
 from fxmeg.errors import ConfigError
 from fxmeg.pass_driver import transform
-from fxmeg.passes.graph_utils import attr, is_hop, requires_grad_nodes, val
+from fxmeg.passes.graph_utils import attr, is_hop, val
 from fxmeg.passes.partition import node_flops
+from fxmeg.plan_verdict import verdict, verdict_lines
 from fxmeg.program import Program
 from fxmeg.runtime import schedules, simulator
 from fxmeg.runtime.zero import IN_FLIGHT
+from fxmeg.saved_activations import activation_bytes, breakdown, by_block, recompute_working_bytes
 
 if TYPE_CHECKING:
     from fxmeg.runtime.context import RankContext
@@ -102,6 +109,19 @@ class StagePlan:
     bubble: float
     buckets_in_flight: int = 0
     """zero >= 2: gradient (and zero=3 parameter) buckets whole at once (in ``total``)."""
+    recompute_working_set: int = 0
+    """Under recompute: the largest region's own tensors, held once while backward runs it
+    again (in ``total``)."""
+    recompute_inputs: int = 0
+    """What one micro-batch would keep under full recompute: the blocks' inputs and the
+    tensors saved outside blocks (``plan_verdict``'s remedy)."""
+    largest_block: int = 0
+    """One block's saved tensors for one micro-batch (the largest block of the stage)."""
+    layers: int = 0
+    """Blocks in the stage's largest chunk (``activation_breakdown`` sums over them)."""
+    activation_breakdown: dict = field(default_factory=dict)
+    """Bytes one micro-batch keeps, by what keeps them: 'layer: mlp.down_proj: input'
+    summed over the chunk's ``layers`` blocks, the rest by module ('lm_head: input')."""
 
     @property
     def weights_and_optimizer(self) -> int:
@@ -123,12 +143,31 @@ class Plan:
     tp_whole: tuple[tuple[str, str], ...] = ()
     """(module glob, why) of the blocks' projections every tp rank holds whole
     (``Program.tp_whole``)."""
+    blocks: tuple[str, ...] = ()
+    """The model's blocks (``Partition.blocks``)."""
+    device_memory: int | None = None
+    """Bytes of one rank's device (``with_device``); the verdict says which stages fit."""
+
+    @property
+    def ranks(self) -> int:
+        par = self.config.parallel
+        return par.model_ranks * (par.dp or 1)
+
+    def with_device(self, device_memory: int) -> Plan:
+        """This plan judged against a device of ``device_memory`` bytes."""
+        return dataclasses.replace(self, device_memory=device_memory)
+
+    def verdict(self) -> list[dict] | None:
+        """Per stage: 'total', 'fits', 'free' (negative: the excess) and, when it exceeds,
+        'remedies' (change, saves, total, fits), most saving first; None without a device."""
+        return None if self.device_memory is None else verdict(self, self.device_memory)
 
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
         return {
             "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
                        "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
+            "ranks": self.ranks,
             "precision": cfg.precision,
             "distributed_optimizer": cfg.distributed_optimizer,
             "zero": cfg.zero_stage,
@@ -141,6 +180,8 @@ class Plan:
             "bubble_costs": {"forward": F_COST, "backward": B_COST},
             "stages": [dataclasses.asdict(s) for s in self.stages],
             "tp_whole": [{"modules": m, "why": why} for m, why in self.tp_whole],
+            "device_memory": self.device_memory,
+            "verdict": self.verdict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -150,19 +191,18 @@ class Plan:
         cfg, par = self.config, self.config.parallel
         unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
         sp = " (sequence parallel)" if par.sequence_parallel else ""
-        cp = f" cp={par.cp}" if par.cp > 1 else ""
         ep = f" ep={par.ep}" if par.ep > 1 else ""
         experts = any(s.expert_parameter_elements for s in self.stages)  # a column only for a mixture of experts
         head = [
-            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp}{cp} pp={par.pp} vpp={par.vpp} "
-             f"dp={par.dp}{ep}{sp}, {cfg.precision}, distributed optimizer "
+            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} x cp={par.cp} x pp={par.pp} x "
+             f"dp={par.dp} = {self.ranks} ranks; vpp={par.vpp}{ep}{sp}, {cfg.precision}, distributed optimizer "
              f"{'on' if cfg.distributed_optimizer else 'off'}"
              f"{f' (zero={cfg.zero_stage})' if cfg.zero_stage >= 2 else ''}, recompute {cfg.recompute}"),
-            (f"  schedule {par.resolved_schedule}: {cfg.num_microbatches} micro-batches of "
-             f"{cfg.micro_batch_size} per step; {_si(self.flops_per_microbatch, 'G')} FLOP forward "
-             "per micro-batch (whole model)"),
-            (f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer; bubble with "
-             f"forward {F_COST:g} / backward {B_COST:g}"),
+            (f"  {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step; "
+             f"{_si(self.flops_per_microbatch, 'G')} FLOP forward per micro-batch (whole model); pipeline "
+             f"bubble: {max(s.bubble for s in self.stages):.1%} of the step (schedule {par.resolved_schedule}, "
+             f"{cfg.num_microbatches} micro-batches; a backward costs {B_COST / F_COST:g} forwards)"),
+            f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer",
         ]
         columns = ("stage", "units", "params", *(("experts",) if experts else ()), "weights", "grads", "optim",
                    "act/mb", "in flight", "acts", "total", "FLOP/mb", "bubble")
@@ -178,16 +218,20 @@ class Plan:
         lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # units read left-aligned
                            for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         whole = [f"  tp={par.tp} leaves whole on every tp rank: {m} ({why})" for m, why in self.tp_whole]
-        return "\n".join(head + lines + whole)
+        device = verdict_lines(self, self.device_memory) if self.device_memory is not None else []
+        return "\n".join(head + lines + whole + _breakdown_lines(self.stages[0]) + device)
 
 
 def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
-         config: EngineConfig | None = None, **options) -> Plan:
+         config: EngineConfig | None = None, device_memory: int | None = None,
+         progress: Callable[[str], None] | None = None, **options) -> Plan:
     """The plan of training ``model`` on micro-batches like ``example`` under ``config``
     (or ``options``: ``tp=8, pp=8, vpp=2, global_batch_size=64, precision="bf16", ...`` as
     ``parallelize`` takes them; dp defaults to 1). The model and the example are copied
     to the meta device first: the user's model is left as it is (no cast, no move), and
-    no tensor is allocated, however large the model. No process group is created."""
+    no tensor is allocated, however large the model. No process group is created.
+    ``device_memory`` (bytes of one rank's device) adds the verdict (``Plan.verdict``);
+    ``progress`` is called with a short line at each step (capture, each pass, each stage)."""
     if isinstance(example, Mapping) and all(isinstance(t, torch.Tensor) for t in example.values()):
         example = {k: t.to("meta") for k, t in example.items()}  # passed by keyword, as parallelize does
     elif isinstance(example, tuple) and all(isinstance(t, torch.Tensor) for t in example):
@@ -201,8 +245,50 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
         batch_dim(example, config.micro_batch_size)
         par = config.parallel
         config = config.resolve(par.model_ranks * (par.dp or 1))  # dp=None: one replica
-    program = transform(meta_copy(model), example, config, loss_fn=loss_fn, **options)
-    return plan_of(program)
+    with _pass_progress(progress):
+        program = transform(meta_copy(model), example, config, loss_fn=loss_fn, **options)
+    result = plan_of(program, progress=progress)
+    return result if device_memory is None else result.with_device(device_memory)
+
+
+class _Progress(logging.Handler):
+    """Passes the pass driver's per-step records (fxmeg.pass_driver at INFO) on as lines."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        step = getattr(record, "step", None)
+        if step is not None:
+            self.say(f"{step} {record.seconds:.1f} s")
+
+
+class _pass_progress:
+    def __init__(self, say: Callable[[str], None] | None) -> None:
+        self.say, self.handler, self.level = say, None, None
+
+    def __enter__(self):
+        if self.say is not None:
+            log = logging.getLogger("fxmeg.pass_driver")
+            self.handler, self.level = _Progress(self.say), log.level
+            log.addHandler(self.handler)
+            if not log.isEnabledFor(logging.INFO):
+                log.setLevel(logging.INFO)
+            self.say("capturing the model (torch.export) and running the passes")
+
+    def __exit__(self, *exc):
+        if self.handler is not None:
+            log = logging.getLogger("fxmeg.pass_driver")
+            log.removeHandler(self.handler)
+            log.setLevel(self.level)
+
+
+def stderr_progress() -> Callable[[str], None]:
+    """``progress`` lines on stderr, each with the seconds since the first."""
+    start = time.perf_counter()
+    return lambda line: print(f"fxmeg plan [{time.perf_counter() - start:5.1f} s] {line}", file=sys.stderr,
+                              flush=True)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -216,7 +302,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def plan_of(program: Program, config: EngineConfig | None = None) -> Plan:
+def plan_of(program: Program, config: EngineConfig | None = None, *,
+            progress: Callable[[str], None] | None = None) -> Plan:
     """The plan of a transformed ``program`` under ``config`` (default its own; the
     runtime may change only the global batch size)."""
     config = config or program.config
@@ -226,9 +313,14 @@ def plan_of(program: Program, config: EngineConfig | None = None) -> Plan:
     lowered = schedules.lower(schedule, num_chunks=program.num_chunks, grad_cuts=program.grad_cuts, p2p="eager",
                               placement=program.placement)
     sim = simulator.simulate(lowered, pp=par.pp, placement=program.placement, f_cost=F_COST, b_cost=B_COST)
-    stages = tuple(_stage(program, config, stage, sim) for stage in range(par.pp))
+    stages = []
+    for stage in range(par.pp):
+        if progress is not None:
+            progress(f"accounting stage {stage} of {par.pp}")
+        stages.append(_stage(program, config, stage, sim))
     total = sum(program.full_shapes[n][0].numel() for n in program.parameters)
-    return Plan(config, stages, total, program.flops_per_microbatch, program.tp_whole)
+    return Plan(config, tuple(stages), total, program.flops_per_microbatch, program.tp_whole,
+                program.partition.blocks)
 
 
 def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Simulation) -> StagePlan:
@@ -258,7 +350,11 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
         grads, buckets = _zero_memory(layouts, size, config, _early_read(graphs))
         if config.zero_stage == 3:
             params = sum(lay.numel for lay in layouts) // par.dp_cp * size
-    act = max(activation_bytes(gm) for gm in graphs)
+    acts = [activation_bytes(gm) for gm in graphs]
+    act, largest = max(acts), graphs[acts.index(max(acts))]
+    working = max(recompute_working_bytes(gm) for gm in graphs)
+    inside, outside, entering = by_block(largest)
+    layers, parts = breakdown(largest)
     peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
     return StagePlan(
         stage=stage, chunks=tuple(mine), units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
@@ -266,9 +362,11 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
         gradient_buffers=grads, expert_gradient_buffers=expert_grads,
         optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
         activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
-        total=params + grads + optimizer + act * peak + buckets,
+        total=params + grads + optimizer + act * peak + buckets + working,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
-        buckets_in_flight=buckets,
+        buckets_in_flight=buckets, recompute_working_set=working, recompute_inputs=outside + entering,
+        largest_block=max(inside.values(), default=0), layers=layers,
+        activation_breakdown=dict(sorted(parts.items(), key=lambda kv: -kv[1])),
     )
 
 
@@ -309,21 +407,6 @@ def expert_banks(program: Program) -> frozenset[str]:
                      if len(s) >= 3 or (len(s) == 2 and rows.get(n.rpartition(".")[0]) == s[0]))
 
 
-def activation_bytes(gm: fx.GraphModule) -> int:
-    """Upper bound of one micro-batch's activations autograd keeps for a chunk: every
-    floating value that requires grad (a recompute region's output stands for it), and
-    inside each routed-experts node (``routed_experts_bytes``) its rows."""
-    grads = requires_grad_nodes(gm)
-    total = 0
-    for node in gm.graph.nodes:
-        v = val(node)
-        if node.op == "call_function" and node in grads and v is not None and v.is_floating_point():
-            total += v.numel() * v.element_size()
-            if node.target is ops.routed_experts:
-                total += routed_experts_bytes(node)
-    return total
-
-
 def routed_experts_bytes(node: fx.Node) -> int:
     """What one ``routed_experts`` node keeps for backward besides its output, with the
     routing balanced (a rank computes as many (token, slot) rows as it routes: T * k): the
@@ -348,6 +431,35 @@ def memory_report(program: Program, ctx: RankContext) -> list[dict]:
     for the configuration in force. Every tensor-parallel rank holds the same shapes, so
     this is ``ctx``'s tp rank's too."""
     return [dataclasses.asdict(s) for s in plan_of(program, ctx.config).stages]
+
+
+def _breakdown_lines(stage: StagePlan, width: int = 100) -> list[str]:
+    """Stage ``stage``'s activations of one micro-batch by what keeps them: one layer's
+    (the chunk's blocks' sum over their count), then what lies outside the blocks."""
+    parts, n = stage.activation_breakdown, max(stage.layers, 1)
+    if not parts:
+        return []
+    layer = {k.removeprefix("layer: "): v / n for k, v in parts.items() if k.startswith("layer: ")}
+    rest = {k: v for k, v in parts.items() if not k.startswith("layer: ")}
+    lines = []
+    for title, items in ((f"one layer of stage {stage.stage} (mean of {stage.layers})", layer),
+                         (f"outside the layers, stage {stage.stage}", rest)):
+        if not items:
+            continue
+        lines.append(f"  activations per micro-batch, {title}: {_mib(sum(items.values()))}")
+        line = "   "
+        for key, v in sorted(items.items(), key=lambda kv: -kv[1]):
+            word = f" {key} {_mib(v)};"
+            if len(line) + len(word) > width:
+                lines.append(line.rstrip(";"))
+                line = "   "
+            line += word
+        lines.append(line.rstrip(";"))
+    return lines
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def _span(units: tuple[str, ...]) -> str:

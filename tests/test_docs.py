@@ -24,6 +24,7 @@ realistic numbers); every rule must match somewhere, so a stale rule fails:
 
     ``--train-iters N``   -> N // 50, at least 1 (100 -> 2, 200 -> 4: a resume still trains)
     ``"n_layer": 32``     -> ``"n_layer": 8`` (docs/cli.md's plan: still pp * vpp = 8 chunks)
+    ``num_hidden_layers=32`` -> ``num_hidden_layers=8`` (docs/cli.md's Mixtral plan: pp = 4)
 
 A block whose shrunk text equals an earlier block's runs once (the README repeats docs/cli.md's
 first run). Budget: about a minute on two cores; most of it is the ranks' start-up.
@@ -47,6 +48,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 SHRINK = [
     (re.compile(r"--train-iters (\d+)"), lambda m: f"--train-iters {max(1, int(m[1]) // 50)}"),
     (re.compile(r'"n_layer": 32'), lambda m: '"n_layer": 8'),
+    (re.compile(r"num_hidden_layers=32"), lambda m: "num_hidden_layers=8"),
 ]
 
 

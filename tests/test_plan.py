@@ -138,10 +138,11 @@ def test_meta_plan_equals_the_plan_of_the_real_program_and_leaves_the_model_alon
 
 def test_table_and_json():
     plan = fxmeg.plan(make_model("llama", n_layer=4), _batch(), pp=2, global_batch_size=4)
-    table = str(plan).splitlines()
-    assert "pp=2" in table[0] and len(table) == 4 + len(plan.stages)  # 3 header lines, column names, a row each
+    table = str(plan).splitlines()[: 4 + len(plan.stages)]  # 3 header lines, column names, a row each
+    assert "pp=2" in table[0]
     assert "experts" not in table[3] and " ep=" not in table[0]  # a dense model at ep=1: no expert column
     assert [line.split()[0] for line in table[-2:]] == ["0", "1"]
+    assert "activations per micro-batch, one layer of stage 0" in str(plan)  # then the breakdown
     data = json.loads(plan.to_json())
     assert data["layout"]["pp"] == 2 and data["layout"]["ep"] == 1 and data["num_microbatches"] == 2
     assert all(s["expert_parameter_elements"] == 0 for s in data["stages"])
@@ -281,7 +282,128 @@ def test_cli_plans_a_mixture_of_experts_at_ep_with_an_experts_column(capsys):
     want = fxmeg.plan(model, _moe_example(), dp=2, ep=2, global_batch_size=4)
     assert got == json.loads(want.to_json())
     assert got["layout"]["ep"] == 2 and got["stages"][0]["expert_parameter_elements"] > 0
-    head, columns, row = str(want).splitlines()[0], *str(want).splitlines()[-2:]
-    assert "dp=2 ep=2," in head
+    table = str(want).splitlines()
+    head, columns, row = table[0], table[3], table[4]
+    assert "dp=2 = 2 ranks; vpp=1 ep=2," in head
     assert columns.split()[:4] == ["stage", "units", "params", "experts"]
     assert row.split()[3] == "18.4K"  # 2 layers x 2 of 4 experts x (96 x 32 + 32 x 48)
+
+
+# ---------------------------------------------------------------- the verdict, the activation account
+
+
+def _mixtral_args(layers: int = 4) -> list[str]:
+    """Mixtral-8x7B's shape, narrowed (docs/cli.md plans the real one): 8 experts, top 2,
+    GQA 4:1, SwiGLU experts 3.5x wide."""
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=layers,
+                 num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=256)
+    return ["--hf-config", "MixtralConfig", *(f"{k}={v}" for k, v in small.items()), "--seq-len", "128",
+            "--pp", "2", "--dp", "2", "--global-batch-size", "8", "--precision", "bf16"]
+
+
+def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(capsys):
+    assert main(["plan", *_mixtral_args(), "--json", "--quiet"]) == 0
+    totals = [s["total"] for s in json.loads(capsys.readouterr().out)["stages"]]
+    device = (totals[0] + totals[1]) // 2  # one stage above, one below
+    assert main(["plan", *_mixtral_args(), "--json", "--quiet", "--device-memory", f"{device}B"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["device_memory"] == device and got["ranks"] == 4
+    for row, total in zip(got["verdict"], totals):
+        assert row["fits"] == (total <= device) and row["free"] == device - total
+    worse = max(range(2), key=lambda i: totals[i])
+    remedies = {r["change"].split(" (")[0]: r for r in got["verdict"][worse]["remedies"]}
+    saves = [r["saves"] for r in got["verdict"][worse]["remedies"]]
+    assert saves == sorted(saves, reverse=True) and all(r["fits"] == (r["total"] <= device) for r in remedies.values())
+    # each prediction against planning the changed layout (the plan's own numbers: exact
+    # for the optimizer; recompute and micro-batch size within what they neglect)
+    replanned = {
+        "--distributed-optimizer": ["--distributed-optimizer"],
+        "--recompute full": ["--recompute", "full"],
+    }
+    for change, flags in replanned.items():
+        assert main(["plan", *_mixtral_args(), "--json", "--quiet", *flags]) == 0
+        actual = json.loads(capsys.readouterr().out)["stages"][worse]["total"]
+        assert abs(remedies[change]["total"] - actual) <= 0.02 * actual, (change, remedies[change], actual)
+    # the text: a line per stage, the excess in GiB
+    assert main(["plan", *_mixtral_args(), "--quiet", "--device-memory", f"{device}B"]) == 0
+    text = capsys.readouterr().out
+    assert f"stage {worse}: " in text and "exceeds by" in text and "fits (" in text
+    assert "--distributed-optimizer (optimizer state / 2): saves" in text
+
+
+@pytest.mark.parametrize("text,want", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("79.6GiB", int(79.6 * 2**30)),
+                                       ("h100", 81559 * 2**20), ("H200", 143771 * 2**20)])
+def test_device_memory_sizes_and_presets(text, want):
+    from fxmeg.plan_verdict import device_bytes
+
+    assert device_bytes(text) == want
+    with pytest.raises(ConfigError, match="h100, h200, a100-40gb, a100-80gb"):
+        device_bytes("80 furlongs")
+
+
+def test_header_names_the_ranks_and_the_bubble_in_words_and_progress_goes_to_stderr(capsys):
+    args = {"vocab_size": 256, "n_layer": 4, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 128}
+    assert main(["plan", "--model", "models.llama:Llama", "--model-args", json.dumps(args), "--seq-len", "32",
+                 "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "8",
+                 "--split-points", "layers.1"]) == 0
+    out, err = capsys.readouterr()
+    assert "tp=2 x cp=1 x pp=2 x dp=2 = 8 ranks" in out
+    assert re.search(r"pipeline bubble: \d+\.\d% of the step \(schedule 1f1b, 4 micro-batches; a backward "
+                     r"costs 2 forwards\)", out)  # 8 / (dp=2 x micro-batches of 1, plan's default)
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s+layers", line)]
+    assert [r[1] for r in rows] == ["layers.0", "layers.1..lm_head"]  # pinned
+    assert "capture" in err and "accounting stage 1 of 2" in err
+    assert all(len(line) < 80 for line in err.splitlines())
+
+
+@pytest.mark.parametrize("kind,options", [("gpt", {}), ("llama", {}), ("hf-llama", {}),
+                                          ("gpt", {"recompute": "full"}), ("hf-llama", {"recompute": "selective"})])
+def test_activation_bytes_are_what_autograd_saves(kind, options):
+    """The plan's per-micro-batch activations against what autograd really packs in a
+    training step (``SavedBytes``, one process, one micro-batch). The Hugging Face model
+    differs by its attention mask: the CPU kernel keeps a float copy of it per layer."""
+    from fxmeg.hugging_face import keyword_batch
+    from fxmeg.layout_plan import activation_bytes
+    from fxmeg.report import SavedBytes
+
+    batch = make_batch(4, seed=1)
+    batch = keyword_batch(*batch) if kind.startswith("hf-") else batch
+    engine = fxmeg.parallelize(make_model(kind, n_layer=2), batch, global_batch_size=4, **options)
+    meter = SavedBytes(engine.named_parameters.values())
+    with meter.hooks():
+        engine.train_step(batch)
+    predicted = activation_bytes(engine.context.chunks[0])
+    assert abs(predicted - meter.peak) <= (0.05 if kind.startswith("hf-") else 0.005) * meter.peak, (predicted, meter.peak)
+
+
+def test_a_llama_layer_keeps_megatrons_formula_plus_the_named_differences():
+    """Korthikanti et al. 2022 count, per layer and bf16, s*b*h*34/t bytes with tp + sp and
+    flash attention for GPT; for Llama (SwiGLU of width F, GQA with g = kv_heads / heads,
+    RMSNorm, no dropout) the same terms give (12 + 4g + 6F/h) s*b*h/t: norm inputs 2 + 2,
+    QKV input 2, Q 2, K and V 4g, attention output 2 (the output projection's input),
+    MLP input 2, gate and up 4F/h, down's input 2F/h. An eager Hugging Face layer under
+    fxmeg's tp + sp keeps, besides: the all-gathered inputs of the QKV and gate / up
+    projections whole (2 x 2sbh (1 - 1/t): Megatron keeps the shard and gathers again in
+    backward); each RMSNorm's fp32 input and its normalised bf16 copy (4sbh/t more per norm,
+    and the fp32 rsqrt, 4sb/t); SwiGLU's silu output (2F sbh/(h t)); the per-row
+    log-sum-exp (4 s b a/t); the chunk's boolean attention mask (b s^2) and the rotary cos and
+    sin (2 x 2 s d), each shared by the chunk's layers."""
+    import transformers as T
+
+    s, b, h, F, heads, kv, t, layers = 64, 1, 64, 224, 8, 2, 2, 2
+    config = T.LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=F, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=s)
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    from fxmeg.hugging_face import keyword_batch
+
+    ids = torch.zeros((b, s), dtype=torch.long)
+    stage = fxmeg.plan(model, keyword_batch(ids, ids.clone()), tp=t, sequence_parallel=True, precision="bf16",
+                       global_batch_size=1).stages[0]
+    per_layer = sum(v for k, v in stage.activation_breakdown.items() if k.startswith("layer: ")) / stage.layers
+    sbh, g = s * b * h, kv / heads
+    megatron = (12 + 4 * g + 6 * F / h) * sbh / t
+    named = (2 * 2 * sbh * (1 - 1 / t) + 2 * (4 * sbh / t + 4 * s * b / t) + 2 * F / h * sbh / t
+             + 4 * s * b * heads / t + (b * s * s + 2 * 2 * s * h // heads) / layers)
+    assert per_layer == pytest.approx(megatron + named, rel=0.01), (per_layer, megatron, named)

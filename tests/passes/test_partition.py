@@ -7,7 +7,7 @@ from torch import nn
 from fxmeg.capture import capture, owning_module
 from fxmeg.errors import ConfigError
 from fxmeg.config import EngineConfig, ParallelConfig
-from fxmeg.passes.partition import cut, node_cost, partition
+from fxmeg.passes.partition import BLOCK_SLACK, cut, node_cost, partition
 from fxmeg.passes.loss import loss
 from tests.helpers import make_batch, make_model
 
@@ -27,16 +27,29 @@ def test_balanced_cut_is_optimal_and_keeps_ends_in_place(name, k):
     norm = "ln_2" if name == "gpt" else "post_attention_layernorm"
     inner = [f"layers.{i}:{norm}" for i in range(6)]
     assert [u for u in p.units if u.startswith("layers.")] == [x for i in range(6) for x in (f"layers.{i}", inner[i])]
-    # brute force over every way to cut the units into k runs
-    n = len(units)
-    best = min(max(map(sum, _runs(units, cuts))) for cuts in itertools.combinations(range(1, n), k - 1))
-    assert max(p.costs) == pytest.approx(best)
+    # brute force over every way to cut the units into k runs, and the blocks
+    best, on_blocks = _best(p, lambda cuts: max(map(sum, _runs(units, cuts))), k)
+    assert max(p.costs) == pytest.approx(on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best)
     assert sum(p.costs) == pytest.approx(sum(units))
     assert {n.meta["fxmeg"]["chunk"] for n in gm.graph.nodes if n.op == "call_function"} == set(range(k))
     embedding = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.embedding.default)
     ce = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default)
     assert embedding.meta["fxmeg"]["chunk"] == 0 and ce.meta["fxmeg"]["chunk"] == k - 1
 
+
+def _best(p, score, k):
+    """(the best score over cuts at any unit, over cuts at block starts)."""
+    anywhere = itertools.combinations(range(1, len(p.unit_costs)), k - 1)
+    blocks = [i for i, u in enumerate(p.units) if u in p.blocks and i > 0]
+    return min(map(score, anywhere)), min(map(score, itertools.combinations(blocks, k - 1)))
+
+
+def test_automatic_cuts_fall_on_block_boundaries():
+    """Six Llama blocks into 2 or 3 chunks: every chunk starts at a block (the tiny head
+    costs less than the 10% slack), as split_points name them."""
+    for k in (2, 3):
+        p = cut(_graph("llama", n_layer=6), num_chunks=k)
+        assert all(p.units[s] in p.blocks for s in p.starts), p.units
 
 def _runs(costs, cuts):
     bounds = (0, *cuts, len(costs))
@@ -146,8 +159,9 @@ def test_a_v_balances_the_ranks(name, schedule, pp):
     where = config.parallel.placement
     p = partition(_graph(name, n_layer=6), config).meta["fxmeg"]["partition"]
     units, k = p.unit_costs, 2 * pp
-    best = min(max(_rank_loads(units, (0, *cuts), where)) for cuts in itertools.combinations(range(1, len(units)), k - 1))
-    assert max(_rank_loads(units, p.starts, where)) == pytest.approx(best)
+    best, on_blocks = _best(p, lambda cuts: max(_rank_loads(units, (0, *cuts), where)), k)
+    want = on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best
+    assert max(_rank_loads(units, p.starts, where)) == pytest.approx(want)
     even_chunks = cut(_graph(name, n_layer=6), num_chunks=k)
     assert max(_rank_loads(units, p.starts, where)) <= max(_rank_loads(units, even_chunks.starts, where))
     assert [round(c) for c in p.costs] == [round(sum(r)) for r in _runs(units, p.starts[1:])]
@@ -163,12 +177,12 @@ def test_interleaved_keeps_even_chunks(vpp):
 
 
 def test_a_v_of_even_chunks_can_leave_a_rank_busier():
-    """GPT, 4 layers, zbv at pp=2: evening the chunks puts the two largest in the middle
-    (both on rank 1); the cut by rank load is strictly better there."""
+    """GPT, 6 layers, zbv at pp=2: evening the chunks (at block boundaries) puts the two
+    largest in the middle (both on rank 1); the cut by rank load is strictly better there."""
     config = EngineConfig(micro_batch_size=2, global_batch_size=8,
                           parallel=ParallelConfig(pp=2, vpp=2, schedule="zbv"))
-    p = partition(_graph("gpt", n_layer=4), config).meta["fxmeg"]["partition"]
-    even_chunks = cut(_graph("gpt", n_layer=4), num_chunks=4)
+    p = partition(_graph("gpt", n_layer=6), config).meta["fxmeg"]["partition"]
+    even_chunks = cut(_graph("gpt", n_layer=6), num_chunks=4)
     assert max(_rank_loads(p.unit_costs, p.starts, p.placement)) < max(
         _rank_loads(p.unit_costs, even_chunks.starts, p.placement))
 

@@ -59,9 +59,10 @@ def test_full_recompute_keeps_a_third_of_the_activations_and_trains_the_same(gpt
     (_, none, plain), (_, full, recomputed) = runs["none"], runs["full"]
     assert len(regions(recomputed)) == 4 and not regions(plain)  # one per block
     assert full <= none / 3, (full, none)
-    # the theoretical report predicts the drop, and bounds what was measured
+    # the plan's account predicts the drop and what was measured; the measure counts the
+    # whole global batch's storage for the ids and labels a micro-batch slices (+1.5 KB)
     predicted = [activation_bytes(e.context.chunks[0]) for e in (plain, recomputed)]
-    assert predicted[1] <= predicted[0] / 3 and full <= predicted[1]
+    assert predicted[1] <= predicted[0] / 3 and predicted[1] <= full <= 1.05 * predicted[1]
 
 
 def test_recompute_num_layers_takes_the_first_blocks_of_each_chunk(gpt):
