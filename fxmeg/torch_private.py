@@ -46,7 +46,7 @@ def _private(where: str) -> Any:
     return obj
 
 
-# --- export / capture: ATen ops and higher-order ops in captured graphs -----------------
+# --- export / capture: ATen ops and higher-order ops in captured graphs -------------------
 
 # The class of one ATen overload (``aten.add.Tensor``): a call_function target with a schema.
 OpOverload = _private("torch._ops:OpOverload")
@@ -65,14 +65,12 @@ def op_schema(target: Any) -> torch.FunctionSchema | None:
 
 # The fake mode the given tensors (export's node.meta["val"]) belong to, or the active one.
 detect_fake_mode = _private("torch._guards:detect_fake_mode")
-# A fresh fake mode: split_backward traces a chunk's joint graph under one.
+# A fresh fake mode: split_backward traces a chunk's joint graph under one
+# (it passes allow_non_fake_inputs=True, a keyword of 2.13's constructor).
 FakeTensorMode = _private("torch._subclasses.fake_tensor:FakeTensorMode")
 # Base class of a dispatch-level mode: meta_init watches which storages an init_fn writes.
 TorchDispatchMode = _private("torch.utils._python_dispatch:TorchDispatchMode")
 
-
-# is_alias_of(a, b): whether two tensors share storage; works on fake tensors (no data pointer).
-is_alias_of = _private("torch._C:_is_alias_of")
 
 
 # --- autograd / partitioner (split_backward, the executor) --------------------------------
@@ -87,13 +85,15 @@ def aot_export_joint_simple(fn, args, *, trace_joint: bool) -> torch.fx.GraphMod
 
 def default_partition(joint, args, **kwargs):
     """AOT autograd's partitioner: a joint graph cut into forward and backward graphs,
-    saving every value backward reads. Resolved on call (as above)."""
+    saving every value backward reads. split_backward passes 2.13's ``num_fwd_outputs``
+    keyword. Resolved on call (as above)."""
     return _private("torch._functorch.partitioners:default_partition")(joint, args, **kwargs)
 
 
 def min_cut_rematerialization_partition(joint, args, **kwargs):
     """The min-cut partitioner: as default_partition, but recomputes nodes tagged
-    MUST_RECOMPUTE in backward instead of saving them. Resolved on call (as above)."""
+    MUST_RECOMPUTE in backward instead of saving them; split_backward also passes
+    ``compiler="aot_eager"`` (2.13 keywords). Resolved on call (as above)."""
     return _private("torch._functorch.partitioners:min_cut_rematerialization_partition")(joint, args, **kwargs)
 
 
@@ -102,8 +102,15 @@ def min_cut_rematerialization_partition(joint, args, **kwargs):
 reparametrize_module = _private("torch.nn.utils.stateless:_reparametrize_module")
 # The autograd engine's backward (what torch.autograd.backward calls): the executor runs it
 # from outputs whose data DEALLOC replaced, which torch.autograd.backward's shape check
-# refuses (Megatron: custom_backward).
+# refuses (Megatron: custom_backward). Callers pass 2.13's keywords (keep_graph, create_graph,
+# inputs, allow_unreachable, accumulate_grad).
 run_backward = _private("torch.autograd:Variable._execution_engine.run_backward")
+
+
+# --- tensors: views, storages, subclasses -------------------------------------------------
+
+# is_alias_of(a, b): whether two tensors share storage; works on fake tensors (no data pointer).
+is_alias_of = _private("torch._C:_is_alias_of")
 # Context manager: inside a subclass's __torch_function__, run func as on a plain tensor.
 DisableTorchFunctionSubclass = _private("torch._C:DisableTorchFunctionSubclass")
 
@@ -119,7 +126,7 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-# --- nn.Module internals: a module's own tables, written in place --------------------------
+# --- nn.Module internals: a module's own tables, written in place -------------------------
 
 
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
@@ -133,14 +140,14 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
-# --- distributed ----------------------------------------------------------------------------
+# --- distributed --------------------------------------------------------------------------
 
 
 # The ProcessGroup a group name (``group.group_name``, what fxmeg's ops carry) stands for.
 resolve_process_group = _private("torch.distributed.distributed_c10d:_resolve_process_group")
 
 
-# --- optimizer: foreach kernels -------------------------------------------------------------
+# --- optimizer: foreach kernels -----------------------------------------------------------
 
 # The 2-norm of each tensor of a list, in one kernel launch per device and dtype.
 foreach_norm = _private("torch:_foreach_norm")
