@@ -36,6 +36,7 @@ from fxmeg.errors import CaptureError
 from fxmeg.hugging_face import exportable_experts, is_hugging_face
 from fxmeg.meta_init import on_meta
 from fxmeg.program import CONSTANTS, CaptureInfo, InputSpec
+from fxmeg.torch_private import HigherOrderOperator, op_schema
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _PREFIX = "model."  # FQN prefix of the user's model inside _WithLossFn
@@ -279,7 +280,7 @@ def _body_name(root: nn.Module, node: fx.Node, taken: dict) -> str:
             f"the exported graph reads attribute {node.target!r} (node {node.name!r}), which "
             "is not the body of a higher-order op; fxmeg cannot capture it"
         )
-    hops = (u.target for u in node.users if isinstance(u.target, torch._ops.HigherOrderOperator))
+    hops = (u.target for u in node.users if isinstance(u.target, HigherOrderOperator))
     hop = next(hops, None)
     kind = hop.name().removeprefix("wrap_with_") if hop is not None else "body"
     index = sum(name.startswith(f"{_BODIES}.") for name in taken)
@@ -316,7 +317,7 @@ def _refuse_state_updates(gm: fx.GraphModule) -> None:
     """Forward must not write parameters or buffers in place (e.g. BatchNorm running
     statistics): fxmeg replays forward per micro-batch, stage and rank."""
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         if node.op != "call_function" or schema is None:
             continue
         written = [

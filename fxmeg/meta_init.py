@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxmeg.errors import CaptureError, InitError
 from fxmeg.layouts import is_split
 from fxmeg.sharding import local_to_global, tp_shard
+from fxmeg.torch_private import TorchDispatchMode, op_schema, own_buffers, own_parameters, storage_key
 
 InitFn = Callable[[nn.Module], None]
 
@@ -82,7 +82,7 @@ def owners(model: nn.Module) -> dict[str, Owner]:
     found: dict[int, str] = {}
     out: dict[str, Owner] = {}
     for fqn, module in model.named_modules():
-        for attr, t in (*module._parameters.items(), *module._buffers.items()):
+        for attr, t in (*own_parameters(module).items(), *own_buffers(module).items()):
             if t is None or id(t) in found:
                 continue
             name = f"{fqn}.{attr}" if fqn else attr
@@ -101,16 +101,16 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema.arguments
+        schema = op_schema(func).arguments
         values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
         for spec, value in zip(schema, values):
             if spec.alias_info is not None and spec.alias_info.is_write and isinstance(value, torch.Tensor):
-                self.storages.add(value.untyped_storage()._cdata)
+                self.storages.add(storage_key(value))
         return func(*args, **kwargs)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: t for k, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
+    return {k: t for k, t in (*own_parameters(module).items(), *own_buffers(module).items()) if t is not None}
 
 
 def _run_init(module: nn.Module, name: str, init_fn: InitFn, seed: int) -> dict[str, torch.Tensor]:
@@ -128,7 +128,7 @@ def _run_init(module: nn.Module, name: str, init_fn: InitFn, seed: int) -> dict[
                 raise InitError(_no_init(module, name, str(exc)), repr(name or "<root>")) from exc
     after = _tensors(module)
     unwritten = [k for k, t in before.items()
-                 if after.get(k) is t and t.numel() and t.untyped_storage()._cdata not in writes.storages]
+                 if after.get(k) is t and t.numel() and storage_key(t) not in writes.storages]
     if unwritten:
         raise InitError(_no_init(module, name, f"init_fn left {', '.join(unwritten)} unwritten"),
                         repr(name or "<root>"))
@@ -149,18 +149,18 @@ def _fresh(module: nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor])
     """For the duration, each tensor ``module`` registers itself is replaced by
     ``make(attr, tensor)`` (a Parameter stays a Parameter); restored afterwards, whatever
     ``init_fn`` did to the module's tables."""
-    params, buffers = dict(module._parameters), dict(module._buffers)
+    params, buffers = dict(own_parameters(module)), dict(own_buffers(module))
     try:
         for attr, t in _tensors(module).items():
             fresh = make(attr, t)
             if attr in params:
-                module._parameters[attr] = nn.Parameter(fresh, requires_grad=t.requires_grad)
+                own_parameters(module)[attr] = nn.Parameter(fresh, requires_grad=t.requires_grad)
             else:
-                module._buffers[attr] = fresh
+                own_buffers(module)[attr] = fresh
         yield
     finally:
-        module._parameters.clear(), module._parameters.update(params)
-        module._buffers.clear(), module._buffers.update(buffers)
+        own_parameters(module).clear(), own_parameters(module).update(params)
+        own_buffers(module).clear(), own_buffers(module).update(buffers)
 
 
 def init_module(module: nn.Module, name: str, init_fn: InitFn, seed: int, device: torch.device,
@@ -259,12 +259,12 @@ def materialize(model: nn.Module, *, init_fn: InitFn | None = None, seed: int = 
         old = _tensors(module)
         full = init_module(module, name, init_fn, seed, torch.device(device), {})
         for attr, value in full.items():
-            if attr in module._parameters:
+            if attr in own_parameters(module):
                 made[id(old[attr])] = nn.Parameter(value, requires_grad=old[attr].requires_grad)
             else:
                 made[id(old[attr])] = value
     for module in model.modules():  # tied tensors: every name gets the one new tensor
-        for table in (module._parameters, module._buffers):
+        for table in (own_parameters(module), own_buffers(module)):
             for attr, t in table.items():
                 if t is not None and id(t) in made:
                     table[attr] = made[id(t)]

@@ -17,6 +17,7 @@ from fxmeg.layouts import Shard
 from fxmeg.pass_driver import transform
 from fxmeg.program import chunks
 from fxmeg.runtime.optimizer import muon_groups
+from fxmeg.torch_private import own_buffers, own_parameters
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 
@@ -214,7 +215,8 @@ def seeded_init(model: torch.nn.Module, init_fn, seed: int) -> torch.nn.Module:
     seen: set[int] = set()
     owners = []
     for name, module in model.named_modules():
-        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None and id(t) not in seen]
+        own = [t for t in (*own_parameters(module).values(), *own_buffers(module).values())
+               if t is not None and id(t) not in seen]
         seen.update(id(t) for t in own)
         if own:
             owners.append((name, module))

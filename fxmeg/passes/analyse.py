@@ -19,6 +19,7 @@ from torch import fx
 from fxmeg.config import EngineConfig
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import ModelFacts, PositionTable, ValueCheck
+from fxmeg.torch_private import op_schema
 
 
 def analyse(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
@@ -39,7 +40,7 @@ def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         name = schema.name if schema else ""
         if name in ("aten::cross_entropy_loss", "aten::nll_loss_nd", "aten::nll_loss"):
             source = _source(node.args[1], inputs)
@@ -74,7 +75,7 @@ def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
     shapes = [tuple(n.meta["val"].shape) if "val" in n.meta else () for n in inputs]
     found: list[tuple[str, int, int]] = []  # (what, rows, s)
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         name = schema.name if schema else ""
         if name == "aten::embedding":
             end = _arange_end(node.args[1])

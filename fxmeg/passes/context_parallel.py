@@ -74,6 +74,7 @@ from fxmeg.passes.graph_utils import (
 )
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
 from fxmeg.passes.tp_placement import dim_groups, divisors
+from fxmeg.torch_private import op_schema
 
 aten = torch.ops.aten
 fx_ops = torch.ops.fxmeg
@@ -474,7 +475,7 @@ class _ContextParallel:
     @rule(CP, "reduction")
     def _reduction(self, node: fx.Node):
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
-        schema = [a.name for a in node.target._schema.arguments]
+        schema = [a.name for a in op_schema(node.target).arguments]
         dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
         dims = list(range(n)) if dims is None or dims == [] else dims
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})

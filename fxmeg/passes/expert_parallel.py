@@ -65,6 +65,7 @@ from fxmeg.layouts import ExpertShard
 from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
 from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, requires_grad_nodes, val
 from fxmeg.program import CONSTANTS, ChunkInfo
+from fxmeg.torch_private import op_schema
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -221,7 +222,7 @@ class _Block:
 
 
 def _is_grouped_mm(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return node.op == "call_function" and schema is not None and schema.name in _GROUPED_MM
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch._ops import HigherOrderOperator
+
+from fxmeg.torch_private import HigherOrderOperator, detect_fake_mode, op_schema
 
 # Higher-order ops that call their body on the arguments that follow it (export's
 # autocast and set-grad-enabled regions, dynamo's wrap, activation-checkpoint tags).
@@ -26,7 +26,7 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 
 def full_args(node: fx.Node) -> list[Any]:
     """Every schema argument of an ATen call, positionally, defaults filled in."""
-    schema = node.target._schema
+    schema = op_schema(node.target)
     out = []
     for i, a in enumerate(schema.arguments):
         if i < len(node.args):

@@ -45,6 +45,7 @@ from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import (
     arg, attr, call, fake_eval, finish, full_args, inline, is_hop, val,
 )
+from fxmeg.torch_private import detect_fake_mode, op_schema
 
 aten = torch.ops.aten
 
@@ -168,15 +169,13 @@ def _split_aux(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
 
 
 def _fake_scalar(like: fx.Node):
-    from torch._guards import detect_fake_mode
-
     with detect_fake_mode([like.meta["val"]]):
         return torch.ones((), dtype=torch.float32)
 
 
 def _class_loss(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     red_idx, ign_idx = _CLASS_LOSSES[node.target]
-    name = node.target._schema.name
+    name = op_schema(node.target).name
     if arg(node, red_idx, "reduction", _MEAN) != _MEAN:
         raise PassError(
             f"{name} (node {node.name!r}) does not use reduction='mean'; fxmeg rewrites "
@@ -279,7 +278,8 @@ def _shape(node) -> list[int] | None:
 
 
 def _unrecognised(node: fx.Node) -> str:
-    op = node.target._schema.name if hasattr(node.target, "_schema") else str(node.target)
+    schema = op_schema(node.target)
+    op = schema.name if schema is not None else str(node.target)
     if node.target is operator.getitem and is_hop(node.args[0]):
         region = node.args[0]
         return (

@@ -26,6 +26,7 @@ from torch import fx
 
 from fxmeg import ops as _registers_fxmeg_ops  # noqa: F401  (torch.ops.fxmeg.* below)
 from fxmeg.passes.graph_utils import full_args
+from fxmeg.torch_private import op_schema
 
 aten = torch.ops.aten
 fx_ops = torch.ops.fxmeg
@@ -194,7 +195,7 @@ def describe(target) -> str:
     found = family_of(target)
     if found is not None:
         return f"an op of family {found.name!r} ({found.doc}), which this axis has no rule for"
-    schema = getattr(target, "_schema", None)
+    schema = op_schema(target)
     if schema is None:
         return "not an ATen op"
     if any(r.alias_info for r in schema.returns):
@@ -205,7 +206,7 @@ def describe(target) -> str:
 def dim_argument(node: fx.Node, default: int | None = None):
     """The value of an op's ``dim`` argument, found by its schema (``default`` when the
     op has none or it is not given)."""
-    names = [a.name for a in node.target._schema.arguments]
+    names = [a.name for a in op_schema(node.target).arguments]
     if "dim" not in names:
         return default
     value = full_args(node)[names.index("dim")]

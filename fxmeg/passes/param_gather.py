@@ -48,6 +48,7 @@ from fxmeg import ops
 from fxmeg.config import EngineConfig
 from fxmeg.passes.graph_utils import attr, body_call, finish, val
 from fxmeg.program import ChunkInfo
+from fxmeg.torch_private import OpOverload, op_schema
 
 aten = torch.ops.aten
 
@@ -166,8 +167,8 @@ def _aliases(start: fx.Node, gm: fx.GraphModule) -> set[fx.Node]:
 def _may_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
     """Whether ``node``'s result may share memory with one of its inputs: an aten op whose
     schema says so, a region whose body returns such a value, and (unknown) anything else."""
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in node.target._schema.returns)
+    if node.op == "call_function" and isinstance(node.target, OpOverload):
+        return any(r.alias_info is not None for r in op_schema(node.target).returns)
     if node.target is ops.early_linear:  # a product: new memory
         return False
     body = _body(node, gm)

@@ -37,6 +37,7 @@ from fxmeg.errors import ConfigError, PassError
 from fxmeg.model_checks import blocks_error
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
 from fxmeg.program import Partition
+from fxmeg.torch_private import is_alias_of, op_schema
 
 aten = torch.ops.aten
 
@@ -142,7 +143,7 @@ def _is_view(node: fx.Node) -> bool:
     transpose, split, or a reshape or flatten that needed no copy, as the traced shapes
     and strides say): it moves no bytes. The partition counted them as copies, which
     made an attention block (a dozen reshapes) look 1.8x as costly as its MLP half."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is not None and schema.is_mutable:
         return False
 
@@ -151,7 +152,7 @@ def _is_view(node: fx.Node) -> bool:
 
     outs = tensors(node.meta.get("val"))
     srcs = [t for n in node.all_input_nodes for t in tensors(n.meta.get("val"))]
-    return bool(outs) and all(any(torch._C._is_alias_of(o, s) for s in srcs) for o in outs)
+    return bool(outs) and all(any(is_alias_of(o, s) for s in srcs) for o in outs)
 
 
 def _body_nodes(node: fx.Node) -> list[fx.Node]:

@@ -33,9 +33,6 @@ import copy
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmeg import ops
@@ -44,6 +41,8 @@ from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import ChunkInfo, SplitSpec, chunk_spec
+from fxmeg.torch_private import (FakeTensorMode, aot_export_joint_simple, default_partition, detect_fake_mode,
+                                 min_cut_rematerialization_partition, reparametrize_module)
 
 
 def split_backward(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
@@ -83,7 +82,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     def chunk_fn(*args):  # an Interpreter, so each traced op inherits its node's recompute tag
         state = dict(zip(names, args[: len(names)]))
         run = lambda *inputs: fx.Interpreter(flat).run(*inputs)  # noqa: E731
-        with torch.nn.utils.stateless._reparametrize_module(flat, state):
+        with reparametrize_module(flat, state):
             return tuple(run(*args[len(names):]))
 
     local = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr" and val(n) is not None}
@@ -120,7 +119,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    mode = torch._guards.detect_fake_mode()
+    mode = detect_fake_mode()
     empty = torch.empty(t.shape, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
     return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
 

@@ -83,6 +83,7 @@ from fxmeg.passes.tp_rules import PropagationRules
 from fxmeg.passes.tp_blocks import split_edges
 from fxmeg.passes.tp_channels import ChannelRules
 from fxmeg.passes.tp_rules_more import MoreRules, fused_view
+from fxmeg.torch_private import detect_fake_mode
 
 aten = torch.ops.aten
 ROLES = ("colwise", "rowwise", "replicate", "vocab")
@@ -556,7 +557,5 @@ def _reaches_placeholder(node: fx.Node) -> bool:
 
 def _local_fake(full: torch.Tensor, split: Shard, tp: int) -> torch.Tensor:
     """A fake tensor like ``full`` with its split dim cut to one tp rank's share."""
-    from torch._guards import detect_fake_mode
-
     with detect_fake_mode([full]):
         return full.new_empty(split.local_shape(full.shape, tp))

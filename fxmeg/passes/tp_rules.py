@@ -27,6 +27,7 @@ from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
+from fxmeg.torch_private import op_schema
 
 aten = torch.ops.aten
 fxmeg_ops = torch.ops.fxmeg
@@ -458,7 +459,7 @@ class PropagationRules:
         split stays (moves); a sum or mean over the split dim is a local sum all-reduced
         over tp ranks (a mean divides it by the full size): RMSNorm's statistic."""
         s, n = self.place[node.args[0]], val(node.args[0]).dim()
-        schema = [a.name for a in node.target._schema.arguments]
+        schema = [a.name for a in op_schema(node.target).arguments]
         dims = full_args(node)[schema.index("dim")] if "dim" in schema else None
         dims = list(range(n)) if dims is None or dims == [] else dims
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import Tensor, fx
 from torch.fx.node import has_side_effect
@@ -20,10 +19,11 @@ from torch.fx.node import has_side_effect
 from fxmeg import moe, ops
 from fxmeg.runtime import experts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
+from fxmeg.torch_private import resolve_process_group
 
 
 def _group(name: str) -> dist.ProcessGroup:
-    return c10d._resolve_process_group(name)
+    return resolve_process_group(name)
 
 
 def _kernel(name: str):

@@ -32,9 +32,8 @@ from fxmeg.runtime.schedules import (
     peer_chunk,
     round_robin,
 )
+from fxmeg.torch_private import run_backward, view_base
 from fxmeg.trace import CATEGORY, Tracer
-
-_run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 Key = tuple[int, int]  # (chunk, micro-batch)
 
@@ -227,8 +226,8 @@ class Executor:
             roots = [t for t, b in zip(sends, spec.send) if b.grad]
             grads = self._state.grad_inbox.pop(key)
         with self.running(True):
-            _run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
-                          inputs=(), allow_unreachable=True, accumulate_grad=True)
+            run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
+                         inputs=(), allow_unreachable=True, accumulate_grad=True)
         if self.on_backward is not None:
             self.on_backward(a.chunk)
         if a.chunk > 0 and any(b.grad for b in spec.recv):
@@ -307,10 +306,10 @@ class Executor:
                 continue
             self.counters.sent_for_dealloc += 1
             if split:  # the forward graph's outputs: free unless backward reads the storage
-                if t._base is None and t.untyped_storage().data_ptr() not in kept:
+                if view_base(t) is None and t.untyped_storage().data_ptr() not in kept:
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.counters.deallocated += 1
-            elif t._base is None and t.grad_fn is not None and not _saves_its_result(t):
+            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t):
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                 self.counters.deallocated += 1
 

@@ -22,10 +22,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, fx
 
 from fxmeg import moe
+from fxmeg.torch_private import resolve_process_group
 from fxmeg.trace import Tracer
 
 
@@ -96,7 +96,7 @@ _EXCHANGES: dict[str, AllToAllExchange] = {}
 def exchange(group: str) -> AllToAllExchange:
     """The exchange over the process group named ``group`` (one per group)."""
     if group not in _EXCHANGES:
-        _EXCHANGES[group] = AllToAllExchange(c10d._resolve_process_group(group))
+        _EXCHANGES[group] = AllToAllExchange(resolve_process_group(group))
     return _EXCHANGES[group]
 
 

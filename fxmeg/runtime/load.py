@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import fx
 
 from fxmeg import ops, recomputation
 from fxmeg.program import Program, load_marks
 from fxmeg.runtime.groups import Groups, all_reduce
+from fxmeg.torch_private import resolve_process_group
 
 
 class ExpertLoad:
@@ -115,7 +115,7 @@ class GlobalTokens:
             return fraction
         summed = fraction.detach().clone()
         if self.dp > 1:
-            dist.all_reduce(summed, group=c10d._resolve_process_group(group))
+            dist.all_reduce(summed, group=resolve_process_group(group))
         self.total = summed if self.total is None else self.total + summed
         self.seen += 1
         return self.total / (self.seen * self.dp)

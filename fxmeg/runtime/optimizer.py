@@ -60,6 +60,7 @@ from fxmeg.runtime.inner import (
 )
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
 from fxmeg.sharding import tp_shard
+from fxmeg.torch_private import foreach_mul_, foreach_norm
 
 __all__ = [  # the inner optimizers' names (fxmeg.runtime.inner) are public here too
     "ADAMW_ONLY", "FullSource", "MasterSource", "MasterSources", "Optimizer", "OptimizerFactory", "OptimizerPlan",
@@ -287,7 +288,7 @@ class Optimizer:
         sums = torch.zeros(2, dtype=torch.float64, device=self._device())
         experts = torch.zeros(2, dtype=torch.float64, device=self._device())
         if tensors:
-            squares = torch.stack(torch._foreach_norm(tensors)).double() ** 2
+            squares = torch.stack(foreach_norm(tensors)).double() ** 2
             mine = ~self._expert
             sums = torch.stack([squares[self._in_norm & mine].sum(), squares[mine].sum()])
             experts = torch.stack([squares[self._in_norm & self._expert].sum(), squares[self._expert].sum()])
@@ -306,7 +307,7 @@ class Optimizer:
         if self.options.clip_grad > 0:
             coeff = self.options.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and self.pieces:  # Megatron: clip_grad_norm_fp32
-                torch._foreach_mul_([p.grad for p in self.pieces], coeff)
+                foreach_mul_([p.grad for p in self.pieces], coeff)
 
     def _device(self) -> torch.device:
         return self.pieces[0].grad.device if self.pieces else torch.device("cpu")

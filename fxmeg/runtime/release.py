@@ -23,6 +23,7 @@ from torch import fx, nn
 from fxmeg.errors import ReleasedError
 from fxmeg.layouts import is_split
 from fxmeg.program import Program
+from fxmeg.torch_private import DisableTorchFunctionSubclass, own_buffers, own_parameters
 
 _METADATA = frozenset({torch.Tensor.shape, torch.Tensor.dtype, torch.Tensor.device, torch.Tensor.requires_grad,
                        torch.Tensor.grad, torch.Tensor.is_meta, torch.Tensor.ndim, torch.Tensor.is_leaf,
@@ -49,7 +50,7 @@ class Released(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(func, "__self__", None) in _METADATA or getattr(func, "__name__", "") in _METHODS:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         held = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Released))
         raise ReleasedError(
@@ -137,7 +138,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 def _swap(root: nn.Module, memo: dict[int, torch.Tensor]) -> None:
     """Replace, in every module under ``root``, each tensor ``memo`` maps (tied names too)."""
     for module in root.modules():
-        for table in (module._parameters, module._buffers):
+        for table in (own_parameters(module), own_buffers(module)):
             for attr, t in table.items():
                 if t is not None and id(t) in memo:
                     table[attr] = memo[id(t)]

@@ -48,6 +48,7 @@ from fxmeg import recomputation
 from fxmeg.program import BufferLayout
 from fxmeg.runtime.ddp import Events, GradBuffer
 from fxmeg.runtime.groups import Works, gather_into, reduce_scatter_
+from fxmeg.torch_private import storage_key
 
 IN_FLIGHT = 1
 """Bucket reductions a buffer lets run at once before it waits for the oldest: each one
@@ -357,8 +358,8 @@ class ZeroBuffer(GradBuffer):
         return out
 
     def storages(self) -> dict[int, int]:
-        """Storage id (``untyped_storage()._cdata``) of each bucket's parameters -> bucket."""
-        return {t.untyped_storage()._cdata: i for i, t in self._whole.items()}
+        """Storage key (torch_private.storage_key) of each bucket's parameters -> bucket."""
+        return {storage_key(t): i for i, t in self._whole.items()}
 
     def gather(self, i: int) -> None:
         """Start making bucket ``i`` whole (nothing if it is, or is on its way)."""
@@ -437,7 +438,7 @@ class ZeroParams:
         self.buffers[bucket[0]].release(bucket[1])
 
     def _pack(self, t: torch.Tensor):
-        found = self._storage.get(t.untyped_storage()._cdata)
+        found = self._storage.get(storage_key(t))
         if found is None:
             return t
         self.pending[found] = self.pending.get(found, 0) + 1
@@ -468,7 +469,7 @@ class ZeroParams:
     def _prepare(self, args) -> None:
         for t in args:
             if isinstance(t, torch.Tensor):
-                found = self._storage.get(t.untyped_storage()._cdata)
+                found = self._storage.get(storage_key(t))
                 if found is not None:
                     found[0].ensure(found[1])
 

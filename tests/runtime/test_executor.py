@@ -14,6 +14,7 @@ from fxmeg.program import chunk_spec, chunks
 from fxmeg.runtime import schedules
 from fxmeg.runtime.executor import Executor
 from fxmeg.runtime.schedules import Action, Kind, fmt
+from fxmeg.torch_private import run_backward
 from fxmeg.trace import Tracer
 from tests.helpers import graph_after, make_batch, make_model
 
@@ -208,7 +209,7 @@ def test_a_sent_output_is_kept_only_when_its_node_saved_it():
     assert not _saves_its_result(normed)
     want = torch.autograd.grad(torch.nn.functional.layer_norm(x, (8,)), x, torch.ones(4, 8))[0]
     normed.data = torch.empty(1)  # what DEALLOC does; the executor runs backward from it as Megatron does
-    torch.autograd.Variable._execution_engine.run_backward(
+    run_backward(
         (normed,), (torch.ones(4, 8),), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
         accumulate_grad=True)
     assert torch.equal(x.grad, want)
