@@ -283,9 +283,9 @@ def _plan(args) -> int:
     import torch
 
     from fxmeg.build import build_model
+    from fxmeg.devices import device_bytes
     from fxmeg.hugging_face import is_hugging_face, keyword_batch
     from fxmeg.layout_plan import plan, stderr_progress
-    from fxmeg.plan_verdict import device_bytes
     from fxmeg.train_config import engine_from_flat, flat_defaults
 
     device = device_bytes(args.device_memory) if args.device_memory else None

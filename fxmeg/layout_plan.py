@@ -38,7 +38,7 @@ Expert banks (``expert_banks``) are counted apart too (``expert_*`` fields, the 
 column; parts of the first three above), so plans at ep = 1 and ep > 1 show what expert
 parallelism saves. At ep > 1 the activations count each experts block (a
 ``routed_experts`` node) with the rows it computes as they are under balanced routing (T * k
-per rank: ``routed_experts_bytes``); an imbalanced step holds more on the ranks whose
+per rank: ``saved_activations.routed_experts_bytes``); an imbalanced step holds more on the ranks whose
 experts are popular.
 
 ``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
@@ -62,11 +62,11 @@ from torch import fx, nn
 from fxmeg import ops
 from fxmeg.capture import LossFn
 from fxmeg.config import EngineConfig, Example, batch_dim
+from fxmeg.devices import GiB
 from fxmeg.errors import ConfigError
 from fxmeg.pass_driver import transform
-from fxmeg.passes.graph_utils import attr, is_hop, val
+from fxmeg.passes.graph_utils import is_hop, val
 from fxmeg.passes.partition import node_flops
-from fxmeg.plan_verdict import verdict, verdict_lines
 from fxmeg.program import Program
 from fxmeg.runtime import schedules, simulator
 from fxmeg.runtime.zero import IN_FLIGHT
@@ -114,7 +114,7 @@ class StagePlan:
     again (in ``total``)."""
     recompute_inputs: int = 0
     """What one micro-batch would keep under full recompute: the blocks' inputs and the
-    tensors saved outside blocks (``plan_verdict``'s remedy)."""
+    tensors saved outside blocks (the verdict's remedy: ``remedies``)."""
     largest_block: int = 0
     """One block's saved tensors for one micro-batch (the largest block of the stage)."""
     layers: int = 0
@@ -407,18 +407,6 @@ def expert_banks(program: Program) -> frozenset[str]:
                      if len(s) >= 3 or (len(s) == 2 and rows.get(n.rpartition(".")[0]) == s[0]))
 
 
-def routed_experts_bytes(node: fx.Node) -> int:
-    """What one ``routed_experts`` node keeps for backward besides its output, with the
-    routing balanced (a rank computes as many (token, slot) rows as it routes: T * k): the
-    gathered rows, the first matmul's output, the activation's values (the middle
-    sub-graph's nodes) and the second matmul's weighted output."""
-    middle, hidden, index = attr(node.graph.owning_module, node.args[0].target), val(node.args[1]), val(node.args[2])
-    rows = index.numel()
-    inner = [val(n) for n in middle.graph.nodes if n.op in ("placeholder", "call_function")]
-    size = hidden.element_size()
-    return (3 * rows * hidden.shape[-1] + sum(v.numel() for v in inner if v is not None and v.is_floating_point())) * size
-
-
 def graph_flops(gm: fx.GraphModule) -> float:
     """Forward FLOPs of a chunk graph: its nodes and those of every sub-graph in it
     (recompute regions, higher-order ops' bodies), each counted once."""
@@ -480,3 +468,94 @@ def _si(n: float, billion: str = "B") -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g}{suffix}"
     return f"{n:.3g}"
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One change and the stage's total it predicts (bytes)."""
+
+    change: str
+    saves: int
+    total: int
+    fits: bool
+
+
+def remedies(plan: Plan, stage: StagePlan, device: int) -> list[Remedy]:
+    """The changes that lower ``stage``'s total, most saving first (``fxmeg plan
+    --device-memory``). Each is predicted from the plan's own numbers, per stage:
+
+      full recompute     the blocks keep only their inputs per micro-batch (the plan's
+                         ``recompute_inputs``), and backward holds one block's own tensors
+                         while it runs it again (the largest block's, once)
+      distributed        the optimizer state divided by dp x cp (Megatron's distributed
+      optimizer          optimizer, ZeRO-1)
+      zero=2 / zero=3    besides, the gradient buffers (zero=2) and the parameters (zero=3)
+                         divided by dp x cp; the buckets being reduced or gathered stay whole
+                         (neglected here)
+      pp x 2             each stage holds half the blocks: weights, gradients, optimizer
+                         state and each micro-batch's activations halve, while 1F1B keeps up
+                         to twice as many micro-batches in flight on the first stages
+      micro-batch 1      each micro-batch's activations scale with its size; the number in
+                         flight is the schedule's, at most pp, so it does not grow
+
+    Each is applied alone to the stage's total, so the savings do not add up exactly.
+    """
+    cfg, par = plan.config, plan.config.parallel
+    ranks, out = par.dp_cp, []
+
+    def add(change: str, total: int) -> None:
+        if total < stage.total:
+            out.append(Remedy(change, stage.total - total, total, total <= device))
+
+    if cfg.recompute != "full" and stage.recompute_inputs:
+        acts = stage.recompute_inputs * stage.microbatches_in_flight + stage.largest_block
+        add("--recompute full", stage.total - stage.activations - stage.recompute_working_set + acts)
+    if ranks > 1 and not cfg.distributed_optimizer and cfg.zero_stage < 2:
+        add(f"--distributed-optimizer (optimizer state / {ranks})",
+            stage.total - stage.optimizer_state + stage.optimizer_state // ranks)
+    if ranks > 1 and cfg.zero_stage < 2:
+        optimizer = stage.optimizer_state if cfg.distributed_optimizer else stage.optimizer_state // ranks
+        saved = stage.optimizer_state - optimizer + stage.gradient_buffers - stage.gradient_buffers // ranks
+        add(f"--zero 2 (optimizer state and gradients / {ranks})", stage.total - saved)
+        add(f"--zero 3 (optimizer state, gradients and parameters / {ranks})",
+            stage.total - saved - stage.parameters + stage.parameters // ranks)
+    blocks = len(plan.blocks) if plan.blocks else 0
+    if blocks >= 2 * par.pp * par.vpp:
+        weights = stage.parameters + stage.gradient_buffers + stage.optimizer_state
+        flight = min(2 * stage.microbatches_in_flight, cfg.num_microbatches)
+        add(f"--pp {2 * par.pp} (half the blocks per stage)",
+            stage.total - weights // 2 - stage.activations + stage.activations_per_microbatch // 2 * flight)
+    if cfg.micro_batch_size > 1:
+        add(f"--micro-batch-size 1 (activations / {cfg.micro_batch_size})",
+            stage.total - stage.activations + stage.activations // cfg.micro_batch_size)
+    return sorted(out, key=lambda r: -r.saves)
+
+
+def verdict(plan: Plan, device: int) -> list[dict]:
+    """Per stage: free bytes or the excess, and when it exceeds, the remedies."""
+    rows = []
+    for s in plan.stages:
+        row = {"stage": s.stage, "total": s.total, "fits": s.total <= device, "free": device - s.total}
+        if s.total > device:
+            row["remedies"] = [r.__dict__ for r in remedies(plan, s, device)]
+        rows.append(row)
+    return rows
+
+
+def verdict_lines(plan: Plan, device: int) -> list[str]:
+    """The verdict as text: one line per stage, then the remedies of the stages that exceed."""
+    lines = [f"  device memory {device / GiB:,.1f} GiB per rank:"]
+    for row in verdict(plan, device):
+        state = (f"fits ({row['free'] / GiB:,.2f} GiB free)" if row["fits"]
+                 else f"exceeds by {-row['free'] / GiB:,.2f} GiB")
+        lines.append(f"    stage {row['stage']}: {row['total'] / GiB:,.2f} GiB, {state}")
+        for r in row.get("remedies", []):
+            mark = "fits" if r["fits"] else "still exceeds"
+            lines.append(f"      {r['change']}: saves {r['saves'] / GiB:,.2f} GiB -> "
+                         f"{r['total'] / GiB:,.2f} GiB, {mark}")
+        if "remedies" in row and not row["remedies"]:
+            lines.append("      no remedy predicted here: add tensor parallelism or ranks")
+    return lines

@@ -212,7 +212,6 @@ def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]
         return [(softmax.numel() * 4 + local.numel() * local.element_size(), "softmax of the logits"),
                 (args[1], "index / mask")]
     if target is ops.routed_experts:
-        from fxmeg.layout_plan import routed_experts_bytes
 
         return [(node, "output"), (routed_experts_bytes(node), "routed experts' rows")]
     return [(node, f"output ({name} not in the table)")]
@@ -238,3 +237,15 @@ def by_block(gm: fx.GraphModule) -> tuple[dict[str, int], int, int]:
             if block_of.get(a) != block and a.op != "get_attr" and isinstance(v, torch.Tensor):
                 entering[(a, block)] = v.numel() * v.element_size()
     return dict(inside), outside, sum(entering.values())
+
+
+def routed_experts_bytes(node: fx.Node) -> int:
+    """What one ``routed_experts`` node keeps for backward besides its output, with the
+    routing balanced (a rank computes as many (token, slot) rows as it routes: T * k): the
+    gathered rows, the first matmul's output, the activation's values (the middle
+    sub-graph's nodes) and the second matmul's weighted output."""
+    middle, hidden, index = attr(node.graph.owning_module, node.args[0].target), val(node.args[1]), val(node.args[2])
+    rows = index.numel()
+    inner = [val(n) for n in middle.graph.nodes if n.op in ("placeholder", "call_function")]
+    size = hidden.element_size()
+    return (3 * rows * hidden.shape[-1] + sum(v.numel() for v in inner if v is not None and v.is_floating_point())) * size

@@ -335,7 +335,7 @@ def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(cap
 @pytest.mark.parametrize("text,want", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("79.6GiB", int(79.6 * 2**30)),
                                        ("h100", 81559 * 2**20), ("H200", 143771 * 2**20)])
 def test_device_memory_sizes_and_presets(text, want):
-    from fxmeg.plan_verdict import device_bytes
+    from fxmeg.devices import device_bytes
 
     assert device_bytes(text) == want
     with pytest.raises(ConfigError, match="h100, h200, a100-40gb, a100-80gb"):

@@ -1,0 +1,31 @@
+"""Accelerators' memory by name, and sizes as a user writes them (`fxmeg plan
+--device-memory 80GB`, `h100`)."""
+
+from __future__ import annotations
+
+import re
+
+from fxmeg.errors import ConfigError
+
+GiB = 2**30
+DEVICES = {  # usable memory as nvidia-smi reports it (MiB)
+    "h100": 81559 * 2**20,
+    "h200": 143771 * 2**20,
+    "a100-40gb": 40960 * 2**20,
+    "a100-80gb": 81920 * 2**20,
+}
+"""--device-memory presets: an accelerator's memory as nvidia-smi reports it."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def device_bytes(text: str) -> int:
+    """Bytes of '80GB' (10^9), '80GiB' / '79.6GiB' (2^30), or a preset of ``DEVICES``."""
+    key = text.strip().lower()
+    if key in DEVICES:
+        return DEVICES[key]
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?", key)
+    if not match:
+        raise ConfigError(f"--device-memory {text!r} is neither a size (80GB, 80GiB, 79.6GiB) nor a device "
+                          f"({', '.join(DEVICES)})")
+    return int(float(match[1]) * _UNITS[match[2] or ""])
