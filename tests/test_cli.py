@@ -370,7 +370,7 @@ def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
     assert "Traceback" not in out.stdout + out.stderr
 
 
-def test_help_imports_no_torch():
+def test_help_imports_no_torch_and_a_config_error_no_compiler():
     """`fxmeg --help` answers from the argument table alone (bench/cli_startup.py times it)."""
     code = ("import sys, contextlib, io\nfrom fxmeg.cli import console\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
@@ -378,3 +378,8 @@ def test_help_imports_no_torch():
             "assert 'plan' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+    code = ("import sys\nfrom fxmeg.cli import console\n"  # a config error: no compiler stack either
+            "assert console(['train', '--data', 'x', '--train-iters', '1', '--schedule', '1f1d']) == 1\n"
+            "assert not {'torch._dynamo', 'torch._functorch.aot_autograd'} & set(sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr.startswith("fxmeg: error: schedule='1f1d'"), out.stderr[-2000:]
