@@ -144,7 +144,11 @@ def _prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", required=True,
                    help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
     p.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
-    p.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizers JSON file")
+    # Megatron's tools/preprocess_data.py and `fxmeg train` both say --tokenizer-model;
+    # --tokenizer, this command's first name for it, stays an alias.
+    p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default="bytes", metavar="PATH",
+                   help="'bytes' (the default), or a tokenizers JSON file (a tokenizer.json, or the "
+                        "directory holding it), as fxmeg train --tokenizer-model; --tokenizer is an alias")
     p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
                    help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
                         "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")

@@ -360,6 +360,8 @@ ROWS = {
                     "split point 'layers.9' names no block"),
     "schedule-name": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, schedule="1f1f"),
                       "did you mean '1f1b'"),
+    "precision": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), precision="fp8"),
+                  "precision='fp8' is not one of ('fp32', 'bf16', 'fp16')"),
     "unknown-option": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), on_nonfinit="raise"),
                        "unknown option 'on_nonfinit' (did you mean 'on_nonfinite'?)"),
     "sequence-parallel-without-tp": (lambda: fxmeg.parallelize(make_model("gpt"), _ex(), sequence_parallel=True),
