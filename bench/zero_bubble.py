@@ -55,10 +55,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, plain_step, spawn, timed  # noqa: E402
 from bench.pipeline import Stage, lm_loss, setup  # noqa: E402
+from fxmeg.schedule_registry import SPECS  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 
-FXMEG_VPP = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
-"""vpp per fxmeg schedule (1 if absent)."""
+FXMEG_VPP = {name: 2 for name, spec in SPECS.items() if spec.vpp != "1"}
+"""vpp per fxmeg schedule (1 if absent): 2 where the registry wants more than one chunk per rank."""
 
 TORCH_SCHEDULES = {  # flag name: (variant name, schedule class, stage placement)
     "1f1b": ("torch_1f1b", Schedule1F1B, "single"),

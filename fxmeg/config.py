@@ -19,12 +19,16 @@ from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 from fxmeg.modes import OptimizerSharding, check_sharding, decide_sharding
 from fxmeg.numbers import Size, check_numbers, check_size
+from fxmeg.schedule_registry import (
+    SCHEDULES,  # noqa: F401 (read from here too: fxmeg.config.SCHEDULES)
+    SPECS,
+    Spec,
+    batch_refusal,
+    layout_refusal,
+    placement,
+    resolve,
+)
 
-SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")
-"""Schedules that place two chunks per rank in a V (see ``placement``)."""
-ZERO_BUBBLE = ("zbh1", "zbv", "dualpipev")
-"""Schedules that run each backward as input-gradient (I) and weight-gradient (W) work."""
 GRANULARITIES = ("none", "selective", "full")
 """Activation recompute: nothing, attention cores, or whole blocks."""
 P2P_MODES = ("paired", "eager")
@@ -32,18 +36,6 @@ P2P_MODES = ("paired", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOAD_BALANCING = ("aux_loss", "global_aux_loss")
 """How a router loss counts tokens per expert (see EngineConfig.moe_router_load_balancing_type)."""
-
-
-def placement(schedule: str, *, pp: int, vpp: int) -> tuple[int, ...]:
-    """The pipeline rank of each of the pp * vpp chunks. Round robin (chunk c on rank
-    c % pp: Megatron's interleaving) except for the V schedules, whose two chunks per
-    rank run down the ranks and back up (chunk c on rank c for c < pp, else on
-    2 * pp - 1 - c): the first and the last chunk share rank 0, chunks pp - 1 and pp
-    share rank pp - 1 (ZB-V, DualPipeV)."""
-    if schedule in V_SCHEDULES:
-        assert vpp == 2, vpp  # ParallelConfig refuses other vpp
-        return tuple(c if c < pp else 2 * pp - 1 - c for c in range(2 * pp))
-    return tuple(c % pp for c in range(pp * vpp))
 
 
 @dataclass(frozen=True)
@@ -96,29 +88,9 @@ class ParallelConfig:
             object.__setattr__(self, "tp_plan", tuple(self.tp_plan.items()))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"schedule={self.schedule!r} is not one of {SCHEDULES}"
-                + closest(self.schedule, SCHEDULES)
-            )
-        if self.vpp > 1 and self.pp == 1:
-            raise ConfigError(f"vpp={self.vpp} needs pp > 1; set pp >= 2 or vpp=1")
-        if self.vpp > 1 and self.schedule not in ("auto", "interleaved", *V_SCHEDULES):
-            raise ConfigError(
-                f"vpp={self.vpp} runs only with schedule='interleaved', 'zbv' or 'dualpipev' "
-                f"(got {self.schedule!r}); set vpp=1 or change the schedule"
-            )
-        if self.schedule == "interleaved" and self.vpp == 1:
-            raise ConfigError("schedule='interleaved' needs vpp > 1; set vpp=2 or use '1f1b'")
-        if self.schedule in V_SCHEDULES and (self.vpp != 2 or self.pp == 1):
-            raise ConfigError(
-                f"schedule={self.schedule!r} runs two chunks per pipeline rank in a V: it needs "
-                f"vpp=2 and pp > 1; got vpp={self.vpp}, pp={self.pp}. Set vpp=2 (and pp >= 2)"
-            )
-        if self.schedule == "zbh1" and self.pp == 1:
-            raise ConfigError("schedule='zbh1' needs pp > 1; set pp >= 2 or schedule='none'")
-        if self.schedule == "none" and self.pp > 1:
-            raise ConfigError(f"schedule='none' runs without a pipeline; got pp={self.pp}")
+        refusal = layout_refusal(self.schedule, pp=self.pp, vpp=self.vpp)  # fxmeg/schedule_registry.py
+        if refusal:
+            raise ConfigError(refusal)
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
         if self.dp is not None:
@@ -178,18 +150,20 @@ class ParallelConfig:
         return self.pp * self.vpp
 
     @property
+    def spec(self) -> Spec:
+        """The resolved schedule's row of ``fxmeg.schedule_registry.SPECS``."""
+        return SPECS[self.resolved_schedule]
+
+    @property
     def splits_backward(self) -> bool:
         """Whether the schedule runs backward as separate I and W actions."""
-        return self.resolved_schedule in ZERO_BUBBLE
+        return self.spec.splits_backward
 
     @property
     def resolved_schedule(self) -> str:
-        """The schedule 'auto' stands for: interleaved if vpp > 1, else 1f1b, else none."""
-        if self.schedule != "auto":
-            return self.schedule
-        if self.vpp > 1:
-            return "interleaved"
-        return "1f1b" if self.pp > 1 else "none"
+        """The schedule 'auto' stands for: interleaved if vpp > 1, else 1f1b, else none
+        (``fxmeg.schedule_registry.resolve``)."""
+        return resolve(self.schedule, pp=self.pp, vpp=self.vpp)
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -403,9 +377,10 @@ class EngineConfig:
                               "expert are counted outside the compiled graphs; set compile=False")
 
     def _check_batch(self) -> None:
-        """global_batch_size against micro_batch_size * dp and, interleaved or
-        dualpipev, the micro-batch count against pp; with dp still None only against micro_batch_size
-        (the rest when ``resolve`` fixes dp)."""
+        """global_batch_size against micro_batch_size * dp and the micro-batch count
+        against the schedule's rule (``fxmeg.schedule_registry.batch_refusal``: interleaved,
+        dualpipev); with dp still None only against micro_batch_size (the rest when
+        ``resolve`` fixes dp)."""
         dp = self.parallel.dp
         per_step = self.micro_batch_size * (dp or 1)
         if self.global_batch_size % per_step:
@@ -419,20 +394,11 @@ class EngineConfig:
             )
         if dp is None:
             return
-        m, pp = self.num_microbatches, self.parallel.pp
-        if self.parallel.resolved_schedule == "interleaved" and (m < pp or m % pp):
-            raise ConfigError(  # Megatron's interleaved schedule runs micro-batches in groups of pp
-                f"the interleaved schedule needs the micro-batch count m to be a multiple of "
-                f"pp={pp}; got m={m} (global_batch_size={self.global_batch_size} / "
-                f"(micro_batch_size * dp)). Choose global_batch_size so that m is one of "
-                f"{[pp * i for i in (1, 2, 3)]}"
-            )
-        if self.parallel.resolved_schedule == "dualpipev" and m < 2 * pp:
-            raise ConfigError(  # DeepSeek's DualPipe: at least one micro-batch per chunk (2 * pp)
-                f"the dualpipev schedule needs at least 2 * pp = {2 * pp} micro-batches; got m={m} "
-                f"(global_batch_size={self.global_batch_size} / (micro_batch_size * dp)). Choose "
-                f"global_batch_size so that m >= {2 * pp}, or schedule='zbv'"
-            )
+        origin = f" (global_batch_size={self.global_batch_size} / (micro_batch_size * dp))"
+        refusal = batch_refusal(self.parallel.resolved_schedule, pp=self.parallel.pp, m=self.num_microbatches,
+                                origin=origin)
+        if refusal:
+            raise ConfigError(refusal)
 
     def resolve(self, world: int) -> EngineConfig:
         """This configuration on ``world`` ranks: the layout resolved

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from fxmeg.capture import owning_module
-from fxmeg.config import V_SCHEDULES, EngineConfig
+from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.model_checks import blocks_error
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
@@ -53,7 +53,7 @@ def partition(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced; under a V schedule
     over the pipeline ranks; or at the config's ``split_points``); tag every node's chunk."""
     par = config.parallel
-    v = par.resolved_schedule in V_SCHEDULES  # a rank runs its two chunks back to back
+    v = par.spec.placement == "v"  # a rank runs its two chunks back to back (fxmeg/schedule_registry.py)
     split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement if v else None)
     gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=par.placement)
     return gm

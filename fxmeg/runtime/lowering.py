@@ -4,7 +4,7 @@ vocabulary is ``fxmeg.runtime.actions``, the overview ``fxmeg.runtime.schedules`
 
 from __future__ import annotations
 
-from fxmeg import config
+from fxmeg import schedule_registry
 from fxmeg.config import P2P_MODES
 from fxmeg.errors import ConfigError
 from fxmeg.runtime.actions import (
@@ -92,9 +92,9 @@ def p2p_mode(requested: str, backend: str | None) -> str:
 
 def round_robin(pp: int, num_chunks: int) -> tuple[int, ...]:
     """The placement of callers that name none (tests, a single rank): the rule
-    ``fxmeg.config.placement`` for a schedule that is not a V (chunk c on rank c % pp),
+    ``fxmeg.schedule_registry.placement`` for a schedule that is not a V (chunk c on rank c % pp),
     over the first ``num_chunks`` chunks."""
-    return config.placement("interleaved", pp=pp, vpp=-(-num_chunks // pp))[:num_chunks]
+    return schedule_registry.placement("interleaved", pp=pp, vpp=-(-num_chunks // pp))[:num_chunks]
 
 
 def _needs(units: list[Unit], cuts: frozenset[int], grads: frozenset[int]) -> list[list[Action]]:

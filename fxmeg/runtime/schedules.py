@@ -18,16 +18,21 @@ Three files: the vocabulary (``fxmeg.runtime.actions``), the builders (here) and
 lowering (``fxmeg.runtime.lowering``); this module re-exports the other two, so the rest
 of the runtime and the tests read schedules from one place.
 
-Chunk c lives on pipeline rank ``placement[c]`` (the one rule: ``fxmeg.config.placement``):
+Chunk c lives on pipeline rank ``placement[c]`` (the one rule: ``fxmeg.schedule_registry.placement``):
 round robin (Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
 share rank pp - 1: that boundary is a hand-off inside the rank, not a message.
+
+Which schedules exist, their rules on vpp, pp and m, and which builder here makes each:
+``fxmeg.schedule_registry.SPECS`` (a new schedule is a row there plus its builder here).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, deque
+from collections.abc import Callable
 
-from fxmeg.config import V_SCHEDULES
+from fxmeg import schedule_registry
 from fxmeg.errors import ScheduleError
 from fxmeg.runtime.actions import (
     BACKWARD,
@@ -58,29 +63,14 @@ __all__ = [  # the vocabulary and the lowering, read from here by the rest of th
 
 
 def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
-    """Compute units per pipeline rank for schedule ``name``."""
-    if name == "none":
-        assert pp == 1 and vpp == 1
-        return {0: _singles(a for i in range(m) for a in (Action(0, Kind.F, i), Action(0, Kind.B, i)))}
-    if name == "gpipe":
-        return {r: _singles(Action(r, k, i) for k in (Kind.F, Kind.B) for i in range(m)) for r in range(pp)}
-    if name == "1f1b":
-        return {r: _one_f_one_b(r, pp, m) for r in range(pp)}
-    if name == "interleaved":
-        return _interleaved(pp, vpp, m)
-    if name == "zbh1":
-        return {r: _zbh1(r, pp, m) for r in range(pp)}
-    if name in V_SCHEDULES:
-        if vpp != 2:
-            raise ScheduleError(f"schedule {name!r} runs two chunks per rank in a V: vpp=2, got vpp={vpp}")
-        if name == "dualpipev" and m < 2 * pp:
-            raise ScheduleError(
-                f"DualPipeV needs at least 2 * pp = {2 * pp} micro-batches (one per chunk); got "
-                f"m={m}. Choose global_batch_size so that m >= {2 * pp}, or schedule='zbv'"
-            )
-        builder = _zbv if name == "zbv" else _dualpipev
-        return {r: builder(r, pp, m) for r in range(pp)}
-    raise ScheduleError(f"unknown schedule {name!r}")
+    """Compute units per pipeline rank for schedule ``name`` ('auto' resolved), by the
+    builder its ``fxmeg.schedule_registry`` row names, after that row's checks."""
+    name = schedule_registry.resolve(name, pp=pp, vpp=vpp)
+    refusal = schedule_registry.layout_refusal(name, pp=pp, vpp=vpp) or schedule_registry.batch_refusal(
+        name, pp=pp, m=m)
+    if refusal:
+        raise ScheduleError(refusal)
+    return _BUILDERS[schedule_registry.SPECS[name].builder](pp, vpp, m)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -98,6 +88,27 @@ def _singles(actions) -> list[Unit]:
     return [(a,) for a in actions]
 
 
+def _none(pp: int, vpp: int, m: int) -> Schedule:
+    """No pipeline: each micro-batch's forward, then its backward."""
+    return {0: _singles(a for i in range(m) for a in (Action(0, Kind.F, i), Action(0, Kind.B, i)))}
+
+
+def _gpipe(pp: int, vpp: int, m: int) -> Schedule:
+    """GPipe: every forward, then every backward."""
+    return {r: _singles(Action(r, k, i) for k in (Kind.F, Kind.B) for i in range(m)) for r in range(pp)}
+
+
+def _each_rank(rank_units: Callable[[int, int, int], list[Unit]]) -> Callable[[int, int, int], Schedule]:
+    """The builder ``(pp, vpp, m) -> Schedule`` of a per-rank one ``(rank, pp, m) -> units``."""
+
+    @functools.wraps(rank_units)
+    def builder(pp: int, vpp: int, m: int) -> Schedule:
+        return {r: rank_units(r, pp, m) for r in range(pp)}
+
+    return builder
+
+
+@_each_rank
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Unit]:
     """Megatron's 1F1B: warmup forwards, then one forward one backward, then cooldown."""
     warmup = min(pp - rank - 1, m)
@@ -111,15 +122,11 @@ def _interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> Schedul
     """Megatron's interleaved 1F1B over ``vpp`` chunks per rank.
 
     Micro-batches run in groups of ``group`` (default pp) per chunk: virtual step k runs
-    micro-batch ``table[k][0]`` on this rank's model chunk ``table[k][1]``.
+    micro-batch ``table[k][0]`` on this rank's model chunk ``table[k][1]``. Requires m >= pp
+    and a last group of at least pp (``build`` refuses other m for group = pp).
     """
     group = group or pp
-    if m < pp or (m % group and m % group < pp):
-        raise ScheduleError(
-            f"the interleaved schedule needs the micro-batch count m to be a multiple of "
-            f"{group} (or leave a remainder >= pp={pp}); got m={m}. Choose "
-            f"global_batch_size so that m is one of {[group * i for i in (1, 2, 3)]}"
-        )
+    assert m >= pp and not (m % group and m % group < pp), (m, pp, group)
     table = []  # (micro-batch, model chunk) per virtual step
     for start in range(0, m, group):
         end = m if start + group >= m else start + group
@@ -177,6 +184,7 @@ class _Order:
         return a
 
 
+@_each_rank
 def _zbh1(rank: int, pp: int, m: int) -> list[Unit]:
     """ZB-H1: 1F1B with each backward split, rank r deferring its W by r steady steps so
     the Ws fill the cooldown. Rank r holds 1F1B's pp - r micro-batches before their I,
@@ -193,6 +201,7 @@ def _zbh1(rank: int, pp: int, m: int) -> list[Unit]:
     return _singles(order)
 
 
+@_each_rank
 def _zbv(rank: int, pp: int, m: int) -> list[Unit]:
     """ZB-V (the paper's §6; torch's ScheduleZBVZeroBubble): rank r runs chunk a = r on
     the way down and b = 2pp-1-r on the way back. Built for at least 2pp - 1 micro-batches
@@ -210,6 +219,7 @@ def _zbv(rank: int, pp: int, m: int) -> list[Unit]:
     return [u for u in o.units if u[0].mb < m]
 
 
+@_each_rank
 def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
     """DualPipeV (deepseek-ai/DualPipe; torch's ScheduleDualPipeV), for m >= 2pp: rank r
     runs chunk a = r and b = 2pp-1-r. Its steady state runs a forward of one chunk
@@ -245,3 +255,8 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
         o.oldest_weight()
     assert not o.deferred, o.deferred
     return o.units
+
+
+_BUILDERS = {f.__name__: f for f in (_none, _gpipe, _one_f_one_b, _interleaved, _zbh1, _zbv, _dualpipev)}
+"""Each builder by the name its ``fxmeg.schedule_registry.Spec`` gives it: a new builder
+joins this list (tests/test_schedule_registry.py checks every row names one here)."""
