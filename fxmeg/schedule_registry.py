@@ -18,7 +18,8 @@ Adding a schedule:
      function ``(pp, vpp, m) -> Schedule`` (tests/test_schedule_registry.py checks
      that every row names one);
   3. its row in docs/parallelism.md's table (the test prints the row it expects).
-The simulator grids (tests/runtime/test_schedules*.py) then say whether it deadlocks.
+The simulator grids (tests/runtime/test_schedules.py, test_schedules_zero_bubble.py) then
+say whether it deadlocks.
 
 Imports nothing of fxmeg but the errors: config, the passes and the runtime all read it,
 and the passes never reach the runtime, so a row names its builder rather than holding it.
