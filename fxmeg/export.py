@@ -78,9 +78,10 @@ def for_generation(config: dict, data: dict | None) -> tuple[dict, dict, list[st
     rows, ids = config.get("vocab_size"), (data or {}).get("vocab_size")
     if rows is not None and ids is not None and rows > ids:
         generation["suppress_tokens"] = list(range(ids, rows))
-        config["fxmeg"] = {"trained_vocab_size": rows, "tokenizer_vocab_size": ids,
-                           "padding": f"ids {ids}..{rows - 1} pad the vocabulary for training; generate() "
-                                      "suppresses them (generation_config.json)"}
+        config["fxmeg_vocabulary"] = {  # says why config.json's vocab_size is above the tokenizer's
+            "trained_vocab_size": rows, "tokenizer_vocab_size": ids,
+            "padding": f"ids {ids}..{rows - 1} pad the vocabulary for training; generate() suppresses them "
+                       "(generation_config.json)"}
         notes.append(f"vocabulary {rows} rows as trained (tokenizer {ids}, padded for training as Megatron's "
                      f"--make-vocab-size-divisible-by); generate() suppresses ids {ids}..{rows - 1}")
     return config, {k: v for k, v in generation.items() if v is not None}, notes

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import fx
 
-from fxmeg.errors import PassError
+from fxmeg.errors import ConfigError
 from fxmeg.program import split_spec
 from tests import shared_transform
 from tests.helpers import hf_model, make_batch, make_model, tiny_moe
@@ -101,7 +101,7 @@ def test_each_transform_of_a_spawn_is_made_once_and_a_failure_by_every_rank(tmp_
 
     for _ in range(2):  # the second rank finds the failure and fails by itself, the same way
         _first_transform(monkeypatch)
-        with pytest.raises(PassError):
+        with pytest.raises(ConfigError, match="tp=3 does not divide 4"):  # refused before capture
             shared_transform._shared_transform(str(tmp_path), make_model("gpt"), (ids, labels), tp=3)
     assert calls == [2, 2, 2, 1, 3, 3] and len(list(tmp_path.glob("*.failed"))) == 1
 
