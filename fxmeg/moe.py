@@ -32,8 +32,10 @@ counted per layer (``dropped``) and logged once per step (``log_dropped``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -96,6 +98,18 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
+
+
+def as_op(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn``, written ``fn(*args, group, **options)``, given ``routed_experts``' signature with
+    its ``exchange`` replaced by ``group`` (a process group's name): the graph op
+    ``fxmeg.ops.routed_experts`` and its runtime binding (fxmeg/runtime/experts.py) take what
+    ``routed_experts`` takes, written once, here. ``signature(fn).bind`` then checks a call
+    (``fxmeg.ops.routed_experts_call``)."""
+    params = [p.replace(name="group", annotation="str", default=inspect.Parameter.empty) if p.name == "exchange"
+              else p for p in inspect.signature(routed_experts).parameters.values()]
+    fn.__signature__ = inspect.Signature(params, return_annotation="Tensor")
+    return fn
 
 
 def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:

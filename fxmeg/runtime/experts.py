@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, fx
+from torch import Tensor
 
 from fxmeg import moe
 from fxmeg.torch_private import resolve_process_group
@@ -100,11 +100,7 @@ def exchange(group: str) -> AllToAllExchange:
     return _EXCHANGES[group]
 
 
-def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                   w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
-                   num_experts: int, group: str, capacity_factor: float | None = None,
-                   layer: str = "", probs_on_input: bool = False) -> Tensor:
+@moe.as_op
+def routed_experts(*args, group: str, **options) -> Tensor:
     """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over ``group``."""
-    return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
-                              num_experts=num_experts, exchange=exchange(group), capacity_factor=capacity_factor,
-                              layer=layer, probs_on_input=probs_on_input)
+    return moe.routed_experts(*args, exchange=exchange(group), **options)
