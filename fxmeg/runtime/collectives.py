@@ -8,7 +8,9 @@ tensor-parallel graph imports it (``fxmeg.runtime.context``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -250,53 +252,102 @@ def tp_rng_join(y, *, group: str):
     return y
 
 
-def bind(
-    gm: fx.GraphModule,
-    groups: dict[str, str],
-    *,
-    wait_param_gather: Callable[..., None] | None = None,
-    zero: tuple[Callable[..., None], Callable[..., None]] | None = None,
-    early_linear: Callable[..., torch.Tensor] | None = None,
-    expert_load: Callable[..., None] | None = None,
-    global_tokens: Callable[..., torch.Tensor] | None = None,
-    device: torch.device | None = None,
-) -> None:
+@dataclass(frozen=True)
+class Binding:
+    """What ``bind`` points a chunk graph's ops at on this rank; a marker whose field is None
+    stays unbound (a no-op, or its one-process meaning)."""
+
+    groups: dict[str, str]
+    """Symbolic group names ('tp', 'cp', 'ep', 'dp') -> this rank's process groups' names."""
+    wait_param_gather: Callable[..., None] | None = None
+    """``ops.wait_param_gather``: the data-parallel buffers' wait (overlap_param_gather)."""
+    zero: tuple[Callable[..., None], Callable[..., None]] | None = None
+    """``ops.zero_gather`` and ``ops.zero_release`` (zero=3)."""
+    early_linear: Callable[..., torch.Tensor] | None = None
+    """``ops.early_linear`` (zero >= 2: ``DataParallel.early_linear``)."""
+    expert_load: Callable[..., None] | None = None
+    """``ops.expert_load``: the tokens-per-expert recorder (runtime/load.py)."""
+    global_tokens: Callable[..., torch.Tensor] | None = None
+    """``ops.global_tokens``: the running tokens per expert."""
+    device: torch.device | None = None
+    """Where a capacity-mode routed-experts layer's dropped-pairs counter lives."""
+
+    def group(self, name: str) -> str:
+        """The real group's name for a symbolic one (other names unchanged)."""
+        return self.groups.get(name, name)
+
+
+Binder = Callable[[fx.Node, Binding], None]
+
+
+def _bind_rng(node: fx.Node, b: Binding) -> None:
+    node.target = tp_rng_fork if node.target is ops.tp_rng_fork else tp_rng_join
+    node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
+
+
+def _bind_collective(node: fx.Node, b: Binding) -> None:
+    node.args = tuple(b.group(a) if isinstance(a, str) else a for a in node.args)
+
+
+def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
+    if node.kwargs["group"] not in b.groups:
+        return
+    node.target = experts.routed_experts
+    node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
+    if node.kwargs.get("capacity_factor") is not None and b.device is not None:
+        moe.track_dropped(node.kwargs.get("layer", ""), b.device)  # before any (compiled) forward
+
+
+def _bind_zero(node: fx.Node, b: Binding) -> None:
+    if b.zero is not None:
+        node.target = b.zero[node.target is ops.zero_release]
+
+
+def _bind_global_tokens(node: fx.Node, b: Binding) -> None:
+    if b.global_tokens is not None:
+        node.target = b.global_tokens
+        node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
+
+
+def _bind_to(field_name: str) -> Binder:
+    """A marker that becomes ``Binding.<field_name>`` where that is set."""
+
+    def binder(node: fx.Node, b: Binding) -> None:
+        target = getattr(b, field_name)
+        if target is not None:
+            node.target = target
+
+    return binder
+
+
+BINDERS: Mapping[Callable, Binder] = MappingProxyType({
+    ops.tp_rng_fork: _bind_rng,
+    ops.tp_rng_join: _bind_rng,
+    **{op: _bind_collective for op in ops.COLLECTIVES},
+    ops.routed_experts: _bind_routed_experts,
+    ops.wait_param_gather: _bind_to("wait_param_gather"),
+    ops.zero_gather: _bind_zero,
+    ops.zero_release: _bind_zero,
+    ops.early_linear: _bind_to("early_linear"),
+    ops.expert_load: _bind_to("expert_load"),
+    ops.global_tokens: _bind_global_tokens,
+})
+"""Each op ``bind`` rewrites -> how (one entry per op)."""
+
+
+def bind(gm: fx.GraphModule, binding: Binding) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
-    rank's objects: symbolic group names (``"tp"``) become the real process groups'
-    names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
-    ``ops.wait_param_gather`` markers call ``wait_param_gather``, ``ops.zero_gather`` and
-    ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.early_linear``
-    ``early_linear`` (zero >= 2: ``DataParallel.early_linear``), ``ops.expert_load``
-    markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
-    ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert); a routed
-    experts layer with a capacity factor gets its dropped-pairs counter on ``device``. Only
-    arguments and call targets change; the graph's structure does not."""
+    rank's objects (``binding``), each op by its entry of ``BINDERS``: symbolic group names
+    (``"tp"``) become the real process groups' names, ``ops.tp_rng_fork`` / ``tp_rng_join``
+    switch to this rank's random stream, the markers call this rank's functions, and a
+    routed experts layer with a capacity factor gets its dropped-pairs counter on
+    ``binding.device``. Only arguments and call targets change; the graph's structure
+    does not."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target in ops.RNG_MARKERS:
-                kernel = tp_rng_fork if node.target is ops.tp_rng_fork else tp_rng_join
-                node.target = kernel
-                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
-            elif node.target in ops.COLLECTIVES:
-                node.args = tuple(groups.get(a, a) if isinstance(a, str) else a for a in node.args)
-            elif node.target is ops.routed_experts and node.kwargs["group"] in groups:
-                node.target = experts.routed_experts
-                node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
-                if node.kwargs.get("capacity_factor") is not None and device is not None:
-                    moe.track_dropped(node.kwargs.get("layer", ""), device)  # before any (compiled) forward
-            elif node.target is ops.wait_param_gather and wait_param_gather is not None:
-                node.target = wait_param_gather
-            elif node.target in (ops.zero_gather, ops.zero_release) and zero is not None:
-                node.target = zero[node.target is ops.zero_release]
-            elif node.target is ops.early_linear and early_linear is not None:
-                node.target = early_linear
-            elif node.target is ops.expert_load and expert_load is not None:
-                node.target = expert_load
-            elif node.target is ops.global_tokens and global_tokens is not None:
-                node.target = global_tokens
-                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
+            binder = BINDERS.get(node.target) if node.op == "call_function" else None
+            if binder is not None:
+                binder(node, binding)
         module.recompile()

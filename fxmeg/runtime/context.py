@@ -106,6 +106,9 @@ class RankContext:
     whole: dict[str, torch.Tensor]
     """A model built on meta: its buffers and untrained state, made whole on every rank
     (small; what the full state dict and the verify reference read). Empty otherwise."""
+    binding: collectives.Binding
+    """What this rank's chunk graphs' ops are bound to (``collectives.bind``; ``bind`` binds
+    another input shape's chunks to the same)."""
     schedule: schedules.Schedule = field(init=False)
     """Compute actions per pipeline rank for the current micro-batch count."""
     steps: list[schedules.Step] = field(init=False)
@@ -190,10 +193,12 @@ def build_context(
     names = _group_names(groups)
     load = _expert_load(program, config, chunks)
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
+    binding = collectives.Binding(
+        names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
+        early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
+        expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
-                         early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
-                         expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
+        collectives.bind(gm, binding)
     if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
         experts.exchange(groups.ep.group_name).tracer = tracer
     opt = Optimizer(
@@ -210,7 +215,7 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole=whole, load=load, global_tokens=tokens, zero=zero,
+        whole=whole, binding=binding, load=load, global_tokens=tokens, zero=zero,
     )
 
 
@@ -274,12 +279,8 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
                 raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
                                  "rank holds")
     chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
-    names = _group_names(ctx.groups)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather, zero=_zero_markers(ctx.zero),
-                         early_linear=ctx.ddp.early_linear if ctx.config.zero_stage >= 2 else None,
-                         expert_load=ctx.load.record if ctx.load is not None else None,
-                         global_tokens=ctx.global_tokens.running_mean, device=program.device)
+        collectives.bind(gm, ctx.binding)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 
