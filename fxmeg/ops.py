@@ -15,7 +15,7 @@ bernoulli, ``rand_like``, attention with ``dropout_p > 0``) whose output is spli
 ranks: between them the op draws from this tp rank's own stream, Megatron's
 model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``). Unbound they do nothing (the
 parent graph in one process draws from the default stream); the runtime binds them to
-``fxmeg.runtime.collectives.tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
+``fxmeg.runtime.collectives.TpRandom``'s ``tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
 
 ``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
 parameter all-gather; unbound it does nothing, and the runtime binds it to its
@@ -173,7 +173,7 @@ def routed_experts(*args, group: str, **options):
     ``capacity_factor`` (None: dropless), ``layer`` (the block's module, naming its dropped
     pairs) and ``probs_on_input`` (the weights scale the experts' input rows). Unbound,
     every expert is local (the parent graph in one process); the runtime binds it to
-    ``fxmeg.runtime.experts.routed_experts``, which exchanges rows over ``group``."""
+    ``fxmeg.runtime.experts.RankExperts.routed_experts``, which exchanges rows over ``group``."""
     return moe.routed_experts(*args, **options)
 
 

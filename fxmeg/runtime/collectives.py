@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, fx
-from torch.fx.node import has_side_effect
 
-from fxmeg import moe, ops
-from fxmeg.runtime import experts
+from fxmeg import ops
+from fxmeg.recomputation import Recomputation
+from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 from fxmeg.torch_private import resolve_process_group
 
@@ -212,7 +212,6 @@ for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_al
 
 TP_RNG_OFFSET = 2718
 """Megatron's offset of the model-parallel seed (``model_parallel_cuda_manual_seed``)."""
-_forks: list[tuple[torch.Generator, torch.Tensor]] = []
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -228,28 +227,33 @@ def _device(x) -> torch.device:
     return x.device
 
 
-@has_side_effect
-def tp_rng_fork(x, *, group: str):
-    """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
-    drawn from the default CPU stream (it advances the same on every rank), the default
-    state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
-    per-rank stream is thus a function of the default stream: where the default stream
-    is replayed (torch.utils.checkpoint restores it before recompute), so are the
-    per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
-    gen = _generator(_device(x))
-    # s comes from the CPU stream (no device sync; checkpoint replays it on every device)
-    s = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
-    _forks.append((gen, gen.get_state()))
-    gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
-    return x
+class TpRandom:
+    """This rank's per-tp-rank random streams (one per RankContext, through its
+    ``Binding``): what ``ops.tp_rng_fork`` / ``tp_rng_join`` are bound to, and the states
+    of the default streams they left (a stack: forks nest)."""
 
+    def __init__(self) -> None:
+        self._forks: list[tuple[torch.Generator, torch.Tensor]] = []
 
-@has_side_effect
-def tp_rng_join(y, *, group: str):
-    """Back to the default stream where ``tp_rng_fork`` left it."""
-    gen, state = _forks.pop()
-    gen.set_state(state)
-    return y
+    def tp_rng_fork(self, x, *, group: str):
+        """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
+        drawn from the default CPU stream (it advances the same on every rank), the default
+        state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
+        per-rank stream is thus a function of the default stream: where the default stream
+        is replayed (torch.utils.checkpoint restores it before recompute), so are the
+        per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
+        gen = _generator(_device(x))
+        # s comes from the CPU stream (no device sync; checkpoint replays it on every device)
+        s = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
+        self._forks.append((gen, gen.get_state()))
+        gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
+        return x
+
+    def tp_rng_join(self, y, *, group: str):
+        """Back to the default stream where ``tp_rng_fork`` left it."""
+        gen, state = self._forks.pop()
+        gen.set_state(state)
+        return y
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,12 @@ class Binding:
     """``ops.global_tokens``: the running tokens per expert."""
     device: torch.device | None = None
     """Where a capacity-mode routed-experts layer's dropped-pairs counter lives."""
+    experts: RankExperts | None = None
+    """``ops.routed_experts``: this rank's experts (the exchanges, the drop counts)."""
+    recomputation: Recomputation | None = None
+    """Given to every recompute region (``passes/recompute.py``'s ``Recompute``)."""
+    rng: TpRandom = field(default_factory=TpRandom)
+    """``ops.tp_rng_fork`` / ``tp_rng_join``: this rank's per-tp-rank streams."""
 
     def group(self, name: str) -> str:
         """The real group's name for a symbolic one (other names unchanged)."""
@@ -281,7 +291,7 @@ Binder = Callable[[fx.Node, Binding], None]
 
 
 def _bind_rng(node: fx.Node, b: Binding) -> None:
-    node.target = tp_rng_fork if node.target is ops.tp_rng_fork else tp_rng_join
+    node.target = b.rng.tp_rng_fork if node.target is ops.tp_rng_fork else b.rng.tp_rng_join
     node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
 
 
@@ -290,12 +300,12 @@ def _bind_collective(node: fx.Node, b: Binding) -> None:
 
 
 def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
-    if node.kwargs["group"] not in b.groups:
+    if node.kwargs["group"] not in b.groups or b.experts is None:
         return
-    node.target = experts.routed_experts
+    node.target = b.experts.routed_experts
     node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
-        moe.track_dropped(node.kwargs.get("layer", ""), b.device)  # before any (compiled) forward
+        b.experts.drops.track(node.kwargs.get("layer", ""), b.device)  # before any (compiled) forward
 
 
 def _bind_zero(node: fx.Node, b: Binding) -> None:
@@ -339,11 +349,13 @@ def bind(gm: fx.GraphModule, binding: Binding) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
     rank's objects (``binding``), each op by its entry of ``BINDERS``: symbolic group names
     (``"tp"``) become the real process groups' names, ``ops.tp_rng_fork`` / ``tp_rng_join``
-    switch to this rank's random stream, the markers call this rank's functions, and a
-    routed experts layer with a capacity factor gets its dropped-pairs counter on
+    switch to this rank's random stream, the markers call this rank's functions, the
+    recompute regions share this rank's ``Recomputation``, and a routed experts layer with a capacity factor gets its dropped-pairs counter on
     ``binding.device``. Only arguments and call targets change; the graph's structure
     does not."""
     for module in gm.modules():
+        if isinstance(getattr(module, "recomputation", None), Recomputation) and binding.recomputation is not None:
+            module.recomputation = binding.recomputation  # a recompute region (passes/recompute.py)
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:

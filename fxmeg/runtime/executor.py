@@ -118,6 +118,8 @@ class Executor:
         self._layouts: dict[tuple[int, Kind], Layout] = {}
         self._peers: dict[tuple[int, Kind], int] = {}
         self._planned: tuple[list[Step], list] | None = None
+        self._saves_result: dict[tuple[type, int], bool] = {}
+        """Whether an autograd node type saves its output k (``_saves_its_result``)."""
         self._coalesce: bool | None = None
         """Post a group of several point-to-point ops as one coalesced batch (NCCL must:
         a send and a receive posted apart can wait on each other); gloo takes each op as it
@@ -309,7 +311,7 @@ class Executor:
                 if view_base(t) is None and t.untyped_storage().data_ptr() not in kept:
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.counters.deallocated += 1
-            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t):
+            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t, self._saves_result):
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                 self.counters.deallocated += 1
 
@@ -471,16 +473,14 @@ def _crossing(spec: ChunkSpec, kind: Kind) -> tuple[Boundary, ...]:
     return tuple(b for b in spec.recv if kind is Kind.RECV_F or b.grad)
 
 
-def _saves_its_result(t: torch.Tensor) -> bool:
+def _saves_its_result(t: torch.Tensor, memo: dict[tuple[type, int], bool]) -> bool:
     """True when t's autograd node saved t itself (e.g. relu, exp): freeing it would
     corrupt backward. Autograd names a saved output ``_saved_result`` (one output) or
     ``_saved_result<k>`` (output k of several: layer norm saves its mean and rstd, 1 and
-    2, not its output 0, which crosses a cut before the head)."""
+    2, not its output 0, which crosses a cut before the head). ``memo``: the answers so
+    far by (node type, output), the executor's."""
     key = (type(t.grad_fn), t.output_nr)
-    if key not in _SAVES_RESULT:
+    if key not in memo:
         names = dir(t.grad_fn)
-        _SAVES_RESULT[key] = "_saved_result" in names or f"_saved_result{t.output_nr}" in names
-    return _SAVES_RESULT[key]
-
-
-_SAVES_RESULT: dict[tuple[type, int], bool] = {}
+        memo[key] = "_saved_result" in names or f"_saved_result{t.output_nr}" in names
+    return memo[key]
