@@ -203,10 +203,10 @@ def test_a_sent_output_is_kept_only_when_its_node_saved_it():
     from fxmeg.runtime.executor import _saves_its_result
 
     x = torch.randn(4, 8, requires_grad=True)
-    assert _saves_its_result(x.exp()) and _saves_its_result(torch.relu(x))
-    assert not _saves_its_result(x * 2)
+    assert _saves_its_result(x.exp(), {}) and _saves_its_result(torch.relu(x), {})
+    assert not _saves_its_result(x * 2, {})
     normed = torch.nn.functional.layer_norm(x, (8,))
-    assert not _saves_its_result(normed)
+    assert not _saves_its_result(normed, {})
     want = torch.autograd.grad(torch.nn.functional.layer_norm(x, (8,)), x, torch.ones(4, 8))[0]
     normed.data = torch.empty(1)  # what DEALLOC does; the executor runs backward from it as Megatron does
     run_backward(
