@@ -37,7 +37,7 @@ from fxmeg.program import CONSTANTS, Program
 from fxmeg.recomputation import Recomputation
 from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
-from fxmeg.runtime.executor import Executor
+from fxmeg.runtime.executor import ComputeHooks, Executor
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
 from fxmeg.runtime.layerwise import gather_tp
@@ -53,6 +53,7 @@ from fxmeg.runtime.optimizer import (
     param_groups,
     plan_optimizers,
 )
+from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.release import release
 from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard
@@ -254,14 +255,16 @@ def _zero_markers(zero: ZeroParams | None):
 
 def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
               ddp: DataParallel, tracer: Tracer, zero: ZeroParams | None) -> Executor:
-    return Executor(
-        chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=config.parallel.pp,
-        peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
-        timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
-        accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
-        running=zero.running if zero is not None else None,
+    specs = {c: program.specs[c] for c in chunks}
+    wire = PointToPoint(specs, pp=config.parallel.pp, peer=groups.pp_peer, group=groups.pp, device=program.device,
+                        placement=program.placement, timeout_s=config.comm_timeout_s)
+    hooks = ComputeHooks(
+        accumulate=ddp.accumulate, on_grad_sync=ddp.start_sync,
         on_backward=ddp.end_backward if config.zero_stage >= 2 else None,
-    )
+        wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+        running=zero.running if zero is not None else None)
+    return Executor(chunks, specs=specs, rank=groups.rank, device=program.device, wire=wire, hooks=hooks,
+                    compile=config.compile, tracer=tracer)
 
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
