@@ -26,10 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from fxmeg import ops
 from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.program import ChunkInfo
-from fxmeg.recomputation import Recomputation
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
+from fxmeg.program import ChunkInfo
+from fxmeg.recomputation import Recomputation
 
 aten = torch.ops.aten
 _MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather, ops.zero_gather, ops.zero_release}

@@ -25,6 +25,7 @@ from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of
 from fxmeg.torch_private import run_backward, view_base
 from fxmeg.trace import CATEGORY, Tracer
 
+
 @dataclass
 class Counters:
     """What the executor held and freed in the last run (read by tests and benchmarks)."""

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.recomputation import Recomputation
 from fxmeg.program import Program, load_marks
+from fxmeg.recomputation import Recomputation
 from fxmeg.runtime.groups import Groups, all_reduce
 from fxmeg.torch_private import resolve_process_group
 

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.recomputation import Recomputation
 from fxmeg.program import BufferLayout
+from fxmeg.recomputation import Recomputation
 from fxmeg.runtime.ddp import Events, GradBuffer
 from fxmeg.runtime.groups import Works, gather_into, reduce_scatter_
 from fxmeg.torch_private import storage_key
