@@ -127,7 +127,7 @@ def engine_steps(rank: int, args: argparse.Namespace) -> dict:
     times = {True: [], False: []}
     for i in range(2 + args.steps):
         for pack, took in times.items():
-            engine.context.executor.pack = pack
+            engine.context.executor.wire.pack = pack
             t = timed(lambda: engine.train_step((ids, labels)))
             if i >= 2:
                 took.append(t)

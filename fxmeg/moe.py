@@ -27,19 +27,21 @@ with the highest routing weights (``capacity_mask``); a dropped pair adds nothin
 token (no renormalisation of the others). Every expert's rows are padded with zero rows
 to exactly ``capacity``, so the rows exchanged and multiplied have static shapes
 (``Exchange.dispatch_padded``); the pads' results are discarded. The pairs dropped are
-counted per layer (``dropped``) and logged once per step (``log_dropped``).
+counted per layer (``DropCounts``) and logged once per step (``DropCounts.log``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import Tensor, fx
 
-from fxmeg import recomputation
+from fxmeg.recomputation import Recomputation
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +70,18 @@ class Exchange(Protocol):
 def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
                    num_experts: int, exchange: Exchange | None = None, capacity_factor: float | None = None,
-                   layer: str = "", probs_on_input: bool = False) -> Tensor:
+                   layer: str = "", probs_on_input: bool = False, drops: DropCounts | None = None) -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
     this rank's ``E_l = num_experts / exchange.size`` experts (all of them without an
     exchange). With ``capacity_factor``: capacity mode (module docstring), its drops
-    counted under ``layer``. With ``probs_on_input`` each pair's weight scales its row
-    before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed unweighted: Llama
+    counted under ``layer`` in ``drops`` (None: not counted). With ``probs_on_input`` each
+    pair's weight scales its row before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed unweighted: Llama
     4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result."""
     if capacity_factor is not None:
         return _with_capacity(middle, hidden, top_k_index, top_k_weights, (w_up, w_down, b_up, b_down),
                               num_experts=num_experts, exchange=exchange, capacity_factor=capacity_factor,
-                              layer=layer, probs_on_input=probs_on_input)
+                              layer=layer, probs_on_input=probs_on_input, drops=drops)
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden[perm // k]
@@ -96,6 +98,24 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
+
+
+_BOUND = ("drops",)
+"""``routed_experts``' arguments that the runtime's binding gives, never a graph node."""
+
+
+def as_op(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn``, written ``fn(*args, group, **options)``, given ``routed_experts``' signature with
+    its ``exchange`` replaced by ``group`` (a process group's name): the graph op
+    ``fxmeg.ops.routed_experts`` and its runtime binding (fxmeg/runtime/experts.py) take what
+    ``routed_experts`` takes, written once, here, but for the rank's ``drops`` (bound).
+    ``signature(fn).bind`` then checks a call (``fxmeg.ops.routed_experts_call``)."""
+    params = [p.replace(name="group", annotation="str", default=inspect.Parameter.empty) if p.name == "exchange"
+              else p for p in inspect.signature(routed_experts).parameters.values() if p.name not in _BOUND]
+    if "self" in inspect.signature(fn).parameters:  # a method: the rank's experts (runtime/experts.py)
+        params.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    fn.__signature__ = inspect.Signature(params, return_annotation="Tensor")
+    return fn
 
 
 def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
@@ -129,14 +149,15 @@ def _rank_in_expert(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int
 
 def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                    banks: tuple, *, num_experts: int, exchange: Exchange | None, capacity_factor: float,
-                   layer: str, probs_on_input: bool) -> Tensor:
+                   layer: str, probs_on_input: bool, drops: DropCounts | None) -> Tensor:
     """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
     tokens, k = top_k_index.shape
     capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
     ids = top_k_index.reshape(-1)
     rank = _rank_in_expert(top_k_index, top_k_weights, num_experts)
     keep = rank < capacity
-    _count_dropped(layer, keep)
+    if drops is not None:
+        drops.count(layer, keep)
     pad = num_experts * capacity  # one row past the buffer: the dropped pairs' place, and the pads' source
     slot = torch.where(keep, ids * capacity + rank, pad)  # each pair's row in the [E * capacity] buffer
     pair = torch.full((pad + 1,), ids.numel(), dtype=torch.long, device=ids.device)
@@ -157,46 +178,54 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
-dropped: dict[str, Tensor] = {}
-"""Capacity mode, per layer: ``[pairs dropped, pairs routed]`` on this rank since the last
-``log_dropped``, an int64 tensor on the device added to in place (no wait for the device).
-The runtime makes each bound layer's before the first forward (``track_dropped``), so a
-compiled forward updates a tensor it was given and guards on no Python value. The forwards
-of a recompute in backward are not counted again."""
+class DropCounts:
+    """Capacity mode, per layer: ``[pairs dropped, pairs routed]`` on this rank since the last
+    ``log``, an int64 tensor on the device added to in place (no wait for the device). One
+    per rank (the runtime's ``RankExperts.drops``, owned by its RankContext). The runtime
+    makes each bound layer's before the first forward (``track``), so a compiled forward
+    updates a tensor it was given and guards on no Python value. The forwards of a
+    recompute in backward (``recomputation.recomputing()``) are not counted again."""
 
+    def __init__(self, recomputation: Recomputation | None = None) -> None:
+        self.counts: dict[str, Tensor] = {}
+        self.recomputation = recomputation
+        """Whose recomputes are not counted (the rank's; None: every forward counts)."""
 
-def track_dropped(layer: str, device: torch.device) -> None:
-    """Make ``layer``'s counter (zeros) on ``device`` unless it exists."""
-    if layer not in dropped:
-        dropped[layer] = torch.zeros(2, dtype=torch.long, device=device)
+    def track(self, layer: str, device: torch.device) -> None:
+        """Make ``layer``'s counter (zeros) on ``device`` unless it exists."""
+        if layer not in self.counts:
+            self.counts[layer] = torch.zeros(2, dtype=torch.long, device=device)
 
+    def count(self, layer: str, keep: Tensor) -> None:
+        """Add one forward's pairs of ``layer``: ``keep [T, k]``, those its experts kept."""
+        if self.recomputation is not None and self.recomputation.recomputing():
+            return  # the forward of a recompute region, run again in backward
+        self.track(layer, keep.device)  # a layer the runtime did not bind (eager, tests)
+        routed = torch.full((), keep.numel(), dtype=torch.long, device=keep.device)
+        self.counts[layer].add_(torch.stack([routed - keep.sum(), routed]))
 
-def _count_dropped(layer: str, keep: Tensor) -> None:
-    if recomputation.recomputing():  # the forward of a recompute region, run again in backward
-        return
-    track_dropped(layer, keep.device)  # a caller the runtime did not bind (eager, tests)
-    routed = torch.full((), keep.numel(), dtype=torch.long, device=keep.device)
-    dropped[layer].add_(torch.stack([routed - keep.sum(), routed]))
+    def reset(self) -> None:
+        """Forget what was counted (zeroed in place: a compiled forward holds the tensors)."""
+        for t in self.counts.values():
+            t.zero_()
 
-
-def log_dropped(when: str) -> dict[str, int]:
-    """The pairs dropped by layer since the last call (``dropped``, then zeroed; {} when no
-    pair was routed); logged at INFO on "fxmeg.moe" in one line (``when``: the step), with
-    the pairs routed."""
-    if not dropped:
-        return {}
-    both = torch.stack(list(dropped.values())).tolist()
-    counted = {layer: pair for layer, pair in zip(dropped, both) if pair[1]}
-    for t in dropped.values():
-        t.zero_()
-    if not counted:
-        return {}
-    counts = {layer: n for layer, (n, _) in counted.items()}
-    routed = sum(r for _, r in counted.values())
-    each = ", ".join(f"{layer or 'routed experts'} {n}" for layer, n in counts.items())
-    log.info("%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank (%s)",
-             when, sum(counts.values()), routed, each)
-    return counts
+    def log(self, when: str) -> dict[str, int]:
+        """The pairs dropped by layer since the last call (then zeroed; {} when no pair was
+        routed); logged at INFO on "fxmeg.moe" in one line (``when``: the step), with the
+        pairs routed."""
+        if not self.counts:
+            return {}
+        both = torch.stack(list(self.counts.values())).tolist()
+        counted = {layer: pair for layer, pair in zip(self.counts, both) if pair[1]}
+        self.reset()
+        if not counted:
+            return {}
+        counts = {layer: n for layer, (n, _) in counted.items()}
+        routed = sum(r for _, r in counted.values())
+        each = ", ".join(f"{layer or 'routed experts'} {n}" for layer, n in counts.items())
+        log.info("%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank (%s)",
+                 when, sum(counts.values()), routed, each)
+        return counts
 
 
 def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Tensor, w_down: Tensor,

@@ -15,7 +15,7 @@ bernoulli, ``rand_like``, attention with ``dropout_p > 0``) whose output is spli
 ranks: between them the op draws from this tp rank's own stream, Megatron's
 model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``). Unbound they do nothing (the
 parent graph in one process draws from the default stream); the runtime binds them to
-``fxmeg.runtime.collectives.tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
+``fxmeg.runtime.collectives.TpRandom``'s ``tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
 
 ``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
 parameter all-gather; unbound it does nothing, and the runtime binds it to its
@@ -72,6 +72,8 @@ late queries); ``cp_positions`` gives the global positions of a rank's rows.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch.fx.node import has_side_effect
@@ -163,19 +165,24 @@ DP = "dp"
 """Symbolic data-parallel group name in graphs before binding."""
 
 
-def routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up=None, b_down=None, *,
-                   num_experts: int, group: str, capacity_factor: float | None = None, layer: str = "",
-                   probs_on_input: bool = False):
-    """A routed-experts block (expert-parallel pass; ``fxmeg.moe``): ``middle`` is the
-    model's activation between the two expert matmuls (a sub-graph); ``capacity_factor``
-    (None: dropless), ``layer`` (the block's module, naming its dropped pairs) and
-    ``probs_on_input`` (the weights scale the experts' input rows) as
-    ``moe.routed_experts`` takes them. Unbound, every expert is local (the parent graph
-    in one process); the runtime binds it to ``fxmeg.runtime.experts.routed_experts``,
-    which exchanges rows over ``group``."""
-    return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
-                              num_experts=num_experts, capacity_factor=capacity_factor, layer=layer,
-                              probs_on_input=probs_on_input)
+@moe.as_op
+def routed_experts(*args, group: str, **options):
+    """A routed-experts block (expert-parallel pass; ``fxmeg.moe``), with
+    ``moe.routed_experts``' arguments (its signature; ``moe.as_op``) but for the exchange:
+    ``middle`` is the model's activation between the two expert matmuls (a sub-graph);
+    ``capacity_factor`` (None: dropless), ``layer`` (the block's module, naming its dropped
+    pairs) and ``probs_on_input`` (the weights scale the experts' input rows). Unbound,
+    every expert is local (the parent graph in one process); the runtime binds it to
+    ``fxmeg.runtime.experts.RankExperts.routed_experts``, which exchanges rows over ``group``."""
+    return moe.routed_experts(*args, **options)
+
+
+def routed_experts_call(*args, **kwargs) -> tuple[tuple, dict]:
+    """The (args, kwargs) of a ``routed_experts`` node, checked against its signature
+    (a misspelt or missing option fails when the pass writes the node, not when it runs)."""
+    bound = inspect.signature(routed_experts).bind(*args, **kwargs)
+    return bound.args, bound.kwargs
+
 
 for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, early_linear, expert_load,
             tp_rng_fork, tp_rng_join, routed_experts, global_tokens):

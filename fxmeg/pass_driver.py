@@ -14,6 +14,8 @@ that chunk's ``fxmeg.program.ChunkInfo`` (index, pipeline rank). The driver refu
 pass whose graph is not of its scope (listed on the wrong side of ``pipeline``) and a
 pass that returns anything but a GraphModule.
 
+Debugging switches, from the environment (``DriverOptions``, read once per ``transform``):
+
     FXMEG_DUMP_GRAPHS=DIR   write DIR/NN_<pass>.py, the code of the graph after each pass
     FXMEG_VERIFY=1          check each pass's Ensures after it runs (the tests set it)
     FXMEG_SKIP_PASSES=a,b   debugging: do not run passes a and b (logged as a warning; the
@@ -165,15 +167,15 @@ def transform(
     dtypes = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}
     masters = _cast(model, config.dtype)
     example = cast_inputs(example, config.dtype)
-    skip = skipped_passes()
+    opts = DriverOptions.from_env()
     start = time.perf_counter()
     grouped = config.parallel.ep > 1 or config.parallel.cp > 1 or config.moe_router_bias_update_rate > 0  # readable experts
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
-    _report("capture", gm, start)
+    _report("capture", gm, start, opts)
     reference = None
     for index, p in enumerate(PASSES):
-        if p.name not in skip:
-            gm = _run(p, gm, config, index)
+        if p.name not in opts.skip:
+            gm = _run(p, gm, config, index, opts)
         if p.name == stop_after:
             return gm
         if p.reference:
@@ -203,10 +205,28 @@ def _device(model: nn.Module, example: Example, device, meta: bool) -> torch.dev
     return accelerator if accelerator is not None else torch.device("cpu")
 
 
-def skipped_passes() -> frozenset[str]:
-    """The passes ``FXMEG_SKIP_PASSES`` (comma-separated names) switches off, for
-    debugging; each must be a pass of ``PASSES`` that the Program does not depend on."""
-    raw = os.environ.get("FXMEG_SKIP_PASSES", "")
+@dataclass(frozen=True)
+class DriverOptions:
+    """The driver's debugging switches, read from the environment once per ``transform``
+    (``from_env``: the one place fxmeg reads them; docs/python.md lists them)."""
+
+    skip: frozenset[str] = frozenset()
+    """FXMEG_SKIP_PASSES=a,b: passes not run (``skipped_passes``)."""
+    verify: bool = False
+    """FXMEG_VERIFY=1: check each pass's Ensures after it runs (the tests set it)."""
+    dump_graphs: str | None = None
+    """FXMEG_DUMP_GRAPHS=DIR: write DIR/NN_<pass>.py, the graph's code after each pass."""
+
+    @classmethod
+    def from_env(cls) -> DriverOptions:
+        env = os.environ
+        return cls(skip=skipped_passes(env.get("FXMEG_SKIP_PASSES", "")), verify=bool(env.get("FXMEG_VERIFY")),
+                   dump_graphs=env.get("FXMEG_DUMP_GRAPHS") or None)
+
+
+def skipped_passes(raw: str) -> frozenset[str]:
+    """The passes ``raw``, FXMEG_SKIP_PASSES's value (comma-separated names), switches off,
+    for debugging; each must be a pass of ``PASSES`` that the Program does not depend on."""
     names = [n.strip() for n in raw.split(",") if n.strip()]
     for name in names:
         if name not in _BY_NAME:
@@ -236,7 +256,7 @@ def _check(p: Pass, gm: fx.GraphModule, config: EngineConfig) -> None:
         p.check(gm, config=config)
 
 
-def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int) -> fx.GraphModule:
+def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: DriverOptions) -> fx.GraphModule:
     """Pass ``p`` on ``gm`` at its scope, its new nodes tagged, reported and (FXMEG_VERIFY) checked."""
     pipelined = bool(chunks(gm))
     assert pipelined == (p.scope is not MODEL), (
@@ -254,8 +274,8 @@ def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int) -> fx.Gr
     else:
         gm = _returned(p, p.run(gm, config=config), "")
     _tag_new_nodes(gm, before, p.name)
-    _report(p.name, gm, start, index)
-    if os.environ.get("FXMEG_VERIFY"):
+    _report(p.name, gm, start, opts, index)
+    if opts.verify:
         _check(p, gm, config)
     return gm
 
@@ -379,13 +399,13 @@ def _check_experts(config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_
             "(fxmeg/passes/expert_parallel.py); train this model with moe_router_bias_update_rate=0")
 
 
-def _report(name: str, gm: fx.GraphModule, start: float, index: int = -1) -> None:
+def _report(name: str, gm: fx.GraphModule, start: float, opts: DriverOptions, index: int = -1) -> None:
     graphs = [(n, m) for n, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
     nodes = sum(len(g.graph.nodes) for _, g in graphs)
     seconds = time.perf_counter() - start
     record = {"step": name, "seconds": seconds, "nodes": nodes}
     log.info("%-16s %7.3f s  %6d nodes", name, seconds, nodes, extra=record)
-    out = os.environ.get("FXMEG_DUMP_GRAPHS")
+    out = opts.dump_graphs
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{index + 1:02d}_{name}.py"), "w") as f:

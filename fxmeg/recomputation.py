@@ -1,54 +1,57 @@
 """Whether a recompute region is running again in backward, and what must happen before it
-does (``preparing``: zero=3 gathers the parameters it reads). Whether it is running again: the recompute pass enters
-``recomputation_contexts`` around each region (passes/recompute.py), and what counts per
-micro-batch (the expert-load recorder, fxmeg/runtime/load.py; the capacity mode's dropped
-pairs, fxmeg/moe.py) asks ``recomputing()`` so a recomputed forward counts nothing."""
+does (``preparing``: zero=3 gathers the parameters it reads): a ``Recomputation`` object,
+one per rank (``RankContext.recomputation``; ``collectives.bind`` hands it to the chunk
+graphs' recompute regions, passes/recompute.py). The regions enter ``contexts()`` around
+each recomputation, and what counts per micro-batch (the expert-load recorder,
+fxmeg/runtime/load.py; the capacity mode's dropped pairs, ``moe.DropCounts``) asks
+``recomputing()`` so a recomputed forward counts nothing: the one detector of a
+recompute, for both."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 
 
-class _Recomputation:
-    """Entered around each recomputation of a recompute region (reentrant: a second
-    backward may run a region again)."""
+class Recomputation:
+    """This rank's recompute regions: how deep inside a recomputation backward is, and what
+    they call with their inputs before they run."""
 
-    depth = 0
+    def __init__(self) -> None:
+        self.depth = 0
+        """Recomputations running (reentrant: a second backward may run a region again)."""
+        self._prepare: list[Callable] = []
 
-    def __enter__(self) -> None:
-        _Recomputation.depth += 1
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """torch.utils.checkpoint's ``context_fn`` of a recompute region: nothing around
+        forward, ``recomputing()`` True around the recomputation."""
+        return contextlib.nullcontext(), self._again()
 
-    def __exit__(self, *exc) -> None:
-        _Recomputation.depth -= 1
+    @contextlib.contextmanager
+    def _again(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
+    def recomputing(self) -> bool:
+        """Whether a recompute region is running again in backward, not in forward: what
+        runs then ran once already (the expert-load recorder counts each micro-batch once
+        by it)."""
+        return self.depth > 0
 
-def recomputation_contexts():
-    """torch.utils.checkpoint's ``context_fn`` of a recompute region (passes/recompute.py):
-    nothing around forward, ``recomputing()`` True around the recomputation."""
-    return contextlib.nullcontext(), _Recomputation()
+    @contextlib.contextmanager
+    def preparing(self, fn: Callable) -> Iterator[None]:
+        """While inside, every recompute region calls ``fn(args)`` with its inputs before it
+        runs, in forward and when backward runs it again (the runtime's zero=3 gather)."""
+        self._prepare.append(fn)
+        try:
+            yield
+        finally:
+            self._prepare.pop()
 
-
-def recomputing() -> bool:
-    """Whether a recompute region is running again in backward, not in forward: what
-    runs then ran once already (the expert-load recorder counts each micro-batch once by it)."""
-    return _Recomputation.depth > 0
-
-
-_prepare: list = []
-
-
-@contextlib.contextmanager
-def preparing(fn):
-    """While inside, every recompute region calls ``fn(args)`` with its inputs before it
-    runs, in forward and when backward runs it again (the runtime's zero=3 gather)."""
-    _prepare.append(fn)
-    try:
-        yield
-    finally:
-        _prepare.pop()
-
-
-def prepare(args) -> None:
-    """What the recompute regions call before they run (see ``preparing``)."""
-    for fn in _prepare:
-        fn(args)
+    def prepare(self, args) -> None:
+        """What the recompute regions call before they run (see ``preparing``)."""
+        for fn in self._prepare:
+            fn(args)

@@ -132,7 +132,7 @@ def test_recompute_does_not_count_twice():
     regions = [m.region for gm in engine.program.chunks for m in gm.modules() if isinstance(m, Recompute)]
     assert sum(len(load_marks(r)) for r in regions) == 2  # the markers run inside the recomputed blocks
     assert {k: list(v) for k, v in engine.train_step(batch).expert_load.items()} == want
-    with mock.patch("fxmeg.recomputation.recomputing", return_value=False):
+    with mock.patch.object(engine.context.recomputation, "recomputing", return_value=False):
         doubled = engine.train_step(batch).expert_load
     assert {k: [c // 2 for c in v] for k, v in doubled.items()} == want
     assert all(c % 2 == 0 for v in doubled.values() for c in v) and doubled != want

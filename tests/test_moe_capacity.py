@@ -27,20 +27,19 @@ import pytest
 import torch
 from torch import fx
 
-from fxmeg import moe, recomputation
+from fxmeg import moe
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError
+from fxmeg.recomputation import Recomputation
 from tests.distributed import run_world
 from tests.helpers import LOSS_RTOL, reference_run
 from tests.parity.scenarios import MBS, Scenario, check_parity, train
 
 
-@pytest.fixture(autouse=True)
-def _no_counts_left():
-    """Every test starts and ends with no drops counted (``moe.dropped`` is module state)."""
-    moe.log_dropped("before")
-    yield
-    moe.log_dropped("after")
+@pytest.fixture
+def drops():
+    """A rank's drop counts (the runtime's ``RankExperts.drops``), whose recomputes do not count."""
+    return moe.DropCounts(Recomputation())
 
 
 # ---------------------------------------------------------------- the drop rule
@@ -182,34 +181,34 @@ def _reference(case: dict, capacity_factor: float, probs_on_input: bool = False)
 
 
 @pytest.mark.parametrize("bias,probs_on_input", [(True, False), (False, False), (False, True)])
-def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(bias, probs_on_input):
+def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(bias, probs_on_input, drops):
     case = _case(bias=bias)
     dropless = _run(case, probs_on_input=probs_on_input)
-    capped = _run(case, capacity_factor=4.0, probs_on_input=probs_on_input)
+    capped = _run(case, capacity_factor=4.0, probs_on_input=probs_on_input, drops=drops)
     if probs_on_input:  # and they are the experts written out, the weights on their input
         torch.testing.assert_close(dropless, _reference(case, 4.0, probs_on_input=True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(capped, dropless, rtol=1e-6, atol=1e-6)
     want = _grads(case, dropless)
     for name, grad in _grads(case, capped).items():
         torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
-    assert moe.log_dropped("test") == {"": 0}
+    assert drops.log("test") == {"": 0}
 
 
 @pytest.mark.parametrize("factor,probs_on_input", [(0.5, False), (1.0, False), (1.0, True)])
-def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(factor, probs_on_input):
+def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(factor, probs_on_input, drops):
     case = _case(seed=3, tokens=12, skew=2.0)  # expert 0 is over its capacity
     keep = moe.capacity_mask(case["top_k_index"], case["top_k_weights"], 4, factor)
     assert not bool(keep.all())
-    out = _run(case, capacity_factor=factor, layer="layers.0.experts", probs_on_input=probs_on_input)
+    out = _run(case, capacity_factor=factor, layer="layers.0.experts", probs_on_input=probs_on_input, drops=drops)
     ref = _reference(case, factor, probs_on_input)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     got, want = _grads(case, out), _grads(case, ref)
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
     dropped = int((~keep).sum())
-    assert moe.dropped["layers.0.experts"][0].item() == dropped
-    assert set(moe.log_dropped("test")) == {"layers.0.experts"}
-    assert not moe.dropped["layers.0.experts"].any()  # zeroed in place: a compiled forward holds it
+    assert drops.counts["layers.0.experts"][0].item() == dropped
+    assert set(drops.log("test")) == {"layers.0.experts"}
+    assert not drops.counts["layers.0.experts"].any()  # zeroed in place: a compiled forward holds it
 
 
 def test_the_expert_matmuls_see_capacity_rows_each_whatever_the_routing(monkeypatch):
@@ -229,31 +228,30 @@ def test_the_expert_matmuls_see_capacity_rows_each_whatever_the_routing(monkeypa
     capacity = moe.expert_capacity(10, 2, 4, 1.0)
     assert capacity == 5 and len(seen) == 6  # up and down, three routings
     assert all(sizes == [capacity] * 4 and shape[0] == 4 * capacity for shape, sizes in seen), seen
-    moe.log_dropped("test")
 
 
-def test_the_drop_count_is_logged_per_layer_and_cleared(caplog):
+def test_the_drop_count_is_logged_per_layer_and_cleared(caplog, drops):
     case = _case(seed=3, tokens=12, skew=2.0)
     for layer in ("layers.0.experts", "layers.1.experts", "layers.0.experts"):
-        _run(case, capacity_factor=1.0, layer=layer)
+        _run(case, capacity_factor=1.0, layer=layer, drops=drops)
     once = int((~moe.capacity_mask(case["top_k_index"], case["top_k_weights"], 4, 1.0)).sum())
     with caplog.at_level(logging.INFO, logger="fxmeg.moe"):
-        counts = moe.log_dropped("train step 7")
+        counts = drops.log("train step 7")
     assert counts == {"layers.0.experts": 2 * once, "layers.1.experts": once} and once > 0
     assert caplog.messages == [f"train step 7: the experts' capacity dropped {3 * once} of {3 * 24} routed (token, "
                                f"slot) pairs on this rank (layers.0.experts {2 * once}, layers.1.experts {once})"]
-    assert moe.log_dropped("train step 8") == {}
+    assert drops.log("train step 8") == {}
 
 
-def test_a_recomputed_forward_is_not_counted_again():
+def test_a_recomputed_forward_is_not_counted_again(drops):
     case = _case(seed=3, tokens=12, skew=2.0)
-    out = torch.utils.checkpoint.checkpoint(lambda h: _run({**case, "hidden": h}, capacity_factor=1.0, layer="l"),
-                                            case["hidden"], use_reentrant=False,
-                                            context_fn=recomputation.recomputation_contexts)  # as passes/recompute.py runs it
-    forward = moe.dropped["l"][0].item()
+    out = torch.utils.checkpoint.checkpoint(
+        lambda h: _run({**case, "hidden": h}, capacity_factor=1.0, layer="l", drops=drops), case["hidden"],
+        use_reentrant=False, context_fn=drops.recomputation.contexts)  # as passes/recompute.py runs it
+    forward = drops.counts["l"][0].item()
     out.sum().backward()  # recomputes the forward
-    assert moe.dropped["l"][1] == 12 * 2  # routed pairs: one forward's
-    assert forward > 0 and moe.log_dropped("test") == {"l": forward}
+    assert drops.counts["l"][1] == 12 * 2  # routed pairs: one forward's
+    assert forward > 0 and drops.log("test") == {"l": forward}
 
 
 # ---------------------------------------------------------------- configuration

@@ -386,9 +386,9 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
     with graph.inserting_before(b.result):
         body = graph.get_attr(name)
         kwargs = {"num_experts": b.experts, "group": ops.EP, "capacity_factor": capacity_factor, "layer": b.module}
-        routed = graph.call_function(
-            ops.routed_experts, (body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down),
-            kwargs | ({"probs_on_input": True} if on_input else {}))
+        routed = graph.call_function(ops.routed_experts, *ops.routed_experts_call(
+            body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down,
+            **kwargs | ({"probs_on_input": True} if on_input else {})))
     routed.meta = {**b.result.meta, "val": val(b.result)}
     body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}
     old = b.inner()

@@ -23,12 +23,13 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from fxmeg import ops, recomputation
+from fxmeg import ops
 from fxmeg.config import GRANULARITIES, EngineConfig
 from fxmeg.errors import PassError
-from fxmeg.program import ChunkInfo
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
+from fxmeg.program import ChunkInfo
+from fxmeg.recomputation import Recomputation
 
 aten = torch.ops.aten
 _MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather, ops.zero_gather, ops.zero_release}
@@ -42,21 +43,24 @@ _BETWEEN_SCORES = {  # elementwise steps between q @ k^T and the softmax (scale,
 
 class Recompute(nn.Module):
     """Runs ``region`` (a graph without parameters) under activation checkpointing;
-    while backward runs it again, ``fxmeg.recomputation.recomputing()`` is True."""
+    while backward runs it again, ``self.recomputation.recomputing()`` is True."""
 
     def __init__(self, region: fx.GraphModule) -> None:
         super().__init__()
         self.region = region
+        self.recomputation = Recomputation()
+        """Whose recomputation this is: the rank's (``collectives.bind`` sets
+        ``RankContext.recomputation``); unbound, the region's own."""
 
     def forward(self, *args):
         if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
             return self.region(*args)
         if torch.compiler.is_compiling():  # dynamo takes no plain context_fn (nothing counts there)
             return checkpoint(self.region, *args, use_reentrant=False)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=recomputation.recomputation_contexts)
+        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self.recomputation.contexts)
 
     def _run(self, *args):
-        recomputation.prepare(args)  # zero=3: its parameters whole again when backward runs it
+        self.recomputation.prepare(args)  # zero=3: its parameters whole again when backward runs it
         return self.region(*args)
 
 

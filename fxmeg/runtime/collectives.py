@@ -8,16 +8,18 @@ tensor-parallel graph imports it (``fxmeg.runtime.context``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, fx
-from torch.fx.node import has_side_effect
 
-from fxmeg import moe, ops
-from fxmeg.runtime import experts
+from fxmeg import ops
+from fxmeg.recomputation import Recomputation
+from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 from fxmeg.torch_private import resolve_process_group
 
@@ -210,7 +212,6 @@ for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_al
 
 TP_RNG_OFFSET = 2718
 """Megatron's offset of the model-parallel seed (``model_parallel_cuda_manual_seed``)."""
-_forks: list[tuple[torch.Generator, torch.Tensor]] = []
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -226,77 +227,139 @@ def _device(x) -> torch.device:
     return x.device
 
 
-@has_side_effect
-def tp_rng_fork(x, *, group: str):
-    """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
-    drawn from the default CPU stream (it advances the same on every rank), the default
-    state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
-    per-rank stream is thus a function of the default stream: where the default stream
-    is replayed (torch.utils.checkpoint restores it before recompute), so are the
-    per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
-    gen = _generator(_device(x))
-    # s comes from the CPU stream (no device sync; checkpoint replays it on every device)
-    s = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
-    _forks.append((gen, gen.get_state()))
-    gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
-    return x
+class TpRandom:
+    """This rank's per-tp-rank random streams (one per RankContext, through its
+    ``Binding``): what ``ops.tp_rng_fork`` / ``tp_rng_join`` are bound to, and the states
+    of the default streams they left (a stack: forks nest)."""
+
+    def __init__(self) -> None:
+        self._forks: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def tp_rng_fork(self, x, *, group: str):
+        """Switch ``x``'s device's default generator to this tp rank's stream: one number s is
+        drawn from the default CPU stream (it advances the same on every rank), the default
+        state after it is kept, and the generator is seeded with s + 2718 + tp rank. The
+        per-rank stream is thus a function of the default stream: where the default stream
+        is replayed (torch.utils.checkpoint restores it before recompute), so are the
+        per-rank masks; ranks differ by their seed, so no two ranks share a mask."""
+        gen = _generator(_device(x))
+        # s comes from the CPU stream (no device sync; checkpoint replays it on every device)
+        s = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
+        self._forks.append((gen, gen.get_state()))
+        gen.manual_seed(s + TP_RNG_OFFSET + dist.get_rank(_group(group)))
+        return x
+
+    def tp_rng_join(self, y, *, group: str):
+        """Back to the default stream where ``tp_rng_fork`` left it."""
+        gen, state = self._forks.pop()
+        gen.set_state(state)
+        return y
 
 
-@has_side_effect
-def tp_rng_join(y, *, group: str):
-    """Back to the default stream where ``tp_rng_fork`` left it."""
-    gen, state = _forks.pop()
-    gen.set_state(state)
-    return y
+@dataclass(frozen=True)
+class Binding:
+    """What ``bind`` points a chunk graph's ops at on this rank; a marker whose field is None
+    stays unbound (a no-op, or its one-process meaning)."""
+
+    groups: dict[str, str]
+    """Symbolic group names ('tp', 'cp', 'ep', 'dp') -> this rank's process groups' names."""
+    wait_param_gather: Callable[..., None] | None = None
+    """``ops.wait_param_gather``: the data-parallel buffers' wait (overlap_param_gather)."""
+    zero: tuple[Callable[..., None], Callable[..., None]] | None = None
+    """``ops.zero_gather`` and ``ops.zero_release`` (zero=3)."""
+    early_linear: Callable[..., torch.Tensor] | None = None
+    """``ops.early_linear`` (zero >= 2: ``DataParallel.early_linear``)."""
+    expert_load: Callable[..., None] | None = None
+    """``ops.expert_load``: the tokens-per-expert recorder (runtime/load.py)."""
+    global_tokens: Callable[..., torch.Tensor] | None = None
+    """``ops.global_tokens``: the running tokens per expert."""
+    device: torch.device | None = None
+    """Where a capacity-mode routed-experts layer's dropped-pairs counter lives."""
+    experts: RankExperts | None = None
+    """``ops.routed_experts``: this rank's experts (the exchanges, the drop counts)."""
+    recomputation: Recomputation | None = None
+    """Given to every recompute region (``passes/recompute.py``'s ``Recompute``)."""
+    rng: TpRandom = field(default_factory=TpRandom)
+    """``ops.tp_rng_fork`` / ``tp_rng_join``: this rank's per-tp-rank streams."""
+
+    def group(self, name: str) -> str:
+        """The real group's name for a symbolic one (other names unchanged)."""
+        return self.groups.get(name, name)
 
 
-def bind(
-    gm: fx.GraphModule,
-    groups: dict[str, str],
-    *,
-    wait_param_gather: Callable[..., None] | None = None,
-    zero: tuple[Callable[..., None], Callable[..., None]] | None = None,
-    early_linear: Callable[..., torch.Tensor] | None = None,
-    expert_load: Callable[..., None] | None = None,
-    global_tokens: Callable[..., torch.Tensor] | None = None,
-    device: torch.device | None = None,
-) -> None:
+Binder = Callable[[fx.Node, Binding], None]
+
+
+def _bind_rng(node: fx.Node, b: Binding) -> None:
+    node.target = b.rng.tp_rng_fork if node.target is ops.tp_rng_fork else b.rng.tp_rng_join
+    node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
+
+
+def _bind_collective(node: fx.Node, b: Binding) -> None:
+    node.args = tuple(b.group(a) if isinstance(a, str) else a for a in node.args)
+
+
+def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
+    if node.kwargs["group"] not in b.groups or b.experts is None:
+        return
+    node.target = b.experts.routed_experts
+    node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
+    if node.kwargs.get("capacity_factor") is not None and b.device is not None:
+        b.experts.drops.track(node.kwargs.get("layer", ""), b.device)  # before any (compiled) forward
+
+
+def _bind_zero(node: fx.Node, b: Binding) -> None:
+    if b.zero is not None:
+        node.target = b.zero[node.target is ops.zero_release]
+
+
+def _bind_global_tokens(node: fx.Node, b: Binding) -> None:
+    if b.global_tokens is not None:
+        node.target = b.global_tokens
+        node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
+
+
+def _bind_to(field_name: str) -> Binder:
+    """A marker that becomes ``Binding.<field_name>`` where that is set."""
+
+    def binder(node: fx.Node, b: Binding) -> None:
+        target = getattr(b, field_name)
+        if target is not None:
+            node.target = target
+
+    return binder
+
+
+BINDERS: Mapping[Callable, Binder] = MappingProxyType({
+    ops.tp_rng_fork: _bind_rng,
+    ops.tp_rng_join: _bind_rng,
+    **{op: _bind_collective for op in ops.COLLECTIVES},
+    ops.routed_experts: _bind_routed_experts,
+    ops.wait_param_gather: _bind_to("wait_param_gather"),
+    ops.zero_gather: _bind_zero,
+    ops.zero_release: _bind_zero,
+    ops.early_linear: _bind_to("early_linear"),
+    ops.expert_load: _bind_to("expert_load"),
+    ops.global_tokens: _bind_global_tokens,
+})
+"""Each op ``bind`` rewrites -> how (one entry per op)."""
+
+
+def bind(gm: fx.GraphModule, binding: Binding) -> None:
     """Point ``gm`` (and the graphs of its submodules, e.g. recompute regions) at this
-    rank's objects: symbolic group names (``"tp"``) become the real process groups'
-    names, ``ops.tp_rng_fork`` / ``tp_rng_join`` switch to this rank's random stream,
-    ``ops.wait_param_gather`` markers call ``wait_param_gather``, ``ops.zero_gather`` and
-    ``ops.zero_release`` the two functions of ``zero`` (zero=3), ``ops.early_linear``
-    ``early_linear`` (zero >= 2: ``DataParallel.early_linear``), ``ops.expert_load``
-    markers ``expert_load`` (the tokens-per-expert recorder, runtime/load.py), and
-    ``ops.global_tokens`` ``global_tokens`` (the running tokens per expert); a routed
-    experts layer with a capacity factor gets its dropped-pairs counter on ``device``. Only
-    arguments and call targets change; the graph's structure does not."""
+    rank's objects (``binding``), each op by its entry of ``BINDERS``: symbolic group names
+    (``"tp"``) become the real process groups' names, ``ops.tp_rng_fork`` / ``tp_rng_join``
+    switch to this rank's random stream, the markers call this rank's functions, the
+    recompute regions share this rank's ``Recomputation``, and a routed experts layer with a capacity factor gets its dropped-pairs counter on
+    ``binding.device``. Only arguments and call targets change; the graph's structure
+    does not."""
     for module in gm.modules():
+        if isinstance(getattr(module, "recomputation", None), Recomputation) and binding.recomputation is not None:
+            module.recomputation = binding.recomputation  # a recompute region (passes/recompute.py)
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target in ops.RNG_MARKERS:
-                kernel = tp_rng_fork if node.target is ops.tp_rng_fork else tp_rng_join
-                node.target = kernel
-                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
-            elif node.target in ops.COLLECTIVES:
-                node.args = tuple(groups.get(a, a) if isinstance(a, str) else a for a in node.args)
-            elif node.target is ops.routed_experts and node.kwargs["group"] in groups:
-                node.target = experts.routed_experts
-                node.kwargs = {**node.kwargs, "group": groups[node.kwargs["group"]]}
-                if node.kwargs.get("capacity_factor") is not None and device is not None:
-                    moe.track_dropped(node.kwargs.get("layer", ""), device)  # before any (compiled) forward
-            elif node.target is ops.wait_param_gather and wait_param_gather is not None:
-                node.target = wait_param_gather
-            elif node.target in (ops.zero_gather, ops.zero_release) and zero is not None:
-                node.target = zero[node.target is ops.zero_release]
-            elif node.target is ops.early_linear and early_linear is not None:
-                node.target = early_linear
-            elif node.target is ops.expert_load and expert_load is not None:
-                node.target = expert_load
-            elif node.target is ops.global_tokens and global_tokens is not None:
-                node.target = global_tokens
-                node.kwargs = {**node.kwargs, "group": groups.get(node.kwargs["group"], node.kwargs["group"])}
+            binder = BINDERS.get(node.target) if node.op == "call_function" else None
+            if binder is not None:
+                binder(node, binding)
         module.recompile()

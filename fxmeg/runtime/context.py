@@ -34,9 +34,11 @@ from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.meta_init import Source
 from fxmeg.modes import OptimizerSharding
 from fxmeg.program import CONSTANTS, Program
-from fxmeg.runtime import collectives, experts, replicas, schedules
+from fxmeg.recomputation import Recomputation
+from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
-from fxmeg.runtime.executor import Executor
+from fxmeg.runtime.executor import ComputeHooks, Executor
+from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
 from fxmeg.runtime.layerwise import gather_tp
 from fxmeg.runtime.load import ExpertLoad, GlobalTokens
@@ -51,6 +53,7 @@ from fxmeg.runtime.optimizer import (
     param_groups,
     plan_optimizers,
 )
+from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.release import release
 from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard
@@ -106,6 +109,14 @@ class RankContext:
     whole: dict[str, torch.Tensor]
     """A model built on meta: its buffers and untrained state, made whole on every rank
     (small; what the full state dict and the verify reference read). Empty otherwise."""
+    binding: collectives.Binding
+    """What this rank's chunk graphs' ops are bound to (``collectives.bind``; ``bind`` binds
+    another input shape's chunks to the same)."""
+    recomputation: Recomputation
+    """Whether this rank's recompute regions run again (read by the expert-load recorder and
+    the drop counts), and what they call before they run (zero=3)."""
+    experts: RankExperts
+    """This rank's routed experts: the all-to-all exchanges and the capacity mode's drops."""
     schedule: schedules.Schedule = field(init=False)
     """Compute actions per pipeline rank for the current micro-batch count."""
     steps: list[schedules.Step] = field(init=False)
@@ -186,16 +197,15 @@ def build_context(
     tracer = Tracer()
     ddp = _data_parallel(program, config, chunks, groups, tracer, fill,
                          shard=sharding is OptimizerSharding.ELEMENTWISE)
-    zero = ZeroParams(ddp.buffers, post=config.backward_prefetch == "post") if config.zero_stage == 3 else None
-    names = _group_names(groups)
-    load = _expert_load(program, config, chunks)
+    recomputation = Recomputation()  # this rank's recompute regions, for all that asks whether one runs again
+    zero = (ZeroParams(ddp.buffers, recomputation=recomputation, post=config.backward_prefetch == "post")
+            if config.zero_stage == 3 else None)
+    load = _expert_load(program, config, chunks, recomputation)
+    rank_experts = RankExperts(recomputation, tracer)  # its all-to-alls' spans join this rank's timeline
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
+    binding = _binding(program, config, groups, ddp, zero, load, tokens, rank_experts, recomputation)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
-                         early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
-                         expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean)
-    if program.ep_specs:  # the token all-to-alls' spans join this rank's timeline
-        experts.exchange(groups.ep.group_name).tracer = tracer
+        collectives.bind(gm, binding)
     opt = Optimizer(
         named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
         sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
@@ -210,20 +220,32 @@ def build_context(
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
-        whole=whole, load=load, global_tokens=tokens, zero=zero,
+        whole=whole, binding=binding, recomputation=recomputation, experts=rank_experts, load=load, global_tokens=tokens, zero=zero,
     )
 
 
-def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule]) -> ExpertLoad | None:
+def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule],
+                 recomputation: Recomputation) -> ExpertLoad | None:
     """The tokens-per-expert recorder of ``program``'s marked layers, holding this rank's
     router bias buffers; None without layers, and where the forward that runs is not the
     chunk graph with its markers (compiled, or a zero-bubble split)."""
     if config.compile or config.parallel.splits_backward:
         return None
-    load = ExpertLoad.of(program)
+    load = ExpertLoad.of(program, recomputation)
     if load is not None:
         load.hold(program, chunks)
     return load
+
+
+def _binding(program: Program, config: EngineConfig, groups: Groups, ddp: DataParallel, zero: ZeroParams | None,
+             load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
+             recomputation: Recomputation) -> collectives.Binding:
+    """What this rank's chunk graphs' ops are bound to (``collectives.bind``)."""
+    return collectives.Binding(
+        _group_names(groups), wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
+        early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
+        expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean,
+        experts=rank_experts, recomputation=recomputation)
 
 
 def _zero_markers(zero: ZeroParams | None):
@@ -233,14 +255,16 @@ def _zero_markers(zero: ZeroParams | None):
 
 def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
               ddp: DataParallel, tracer: Tracer, zero: ZeroParams | None) -> Executor:
-    return Executor(
-        chunks, specs={c: program.specs[c] for c in chunks}, rank=groups.rank, pp=config.parallel.pp,
-        peer=groups.pp_peer, group=groups.pp, device=program.device, placement=program.placement,
-        timeout_s=config.comm_timeout_s, compile=config.compile, on_grad_sync=ddp.start_sync, tracer=tracer,
-        accumulate=ddp.accumulate, wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
-        running=zero.running if zero is not None else None,
+    specs = {c: program.specs[c] for c in chunks}
+    wire = PointToPoint(specs, pp=config.parallel.pp, peer=groups.pp_peer, group=groups.pp, device=program.device,
+                        placement=program.placement, timeout_s=config.comm_timeout_s)
+    hooks = ComputeHooks(
+        accumulate=ddp.accumulate, on_grad_sync=ddp.start_sync,
         on_backward=ddp.end_backward if config.zero_stage >= 2 else None,
-    )
+        wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+        running=zero.running if zero is not None else None)
+    return Executor(chunks, specs=specs, rank=groups.rank, device=program.device, wire=wire, hooks=hooks,
+                    compile=config.compile, tracer=tracer)
 
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
@@ -274,12 +298,8 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
                 raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
                                  "rank holds")
     chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
-    names = _group_names(ctx.groups)
     for gm in chunks.values():
-        collectives.bind(gm, names, wait_param_gather=ctx.ddp.wait_param_gather, zero=_zero_markers(ctx.zero),
-                         early_linear=ctx.ddp.early_linear if ctx.config.zero_stage >= 2 else None,
-                         expert_load=ctx.load.record if ctx.load is not None else None,
-                         global_tokens=ctx.global_tokens.running_mean, device=program.device)
+        collectives.bind(gm, ctx.binding)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
 

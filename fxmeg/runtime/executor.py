@@ -2,7 +2,9 @@
 
 Every step is handled by one small method per action kind. Live state (received
 activations, saved forward outputs, gradients to send) is keyed by (chunk, micro-batch)
-and lives only for one ``run``.
+and lives only for one ``run``. Its collaborators are two small objects: the
+point-to-point messages to the other stages (``PointToPoint``, runtime/p2p.py) and the
+data-parallel / zero=3 entry points it calls around compute (``ComputeHooks``).
 """
 
 from __future__ import annotations
@@ -12,30 +14,16 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
-from fxmeg.errors import CommTimeoutError, ScheduleError
-from fxmeg.program import Boundary, ChunkSpec, split_spec
-from fxmeg.runtime.packing import Layout
-from fxmeg.runtime.schedules import (
-    COMPUTE,
-    Action,
-    Kind,
-    Step,
-    fmt,
-    input_of,
-    is_send,
-    peer_chunk,
-    round_robin,
-)
+from fxmeg.errors import ScheduleError
+from fxmeg.program import ChunkSpec, split_spec
+from fxmeg.runtime.p2p import Key, Mailboxes, PointToPoint
+from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of
 from fxmeg.torch_private import run_backward, view_base
 from fxmeg.trace import CATEGORY, Tracer
-
-Key = tuple[int, int]  # (chunk, micro-batch)
 
 
 @dataclass
@@ -51,18 +39,33 @@ class Counters:
 
 
 @dataclass
-class _State:
-    inbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    grad_inbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    grad_outbox: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+class _State(Mailboxes):
     saved: dict[Key, tuple] = field(default_factory=dict)
     carry: dict[Key, tuple] = field(default_factory=dict)
     """Zero bubble: what a micro-batch's W needs, from its I."""
     losses: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(loss_sum, num_tokens) of each micro-batch the last chunk ran, summed once at the end."""
-    posted: dict[Action, tuple] = field(default_factory=dict)
-    """Point-to-point action -> (its works, its tensors), until awaited."""
+
+
+@dataclass(frozen=True)
+class ComputeHooks:
+    """What the executor calls around its compute: the data-parallel gradient buffers'
+    and zero=3's entry points (runtime/context.py picks them by the config). Each left
+    None does nothing."""
+
+    accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
+    """Adds a weight gradient into its buffer (zero bubble's W)."""
+    on_grad_sync: Callable[[int], None] | None = None
+    """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
+    on_backward: Callable[[int], None] | None = None
+    """Called with the chunk index once a backward (or weight-gradient) action is done
+    (zero >= 2: the gradient buckets are reduced then)."""
+    wait_params: Callable[[], None] | None = None
+    """Waits for the parameters' all-gather before a split chunk's forward (its graph has
+    no param-gather markers; overlap_param_gather)."""
+    running: Callable[[bool], contextlib.AbstractContextManager] | None = None
+    """Entered around every chunk forward (called with False) and backward (True); zero=3:
+    the parameters' gathers and releases."""
 
 
 class Executor:
@@ -74,54 +77,26 @@ class Executor:
         *,
         specs: dict[int, ChunkSpec],
         rank: int,
-        pp: int,
-        peer: Callable[[int], int],
-        group: dist.ProcessGroup | None,
         device: torch.device,
-        placement: Sequence[int] | None = None,
-        timeout_s: float = 600.0,
+        wire: PointToPoint,
+        hooks: ComputeHooks = ComputeHooks(),
         compile: bool = False,
-        on_grad_sync: Callable[[int], None] | None = None,
         tracer: Tracer | None = None,
-        accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
-        wait_params: Callable[[], None] | None = None,
-        running: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-        on_backward: Callable[[int], None] | None = None,
-        pack: bool = True,
     ) -> None:
         self.chunks = chunks
         self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
         self.split = {c: _SplitChunk(gm, compile) for c, gm in chunks.items() if split_spec(gm) is not None}
         """Chunks whose backward runs as input- and weight-gradient graphs (zero bubble)."""
-        self.accumulate, self.wait_params = accumulate, wait_params
-        self.running = running or contextlib.nullcontext
-        """Entered around every chunk forward (called with False) and backward (True); zero=3:
-        the parameters' gathers and releases."""
-        self.on_backward = on_backward
-        """Called with the chunk index once a backward (or weight-gradient) action is done
-        (zero >= 2: the gradient buckets are reduced then)."""
-        self.specs = specs
-        self.rank, self.pp = rank, pp
-        talks_to = max(chunks, default=0) + 2  # every chunk this rank holds or talks to
-        self.placement = tuple(placement) if placement is not None else round_robin(pp, talks_to)
-        """Each chunk's pipeline rank (``fxmeg.config.placement``; default round robin)."""
-        self.rank_stage = self.placement[min(chunks)] if chunks else 0
-        self.peer, self.group, self.device = peer, group, device
-        self.timeout = timedelta(seconds=timeout_s)
+        self.hooks = hooks
+        self.running = hooks.running or contextlib.nullcontext
+        self.wire = wire
+        """The point-to-point messages to and from the other pipeline stages."""
+        self.specs, self.rank, self.device = specs, rank, device
         self.counters = Counters()
         self.tracer = tracer if tracer is not None else Tracer()
-        self.on_grad_sync = on_grad_sync
-        """Called with the chunk index at GRAD_SYNC (DDP: start reducing buckets)."""
-        self.pack = pack
-        """Send the tensors crossing a cut (one direction, one micro-batch) as one packed
-        message (runtime/packing.py); False: one message per tensor (tests, benchmarks)."""
-        self._layouts: dict[tuple[int, Kind], Layout] = {}
-        self._peers: dict[tuple[int, Kind], int] = {}
         self._planned: tuple[list[Step], list] | None = None
-        self._coalesce: bool | None = None
-        """Post a group of several point-to-point ops as one coalesced batch (NCCL must:
-        a send and a receive posted apart can wait on each other); gloo takes each op as it
-        comes. Known at the first post."""
+        self._saves_result: dict[tuple[type, int], bool] = {}
+        """Whether an autograd node type saves its output k (``_saves_its_result``)."""
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -150,7 +125,7 @@ class Executor:
             for index, (step, act, compute, reads) in enumerate(self._plan(steps)):
                 try:
                     if compute:
-                        self._await(reads)
+                        self.wire.wait(reads, self._state, tracer)
                     start = time.perf_counter_ns() if tracer.on else 0
                     act()
                     if compute:
@@ -162,7 +137,7 @@ class Executor:
                     tracer.add(fmt(step), category, start, time.perf_counter_ns())
             try:
                 for a in list(self._state.posted):  # sends nobody freed (gradients, eval)
-                    self._await(a)
+                    self.wire.wait(a, self._state, tracer)
             except Exception as exc:
                 raise ScheduleError(self._failure(len(self.steps) - 1, exc)) from exc
         state, self._state = self._state, None
@@ -228,8 +203,8 @@ class Executor:
         with self.running(True):
             run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
                          inputs=(), allow_unreachable=True, accumulate_grad=True)
-        if self.on_backward is not None:
-            self.on_backward(a.chunk)
+        if self.hooks.on_backward is not None:
+            self.hooks.on_backward(a.chunk)
         if a.chunk > 0 and any(b.grad for b in spec.recv):
             self._state.grad_outbox[key] = [
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -243,8 +218,8 @@ class Executor:
         """F of a split chunk: its forward graph, outside autograd; the tensors backward
         needs are kept with the micro-batch."""
         spec, key, chunk = self.specs[a.chunk], (a.chunk, a.mb), self.split[a.chunk]
-        if self.wait_params is not None:  # the forward graph has no param-gather markers
-            self.wait_params()
+        if self.hooks.wait_params is not None:  # the forward graph has no param-gather markers
+            self.hooks.wait_params()
         with torch.no_grad():
             outs = chunk.forward(*chunk.state(), *data, *received)
         n = chunk.spec.outputs
@@ -284,18 +259,18 @@ class Executor:
             grads = chunk.weight(*self._state.carry.pop((a.chunk, a.mb)))
         for p, g in zip(chunk.weights, grads):
             if g is not None:
-                self.accumulate(p, g)
-        if self.on_backward is not None:
-            self.on_backward(a.chunk)
+                self.hooks.accumulate(p, g)
+        if self.hooks.on_backward is not None:
+            self.hooks.on_backward(a.chunk)
 
     def _grad_sync(self, a: Action) -> None:
-        if self.on_grad_sync is not None:
-            self.on_grad_sync(a.chunk)
+        if self.hooks.on_grad_sync is not None:
+            self.hooks.on_grad_sync(a.chunk)
 
     def _deallocate(self, a: Action) -> None:
         """Free sent activations' storage, keep their autograd nodes (Megatron:
         deallocate_output_tensor); backward then runs through them anyway."""
-        self._await(Action(a.chunk, Kind.SEND_F, a.mb))  # the send must have read it
+        self.wire.wait(Action(a.chunk, Kind.SEND_F, a.mb), self._state, self.tracer)  # the send must have read it
         if not self._train:
             return
         saved, sends, _ = self._state.saved[(a.chunk, a.mb)]
@@ -309,74 +284,16 @@ class Executor:
                 if view_base(t) is None and t.untyped_storage().data_ptr() not in kept:
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.counters.deallocated += 1
-            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t):
+            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t, self._saves_result):
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                 self.counters.deallocated += 1
 
     # ------------------------------------------------------------ communication
 
     def _post(self, step: Step) -> None:
-        """Post every point-to-point op of the group at once; each is awaited where its
-        tensor is needed (``_await``)."""
-        ops, owners = [], []
-        for a in step:
-            tensors, peer, send = self._buffers(a)
-            ops.extend((send, t, peer) for t in tensors)
-            owners.append((a, len(tensors), tensors))
-        if not ops:
-            return
-        if self._coalesce is None:
-            self._coalesce = dist.get_backend(self._wire_group()) != "gloo"
-        if len(ops) == 1 or not self._coalesce:  # a fifth of the host time of a batch of one
-            works = [self._post_one(*op) for op in ops]
-        else:  # NCCL: one coalesced group, one handle standing for all of it
-            group = self._wire_group()
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend if send else dist.irecv, t, group=group, group_peer=peer)
-                for send, t, peer in ops
-            ])
-            if len(works) != len(ops):
-                works = works[:1] * len(ops)
-        i = 0
-        for a, n, tensors in owners:
-            self._state.posted[a] = (works[i : i + n], tensors)
-            i += n
-
-    def _post_one(self, send: bool, tensor: torch.Tensor, peer: int) -> dist.Work:
-        """One send or receive, straight on the process group: ``dist.isend`` / ``irecv``
-        check and resolve their arguments on every call; here that was done at bind time
-        (``_peer_of``)."""
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        group = self._wire_group()
-        return group.send([tensor], peer, 0) if send else group.recv([tensor], peer, 0)
-
-    def _wire_group(self) -> dist.ProcessGroup:
-        return self.group if self.group is not None else dist.group.WORLD
-
-    def _await(self, a: Action | None) -> None:
-        """Wait, at most the timeout, for posted action ``a`` (no-op when not posted): a
-        peer that stops answering fails the step by name."""
-        entry = self._state.posted.pop(a, None) if a is not None else None
-        if entry is None:
-            return
-        works, _ = entry
-        start = time.perf_counter_ns()
-        for work in works:
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as exc:
-                stage = self.placement[peer_chunk(a)]
-                peer = self.peer(stage)
-                what = "sending to" if is_send(a) else "receiving from"
-                raise CommTimeoutError(
-                    f"pipeline stage {self.rank_stage} waited {self.timeout.total_seconds():g} s "
-                    f"{what} rank {peer} (pipeline stage {stage}) for {a}; that rank stopped "
-                    f"answering (crashed, hung, or far slower). Raise comm_timeout_s if it is "
-                    f"just slow. ({exc})"
-                ) from exc
-        if self.tracer.on:
-            self.tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())
+        """Post a group of point-to-point actions into this run's mailboxes (the plan is
+        kept over runs: the run's state is read here, not bound into it)."""
+        self.wire.post(step, self._state)
 
     def _hand_off(self, a: Action) -> None:
         """Chunks next to each other on this rank (chunks pp-1 and pp of a V placement)
@@ -387,52 +304,6 @@ class Executor:
             s.inbox[(a.chunk + 1, a.mb)] = [t.detach() for t in s.outbox.pop(key)]
         if key in s.grad_outbox and a.chunk - 1 in self.chunks:
             s.grad_inbox[(a.chunk - 1, a.mb)] = s.grad_outbox.pop(key)
-
-    def _buffers(self, a: Action) -> tuple[list[torch.Tensor], int, bool]:
-        """What action ``a`` puts on the wire, its peer (rank in the pipeline group), and
-        whether it sends. A receive leaves the tensors the compute reads in the inbox:
-        views into the buffer it posts when the cut is packed."""
-        key, s, layout, peer = (a.chunk, a.mb), self._state, self._layout(a), self._peer_of(a)
-        if a.kind is Kind.SEND_F:
-            return self._wire(layout, s.outbox.pop(key)), peer, True
-        if a.kind is Kind.SEND_B:
-            return self._wire(layout, s.grad_outbox.pop(key)), peer, True
-        if self._packs(layout):
-            wire = [self._empty((layout.nbytes,), torch.uint8)]
-            tensors = layout.unpack(wire[0])
-        else:
-            wire = tensors = [self._empty(p.shape, p.dtype) for p in layout.pieces]
-        (s.inbox if a.kind is Kind.RECV_F else s.grad_inbox)[key] = tensors
-        return wire, peer, False
-
-    def _peer_of(self, a: Action) -> int:
-        """The rank, in the pipeline group, at the other end of point-to-point action
-        ``a`` (resolved once per chunk and kind)."""
-        key = (a.chunk, a.kind)
-        if key not in self._peers:
-            rank = self.peer(self.placement[peer_chunk(a)])
-            self._peers[key] = rank if self.group is None else dist.get_group_rank(self.group, rank)
-        return self._peers[key]
-
-    def _wire(self, layout: Layout, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The buffers that carry ``tensors``: one packed copy, or the tensors themselves.
-        The packed copy lives until the send is awaited; ``_deallocate`` still frees the
-        originals."""
-        return [layout.pack(tensors)] if self._packs(layout) else [t.contiguous() for t in tensors]
-
-    def _packs(self, layout: Layout) -> bool:
-        # one tensor goes as it is: packing it would only add a copy
-        return self.pack and len(layout.pieces) > 1
-
-    def _layout(self, a: Action) -> Layout:
-        """The message layout of a point-to-point action, the same at both ends of the cut."""
-        key = (a.chunk, a.kind)
-        if key not in self._layouts:
-            self._layouts[key] = Layout.of(_crossing(self.specs[a.chunk], a.kind))
-        return self._layouts[key]
-
-    def _empty(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
 
     # ------------------------------------------------------------ errors
 
@@ -464,23 +335,14 @@ class _SplitChunk:
         return [t.detach() for t in self._state]
 
 
-def _crossing(spec: ChunkSpec, kind: Kind) -> tuple[Boundary, ...]:
-    """The tensors a point-to-point action of ``spec``'s chunk carries, in order."""
-    if kind in (Kind.SEND_F, Kind.RECV_B):
-        return tuple(b for b in spec.send if kind is Kind.SEND_F or b.grad)
-    return tuple(b for b in spec.recv if kind is Kind.RECV_F or b.grad)
-
-
-def _saves_its_result(t: torch.Tensor) -> bool:
+def _saves_its_result(t: torch.Tensor, memo: dict[tuple[type, int], bool]) -> bool:
     """True when t's autograd node saved t itself (e.g. relu, exp): freeing it would
     corrupt backward. Autograd names a saved output ``_saved_result`` (one output) or
     ``_saved_result<k>`` (output k of several: layer norm saves its mean and rstd, 1 and
-    2, not its output 0, which crosses a cut before the head)."""
+    2, not its output 0, which crosses a cut before the head). ``memo``: the answers so
+    far by (node type, output), the executor's."""
     key = (type(t.grad_fn), t.output_nr)
-    if key not in _SAVES_RESULT:
+    if key not in memo:
         names = dir(t.grad_fn)
-        _SAVES_RESULT[key] = "_saved_result" in names or f"_saved_result{t.output_nr}" in names
-    return _SAVES_RESULT[key]
-
-
-_SAVES_RESULT: dict[tuple[type, int], bool] = {}
+        memo[key] = "_saved_result" in names or f"_saved_result{t.output_nr}" in names
+    return memo[key]

@@ -1,5 +1,6 @@
 """The all-to-all behind ``fxmeg.ops.routed_experts`` once bound to an expert-parallel
-group (``collectives.bind``): Megatron's dropless all-to-all token dispatcher.
+group (``collectives.bind``: ``RankExperts.routed_experts``): Megatron's dropless all-to-all
+token dispatcher.
 
 Dispatch, on every rank of the ep group at once: the rows (one per routed (token, slot)
 pair) arrive sorted by global expert with ``counts[E]`` rows per expert. The counts go
@@ -22,9 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, fx
+from torch import Tensor
 
 from fxmeg import moe
+from fxmeg.recomputation import Recomputation
 from fxmeg.torch_private import resolve_process_group
 from fxmeg.trace import Tracer
 
@@ -90,21 +92,25 @@ class AllToAllExchange:
         return _AllToAll.apply(out[back], send, recv, self, "combine")
 
 
-_EXCHANGES: dict[str, AllToAllExchange] = {}
+class RankExperts:
+    """This rank's routed experts, owned by its RankContext (``experts``): one exchange per
+    expert-parallel group, made on first use, and the capacity mode's drop counts."""
 
+    def __init__(self, recomputation: Recomputation | None = None, tracer: Tracer | None = None) -> None:
+        self.exchanges: dict[str, AllToAllExchange] = {}
+        self.drops = moe.DropCounts(recomputation)
+        self.tracer = tracer
+        """Given to every exchange: records each all-to-all as an ``ep_a2a`` span."""
 
-def exchange(group: str) -> AllToAllExchange:
-    """The exchange over the process group named ``group`` (one per group)."""
-    if group not in _EXCHANGES:
-        _EXCHANGES[group] = AllToAllExchange(resolve_process_group(group))
-    return _EXCHANGES[group]
+    def exchange(self, group: str) -> AllToAllExchange:
+        """The exchange over the process group named ``group`` (one per group)."""
+        if group not in self.exchanges:
+            self.exchanges[group] = AllToAllExchange(resolve_process_group(group))
+            self.exchanges[group].tracer = self.tracer
+        return self.exchanges[group]
 
-
-def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                   w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
-                   num_experts: int, group: str, capacity_factor: float | None = None,
-                   layer: str = "", probs_on_input: bool = False) -> Tensor:
-    """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over ``group``."""
-    return moe.routed_experts(middle, hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down,
-                              num_experts=num_experts, exchange=exchange(group), capacity_factor=capacity_factor,
-                              layer=layer, probs_on_input=probs_on_input)
+    @moe.as_op
+    def routed_experts(self, *args, group: str, **options) -> Tensor:
+        """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over
+        ``group``, the drops counted in ``drops``."""
+        return moe.routed_experts(*args, exchange=self.exchange(group), drops=self.drops, **options)

@@ -6,7 +6,7 @@ Each marker sits at a routed-experts block's top-k index (fxmeg/passes/expert_pa
 During a training forward the recorder adds ``bincount(top_k_index, minlength=E)`` (the
 (token, slot) pairs routed to each expert) into that layer's slice of one int64 tensor;
 a forward without gradients (evaluation) and a recompute region's second run in backward
-(``fxmeg.recomputation.recomputing``) add nothing, so each micro-batch counts once. After the step
+(``Recomputation.recomputing``) add nothing, so each micro-batch counts once. After the step
 (``reduce``) the counts are summed over the dp x cp ranks (every token once: tp ranks
 hold the same tokens and are not summed) and over the pipeline stages (each layer lives
 on one), so every rank holds every layer's counts of the global batch; ``reset`` clears
@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg import ops, recomputation
+from fxmeg import ops
 from fxmeg.program import Program, load_marks
+from fxmeg.recomputation import Recomputation
 from fxmeg.runtime.groups import Groups, all_reduce
 from fxmeg.torch_private import resolve_process_group
 
@@ -38,7 +39,10 @@ class ExpertLoad:
     """This rank's tokens per expert of every layer of the model (zero for the layers of
     other pipeline stages until ``reduce``)."""
 
-    def __init__(self, layers: dict[str, int], device: torch.device) -> None:
+    def __init__(self, layers: dict[str, int], device: torch.device,
+                 recomputation: Recomputation | None = None) -> None:
+        self.recomputation = recomputation
+        """Whose recomputed forwards are not counted (the rank's; None: every training forward)."""
         self.layers = dict(layers)
         """Every layer of the model (its experts module), in chunk and graph order -> E."""
         self.offsets, offset = {}, 0
@@ -50,10 +54,10 @@ class ExpertLoad:
         """This rank's layers whose router adds an expert bias -> that buffer (bound chunks')."""
 
     @classmethod
-    def of(cls, program: Program) -> ExpertLoad | None:
+    def of(cls, program: Program, recomputation: Recomputation | None = None) -> ExpertLoad | None:
         """The recorder of ``program``'s marked layers, or None when it has none."""
         layers = {n.kwargs["layer"]: n.kwargs["experts"] for gm in program.chunks for n in load_marks(gm)}
-        return cls(layers, program.device) if layers else None
+        return cls(layers, program.device, recomputation) if layers else None
 
     def hold(self, program: Program, chunks: dict[int, fx.GraphModule]) -> None:
         """Find the router bias buffers of this rank's ``chunks`` (bound copies of
@@ -66,7 +70,8 @@ class ExpertLoad:
     def record(self, top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
         """``ops.expert_load`` bound: add this micro-batch's tokens per expert of ``layer``
         (a training forward only, and once: not again when backward recomputes it)."""
-        if not torch.is_grad_enabled() or recomputation.recomputing():
+        again = self.recomputation is not None and self.recomputation.recomputing()
+        if not torch.is_grad_enabled() or again:
             return
         start = self.offsets[layer]
         self.counts[start:start + experts] += torch.bincount(top_k_index.detach().reshape(-1), minlength=experts)

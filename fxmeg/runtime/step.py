@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fxmeg import moe
 from fxmeg.errors import FxmegError
 from fxmeg.program import Program
 from fxmeg.runtime import replicas
@@ -82,11 +81,11 @@ def train_step(
     mismatch = None
     if check_determinism:
         first = forward_backward(program, ctx, mbs)
-        moe.dropped.clear()  # the step's drops are counted once
+        ctx.experts.drops.reset()  # the step's drops are counted once
         grads = [b.reduced().clone() for b in ctx.ddp.all()]
     loss_sum, num_tokens = forward_backward(program, ctx, mbs)
     if ctx.config.moe_capacity_factor is not None:
-        moe.log_dropped(f"train step {ctx.steps_taken}")
+        ctx.experts.drops.log(f"train step {ctx.steps_taken}")
     if check_determinism:
         same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all()))
         mismatch = _any_rank(not same, ctx.device)
@@ -147,7 +146,7 @@ def eval_step(
     steps = ctx.lower(forward_only(ctx.build_schedule(m)))[ctx.groups.pp_rank]
     stats = ctx.executor.run(steps, mbs, train=False)
     if ctx.config.moe_capacity_factor is not None:
-        moe.log_dropped("eval step")
+        ctx.experts.drops.log("eval step")
     loss_sum, num_tokens = _reduce_stats(ctx, stats)
     return EvalResult(loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens))
 

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg import recomputation
 from fxmeg.program import BufferLayout
+from fxmeg.recomputation import Recomputation
 from fxmeg.runtime.ddp import Events, GradBuffer
 from fxmeg.runtime.groups import Works, gather_into, reduce_scatter_
 from fxmeg.torch_private import storage_key
@@ -416,7 +416,10 @@ class ZeroParams:
     """zero=3 over every buffer of this rank: what the bound graph nodes, autograd's saved
     tensors and the recompute regions call, and whole parameters on demand."""
 
-    def __init__(self, buffers: dict[int, list[GradBuffer]], *, post: bool = False) -> None:
+    def __init__(self, buffers: dict[int, list[GradBuffer]], *, recomputation: Recomputation,
+                 post: bool = False) -> None:
+        self.recomputation = recomputation
+        """The rank's recompute regions: they make their parameters whole before they run."""
         self.buffers = {c: bufs[0] for c, bufs in buffers.items() if bufs}
         self.post = post
         """backward_prefetch='post': backward gathers the next bucket once it freed one."""
@@ -485,7 +488,7 @@ class ZeroParams:
         log.append(("backward", "begin"))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                    recomputation.preparing(self._prepare):
+                    self.recomputation.preparing(self._prepare):
                 yield
         finally:
             self.backward = False

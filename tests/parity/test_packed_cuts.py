@@ -42,7 +42,7 @@ def counting_messages(counts: Counter):
 
 def train(rank: int, sc: Scenario, pack: bool) -> dict:
     engine = sc.engine()
-    engine.context.executor.pack = pack
+    engine.context.executor.wire.pack = pack
     losses, counts, counters = [], [], []
     for batch in sc.batches()[:STEPS]:
         with counting_messages(Counter()) as c:

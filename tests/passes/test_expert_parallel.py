@@ -144,3 +144,20 @@ def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_a
         graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", ep=2, dp=2)
     parent = graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", dp=2)
     assert len(_bank_matmuls(parent)) == 2 and not _nodes(parent, lambda n: n.target is ops.expert_load)
+
+
+def test_the_routed_experts_signature_is_written_once():
+    """The graph op, its runtime binding and the pass's node all take ``moe.routed_experts``'
+    arguments (``moe.as_op``), its exchange replaced by a group name: a new option is
+    added in one place, and a node written with a misspelt one fails at once."""
+    import inspect
+
+    from fxmeg import moe
+    from fxmeg.runtime import experts
+
+    want = [p.name.replace("exchange", "group") for p in inspect.signature(moe.routed_experts).parameters.values()
+            if p.name != "drops"]  # the rank's, given by the binding
+    for op in (ops.routed_experts, experts.RankExperts().routed_experts):
+        assert list(inspect.signature(op).parameters) == want, op
+    with pytest.raises(TypeError):
+        ops.routed_experts_call(*range(8), num_experts=4, group="ep", capacity_factr=1.0)

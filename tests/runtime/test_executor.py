@@ -12,7 +12,8 @@ import torch
 from fxmeg.errors import ScheduleError
 from fxmeg.program import chunk_spec, chunks
 from fxmeg.runtime import schedules
-from fxmeg.runtime.executor import Executor
+from fxmeg.runtime.executor import ComputeHooks, Executor
+from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.schedules import Action, Kind, fmt
 from fxmeg.torch_private import run_backward
 from fxmeg.trace import Tracer
@@ -36,9 +37,11 @@ def lowered_steps(m: int, *, train: bool = True, name: str = "none") -> list:
     return schedules.lower(compute, num_chunks=1)[0]
 
 
-def _executor(chunk_graphs, **kwargs) -> Executor:
+def _executor(chunk_graphs, *, placement=None, on_grad_sync=None, tracer=None) -> Executor:
     specs = {c: chunk_spec(gm) for c, gm in chunk_graphs.items()}
-    return Executor(chunk_graphs, specs=specs, rank=0, pp=1, peer=lambda r: r, group=None, device=CPU, **kwargs)
+    wire = PointToPoint(specs, pp=1, peer=lambda r: r, group=None, device=CPU, placement=placement)
+    return Executor(chunk_graphs, specs=specs, rank=0, device=CPU, wire=wire, hooks=ComputeHooks(on_grad_sync=on_grad_sync),
+                    tracer=tracer)
 
 
 def _setup(seed: int = 3):
@@ -109,7 +112,7 @@ def test_grad_sync_fires_once_before_the_last_backward(name):
         calls.append((chunk, len(backwards), param.grad.clone()))
 
     ex = _executor(build_chunks(model, mbs[0]), on_grad_sync=on_grad_sync)
-    assert ex.on_grad_sync is on_grad_sync
+    assert ex.hooks.on_grad_sync is on_grad_sync
     ex.run(lowered_steps(M, name=name), mbs, train=True)
     assert [(c, n) for c, n, _ in calls] == [(0, M - 1)]
     assert len(backwards) == M
@@ -203,13 +206,23 @@ def test_a_sent_output_is_kept_only_when_its_node_saved_it():
     from fxmeg.runtime.executor import _saves_its_result
 
     x = torch.randn(4, 8, requires_grad=True)
-    assert _saves_its_result(x.exp()) and _saves_its_result(torch.relu(x))
-    assert not _saves_its_result(x * 2)
+    assert _saves_its_result(x.exp(), {}) and _saves_its_result(torch.relu(x), {})
+    assert not _saves_its_result(x * 2, {})
     normed = torch.nn.functional.layer_norm(x, (8,))
-    assert not _saves_its_result(normed)
+    assert not _saves_its_result(normed, {})
     want = torch.autograd.grad(torch.nn.functional.layer_norm(x, (8,)), x, torch.ones(4, 8))[0]
     normed.data = torch.empty(1)  # what DEALLOC does; the executor runs backward from it as Megatron does
     run_backward(
         (normed,), (torch.ones(4, 8),), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
         accumulate_grad=True)
     assert torch.equal(x.grad, want)
+
+
+def test_the_executor_takes_its_collaborators_as_objects_not_callbacks():
+    """Its messages (``PointToPoint``) and the data-parallel / zero=3 entry points
+    (``ComputeHooks``) come as two objects: no constructor argument is a bare callback."""
+    import inspect
+
+    params = inspect.signature(Executor.__init__).parameters
+    callbacks = [n for n, p in params.items() if "Callable" in str(p.annotation)]
+    assert not callbacks and len(params) <= 10, (callbacks, list(params))

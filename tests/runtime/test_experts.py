@@ -17,8 +17,7 @@ E = 4  # experts, 2 per rank
 
 def exchange_rows(rank: int) -> dict:
     group = dist.new_group([0, 1])
-    ex = experts.exchange(group.group_name)
-    ex.tracer = Tracer()
+    ex = experts.RankExperts(tracer=Tracer()).exchange(group.group_name)
     out = {}
     for traced in (False, True):
         ex.tracer.begin_step(traced)
