@@ -40,13 +40,14 @@ def corpus(tmp_path_factory):
 def test_train_on_four_ranks_and_plot(corpus, tmp_path):
     run = str(tmp_path / "run")
     out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pipeline-model-parallel-size", "2", "--dp", "2",
+                "--use-distributed-optimizer",
                 "--seq-len", "64", "--global-batch-size", "32", "--train-iters", "30", "--lr", "3e-3",
                 "--lr-warmup-samples", "64", "--eval-interval", "10", "--eval-iters", "4",
                 "--log-interval", "5", "--run-dir", run, "--no-progress",
                 "--trace", str(tmp_path / "trace"), "--trace-interval", "15")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (f"layout tp=1 cp=1 ep=1 pp=2 vpp=1 dp=2 zero=0 on 4 rank(s), schedule 1f1b, fp32; run directory "
-            f"{run}; no checkpoints (--save)") in out.stdout  # Megatron's flag name set pp
+    assert (f"layout tp=1 cp=1 ep=1 pp=2 vpp=1 dp=2 zero=1 on 4 rank(s), schedule 1f1b, fp32; run directory "
+            f"{run}; no checkpoints (--save)") in out.stdout  # Megatron's flag names set pp and ZeRO-1
     records = read(run)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r["valid_loss"] for r in records if r["kind"] == "eval"]
