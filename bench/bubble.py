@@ -3,7 +3,7 @@
 A GPT whose blocks dominate (small vocabulary) split evenly over pp ranks, so the stages
 cost the same and the bubble is the schedule's, not an imbalance's. For each m, the
 median over traced steps of every rank's idle share of the step's schedule span
-(fxmeg.trace.analyze). One JSON line.
+(fxmeg.timelines.analyze). One JSON line.
 
     python bench/bubble.py               # pp=2, m in 4 8 16, mbs 2 (the pipeline bench's)
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn  # noqa: E402
-from fxmeg import trace  # noqa: E402
+from fxmeg import timelines  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -41,9 +41,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         bubbles = []
         for _ in range(args.steps):
             engine.train_step((ids, labels), trace=True)
-            gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
+            gathered = timelines.gather(engine.context.tracer.events, f"rank {rank}")
             if gathered:
-                bubbles.append([r["bubble"] for r in trace.analyze(gathered[0])["ranks"]])
+                bubbles.append([r["bubble"] for r in timelines.analyze(gathered[0])["ranks"]])
         if rank == 0:
             measured = [median([b[r] for b in bubbles]) for r in range(world)]
             theory = (world - 1) / (m + world - 1)

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
 from bench.memory import peak, rss  # noqa: E402
-from fxmeg import trace  # noqa: E402
+from fxmeg import timelines  # noqa: E402
 
 RUNS = {"ep1": 1, "ep2": 2}
 
@@ -124,10 +124,10 @@ def speed(rank: int, world: int, args: argparse.Namespace) -> None:
             for name, e in engines.items()}
     if args.trace:
         for name, e in engines.items():  # the last step's timeline, every rank's
-            gathered = trace.gather(e.context.tracer.events, f"rank {rank} ({name})")
+            gathered = timelines.gather(e.context.tracer.events, f"rank {rank} ({name})")
             if gathered:
                 os.makedirs(args.trace, exist_ok=True)
-                trace.write(os.path.join(args.trace, f"{name}.json"), *gathered)
+                timelines.write(os.path.join(args.trace, f"{name}.json"), *gathered)
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     if rank != 0:

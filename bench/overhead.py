@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed  # noqa: E402
 from bench.zero_bubble import FXMEG_VPP, TORCH_SCHEDULES, agree, torch_manual  # noqa: E402
-from fxmeg import trace  # noqa: E402
+from fxmeg import timelines  # noqa: E402
 from fxmeg.runtime.schedules import Action  # noqa: E402
 from fxmeg.runtime.simulator import simulate  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
@@ -177,7 +177,7 @@ def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
         steps = []
         for _ in range(args.traced_steps):
             engine.train_step((ids, labels), trace=True)
-            steps.append(trace.gather(engine.context.tracer.events, f"rank {rank}"))
+            steps.append(timelines.gather(engine.context.tracer.events, f"rank {rank}"))
         if rank == 0:
             ranks = [[span for gathered in steps for span in gathered[0][r]] for r in range(world)]
             bound = _bound(engine, ranks, world, args.latency_ms / 1e3)
@@ -192,7 +192,7 @@ def _bound(engine, ranks: list[list[tuple]], world: int, latency: float) -> dict
     times = defaultdict(list)
     for spans in ranks:
         for name, cat, start, end, *_ in spans:
-            if cat in trace.COMPUTE:  # one compute action a span, named by it ("1W3")
+            if cat in timelines.COMPUTE:  # one compute action a span, named by it ("1W3")
                 a = Action.parse(name)
                 times[(a.chunk, a.kind)].append((end - start) / 1e9)
     costs = {key: sum(t) / len(t) for key, t in times.items()}
@@ -211,7 +211,7 @@ def _split(spans: list[tuple], n: int) -> dict:
     by = defaultdict(float)
     for _, cat, start, end, *_ in spans:
         if cat != "step":
-            by["compute" if cat in trace.COMPUTE else cat] += (end - start) / 1e9 / n
+            by["compute" if cat in timelines.COMPUTE else cat] += (end - start) / 1e9 / n
     step_s = total / 1e9 / n
     other = step_s - sum(by.values())
     return {"step_s": step_s} | {f"{cat}_s": t for cat, t in sorted(by.items())} | {

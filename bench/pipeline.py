@@ -28,9 +28,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
-from fxmeg import trace  # noqa: E402
 from bench.common import median, parser, plain_step, spawn, timed  # noqa: E402
-from fxmeg.report import SavedBytes  # noqa: E402
+from fxmeg import timelines  # noqa: E402
+from fxmeg.measured_activations import SavedBytes  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -139,8 +139,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             for fn, out in runs[k:] + runs[:k]:
                 out.append(timed(fn))
         engine.train_step((ids, labels), trace=True)
-        gathered = trace.gather(engine.context.tracer.events, f"rank {rank}")
-        timeline = trace.analyze(gathered[0]) if gathered else None
+        gathered = timelines.gather(engine.context.tracer.events, f"rank {rank}")
+        timeline = timelines.analyze(gathered[0]) if gathered else None
         mem_ours = _saved_peak(ours, engine.named_parameters.values())
         mem_theirs = _saved_peak(theirs, peer_params)
         ideal = world * args.m / (args.m + world - 1) if vpp == 1 else world / (1 + (world - 1) / (vpp * args.m))

@@ -18,7 +18,7 @@ from fxmeg.capture import LossFn
 from fxmeg.checkpoint import Checkpointer, find_complete
 from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
 from fxmeg.errors import CheckpointError, ConfigError
-from fxmeg.export import hugging_face_info
+from fxmeg.hf_export import hugging_face_info
 from fxmeg.meta_init import InitFn, value_source
 from fxmeg.pass_driver import transform
 from fxmeg.program import Partition, Program
@@ -36,7 +36,7 @@ from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
-from fxmeg.shapes import Shapes, collect, meta_twin
+from fxmeg.variable_shapes import Shapes, collect, meta_twin
 
 __all__ = ["Engine", "EvalResult", "ParamError", "Saving", "StepResult", "VerifyResult", "parallelize"]
 
@@ -161,7 +161,7 @@ class Engine:
         """With ``variable_seq_lengths``: the Program of every input shape seen so far."""
         self._current = program
         self.hugging_face: dict | None = None
-        """A transformers model's config and tied names (``fxmeg.export.hugging_face_info``),
+        """A transformers model's config and tied names (``fxmeg.hf_export.hugging_face_info``),
         recorded in checkpoints for ``fxmeg export --format hf``."""
         self._checkpointer: Checkpointer | None = None
         self._placeholders: dict[str, nn.Parameter] | None = None
@@ -220,7 +220,7 @@ class Engine:
         ``check_determinism`` runs forward and backward twice on the batch (Megatron's
         rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
         differed; the step then uses the second run. ``trace`` records this step's
-        timeline in ``context.tracer.events`` (see fxmeg.trace). ``full_grads`` gathers
+        timeline in ``context.tracer.events`` (see fxmeg.timelines). ``full_grads`` gathers
         every parameter's gradient whole into ``StepResult.grads``, before the optimizer
         clips and applies it (collective; for tests and debugging: it costs a gather of
         the model). With ``check_replicas_interval=N``, every N-th call first checks that

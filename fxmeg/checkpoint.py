@@ -34,7 +34,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fxmeg.errors import CheckpointError
-from fxmeg.export import DEFAULT_SHARD_SIZE, FORMATS, check_target, for_generation, hugging_face_names, write
+from fxmeg.hf_export import (
+    DEFAULT_SHARD_SIZE,
+    FORMATS,
+    check_target,
+    for_generation,
+    hugging_face_names,
+    write,
+)
 from fxmeg.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
@@ -83,7 +90,7 @@ class Checkpointer:
     ) -> None:
         self.program, self.context, self.keep, self.async_save = program, context, keep, async_save
         self.hugging_face = hugging_face
-        """``fxmeg.export.hugging_face_info`` of a transformers model, kept in meta.json
+        """``fxmeg.hf_export.hugging_face_info`` of a transformers model, kept in meta.json
         so that ``export(..., format="hf")`` can write its config.json."""
         self.data = data
         """The trainer's data vocabulary (``vocab_size``: the tokenizer's ids, before
@@ -288,7 +295,7 @@ class Exported:
     names: list[str]
     """The tensor names written."""
     notes: list[str]
-    """For the user: what an "hf" export set for inference (``fxmeg.export.for_generation``)."""
+    """For the user: what an "hf" export set for inference (``fxmeg.hf_export.for_generation``)."""
 
 
 def read_model(path: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
@@ -328,8 +335,8 @@ def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str
 
     ``format`` "pt": a plain state_dict (tied names included) in the torch.save file
     ``out``. "hf": the Hugging Face directory ``out`` that ``from_pretrained`` loads
-    (``fxmeg.export.write``: safetensors, sharded above ``max_shard_size``, config.json
-    and generation_config.json set for inference by ``fxmeg.export.for_generation``;
+    (``fxmeg.hf_export.write``: safetensors, sharded above ``max_shard_size``, config.json
+    and generation_config.json set for inference by ``fxmeg.hf_export.for_generation``;
     tied names once); only for a checkpoint of a transformers model. "safetensors": the
     same weight files alone, for any model."""
     if format not in FORMATS:

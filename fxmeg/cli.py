@@ -215,12 +215,12 @@ def _plot_schedule_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _plot_schedule(args) -> int:
-    from fxmeg import trace
+    from fxmeg import timelines
 
-    per_rank = trace.load(args.trace)
+    per_rank = timelines.load(args.trace)
     out = args.out or os.path.splitext(args.trace)[0] + ".png"
-    trace.plot(per_rank, out, title=os.path.basename(args.trace))
-    summary = trace.analyze(per_rank)
+    timelines.plot(per_rank, out, title=os.path.basename(args.trace))
+    summary = timelines.analyze(per_rank)
     for r in summary["ranks"]:
         hidden = "-" if r["dp_hidden"] is None else f"{r['dp_hidden']:.0%}"
         a2a = f", expert all-to-all {r['a2a_s'] * 1e3:.1f} ms" if r["a2a_s"] else ""

@@ -17,8 +17,6 @@ import torch
 from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.modes import OptimizerSharding, check_sharding, decide_sharding
-from fxmeg.numbers import Size, check_numbers, check_size
 from fxmeg.schedule_registry import (
     SCHEDULES,  # noqa: F401 (read from here too: fxmeg.config.SCHEDULES)
     SPECS,
@@ -28,6 +26,8 @@ from fxmeg.schedule_registry import (
     placement,
     resolve,
 )
+from fxmeg.sharding_modes import OptimizerSharding, check_sharding, decide_sharding
+from fxmeg.sizes import Size, check_numbers, check_size
 
 GRANULARITIES = ("none", "selective", "full")
 """Activation recompute: nothing, attention cores, or whole blocks."""
@@ -80,7 +80,7 @@ class ParallelConfig:
         "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
         "ep": Size(1, "expert-parallel size (ranks that split each layer's experts)"),
     }
-    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+    """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -249,7 +249,7 @@ class EngineConfig:
     """Batches may differ from the example in their non-batch dimensions (the sequence
     length, per global batch, as with dynamic padding): each new shape is captured and
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
-    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/shapes.py).
+    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/variable_shapes.py).
     Off: a batch must have the example's shape."""
     moe_capacity_factor: float | None = None
     """Capacity mode (ep > 1): each expert takes at most ceil(tokens * top-k / experts * factor)
@@ -278,7 +278,7 @@ class EngineConfig:
         "zero": Size(0, "ZeRO stage (0-3)", "1 with distributed_optimizer=True, else 0"),
         "check_replicas_interval": Size(0, "steps between replica checks (0: only at start-up)"),
     }
-    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+    """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -360,7 +360,7 @@ class EngineConfig:
 
     def _check_router_bias(self) -> None:
         """moe_router_bias_update_rate: a finite rate >= 0, and a forward whose routing the
-        runtime can count (fxmeg/runtime/load.py)."""
+        runtime can count (fxmeg/runtime/expert_load.py)."""
         rate = self.moe_router_bias_update_rate
         if not math.isfinite(rate) or rate < 0:
             raise ConfigError(f"moe_router_bias_update_rate={rate} must be a finite number >= 0 (0: off); "

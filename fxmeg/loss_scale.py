@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fxmeg.errors import ConfigError
-from fxmeg.numbers import Size, check_numbers
+from fxmeg.sizes import Size, check_numbers
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LossScaleConfig:
         "growth_interval": Size(1, "clean steps before the loss scale grows"),
         "hysteresis": Size(1, "overflowing steps tolerated before the loss scale backs off"),
     }
-    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+    """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from fxmeg.errors import ConfigError
-from fxmeg.numbers import Size, check_numbers
+from fxmeg.sizes import Size, check_numbers
 
 LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -58,7 +58,7 @@ class LRSchedule:
         "wsd_decay_samples": Size(1, "samples of the WSD anneal", "without WSD"),
         "wd_incr_samples": Size(1, "samples of the weight-decay ramp", "decay_samples"),
     }
-    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+    """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

@@ -28,7 +28,7 @@ backward needs them again). Unbound they do nothing.
 
 ``expert_load`` (expert-parallel pass, at every ep) marks a routed-experts block's top-k
 expert index; unbound it does nothing, and the runtime binds it to this rank's recorder
-of tokens per expert (``fxmeg.runtime.load``: load metrics, loss-free balancing).
+of tokens per expert (``fxmeg.runtime.expert_load``: load metrics, loss-free balancing).
 
 Tensor-parallel collectives (``torch.ops.fxmeg.*``, with autograd). Each takes the *name*
 of a process group: passes write the symbolic name ``"tp"`` (they run before any group
@@ -140,7 +140,7 @@ def global_tokens(fraction: torch.Tensor, *, group: str) -> torch.Tensor:
     no gradient flows through it) replaced by their mean over the global batch's
     micro-batches so far, every data-parallel rank's (``group``): Megatron's
     ``global_aux_loss``. Unbound, the micro-batch's own; the runtime binds it to
-    ``fxmeg.runtime.load.GlobalTokens``."""
+    ``fxmeg.runtime.expert_load.GlobalTokens``."""
     return fraction
 
 

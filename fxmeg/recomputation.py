@@ -3,7 +3,7 @@ does (``preparing``: zero=3 gathers the parameters it reads): a ``Recomputation`
 one per rank (``RankContext.recomputation``; ``collectives.bind`` hands it to the chunk
 graphs' recompute regions, passes/recompute.py). The regions enter ``contexts()`` around
 each recomputation, and what counts per micro-batch (the expert-load recorder,
-fxmeg/runtime/load.py; the capacity mode's dropped pairs, ``moe.DropCounts``) asks
+fxmeg/runtime/expert_load.py; the capacity mode's dropped pairs, ``moe.DropCounts``) asks
 ``recomputing()`` so a recomputed forward counts nothing: the one detector of a
 recompute, for both."""
 

@@ -11,7 +11,7 @@ A recompute region keeps its inputs, and while backward runs it again, its own s
 tensors (the largest region's, once). An op the table does not know counts its output
 when that requires grad (an upper bound), named in the breakdown as such.
 
-Measured against ``fxmeg.report.SavedBytes`` (what autograd really packs) in
+Measured against ``fxmeg.measured_activations.SavedBytes`` (what autograd really packs) in
 tests/test_plan.py. Megatron's formula and its differences: docs/cli.md.
 """
 

@@ -11,7 +11,7 @@ from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
 from fxmeg.data.megatron import DataPaths, MaskRule
 from fxmeg.data.sft import LAYOUTS, SFTFormat
 from fxmeg.errors import ConfigError, closest
-from fxmeg.numbers import Size, check_numbers
+from fxmeg.sizes import Size, check_numbers
 
 _ENGINE = EngineConfig(micro_batch_size=4, global_batch_size=32)
 """The engine options of a TrainConfig that sets none: micro-batches of 4, global batches of 32."""
@@ -189,7 +189,7 @@ class TrainConfig:
         "keep_last": Size(0, "number of checkpoints kept (0: all)"),
         "trace_interval": Size(1, "trace interval in steps"),
     }
-    """The rule of each integer field (``fxmeg.numbers.check_numbers``)."""
+    """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxmeg
-from fxmeg import checkpoint, hugging_face, trace
+from fxmeg import checkpoint, hugging_face, timelines
 from fxmeg.build import build_model
 from fxmeg.data.megatron import TrainData, sample_counts, vocabulary
 from fxmeg.data.sft import SFTData
@@ -264,13 +264,13 @@ class Trainer:
         groups = self.engine.context.groups
         tp, dp, pp = groups.topo.coords(groups.rank)
         cp = f" cp {groups.cp_rank}" if groups.topo.cp > 1 else ""
-        gathered = trace.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp}{cp} tp {tp}")
+        gathered = timelines.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp}{cp} tp {tp}")
         if gathered is not None:
             os.makedirs(self.cfg.trace, exist_ok=True)
             path = os.path.join(self.cfg.trace, f"step_{self.iteration}.json")
-            trace.write(path, *gathered)
+            timelines.write(path, *gathered)
             self.metrics.record("event", {"iteration": self.iteration, "trace": path,
-                                          **_summary(trace.analyze(gathered[0]))})
+                                          **_summary(timelines.analyze(gathered[0]))})
 
     def _finished(self) -> bool:
         cfg = self.cfg

@@ -54,11 +54,11 @@ import fxmeg
 import fxmeg.api
 import fxmeg.layout_plan
 import fxmeg.pass_driver as transform_module
-import fxmeg.shapes
+import fxmeg.variable_shapes
 
 WAIT_S = 300.0
 _ORIGINAL = transform_module.transform
-_CALLERS = (fxmeg, fxmeg.api, fxmeg.layout_plan, fxmeg.shapes)
+_CALLERS = (fxmeg, fxmeg.api, fxmeg.layout_plan, fxmeg.variable_shapes)
 _calls = 0
 
 

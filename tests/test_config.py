@@ -2,8 +2,8 @@
 names (flags, config-file keys) map onto the nested fields, dp resolves from the world."""
 
 import argparse
-import os
 import dataclasses
+import os
 import re
 import tempfile
 
@@ -137,7 +137,7 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
     import torch
 
     from fxmeg.config import make_config
-    from fxmeg.modes import OptimizerSharding
+    from fxmeg.sharding_modes import OptimizerSharding
 
     assert (ParallelConfig(dp=4, ep=2).edp, ParallelConfig(dp=2, cp=2, ep=4).edp, ParallelConfig(dp=3).edp) == (2, 1, 3)
     assert ParallelConfig(ep=4).resolve(8).edp == 2

@@ -1,4 +1,4 @@
-"""Tokens per expert in one process (fxmeg/runtime/load.py): the expert-parallel pass's
+"""Tokens per expert in one process (fxmeg/runtime/expert_load.py): the expert-parallel pass's
 ``expert_load`` markers at ep=1, the counts against a hand count of the model's own
 routing, each micro-batch counted once (activation recompute, a determinism rerun,
 evaluation), and what the trainer writes and plots. Loss-free balancing

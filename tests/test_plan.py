@@ -365,7 +365,7 @@ def test_activation_bytes_are_what_autograd_saves(kind, options):
     differs by its attention mask: the CPU kernel keeps a float copy of it per layer."""
     from fxmeg.hugging_face import keyword_batch
     from fxmeg.layout_plan import activation_bytes
-    from fxmeg.report import SavedBytes
+    from fxmeg.measured_activations import SavedBytes
 
     batch = make_batch(4, seed=1)
     batch = keyword_batch(*batch) if kind.startswith("hf-") else batch

@@ -40,10 +40,10 @@ from torch import fx
 
 from fxmeg.config import EngineConfig
 from fxmeg.layouts import BucketSlot
-from fxmeg.modes import OptimizerSharding
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.passes.partition import find_blocks
 from fxmeg.program import Bucket, BufferLayout, Slot, chunks
+from fxmeg.sharding_modes import OptimizerSharding
 
 PARAM_ALIGN = 64  # Megatron: parameter starts in a sharded buffer
 GRAD_DTYPE = torch.float32

@@ -2,7 +2,7 @@
 ``fxmeg.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
 binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py). At every ep, each
 block's top-k expert index is marked with ``fxmeg.ops.expert_load``, which the runtime
-binds to its count of tokens per expert (fxmeg/runtime/load.py).
+binds to its count of tokens per expert (fxmeg/runtime/expert_load.py).
 
 Scope: one chunk graph (after the pipeline pass).
 

@@ -270,7 +270,7 @@ class Binding:
     early_linear: Callable[..., torch.Tensor] | None = None
     """``ops.early_linear`` (zero >= 2: ``DataParallel.early_linear``)."""
     expert_load: Callable[..., None] | None = None
-    """``ops.expert_load``: the tokens-per-expert recorder (runtime/load.py)."""
+    """``ops.expert_load``: the tokens-per-expert recorder (runtime/expert_load.py)."""
     global_tokens: Callable[..., torch.Tensor] | None = None
     """``ops.global_tokens``: the running tokens per expert."""
     device: torch.device | None = None

@@ -32,16 +32,15 @@ from fxmeg.layouts import ParamLayout, is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.meta_init import Source
-from fxmeg.modes import OptimizerSharding
 from fxmeg.program import CONSTANTS, Program
 from fxmeg.recomputation import Recomputation
 from fxmeg.runtime import collectives, replicas, schedules
 from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
 from fxmeg.runtime.executor import ComputeHooks, Executor
+from fxmeg.runtime.expert_load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
 from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.runtime.load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.optimizer import (
     FullSource,
     MasterSource,
@@ -57,7 +56,8 @@ from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.release import release
 from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.sharding import ep_shard, tp_shard
-from fxmeg.trace import Tracer
+from fxmeg.sharding_modes import OptimizerSharding
+from fxmeg.timelines import Tracer
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class RankContext:
     global_tokens: GlobalTokens | None = None
     """A router loss's running tokens per expert over the step (``global_aux_loss``)."""
     load: ExpertLoad | None = None
-    """Tokens per expert of the routed-experts layers (runtime/load.py); None for a model
+    """Tokens per expert of the routed-experts layers (runtime/expert_load.py); None for a model
     without any, or where forward is compiled or split (compile, zero-bubble schedules)."""
     zero: ZeroParams | None = None
     """zero=3: the parameters' gathers and releases (runtime/zero.py)."""
@@ -269,7 +269,7 @@ def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.Graph
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     """This rank's chunks of ``program``, another Program of the model ``ctx`` was built
-    for from ``first`` (another input shape: fxmeg/shapes.py), holding ``ctx``'s own
+    for from ``first`` (another input shape: fxmeg/variable_shapes.py), holding ``ctx``'s own
     tensors, with an executor that runs them (``RankContext.use`` switches to it).
 
     Requires: ``program`` has ``ctx``'s pipeline cut and gradient buffer layout (a

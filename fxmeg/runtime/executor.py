@@ -22,8 +22,8 @@ from fxmeg.errors import ScheduleError
 from fxmeg.program import ChunkSpec, split_spec
 from fxmeg.runtime.p2p import Key, Mailboxes, PointToPoint
 from fxmeg.runtime.schedules import COMPUTE, Action, Kind, Step, fmt, input_of
+from fxmeg.timelines import CATEGORY, Tracer
 from fxmeg.torch_private import run_backward, view_base
-from fxmeg.trace import CATEGORY, Tracer
 
 
 @dataclass

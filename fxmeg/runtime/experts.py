@@ -27,8 +27,8 @@ from torch import Tensor
 
 from fxmeg import moe
 from fxmeg.recomputation import Recomputation
+from fxmeg.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
-from fxmeg.trace import Tracer
 
 
 class _AllToAll(torch.autograd.Function):

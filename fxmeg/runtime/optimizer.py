@@ -40,10 +40,9 @@ from torch import nn
 from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError, NonFiniteGradError
 from fxmeg.layouts import ParamLayout, is_split
-from fxmeg.modes import OptimizerSharding
 from fxmeg.runtime.ddp import DataParallel, GradBuffer
 from fxmeg.runtime.groups import Groups, all_reduce, shard_range
-from fxmeg.runtime.inner import (
+from fxmeg.runtime.inner_optimizers import (
     ADAMW_ONLY,
     OptimizerFactory,
     OptimizerPlan,
@@ -60,9 +59,10 @@ from fxmeg.runtime.inner import (
 )
 from fxmeg.runtime.layerwise import ParamGather, assign, gather_tp
 from fxmeg.sharding import tp_shard
+from fxmeg.sharding_modes import OptimizerSharding
 from fxmeg.torch_private import foreach_mul_, foreach_norm
 
-__all__ = [  # the inner optimizers' names (fxmeg.runtime.inner) are public here too
+__all__ = [  # the inner optimizers' names (fxmeg.runtime.inner_optimizers) are public here too
     "ADAMW_ONLY", "FullSource", "MasterSource", "MasterSources", "Optimizer", "OptimizerFactory", "OptimizerPlan",
     "Optimizers", "StepOptions", "StepOutcome", "adamw", "default_optimizer", "is_elementwise", "muon_adamw",
     "muon_groups", "param_groups", "plan_optimizers",

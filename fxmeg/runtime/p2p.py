@@ -21,7 +21,7 @@ from fxmeg.errors import CommTimeoutError
 from fxmeg.program import Boundary, ChunkSpec
 from fxmeg.runtime.packing import Layout
 from fxmeg.runtime.schedules import Action, Kind, Step, is_send, peer_chunk, round_robin
-from fxmeg.trace import Tracer
+from fxmeg.timelines import Tracer
 
 Key = tuple[int, int]  # (chunk, micro-batch)
 

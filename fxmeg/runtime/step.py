@@ -18,8 +18,8 @@ from fxmeg.runtime import replicas
 from fxmeg.runtime.batches import Batch, UserBatch, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.ddp import finalize_model_grads
+from fxmeg.runtime.expert_load import load_imbalance
 from fxmeg.runtime.groups import all_reduce
-from fxmeg.runtime.load import load_imbalance
 from fxmeg.runtime.optimizer import StepOutcome
 from fxmeg.runtime.schedules import forward_only
 from fxmeg.runtime.state import gather_full_grads
@@ -51,7 +51,7 @@ class StepResult:
     expert_load: Mapping[str, tuple[int, ...]] | None = None
     """Tokens per expert of each routed-experts layer (its experts module's FQN) over the
     global batch: the (token, slot) pairs its router sent to each expert
-    (runtime/load.py); None for a model without any (or under compile / zero bubble)."""
+    (runtime/expert_load.py); None for a model without any (or under compile / zero bubble)."""
 
     @property
     def load_imbalance(self) -> dict[str, float]:

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 import fxmeg
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
+from fxmeg.measured_activations import SavedBytes
 from fxmeg.metrics import read
 from fxmeg.ops import cp_positions
-from fxmeg.report import SavedBytes
 from fxmeg.trainer import TrainConfig, Trainer
 from tests.distributed import run_world
 from tests.helpers import (

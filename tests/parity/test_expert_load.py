@@ -1,4 +1,4 @@
-"""Tokens per expert on real gloo ranks (fxmeg/runtime/load.py), in one 2-rank spawn: at
+"""Tokens per expert on real gloo ranks (fxmeg/runtime/expert_load.py), in one 2-rank spawn: at
 ep=2 (dp=2, each rank routing its own micro-batches) and over a pipeline (pp=2, each
 stage holding one of the two layers), every rank reports each layer's counts over the
 global batch: those of the model's own routing in one process. Loss-free balancing at

@@ -12,8 +12,8 @@ import torch
 import fxmeg
 from fxmeg.errors import ConfigError
 from fxmeg.layout_plan import activation_bytes
+from fxmeg.measured_activations import SavedBytes
 from fxmeg.passes.recompute import Recompute
-from fxmeg.report import SavedBytes
 from tests.helpers import (
     assert_losses_close,
     assert_weights_close,

@@ -15,8 +15,8 @@ from fxmeg.runtime import schedules
 from fxmeg.runtime.executor import ComputeHooks, Executor
 from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.schedules import Action, Kind, fmt
+from fxmeg.timelines import Tracer
 from fxmeg.torch_private import run_backward
-from fxmeg.trace import Tracer
 from tests.helpers import graph_after, make_batch, make_model
 
 M, ROWS = 4, 2  # micro-batches, rows per micro-batch

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fxmeg.runtime import experts
-from fxmeg.trace import Tracer
+from fxmeg.timelines import Tracer
 from tests.distributed import run_world
 
 E = 4  # experts, 2 per rank

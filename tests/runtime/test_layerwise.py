@@ -14,7 +14,6 @@ import fxmeg
 from fxmeg.errors import ConfigError
 from fxmeg.layouts import Shard
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.modes import OptimizerSharding
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import (
     is_elementwise,
@@ -24,6 +23,7 @@ from fxmeg.runtime.optimizer import (
     plan_optimizers,
 )
 from fxmeg.sharding import tp_assemble, tp_shard
+from fxmeg.sharding_modes import OptimizerSharding
 from tests.helpers import (
     assert_losses_close,
     assert_weights_close,

@@ -1,9 +1,9 @@
-"""fxmeg.trace: the Chrome trace round-trips and the numbers read from it are right on
+"""fxmeg.timelines: the Chrome trace round-trips and the numbers read from it are right on
 a timeline whose answers are known."""
 
 import json
 
-from fxmeg import trace
+from fxmeg import timelines
 
 MS = 1_000_000
 
@@ -19,24 +19,24 @@ def test_round_trip_and_numbers(tmp_path):
          ("wait", "dp_wait", 7 * MS, 8 * MS), ("adam", "optimizer", 10 * MS, 11 * MS)],
     ]
     path = str(tmp_path / "t.json")
-    trace.write(path, spans, ["first", "second"])
+    timelines.write(path, spans, ["first", "second"])
     with open(path) as f:
         meta = [e for e in json.load(f)["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert [(e["pid"], e["args"]["name"]) for e in meta] == [(0, "first"), (1, "second")]
-    assert trace.load(path) == spans
-    got = trace.analyze(spans)
+    assert timelines.load(path) == spans
+    got = timelines.analyze(spans)
     assert abs(got["schedule_s"] - 0.010) < 1e-12  # the optimizer is not part of the schedule
     r0, r1 = got["ranks"]
     assert abs(r0["bubble"] - 0.6) < 1e-9 and abs(r1["bubble"] - 0.6) < 1e-9
     assert abs(r1["p2p_s"] - 0.006) < 1e-12 and r0["p2p_s"] == 0
     assert r0["dp_hidden"] is None and abs(r1["dp_hidden"] - 2 / 3) < 1e-9
-    png = trace.plot(spans, str(tmp_path / "t.png"))
+    png = timelines.plot(spans, str(tmp_path / "t.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tracer_off_records_nothing():
-    t = trace.Tracer()
+    t = timelines.Tracer()
     t.begin_step(False)
     with t.span("x", "optimizer"):
         pass
@@ -52,9 +52,9 @@ def test_split_backward_counts_as_compute_and_has_its_colours(tmp_path):
     # ZB: F 0-2, I 2-3, idle, W 4-5 of a 5 ms schedule -> bubble 0.2
     spans = [[("0F0", "forward", 0, 2 * MS), ("0I0", "input_grad", 2 * MS, 3 * MS),
               ("0W0", "weight_grad", 4 * MS, 5 * MS)]]
-    assert (trace.CATEGORY["I"], trace.CATEGORY["W"]) == ("input_grad", "weight_grad")
-    assert abs(trace.analyze(spans)["ranks"][0]["bubble"] - 0.2) < 1e-9
-    with open(trace.plot(spans, str(tmp_path / "zb.png")), "rb") as f:
+    assert (timelines.CATEGORY["I"], timelines.CATEGORY["W"]) == ("input_grad", "weight_grad")
+    assert abs(timelines.analyze(spans)["ranks"][0]["bubble"] - 0.2) < 1e-9
+    with open(timelines.plot(spans, str(tmp_path / "zb.png")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,7 +64,7 @@ def test_expert_all_to_alls_are_counted_inside_compute_and_drawn(tmp_path):
     spans = [[("ep dispatch", "ep_a2a", 1 * MS, 2 * MS), ("0F0", "forward", 0, 4 * MS),
               ("ep combine grad", "ep_a2a", 5 * MS, 6 * MS), ("ep dispatch grad", "ep_a2a", 8 * MS, 9 * MS),
               ("0B0", "backward", 4 * MS, 10 * MS)]]
-    (r,) = trace.analyze(spans)["ranks"]
+    (r,) = timelines.analyze(spans)["ranks"]
     assert abs(r["a2a_s"] - 0.003) < 1e-12 and abs(r["bubble"]) < 1e-9 and abs(r["compute_s"] - 0.010) < 1e-12
-    with open(trace.plot(spans, str(tmp_path / "ep.png")), "rb") as f:
+    with open(timelines.plot(spans, str(tmp_path / "ep.png")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fxmeg.errors import ConfigError
-from fxmeg.modes import OptimizerSharding, decide_sharding
+from fxmeg.sharding_modes import OptimizerSharding, decide_sharding
 
 OptimizerFactory = Callable[[list[dict]], "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]"]
 
@@ -139,7 +139,7 @@ class OptimizerPlan:
 
     def sharding(self, distributed: bool, requested: str, *, overlap_param_gather: bool = False,
                  zero: int = 1) -> OptimizerSharding:
-        """``fxmeg.modes.decide_sharding`` for what this factory builds: 'auto' is
+        """``fxmeg.sharding_modes.decide_sharding`` for what this factory builds: 'auto' is
         LAYERWISE iff an inner optimizer is known not to be elementwise. Raises ConfigError
         when the request cannot hold (before any process group)."""
         whole = tuple(k for k, e in zip(self.kinds, self.elementwise) if e is False)

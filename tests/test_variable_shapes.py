@@ -40,7 +40,7 @@ def test_another_length_without_the_flag_names_it():
 def test_many_compiled_shapes_are_warned_about(caplog):
     engine = fxmeg.parallelize(make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2,
                                variable_seq_lengths=True)
-    with caplog.at_level(logging.INFO, logger="fxmeg.shapes"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.variable_shapes"):
         for seq in range(1, 16):
             engine.train_step(make_batch(2, seed=seq, seq=seq))
         engine.train_step(make_batch(2, seed=0, seq=3))  # compiled already

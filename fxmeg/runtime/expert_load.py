@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.program import Program, load_marks
 from fxmeg.recomputation import Recomputation
 from fxmeg.runtime.groups import Groups, all_reduce

@@ -9,7 +9,7 @@ twin of the user's model made at ``parallelize``: no value is copied), runs the 
 with the example's pipeline cut pinned, and binds the new chunk graphs to the tensors
 this rank already trains (``runtime.context.bind``). Each shape is compiled once, on every
 rank alike (the passes are deterministic and rank-free: no collective), and reported on
-the ``fxmeg.shapes`` logger and in ``Shapes.compiled``.
+the ``fxmeg.variable_shapes`` logger and in ``Shapes.compiled``.
 
 Pipeline ranks must run the same shape in a step, and a middle stage reads no data: at
 the start of each step the stages (and the tp and cp peers of each) agree on it with a
@@ -35,7 +35,7 @@ from fxmeg.program import Program
 from fxmeg.runtime.batches import UserBatch, positional
 from fxmeg.runtime.context import Bound, RankContext, bind
 
-log = logging.getLogger("fxmeg.shapes")
+log = logging.getLogger("fxmeg.variable_shapes")
 
 MANY_SHAPES = 16
 """From this many compiled shapes on (then at every power of two), a warning suggests padding
