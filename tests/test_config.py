@@ -309,7 +309,7 @@ def test_megatron_names_set_the_same_options_and_conflicts_are_refused():
 
 
 def test_default_ranks_take_ep_into_account():
-    from fxmeg.cli import default_ranks
+    from fxmeg.launch import default_ranks
 
     assert default_ranks(ParallelConfig(ep=2)) == 2  # dp 2, which ep=2 folds over
     assert default_ranks(ParallelConfig(tp=2, pp=2, ep=4)) == 16
