@@ -138,6 +138,13 @@ class Seq:
         return Seq(self.dim + by, self.merged, None if self.full is None else self.full + by)
 
 
+Placement = Shard | Seq | Partial | Local | None
+"""Where one value of the graph lives over one axis's ranks: a propagation rule's answer
+(fxmeg/passes/propagation.py). None is replicated."""
+Places = Placement | list[Placement]
+"""A node's placement: a list, one per output, for a node of several (``getitem`` picks)."""
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """How the runtime cuts a micro-batch over cp ranks."""

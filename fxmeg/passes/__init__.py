@@ -18,8 +18,8 @@ tests/test_pass_list.py holds this table to ``PASSES``:
                            (padding-mask inputs it keeps whole: passes/cp_masks.py)
   tensor_parallel  model   column / row / vocab-parallel, sequence parallelism  passes/tensor_parallel.py
                            (its rules by op family: passes/tp_rules.py, for
-                           state-space layers passes/tp_channels.py; inside
-                           autocast / no-grad regions: passes/tp_regions.py)
+                           state-space layers passes/tp_channels.py; the
+                           both axes' driver: passes/propagation.py)
   partition        model   balanced cut: every node tagged with its chunk       passes/partition.py
   pipeline         model   chunk graphs under a parent (returned), with recv /  passes/pipeline.py
                            send / deallocate markers
@@ -37,7 +37,7 @@ Higher-order ops (autocast and no-grad regions, ``wrap``) are single call_functi
 whose bodies are GraphModules under ``_fxmeg_hop``, read by get_attr operands
 (``graph_utils.is_hop`` / ``is_subgraph`` / ``subgraphs`` / ``body_call``); every pass
 keeps each body next to the nodes that call it; tensor parallelism rewrites the body of
-a region that reads a split value (passes/tp_regions.py).
+a region that reads a split value (passes/propagation.py).
 
 Metadata under ``node.meta["fxmeg"]`` (key: on which nodes, what; written by):
   module     every node: FQN of the module that created it ('' = the model's own forward);

@@ -57,12 +57,10 @@ attention (``q @ k^T``, a mask added, softmax, ``@ v``) is split where it stands
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 from torch import fx
 
-from fxmeg.capture import owning_module
 from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import PARTIAL, CPLayout, Seq
@@ -70,9 +68,10 @@ from fxmeg.ops import CP
 from fxmeg.passes.cp_masks import is_causal_mask, mask_inputs
 from fxmeg.passes.cp_moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
-    call, divide_shape_arg, expand_add_matmul, fake_eval, finish, full_args, is_hop, requires_grad_nodes, val,
+    call, divide_shape_arg, expand_add_matmul, finish, full_args, requires_grad_nodes, val,
 )
-from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, dim_argument, in_family, rule, rule_for
+from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, dim_argument, in_family, rule
+from fxmeg.passes.propagation import UNDECIDED, Propagation
 from fxmeg.passes.tp_placement import dim_groups, divisors
 from fxmeg.torch_private import op_schema
 
@@ -92,10 +91,15 @@ def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule
     return finish(gm)
 
 
-class _ContextParallel:
+class _ContextParallel(Propagation):
+    """The driver configured for cp: values split along the sequence are ``Seq`` s."""
+
+    axis, title, split_kinds, split_phrase = CP, "context-parallel", (Seq,), "along the sequence"
+    enters_regions = False
+
     def __init__(self, gm: fx.GraphModule, cp: int) -> None:
-        self.gm, self.g, self.cp = gm, gm.graph, cp
-        self.place: dict[fx.Node, object] = {}
+        super().__init__(gm, cp)
+        self.cp = cp
         self.grads = requires_grad_nodes(gm)  # values a gradient flows through
         self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
         inputs = [n for n in self.g.nodes if n.op == "placeholder"]
@@ -152,40 +156,37 @@ class _ContextParallel:
     # ------------------------------------------------------------------ driver
 
     def run(self) -> None:
-        tokens_of = routed_experts(self)
-        for node in list(self.g.nodes):
-            if node in tokens_of:  # a routed-experts block's node: computed per token
-                self.place[node] = self.place.get(tokens_of[node])
-            elif node.op == "call_function":
-                self.place[node] = self._visit(node)
-            elif node.op == "output":
-                self._check_outputs(node)
-        self._local_values()
+        self.tokens_of = routed_experts(self)
+        self.propagate()
+        self.refresh()
 
-    def _visit(self, node: fx.Node):
-        t = node.target
-        places = [self.place.get(a) for a in node.all_input_nodes]
+    def before_rules(self, node: fx.Node, places: list):
+        """A routed-experts block's node is computed per token (``cp_moe``); a node
+        reading a sum over this rank's tokens follows ``cp_moe.partial``."""
+        if node in self.tokens_of:
+            return self.place.get(self.tokens_of[node])
         if PARTIAL in places:
             return partial(self, node)
-        if not any(isinstance(p, (Seq, list)) for p in places):
-            return None
-        if is_hop(node):
-            raise self.refuse(node, f"it is a higher-order op ({t.name()}: an autocast, no-grad or wrap "
-                                     "region) that reads a value split along the sequence", mixing=False)
-        if t is operator.getitem:
-            parts = self.place[node.args[0]]
-            return parts[node.args[1]] if isinstance(parts, list) else parts
-        found = rule_for(CP, t)
-        if found is None:
-            raise self.refuse(node, f"fxmeg has no context-parallel rule for it ({describe(t)})", mixing=False)
-        return found.fn(self, node)
+        return UNDECIDED
+
+    @property
+    def phrase(self) -> str:
+        return f"along the sequence over cp={self.cp} ranks"
+
+    def hint(self, node: fx.Node) -> str:
+        return self.masks.hint(node)
+
+    def mixes(self, node: fx.Node, why: str, fix: str | None = None) -> PassError:
+        """The refusal of an op that mixes positions outside attention."""
+        return self.refuse(node, f"it mixes positions outside attention: {why}",
+                           fix=fix or "compute it per position, move it into the attention, or use cp=1")
 
     # ------------------------------------------------------------------ rules
 
     def _seq(self, node: fx.Node, a: fx.Node) -> Seq:
         s = self.place[a]
         if not isinstance(s, Seq):
-            raise self.refuse(node, f"operand {a.name!r} is a list of values", mixing=False)
+            raise self.refuse(node, f"operand {a.name!r} is a list of values")
         return s
 
     @rule(CP, "copy", "random", "pointwise")
@@ -197,7 +198,7 @@ class _ContextParallel:
         found = {s.shifted(out_dim - val(a).dim())
                  for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
         if len(found) != 1:
-            raise self.refuse(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
+            raise self.mixes(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
         (s,) = found
         for a in node.all_input_nodes:
             if isinstance(self.place.get(a), Seq) or val(a) is None:
@@ -206,7 +207,7 @@ class _ContextParallel:
             if j < 0 or val(a).shape[j] == 1:
                 continue
             if s.merged or val(a).shape[j] != self.seq:
-                raise self.refuse(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
+                raise self.mixes(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
                                          f"meets the sequence but is not a per-position table of length {self.seq}")
             node.replace_input_with(a, self._cut(a, j, node))
         return s
@@ -215,8 +216,7 @@ class _ContextParallel:
         """``a``'s rows at this rank's positions along ``dim`` (one node per value and dim,
         inserted before its first user)."""
         if (a, dim) not in self.cut:
-            with self.g.inserting_before(user):
-                self.cut[(a, dim)] = call(self.g, fx_ops.cp_slice.default, (a, dim, self.cp, CP), like=user)
+            self.cut[(a, dim)] = self.move(a, "replicated", "seq", dim=dim, at=user)
         return self.cut[(a, dim)]
 
     @rule(CP, "view")
@@ -233,7 +233,7 @@ class _ContextParallel:
         if s.full is not None:  # attention scores (queries x all keys): only the dims before them
             n = len(a)
             if (s.dim, s.full) != (n - 2, n - 1) or a[-2:] != b[-2:]:
-                raise self.refuse(node, "it reshapes attention scores (queries x all keys)")
+                raise self.mixes(node, "it reshapes attention scores (queries x all keys)")
             if node.target in SHAPE_ARGUMENT:  # heads in or out of the batch (Bloom's baddbmm)
                 divide_shape_arg(node, len(b) - 2, self.cp)
             return Seq(len(b) - 2, full=len(b) - 1)
@@ -261,7 +261,7 @@ class _ContextParallel:
             if len(ins) == 1 and s.merged and b[outs[-1]] == self.seq:
                 return Seq(outs[-1])  # (b * s) -> (b, s)
             break
-        raise self.refuse(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
+        raise self.mixes(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
                                  "with dims other than the batch dims before it")
 
     @rule(CP, "permute")
@@ -289,7 +289,7 @@ class _ContextParallel:
     @rule(CP, "embedding")
     def _embedding(self, node: fx.Node) -> Seq:
         if isinstance(self.place.get(node.args[0]), Seq):
-            raise self.refuse(node, "its table is split along the sequence", mixing=False)
+            raise self.refuse(node, "its table is split along the sequence")
         return self._seq(node, node.args[1])
 
     @rule(CP, "linear", "matmul")
@@ -298,7 +298,7 @@ class _ContextParallel:
         weight): the sequence must not be contracted. Two operands along the sequence are
         eager attention (``_attention_product``)."""
         if node.target == aten.einsum.default:
-            raise self.refuse(node, "it is an einsum over a value split along the sequence", mixing=False)
+            raise self.refuse(node, "it is an einsum over a value split along the sequence")
         slots = LINEAR_SLOTS.get(node.target)
         x = node.args[slots.x if slots is not None else 0]
         others = [a for a in node.all_input_nodes if a is not x]
@@ -306,11 +306,11 @@ class _ContextParallel:
                 isinstance(self.place.get(a), Seq) for a in node.args[:2]):
             return self._attention_product(node)
         if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
-            raise self.refuse(node, "it multiplies a value along the sequence with one that is not its "
+            raise self.mixes(node, "it multiplies a value along the sequence with one that is not its "
                                      "weight in a way fxmeg does not split")
         s, n = self._seq(node, x), val(x).dim()
         if s.dim == n - 1 or s.full is not None:
-            raise self.refuse(node, "it contracts the sequence dim")
+            raise self.mixes(node, "it contracts the sequence dim")
         return s.shifted(val(node).dim() - n)
 
     @rule(CP, "add_matmul")
@@ -319,7 +319,7 @@ class _ContextParallel:
         part by its own rule: Bloom's scores, ALiBi's bias (per key: whole along the keys,
         broadcast over the queries) plus ``q @ k^T`` of eager attention."""
         for n in (new := expand_add_matmul(node)):
-            self.place[n] = self._visit(n)
+            self.place[n] = self.visit(n)
         return self.place[new[-1]]
 
     @rule(CP, "convolution")
@@ -327,7 +327,7 @@ class _ContextParallel:
         """Refused: each position needs its neighbours on the rank before. In a state-space
         or linear-attention layer (Mamba, Gated DeltaNet) a short causal convolution over
         time comes before the recurrence, which would need the state passed between ranks."""
-        raise self.refuse(node, "a convolution over a value split along the sequence mixes neighbouring "
+        raise self.mixes(node, "a convolution over a value split along the sequence mixes neighbouring "
                                  "positions across ranks (in a state-space or linear-attention layer it "
                                  "precedes a recurrence over time, whose state fxmeg does not pass between "
                                  "cp ranks)",
@@ -345,7 +345,7 @@ class _ContextParallel:
             along = {n - 2, n - 1}
         if s.dim in along or s.full in along:
             op = getattr(node.target, "__name__", str(node.target))
-            raise self.refuse(node, f"it computes along dim {s.dim}, the sequence ({op})")
+            raise self.mixes(node, f"it computes along dim {s.dim}, the sequence ({op})")
         return s
 
     @rule(CP, "new")
@@ -366,7 +366,7 @@ class _ContextParallel:
         d, s = self.place.get(dst), self.place.get(src)
         spans = not isinstance(s, Seq) and isinstance(d, Seq) and d.dim >= lead and val(src).shape[d.dim - lead] != 1
         if not isinstance(d, Seq) or spans or (isinstance(s, Seq) and s.shifted(lead) != d):
-            raise self.refuse(node, "it writes a value into one split differently along the sequence", mixing=False)
+            raise self.refuse(node, "it writes a value into one split differently along the sequence")
         return d
 
     def _attention_product(self, node: fx.Node) -> Seq:
@@ -381,16 +381,15 @@ class _ContextParallel:
         sa, sb = self.place[a], self.place[b]
         na, nb = val(a).dim(), val(b).dim()
         if sa.merged or sb.merged or sa.dim != na - 2:
-            raise self.refuse(node, "it multiplies two values along the sequence other than as attention")
+            raise self.mixes(node, "it multiplies two values along the sequence other than as attention")
         if sa.full is None and sb.full is None and sb.dim == nb - 1:  # scores = q @ k^T
             gathered, out = (b, nb - 1), Seq(val(node).dim() - 2, full=val(node).dim() - 1)
         elif sa.full == na - 1 and sb.full is None and sb.dim == nb - 2:  # out = probs @ v
             gathered, out = (b, nb - 2), Seq(val(node).dim() - 2)
         else:
-            raise self.refuse(node, "it multiplies two values along the sequence other than as attention "
+            raise self.mixes(node, "it multiplies two values along the sequence other than as attention "
                                      "(q @ k^T, then probabilities @ v)")
-        with self.g.inserting_before(node):
-            full = call(self.g, fx_ops.cp_gather.default, (*gathered, self.cp, CP), like=node)
+        full = self.move(gathered[0], "seq", "replicated", dim=gathered[1], at=node)
         node.replace_input_with(b, full)
         return out
 
@@ -402,15 +401,15 @@ class _ContextParallel:
         target = args[1]
         x = self._seq(node, args[0])
         if x.full is not None or not isinstance(self.place.get(target), Seq):
-            raise self.refuse(node, "its input is split along the sequence but its target is not")
+            raise self.mixes(node, "its input is split along the sequence but its target is not")
         if val(args[0]).dim() > 1 and x.dim == 1:
-            raise self.refuse(node, f"its class dim {x.dim} holds the sequence")
+            raise self.mixes(node, f"its class dim {x.dim} holds the sequence")
         reduction = args[3]
         if reduction == 0:
             return self.place[target]
         if reduction == 2:
             return PARTIAL
-        raise self.refuse(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+        raise self.mixes(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
 
     @rule(CP, "histogram")
     def _histogram(self, node: fx.Node):
@@ -422,7 +421,7 @@ class _ContextParallel:
     def _layer_norm(self, node: fx.Node) -> Seq:
         s = self._seq(node, node.args[0])
         if s.dim >= val(node.args[0]).dim() - len(node.args[1]) or s.full is not None:
-            raise self.refuse(node, "it normalises over the sequence dim")
+            raise self.mixes(node, "it normalises over the sequence dim")
         return s
 
     @rule(CP, "split", "slice", "index", "repeat", "scatter", "softmax", "cumulative", "rank")
@@ -436,11 +435,11 @@ class _ContextParallel:
         if s.full is not None and dim == s.full:
             if in_family(node.target, "softmax"):
                 return s  # a softmax over all keys
-            raise self.refuse(node, f"it computes along dim {dim}, the keys of attention scores")
+            raise self.mixes(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
             if node.target == aten.select.int:
                 if s.full is not None:
-                    raise self.refuse(node, "it selects from attention scores")
+                    raise self.mixes(node, "it selects from attention scores")
                 return Seq(s.dim - (dim < s.dim), s.merged)
             if in_family(node.target, "split") or isinstance(node.meta["val"], (tuple, list)):
                 return [s] * len(node.meta["val"])  # every piece / (values, indices)
@@ -448,7 +447,7 @@ class _ContextParallel:
         if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
             return s
         op = getattr(node.target, "__name__", str(node.target))
-        raise self.refuse(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
+        raise self.mixes(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
                                  "need positions another rank holds)")
 
     @rule(CP, "concat")
@@ -458,17 +457,17 @@ class _ContextParallel:
         operands = list(node.args[0])
         found = {self.place[a] for a in operands if isinstance(self.place.get(a), Seq)}
         if len(found) != 1:
-            raise self.refuse(node, "its operands hold the sequence in different dims")
+            raise self.mixes(node, "its operands hold the sequence in different dims")
         (s,) = found
         if s.full is not None:
-            raise self.refuse(node, "it concatenates attention scores")
+            raise self.mixes(node, "it concatenates attention scores")
         out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
         if dim == s.dim and not stack:
-            raise self.refuse(node, "it concatenates along the sequence")
+            raise self.mixes(node, "it concatenates along the sequence")
         for a in operands:
             if not isinstance(self.place.get(a), Seq):
                 if val(a).shape[s.dim] != self.seq or s.merged:
-                    raise self.refuse(node, f"operand {a.name!r} is not split along the sequence")
+                    raise self.mixes(node, f"operand {a.name!r} is not split along the sequence")
                 node.replace_input_with(a, self._cut(a, s.dim, node))
         return out
 
@@ -484,11 +483,11 @@ class _ContextParallel:
             if s.full is not None and s.full in dims:  # over all keys (a softmax written out): exact
                 s = Seq(s.dim, s.merged)
             elif s.full is not None:
-                raise self.refuse(node, "it reduces attention scores over a dim other than the keys")
+                raise self.mixes(node, "it reduces attention scores over a dim other than the keys")
             return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
         if node.target in SUMS:
-            return PARTIAL  # a token count or a summed loss; _check_outputs refuses other uses
-        raise self.refuse(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
+            return PARTIAL  # a token count or a summed loss; check_outputs refuses other uses
+        raise self.mixes(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
                                  "over positions)")
 
     @rule(CP, "attention")
@@ -506,22 +505,21 @@ class _ContextParallel:
             mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
         if mask is not None and not self._sliceable_mask(mask):
             split = isinstance(self.place.get(mask), (Seq, list))
-            raise self.refuse(node, self.masks.unsliceable(mask, split, self.seq), mixing=False, fix=(
+            raise self.refuse(node, self.masks.unsliceable(mask, split, self.seq), fix=(
                 "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
                 "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
                 f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
         if dropout:
-            raise self.refuse(node, f"it is an attention with dropout_p={dropout}", mixing=False,
+            raise self.refuse(node, f"it is an attention with dropout_p={dropout}",
                                fix="set the attention dropout to 0, or cp=1")
         seqs = {self.place.get(a) for a in (q, k, v)}
         dim = val(q).dim() - 2  # a Seq with ``full`` (scores) never equals Seq(dim)
         if seqs != {Seq(dim)}:
             raise self.refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
-                                     f"(places {sorted(map(str, seqs))})", mixing=False)
+                                     f"(places {sorted(map(str, seqs))})")
         if mask is not None or not causal:
-            with self.g.inserting_before(node):
-                keys = call(self.g, fx_ops.cp_gather.default, (k, dim, self.cp, CP), like=node)
-                values = call(self.g, fx_ops.cp_gather.default, (v, dim, self.cp, CP), like=node)
+            keys = self.move(k, "seq", "replicated", dim=dim, at=node)
+            values = self.move(v, "seq", "replicated", dim=dim, at=node)
             rows = mask.meta["val"].dim() - 2 if mask is not None else None
             if rows is not None and val(mask).shape[rows] != 1:
                 mask = self._cut(mask, rows, node)
@@ -544,7 +542,7 @@ class _ContextParallel:
 
     # ------------------------------------------------------------------ finish
 
-    def _check_outputs(self, node: fx.Node) -> None:
+    def check_outputs(self, node: fx.Node) -> None:
         """Every output is a sum over this rank's tokens (PARTIAL): the runtime sums it over
         the cp ranks. The loss pass's count of a plain mean (the global number of elements,
         a constant) becomes this rank's share; any other output that is the same on every cp
@@ -553,14 +551,14 @@ class _ContextParallel:
             place = self.place.get(a)
             if isinstance(place, (Seq, list)):
                 raise self.refuse(a, "the model returns it split along the sequence (a loss must be "
-                                      "a sum over tokens)", mixing=False)
+                                      "a sum over tokens)")
             if place is not None:
                 continue
             whole = sorted(x.name for x in self.masks.deps.get(a, ()) if x in self.masks.whole)
             if whole:
                 raise self.refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
                                       "every cp rank reads whole (a padding mask): summed over the cp ranks "
-                                      f"it would count {self.cp} times", mixing=False,
+                                      f"it would count {self.cp} times",
                                    fix="count tokens from the labels (ignore_index), or cp=1")
             if a.target == aten.scalar_tensor.default and a.name.startswith("num_tokens"):
                 a.args = (a.args[0] / self.cp, *a.args[1:])  # a mean's count: each rank holds 1/cp
@@ -568,27 +566,13 @@ class _ContextParallel:
             raise self.refuse(a, "the model returns it computed from no sequence input (a constant "
                                   "count such as labels.numel() or ones(b, s).sum()): every cp rank would "
                                   f"return the whole value, and summed over the cp ranks it would count {self.cp} "
-                                  "times", mixing=False,
+                                  "times",
                                fix="count the tokens from the labels (e.g. (labels != -100).sum()), or cp=1")
 
-    def _local_values(self) -> None:
-        """Split inputs get their local shapes, then every node is re-evaluated."""
-        for node in self.g.nodes:
-            if node.op == "placeholder" and isinstance(self.place.get(node), Seq):
-                v = val(node)
-                shape = list(v.shape)
-                shape[1] //= self.cp
-                node.meta["val"] = v.new_empty(shape)
-            elif node.op == "call_function":
-                try:
-                    node.meta["val"] = fake_eval(node)
-                except Exception as exc:
-                    raise PassError(f"after context-parallel rewriting, node {node.name!r} (module "
-                                    f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}") from exc
-
-    def refuse(self, node: fx.Node, why: str, *, mixing: bool = True, fix: str | None = None) -> PassError:
-        op = getattr(node.target, "__name__", str(node.target))
-        kind = "it mixes positions outside attention: " if mixing else ""
-        fix = fix or ("compute it per position, move it into the attention, or use cp=1" if mixing else "use cp=1")
-        return PassError(f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) along the "
-                         f"sequence over cp={self.cp} ranks: {kind}{why}{self.masks.hint(node)}. Fix: {fix}")
+    def local_input(self, node: fx.Node):
+        """A split input's local fake value (1/cp of the sequence, dim 1)."""
+        if not isinstance(self.place.get(node), Seq):
+            return None
+        shape = list(val(node).shape)
+        shape[1] //= self.cp
+        return val(node).new_empty(shape)

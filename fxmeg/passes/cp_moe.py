@@ -17,9 +17,8 @@ import torch
 from torch import fx
 
 from fxmeg.layouts import PARTIAL, Seq
-from fxmeg.ops import CP
 from fxmeg.passes.expert_parallel import routed_blocks
-from fxmeg.passes.graph_utils import call, divide_shape_arg, val
+from fxmeg.passes.graph_utils import divide_shape_arg, val
 from fxmeg.passes.op_rules import in_family
 
 aten = torch.ops.aten
@@ -47,7 +46,7 @@ def partial(cp_pass, node: fx.Node):
     t, places = node.target, [cp_pass.place.get(a) for a in node.all_input_nodes]
     parts = [a for a in node.all_input_nodes if cp_pass.place.get(a) is PARTIAL]
     if any(isinstance(p, (Seq, list)) for p in places):
-        raise cp_pass.refuse(node, "it mixes a sum over this rank's part of the sequence with split values")
+        raise cp_pass.mixes(node, "it mixes a sum over this rank's part of the sequence with split values")
     if t == fx_ops.scale_aux_loss.default and len(parts) == 2:
         return PARTIAL
     if t in (aten.add.Tensor, aten.add_.Tensor) and all(a in parts or a.target == aten.zeros.default
@@ -59,9 +58,8 @@ def partial(cp_pass, node: fx.Node):
             counts = next((a for a in parts if a not in cp_pass.grads), None)
             if counts is None:
                 raise cp_pass.refuse(node, "it multiplies two sums over this rank's part of the sequence "
-                                         "that both need gradients", mixing=False)
-            with cp_pass.g.inserting_before(node):
-                whole = call(cp_pass.g, fx_ops.cp_all_reduce.default, (counts, CP), like=counts)
+                                         "that both need gradients")
+            whole = cp_pass.move(counts, "partial", "replicated", at=node, like=counts)
             node.replace_input_with(counts, whole)
             cp_pass.place[whole] = None
             return PARTIAL
@@ -70,8 +68,7 @@ def partial(cp_pass, node: fx.Node):
     if t in SUMS or in_family(t, "copy", "view"):
         return PARTIAL
     raise cp_pass.refuse(node, "it reads a sum over this rank's part of the sequence in a way that is not "
-                             "linear in it (only a loss and a router loss built from sums may be one)",
-                       mixing=False)
+                             "linear in it (only a loss and a router loss built from sums may be one)")
 
 
 def routed_experts(cp_pass) -> dict[fx.Node, fx.Node | None]:

@@ -96,7 +96,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("matmul", "products of two operands, read as einsum",
            _ops("mm.default", "matmul.default", "bmm.default", "einsum.default")),
     Family("add_matmul", "a batched product added to a third operand (baddbmm)", _ops("baddbmm.default")),
-    Family("attention", "scaled dot-product attention", _ops("scaled_dot_product_attention.default")),
+    Family("attention", "attention of queries over keys and values, heads in dim -3 (SDPA; fxmeg's cp_attention)",
+           _ops("scaled_dot_product_attention.default") | _ops("cp_attention.default", ns=fx_ops)),
     Family("norm", "layer norm over the last dims", _ops("layer_norm.default")),
     Family("embedding", "rows of a table by index", _ops("embedding.default")),
     Family("loss", "per-class losses over (tokens, classes) inputs",
@@ -109,9 +110,10 @@ FAMILIES: tuple[Family, ...] = (
            _ops("new_empty.default", "new_zeros.default", "new_ones.default", "new_full.default")),
     Family("convolution", "mix neighbouring positions",
            _ops("convolution.default", "conv1d.default", "conv2d.default")),
-    Family("context_parallel", "fxmeg's context-parallel ops (the cp pass writes them)",
-           _ops("cp_slice.default", "cp_unslice.default", "cp_gather.default", "cp_reduce_scatter.default",
-                "cp_causal_mask.default", "cp_attention.default", ns=fx_ops)),
+    Family("exchange", "collectives of one axis along their dim argument (cp's cut, gather, scatter of the "
+           "sequence): every other dim passes through", _ops("cp_slice.default", "cp_unslice.default",
+                                                            "cp_gather.default", "cp_reduce_scatter.default",
+                                                            ns=fx_ops)),
 )
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 _EXPLICIT: dict = {op: f for f in FAMILIES for op in f.ops}

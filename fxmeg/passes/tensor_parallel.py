@@ -53,7 +53,7 @@ Anything it cannot split safely is a PassError naming the node, the module, the 
 and a fix. A higher-order op (an autocast or no-grad region, ``wrap``) whose operands are
 all replicated stays as it is; one that reads a split value is entered: the same rules run
 over its body, its placeholders placed like its operands, its outputs like the body's
-results (fxmeg/passes/tp_regions.py).
+results (the driver: fxmeg/passes/propagation.py).
 """
 
 from __future__ import annotations
@@ -71,14 +71,14 @@ from fxmeg.errors import PassError
 from fxmeg import ops as fxmeg_ops
 from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ops import TP
-from fxmeg.passes.graph_utils import attr, call, fake_eval, finish, full_args, is_hop, val
-from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, describe, in_family, rule, rule_for
+from fxmeg.passes.graph_utils import attr, call, finish, full_args, val
+from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, in_family, rule
 from fxmeg.passes.partition import find_blocks
+from fxmeg.passes.propagation import Propagation
 from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
                                     say_whole_projections)
 from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp_placement import divisors
-from fxmeg.passes.tp_regions import RegionRules
 from fxmeg.passes.tp_rules import PropagationRules
 from fxmeg.passes.tp_blocks import split_edges
 from fxmeg.passes.tp_channels import ChannelRules
@@ -101,21 +101,24 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
     return finish(gm)
 
 
-class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
+class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
+    """The driver configured for tp: values split over tp ranks are ``Shard`` s."""
+
+    axis, title, split_kinds, split_phrase = TP, "tensor-parallel", (Shard,), "over tp ranks"
+
     def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
-        self.gm, self.g, self.tp, self.sp, self.ep = gm, gm.graph, tp, sp, ep
+        super().__init__(gm, tp)
+        self.tp, self.sp, self.ep = tp, sp, ep
         for glob, role in plan.items():
             if role not in ROLES:
                 raise PassError(f"tp_plan[{glob!r}] = {role!r} is not one of {ROLES}")
         self.plan = plan
-        self.place: dict[fx.Node, object] = {}
         self.specs: dict[str, Shard] = {}  # param -> its split
         self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.reductions: list[tuple[fx.Node, fx.Node]] = []  # row-parallel outputs' tp_reduce
         self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
-        self.regions: dict[fx.Graph, fx.Node] = {}  # entered region bodies -> their region (tp_regions)
         self.kv_weights: dict[str, str] = {}  # replicated key/value weight -> its heads (tp_heads)
         self.kv_outputs: list[fx.Node] = []
         linears_from_products(gm)  # x @ w.T is a linear (tp_heads)
@@ -129,10 +132,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
 
     def run(self) -> None:
         self.heads = kv_replicas(self)  # key/value heads fewer than tp: replicated (tp_heads)
-        for node in list(self.g.nodes):
-            if node.op != "call_function":
-                continue
-            self.place[node] = self._visit(node)
+        self.propagate()
         self._check_statistics()
         check_kv_readers(self)
         self._per_rank_streams()
@@ -141,25 +141,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
             n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
             ep=self.ep)
-        self._refresh_values()
-
-    def _visit(self, node: fx.Node):
-        """The node's place, by the rule of its op's family (``op_rules``); a node that
-        reads no split value stays replicated unless its rule starts a split."""
-        t = node.target
-        found = rule_for(TP, t)
-        args = [self.place.get(a) for a in node.all_input_nodes]
-        if not (found is not None and found.always) and not any(isinstance(p, (Shard, list)) for p in args):
-            return None
-        if is_hop(node):  # an autocast, no-grad or wrap region: the rules run over its body
-            return self._region(node)
-        if t is operator.getitem:
-            parts = self.place[node.args[0]]
-            return parts[node.args[1]] if isinstance(parts, list) else parts
-        if found is None:
-            split = next((p for p in args if isinstance(p, Shard)), None)
-            raise self._unsupported(node, f"fxmeg has no rule for it ({describe(t)})", split)
-        return found.fn(self, node)
+        self.refresh()
 
     def _per_rank_streams(self) -> None:
         """Megatron's model-parallel RNG tracker: a random op whose output is split over tp
@@ -167,8 +149,8 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         residual stream) draws between ``tp_rng_fork`` and ``tp_rng_join``, from this
         rank's stream, so no two ranks use one mask for different heads or positions; one
         on a replicated value keeps the default stream, the same on every rank."""
-        for gm in self._graphs():  # region bodies draw too
-            with self._inside(gm):
+        for gm in self.graphs():  # region bodies draw too
+            with self.inside(gm):
                 self._streams_of_graph()
 
     def _streams_of_graph(self) -> None:
@@ -241,7 +223,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         if not in_family(node.target, "matmul"):
             split = next((p for p in map(self.place.get, node.all_input_nodes) if isinstance(p, Shard)), None)
             inside = " (in a region's body, as here, a parameter is an operand of the region)"
-            raise self._unsupported(node, "a linear whose weight is not a parameter reads a split value"
+            raise self.refuse(node, "a linear whose weight is not a parameter reads a split value"
                                           + (inside if self.g in self.regions else ""), split)
         return self._matmul(node)
 
@@ -272,7 +254,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         role, px = self._role(node), self.place.get(x)
         if role == "replicate":
             if isinstance(px, Shard) and not px.seq:
-                raise self._unsupported(node, "a replicated linear reads a value split over its features", px)
+                raise self.refuse(node, "a replicated linear reads a value split over its features", px)
             self._whole(w, node)
             return px  # per token: a sequence shard stays one
         args = list(node.args)
@@ -288,7 +270,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
                 self._spec(b, 0, parts, node)
             return Shard(val(node).dim() - 1, parts, vocab=role == "vocab", origin=owning_module(node))
         if not (isinstance(px, Shard) and px.dim == val(x).dim() - 1 and not px.seq):
-            raise self._unsupported(node, "a row-parallel linear needs its input split on its last dim", px)
+            raise self.refuse(node, "a row-parallel linear needs its input split on its last dim", px)
         self._spec(w, 1 - out_dim, px.parts, node)
         if node.target == aten.addmm.default:  # the bias goes after the reduction
             node.target, node.args = aten.mm.default, (x, w)
@@ -319,12 +301,10 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         all-gather of the sequence shard); one per input value."""
         if x not in self.entries:
             px = self.place.get(x)
-            with self.g.inserting_before(node):
-                if isinstance(px, Shard) and px.seq:
-                    op, args = torch.ops.fxmeg.sp_gather.default, (x, px.dim, self.tp, TP)
-                else:
-                    op, args = torch.ops.fxmeg.tp_copy.default, (x, TP)
-                self.entries[x] = call(self.g, op, args, like=node)
+            if isinstance(px, Shard) and px.seq:
+                self.entries[x] = self.move(x, "seq", "replicated", dim=px.dim, at=node)
+            else:
+                self.entries[x] = self.move(x, "replicated", "synced", at=node)
             self.place[self.entries[x]] = None
         return self.entries[x]
 
@@ -333,12 +313,10 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         then add the bias; later readers see the result."""
         users = list(node.users)
         if self.sp:
-            with self.g.inserting_after(node):
-                red = call(self.g, torch.ops.fxmeg.sp_scatter.default, (node, self.seq_dim, self.tp, TP), like=node)
+            red = self.move(node, "partial", "seq", dim=self.seq_dim, at=node, after=True)
             place = Shard(self.seq_dim, (val(node).shape[self.seq_dim],), seq=True, origin=owning_module(node))
         else:  # Megatron's g; summed backward too where only split values read it (_check_statistics)
-            with self.g.inserting_after(node):
-                red, place = call(self.g, torch.ops.fxmeg.tp_reduce.default, (node, TP), like=node), None
+            red, place = self.move(node, "partial", "replicated", at=node, after=True), None
             self.reductions.append((red, node))
         self.place[red] = place
         out = red
@@ -376,7 +354,7 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         self._spec(w, 0, (rows,), node)
         _, _, padding_idx, by_freq, sparse = full_args(node)[:5]
         if by_freq or sparse:
-            raise self._unsupported(node, "scale_grad_by_freq or sparse gradients over a split vocabulary "
+            raise self.refuse(node, "scale_grad_by_freq or sparse gradients over a split vocabulary "
                                           "are not implemented")
         with self.g.inserting_before(node):
             both = call(self.g, torch.ops.fxmeg.vocab_shard_ids.default, (ids, rows // self.tp, TP), like=node)
@@ -426,16 +404,16 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         loss reads a split value."""
         if node.target == aten.cross_entropy_loss.default and isinstance(self.place.get(node.args[0]), Shard):
             return self._vocab_loss(node)
-        raise self._unsupported(node, "a loss reads a value split over tp ranks (only cross_entropy over "
+        raise self.refuse(node, "a loss reads a value split over tp ranks (only cross_entropy over "
                                       "vocabulary-split logits is split)")
 
     def _vocab_loss(self, node: fx.Node):
         logits, target = node.args[0], node.args[1]
         args = full_args(node)
         if args[5] != 0.0:
-            raise self._unsupported(node, "label smoothing over a split vocabulary is not implemented")
+            raise self.refuse(node, "label smoothing over a split vocabulary is not implemented")
         if val(logits).dim() != 2 or self.place[logits].dim != 1:
-            raise self._unsupported(node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits")
+            raise self.refuse(node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits")
         with self.g.inserting_before(node):
             both = call(self.g, torch.ops.fxmeg.vocab_parallel_cross_entropy.default,
                         (logits, target, args[4], TP), like=node)
@@ -464,8 +442,8 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         )
 
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
-        if w.op != "get_attr":  # a region's operand inside its body (tp_regions)
-            raise self._unsupported(node, f"it would split {w.name!r}, which is not a parameter here "
+        if w.op != "get_attr":  # a region's operand inside its body (propagation.enter)
+            raise self.refuse(node, f"it would split {w.name!r}, which is not a parameter here "
                                           "(a parameter reaches a region's body as an operand)")
         spec = Shard(dim, parts)
         if w.target in self.whole:
@@ -495,26 +473,6 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
         sliced value through replicated ops, with no collective in between."""
         return any(kind == "split" for kind, _ in self._gradient_readers(param))
 
-    def _refresh_values(self) -> None:
-        """Every tensor's fake value anew, on the local shapes. Nodes of no tensor (a size
-        read with ``.item()``: the tokens JetMoE sends to an expert; an assertion on it)
-        stay: they count data, which tensor parallelism does not cut, and a new symbol
-        would not be the one the nodes after it were traced with."""
-        for node in self.g.nodes:
-            v = node.meta.get("val")
-            if node.op == "call_function" and (is_hop(node) or isinstance(v, torch.Tensor) or (
-                    isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v))):
-                try:
-                    if not self._refresh_region(node):  # an entered region: its body first
-                        node.meta["val"] = fake_eval(node)
-                except PassError:
-                    raise
-                except Exception as exc:
-                    raise PassError(
-                        f"after tensor-parallel rewriting, node {node.name!r} (module "
-                        f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}"
-                    ) from exc
-
     # ------------------------------------------------------------------ errors
 
     def _check_divides(self, node: fx.Node, size: int, what: str, fix: str | None = None) -> None:
@@ -525,24 +483,21 @@ class _TensorParallel(PropagationRules, RegionRules, MoreRules, ChannelRules):
                 f"{owning_module(node)!r}); {fix or f'choose tp in {choose}'}"
             )
 
-    def _unsupported(self, node: fx.Node, why: str, s=None, fix: str | None = None) -> PassError:
+    def where(self, split) -> str:
+        return f" (split along dim {split.dim} by module {split.origin!r})" if isinstance(split, Shard) else ""
+
+    def default_fix(self, node: fx.Node, split) -> str:
+        """Keep whole the module that split the value (its parent, when the op is the
+        parent's own arithmetic on its projections, as DiffLlama's chunk of heads)."""
+        if not isinstance(split, Shard):
+            return "use tp=1 or set tp_plan for the linears around it"
         module = owning_module(node)
-        op = getattr(node.target, "__name__", str(node.target))
-        where, default = "", "use tp=1 or set tp_plan for the linears around it"
-        if isinstance(s, Shard):
-            where = f" (split along dim {s.dim} by module {s.origin!r})"
-            glob = re.sub(r"\.\d+\.", ".*.", s.origin)
-            default = f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
-            if module and s.origin.startswith(module + "."):  # the op is its parent's (an attention's
-                # own arithmetic on its projections, as DiffLlama's chunk of heads): keep the parent whole
-                block = re.sub(r"\.\d+(\.|$)", r".*\1", module)
-                default = (f"keep module {block!r} whole with tp_plan={{{block + '.*'!r}: 'replicate'}} (its other "
-                           "linears compute with the same split values), or use tp=1")
-        fix = fix or default
-        return PassError(
-            f"cannot split node {node.name!r} ({op}, module {module!r}) over tp={self.tp} "
-            f"ranks{where}: {why}. Fix: {fix}"
-        )
+        if module and split.origin.startswith(module + "."):
+            block = re.sub(r"\.\d+(\.|$)", r".*\1", module)
+            return (f"keep module {block!r} whole with tp_plan={{{block + '.*'!r}: 'replicate'}} (its other "
+                    "linears compute with the same split values), or use tp=1")
+        glob = re.sub(r"\.\d+\.", ".*.", split.origin)
+        return f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
 
 
 def _reaches_placeholder(node: fx.Node) -> bool:

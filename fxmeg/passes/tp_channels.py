@@ -51,17 +51,17 @@ class ChannelRules:
         s = self.place.get(x)
         args = full_args(node)
         if node.target == aten.convolution.default and args[6]:
-            raise self._unsupported(node, "a transposed convolution over a split value is not implemented", s)
+            raise self.refuse(node, "a transposed convolution over a split value is not implemented", s)
         if not isinstance(s, Shard) or isinstance(self.place.get(w), (Shard, list)):
-            raise self._unsupported(node, "its weight is split over tp ranks (only its input's channels may be)")
+            raise self.refuse(node, "its weight is split over tp ranks (only its input's channels may be)")
         if s.dim != 1:
-            raise self._unsupported(node, f"it convolves over dim {s.dim}, which is split over tp ranks (only "
+            raise self.refuse(node, f"it convolves over dim {s.dim}, which is split over tp ranks (only "
                                           "the channels, dim 1, may be split)", s)
         groups_at = CONVOLUTIONS[node.target]
         groups, c_in, c_out = args[groups_at], val(x).shape[1], val(node).shape[1]
         per_group = c_in // groups
         if any((p // self.tp) % per_group or p % self.tp for p in s.parts):
-            raise self._unsupported(
+            raise self.refuse(
                 node, f"it convolves groups of {per_group} channel(s) ({groups} groups of {c_in}), and this "
                       f"rank's part of the channel blocks {s.parts} is not whole groups (groups=1 sums over "
                       "every channel: a row-parallel linear's job)", s)
@@ -99,9 +99,9 @@ class ChannelRules:
         widths, n = list(node.args[1]), val(node).dim()
         padded = {n - 1 - i // 2 for i, w in enumerate(widths) if w}
         if s.dim in padded:
-            raise self._unsupported(node, f"it pads dim {s.dim}, which is split over tp ranks", s)
+            raise self.refuse(node, f"it pads dim {s.dim}, which is split over tp ranks", s)
         if len(node.args) > 2 and node.args[2] not in ("constant",):
-            raise self._unsupported(node, f"it pads with mode {node.args[2]!r} (only 'constant' is split)", s)
+            raise self.refuse(node, f"it pads with mode {node.args[2]!r} (only 'constant' is split)", s)
         return s
 
     @rule(TP, "triangle")
@@ -110,7 +110,7 @@ class ChannelRules:
         lie before them."""
         s = self.place[node.args[0]]
         if s.dim >= val(node).dim() - 2:
-            raise self._unsupported(node, f"it takes a triangle of the last two dims, and dim {s.dim} is "
+            raise self.refuse(node, f"it takes a triangle of the last two dims, and dim {s.dim} is "
                                           "split over tp ranks", s)
         return s
 
@@ -121,11 +121,11 @@ class ChannelRules:
         dst, src = node.args[0], node.args[1]
         d, s = self.place.get(dst), self.place.get(src)
         if not isinstance(d, Shard):
-            raise self._unsupported(node, "it writes a value split over tp ranks into one that is not "
+            raise self.refuse(node, "it writes a value split over tp ranks into one that is not "
                                           "(each rank would write only its part)", s)
         if isinstance(s, Shard):
             if s.moved(s.dim + val(dst).dim() - val(src).dim()) != d:
-                raise self._unsupported(node, "it writes a value split differently from its destination", s)
+                raise self.refuse(node, "it writes a value split differently from its destination", s)
             return d
         j = d.dim - (val(dst).dim() - val(src).dim())
         if isinstance(src, fx.Node) and j >= 0 and val(src).shape[j] != 1:
@@ -157,7 +157,7 @@ class ChannelRules:
             mine = []
             for i in range(len(split.parts)):
                 block = call(self.g, operator.getitem, (blocks, i), like=node)
-                mine.append(call(self.g, fxmeg_ops.tp_slice.default, (block, dim, self.tp, TP), like=node))
+                mine.append(self.move(block, "replicated", "local", dim=dim, at=node))
                 self.place[block], self.place[mine[-1]] = None, LOCAL
             out = call(self.g, aten.cat.default, (mine, dim), like=node)
         self.place[out] = LOCAL

@@ -45,7 +45,6 @@ from torch import fx
 from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
 from fxmeg.layouts import LOCAL, Replicate, Shard
-from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import attr, call, full_args, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, dim_argument, in_family
 from fxmeg.passes.tp_moe import layer_glob
@@ -313,7 +312,7 @@ def kv_linear(tpass, node: fx.Node):
     x = node.args[slots.x]
     px = tpass.place.get(x)
     if isinstance(px, Shard) and not px.seq:
-        raise tpass._unsupported(node, "a query or key/value projection reads a value split over its features", px)
+        raise tpass.refuse(node, "a query or key/value projection reads a value split over its features", px)
     args = list(node.args)
     args[slots.x] = tpass._entry(node, x)
     if tpass.heads[node] == KV:
@@ -323,8 +322,7 @@ def kv_linear(tpass, node: fx.Node):
     for i, dim in ((slots.weight, slots.out_dim), (slots.bias, 0)):
         if i is not None and i < len(args) and isinstance(args[i], fx.Node):
             tpass._check_divides(node, val(args[i]).shape[dim], "query rows of a fused projection")
-            with tpass.g.inserting_before(node):
-                args[i] = call(tpass.g, torch.ops.fxmeg.tp_slice.default, (args[i], dim, tpass.tp, TP), like=node)
+            args[i] = tpass.move(args[i], "replicated", "local", dim=dim, at=node)
             tpass.place[args[i]] = LOCAL
     node.args = tuple(args)
     return Shard(val(node).dim() - 1, (val(node).shape[-1],), origin=owning_module(node))

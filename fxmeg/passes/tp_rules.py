@@ -25,6 +25,7 @@ from fxmeg.layouts import LOCAL, PARTIAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
+from fxmeg.passes.redistribute import redistribute
 from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
 from fxmeg.torch_private import op_schema
@@ -69,7 +70,7 @@ class PropagationRules:
         s0 = shards[0][1].moved(shards[0][1].dim + out_dim - val(shards[0][0]).dim())
         for a, s in shards[1:]:
             if s.moved(s.dim + out_dim - val(a).dim()) != s0:
-                raise self._unsupported(node, "its operands are split differently", s)
+                raise self.refuse(node, "its operands are split differently", s)
         for a in node.all_input_nodes:
             if isinstance(self.place.get(a), Shard) or val(a) is None:
                 continue
@@ -90,16 +91,16 @@ class PropagationRules:
             return self._local_blocks(node, a, dim, split)
         self._check_divides(node, parts[0], f"dim {dim} of operand {a.name!r}")
         shape = list(val(a).shape)
-        with self.g.inserting_before(node):
-            if len(parts) > 1:
+        if len(parts) > 1:
+            with self.g.inserting_before(node):
                 a = call(self.g, aten.reshape.default, (a, shape[:dim] + [len(parts), parts[0]] + shape[dim + 1:]),
                          like=node)
-                self.place[a] = None
-            piece = call(self.g, torch.ops.fxmeg.tp_slice.default, (a, dim + (len(parts) > 1), self.tp, TP),
-                         like=node)
-            if len(parts) > 1:
-                self.place[piece] = LOCAL
-                shape[dim] //= self.tp
+            self.place[a] = None
+        piece = self.move(a, "replicated", "local", dim=dim + (len(parts) > 1), at=node)
+        if len(parts) > 1:
+            self.place[piece] = LOCAL
+            shape[dim] //= self.tp
+            with self.g.inserting_before(node):
                 piece = call(self.g, aten.reshape.default, (piece, shape), like=node)
         self.place[piece] = LOCAL  # this rank's part of a replicated value
         return piece
@@ -119,7 +120,7 @@ class PropagationRules:
         if isinstance(moved, Indivisible):  # the usual case: heads or KV heads
             raise PassError(_indivisible(node, moved, s, self.tp))
         if isinstance(moved, str):
-            raise self._unsupported(node, moved, s)
+            raise self.refuse(node, moved, s)
         if node.target in SHAPE_ARGUMENT:
             divide_shape_arg(node, moved.dim, self.tp)
         return moved
@@ -144,7 +145,7 @@ class PropagationRules:
         sizes = [v.shape[dim] for v in pieces]
         runs = _runs(s.parts, sizes)
         if runs is None:
-            raise self._unsupported(node, f"it splits the dim into {sizes}, not into runs of its blocks {s.parts}", s)
+            raise self.refuse(node, f"it splits the dim into {sizes}, not into runs of its blocks {s.parts}", s)
         if node.target == aten.split.Tensor:
             node.args = (node.args[0], node.args[1] // self.tp, *node.args[2:])
         elif node.target == aten.split_with_sizes.default:
@@ -165,7 +166,7 @@ class PropagationRules:
             return s
         edges = [sum(s.parts[:i]) for i in range(len(s.parts) + 1)]
         if step != 1 or start not in edges or end not in edges:
-            raise self._unsupported(
+            raise self.refuse(
                 node, f"it slices [{start}:{end}:{step}] of the split dim {dim}, which is not a run of "
                       f"its blocks {s.parts} (a fused projection is sliced block by block)", s)
         node.args, node.kwargs = (x, dim, start // self.tp, end // self.tp), {}
@@ -181,16 +182,16 @@ class PropagationRules:
         stack = node.target == aten.stack.default
         shards = [self.place.get(a) for a in tensors if isinstance(self.place.get(a), (Shard, list))]
         if any(isinstance(p, list) for p in shards):
-            raise self._unsupported(node, "it concatenates an unpacked list")
+            raise self.refuse(node, "it concatenates an unpacked list")
         s0 = shards[0]
         if not stack and dim == s0.dim:
             places = [self.place.get(a) for a in tensors]
             if not all(isinstance(p, Shard) and p.dim == dim for p in places):
-                raise self._unsupported(node, "it concatenates along the split dim a value that is "
+                raise self.refuse(node, "it concatenates along the split dim a value that is "
                                               "not split along it", s0)
             return s0.moved(dim, tuple(b for p in places for b in p.parts))
         if any(p.dim != s0.dim or p.parts != s0.parts for p in shards):
-            raise self._unsupported(node, "its operands are split differently", s0)
+            raise self.refuse(node, "its operands are split differently", s0)
         for a in tensors:
             if not isinstance(self.place.get(a), Shard):
                 node.replace_input_with(a, self._local_slice(node, a, s0.dim, s0))
@@ -201,10 +202,10 @@ class PropagationRules:
         """select / index_select pick along one dim: not the split one."""
         s = self.place.get(node.args[0])
         if not isinstance(s, Shard):
-            raise self._unsupported(node, "it indexes a replicated value with a split index")
+            raise self.refuse(node, "it indexes a replicated value with a split index")
         dim = node.args[1] % val(node.args[0]).dim()
         if dim == s.dim:
-            raise self._unsupported(node, f"it indexes the split dim {dim}", s)
+            raise self.refuse(node, f"it indexes the split dim {dim}", s)
         if node.target == aten.select.int:
             return s.moved(s.dim - (dim < s.dim))
         return s
@@ -219,7 +220,7 @@ class PropagationRules:
                 node.args, node.kwargs = tuple(args[:3]), {"output_size": args[3] // self.tp}
             return s.moved(dim, (val(node).shape[dim],))
         if dim is None:
-            raise self._unsupported(node, "it flattens the split value", s)
+            raise self.refuse(node, "it flattens the split value", s)
         return s
 
     @rule(TP, "tile")
@@ -240,7 +241,7 @@ class PropagationRules:
             node.replace_input_with(node.args[0], self._local_slice(node, node.args[0], k.dim, k))
             q = k
         if not (isinstance(q, Shard) and q.dim < val(node).dim() - 2):
-            raise self._unsupported(node, "query, key and value must be split alike over heads", q)
+            raise self.refuse(node, "query, key and value must be split alike over heads", q)
         for a, p in zip(node.args[1:3], (k, v)):
             if p == q:
                 continue
@@ -248,7 +249,7 @@ class PropagationRules:
             if heads == val(node.args[0]).shape[q.dim]:  # key/value heads replicated (tp_heads): this rank's
                 node.replace_input_with(a, self._local_slice(node, a, q.dim))
             elif heads != 1:  # one key/value head broadcasts over every query head
-                raise self._unsupported(node, "query, key and value must be split alike over heads (or the "
+                raise self.refuse(node, "query, key and value must be split alike over heads (or the "
                                               "key/value heads replicated, one or one per query head)", q)
         mask = node.args[3] if len(node.args) > 3 else None
         if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
@@ -257,17 +258,13 @@ class PropagationRules:
                 node.replace_input_with(mask, self._local_slice(node, mask, j, q))
         return q
 
-    @rule(TP, "context_parallel")
-    def _context_parallel(self, node: fx.Node):
-        """The context-parallel ops work along the sequence (their dim argument): a split
-        over heads passes through; the causal mask depends on positions only."""
-        if node.target == fxmeg_ops.cp_causal_mask.default:
-            return None
-        if node.target == fxmeg_ops.cp_attention.default:
-            return self._attention(node)  # q, k, v alike over heads; no mask operand
+    @rule(TP, "exchange")
+    def _exchange(self, node: fx.Node):
+        """Another axis's collective along its dim argument (cp's gather of the keys): a
+        split on any other dim passes through."""
         s = self.place[node.args[0]]
         if isinstance(s, Shard) and s.dim == node.args[1] % val(node.args[0]).dim():
-            raise self._unsupported(node, f"it exchanges dim {s.dim} over cp ranks, which is split over tp ranks", s)
+            raise self.refuse(node, f"it exchanges dim {s.dim} over {node.args[-1]} ranks, which is split over tp ranks", s)
         return s
 
     def _matmul(self, node: fx.Node):
@@ -284,15 +281,15 @@ class PropagationRules:
         for a, letters in zip(operands, ins):
             p = self.place.get(a)
             if isinstance(p, list):
-                raise self._unsupported(node, "it multiplies an unpacked list")
+                raise self.refuse(node, "it multiplies an unpacked list")
             if not isinstance(p, Shard):
                 continue
             if letters[p.dim] not in out:
-                raise self._unsupported(
+                raise self.refuse(
                     node, f"it contracts dim {p.dim} of {a.name!r}, which is split over tp ranks "
                           "(a product over a split dim is a row-parallel linear's job)", p)
             if split is not None and (split[0] != letters[p.dim] or split[1].parts != p.parts):
-                raise self._unsupported(node, "its operands are split differently", p)
+                raise self.refuse(node, "its operands are split differently", p)
             split = (letters[p.dim], p)
         letter, s = split
         for a, letters in zip(operands, ins):
@@ -312,7 +309,7 @@ class PropagationRules:
         if s.dim < n - len(shape):
             return s
         if len(shape) != 1:
-            raise self._unsupported(node, f"it normalizes over dims {list(range(n - len(shape), n))}, "
+            raise self.refuse(node, f"it normalizes over dims {list(range(n - len(shape), n))}, "
                                           f"split along dim {s.dim}", s)
         ops = []
 
@@ -342,10 +339,8 @@ class PropagationRules:
         when its readers combine it with split values (a norm's statistic), each rank holds
         the gradient of its own part and tp_copy all-reduces it (``_check_statistics``
         drops that for readers that are all replicated)."""
-        with self.g.inserting_after(local):
-            copy = call(self.g, torch.ops.fxmeg.tp_copy.default, (local, TP), like=like)
-        with self.g.inserting_after(copy):
-            total = call(self.g, torch.ops.fxmeg.tp_reduce.default, (copy, TP), like=like)
+        copy = self.move(local, "local", "synced", at=local, after=True, like=like)
+        total = self.move(copy, "partial", "replicated", at=copy, after=True, like=like)
         self.place[local] = self.place[copy] = LOCAL
         self.place[total] = None
         self.statistics.append((total, like))
@@ -377,8 +372,8 @@ class PropagationRules:
             if split and whole:
                 self._sum_into(split)
             elif split:
-                with total.graph.inserting_before(total):
-                    copy = call(total.graph, fxmeg_ops.tp_copy.default, (origin, TP), like=origin)
+                copy = redistribute(total.graph, TP, origin, "partial", "synced", size=self.tp, at=total,
+                                    like=origin)
                 total.replace_input_with(origin, copy)
                 self.place[copy] = PARTIAL
 
@@ -398,7 +393,7 @@ class PropagationRules:
         todo, seen = [(u, start) for u in start.users], {start}
         while todo:
             n, via = todo.pop()
-            inner = self._through(n, seen)  # into and out of region bodies
+            inner = self.through(n, seen)  # into and out of region bodies
             if inner is not None:
                 todo.extend((u, _entered_from(u, n)) for u in inner if u not in seen)
                 continue
@@ -434,8 +429,7 @@ class PropagationRules:
         """A tp_copy on each (split reader, operand) edge: forward the operand itself,
         backward the readers' parts summed over tp ranks."""
         for reader, operand in edges:
-            with reader.graph.inserting_before(reader):
-                copy = call(reader.graph, fxmeg_ops.tp_copy.default, (operand, TP), like=reader)
+            copy = redistribute(reader.graph, TP, operand, "replicated", "synced", size=self.tp, at=reader)
             reader.replace_input_with(operand, copy)
             self.place[copy] = None
 
@@ -449,7 +443,7 @@ class PropagationRules:
         if s.dim in {d % n for d in dims}:
             if in_family(node.target, "softmax"):
                 return self._softmax_over_split(node, s)  # tp_rules_more
-            raise self._unsupported(node, f"it computes along dim {s.dim}, which is split over tp ranks", s)
+            raise self.refuse(node, f"it computes along dim {s.dim}, which is split over tp ranks", s)
         outputs = node.meta.get("val")
         return [s] * len(outputs) if isinstance(outputs, (tuple, list)) else s
 
@@ -474,7 +468,7 @@ class PropagationRules:
         if node.target in EXTREMES:
             return self._extreme_over_split(node, s)  # tp_rules_more
         if node.target not in sums:
-            raise self._unsupported(node, f"it reduces over dim {s.dim}, which is split over tp ranks (only a "
+            raise self.refuse(node, f"it reduces over dim {s.dim}, which is split over tp ranks (only a "
                                           "sum, a mean, and an amax, amin, max or min without indices are "
                                           "all-reduced)", s)
         users = list(node.users)

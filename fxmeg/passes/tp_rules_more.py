@@ -64,7 +64,7 @@ class MoreRules:
         s = self.place[node.args[0]]
         dim = dim_argument(node, 0) % val(node.args[0]).dim()
         if dim == s.dim:
-            raise self._unsupported(node, f"it unbinds the split dim {dim}", s)
+            raise self.refuse(node, f"it unbinds the split dim {dim}", s)
         return [s.moved(s.dim - (dim < s.dim))] * len(node.meta["val"])
 
     @rule(TP, "complex")
@@ -76,7 +76,7 @@ class MoreRules:
         half of a number."""
         s = self.place[node.args[0]]
         if node.target == aten.view_as_complex.default and s.dim == val(node.args[0]).dim() - 1:
-            raise self._unsupported(node, f"it reads the split dim {s.dim} as (real, imaginary) pairs", s)
+            raise self.refuse(node, f"it reads the split dim {s.dim} as (real, imaginary) pairs", s)
         return s
 
     @rule(TP, "advanced_index")
@@ -88,10 +88,10 @@ class MoreRules:
         indices, n = list(node.args[1]), val(node.args[0]).dim()
         if not isinstance(s, Shard) or any(isinstance(self.place.get(i), (Shard, list)) for i in indices
                                            if isinstance(i, fx.Node)):
-            raise self._unsupported(node, "it indexes with a split index", s if isinstance(s, Shard) else None)
+            raise self.refuse(node, "it indexes with a split index", s if isinstance(s, Shard) else None)
         indexed = [d for d, i in enumerate(indices) if i is not None]
         if s.dim in indexed:
-            raise self._unsupported(node, f"it indexes the split dim {s.dim}", s)
+            raise self.refuse(node, f"it indexes the split dim {s.dim}", s)
         extra = val(node).dim() - (n - len(indexed))  # the broadcast index's dims
         if indexed != list(range(indexed[0], indexed[-1] + 1)):  # apart: index dims first
             return s.moved(extra + s.dim - sum(d < s.dim for d in indexed))
@@ -103,7 +103,7 @@ class MoreRules:
         product by the matmul rule, the sum by the pointwise rule (``input`` split alike,
         or cut to this rank's part)."""
         for n in (new := expand_add_matmul(node)):
-            self.place[n] = self._visit(n)
+            self.place[n] = self.visit(n)
         return self.place[new[-1]]
 
     def _softmax_over_split(self, node: fx.Node, s: Shard):
@@ -122,7 +122,8 @@ class MoreRules:
         if val(x).dtype != val(node).dtype:
             x = add(aten._to_copy.default, x, dtype=val(node).dtype)
         top = add(aten.amax.default, add(aten.detach.default, x), [d], True, place=LOCAL)
-        top = add(fxmeg_ops.tp_max.default, top, TP, place=None)
+        top = self.move(top, "partial_max", "replicated", at=node)
+        self.place[top] = None
         shifted = add(aten.sub.Tensor, x, top)
         masked = None
         if node.target == aten._safe_softmax.default:  # rows -inf on every rank: 0, and no NaN in backward
@@ -149,10 +150,8 @@ class MoreRules:
         if EXTREMES[node.target]:
             with self.g.inserting_after(node):
                 out = call(self.g, aten.neg.default, (node,), like=node)
-        with self.g.inserting_after(out):
-            top = call(self.g, fxmeg_ops.tp_max.default, (out, TP), like=node)
-        with self.g.inserting_after(top):
-            copy = call(self.g, fxmeg_ops.tp_copy.default, (top, TP), like=node)
+        top = self.move(out, "partial_max", "replicated", at=out, after=True, like=node)
+        copy = self.move(top, "replicated", "synced", at=top, after=True, like=node)
         result = copy
         if EXTREMES[node.target]:
             with self.g.inserting_after(copy):

@@ -17,7 +17,7 @@ relative norm: docs/design.md §3).
   granitemoeshared) at world size 1 with 4 micro-batches (WORLD1_MOE);
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
   embedding runs in autocast regions reading the head-split q and k (split inside them:
-  fxmeg/passes/tp_regions.py); a skip when x-transformers is not installed;
+  fxmeg/passes/propagation.py); a skip when x-transformers is not installed;
 * two well-known single-file models: nanoGPT's model.py and llama2.c's model.py
   (tests/zoo/, rewritten after the published files), each trained through its own loss
   (ignore_index=-1);

@@ -54,7 +54,7 @@ histogram        tp -                    cp _histogram     bincount.default, his
 linear           tp _product*            cp _linear        addmm.default, linear.default
 matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
 add_matmul       tp _add_matmul          cp _add_matmul    baddbmm.default
-attention        tp _attention           cp _attention     scaled_dot_product_attention.default
+attention        tp _attention           cp _attention     fxmeg.cp_attention.default, scaled_dot_product_attention.default
 norm             tp _layer_norm          cp _layer_norm    layer_norm.default
 embedding        tp _embedding*          cp _embedding     embedding.default
 loss             tp _loss                cp _loss          cross_entropy_loss.default, nll_loss.default, nll_loss_nd.default
@@ -63,7 +63,7 @@ triangle         tp _triangle            cp _pad_or_triangle tril.default, triu.
 write            tp _write               cp _write         copy_.default
 new              tp _new                 cp _new           new_empty.default, new_full.default, new_ones.default, new_zeros.default
 convolution      tp _convolution         cp _convolution   conv1d.default, conv2d.default, convolution.default
-context_parallel tp _context_parallel    cp -              fxmeg.cp_attention.default, fxmeg.cp_causal_mask.default, fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
+exchange         tp _exchange            cp -              fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
 
 
 def test_each_explicit_op_is_in_one_family():
@@ -107,7 +107,10 @@ class _Roll(_UpDown):
 
 @pytest.mark.parametrize("axis", ["tp", "cp"])
 def test_an_op_with_no_rule_is_refused_by_name_on_every_axis(axis):
-    with pytest.raises(PassError, match=r"cannot split node 'roll' \(roll.default.*no (context-parallel )?rule"):
+    """One refusal path for every axis: the same words, the axis named."""
+    title = {"tp": "tensor", "cp": "context"}[axis]
+    with pytest.raises(PassError, match=rf"cannot split node 'roll' \(roll.default.*over {axis}=2 ranks.*"
+                                        rf"fxmeg has no {title}-parallel rule for it"):
         transform(_Roll(), make_batch(2, seed=0), **{axis: 2})
 
 
