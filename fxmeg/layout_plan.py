@@ -1,5 +1,5 @@
 """Plan a layout before running it: per pipeline stage, the memory one rank holds, its
-forward FLOPs and the schedule's bubble, from the Program alone (docs/design.md §8.8,
+forward FLOPs and the schedule's bubble, from the Program alone (docs/megatron-semantics.md §2.8,
 §8.8.1). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
 transforms a copy of the model on the meta device, so a 70B model plans in seconds.
 

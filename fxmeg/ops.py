@@ -1,7 +1,7 @@
 """Every op and marker that fxmeg's passes write into graphs, by schema. They show by name
 in printed graphs. This module is pure: no process group is touched here; the
 torch.distributed kernels of the collectives are registered by
-``fxmeg.runtime.collectives`` (docs/design.md §2).
+``fxmeg.runtime.collectives`` (docs/architecture.md §2).
 
 Pipeline markers. The pipeline pass marks every tensor that crosses a chunk boundary:
 ``recv`` where it enters a chunk, ``send`` where it leaves, ``deallocate`` where the
@@ -15,7 +15,7 @@ bernoulli, ``rand_like``, attention with ``dropout_p > 0``) whose output is spli
 ranks: between them the op draws from this tp rank's own stream, Megatron's
 model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``). Unbound they do nothing (the
 parent graph in one process draws from the default stream); the runtime binds them to
-``fxmeg.runtime.collectives.TpRandom``'s ``tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
+``fxmeg.runtime.collectives.TpRandom``'s ``tp_rng_fork`` / ``tp_rng_join`` (docs/architecture.md §3, random ops).
 
 ``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
 parameter all-gather; unbound it does nothing, and the runtime binds it to its

@@ -11,7 +11,7 @@ reading files only: no ranks, no training).
   their #anchors included) and in the docstrings and comments of fxmeg/ exists, and so
   does every test a pytest id names (``tests/FILE.py::TEST``).
 * Maps: docs/contributing.md lists every module under fxmeg/ (and only those), and
-  docs/design.md §9 every folder.
+  docs/architecture.md §7 every folder.
 * ``fxmeg prepare-data`` takes Megatron's ``--tokenizer-model``, as ``fxmeg train`` does.
 """
 
@@ -229,11 +229,11 @@ def test_the_module_map_lists_every_module():
 
 
 def test_the_folder_map_lists_every_folder():
-    block = _map_block("docs/design.md", "## 9. Layout of folders")
+    block = _map_block("docs/architecture.md", "## 7. Layout of folders")
     listed = {line.split()[0] for line in block if line[:1].strip()}  # continuation lines are indented
     packages = glob.glob(os.path.join(ROOT, "fxmeg", "*", "__init__.py"))
     folders = {f"{d}/" for d in TOP} | {os.path.relpath(os.path.dirname(p), ROOT) + "/" for p in packages}
-    assert folders <= listed, f"docs/design.md §9 lacks {sorted(folders - listed)}"
+    assert folders <= listed, f"docs/architecture.md §7 lacks {sorted(folders - listed)}"
     assert all(_exists(p) for p in listed), [p for p in listed if not _exists(p)]
 
 

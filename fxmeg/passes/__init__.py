@@ -62,5 +62,5 @@ and under ``gm.meta["fxmeg"]``, one record per key:
   spec       a chunk graph: ChunkSpec; pipeline (``fxmeg.program.chunks`` finds chunks by it)
   buffers    a chunk graph: BufferLayout per gradient dtype; buckets
   split      a chunk graph: SplitSpec (zero-bubble schedules only); split_backward
-docs/design.md §2 says who reads each key.
+docs/architecture.md §2 says who reads each key.
 """

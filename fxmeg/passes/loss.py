@@ -8,7 +8,7 @@ parameters. Extra model outputs are dropped. The two output nodes carry
 ``meta["fxmeg"]["loss"] = "sum" | "count"``.
 
 Why: a mean per micro-batch weights every micro-batch equally. Megatron's token-weighted
-loss (docs/design.md §8.5.1-8.5.2) sums the numerators and denominators over all micro-batches
+loss (docs/megatron-semantics.md §2.5.1-2.5.2) sums the numerators and denominators over all micro-batches
 and data-parallel ranks and divides once, so micro-batches with different numbers of
 ignored labels stay exact.
 
@@ -23,7 +23,7 @@ An auxiliary loss added to the mean (``loss + coef * aux``: a mixture-of-experts
 load-balancing loss) is kept out of the token weighting: loss_sum passes through
 ``fxmeg::scale_aux_loss(loss_sum, aux, scale)``, which gives ``aux`` the gradient weight
 in the buffer ``fxmeg_aux_loss_scale`` that the runtime sets each step (Megatron's
-MoEAuxLossAutoScaler, docs/design.md §8.5.3).
+MoEAuxLossAutoScaler, docs/megatron-semantics.md §2.5.3).
 
 Recognised forms of the mean (through casts, clones and scalar views):
   cross_entropy / nll_loss, reduction='mean', no class weights -> reduction='sum',
