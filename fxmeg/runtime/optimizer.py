@@ -1,6 +1,6 @@
-"""The optimizer around the user's inner optimizer(s) (docs/architecture.md §5.3-5.4; docs/megatron-semantics.md §2.7;
-Megatron's MixedPrecisionOptimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer
-and its layer-wise variant).
+"""The optimizer around the user's inner optimizer(s) (docs/architecture.md §5.3-5.4;
+docs/megatron-semantics.md §2.7; Megatron's MixedPrecisionOptimizer,
+Float16OptimizerWithFloat16Params, DistributedOptimizer and its layer-wise variant).
 
 The inner optimizers step fp32 *masters*, one per piece of a parameter this rank updates:
   * no distributed optimizer: every parameter, whole, on every rank: fp32 parameters
