@@ -1,4 +1,4 @@
-"""The front door: ``parallelize`` and the ``Engine`` it returns (docs/design.md §1).
+"""The front door: ``parallelize`` and the ``Engine`` it returns (docs/architecture.md §1).
 
 ``parallelize`` = configuration (``fxmeg.config.make_config``) -> passes
 (``fxmeg.transform``: the rank-free Program) -> this rank's runtime

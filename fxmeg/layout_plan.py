@@ -1,45 +1,11 @@
 """Plan a layout before running it: per pipeline stage, the memory one rank holds, its
-forward FLOPs and the schedule's bubble, from the Program alone (docs/design.md §8.8,
-§8.8.1). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
+forward FLOPs and the schedule's bubble, from the Program alone (docs/megatron-semantics.md
+§2.8). No process group, no rank, no real tensor: ``plan(model, example, tp=8, pp=8)``
 transforms a copy of the model on the meta device, so a 70B model plans in seconds.
 
-Per stage, for one tensor-parallel rank (every tp rank holds the same shapes: the
-tensor-parallel pass needs tp to divide every split dimension, so shards never differ):
-
-  parameters         each trainable parameter once per stage, in its local (tp shard, or
-                     ep shard: E / ep experts of each bank) shape: the get_attr node's
-                     ``meta["val"]`` after the tp and expert-parallel passes
-  gradient buffers   the stage's contiguous buffers (``Program.buffers``: fp32 whatever
-                     the precision, padding for dp and the distributed optimizer included;
-                     under ep the experts' own buffers, padded for the expert-data-parallel
-                     ranks edp = dp * cp / ep)
-  optimizer state    Adam-like: two fp32 states per element, plus an fp32 master copy in
-                     bf16 / fp16; the distributed optimizer divides them by dp * cp, and
-                     the experts' by edp (the ranks holding the same experts)
-  zero >= 2          the gradient buffers are divided by dp * cp, and at zero=3 the
-                     parameters too (padding included); ``buckets_in_flight`` counts what
-                     is whole at once (runtime/zero.py): 1 + IN_FLIGHT gradient buckets
-                     being staged or reduced, and at zero=3 two parameter buckets (the one
-                     computed with and the one prefetched), each the stage's largest
-                     (not counting a tied embedding's, whole alone); with
-                     ``backward_prefetch='post'`` one of each and the fresh gradient
-  activations        what autograd keeps for one micro-batch of the stage's largest chunk
-                     (fxmeg/saved_activations.py: each op's saved tensors, each storage
-                     once), times the micro-batches in flight at the schedule's peak (the
-                     simulator's count of forwards whose backward, or with zero bubble
-                     whose weight gradient W, has not run); under recompute, plus once the
-                     largest region's own tensors while backward runs it again
-  FLOPs              forward matmul / attention FLOPs of one micro-batch on this rank
-  bubble             idle share of the rank in the schedule simulator, with a forward
-                     costing 1 and a backward 2 on every chunk (F_COST, B_COST; a
-                     split backward's I and W 1 each)
-
-Expert banks (``expert_banks``) are counted apart too (``expert_*`` fields, the "experts"
-column; parts of the first three above), so plans at ep = 1 and ep > 1 show what expert
-parallelism saves. At ep > 1 the activations count each experts block (a
-``routed_experts`` node) with the rows it computes as they are under balanced routing (T * k
-per rank: ``saved_activations.routed_experts_bytes``); an imbalanced step holds more on the ranks whose
-experts are popular.
+What each column counts (parameters, gradient buffers, optimizer state, zero >= 2,
+activations, FLOPs, bubble, experts): docs/architecture.md §8.3; against Megatron's formula:
+docs/megatron-semantics.md §2.8.1.
 
 ``memory_report(program, ctx)``, the trainer's first-log report, is this plan's stages.
 """

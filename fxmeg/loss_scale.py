@@ -1,4 +1,4 @@
-"""fp16 loss scaling (Megatron's DynamicGradScaler, docs/design.md §8.7 and §8.10).
+"""fp16 loss scaling (Megatron's DynamicGradScaler, docs/megatron-semantics.md §2.7 and §2.10).
 
 The loss is multiplied by the scale only where backward starts, on the last pipeline
 stage; finalize divides the gradients by it. A step that found an inf/NaN anywhere is

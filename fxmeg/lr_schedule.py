@@ -1,5 +1,5 @@
-"""Learning-rate and weight-decay schedules counted in samples (docs/design.md §8.2, §8.3.3;
-Megatron's OptimizerParamScheduler).
+"""Learning-rate and weight-decay schedules counted in samples
+(docs/megatron-semantics.md §2.2, §2.3.3; Megatron's OptimizerParamScheduler).
 
 Counting samples, not iterations, keeps a schedule continuous when the global batch size
 changes mid-run. The engine advances it by the global batch after every successful step

@@ -1,4 +1,4 @@
-"""Values for a model built on the meta device (docs/design.md §2.1).
+"""Values for a model built on the meta device (docs/architecture.md §2.1).
 
 A model built under ``with torch.device("meta"):`` has shapes and no values. fxmeg
 captures and transforms it as it is; each rank then makes only the tensors it holds,

@@ -1,5 +1,5 @@
 """Routed experts, computed the way the expert-parallel pass rewrites them
-(fxmeg/passes/expert_parallel.py; docs/design.md, expert parallelism).
+(fxmeg/passes/expert_parallel.py; docs/parallelism.md, expert parallelism).
 
 A routed-experts block maps tokens ``hidden [T, H]`` with their top-k experts
 ``top_k_index [T, k]`` and weights ``top_k_weights [T, k]`` to

@@ -1,74 +1,10 @@
 """Every op and marker that fxmeg's passes write into graphs, by schema. They show by name
 in printed graphs. This module is pure: no process group is touched here; the
 torch.distributed kernels of the collectives are registered by
-``fxmeg.runtime.collectives`` (docs/design.md §2).
+``fxmeg.runtime.collectives`` (docs/architecture.md §2).
 
-Pipeline markers. The pipeline pass marks every tensor that crosses a chunk boundary:
-``recv`` where it enters a chunk, ``send`` where it leaves, ``deallocate`` where the
-producer may free it. Communication itself is the executor's work (lowered schedule
-actions RECV_F/SEND_F/...); when a chunk graph runs, these markers are identities, so the
-parent graph that chains all chunks in one process computes exactly what the captured
-model computes.
-
-``tp_rng_fork`` / ``tp_rng_join`` (tensor-parallel pass) bracket a random op (dropout,
-bernoulli, ``rand_like``, attention with ``dropout_p > 0``) whose output is split over tp
-ranks: between them the op draws from this tp rank's own stream, Megatron's
-model-parallel RNG tracker (``get_cuda_rng_tracker().fork()``). Unbound they do nothing (the
-parent graph in one process draws from the default stream); the runtime binds them to
-``fxmeg.runtime.collectives.TpRandom``'s ``tp_rng_fork`` / ``tp_rng_join`` (docs/design.md §4, random ops).
-
-``wait_param_gather`` (param-gather pass) marks where forward must wait for a bucket's
-parameter all-gather; unbound it does nothing, and the runtime binds it to its
-data-parallel buffers' wait (``fxmeg.runtime.collectives.bind``).
-
-``zero_gather`` / ``zero_release`` (param-gather pass, zero=3) mark where forward needs a
-bucket's parameters whole (gathered from the data-parallel shards; the next bucket's
-gather starts there too) and where it no longer reads them (their memory is freed until
-backward needs them again). Unbound they do nothing.
-
-``expert_load`` (expert-parallel pass, at every ep) marks a routed-experts block's top-k
-expert index; unbound it does nothing, and the runtime binds it to this rank's recorder
-of tokens per expert (``fxmeg.runtime.expert_load``: load metrics, loss-free balancing).
-
-Tensor-parallel collectives (``torch.ops.fxmeg.*``, with autograd). Each takes the *name*
-of a process group: passes write the symbolic name ``"tp"`` (they run before any group
-exists) and the runtime binds the real group's name. Rank-dependent work (which rows of
-the vocabulary this rank holds, which slice of a replicated value is local) happens
-inside the ops, from the bound group, so the graphs are the same on every rank.
-
-  tp_copy        Megatron's f: identity forward, all-reduce of the gradient
-  tp_reduce      Megatron's g: all-reduce forward, identity backward
-  sp_gather      all-gather along a (sequence) dim forward, reduce-scatter backward
-  sp_scatter     reduce-scatter along a dim forward, all-gather backward
-                 (both also take the group's size, so shapes are known without a group)
-  tp_max         all-reduce max forward (a softmax's or amax's maximum over a split dim);
-                 backward, the gradient goes to the rank(s) holding the maximum
-  tp_slice       this rank's 1/size part of a replicated value along a dim; backward
-                 pads the gradient back with zeros (``tp_pad``)
-  vocab_shard_ids  token ids relative to this rank's rows of a vocabulary-parallel
-                 embedding, and the mask of ids outside them
-  vocab_parallel_cross_entropy  per-token loss over vocabulary-sharded logits (Megatron's
-                 _VocabParallelCrossEntropy); the full logits are never gathered
-
-Context-parallel ops (the context-parallel pass; symbolic group ``"cp"``). A sequence of
-length s is cut into 2 * cp chunks and cp rank r holds chunks r and 2 * cp - 1 - r
-(Megatron's load-balanced layout for causal attention: every rank gets as many early as
-late queries); ``cp_positions`` gives the global positions of a rank's rows.
-
-  cp_slice       this rank's positions of a replicated, position-indexed value along a
-                 dim (a rotary table, position embeddings); backward ``cp_unslice``
-                 scatters the gradient back into zeros
-  cp_gather      all-gather of every rank's positions along a dim, in global order
-                 (keys and values); backward ``cp_reduce_scatter`` sums the gradient
-                 over ranks and keeps this rank's positions
-  cp_causal_mask the boolean mask (local queries, all keys): True where this rank's query
-                 at global position i may attend key j <= i
-  cp_attention   causal attention of this rank's queries against every rank's keys and
-                 values (all-gathered, ``cp_gather``, under ``cp_causal_mask``); it saves
-                 only the local q, k, v for backward, where ``cp_attention_backward``
-                 gathers K and V again, recomputes the probabilities and reduce-scatters
-                 dK and dV (as a ring does in backward): the full K and V are never held
-                 between forward and backward
+What each marker and collective does, and how the runtime binds it:
+docs/architecture.md §8.1.
 """
 
 from __future__ import annotations

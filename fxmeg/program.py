@@ -1,5 +1,5 @@
 """The Program: the frozen record the passes produce and every rank's runtime reads
-(docs/design.md §2). It holds no rank: the same Program on every rank, from which
+(docs/architecture.md §2). It holds no rank: the same Program on every rank, from which
 ``fxmeg.runtime.context.build_context`` makes this rank's objects.
 
 Metadata convention (written by the passes, read only through this module):
@@ -301,7 +301,7 @@ tp rank; reduce_grad when its gradient differs per rank and is all-reduced over 
 
 @dataclass(frozen=True)
 class Program:
-    """A transformed model, identical on every rank (docs/design.md §2). Built by
+    """A transformed model, identical on every rank (docs/architecture.md §2). Built by
     ``fxmeg.transform``; read by ``fxmeg.runtime.context.build_context``."""
 
     config: EngineConfig

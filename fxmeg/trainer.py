@@ -1,5 +1,5 @@
-"""The training loop (docs/design.md §8.1, §8.3, §8.9, §8.10): Megatron's pretrain() on
-fxmeg's engine.
+"""The training loop (docs/megatron-semantics.md §2.1, §2.3, §2.9, §2.10): Megatron's
+pretrain() on fxmeg's engine.
 
 setup (data, model, engine, optional resume) -> loop while iteration < train_iters (or
 consumed samples < train_samples): pick the global batch size for the consumed samples,
@@ -307,7 +307,7 @@ class Trainer:
         if size == old:
             return
         if self.cfg.save:
-            self.save()  # docs/design.md §8.3.3: a checkpoint just before the switch
+            self.save()  # docs/megatron-semantics.md §2.3.3: a checkpoint just before the switch
         self.engine.set_global_batch_size(size)
         self.metrics.record("event", {"iteration": self.iteration, "consumed_samples": self.consumed,
                                       "batch_size_switch": [old, size]})
@@ -327,7 +327,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """eval_iters batches of the persistent sequential validation stream
-        (docs/design.md §8.9); its seconds as eval_time."""
+        (docs/megatron-semantics.md §2.9); its seconds as eval_time."""
         tick = time.perf_counter()
         size = self.engine.config.global_batch_size
         m = size // (self.engine_config.micro_batch_size * self.dp)

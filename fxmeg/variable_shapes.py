@@ -1,5 +1,5 @@
 """Variable sequence lengths: one Program per input shape, all sharing this rank's tensors
-(``EngineConfig.variable_seq_lengths``; docs/design.md §2.2).
+(``EngineConfig.variable_seq_lengths``; docs/architecture.md §2.2).
 
 A Program is transformed for the example's static shapes: arange ends, reshapes, the
 loss's token count, the shapes of the tensors crossing a pipeline cut. When batches are

@@ -1,5 +1,5 @@
 """Shared test helpers: tiny models, batches with uneven ignored labels, the plain
-single-device reference and the parity assertions of docs/design.md §3.9."""
+single-device reference and the parity assertions of docs/megatron-semantics.md §1.9."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def model_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) 
 
 
 def seeded_init(model: torch.nn.Module, init_fn, seed: int) -> torch.nn.Module:
-    """docs/design.md §2.1's initialisation rule written out in plain PyTorch, independently
+    """docs/architecture.md §2.1's initialisation rule written out in plain PyTorch, independently
     of ``fxmeg.materialize``: each module that registers a tensor first (``named_modules``
     order; a tied tensor belongs to the module of its first name) is re-initialised in place
     by ``init_fn(module)`` with the default generator seeded by the first 8 bytes

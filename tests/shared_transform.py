@@ -3,7 +3,7 @@ computes it, the others load it (test infrastructure, docs/contributing.md).
 
 Every rank of a spawn builds the same model and calls ``fxmeg.parallelize`` with the same
 example and options, so each used to capture and transform it again: about half of a rank's
-time in the suite. A Program is rank-free (docs/design.md §2), so one transform serves all.
+time in the suite. A Program is rank-free (docs/architecture.md §2), so one transform serves all.
 
 ``install(directory)`` (tests/distributed.py calls it in every rank) wraps ``transform``
 where fxmeg calls it. A call is keyed by its index among this rank's transforms and by
@@ -276,7 +276,7 @@ def transform_alone(model: nn.Module, example, config=None, **options):
 
 
 def program_digest(program) -> str:
-    """A digest of what a Program tells the runtime (docs/design.md §2: identical on every
+    """A digest of what a Program tells the runtime (docs/architecture.md §2: identical on every
     rank): each graph's code and its nodes' fxmeg tags (the parent, its chunks and their
     submodules, the reference), the chunks' calling conventions, placement, gradient
     buffer layouts, tp and ep specs, holders, shapes and the other records; not the

@@ -330,7 +330,7 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
 
     losses, norms, lrs, valid, model = _plain_hugging_face(corpus)
     whole = [steps["whole"][i] for i in (1, 2, 3, 4)]
-    assert_losses_close([r["loss"] for r in whole], losses)  # docs/design.md: 1e-5 relative
+    assert_losses_close([r["loss"] for r in whole], losses)  # megatron-semantics.md §1.9: 1e-5
     assert_losses_close([r["grad_norm"] for r in whole], norms, rtol=1e-4)
     assert_losses_close([r["lr"] for r in whole], lrs, rtol=1e-12)
     assert_losses_close(evals["whole"], [valid])

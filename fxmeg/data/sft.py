@@ -13,18 +13,8 @@ tokenizer (``--tokenizer-model``, a tokenizer.json); the loss counts response to
                the template's end-of-turn text, never the next turn's header)
   a sample     input x[:-1], labels x[1:] with -100 where x[t + 1] is no target
 
-Two layouts (--sft-layout):
-
-  packed   the examples, in file order, fill windows of seq_len positions whole (an example
-           longer than a window is cut to it and fills one alone); the rest of a window is
-           padding. In a window each example's positions start at 0 and its tokens attend
-           only to earlier tokens of the same example: "position_ids" and "attend" (a 4-D
-           attention mask; a model that takes them by keyword: a Hugging Face one).
-  padded   one example per row, a global batch's rows padded on the right to the multiple
-           of --sft-pad-multiple above its longest (at most seq_len): steps have different
-           lengths (--variable-seq-lengths). Under a causal mask no real token sees the
-           padding after it, so any model trains on it; "attend" is the (rows, s) padding
-           mask for a model that takes one.
+Two layouts (--sft-layout): ``packed`` (examples fill windows whole, each attending only to
+itself) and ``padded`` (one example per row, variable lengths): docs/architecture.md §8.8.
 
 Each split (--split over the examples of one file, or --train-data-path and
 --valid-data-path) is shuffled every epoch (numpy RandomState(seed + epoch).permutation of

@@ -27,8 +27,6 @@ get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.layouts.BucketSlot(
     lowest such chunk, whose backward runs last;
   * slot sizes are the parameters' local (tensor-parallel shard) sizes, read from the
     get_attr nodes' ``meta["val"]``;
-  * a parameter used inside an autocast or no-grad region is an operand of the region's
-    node (export's training IR passes it in), so its first use is that node.
 """
 
 from __future__ import annotations

@@ -6,29 +6,8 @@ binds to its count of tokens per expert (fxmeg/runtime/expert_load.py).
 
 Scope: one chunk graph (after the pipeline pass).
 
-How a block is recognised, from the graph alone (no class or module name): a *grouped
-matmul* (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``: rows grouped by
-expert times a 3-D bank, with cumulative rows per expert) whose bank is a parameter of E
-experts on dim 0, paired with the second grouped matmul that shares its offsets; the
-offsets are ``cumsum(histc(ids, bins=E))`` of expert ids sorted by ``sort`` from the
-flattened top-k index [T, k]; the rows are ``hidden[perm // k]`` of the tokens [T, H].
-Between the two matmuls lies the model's activation (``middle``: rows in, rows out,
-reading nothing else); a bias bank [E, N] is added as ``bias[ids]`` after either matmul;
-the block's result is the sum over the k slots after the second matmul, shaped like
-``hidden`` (the weighted rows put back in token order and summed). That is the
-shape of Hugging Face's grouped experts (``grouped_mm_experts_forward``), whatever the
-model (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, AFMoE): routing (softmax, top-k,
-group-limited top-k, normalisation) and shared experts are outside it and stay as the
-model computes them. A second form is read too: *batched* experts (Llama 4's), two
-``bmm`` over the banks of every expert's slot of the tokens, each token's rows scaled by
-routing scores that are zero outside its top-k (fxmeg/passes/ep_batched.py says how it
-is read and what makes it exact); its rewrite gathers the scores at the top-k index as
-the weights and applies them to the experts' input (``probs_on_input``).
-
-The router's expert bias (loss-free balancing, ``moe_router_bias_update_rate``) is found
-from the graph too: walking back from the top-k index to the scores the ``topk`` ranks,
-then through values with E features (not through a matmul), an ``add`` of a get_attr of
-a 1-D buffer of E values (not a parameter): DeepSeek-V3's ``e_score_correction_bias``.
+How a block and its router's bias are recognised from the graph alone (no class or module
+name), for grouped and batched experts: docs/architecture.md §8.2.
 
 Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
 Ensures: right after each block's top-k index an ``expert_load(top_k_index, layer=<the

@@ -7,23 +7,9 @@ Ensures: the graph returns exactly ``(loss_sum, num_tokens)``, two scalars with
 parameters. Extra model outputs are dropped. The two output nodes carry
 ``meta["fxmeg"]["loss"] = "sum" | "count"``.
 
-Why: a mean per micro-batch weights every micro-batch equally. Megatron's token-weighted
-loss (docs/design.md §8.5.1-8.5.2) sums the numerators and denominators over all micro-batches
-and data-parallel ranks and divides once, so micro-batches with different numbers of
-ignored labels stay exact.
-
-A loss computed in an autocast-disabled region (``with torch.autocast(...,
-enabled=False): loss = F.cross_entropy(logits.float(), ...)``) is inlined first: fxmeg
-never runs forward under autocast, so the region changes nothing.
-
-A class loss over half-precision logits is computed in fp32 (the logits are cast first,
-as Megatron computes cross-entropy in fp32), so loss_sum does not lose bits to bf16 sums.
-
-An auxiliary loss added to the mean (``loss + coef * aux``: a mixture-of-experts router's
-load-balancing loss) is kept out of the token weighting: loss_sum passes through
-``fxmeg::scale_aux_loss(loss_sum, aux, scale)``, which gives ``aux`` the gradient weight
-in the buffer ``fxmeg_aux_loss_scale`` that the runtime sets each step (Megatron's
-MoEAuxLossAutoScaler, docs/design.md §8.5.3).
+An auxiliary (router) loss goes through ``fxmeg::scale_aux_loss``, out of the token
+weighting. Why the pair, and how an autocast-disabled loss, half-precision logits and the
+auxiliary loss are handled: docs/architecture.md §8.6.
 
 Recognised forms of the mean (through casts, clones and scalar views):
   cross_entropy / nll_loss, reduction='mean', no class weights -> reduction='sum',

@@ -1,26 +1,7 @@
 """Param-gather pass: where forward waits for, gathers and frees each bucket's parameters.
 
-  * ``overlap_param_gather`` (zero=1, 2): the optimizer all-gathers the updated
-    parameters after its step; forward waits for a bucket's gather just before it first
-    reads one of its parameters (``ops.wait_param_gather``).
-  * zero=3: parameters are kept as this rank's shard between uses. Before forward first
-    reads a bucket, ``ops.zero_gather`` makes it whole (and starts gathering the next
-    bucket forward reads, to overlap with this one's compute); after forward last reads
-    it, through any view of it, ``ops.zero_release`` frees it (not with
-    ``reshard_after_forward=False``: the chunk's backward frees it). A tied embedding's
-    bucket stays whole from the embedding to the head: the head needs it at the end of
-    forward, where activations peak, so freeing it in between would cost a gather and
-    lower no peak. Backward gathers again what it needs (runtime/zero.py: autograd's
-    saved tensors, recompute regions).
-
-  * zero >= 2 (not compiled, not split for a zero-bubble schedule): a parameter read
-    again long after its first read in forward (a tied embedding's output head: another
-    bucket's parameter is read between the two) by ``linear(x, weight)`` without a bias
-    has that read replaced by ``ops.early_linear``. The runtime binds it to a product
-    whose backward frees the weight before making its gradient, and sums that gradient
-    over the data-parallel ranks at once; otherwise autograd holds the weight's whole
-    gradient from the head's backward until the embedding's, the last, and the head's
-    backward holds the weight and its gradient at once (runtime/zero.py).
+Why each marker goes where it does (overlap_param_gather; zero=3's gathers and releases,
+the tied embedding's bucket; zero >= 2's ``early_linear``): docs/architecture.md §8.4.
 
 Otherwise the graph is unchanged.
 

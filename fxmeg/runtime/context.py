@@ -1,4 +1,4 @@
-"""This rank's runtime, built from the rank-free Program (docs/design.md §1, §4).
+"""This rank's runtime, built from the rank-free Program (docs/architecture.md §1, §3).
 
 ``build_context(program, config)`` creates, in this order: the optimizer plan (which
 inner optimizer the factory gives each parameter; how the distributed optimizer shards

@@ -1,5 +1,6 @@
 """Data parallelism: contiguous gradient buffers and bucketed reduction overlapped with
-backward (docs/design.md §6.2, §8.3.2, §8.6.1-8.6.2; Megatron's DistributedDataParallel).
+backward (docs/architecture.md §5.2; docs/megatron-semantics.md §2.3.2, §2.6.1-2.6.2;
+Megatron's DistributedDataParallel).
 
 Every trainable parameter's ``main_grad`` is a view into its chunk's buffer. A
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and drops
@@ -96,7 +97,8 @@ class GradBuffer:
         return data
 
     def reset(self) -> None:
-        """Zero the buffer in place (never freed, docs/design.md §8.8) and forget the step."""
+        """Zero the buffer in place (never freed, docs/megatron-semantics.md §2.8) and forget
+        the step."""
         self.data.zero_()
         self.syncing = False
         self._pending = [len(b.params) for b in self.layout.buckets]
@@ -328,12 +330,12 @@ def finalize_model_grads(
     tied: list[tuple[nn.Parameter, dist.ProcessGroup | None]],
     divisor: float,
 ) -> None:
-    """Megatron's finalize_model_grads (docs/design.md §8.6.3): wait for every bucket reduction,
-    all-reduce gradients of parameters held on several pipeline ranks (a tied embedding
-    on the first and last stage; ``tied`` is in the same order on every rank; with the
+    """Megatron's finalize_model_grads (docs/megatron-semantics.md §2.6.3): wait for every
+    bucket reduction, all-reduce gradients of parameters held on several pipeline ranks (a tied
+    embedding on the first and last stage; ``tied`` is in the same order on every rank; with the
     distributed optimizer this precedes their buckets' reduce-scatter), then scale every
-    gradient by ``1 / divisor``: global tokens (per-token loss, §8.5.2), times the fp16 loss
-    scale (unscaling, §8.7)."""
+    gradient by ``1 / divisor``: global tokens (per-token loss, §2.5.2 there), times the fp16
+    loss scale (unscaling, §2.7)."""
     ddp.finish_grad_sync()
     for p, group in tied:
         grad = ddp.grad_of(p)

@@ -1,4 +1,4 @@
-"""Whole parameters per data-parallel rank (docs/design.md §6.4; Megatron's layer-wise
+"""Whole parameters per data-parallel rank (docs/architecture.md §5.4; Megatron's layer-wise
 distributed optimizer), and full matrices across tensor-parallel ranks, for inner
 optimizers that need a parameter's whole shape (torch.optim.Muon, Shampoo-like ones).
 

@@ -1,6 +1,6 @@
-"""The optimizer around the user's inner optimizer(s) (docs/design.md §6.3-6.4, §8.7;
-Megatron's MixedPrecisionOptimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer
-and its layer-wise variant).
+"""The optimizer around the user's inner optimizer(s) (docs/architecture.md §5.3-5.4;
+docs/megatron-semantics.md §2.7; Megatron's MixedPrecisionOptimizer,
+Float16OptimizerWithFloat16Params, DistributedOptimizer and its layer-wise variant).
 
 The inner optimizers step fp32 *masters*, one per piece of a parameter this rank updates:
   * no distributed optimizer: every parameter, whole, on every rank: fp32 parameters
@@ -219,10 +219,10 @@ class Optimizer:
         return self.inner.param_groups
 
     def step(self) -> StepOutcome:
-        """One update from the finalized gradients (docs/design.md §8.7). Every rank takes the
-        same decision: skip on inf / NaN anywhere (or raise, naming where), skip when the
-        global norm exceeds max_grad_norm, else clip and update. The inf / NaN test rides
-        on the norm's reduction: no extra pass over the gradients, no extra collective."""
+        """One update from the finalized gradients (docs/megatron-semantics.md §2.7). Every rank
+        takes the same decision: skip on inf / NaN anywhere (or raise, naming where), skip when
+        the global norm exceeds max_grad_norm, else clip and update. The inf / NaN test rides on
+        the norm's reduction: no extra pass over the gradients, no extra collective."""
         self.ddp.wait_for_params()  # last step's gathers must land before masters copy back
         for piece in self._full:  # full matrices: every tp rank's gradient shard
             piece.grad.copy_(gather_tp(piece.param.main_grad, piece.spec, self.groups.tp))

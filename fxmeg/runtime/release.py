@@ -1,4 +1,4 @@
-"""The user's module and the Program keep only what this rank holds (docs/design.md §2.1).
+"""The user's module and the Program keep only what this rank holds (docs/architecture.md §2.1).
 
 A rank trains its own chunks' parameters, some as tensor-parallel shards. As soon as
 they are made (``build_context``, before gradient buffers and optimizer state are

@@ -1,4 +1,4 @@
-"""Replicas that provably agree (docs/design.md §4, "Replicas that agree").
+"""Replicas that provably agree (docs/architecture.md §3, "Replicas that agree").
 
 Every rank builds (or reads) its own copy of the model, so nothing but the caller's
 seeding makes copies that must be equal actually equal. Three kinds of ranks hold the

@@ -1,5 +1,5 @@
 """The state mapping between this rank's runtime and the user model's names
-(docs/design.md §7): the full state dict, and the boxes of every parameter and
+(docs/architecture.md §6): the full state dict, and the boxes of every parameter and
 optimizer state this rank holds, which checkpoints save and load. Reads the Program
 and the RankContext only.
 """

@@ -1,5 +1,5 @@
-"""One training or evaluation step on this rank (docs/design.md §3): micro-batches through
-the schedule, the token-weighted loss reduced, gradients finalized, the optimizer step
+"""One training or evaluation step on this rank (docs/megatron-semantics.md §1): micro-batches
+through the schedule, the token-weighted loss reduced, gradients finalized, the optimizer step
 with its skip decisions, the loss scaler and the lr schedule advanced.
 """
 

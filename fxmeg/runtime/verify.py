@@ -1,5 +1,6 @@
 """``Engine.verify``: one global batch through the parallel program and through the
-single-device graph, losses and every parameter's gradient compared (docs/design.md §3.10).
+single-device graph, losses and every parameter's gradient compared
+(docs/megatron-semantics.md §1.10).
 
 Parallel side: the engine's own forward / backward (``step.forward_backward``: schedule,
 bucketed reductions, finalize), no optimizer step; each parameter's reduced gradient (its
@@ -41,8 +42,8 @@ from fxmeg.runtime.step import _any_rank, forward_backward
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (1e-2, 2e-2)}
 """precision -> (loss, gradient) relative tolerance. fp32: the parity bounds of
-docs/design.md §3.9 (gradients: 1e-4, as the grad-norm parity check). Half precision: the
-parallel and the reference side each round in bf16 / fp16 (chosen, not measured: pass
+docs/megatron-semantics.md §1.9 (gradients: 1e-4, as the grad-norm parity check). Half
+precision: the parallel and the reference side each round in bf16 / fp16 (chosen, not measured: pass
 rtol= to tighten them)."""
 
 

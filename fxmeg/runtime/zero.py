@@ -2,35 +2,8 @@
 between steps is its own shard of every bucket, of the fp32 gradients (zero >= 2) and of
 the parameters (zero=3), 1 / (dp x cp) of the chunk's, padding aside.
 
-Gradients. A bucket's gradients of one micro-batch land in a staging tensor of the
-bucket's size, made on its first gradient. Once every parameter of the bucket has its
-gradient (or at the end of the chunk's backward action), the bucket is reduce-scattered
-and this rank's part added into the persistent shard; the staging tensor is freed once
-that reduction is done (at most ``IN_FLIGHT`` reductions wait at once). So the whole
-gradient of a bucket lives only between its first gradient and its reduction, and
-reductions overlap the rest of backward. Every micro-batch is reduced (ZeRO-1 reduces
-only the last, after accumulating whole: zero>=2 trades m reductions for the memory).
-Buckets of weights held by several pipeline ranks (tied embeddings) are staged for the
-whole step, as ZeRO-1 keeps them: their pipeline all-reduce must come first.
-
-Parameters (zero=3). Each bucket's parameters are views of one flat tensor of the
-bucket's size whose memory is freed between uses (its storage resized to 0; the
-Parameter objects stay). This rank's shard of it is kept apart and is what the optimizer
-updates. Forward gathers a bucket before it first reads it and frees it after it last
-reads it (the ``zero_gather`` / ``zero_release`` nodes of the param-gather pass);
-backward gathers it again when autograd unpacks a tensor it saved that lives in the
-bucket's memory (``saved_tensors_hooks``; the next bucket's gather starts then too, if
-backward still holds tensors saved from it) or when a recompute region runs again, and
-frees it as soon as autograd holds no tensor saved from it any more (seen at the next
-unpack), or once every gradient of the bucket arrived, or at the end of the backward,
-whichever comes first. A tied embedding's bucket is so freed after the head's backward
-read it, not kept whole until the embedding's gradient, the last, arrives; the head's own
-read is an ``ops.early_linear`` (param-gather pass), whose gradient ``reduce_read`` reduces
-at once, so autograd does not hold it whole through the backward either.
-
-``backward_prefetch='post'`` (``lean`` buffers, ``ZeroParams(post=True)``): backward gathers
-the next bucket only once it freed one, and waits for a reduction before it stages the next
-bucket's gradients, so one bucket of parameters and one of gradients are whole at a time.
+How gradients are staged and reduced, how zero=3 gathers and frees parameters in forward
+and backward, and ``backward_prefetch='post'``: docs/architecture.md §8.5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shape-aware inner optimizers on real gloo ranks (docs/design.md §6.4): torch.optim.Muon on
+"""Shape-aware inner optimizers on real gloo ranks (docs/architecture.md §5.4): torch.optim.Muon on
 the hidden matrices plus AdamW on the rest, under the layer-wise distributed optimizer at
 dp=2 and tp=2 x dp=2, against the same optimizers on one device; each data-parallel rank
 keeps masters and state only for the whole parameters assigned to it; checkpoints round

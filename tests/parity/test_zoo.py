@@ -2,7 +2,7 @@
 ranks, one spawn for the whole zoo; the cases issue 15 named also at plain tp=2, one 2-rank
 spawn; world size 1 for those whose eager attention repeats an earlier type's: CASES)
 against single-device training of the same model (loss 1e-5 relative per step, grad norm 1e-4, weights 5e-5
-relative norm: docs/design.md §3).
+relative norm: docs/megatron-semantics.md §1).
 
 * Hugging Face causal LMs from tiny configs (the recipe of issue 15 with 2 layers, one per
   pipeline stage, instead of 4: vocabulary 96, hidden 32, intermediate 48, 4 heads, 2
