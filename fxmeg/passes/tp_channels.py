@@ -10,7 +10,7 @@ but the projections (Megatron-core's Mamba layer splits it the same way).
 
 ``ChannelRules`` is mixed into the pass's ``_TensorParallel`` like ``PropagationRules``;
 it reads the same state (``g``, ``tp``, ``place``, ``specs``) and helpers (``_spec``,
-``_unsupported``, ``_check_divides``, ``_local_slice``):
+``refuse``, ``_check_divides``, ``_local_slice``):
   * a depthwise (or grouped) convolution over split channels: its weight's (and bias's)
     output channels split like its input's blocks, ``groups`` divided by tp; a split of
     the positions, or a convolution that contracts channels (groups=1), is refused;

@@ -4,7 +4,7 @@ linears, vocabulary and parameter handling so each file reads on its own.
 
 ``PropagationRules`` is mixed into the pass's ``_TensorParallel``: it reads the pass's
 state (``g`` the graph, ``tp``, ``place``: node -> Shard | PARTIAL | LOCAL | None,
-``statistics``) and calls its helpers (``_spec``, ``_unsupported``, ``_check_divides``).
+``statistics``) and calls its helpers (``_spec``, ``refuse``, ``_check_divides``).
 Each rule is registered for its op families (``@rule(TP, family, ...)``, the one registry
 in ``passes/op_rules.py``), takes a node whose inputs have places and returns the node's
 place, rewriting the node's shape arguments to local sizes where needed, or raises a

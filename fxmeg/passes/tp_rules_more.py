@@ -9,7 +9,7 @@ residual stream: it stays whole) and whether a view cuts a fused projection into
 (q / k / v blocks, heads, head_dim) (``fused_view``).
 
 ``MoreRules`` is mixed into the pass's ``_TensorParallel`` like ``PropagationRules``; it
-reads the same state (``g``, ``tp``, ``place``) and helpers (``_unsupported``,
+reads the same state (``g``, ``tp``, ``place``) and helpers (``refuse``,
 ``_local_slice``, ``_matmul``, ``_all_sum``, ``statistics``).
 """
 
