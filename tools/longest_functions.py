@@ -1,7 +1,7 @@
 """The longest functions under a folder (default fxmeg/), in code lines: the lines from
 ``def`` to the function's last line, blank lines and docstrings excluded (a docstring is
 prose that says why; it should not push a function over the limit). STYLE asks for ~40,
-a reason past 80; tests/test_code_size.py holds every function of fxmeg/ to ``LIMIT``.
+a reason past 80; tests/repo/test_code_size.py holds every function of fxmeg/ to ``LIMIT``.
 
 Usage: python tools/longest_functions.py [DIR] [N]"""
 
@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 LIMIT = 60
-"""Most code lines a function of fxmeg/ may have (tests/test_code_size.py)."""
+"""Most code lines a function of fxmeg/ may have (tests/repo/test_code_size.py)."""
 
 
 def _docstring_lines(tree: ast.AST) -> set[int]:

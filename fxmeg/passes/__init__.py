@@ -9,7 +9,7 @@ parent, for a pass that needs every chunk at once (parent).
 The sharding passes (context_parallel, tensor_parallel) read one registry of op rules,
 ``passes/op_rules.py``: an op's family, found by kind, and each axis's rule for it; values'
 and parameters' layouts are ``fxmeg.layouts`` records.
-tests/test_pass_list.py holds this table to ``PASSES``:
+tests/frontend/test_pass_list.py holds this table to ``PASSES``:
 
   loss             model   mean loss -> (loss_sum, num_tokens)                  passes/loss.py
   analyse          model   whole-model FLOPs, input value checks, position      passes/analyse.py

@@ -3,7 +3,7 @@ and the helper that rebuilds full fp32 masters from every rank's optimizer piece
 
 ``reference`` trains the way Megatron's Float16OptimizerWithFloat16Params does, on one
 device, with nothing of fxmeg (its weight-decay groups are Megatron's rule written out
-in tests.helpers.reference_groups; a Hugging Face model is called with keywords and
+in tests.harness.helpers.reference_groups; a Hugging Face model is called with keywords and
 shifts its labels itself: its tokens are the labels after the first):
   * a deep copy of the model cast to bf16 / fp16 (parameters and floating buffers, as
     fxmeg's cast) runs forward and backward in half precision;
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from fxmeg.layouts import Shard
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
-from tests.helpers import OPTIMIZERS, Run, assert_grads_close, model_loss, reference_groups
+from tests.harness.helpers import OPTIMIZERS, Run, assert_grads_close, model_loss, reference_groups
 
 
 @contextlib.contextmanager
@@ -185,7 +185,7 @@ def float64_rule_failures(masters: dict, oracle: dict, exact: dict, initial: dic
 def float64_grad_failures(got: list[dict], oracle: dict, exact: dict) -> str | None:
     """None when every parameter's gradient at every step (``got``: fxmeg's
     ``StepResult.grads`` of each step) is no farther from the float64 run's (``exact``)
-    than PARAM_SLACK x the oracle's, per parameter (tests.helpers.assert_grads_close with
+    than PARAM_SLACK x the oracle's, per parameter (tests.harness.helpers.assert_grads_close with
     that factor; ``oracle`` and ``exact``: ``reference``'s results); else what is."""
     def run(r: dict) -> Run:
         return Run(r["losses"], r["norms"], r["masters"], r["grads"])
@@ -247,7 +247,7 @@ def check_sharded_bf16(ranks: list[dict], sc) -> None:
     """A dp-only bf16 scenario whose ranks reported ``master_pieces`` trains as the
     plain-PyTorch mixed-precision oracle: every step's loss and grad norm, and every fp32
     master at the end (gathered from the ranks' shards), within 1e-5."""
-    from tests.helpers import assert_losses_close, assert_weights_close
+    from tests.harness.helpers import assert_losses_close, assert_weights_close
     from tests.parity.scenarios import MBS, STEPS
 
     model = sc.make_model()

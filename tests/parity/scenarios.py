@@ -11,7 +11,7 @@ import torch
 
 import fxmeg
 from fxmeg.layouts import Shard
-from tests.helpers import (
+from tests.harness.helpers import (
     OPTIMIZERS,
     Run,
     assert_bitwise,
@@ -48,7 +48,7 @@ class Scenario:
     meta: bool = False
     """Build the model on the meta device: parallelize makes each rank's part
     (init_fn=model.init_weights, seed=0) and the reference trains its twin, initialised
-    by the test's own statement of the seeding rule (``tests.helpers.seeded_init``)."""
+    by the test's own statement of the seeding rule (``tests.harness.helpers.seeded_init``)."""
 
     @property
     def world(self) -> int:

@@ -20,8 +20,8 @@ from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.test_checkpoint import SlowWriter
+from tests.harness.distributed import run_world
+from tests.weights.test_checkpoint import SlowWriter
 
 GLOBAL_BATCH = 8
 

@@ -17,8 +17,8 @@ from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.helpers import LOSS_RTOL, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.harness.distributed import run_world
+from tests.harness.helpers import LOSS_RTOL, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
 from models.gpt import GPT, GPTConfig
 
 SAVED = dict(tp=2, pp=2, dp=2, distributed_optimizer=True)

@@ -32,8 +32,8 @@ from fxmeg.measured_activations import SavedBytes
 from fxmeg.metrics import read
 from fxmeg.ops import cp_positions
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     LOSS_RTOL,
     assert_losses_close,
     assert_weights_close,

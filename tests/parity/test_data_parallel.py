@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_worlds
-from tests.helpers import assert_overlapped
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_overlapped
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 SMALL_BUCKETS = (("bucket_size", 3000),)

@@ -3,7 +3,7 @@ ep=2 (dp=2, each rank routing its own micro-batches) and over a pipeline (pp=2, 
 stage holding one of the two layers), every rank reports each layer's counts over the
 global batch: those of the model's own routing in one process. Loss-free balancing at
 ep=2 (DeepSeek-V3, ``moe_router_bias_update_rate``) trains as the plain single-device
-loop of tests/test_expert_load.py, the router bias included."""
+loop of tests/runtime/test_expert_load.py, the router bias included."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, tiny_moe
-from tests.test_expert_load import BIAS, RATE, balancing_reference, hand_counts
+from tests.harness.distributed import run_world
+from tests.harness.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, tiny_moe
+from tests.runtime.test_expert_load import BIAS, RATE, balancing_reference, hand_counts
 
 GBS, MBS = 8, 2
 LAYOUTS = {"dp2-ep2": dict(ep=2), "pp2": dict(pp=2)}

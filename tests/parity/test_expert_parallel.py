@@ -42,8 +42,8 @@ from fxmeg import moe
 from fxmeg.checkpoint import META, Checkpointer
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
-from tests.distributed import run_world
-from tests.helpers import BATCHED_MOE, MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
+from tests.harness.distributed import run_world
+from tests.harness.helpers import BATCHED_MOE, MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
 from tests.parity.mixed_precision import (
     assert_float64_rule_per_parameter,
     float64_grad_failures,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import make_batch, make_model
+from tests.harness.distributed import run_world
+from tests.harness.helpers import make_batch, make_model
 
 BAD_STEP = 2
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
-from tests.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
+from tests.harness.distributed import run_world
+from tests.harness.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
+from tests.frontend.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
 
 STEPS = 3
 CASES = {

@@ -14,7 +14,7 @@ trainer feeds them (``--eod-mask-loss --reset-position-ids --reset-attention-mas
 documents packed in a window do not see each other, positions restart, no loss on an
 end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2; and SFT
 conversations as the trainer lays them out (--sft, loss on the assistant turns alone:
-tests/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
+tests/data/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
 (each step its own length, variable_seq_lengths), at tp2 x pp2 x dp2."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,
@@ -97,9 +97,9 @@ def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
 
 
 def sft_batches(layout: str) -> list[dict[str, torch.Tensor]]:
-    """The trainer's batches of 40 random conversations (tests/sft_data.py) in ``layout``."""
+    """The trainer's batches of 40 random conversations (tests/harness/sft_data.py) in ``layout``."""
     from fxmeg.trainer import TrainConfig, model_batch, train_data
-    from tests import sft_data
+    from tests.harness import sft_data
 
     root = tempfile.mkdtemp(prefix="fxmeg-sft-")
     lines = sft_data.write_lines(os.path.join(root, "c.jsonl"), sft_data.conversations(40, seed=4))

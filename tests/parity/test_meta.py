@@ -18,8 +18,8 @@ from torch import nn
 import fxmeg
 from fxmeg.errors import ReleasedError
 from fxmeg.weights import open_weights
-from tests.distributed import run_world, run_worlds
-from tests.helpers import (
+from tests.harness.distributed import run_world, run_worlds
+from tests.harness.helpers import (
     assert_bitwise,
     assert_run_close,
     first_failure,

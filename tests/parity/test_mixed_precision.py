@@ -41,8 +41,8 @@ import torch
 
 import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
-from tests.distributed import run_worlds
-from tests.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
 from tests.parity.mixed_precision import (
     float64_grad_failures,
     gather_masters,

@@ -4,7 +4,7 @@ dp=2 and tp=2 x dp=2, against the same optimizers on one device; each data-paral
 keeps masters and state only for the whole parameters assigned to it; checkpoints round
 trip at the same layout.
 
-Parity runs Muon with its Newton-Schulz iteration in fp32 (tests.helpers.Fp32Muon): stock
+Parity runs Muon with its Newton-Schulz iteration in fp32 (tests.harness.helpers.Fp32Muon): stock
 Muon orthogonalises in bf16, which turns the rounding of another reduction order into
 percent-level weight differences. Stock Muon is checked by the float64 rule instead: its
 distance from a float64 run of the same training is no larger than single-device stock
@@ -23,8 +23,8 @@ import torch
 from fxmeg.checkpoint import Checkpointer
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import ADAMW_ONLY
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, reference
+from tests.harness.distributed import run_world
+from tests.harness.helpers import assert_losses_close, reference
 from tests.parity.mixed_precision import assert_float64_rule_per_parameter, gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.scenarios import MBS, Scenario, check_parity

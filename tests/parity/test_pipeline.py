@@ -14,8 +14,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
 from fxmeg.measured_activations import SavedBytes
-from tests.distributed import run_worlds
-from tests.helpers import assert_bitwise, make_batch, make_model, optimizer
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_bitwise, make_batch, make_model, optimizer
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),

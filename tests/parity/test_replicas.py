@@ -6,7 +6,7 @@ like one device; a replica changed between steps stops the next step
 (check_replicas_interval). Frozen parameters and buffers are checked too. And the Program
 replicas are built from: with the spawn's shared transform left out, every rank transforms
 a Mixtral at tp=2 x pp=2 x ep=2 by itself and all ranks make the same Program (its digest:
-graphs, specs, placement, buffer layouts, tp / ep specs; tests/shared_transform.py)."""
+graphs, specs, placement, buffer layouts, tp / ep specs; tests/harness/shared_transform.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import fxmeg
 from fxmeg.errors import ReplicaError
-from tests import shared_transform
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness import shared_transform
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,

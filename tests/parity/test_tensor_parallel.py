@@ -16,8 +16,8 @@ import torch.distributed as dist
 import fxmeg
 from fxmeg.layouts import Replicate, Shard
 
-from tests.distributed import run_worlds
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
 from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
 from tests.passes.test_tp_ops import KINDS, PLANS, _Heads

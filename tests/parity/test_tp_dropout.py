@@ -11,8 +11,8 @@ import torch
 from torch import fx
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import make_batch
+from tests.harness.distributed import run_world
+from tests.harness.helpers import make_batch
 from tests.passes.test_tp_dropout import DropoutAttention
 
 aten = torch.ops.aten

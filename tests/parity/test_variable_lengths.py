@@ -19,8 +19,8 @@ import torch
 
 import fxmeg
 from fxmeg.errors import BatchError
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,

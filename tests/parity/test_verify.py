@@ -23,8 +23,8 @@ import fxmeg.pass_driver as driver
 from fxmeg.layouts import Shard
 from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     graph_after,
     make_batch,
@@ -221,7 +221,7 @@ def _misbind_parameter(monkeypatch):
 def test_plain_pytorch_parity_sees_capture_and_loss_bugs_that_verify_cannot(monkeypatch, bug):
     """Verify's reference is fxmeg's own capture after its own loss pass (docs/cli.md):
     a bug there is on both sides of its comparison, so it reports OK. Training against
-    plain PyTorch (tests/helpers.py ``reference``, as tests/test_engine.py trains it
+    plain PyTorch (tests/harness/helpers.py ``reference``, as tests/engine/test_engine.py trains it
     without the bug) is the oracle that sees it."""
     model, gbs, mbs = make_model("gpt", n_layer=2), 4, 2
     batches = [make_batch(gbs, seed=30)]

@@ -15,8 +15,8 @@ from torch import nn
 import fxmeg
 from fxmeg.meta_init import Source
 from models.gpt import GPT, GPTConfig
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_bitwise,
     assert_losses_close,
     assert_weights_close,
@@ -24,7 +24,7 @@ from tests.helpers import (
     make_model,
     optimizer,
 )
-from tests.helpers import reference as plain_reference
+from tests.harness.helpers import reference as plain_reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
 from tests.parity.scenarios import (
     MBS,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_worlds
-from tests.helpers import assert_bitwise
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_bitwise
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 DIST_OPT = (("distributed_optimizer", True),)

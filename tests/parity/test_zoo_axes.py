@@ -35,8 +35,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import optimizer, trained
+from tests.harness.distributed import run_world
+from tests.harness.helpers import optimizer, trained
 from tests.parity.mixed_precision import float64_grad_failures, gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome

@@ -9,7 +9,7 @@ from torch import nn
 
 from fxmeg.layouts import BucketSlot
 from fxmeg.program import buffer_layouts, chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 
 def _laid_out(name="gpt", *, num_chunks=1, pp=1, dp=2, bucket_size=None, shard=False, n_layer=2):

@@ -11,7 +11,7 @@ from fxmeg.errors import PassError
 from fxmeg.ops import cp_positions
 from fxmeg.pass_driver import transform
 from fxmeg.runtime.batches import context_slice
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _cp_diff(name: str, cp: int = 2) -> str:

@@ -11,7 +11,7 @@ from fxmeg import ops
 from fxmeg.layouts import ExpertShard
 from fxmeg.passes.graph_utils import val
 from fxmeg.program import chunks
-from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 
 def _nodes(parent, pred):
@@ -49,7 +49,7 @@ def test_global_router_loss_wraps_the_tokens_per_expert_and_is_refused_without_a
     computes no router loss, or recompute, is refused by name."""
     import fxmeg
     from fxmeg.errors import ConfigError, PassError
-    from tests.helpers import hf_model
+    from tests.harness.helpers import hf_model
 
     batch = make_batch(2, seed=0)
     parent = graph_after(hf_model("mixtral"), batch, "expert_parallel", moe_router_load_balancing_type="global_aux_loss")

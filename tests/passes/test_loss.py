@@ -6,11 +6,11 @@ from expecttest import TestCase
 from fxmeg.capture import capture
 from fxmeg.errors import PassError
 from fxmeg.passes.loss import loss
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _loss_diff(name: str) -> str:
-    """What the loss pass changes in the captured graph (tests/test_capture.py)."""
+    """What the loss pass changes in the captured graph (tests/frontend/test_capture.py)."""
     model, example = make_model(name, n_layer=1), make_batch(2, seed=0)
     return graph_diff(capture(model, example).gm.code, graph_after(model, example, "loss").code)
 

@@ -1,7 +1,7 @@
 from expecttest import TestCase
 
 from fxmeg.program import chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 
 def _waits(num_chunks: int) -> str:

@@ -9,7 +9,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.config import EngineConfig, ParallelConfig
 from fxmeg.passes.partition import BLOCK_SLACK, cut, node_cost, partition
 from fxmeg.passes.loss import loss
-from tests.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch, make_model
 
 
 def _graph(name="gpt", **cfg):

@@ -5,7 +5,7 @@ import torch
 from expecttest import TestCase
 
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import chunk_boundaries, graph_after, make_batch, make_model
+from tests.harness.helpers import chunk_boundaries, graph_after, make_batch, make_model
 
 
 def _pipelined(name, *, n_layer, num_chunks):

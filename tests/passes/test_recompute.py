@@ -14,7 +14,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.layout_plan import activation_bytes
 from fxmeg.measured_activations import SavedBytes
 from fxmeg.passes.recompute import Recompute
-from tests.helpers import (
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,

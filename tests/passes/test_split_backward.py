@@ -14,7 +14,7 @@ from torch import nn
 from fxmeg.errors import PassError
 from fxmeg.pass_driver import transform
 from fxmeg.program import split_spec
-from tests.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch, make_model
 from tests.passes.test_tp_dropout import Block
 
 MBS = 2

@@ -13,7 +13,7 @@ from fxmeg.layouts import Replicate, Shard
 from fxmeg.pass_driver import transform
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _tp(model, tp=2, stop_after="tensor_parallel", **kw):

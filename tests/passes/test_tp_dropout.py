@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fxmeg import ops
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from torch import nn
 import fxmeg
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 from tests.parity.test_zoo import hf
 
 aten = torch.ops.aten

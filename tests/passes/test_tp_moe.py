@@ -13,7 +13,7 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
-from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 
 def _layouts(gm) -> dict:

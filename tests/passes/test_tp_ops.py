@@ -12,7 +12,7 @@ from torch import nn
 
 from fxmeg.layouts import LOCAL, Replicate, Shard  # noqa: F401
 from fxmeg.pass_driver import transform
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 
 aten, fx_ops = torch.ops.aten, torch.ops.fxmeg
 

@@ -14,7 +14,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.pass_driver import NAMES, check_pass
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 OPTIONS = dict(tp=2, num_chunks=2, dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
 

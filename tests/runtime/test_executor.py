@@ -17,7 +17,7 @@ from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.schedules import Action, Kind, fmt
 from fxmeg.timelines import Tracer
 from fxmeg.torch_private import run_backward
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 M, ROWS = 4, 2  # micro-batches, rows per micro-batch
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fxmeg.runtime import experts
 from fxmeg.timelines import Tracer
-from tests.distributed import run_world
+from tests.harness.distributed import run_world
 
 E = 4  # experts, 2 per rank
 

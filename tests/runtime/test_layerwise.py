@@ -24,7 +24,7 @@ from fxmeg.runtime.optimizer import (
 )
 from fxmeg.sharding import tp_assemble, tp_shard
 from fxmeg.sharding_modes import OptimizerSharding
-from tests.helpers import (
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
@@ -124,7 +124,7 @@ def test_muon_groups_keep_every_group_and_its_options():
 
 
 def _muon_run(**options):
-    from tests.helpers import muon
+    from tests.harness.helpers import muon
 
     batches = [make_batch(8, seed=100 + s) for s in range(3)]
     engine = fxmeg.parallelize(make_model("gpt", n_layer=2), tuple(t[:2] for t in batches[0]),

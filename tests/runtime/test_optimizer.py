@@ -10,7 +10,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.loss_scale import LossScaleConfig, LossScaler
 from fxmeg.lr_schedule import LRSchedule, ParamScheduler
 from fxmeg.runtime.optimizer import param_groups
-from tests.helpers import (
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     learnable_batch,
@@ -129,7 +129,7 @@ def test_bf16_trains_as_the_mixed_precision_oracle_for_20_steps(name):
 @pytest.mark.parametrize("name", ["gpt", "llama", "hf-gpt2", "hf-qwen3"])
 def test_param_groups_are_megatrons_weight_decay_groups(name):
     """fxmeg's default groups against Megatron's rule as the tests write it out
-    (tests.helpers.reference_groups): biases and 1-D parameters (norms) do not decay."""
+    (tests.harness.helpers.reference_groups): biases and 1-D parameters (norms) do not decay."""
     named = list(make_model(name, n_layer=2).named_parameters())
     got = [(g["param_names"], g.get("weight_decay")) for g in param_groups(named)]
     assert got == [(g["param_names"], g.get("weight_decay")) for g in reference_groups(named)]
