@@ -42,7 +42,11 @@ def test_the_rules_admit_what_the_builder_runs(name):
             passes = sorted((a.chunk, a.mb, k) for a in compute_actions(sched, rank)
                             for k in ("IW" if a.kind is Kind.B else a.kind.value))
             mine = [c for c in range(pp * vpp) if where[c] == rank]
-            assert passes == sorted((c, i, k) for c in mine for i in range(m) for k in "FIW"), (pp, vpp, m)
+            assert passes == sorted((c, i, k) for c in mine for i in range(m) for k in "FIW"), (
+                pp,
+                vpp,
+                m,
+            )
         split.add(any(a.kind is Kind.I for r in sched for a in compute_actions(sched, r)))
         simulate(lower(sched, num_chunks=pp * vpp, placement=where), pp=pp, placement=where)
     assert split == {spec.splits_backward}, "splits_backward disagrees with the builder"
@@ -69,13 +73,17 @@ def test_config_refuses_what_the_builder_refuses_in_the_same_words(name):
 
 
 def test_auto_picks_none_1f1b_or_interleaved():
-    assert [ParallelConfig(pp=pp, vpp=vpp).resolved_schedule for pp, vpp in ((1, 1), (2, 1), (2, 2), (3, 3))] == [
-        "none", "1f1b", "interleaved", "interleaved"]
+    assert [
+        ParallelConfig(pp=pp, vpp=vpp).resolved_schedule
+        for pp, vpp in ((1, 1), (2, 1), (2, 2), (3, 3))
+    ] == ["none", "1f1b", "interleaved", "interleaved"]
 
 
 def _doc_table() -> list[tuple[str, ...]]:
     lines = DOC.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| schedule | chunks on ranks |"))
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("| schedule | chunks on ranks |")
+    )
     rows = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):

@@ -26,6 +26,9 @@ def test_truncated_corpus_is_detected(tmp_path):
     prepare(["hello world"] * 3, str(tmp_path / "c"), ByteTokenizer())
     data = (tmp_path / "c.bin").read_bytes()
     (tmp_path / "c.bin").write_bytes(data[:-4])
-    with pytest.raises(ValueError, match="c.bin holds 68 bytes, but .*c.idx says its sequences end at byte 72: "
-                                         "the .bin is truncated"):
+    with pytest.raises(
+        ValueError,
+        match="c.bin holds 68 bytes, but .*c.idx says its sequences end at byte 72: "
+        "the .bin is truncated",
+    ):
         Corpus(str(tmp_path / "c"))

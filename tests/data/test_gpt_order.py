@@ -44,18 +44,40 @@ def _written(tmp_path, docs: int = 25) -> str:
     return prefix
 
 
-@pytest.mark.parametrize("documents, num_samples, seed, apart", [
-    (slice(None), None, 1234, False),  # one epoch, as many samples as it holds
-    (slice(None), 40, 7, False),  # within the first epoch
-    (slice(None), 170, 1, False),  # 4 epochs (689 tokens each), the last gives 41 samples: with the rest
-    (slice(None), 110, 5, True),  # 3 epochs, the last gives 24 < 80% of 43 samples: shuffled apart
-    (slice(5, 20), 90, 11, False),  # a split's documents only (4 epochs, the last with the rest)
-])
+@pytest.mark.parametrize(
+    "documents, num_samples, seed, apart",
+    [
+        (slice(None), None, 1234, False),  # one epoch, as many samples as it holds
+        (slice(None), 40, 7, False),  # within the first epoch
+        # 4 epochs (689 tokens each), the last gives 41 samples: with the rest
+        (slice(None), 170, 1, False),
+        (
+            slice(None),
+            110,
+            5,
+            True,
+        ),  # 3 epochs, the last gives 24 < 80% of 43 samples: shuffled apart
+        (
+            slice(5, 20),
+            90,
+            11,
+            False,
+        ),  # a split's documents only (4 epochs, the last with the rest)
+    ],
+)
 def test_the_order_and_the_samples_are_megatrons(tmp_path, documents, num_samples, seed, apart):
     prefix = _written(tmp_path)
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ, blend=([prefix], None), split="100,0,0",
-                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=SEQ,
+        blend=([prefix], None),
+        split="100,0,0",
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(tmp_path / "cache"),
+    )
     theirs_data = MegatronDataset(prefix)
     ids = np.arange(len(theirs_data), dtype=np.int32)[documents]
     with warnings.catch_warnings():
@@ -75,21 +97,35 @@ def test_the_order_and_the_samples_are_megatrons(tmp_path, documents, num_sample
     for i in range(len(order)):
         got = sample(lambda d: ours_data[d], order, i, seq_len=SEQ)
         want = theirs[i]
-        assert np.array_equal(got[:-1], want["tokens"].numpy()) and np.array_equal(got[1:], want["labels"].numpy())
+        assert np.array_equal(got[:-1], want["tokens"].numpy()) and np.array_equal(
+            got[1:], want["labels"].numpy()
+        )
 
 
-@pytest.mark.parametrize("split, sizes", [("90,8,2", [60, 8, 2]), ("98,2", [200, 3, None]), ("1", [30, None, None])])
+@pytest.mark.parametrize(
+    "split, sizes", [("90,8,2", [60, 8, 2]), ("98,2", [200, 3, None]), ("1", [30, None, None])]
+)
 def test_a_split_reads_megatrons_samples(tmp_path, split, sizes):
     """One prefix, ``--split``: each split's documents, and the samples the builder asked for
     each split (train iterations x global batch, evaluations), in Megatron's order."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
 
     from fxmeg.data.gpt_order import split_documents
 
     prefix = _written(tmp_path, docs=60)
-    config = GPTDatasetConfig(random_seed=9, sequence_length=SEQ, blend=([prefix], None), split=split,
-                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    config = GPTDatasetConfig(
+        random_seed=9,
+        sequence_length=SEQ,
+        blend=([prefix], None),
+        split=split,
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(tmp_path / "cache"),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
@@ -98,10 +134,14 @@ def test_a_split_reads_megatrons_samples(tmp_path, split, sizes):
         assert (ranges is None) == (their is None)
         if ranges is None:
             continue
-        order = build_order(data.lengths, np.arange(*ranges, dtype=np.int32), seq_len=SEQ, num_samples=size, seed=9)
+        order = build_order(
+            data.lengths, np.arange(*ranges, dtype=np.int32), seq_len=SEQ, num_samples=size, seed=9
+        )
         assert len(order) == len(their)
         for i in range(len(order)):
-            assert np.array_equal(sample(lambda d: data[d], order, i, seq_len=SEQ)[:-1], their[i]["tokens"].numpy())
+            assert np.array_equal(
+                sample(lambda d: data[d], order, i, seq_len=SEQ)[:-1], their[i]["tokens"].numpy()
+            )
 
 
 def test_an_empty_split_is_refused():
@@ -111,7 +151,9 @@ def test_an_empty_split_is_refused():
 
     assert split_documents("969,30,1", 60) == [(0, 58), (58, 60), (60, 60)]
     with pytest.raises(ValueError, match="0 documents of 0 tokens hold no sample of 17 tokens"):
-        build_order(np.ones(60, dtype=np.int32), np.arange(60, 60), seq_len=SEQ, num_samples=2, seed=0)
+        build_order(
+            np.ones(60, dtype=np.int32), np.arange(60, 60), seq_len=SEQ, num_samples=2, seed=0
+        )
 
 
 @pytest.fixture
@@ -119,7 +161,9 @@ def one_process(tmp_path):
     """Megatron's BlendedDataset asks torch.distributed for its rank: a group of one."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -129,7 +173,9 @@ def test_a_blend_reads_megatrons_samples(tmp_path, one_process, weights):
     """Three datasets, ``--split 80,15,5``: every sample of every split as Megatron's
     BlendedMegatronDatasetBuilder gives it, with weights and with prefixes alone (weights
     from their sample counts)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
 
     from fxmeg.data.blend import build_blend
 
@@ -138,9 +184,17 @@ def test_a_blend_reads_megatrons_samples(tmp_path, one_process, weights):
         (tmp_path / str(k)).mkdir()
         prefixes.append(_written(tmp_path / str(k), docs=docs))
     sizes = [150, 12, 3]
-    config = GPTDatasetConfig(random_seed=4, sequence_length=SEQ, blend=(prefixes, weights), split="80,15,5",
-                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    config = GPTDatasetConfig(
+        random_seed=4,
+        sequence_length=SEQ,
+        blend=(prefixes, weights),
+        split="80,15,5",
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(tmp_path / "cache"),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
@@ -152,7 +206,9 @@ def test_a_blend_reads_megatrons_samples(tmp_path, one_process, weights):
             assert np.array_equal(mine.tokens(j)[:-1], their[j]["tokens"].numpy())
 
 
-@pytest.mark.parametrize("weights", [[0.3, 0.7], [1 / 3, 1 / 3, 1 / 3], [0.05, 0.15, 0.2, 0.25, 0.35], [0.5, 0.5]])
+@pytest.mark.parametrize(
+    "weights", [[0.3, 0.7], [1 / 3, 1 / 3, 1 / 3], [0.05, 0.15, 0.2, 0.25, 0.35], [0.5, 0.5]]
+)
 def test_the_blending_index_is_megatrons_helper(weights):
     """100,000 samples, ties included (equal weights): the same dataset and sample for each
     as megatron-core's C++ ``build_blending_indices``."""
@@ -162,7 +218,9 @@ def test_the_blending_index_is_megatrons_helper(weights):
 
     size = 100_000
     index, within = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
-    helpers.build_blending_indices(index, within, np.asarray(weights, dtype=np.float64), len(weights), size, False)
+    helpers.build_blending_indices(
+        index, within, np.asarray(weights, dtype=np.float64), len(weights), size, False
+    )
     ours = blending_indices(weights, size)
     assert np.array_equal(ours[0], index) and np.array_equal(ours[1], within)
 
@@ -184,9 +242,17 @@ def test_masks_and_positions_are_megatrons(tmp_path, eod_mask_loss, reset):
         builder.end_document()
     builder.finalize(prefix + ".idx")
     positions, attention = reset in ("positions", "both"), reset in ("attention", "both")
-    config = GPTDatasetConfig(random_seed=2, sequence_length=SEQ, blend=([prefix], None), split="1",
-                              tokenizer=_Tokenizer(), reset_position_ids=positions, reset_attention_mask=attention,
-                              eod_mask_loss=eod_mask_loss, path_to_cache=str(tmp_path / "cache"))
+    config = GPTDatasetConfig(
+        random_seed=2,
+        sequence_length=SEQ,
+        blend=([prefix], None),
+        split="1",
+        tokenizer=_Tokenizer(),
+        reset_position_ids=positions,
+        reset_attention_mask=attention,
+        eod_mask_loss=eod_mask_loss,
+        path_to_cache=str(tmp_path / "cache"),
+    )
     data = IndexedDataset(prefix)
     ids = np.arange(len(data), dtype=np.int32)
     with warnings.catch_warnings():
@@ -199,7 +265,8 @@ def test_masks_and_positions_are_megatrons(tmp_path, eod_mask_loss, reset):
         mine = gpt_fields(text, eod=_Tokenizer.eod, pad=_Tokenizer.pad, eod_mask_loss=eod_mask_loss,
                           reset_position_ids=positions, reset_attention_mask=attention)
         want = theirs[i]
-        assert mine.keys() == want.keys(), (i, sorted(mine), sorted(want))  # a field either side lacks fails
+        # a field either side lacks fails
+        assert mine.keys() == want.keys(), (i, sorted(mine), sorted(want))
         for key, value in mine.items():
             assert np.array_equal(value, want[key].numpy()), (i, key)
         ends += int((mine["tokens"] == _Tokenizer.eod).sum())

@@ -25,8 +25,13 @@ with warnings.catch_warnings():  # megatron-core warns that transformer-engine a
 
 def _documents(rng: np.random.Generator, high: int) -> list[list[np.ndarray]]:
     """Documents of one to three sequences each, some of one token."""
-    return [[rng.integers(0, high, size=int(rng.integers(1, 40))) for _ in range(int(rng.integers(1, 4)))]
-            for _ in range(30)]
+    return [
+        [
+            rng.integers(0, high, size=int(rng.integers(1, 40)))
+            for _ in range(int(rng.integers(1, 4)))
+        ]
+        for _ in range(30)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.int64])
@@ -37,8 +42,9 @@ def test_fxmeg_reads_what_megatron_writes(tmp_path, dtype, multimodal):
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype, multimodal=multimodal)
     for d, doc in enumerate(docs):
         for s, seq in enumerate(doc):
-            builder.add_item(torch.from_numpy(seq.astype(np.int64)), (d + s) % 3) if multimodal else \
-                builder.add_item(torch.from_numpy(seq.astype(np.int64)))
+            builder.add_item(
+                torch.from_numpy(seq.astype(np.int64)), (d + s) % 3
+            ) if multimodal else builder.add_item(torch.from_numpy(seq.astype(np.int64)))
         builder.end_document()
     builder.finalize(prefix + ".idx")
     ours, theirs = IndexedDataset(prefix), MegatronDataset(prefix, multimodal=multimodal)
@@ -81,7 +87,11 @@ def test_the_older_fxmeg_format_still_reads(tmp_path):
     with open(prefix + ".json", "w") as f:
         f.write('{"dtype": "uint16", "num_tokens": 10, "vocab_size": 16, "eos_id": 15}')
     corpus = Corpus(prefix)
-    assert not is_indexed(prefix) and corpus.doc_starts.tolist() == [0, 4] and corpus.tokens.tolist() == list(range(10))
+    assert (
+        not is_indexed(prefix)
+        and corpus.doc_starts.tolist() == [0, 4]
+        and corpus.tokens.tolist() == list(range(10))
+    )
 
 
 def _broken(tmp_path, how: str) -> str:
@@ -107,13 +117,30 @@ def _broken(tmp_path, how: str) -> str:
     return prefix
 
 
-@pytest.mark.parametrize("how, message", [
-    ("truncated-bin", "data.bin holds 22 bytes, but {p}.idx says its sequences end at byte 24: the .bin is truncated"),
-    ("version", "data.idx is version 2 of the indexed format; fxmeg reads version 1"),
-    ("dtype-code", "data.idx names token dtype code 9, not one of"),
-    ("truncated-idx", "data.idx holds 74 bytes, but its header (2 sequences, 3 document index entries) needs 82"),
-    ("magic", "data.idx is not Megatron's indexed format"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        (
+            "truncated-bin",
+            (
+                "data.bin holds 22 bytes, but {p}.idx says its sequences end at byte 24: the .bin "
+                "is "
+                "truncated"
+            ),
+        ),
+        ("version", "data.idx is version 2 of the indexed format; fxmeg reads version 1"),
+        ("dtype-code", "data.idx names token dtype code 9, not one of"),
+        (
+            "truncated-idx",
+            (
+                "data.idx holds 74 bytes, but its header (2 sequences, 3 document index entries) "
+                "needs "
+                "82"
+            ),
+        ),
+        ("magic", "data.idx is not Megatron's indexed format"),
+    ],
+)
 def test_a_broken_pair_is_refused_naming_the_file(tmp_path, how, message):
     prefix = _broken(tmp_path, how)
     with pytest.raises(IndexedDataError) as err:

@@ -22,12 +22,22 @@ from tests.data.test_gpt_order import SEQ, _Tokenizer, _written, one_process  # 
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 GBS = 8
-RUN = dict(seq_len=SEQ, global_batch_size=GBS, micro_batch_size=2, train_iters=12, eval_interval=5, eval_iters=2,
-           seed=21, vocab_size=1000)
+RUN = dict(
+    seq_len=SEQ,
+    global_batch_size=GBS,
+    micro_batch_size=2,
+    train_iters=12,
+    eval_interval=5,
+    eval_iters=2,
+    seed=21,
+    vocab_size=1000,
+)
 
 
 def _datasets(tmp_path, docs=(40, 25, 60)) -> list[str]:
@@ -39,9 +49,16 @@ def _datasets(tmp_path, docs=(40, 25, 60)) -> list[str]:
 
 
 def _megatron(tmp_path, sizes, **blend):
-    config = GPTDatasetConfig(random_seed=RUN["seed"], sequence_length=SEQ, tokenizer=_Tokenizer(),
-                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                              path_to_cache=str(tmp_path / "cache"), **blend)
+    config = GPTDatasetConfig(
+        random_seed=RUN["seed"],
+        sequence_length=SEQ,
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(tmp_path / "cache"),
+        **blend,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
@@ -51,39 +68,57 @@ def _cases(prefixes):
     """(the trainer's data flags, megatron-core's blend arguments) of each case."""
     a, b, c = prefixes
     return {
-        "one-dataset-many-epochs": (dict(data=a, split="60,40,0"), dict(blend=([a], None), split="60,40,0")),
-        "weights": (dict(data_path=f"0.3 {a} 0.5 {b} 0.2 {c}", split="80,15,5"),
-                    dict(blend=([a, b, c], [0.3, 0.5, 0.2]), split="80,15,5")),
-        "prefixes-only": (dict(data_path=f"{a} {b} {c}", split="80,15,5"),
-                          dict(blend=([a, b, c], None), split="80,15,5")),
-        "per-split": (dict(train_data_path=f"0.6 {a} 0.4 {b}", valid_data_path=c),
-                      dict(blend_per_split=[([a, b], [0.6, 0.4]), ([c], None), None])),
+        "one-dataset-many-epochs": (
+            dict(data=a, split="60,40,0"),
+            dict(blend=([a], None), split="60,40,0"),
+        ),
+        "weights": (
+            dict(data_path=f"0.3 {a} 0.5 {b} 0.2 {c}", split="80,15,5"),
+            dict(blend=([a, b, c], [0.3, 0.5, 0.2]), split="80,15,5"),
+        ),
+        "prefixes-only": (
+            dict(data_path=f"{a} {b} {c}", split="80,15,5"),
+            dict(blend=([a, b, c], None), split="80,15,5"),
+        ),
+        "per-split": (
+            dict(train_data_path=f"0.6 {a} 0.4 {b}", valid_data_path=c),
+            dict(blend_per_split=[([a, b], [0.6, 0.4]), ([c], None), None]),
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["one-dataset-many-epochs", "weights", "prefixes-only", "per-split"])
+@pytest.mark.parametrize(
+    "case", ["one-dataset-many-epochs", "weights", "prefixes-only", "per-split"]
+)
 def test_the_trainer_reads_megatrons_samples(tmp_path, one_process, case):  # noqa: F811
     prefixes = _datasets(tmp_path)
     ours_flags, theirs_blend = _cases(prefixes)[case]
     cfg = TrainConfig.from_flat(**RUN, **ours_flags)
     sizes = sample_counts(12 * GBS, GBS, 5, 2, 12)
-    assert sizes == (96, (12 // 5 + 1) * 2 * GBS, 2 * GBS)  # Megatron's train, valid and test sample counts
+    # Megatron's train, valid and test sample counts
+    assert sizes == (96, (12 // 5 + 1) * 2 * GBS, 2 * GBS)
     theirs = _megatron(tmp_path, list(sizes), **theirs_blend)
     data = train_data(cfg)
     for split, their, mine in (("train", theirs[0], data.train), ("valid", theirs[1], data.valid)):
-        assert len(mine) == len(their)  # prefixes alone: min(the samples asked, those the split holds)
+        # prefixes alone: min(the samples asked, those the split holds)
+        assert len(mine) == len(their)
         for start in range(0, len(their) - GBS + 1, GBS):  # the trainer's global batches, in order
             ids, labels = data.batch(split, range(start, start + GBS))
             want = [their[j] for j in range(start, start + GBS)]
             assert torch.equal(ids, torch.stack([w["tokens"] for w in want]).long()), (split, start)
-            assert torch.equal(labels, torch.stack([w["labels"] for w in want]).long()), (split, start)
+            assert torch.equal(labels, torch.stack([w["labels"] for w in want]).long()), (
+                split,
+                start,
+            )
 
 
 def test_one_dataset_runs_over_several_epochs(tmp_path):
     """The one-dataset case above reads past one epoch of its train split."""
     prefix = _datasets(tmp_path)[0]
     data = train_data(TrainConfig.from_flat(**RUN, data=prefix, split="60,40,0"))
-    assert len(np.unique(data.train.order.document_index)) * 2 <= len(data.train.order.document_index)
+    assert len(np.unique(data.train.order.document_index)) * 2 <= len(
+        data.train.order.document_index
+    )
 
 
 def test_megatron_word_lists():
@@ -113,8 +148,12 @@ def test_bad_data_is_refused_naming_it(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         train_data(TrainConfig.from_flat(**RUN, data=str(tmp_path / "missing")))
     with pytest.raises(DataError, match=r"do not say the vocabulary size .* or --vocab-size N"):
-        train_data(TrainConfig.from_flat(**(RUN | dict(vocab_size=0)), data=prefix, split="60,40,0"))
-    small = train_data(TrainConfig.from_flat(**(RUN | dict(vocab_size=500)), data=prefix, split="60,40,0"))
+        train_data(
+            TrainConfig.from_flat(**(RUN | dict(vocab_size=0)), data=prefix, split="60,40,0")
+        )
+    small = train_data(
+        TrainConfig.from_flat(**(RUN | dict(vocab_size=500)), data=prefix, split="60,40,0")
+    )
     with pytest.raises(DataError, match="token id .* a vocabulary of 500 cannot hold"):
         small.batch("train", range(8))
     with pytest.raises(DataError, match="either --data-path .* or the per-split paths"):
@@ -128,8 +167,12 @@ def test_prepared_and_older_corpora_train(tmp_path):
     new = str(tmp_path / "new")
     prepare(docs, new, ByteTokenizer())
     old = str(tmp_path / "old")
-    tokens = np.concatenate([np.asarray(ByteTokenizer().encode(d) + [256], dtype=np.uint16) for d in docs])
-    starts = np.concatenate([[0], np.cumsum([len(ByteTokenizer().encode(d)) + 1 for d in docs])[:-1]])
+    tokens = np.concatenate(
+        [np.asarray(ByteTokenizer().encode(d) + [256], dtype=np.uint16) for d in docs]
+    )
+    starts = np.concatenate(
+        [[0], np.cumsum([len(ByteTokenizer().encode(d)) + 1 for d in docs])[:-1]]
+    )
     tokens.tofile(old + ".bin")
     starts.astype(np.int64).tofile(old + ".idx")
     with open(new + ".json") as f:
@@ -137,7 +180,9 @@ def test_prepared_and_older_corpora_train(tmp_path):
     with open(old + ".json", "w") as f:
         json.dump(meta | {"num_tokens": len(tokens)}, f)
     for prefix in (new, old):
-        data = train_data(TrainConfig.from_flat(**(RUN | dict(vocab_size=0)), data=prefix, split="90,10,0"))
+        data = train_data(
+            TrainConfig.from_flat(**(RUN | dict(vocab_size=0)), data=prefix, split="90,10,0")
+        )
         assert data.vocab_size == 257
         ids, labels = data.batch("train", range(8))
         assert ids.shape == (8, SEQ) and torch.equal(ids[:, 1:], labels[:, :-1])
@@ -175,28 +220,57 @@ def test_prepare_data_reads_json_lines_as_megatron(tmp_path):
     docs = [f"document {i}: " + "xyz" * (i + 3) for i in range(12)]
     lines = tmp_path / "in.jsonl"
     lines.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    assert main(["prepare-data", "--input", str(lines), "--output", str(tmp_path / "out"), "--json-keys", "text"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                "--input",
+                str(lines),
+                "--output",
+                str(tmp_path / "out"),
+                "--json-keys",
+                "text",
+            ]
+        )
+        == 0
+    )
     theirs = MegatronDataset(str(tmp_path / "out_text_document"))
     tok = ByteTokenizer()
     assert len(theirs) == len(docs)
     for doc, ids in zip(docs, (theirs[i] for i in range(len(theirs)))):
         assert ids.tolist() == tok.encode(doc) + [tok.eos_id]
     lines.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
-    with pytest.raises(DataError, match=r"in.jsonl:2 has no text field 'text' \(it has \['body'\]\)"):
-        main(["prepare-data", "--input", str(lines), "--output", str(tmp_path / "bad"), "--json-keys", "text"])
+    with pytest.raises(
+        DataError, match=r"in.jsonl:2 has no text field 'text' \(it has \['body'\]\)"
+    ):
+        main(
+            [
+                "prepare-data",
+                "--input",
+                str(lines),
+                "--output",
+                str(tmp_path / "bad"),
+                "--json-keys",
+                "text",
+            ]
+        )
     assert not list(tmp_path.glob("bad*"))
 
 
 def _eod_dataset(tmp_path) -> str:
-    """Documents ending in the end-of-document token (as preprocess_data.py --append-eod writes them)."""
+    """Documents ending in the end-of-document token (as preprocess_data.py --append-eod
+    writes them)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = str(tmp_path / "eod")
     rng = np.random.default_rng(8)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for _ in range(60):
-        builder.add_item(torch.from_numpy(np.append(rng.integers(2, 1000, size=int(rng.integers(1, 12))),
-                                                    _Tokenizer.eod)))
+        builder.add_item(
+            torch.from_numpy(
+                np.append(rng.integers(2, 1000, size=int(rng.integers(1, 12))), _Tokenizer.eod)
+            )
+        )
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
@@ -212,15 +286,26 @@ def test_the_trainer_feeds_megatrons_masks(tmp_path, one_process):  # noqa: F811
     prefix = _eod_dataset(tmp_path)
     flags = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
     sizes = list(sample_counts(12 * GBS, GBS, 5, 2, 12))
-    config = GPTDatasetConfig(random_seed=RUN["seed"], sequence_length=SEQ, tokenizer=_Tokenizer(),
-                              path_to_cache=str(tmp_path / "cache"), blend=([prefix], None), split="90,10,0",
-                              **flags)
+    config = GPTDatasetConfig(
+        random_seed=RUN["seed"],
+        sequence_length=SEQ,
+        tokenizer=_Tokenizer(),
+        path_to_cache=str(tmp_path / "cache"),
+        blend=([prefix], None),
+        split="90,10,0",
+        **flags,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    data = train_data(TrainConfig.from_flat(**RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod, **flags))
-    loss_only = train_data(TrainConfig.from_flat(**RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod,
-                                                 eod_mask_loss=True))
+    data = train_data(
+        TrainConfig.from_flat(**RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod, **flags)
+    )
+    loss_only = train_data(
+        TrainConfig.from_flat(
+            **RUN, data=prefix, split="90,10,0", eod_id=_Tokenizer.eod, eod_mask_loss=True
+        )
+    )
     for split, their in (("train", theirs[0]), ("valid", theirs[1])):
         for start in range(0, len(their) - GBS + 1, GBS):
             rows = range(start, start + GBS)
@@ -230,7 +315,8 @@ def test_the_trainer_feeds_megatrons_masks(tmp_path, one_process):  # noqa: F811
             assert torch.equal(keywords["input_ids"], want["tokens"].long())
             assert torch.equal(keywords["shift_labels"], target)
             assert torch.equal(keywords["position_ids"], want["position_ids"].long())
-            assert torch.equal(keywords["attention_mask"], ~want["attention_mask"])  # Megatron's True: masked
+            # Megatron's True: masked
+            assert torch.equal(keywords["attention_mask"], ~want["attention_mask"])
             ids, labels = model_batch(loss_only.fields(split, rows), keywords=False)
             assert torch.equal(ids, want["tokens"].long()) and torch.equal(labels, target)
     assert int((target == -100).sum()) > 0 and int(keywords["position_ids"][:, 1:].eq(0).sum()) > 0
@@ -264,7 +350,8 @@ def test_the_index_cache_is_reused_only_for_the_same_data_and_settings(tmp_path,
             assert torch.equal(first.batch(split, range(n))[0], again.batch(split, range(n))[0])
         with pytest.raises(AssertionError, match="built again"):
             train_data(cfg.replace(seed=22))
-        _rewritten(prefixes[0])  # the first dataset changes in place: as many documents, other lengths
+        # the first dataset changes in place: as many documents, other lengths
+        _rewritten(prefixes[0])
         with pytest.raises(AssertionError, match="built again"):
             train_data(cfg)
 

@@ -25,8 +25,19 @@ def _batch(rows: int = 2, seq: int = 16, vocab: int = 128):
     return ids, ids.clone()
 
 
-def megatron_weight_and_optimizer_bytes(*, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int,
-                                        vocab: int, tp: int, pp: int, dp: int, distributed_optimizer: bool) -> float:
+def megatron_weight_and_optimizer_bytes(
+    *,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    kv_heads: int,
+    layers: int,
+    vocab: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    distributed_optimizer: bool,
+) -> float:
     """Megatron-LM's ``compute_weight_and_optimizer_memory``
     (megatron/training/theoretical_memory_usage.py, read at NVIDIA/Megatron-LM 00caa53a)
     for a dense GQA model with RMSNorm, SwiGLU and an untied output layer (no MoE, MTP
@@ -36,7 +47,8 @@ def megatron_weight_and_optimizer_bytes(*, hidden: int, ffn: int, heads: int, kv
     fp32 moments 8), or 6 + 12/dp with the distributed optimizer."""
     kv_channels = hidden // heads
     query_projection = kv_channels * heads
-    attention = 2 * hidden * hidden * (1 + kv_heads / heads) * (query_projection / hidden)  # q, o and k, v
+    # q, o and k, v
+    attention = 2 * hidden * hidden * (1 + kv_heads / heads) * (query_projection / hidden)
     layer = 2 * hidden * (ffn * 3 / 2 + 1) + attention  # SwiGLU (gate, up, down) + two RMSNorms
     block = layer * layers + hidden  # + the final RMSNorm
     embedding = hidden * vocab
@@ -57,17 +69,38 @@ def test_first_stage_agrees_with_megatrons_weight_and_optimizer_formula(distribu
     shape = dict(hidden=512, ffn=1408, heads=8, kv_heads=2, layers=8, vocab=32768)
     tp, pp, dp = 2, 2, 2
     with torch.device("meta"):
-        model = Llama(LlamaConfig(vocab_size=shape["vocab"], n_layer=shape["layers"], n_embd=shape["hidden"],
-                                  n_head=shape["heads"], n_kv_head=shape["kv_heads"], ffn_hidden=shape["ffn"],
-                                  seq_len=256))
+        model = Llama(
+            LlamaConfig(
+                vocab_size=shape["vocab"],
+                n_layer=shape["layers"],
+                n_embd=shape["hidden"],
+                n_head=shape["heads"],
+                n_kv_head=shape["kv_heads"],
+                ffn_hidden=shape["ffn"],
+                seq_len=256,
+            )
+        )
     ids = torch.zeros((1, 256), dtype=torch.long, device="meta")
-    plan = fxmeg.plan(model, (ids, ids.clone()), tp=tp, pp=pp, dp=dp, global_batch_size=8, precision="bf16",
-                      distributed_optimizer=distributed_optimizer, split_points=("layers.4",))  # formula: L/pp each
+    plan = fxmeg.plan(
+        model,
+        (ids, ids.clone()),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        global_batch_size=8,
+        precision="bf16",
+        # formula: L/pp each
+        distributed_optimizer=distributed_optimizer,
+        split_points=("layers.4",),
+    )
     first = plan.stages[0]
     want = megatron_weight_and_optimizer_bytes(**shape, tp=tp, pp=pp, dp=dp,
                                                distributed_optimizer=distributed_optimizer)
     # the differences named above come to ~0.01% here: 1% still leaves room for other shapes
-    assert abs(first.weights_and_optimizer - want) <= 0.01 * want, (first.weights_and_optimizer, want)
+    assert abs(first.weights_and_optimizer - want) <= 0.01 * want, (
+        first.weights_and_optimizer,
+        want,
+    )
     # the parts as the formula prices them: 2 + 4 + 12 (or 12 / dp) bytes per local element
     n = first.parameter_elements
     assert first.parameters == 2 * n
@@ -114,9 +147,12 @@ def test_stage_flops_add_up_to_the_whole_model_over_tensor_parallel_ranks(recomp
 
 @pytest.mark.parametrize("pp,vpp,m", [(4, 1, 8), (4, 1, 2), (2, 2, 4)])
 def test_in_flight_and_bubble_follow_the_schedule(pp, vpp, m):
-    program = transform(make_model("llama", n_layer=4), _batch(), pp=pp, vpp=vpp, global_batch_size=2 * m)
+    program = transform(
+        make_model("llama", n_layer=4), _batch(), pp=pp, vpp=vpp, global_batch_size=2 * m
+    )
     stages = plan_of(program).stages
-    bubble = (pp - 1) / (vpp * m + pp - 1)  # uniform chunk costs: Megatron's (p - 1) / (v m + p - 1)
+    # uniform chunk costs: Megatron's (p - 1) / (v m + p - 1)
+    bubble = (pp - 1) / (vpp * m + pp - 1)
     assert all(s.bubble == pytest.approx(bubble) for s in stages)
     if vpp == 1:  # 1F1B: stage s warms up with pp - s forwards (at most m)
         assert [s.microbatches_in_flight for s in stages] == [min(pp - s, m) for s in range(pp)]
@@ -127,20 +163,26 @@ def test_in_flight_and_bubble_follow_the_schedule(pp, vpp, m):
 def test_meta_plan_equals_the_plan_of_the_real_program_and_leaves_the_model_alone():
     model = make_model("llama", n_layer=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    options = dict(tp=2, pp=2, dp=2, global_batch_size=8, precision="bf16", distributed_optimizer=True)
+    options = dict(
+        tp=2, pp=2, dp=2, global_batch_size=8, precision="bf16", distributed_optimizer=True
+    )
     planned = fxmeg.plan(model, _batch(), **options)
     real = plan_of(transform(copy.deepcopy(model), _batch(), **options))
     assert planned == real
     assert not dist.is_initialized()
     state = model.state_dict()  # not cast to bf16, not moved to meta
-    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], v) for k, v in before.items())
+    assert all(
+        state[k].dtype == torch.float32 and torch.equal(state[k], v) for k, v in before.items()
+    )
 
 
 def test_table_and_json():
     plan = fxmeg.plan(make_model("llama", n_layer=4), _batch(), pp=2, global_batch_size=4)
-    table = str(plan).splitlines()[: 4 + len(plan.stages)]  # 3 header lines, column names, a row each
+    # 3 header lines, column names, a row each
+    table = str(plan).splitlines()[: 4 + len(plan.stages)]
     assert "pp=2" in table[0]
-    assert "experts" not in table[3] and " ep=" not in table[0]  # a dense model at ep=1: no expert column
+    # a dense model at ep=1: no expert column
+    assert "experts" not in table[3] and " ep=" not in table[0]
     assert [line.split()[0] for line in table[-2:]] == ["0", "1"]
     assert "activations per micro-batch, one layer of stage 0" in str(plan)  # then the breakdown
     data = json.loads(plan.to_json())
@@ -152,14 +194,45 @@ def test_table_and_json():
 def test_options_or_config_not_both():
     model, batch = make_model("llama", n_layer=2), _batch()
     with pytest.raises(ConfigError, match="either config= or options"):
-        fxmeg.plan(model, batch, config=fxmeg.EngineConfig(micro_batch_size=2, global_batch_size=2), pp=2)
+        fxmeg.plan(
+            model, batch, config=fxmeg.EngineConfig(micro_batch_size=2, global_batch_size=2), pp=2
+        )
 
 
 def test_cli_plans_an_fxmeg_model_as_the_python_api_does(capsys):
-    args = {"vocab_size": 256, "n_layer": 4, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 128}
-    assert main(["plan", "--model", "models.llama:Llama", "--model-args", json.dumps(args), "--seq-len", "32",
-                 "--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-                 "--precision", "bf16", "--json"]) == 0
+    args = {
+        "vocab_size": 256,
+        "n_layer": 4,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_kv_head": 2,
+        "ffn_hidden": 128,
+    }
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "models.llama:Llama",
+                "--model-args",
+                json.dumps(args),
+                "--seq-len",
+                "32",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--precision",
+                "bf16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)
     ids = torch.zeros((2, 32), dtype=torch.long)
     want = fxmeg.plan(Llama(LlamaConfig(seq_len=32, **args)), (ids, ids.clone()), tp=2, pp=2,
@@ -175,7 +248,17 @@ def test_cli_builds_hugging_face_models_from_a_json_file_or_a_config_class(tmp_p
                  num_key_value_heads=2, max_position_embeddings=64)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8, **small}))
-    layout = ["--seq-len", "32", "--pp", "2", "--micro-batch-size", "2", "--global-batch-size", "4", "--json"]
+    layout = [
+        "--seq-len",
+        "32",
+        "--pp",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--json",
+    ]
     assert main(["plan", "--hf-config", str(path), "num_hidden_layers=4", *layout]) == 0
     from_file = json.loads(capsys.readouterr().out)
     pairs = [f"{k}={v}" for k, v in small.items()]
@@ -190,9 +273,15 @@ def test_cli_builds_hugging_face_models_from_a_json_file_or_a_config_class(tmp_p
 def test_context_parallel_ranks_plan_their_share_of_the_sequence():
     """Each cp rank computes and saves activations for 1/cp of every sequence (the
     trainer's first log is this plan)."""
-    stages = {cp: fxmeg.plan(make_model("gpt", n_layer=2), make_batch(2, seed=0), cp=cp).stages[0] for cp in (1, 2, 4)}
+    stages = {
+        cp: fxmeg.plan(make_model("gpt", n_layer=2), make_batch(2, seed=0), cp=cp).stages[0]
+        for cp in (1, 2, 4)
+    }
     for cp in (2, 4):
-        assert stages[cp].activations_per_microbatch <= 1.05 * stages[1].activations_per_microbatch / cp
+        assert (
+            stages[cp].activations_per_microbatch
+            <= 1.05 * stages[1].activations_per_microbatch / cp
+        )
         assert stages[cp].flops_per_microbatch == pytest.approx(stages[1].flops_per_microbatch / cp)
         assert stages[cp].parameters == stages[1].parameters
 
@@ -211,7 +300,9 @@ def _expert_and_dense_elements(model) -> tuple[int, int]:
     dense layers, embeddings, norms); trainable ones only, as the plan counts them (AFMoE's
     expert_bias is a frozen parameter)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = sum(p.numel() for n, p in trainable if re.search(r"\.(mlp|block_sparse_moe)\.experts\.", n))
+    experts = sum(
+        p.numel() for n, p in trainable if re.search(r"\.(mlp|block_sparse_moe)\.experts\.", n)
+    )
     return experts, sum(p.numel() for _, p in trainable) - experts
 
 
@@ -223,7 +314,9 @@ def test_expert_parallel_halves_each_ranks_expert_elements_and_keeps_the_dense_o
     model = tiny_moe(kind)
     experts, dense = _expert_and_dense_elements(model)
     assert experts and dense
-    plans = {ep: fxmeg.plan(model, _moe_example(), ep=ep, dp=2, global_batch_size=4) for ep in (1, 2)}
+    plans = {
+        ep: fxmeg.plan(model, _moe_example(), ep=ep, dp=2, global_batch_size=4) for ep in (1, 2)
+    }
     for ep, plan in plans.items():
         (s,) = plan.stages
         assert plan.total_parameters == experts + dense  # the whole model, whatever ep
@@ -271,11 +364,40 @@ def test_distributed_optimizer_shards_expert_state_over_the_expert_data_parallel
 def test_cli_plans_a_mixture_of_experts_at_ep_with_an_experts_column(capsys):
     import transformers as T
 
-    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, **MOE["mixtral"])
+    small = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        **MOE["mixtral"],
+    )
     pairs = [f"{k}={v}" for k, v in small.items()]
-    assert main(["plan", "--hf-config", "MixtralConfig", *pairs, "--seq-len", "16", "--micro-batch-size", "2",
-                 "--global-batch-size", "4", "--dp", "2", "--ep", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--hf-config",
+                "MixtralConfig",
+                *pairs,
+                "--seq-len",
+                "16",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "4",
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(T.MixtralConfig(**small))
@@ -289,24 +411,48 @@ def test_cli_plans_a_mixture_of_experts_at_ep_with_an_experts_column(capsys):
     assert row.split()[3] == "18.4K"  # 2 layers x 2 of 4 experts x (96 x 32 + 32 x 48)
 
 
-# ---------------------------------------------------------------- the verdict, the activation account
+# ---------------------------------------------------------------- the verdict, the activation
+# account
 
 
 def _mixtral_args(layers: int = 4) -> list[str]:
     """Mixtral-8x7B's shape, narrowed (docs/cli.md plans the real one): 8 experts, top 2,
     GQA 4:1, SwiGLU experts 3.5x wide."""
-    small = dict(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=layers,
-                 num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                 max_position_embeddings=256)
-    return ["--hf-config", "MixtralConfig", *(f"{k}={v}" for k, v in small.items()), "--seq-len", "128",
-            "--pp", "2", "--dp", "2", "--global-batch-size", "8", "--precision", "bf16"]
+    small = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=224,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+    return [
+        "--hf-config",
+        "MixtralConfig",
+        *(f"{k}={v}" for k, v in small.items()),
+        "--seq-len",
+        "128",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--precision",
+        "bf16",
+    ]
 
 
 def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(capsys):
     assert main(["plan", *_mixtral_args(), "--json", "--quiet"]) == 0
     totals = [s["total"] for s in json.loads(capsys.readouterr().out)["stages"]]
     device = (totals[0] + totals[1]) // 2  # one stage above, one below
-    assert main(["plan", *_mixtral_args(), "--json", "--quiet", "--device-memory", f"{device}B"]) == 0
+    assert (
+        main(["plan", *_mixtral_args(), "--json", "--quiet", "--device-memory", f"{device}B"]) == 0
+    )
     got = json.loads(capsys.readouterr().out)
     assert got["device_memory"] == device and got["ranks"] == 4
     for row, total in zip(got["verdict"], totals):
@@ -314,7 +460,9 @@ def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(cap
     worse = max(range(2), key=lambda i: totals[i])
     remedies = {r["change"].split(" (")[0]: r for r in got["verdict"][worse]["remedies"]}
     saves = [r["saves"] for r in got["verdict"][worse]["remedies"]]
-    assert saves == sorted(saves, reverse=True) and all(r["fits"] == (r["total"] <= device) for r in remedies.values())
+    assert saves == sorted(saves, reverse=True) and all(
+        r["fits"] == (r["total"] <= device) for r in remedies.values()
+    )
     # each prediction against planning the changed layout (the plan's own numbers: exact
     # for the optimizer; recompute and micro-batch size within what they neglect)
     replanned = {
@@ -324,7 +472,11 @@ def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(cap
     for change, flags in replanned.items():
         assert main(["plan", *_mixtral_args(), "--json", "--quiet", *flags]) == 0
         actual = json.loads(capsys.readouterr().out)["stages"][worse]["total"]
-        assert abs(remedies[change]["total"] - actual) <= 0.02 * actual, (change, remedies[change], actual)
+        assert abs(remedies[change]["total"] - actual) <= 0.02 * actual, (
+            change,
+            remedies[change],
+            actual,
+        )
     # the text: a line per stage, the excess in GiB
     assert main(["plan", *_mixtral_args(), "--quiet", "--device-memory", f"{device}B"]) == 0
     text = capsys.readouterr().out
@@ -332,8 +484,16 @@ def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(cap
     assert "--distributed-optimizer (optimizer state / 2): saves" in text
 
 
-@pytest.mark.parametrize("text,want", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("79.6GiB", int(79.6 * 2**30)),
-                                       ("h100", 81559 * 2**20), ("H200", 143771 * 2**20)])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("80GB", 80 * 10**9),
+        ("80GiB", 80 * 2**30),
+        ("79.6GiB", int(79.6 * 2**30)),
+        ("h100", 81559 * 2**20),
+        ("H200", 143771 * 2**20),
+    ],
+)
 def test_device_memory_sizes_and_presets(text, want):
     from fxmeg.devices import device_bytes
 
@@ -343,22 +503,61 @@ def test_device_memory_sizes_and_presets(text, want):
 
 
 def test_header_names_the_ranks_and_the_bubble_in_words_and_progress_goes_to_stderr(capsys):
-    args = {"vocab_size": 256, "n_layer": 4, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 128}
-    assert main(["plan", "--model", "models.llama:Llama", "--model-args", json.dumps(args), "--seq-len", "32",
-                 "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "8",
-                 "--split-points", "layers.1"]) == 0
+    args = {
+        "vocab_size": 256,
+        "n_layer": 4,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_kv_head": 2,
+        "ffn_hidden": 128,
+    }
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "models.llama:Llama",
+                "--model-args",
+                json.dumps(args),
+                "--seq-len",
+                "32",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--dp",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--split-points",
+                "layers.1",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "tp=2 x cp=1 x pp=2 x dp=2 = 8 ranks" in out
-    assert re.search(r"pipeline bubble: \d+\.\d% of the step \(schedule 1f1b, 4 micro-batches; a backward "
-                     r"costs 2 forwards\)", out)  # 8 / (dp=2 x micro-batches of 1, plan's default)
+    assert re.search(
+        r"pipeline bubble: \d+\.\d% of the step \(schedule 1f1b, 4 micro-batches; a backward "
+        r"costs 2 forwards\)",
+        out,
+    )  # 8 / (dp=2 x micro-batches of 1, plan's default)
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s+layers", line)]
     assert [r[1] for r in rows] == ["layers.0", "layers.1..lm_head"]  # pinned
     assert "capture" in err and "accounting stage 1 of 2" in err
     assert all(len(line) < 80 for line in err.splitlines())
 
 
-@pytest.mark.parametrize("kind,options", [("gpt", {}), ("llama", {}), ("hf-llama", {}),
-                                          ("gpt", {"recompute": "full"}), ("hf-llama", {"recompute": "selective"})])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("gpt", {}),
+        ("llama", {}),
+        ("hf-llama", {}),
+        ("gpt", {"recompute": "full"}),
+        ("hf-llama", {"recompute": "selective"}),
+    ],
+)
 def test_activation_bytes_are_what_autograd_saves(kind, options):
     """The plan's per-micro-batch activations against what autograd really packs in a
     training step (``SavedBytes``, one process, one micro-batch). The Hugging Face model
@@ -374,7 +573,9 @@ def test_activation_bytes_are_what_autograd_saves(kind, options):
     with meter.hooks():
         engine.train_step(batch)
     predicted = activation_bytes(engine.context.chunks[0])
-    assert abs(predicted - meter.peak) <= (0.05 if kind.startswith("hf-") else 0.005) * meter.peak, (predicted, meter.peak)
+    assert (
+        abs(predicted - meter.peak) <= (0.05 if kind.startswith("hf-") else 0.005) * meter.peak
+    ), (predicted, meter.peak)
 
 
 def test_a_llama_layer_keeps_megatrons_formula_plus_the_named_differences():
@@ -392,16 +593,32 @@ def test_a_llama_layer_keeps_megatrons_formula_plus_the_named_differences():
     import transformers as T
 
     s, b, h, F, heads, kv, t, layers = 64, 1, 64, 224, 8, 2, 2, 2
-    config = T.LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=F, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=s)
+    config = T.LlamaConfig(
+        vocab_size=256,
+        hidden_size=h,
+        intermediate_size=F,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=s,
+    )
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(config)
     from fxmeg.hugging_face import keyword_batch
 
     ids = torch.zeros((b, s), dtype=torch.long)
-    stage = fxmeg.plan(model, keyword_batch(ids, ids.clone()), tp=t, sequence_parallel=True, precision="bf16",
-                       global_batch_size=1).stages[0]
-    per_layer = sum(v for k, v in stage.activation_breakdown.items() if k.startswith("layer: ")) / stage.layers
+    stage = fxmeg.plan(
+        model,
+        keyword_batch(ids, ids.clone()),
+        tp=t,
+        sequence_parallel=True,
+        precision="bf16",
+        global_batch_size=1,
+    ).stages[0]
+    per_layer = (
+        sum(v for k, v in stage.activation_breakdown.items() if k.startswith("layer: "))
+        / stage.layers
+    )
     sbh, g = s * b * h, kv / heads
     megatron = (12 + 4 * g + 6 * F / h) * sbh / t
     named = (2 * 2 * sbh * (1 - 1 / t) + 2 * (4 * sbh / t + 4 * s * b / t) + 2 * F / h * sbh / t

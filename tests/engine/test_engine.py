@@ -122,13 +122,22 @@ def test_dict_batches_train_exactly_as_tuples():
     """A dict example makes the model take its batch by keyword: train_step, eval_step,
     an iterator of micro-batches and verify take dicts, with the tuple path's results."""
     batches = [make_batch(GBS, seed=s) for s in range(2)]
-    tuples = fxmeg.parallelize(make_model("llama"), tuple(t[:2] for t in batches[0]), global_batch_size=GBS)
-    dicts = fxmeg.parallelize(make_model("llama"), _as_dict(t[:2] for t in batches[0]), global_batch_size=GBS)
-    assert dicts.program.keywords and [i.name for i in dicts.program.inputs] == ["input_ids", "labels"]
+    tuples = fxmeg.parallelize(
+        make_model("llama"), tuple(t[:2] for t in batches[0]), global_batch_size=GBS
+    )
+    dicts = fxmeg.parallelize(
+        make_model("llama"), _as_dict(t[:2] for t in batches[0]), global_batch_size=GBS
+    )
+    assert dicts.program.keywords and [i.name for i in dicts.program.inputs] == [
+        "input_ids",
+        "labels",
+    ]
     for b in batches:
         assert tuples.train_step(b) == dicts.train_step(_as_dict(b))
     ids, labels = make_batch(GBS, seed=7)
-    micro = iter([{"labels": labels[i : i + 2], "input_ids": ids[i : i + 2]} for i in range(0, GBS, 2)])
+    micro = iter(
+        [{"labels": labels[i : i + 2], "input_ids": ids[i : i + 2]} for i in range(0, GBS, 2)]
+    )
     assert tuples.train_step((ids, labels)) == dicts.train_step(micro)  # keys in any order
     assert tuples.eval_step((ids, labels)) == dicts.eval_step(_as_dict((ids, labels)))
     assert dicts.verify(_as_dict((ids, labels))).ok
@@ -137,10 +146,15 @@ def test_dict_batches_train_exactly_as_tuples():
 def test_dict_batches_are_checked_key_by_key():
     ids, labels = make_batch(4, seed=0)
     mask = torch.ones_like(ids)
-    engine = fxmeg.parallelize(make_model("gpt"), _as_dict(make_batch(2, seed=0)), global_batch_size=4)
+    engine = fxmeg.parallelize(
+        make_model("gpt"), _as_dict(make_batch(2, seed=0)), global_batch_size=4
+    )
     with pytest.raises(BatchError, match=r"has keys 'input_ids' \(missing 'labels'\)"):
         engine.train_step({"input_ids": ids})
-    with pytest.raises(BatchError, match=r"unknown 'attention_mask'.*the example micro-batch has 'input_ids', 'labels'"):
+    with pytest.raises(
+        BatchError,
+        match=r"unknown 'attention_mask'.*the example micro-batch has 'input_ids', 'labels'",
+    ):
         engine.train_step({"input_ids": ids, "labels": labels, "attention_mask": mask})
     with pytest.raises(BatchError, match=r"'labels' has shape \(4, 15\)"):
         engine.train_step({"input_ids": ids, "labels": labels[:, :15]})
@@ -154,5 +168,7 @@ def test_dict_batches_are_checked_key_by_key():
 def test_example_must_be_a_tuple_or_a_dict_of_tensors():
     ids, labels = make_batch(2, seed=0)
     for bad in ([ids, labels], {}, {"input_ids": ids, "labels": labels.tolist()}):
-        with pytest.raises(ConfigError, match="a non-empty tuple of tensors .* or a dict of tensors"):
+        with pytest.raises(
+            ConfigError, match="a non-empty tuple of tensors .* or a dict of tensors"
+        ):
             fxmeg.parallelize(make_model("gpt"), bad)

@@ -16,18 +16,27 @@ def _scales(scaler: LossScaler, found_infs) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(static=0.0), "static must be > 0"),
-    (dict(static=-8.0), "static must be > 0"),
-    (dict(min_scale=0.0), "0 < min_scale <= initial"),
-    (dict(initial=0.5, min_scale=1.0), "0 < min_scale <= initial"),
-    (dict(growth_factor=1.0), "growth_factor > 1"),
-    (dict(backoff_factor=1.0), "0 < backoff_factor < 1"),
-    (dict(backoff_factor=0.0), "0 < backoff_factor < 1"),
-    (dict(growth_interval=0), "growth_interval=0: clean steps before the loss scale grows must be a positive"),
-    (dict(hysteresis=0), "hysteresis=0: overflowing steps tolerated .* must be a positive integer"),
-    (dict(hysteresis=2.0), "must be an int, got float 2.0; pass hysteresis=2"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(static=0.0), "static must be > 0"),
+        (dict(static=-8.0), "static must be > 0"),
+        (dict(min_scale=0.0), "0 < min_scale <= initial"),
+        (dict(initial=0.5, min_scale=1.0), "0 < min_scale <= initial"),
+        (dict(growth_factor=1.0), "growth_factor > 1"),
+        (dict(backoff_factor=1.0), "0 < backoff_factor < 1"),
+        (dict(backoff_factor=0.0), "0 < backoff_factor < 1"),
+        (
+            dict(growth_interval=0),
+            "growth_interval=0: clean steps before the loss scale grows must be a positive",
+        ),
+        (
+            dict(hysteresis=0),
+            "hysteresis=0: overflowing steps tolerated .* must be a positive integer",
+        ),
+        (dict(hysteresis=2.0), "must be an int, got float 2.0; pass hysteresis=2"),
+    ],
+)
 def test_invalid_configs_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LossScaleConfig(**kwargs)
@@ -36,7 +45,12 @@ def test_invalid_configs_are_refused(kwargs, match):
 def test_megatron_defaults():
     c = LossScaleConfig()
     assert (c.static, c.initial, c.min_scale) == (None, 2.0**32, 1.0)
-    assert (c.growth_factor, c.backoff_factor, c.growth_interval, c.hysteresis) == (2.0, 0.5, 1000, 2)
+    assert (c.growth_factor, c.backoff_factor, c.growth_interval, c.hysteresis) == (
+        2.0,
+        0.5,
+        1000,
+        2,
+    )
     assert LossScaler(c).scale == 2.0**32
 
 
@@ -54,7 +68,14 @@ def test_hysteresis_tolerates_overflows_until_a_growth_resets_it():
     s = LossScaler(LossScaleConfig(initial=1024.0, hysteresis=3, growth_interval=3))
     # two overflows tolerated; the third and every later one back off (clean steps in
     # between do not refill the tolerance, only a growth does)
-    assert _scales(s, [True, True, True, False, True, True]) == [1024.0, 1024.0, 512.0, 512.0, 256.0, 128.0]
+    assert _scales(s, [True, True, True, False, True, True]) == [
+        1024.0,
+        1024.0,
+        512.0,
+        512.0,
+        256.0,
+        128.0,
+    ]
     assert _scales(s, [False, False, False]) == [128.0, 128.0, 256.0]  # growth refills it
     assert _scales(s, [True, True, True]) == [256.0, 256.0, 128.0]
 

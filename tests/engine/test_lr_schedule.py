@@ -97,22 +97,43 @@ def test_weight_decay_schedules():
     assert close(dflt.weight_decay(550), 0.1) and dflt.weight_decay(2000) == 0.0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(style="step"), "style='step' is not one of"),
-    (dict(style="WSD", wsd_decay_samples=10, wsd_style="square"), "wsd_style='square'"),
-    (dict(style="constant", wd_style="exponential"), "wd_style='exponential'"),
-    (dict(style="constant", min_lr=2.0), "0 <= min_lr <= max_lr"),
-    (dict(style="constant", min_lr=-1e-5), "0 <= min_lr <= max_lr"),
-    (dict(style="linear"), "needs decay_samples > warmup_samples = 0; got None"),
-    (dict(style="cosine", warmup_samples=100, decay_samples=100), "decay_samples > warmup_samples = 100"),
-    (dict(style="WSD", decay_samples=100), "needs 0 < wsd_decay_samples"),
-    (dict(style="WSD", warmup_samples=10, decay_samples=100, wsd_decay_samples=91), "needs 0 < wsd_decay_samples"),
-    (dict(style="constant", start_wd=0.1), "start_wd and end_wd go together"),
-    (dict(style="constant", start_wd=0.0, end_wd=0.1), "wd_style='constant' needs start_wd == end_wd"),
-    (dict(style="constant", start_wd=0.0, end_wd=0.1, wd_style="linear"), "neither is set: set wd_incr_samples"),
-    (dict(style="constant", warmup_samples=-5), "warmup_samples=-5: learning-rate warmup in samples must be an integer >= 0"),
-    (dict(style="linear", decay_samples=100.0), "must be an int, got float 100.0; pass decay_samples=100"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(style="step"), "style='step' is not one of"),
+        (dict(style="WSD", wsd_decay_samples=10, wsd_style="square"), "wsd_style='square'"),
+        (dict(style="constant", wd_style="exponential"), "wd_style='exponential'"),
+        (dict(style="constant", min_lr=2.0), "0 <= min_lr <= max_lr"),
+        (dict(style="constant", min_lr=-1e-5), "0 <= min_lr <= max_lr"),
+        (dict(style="linear"), "needs decay_samples > warmup_samples = 0; got None"),
+        (
+            dict(style="cosine", warmup_samples=100, decay_samples=100),
+            "decay_samples > warmup_samples = 100",
+        ),
+        (dict(style="WSD", decay_samples=100), "needs 0 < wsd_decay_samples"),
+        (
+            dict(style="WSD", warmup_samples=10, decay_samples=100, wsd_decay_samples=91),
+            "needs 0 < wsd_decay_samples",
+        ),
+        (dict(style="constant", start_wd=0.1), "start_wd and end_wd go together"),
+        (
+            dict(style="constant", start_wd=0.0, end_wd=0.1),
+            "wd_style='constant' needs start_wd == end_wd",
+        ),
+        (
+            dict(style="constant", start_wd=0.0, end_wd=0.1, wd_style="linear"),
+            "neither is set: set wd_incr_samples",
+        ),
+        (
+            dict(style="constant", warmup_samples=-5),
+            "warmup_samples=-5: learning-rate warmup in samples must be an integer >= 0",
+        ),
+        (
+            dict(style="linear", decay_samples=100.0),
+            "must be an int, got float 100.0; pass decay_samples=100",
+        ),
+    ],
+)
 def test_invalid_schedules_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LRSchedule(max_lr=1.0, **kwargs)
@@ -169,6 +190,9 @@ def test_scheduler_state_round_trip():
     want_lr = 0.1 + 0.9 * 0.5 * (math.cos(math.pi * 236 / 1000) + 1)
     assert close(opt.param_groups[0]["lr"], want_lr)
     assert close(opt.param_groups[1]["lr"], want_lr / 2)
-    assert close(opt.param_groups[0]["weight_decay"], 0.1 - 0.1 * 0.5 * (math.cos(math.pi * (1 - 336 / 1100)) + 1))
+    assert close(
+        opt.param_groups[0]["weight_decay"],
+        0.1 - 0.1 * 0.5 * (math.cos(math.pi * (1 - 336 / 1100)) + 1),
+    )
     b.step(48)  # continues from where it stopped, not from 0
     assert b.samples == 384

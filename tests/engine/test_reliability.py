@@ -18,7 +18,9 @@ def test_spike_guard_skips_and_a_run_of_skips_stops():
         assert r.skipped and r.skip_reason == "grad_norm" and r.grad_norm > 1e-6
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    with pytest.raises(fxmeg.FxmegError, match="3 steps in a row were skipped \\(last: grad_norm\\)"):
+    with pytest.raises(
+        fxmeg.FxmegError, match="3 steps in a row were skipped \\(last: grad_norm\\)"
+    ):
         engine.train_step(make_batch(8, seed=2))
 
 
@@ -44,5 +46,7 @@ def test_determinism_check_reruns_and_reports():
 
 
 def test_unknown_option_names_the_nearest():
-    with pytest.raises(fxmeg.FxmegError, match="unknown option 'on_nonfinit' \\(did you mean 'on_nonfinite'\\?\\)"):
+    with pytest.raises(
+        fxmeg.FxmegError, match="unknown option 'on_nonfinit' \\(did you mean 'on_nonfinite'\\?\\)"
+    ):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), on_nonfinit="raise")

@@ -17,7 +17,9 @@ def _gm(name: str, **cfg):
 
 class CapturedGraphs(TestCase):
     def test_gpt(self):
-        self.assertExpectedInline(_gm("gpt")[1].gm.code.strip(), """\
+        self.assertExpectedInline(
+            _gm("gpt")[1].gm.code.strip(),
+            """\
 def forward(self, input_ids, labels):
     wte_weight = self.wte.weight
     wpe_weight = self.wpe.weight
@@ -65,10 +67,13 @@ def forward(self, input_ids, labels):
     flatten = torch.ops.aten.flatten.using_ints(linear_4, 0, 1);  linear_4 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
     cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
-    return (cross_entropy_loss,)""")
+    return (cross_entropy_loss,)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama(self):
-        self.assertExpectedInline(_gm("llama")[1].gm.code.strip(), """\
+        self.assertExpectedInline(
+            _gm("llama")[1].gm.code.strip(),
+            """\
 def forward(self, input_ids, labels):
     embed_tokens_weight = self.embed_tokens.weight
     layers_0_input_layernorm_weight = getattr(self.layers, "0").input_layernorm.weight
@@ -153,7 +158,8 @@ def forward(self, input_ids, labels):
     flatten = torch.ops.aten.flatten.using_ints(linear_7, 0, 1);  linear_7 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(labels);  labels = None
     cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
-    return (cross_entropy_loss,)""")
+    return (cross_entropy_loss,)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -149,7 +149,9 @@ def test_capture_keeps_the_region_bodies():
     gm = capture(model, (ids, labels)).gm
     hops = _hops(gm)
     kinds = [n.target.name() for n in hops]
-    assert kinds == ["wrap_with_autocast", "wrap_with_set_grad_enabled"] + ["wrap_with_autocast"] * 4
+    assert (
+        kinds == ["wrap_with_autocast", "wrap_with_set_grad_enabled"] + ["wrap_with_autocast"] * 4
+    )
     assert _bodies_called(gm) == _bodies_owned(gm) == {
         "_fxmeg_hop.autocast_0", "_fxmeg_hop.set_grad_enabled_1",
         *(f"_fxmeg_hop.autocast_{i}" for i in range(2, 6))}
@@ -205,11 +207,18 @@ def test_pipeline_with_recompute_moves_bodies_into_regions():
     model = _model()
     example = make_batch(MBS, seed=3, vocab=VOCAB, seq=SEQ)
     program = _chained(model, example, pp=2, recompute="full")
-    regions = [m for gm in program.chunks for name, m in gm.named_children() if name.startswith("recompute_")]
+    regions = [
+        m
+        for gm in program.chunks
+        for name, m in gm.named_children()
+        if name.startswith("recompute_")
+    ]
     assert len(regions) == 4
     for r in regions:  # each block's region calls its own body, as a get_attr, not an input
         assert len(_hops(r.region)) == 1 and _bodies_owned(r.region) == _bodies_called(r.region)
-        assert not any(p.name.startswith("_fxmeg_hop") for p in r.region.graph.nodes if p.op == "placeholder")
+        assert not any(
+            p.name.startswith("_fxmeg_hop") for p in r.region.graph.nodes if p.op == "placeholder"
+        )
     loss_sum, num_tokens = program.graph(*example)
     loss = loss_sum / num_tokens
     got = torch.autograd.grad(loss, list(model.parameters()))
@@ -231,7 +240,9 @@ def test_flops_and_costs_count_the_bodies():
 
 def test_tensor_parallel_keeps_regions_with_whole_operands():
     model = _model("after")
-    gm = transform(model, make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2, stop_after="tensor_parallel")
+    gm = transform(
+        model, make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), tp=2, stop_after="tensor_parallel"
+    )
     tags = {n.target: n.meta["fxmeg"].get("tp") for n in gm.graph.nodes if n.op == "get_attr"}
     assert tags["layers.0.up.weight"] == Shard(0, (64,))
     assert tags["layers.0.down.weight"] == Shard(1, (64,))
@@ -249,7 +260,10 @@ def test_tensor_parallel_splits_inside_a_region():
     assert tags["layers.0.up.weight"] == Shard(0, (64,))
     assert tags["layers.0.down.weight"] == Shard(1, (64,))
     region = _hops(gm)[2]
-    assert region.target.name() == "wrap_with_autocast" and region.meta["fxmeg"]["module"] == "layers.0"
+    assert (
+        region.target.name() == "wrap_with_autocast"
+        and region.meta["fxmeg"]["module"] == "layers.0"
+    )
     body = body_call(region)[0]
     gelu = next(n for n in body.graph.nodes if n.target == torch.ops.aten.gelu.default)
     assert tuple(gelu.meta["val"].shape) == (MBS, SEQ, 32)  # 64 features over 2 ranks
@@ -261,7 +275,9 @@ def test_tensor_parallel_splits_inside_a_region():
 def test_x_transformers_region_rewrites_its_shape_arguments():
     """The rotary region's reshape to (batch, heads, seq, head_dim / 2, 2) now names the
     local heads (4 over 2 ranks), and the region's output is q's local part."""
-    gm = transform(_xt(), make_batch(MBS, seed=0, vocab=96, seq=SEQ), tp=2, stop_after="tensor_parallel")
+    gm = transform(
+        _xt(), make_batch(MBS, seed=0, vocab=96, seq=SEQ), tp=2, stop_after="tensor_parallel"
+    )
     region = next(n for n in _hops(gm) if n.meta["fxmeg"]["module"] == "net.attn_layers.layers.0.1")
     body = body_call(region)[0]
     shapes = [n.args[1] for n in body.graph.nodes if n.target == torch.ops.aten.reshape.default]
@@ -279,7 +295,9 @@ def test_tensor_parallel_keeps_a_block_whole_whose_row_linear_is_inside_a_region
     assert program.tp_specs["layers.0.down.weight"] == Replicate(reduce_grad=False)
     assert dict(program.tp_whole).keys() == {"layers.*.up", "layers.*.down"}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert "'layers.*.down': no linear fxmeg splits reads it (read by wrap_with_autocast)" in warning, warning
+    assert (
+        "'layers.*.down': no linear fxmeg splits reads it (read by wrap_with_autocast)" in warning
+    ), warning
     assert "'layers.*.up'" in warning
 
 
@@ -362,11 +380,18 @@ def test_a_statistic_reaching_a_region_twice_is_followed_on_both_arrivals():
     reader, kept the statistic's all-reduce for a split reader only, and trained wrong
     silently."""
     torch.manual_seed(0)
-    gm = transform(TwoArrivals(), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), stop_after="tensor_parallel", tp=2)
+    gm = transform(
+        TwoArrivals(),
+        make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ),
+        stop_after="tensor_parallel",
+        tp=2,
+    )
     local = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
     assert [u.target for u in local.users] == [torch.ops.fxmeg.tp_reduce.default]
     bodies = [m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule)]
-    edges = [n for b in bodies for n in b.graph.nodes if n.target == torch.ops.fxmeg.tp_copy.default]
+    edges = [
+        n for b in bodies for n in b.graph.nodes if n.target == torch.ops.fxmeg.tp_copy.default
+    ]
     assert len(edges) == 1 and [u.target for u in edges[0].users] == [torch.ops.aten.mul.Tensor]
 
 
@@ -461,6 +486,8 @@ def test_loss_in_an_autocast_disabled_region_is_inlined_and_trains():
 
 def test_loss_in_another_region_is_refused_naming_it():
     with pytest.raises(PassError) as err:
-        transform(_loss_in("bf16"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), stop_after="loss")
+        transform(
+            _loss_in("bf16"), make_batch(MBS, seed=0, vocab=VOCAB, seq=SEQ), stop_after="loss"
+        )
     msg = str(err.value)
     assert "computed inside a wrap_with_autocast region" in msg and "loss_fn=" in msg

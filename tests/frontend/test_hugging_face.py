@@ -28,9 +28,15 @@ class LlamaPipeline(TestCase):
         parent = graph_after(hf_model("llama", n_layer=2), _batch(), "pipeline", num_chunks=2)
         spec = chunk_spec(chunks(parent)[0])
         assert [(b.dtype, b.grad) for b in spec.send] == [
-            (torch.bool, False), (torch.float32, False), (torch.float32, False), (torch.float32, True)]
+            (torch.bool, False),
+            (torch.float32, False),
+            (torch.float32, False),
+            (torch.float32, True),
+        ]
         assert spec.deallocate == (False, False, False, True)
-        self.assertExpectedInline(chunk_boundaries(parent), """\
+        self.assertExpectedInline(
+            chunk_boundaries(parent),
+            """\
 # chunk 0
 def forward(self, input_ids):
     send_expand_2 = fxmeg_ops_send(expand_2, dst_chunk = 1, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
@@ -46,7 +52,8 @@ def forward(self, labels, expand_2, to_4, to_5, add_8):
     recv_to_4 = fxmeg_ops_recv(to_4, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
     recv_to_5 = fxmeg_ops_recv(to_5, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
     recv_add_8 = fxmeg_ops_recv(add_8, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
-    return (cross_entropy_loss, num_tokens)""")
+    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 def test_parallelize_takes_the_model_as_it_comes():
@@ -71,8 +78,10 @@ def test_eager_experts_are_captured_exportably_with_eager_values(caplog):
     want = model(input_ids=ids, labels=labels, use_cache=False).loss.item()
     with caplog.at_level(logging.INFO, logger="fxmeg.capture"):
         engine = fxmeg.parallelize(model, (ids, labels))
-    assert ("MixtralForCausalLM runs its experts with experts_implementation='grouped_mm', not 'eager'"
-            in caplog.text)
+    assert (
+        "MixtralForCausalLM runs its experts with experts_implementation='grouped_mm', not 'eager'"
+        in caplog.text
+    )
     assert model.config._experts_implementation == "eager"  # as the user built it
     assert abs(engine.eval_step((ids, labels)).loss - want) <= 1e-6 * want
     caplog.clear()
@@ -97,18 +106,34 @@ def test_a_padded_dict_batch_is_passed_by_keyword(attn):
     (it broadcasts over the split heads)."""
     model, batch = hf_model("llama", pad_token_id=0, attn_implementation=attn), _padded()
     want = model(**batch, use_cache=False).loss.item()
-    assert want != model(**{**batch, "attention_mask": torch.ones(2, 16)}, use_cache=False).loss.item()
+    assert (
+        want != model(**{**batch, "attention_mask": torch.ones(2, 16)}, use_cache=False).loss.item()
+    )
     assert abs(fxmeg.parallelize(model, batch).eval_step(batch).loss - want) <= 1e-6 * want
-    first, last = (chunk_spec(c) for c in chunks(graph_after(hf_model("llama", attn_implementation=attn), batch,
-                                                             "pipeline", num_chunks=2)))
+    first, last = (
+        chunk_spec(c)
+        for c in chunks(
+            graph_after(
+                hf_model("llama", attn_implementation=attn), batch, "pipeline", num_chunks=2
+            )
+        )
+    )
     assert (first.data_inputs, last.data_inputs) == ((0, 1), (2,))
     assert first.send[0].shape == (2, 1, 16, 16) and not first.send[0].grad
     gm = graph_after(hf_model("llama", attn_implementation=attn), batch, "tensor_parallel", tp=2)
-    attention = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.scaled_dot_product_attention.default,
-                                                           torch.ops.aten.softmax.int)]
-    assert len(attention) == 2 and all(n.meta["val"].shape[1] == 2 for n in attention)  # 2 of 4 heads
-    masks = {n for n in gm.graph.nodes if n.meta.get("val") is not None and getattr(n.meta["val"], "shape", None)
-             == (2, 1, 16, 16)}
+    attention = [
+        n
+        for n in gm.graph.nodes
+        if n.target
+        in (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.softmax.int)
+    ]
+    # 2 of 4 heads
+    assert len(attention) == 2 and all(n.meta["val"].shape[1] == 2 for n in attention)
+    masks = {
+        n
+        for n in gm.graph.nodes
+        if n.meta.get("val") is not None and getattr(n.meta["val"], "shape", None) == (2, 1, 16, 16)
+    }
     assert masks and not any("tp_slice" in str(u.target) for m in masks for u in m.users)
 
 
@@ -145,11 +170,13 @@ def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp
     ids = batches[0]
     with torch.no_grad():
         want = ref(input_ids=ids).logits
-    untied = {k: v for k, v in trained.items() if k != "lm_head.weight"}  # as save_pretrained keeps them
+    # as save_pretrained keeps them
+    untied = {k: v for k, v in trained.items() if k != "lm_head.weight"}
     for name, size in [("one", "50GB"), ("sharded", "20KB")]:
         out = str(tmp_path / name)
         export(str(tmp_path / "ckpt"), out, format="hf", max_shard_size=size)
-        hub = split_torch_state_dict_into_shards(untied, max_shard_size=size)  # save_pretrained's own split
+        # save_pretrained's own split
+        hub = split_torch_state_dict_into_shards(untied, max_shard_size=size)
         assert hub.is_sharded == (name == "sharded")
         weights = {f for f in os.listdir(out) if f.endswith(".safetensors")}
         assert weights == set(hub.filename_to_tensors)  # model.safetensors, or model-0000i-of-0000N
@@ -186,16 +213,28 @@ def test_pre_shifted_labels_warn_for_a_causal_lm():
     the token two ahead. parallelize / transform warn (before capture); labels = input_ids,
     a plain model or the user's own loss_fn do not."""
     ids, labels = _shifted()
-    with pytest.warns(UserWarning, match=r"LlamaForCausalLM got labels equal to its input_ids shifted by one "
-                                         r".*Hugging Face causal LMs shift labels themselves: pass "
-                                         r"labels=input_ids .*see docs/hugging-face.md"):
+    with pytest.warns(
+        UserWarning,
+        match=r"LlamaForCausalLM got labels equal to its input_ids shifted by one "
+        r".*Hugging Face causal LMs shift labels themselves: pass "
+        r"labels=input_ids .*see docs/hugging-face.md",
+    ):
         graph_after(hf_model("llama", n_layer=1), (ids, labels), "loss")
     with pytest.warns(UserWarning, match="shift labels themselves"):  # a dict batch too
         graph_after(hf_model("llama", n_layer=1), {"input_ids": ids, "labels": labels}, "loss")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        graph_after(hf_model("llama", n_layer=1), (ids, ids), "loss")  # Hugging Face's own convention
-        graph_after(hf_model("llama", n_layer=1), {"input_ids": ids, "labels": ids, "shift_labels": labels}, "loss")
+        # Hugging Face's own convention
+        graph_after(hf_model("llama", n_layer=1), (ids, ids), "loss")
+        graph_after(
+            hf_model("llama", n_layer=1),
+            {"input_ids": ids, "labels": ids, "shift_labels": labels},
+            "loss",
+        )
         graph_after(make_model("gpt"), (ids, labels), "loss")  # the README's GPT: it does not shift
-        fxmeg.hugging_face.warn_shifted_labels(hf_model("llama", n_layer=1), (ids, labels),
-                                               loss_fn=lambda model, i, l: None)  # the user's loss reads them
+        fxmeg.hugging_face.warn_shifted_labels(
+            hf_model("llama", n_layer=1),
+            (ids, labels),
+            # the user's loss reads them
+            loss_fn=lambda model, i, l: None,
+        )

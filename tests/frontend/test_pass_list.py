@@ -43,9 +43,15 @@ def test_every_pass_is_its_own_file_and_has_its_check():
     checks = {name for name, f in inspect.getmembers(verify, inspect.isfunction)
               if f.__module__ == verify.__name__ and not name.startswith("_")}
     assert checks == set(NAMES), "verify.py checks a pass that is not in PASSES"
-    own = {f.stem for f in (ROOT / "fxmeg" / "passes").glob("*.py")
-           if not f.stem.startswith("_") and hasattr(importlib.import_module(f"fxmeg.passes.{f.stem}"), f.stem)}
-    assert own - {"verify"} == set(NAMES), "a file in fxmeg/passes/ defines its pass but PASSES misses it"
+    own = {
+        f.stem
+        for f in (ROOT / "fxmeg" / "passes").glob("*.py")
+        if not f.stem.startswith("_")
+        and hasattr(importlib.import_module(f"fxmeg.passes.{f.stem}"), f.stem)
+    }
+    assert own - {"verify"} == set(NAMES), (
+        "a file in fxmeg/passes/ defines its pass but PASSES misses it"
+    )
 
 
 def test_package_docstring_lists_the_passes_in_order():
@@ -60,7 +66,9 @@ def test_design_table_lists_the_passes_in_order():
 
 def test_design_flow_lists_the_passes_in_order():
     flow = _section(DESIGN, "## 1. The flow", "▼ Program")
-    chain = " ".join(line.strip(" │▼").split(":")[-1] for line in flow.splitlines() if " -> " in line)
+    chain = " ".join(
+        line.strip(" │▼").split(":")[-1] for line in flow.splitlines() if " -> " in line
+    )
     assert re.split(r"\s*->\s*", chain.strip(" ->")) == list(NAMES)
 
 
@@ -89,19 +97,30 @@ def _written_keys() -> set[str]:
 
 def test_metadata_keys_are_the_ones_the_code_writes():
     doc = fxmeg.passes.__doc__
-    node_doc = re.findall(r"^  (\w+) ", _section(doc, 'Metadata under ``node.meta["fxmeg"]``', "and under"), re.M)
-    graph_doc = re.findall(r"^  (\w+) ", _section(doc, 'and under ``gm.meta["fxmeg"]``', "docs/design.md"), re.M)
+    node_doc = re.findall(
+        r"^  (\w+) ", _section(doc, 'Metadata under ``node.meta["fxmeg"]``', "and under"), re.M
+    )
+    graph_doc = re.findall(
+        r"^  (\w+) ", _section(doc, 'and under ``gm.meta["fxmeg"]``', "docs/design.md"), re.M
+    )
     rows = _table(DESIGN, "| Key | On | Written by | Read by |")
-    node_design = [m for r in rows for m in re.findall(r'^`node\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
-    graph_design = [m for r in rows for m in re.findall(r'^`gm\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
-    assert len(node_design) + len(graph_design) == len(rows), "a row of design.md's key table names no key"
+    node_design = [
+        m for r in rows for m in re.findall(r'^`node\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])
+    ]
+    graph_design = [
+        m for r in rows for m in re.findall(r'^`gm\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])
+    ]
+    assert len(node_design) + len(graph_design) == len(rows), (
+        "a row of design.md's key table names no key"
+    )
     assert node_doc == node_design and graph_doc == graph_design
     assert set(node_doc) | set(graph_doc) == _written_keys()
 
 
 def test_passes_that_are_not_whole_model_say_their_scope():
     for p in PASSES:
-        doc = f"{inspect.getmodule(p.run).__doc__} {p.run.__doc__}"  # the module's or the function's
+        # the module's or the function's
+        doc = f"{inspect.getmodule(p.run).__doc__} {p.run.__doc__}"
         if p.scope.value == "chunk":
             assert "Scope: one chunk graph" in doc, p.name
         if p.scope.value == "parent":

@@ -19,27 +19,39 @@ from tests.harness.helpers import hf_model, make_batch, make_model
 
 
 def test_the_tables_read_one_row_per_position_are_found():
-    gpt = transform(make_model("gpt", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse")
+    gpt = transform(
+        make_model("gpt", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse"
+    )
     assert position_tables(gpt) == [PositionTable("position embedding 'wpe'", 16, 0, 1)]
-    llama = transform(make_model("llama", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse")
+    llama = transform(
+        make_model("llama", n_layer=1), make_batch(2, seed=0, seq=8), stop_after="analyse"
+    )
     assert [(t.what, t.rows) for t in position_tables(llama)] == [
         ("table 'rope_cos' (dimension 0)", 16), ("table 'rope_sin' (dimension 0)", 16)]
 
     # Hugging Face GPT-2: positions = arange(s) + the cache's length (0), unsqueezed
     gpt2 = hf_model("gpt2", n_layer=1)
     found = position_tables(transform(gpt2, make_batch(2, seed=0, seq=8), stop_after="analyse"))
-    assert found == [PositionTable("position embedding 'transformer.wpe'", gpt2.config.n_positions, 0, 1)]
+    assert found == [
+        PositionTable("position embedding 'transformer.wpe'", gpt2.config.n_positions, 0, 1)
+    ]
 
 
 def test_another_length_without_the_flag_names_it():
-    engine = fxmeg.parallelize(make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2)
+    engine = fxmeg.parallelize(
+        make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2
+    )
     with pytest.raises(BatchError, match="pass variable_seq_lengths=True"):
         engine.train_step(make_batch(2, seed=1, seq=8))
 
 
 def test_many_compiled_shapes_are_warned_about(caplog):
-    engine = fxmeg.parallelize(make_model("gpt", n_layer=1), make_batch(2, seed=0), global_batch_size=2,
-                               variable_seq_lengths=True)
+    engine = fxmeg.parallelize(
+        make_model("gpt", n_layer=1),
+        make_batch(2, seed=0),
+        global_batch_size=2,
+        variable_seq_lengths=True,
+    )
     with caplog.at_level(logging.INFO, logger="fxmeg.variable_shapes"):
         for seq in range(1, 16):
             engine.train_step(make_batch(2, seed=seq, seq=seq))
@@ -68,7 +80,9 @@ def test_a_constant_made_in_forward_is_each_shapes_own():
     torch.manual_seed(0)
     model = _LengthConstant()
     plain = copy.deepcopy(model)
-    engine = fxmeg.parallelize(model, make_batch(2, seed=0), global_batch_size=2, variable_seq_lengths=True)
+    engine = fxmeg.parallelize(
+        model, make_batch(2, seed=0), global_batch_size=2, variable_seq_lengths=True
+    )
     batch = make_batch(2, seed=1, seq=8)
     with torch.no_grad():
         want = plain(*batch).item()
@@ -87,5 +101,7 @@ class _TableInForward(_LengthConstant):
 def test_a_table_made_in_forward_cannot_be_recaptured_and_says_why():
     engine = fxmeg.parallelize(_TableInForward(), make_batch(2, seed=0), global_batch_size=2,
                                variable_seq_lengths=True)
-    with pytest.raises(BatchError, match=r"shape \(b, 8\), \(b, 8\) .* register such a table as a buffer"):
+    with pytest.raises(
+        BatchError, match=r"shape \(b, 8\), \(b, 8\) .* register such a table as a buffer"
+    ):
         engine.train_step(make_batch(2, seed=1, seq=8))

@@ -34,7 +34,15 @@ from tests.harness import shared_transform
 
 DEADLINE_S = 300  # a hang fails the test instead of stalling CI
 START_METHOD = os.environ.get("FXMEG_TEST_START_METHOD", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "fxmeg", "fxmeg.trainer", "tests.harness.helpers", "tests.harness.shared_transform", "transformers"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "fxmeg",
+    "fxmeg.trainer",
+    "tests.harness.helpers",
+    "tests.harness.shared_transform",
+    "transformers",
+]
 
 mp.set_forkserver_preload(PRELOAD)  # a module the server cannot import is skipped there
 
@@ -67,7 +75,8 @@ def run_worlds(fn, scenarios, worlds) -> dict[int, list]:
 def _child(rank: int, world: int, tmp: str, module: str, name: str, args: tuple) -> None:
     gc.freeze()  # the server's imports are never garbage: collections (one per engine) skip them
     os.environ["OMP_NUM_THREADS"] = "1"
-    shared_transform.install(os.path.join(tmp, "programs"))  # one transform per spawn, not one per rank
+    # one transform per spawn, not one per rank
+    shared_transform.install(os.path.join(tmp, "programs"))
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     dist.init_process_group(

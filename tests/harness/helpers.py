@@ -34,39 +34,74 @@ MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 def make_model(name: str, seed: int = 0, **cfg) -> torch.nn.Module:
     if name.startswith("hf-"):
         return hf_model(name[3:], seed=seed, **cfg)
-    if name.startswith("moe-"):  # a Hugging Face mixture of experts (MOE), as transformers builds it
+    # a Hugging Face mixture of experts (MOE), as transformers builds it
+    if name.startswith("moe-"):
         return tiny_moe(name[4:], vocab_size=128, **cfg)
     cls, config = MODELS[name]
     torch.manual_seed(seed)
     return cls(config(**cfg))
 
 
-def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 128,
-             attn_implementation: str | None = None, pad_token_id: int | None = None) -> torch.nn.Module:
+def hf_model(
+    kind: str,
+    *,
+    seed: int = 0,
+    n_layer: int = 2,
+    vocab_size: int = 128,
+    attn_implementation: str | None = None,
+    pad_token_id: int | None = None,
+) -> torch.nn.Module:
     """A tiny Hugging Face causal LM built from a config (random init, no download, no
     dropout: parity needs the same arithmetic on both sides). With ``pad_token_id`` the
     embedding has that padding_idx: its row gets no gradient."""
     import transformers as T
 
-    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  pad_token_id=pad_token_id)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=pad_token_id,
+    )
     configs = {
         "llama": lambda: T.LlamaConfig(**common),
         "qwen2": lambda: T.Qwen2Config(**common),
         "mistral": lambda: T.MistralConfig(**common),
-        "gpt2": lambda: T.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layer, n_head=4,
-                                     n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "gpt2": lambda: T.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=32,
+            n_layer=n_layer,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
         "phi3": lambda: T.Phi3Config(**common),  # fused qkv_proj and gate_up_proj
         "olmo2": lambda: T.Olmo2Config(**common),  # q_norm / k_norm over the whole projection
         "qwen3": lambda: T.Qwen3Config(**common, head_dim=8),  # q_norm / k_norm per head
         # eager attention with logit softcapping, softcapped tied head
         "gemma2": lambda: T.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8),
         # ALiBi through baddbmm, heads merged into the batch; eager attention only
-        "bloom": lambda: T.BloomConfig(vocab_size=vocab_size, hidden_size=32, n_layer=n_layer, n_head=4,
-                                       hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=pad_token_id),
-        "mixtral": lambda: T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                           output_router_logits=True, router_aux_loss_coef=0.1),
+        "bloom": lambda: T.BloomConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            n_layer=n_layer,
+            n_head=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=pad_token_id,
+        ),
+        "mixtral": lambda: T.MixtralConfig(
+            **common,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
     }
     torch.manual_seed(seed)
     extra = {"experts_implementation": "batched_mm"} if kind == "mixtral" else {}
@@ -77,26 +112,53 @@ def hf_model(kind: str, *, seed: int = 0, n_layer: int = 2, vocab_size: int = 12
 
 MOE: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=48),  # a shared expert and its one-feature gate
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        # a shared expert and its one-feature gate
+        shared_expert_intermediate_size=48,
+    ),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
-    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),  # block_sparse_moe.router / .experts
-    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2,
-                             shared_intermediate_size=48),  # a dense shared MLP beside the experts
+    # block_sparse_moe.router / .experts
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48
+    ),  # a dense shared MLP beside the experts
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),  # attention sinks, biased experts
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_group=1,
-                        topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
-                        kv_lora_rank=16, qk_rope_head_dim=4, head_dim=4, qk_nope_head_dim=8,
-                        v_head_dim=8),  # latent attention (MLA); layer 0 dense
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    ),  # latent attention (MLA); layer 0 dense
     # sigmoid router initialised to zero: at step 1 every token picks the same two experts
     # (ties), so at ep=2 one rank's experts get no rows; a shared expert; layer 0 dense
-    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1),
+    "afmoe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1
+    ),
 }
 """Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
 BATCHED_MOE: dict[str, dict] = {
-    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
-                        intermediate_size_mlp=48, no_rope_layer_interval=2, attention_chunk_size=8, floor_scale=4),
+    "llama4_text": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        interleave_moe_layer_step=2,
+        intermediate_size_mlp=48,
+        no_rope_layer_interval=2,
+        attention_chunk_size=8,
+        floor_scale=4,
+    ),
 }
 """Mixtures of experts whose experts run over every token, the routing zeroing the rows
 it skips (Llama 4's Llama4TextExperts; fxmeg/passes/ep_batched.py), 4 experts, top-2.
@@ -106,35 +168,100 @@ expert, no rotary, full attention and the attention temperature (floor_scale=4: 
 varies within 16 positions)."""
 
 HYBRID: dict[str, dict] = {
-    # Gated DeltaNet (fused in_proj_qkvz viewed per key head, depthwise conv1d, chunked delta rule) + MoE
-    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                       shared_expert_intermediate_size=48),
+    # Gated DeltaNet (fused in_proj_qkvz viewed per key head, depthwise conv1d, chunked delta rule)
+    # + MoE
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=48,
+    ),
     # Mamba-2 beside attention in every layer; in_proj [z, xBC, dt] scaled by a per-block mup_vector
-    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, mamba_n_groups=2, mamba_d_state=8,
-                      mamba_chunk_size=8),
-    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=4,
-                       mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
-                             mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8, num_local_experts=4,
-                             num_experts_per_tok=2, shared_intermediate_size=48),
-    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16),
-    "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),  # gated short conv
-    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
-                  mamba_chunk_size=8),
+    "falcon_h1": dict(
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_d_ssm=32,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+    ),
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "full_attention"],
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=8,
+    ),
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+    ),
+    "olmo_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+    ),
+    # gated short conv
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    "bamba": dict(
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+    ),
     # Mamba-1: x_proj row-parallel, read by dt_proj (weight @ x) and by the scan's B and C
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=4),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+    ),
     # a Mamba-2 layer, then a hybrid one (Mamba-2 and the shared attention block)
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, mamba_headdim=16, mamba_ngroups=2,
-                   mamba_d_state=8, chunk_size=8, attention_head_dim=8, num_key_value_heads=4),
+    "zamba2": dict(
+        layers_block_type=["mamba", "hybrid"],
+        n_mamba_heads=4,
+        mamba_headdim=16,
+        mamba_ngroups=2,
+        mamba_d_state=8,
+        chunk_size=8,
+        attention_head_dim=8,
+        num_key_value_heads=4,
+    ),
     # Kimi Delta Attention, then latent attention (MLA) with MoE
-    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_token=2,
-                        moe_intermediate_size=48, linear_head_dim=8, linear_num_heads=4,
-                        mlp_layer_types=["dense", "sparse"], qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                        num_key_value_heads=4),
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=48,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        mlp_layer_types=["dense", "sparse"],
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_key_value_heads=4,
+    ),
 }
 """Hugging Face hybrids (config fields of AutoConfig.for_model, over the zoo's recipe): one
 state-space or linear-attention layer, then one attention layer; heads and groups that tp=2
@@ -147,8 +274,16 @@ def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> t
     ``extra`` names one (``experts_implementation="eager"``); GPT-OSS has eager attention only."""
     import transformers as T
 
-    base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     cfg = T.AutoConfig.for_model(kind, **(base | (MOE | BATCHED_MOE)[kind]))
     torch.manual_seed(0)
     attn = "eager" if kind == "gpt_oss" else "sdpa"
@@ -168,7 +303,9 @@ def dp_shard_elements(layouts, dp: int, dp_rank: int) -> int:
     return shard
 
 
-def graph_after(model, example, stop_after: str, *, num_chunks: int = 1, pp: int | None = None, **options):
+def graph_after(
+    model, example, stop_after: str, *, num_chunks: int = 1, pp: int | None = None, **options
+):
     """The graph right after pass ``stop_after`` of fxmeg's pass list (``fxmeg.transform``):
     ``num_chunks`` chunks over ``pp`` pipeline ranks (default one chunk per rank); other
     options as ``parallelize`` takes them. No process group is needed."""
@@ -364,9 +501,16 @@ def reference_run(model: torch.nn.Module, batches, *, clip: float = 1.0, opt: st
             o.zero_grad()
         loss = model_loss(model, ids, labels)
         loss.backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
-                      if p.grad is not None})
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        grads.append(
+            {
+                n: p.grad.detach().clone()
+                for n, p in model.named_parameters(remove_duplicate=False)
+                if p.grad is not None
+            }
+        )
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), clip if clip > 0 else float("inf")
+        )
         for o in opts:
             o.step()
         losses.append(loss.item())
@@ -430,7 +574,8 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 def assert_grads_close(got: list[dict], want: Run, float64: Callable[[], Run], *,
                        factor: float = FLOAT64_FACTOR) -> None:
     """Every parameter's gradient at every step (``StepResult.grads`` of
-    ``train_step(full_grads=True)``) equals the reference's within GRAD_RTOL of its own norm, or, where
+    ``train_step(full_grads=True)``) equals the reference's within GRAD_RTOL of its own norm, or,
+    where
     rounding is in doubt, is no farther from ``float64()`` (the same training in float64,
     run on first need) than ``factor`` times the reference (fp32, or a mixed-precision
     oracle: tests/parity/mixed_precision.float64_grad_failures). Not only the first
@@ -448,10 +593,15 @@ def assert_grads_close(got: list[dict], want: Run, float64: Callable[[], Run], *
             if err <= GRAD_RTOL:
                 continue
             exact = exact or float64()
-            mine, theirs = relative(g[name], exact.grads[step][name]), relative(ref, exact.grads[step][name])
+            mine, theirs = (
+                relative(g[name], exact.grads[step][name]),
+                relative(ref, exact.grads[step][name]),
+            )
             assert mine <= factor * theirs, (
-                f"step {step}: gradient of {name} off by {err:.2e} of its norm ({float(ref.norm()):.2e}); "
-                f"from float64 {mine:.2e}, the reference {theirs:.2e}")
+                f"step {step}: gradient of {name} off by {err:.2e} of its norm "
+                f"({float(ref.norm()):.2e}); "
+                f"from float64 {mine:.2e}, the reference {theirs:.2e}"
+            )
 
 
 def assert_run_close(result: dict, ref: Run, float64: Callable[[], Run]) -> None:
@@ -511,5 +661,7 @@ def first_failure(results: list):
         if isinstance(r, str):
             return r if rank == 0 else f"rank {rank}: {r}"
     for r in results[1:]:
-        assert (r["losses"], r["norms"]) == (results[0]["losses"], results[0]["norms"]), "ranks disagree"
+        assert (r["losses"], r["norms"]) == (results[0]["losses"], results[0]["norms"]), (
+            "ranks disagree"
+        )
     return results[0]

@@ -10,12 +10,19 @@ import os
 import numpy as np
 
 SPECIALS = ["[UNK]", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "</s>"]
-WORDS = sorted(set(
-    "the a of to and is in it you that was for on are with as his they be at one have this from or had by word "
-    "but what some we can out other were all there when up use your how said an each she which do their time if "
-    "will way about many then them write would like so these her long make thing see him two has look more day "
-    "could go come did number sound no most people my over know water than call first who may down side been "
-    "now find".split()))[:100]
+WORDS = sorted(
+    set(
+        "the a of to and is in it you that was for on are with as his they be at one have this "
+        "from or had by word "
+        "but what some we can out other were all there when up use your how said an each she which "
+        "do their time if "
+        "will way about many then them write would like so these her long make thing see him two "
+        "has look more day "
+        "could go come did number sound no most people my over know water than call first who may "
+        "down side been "
+        "now find".split()
+    )
+)[:100]
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -25,7 +32,9 @@ def write_tokenizer(directory: str) -> str:
     whole, "</s>" the end-of-document token."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)}, unk_token="[UNK]"))
+    tok = Tokenizer(
+        models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(SPECIALS[1:])
     os.makedirs(directory, exist_ok=True)

@@ -77,7 +77,9 @@ def _shared_transform(directory: str, model: nn.Module, example, config=None, *,
     _calls += 1  # the n-th transform of one rank is the n-th of the others
     key = None if stop_after is not None else _key(model, example, config, loss_fn, device, options)
     if key is None:
-        return _ORIGINAL(model, example, config, loss_fn=loss_fn, stop_after=stop_after, device=device, **options)
+        return _ORIGINAL(
+            model, example, config, loss_fn=loss_fn, stop_after=stop_after, device=device, **options
+        )
     path = os.path.join(directory, f"{_calls}-{key}")
     try:
         os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -108,7 +110,9 @@ def _wait(path: str) -> bytes | None:
         if os.path.exists(path + ".failed"):
             return None
         time.sleep(0.02)
-    raise TimeoutError(f"no rank finished the shared transform {os.path.basename(path)} in {WAIT_S:.0f} s")
+    raise TimeoutError(
+        f"no rank finished the shared transform {os.path.basename(path)} in {WAIT_S:.0f} s"
+    )
 
 
 # ---------------------------------------------------------------------------- the key
@@ -117,15 +121,24 @@ def _key(model, example, config, loss_fn, device, options) -> str | None:
     if loss_fn is not None and not _stable_name(loss_fn):
         return None
     h = hashlib.sha256()
-    for part in (type(model).__module__, type(model).__qualname__, repr(model),
-                 repr(getattr(model, "config", None)), repr(_implementations(model)), repr(config),
-                 repr(sorted(options.items())), os.environ.get("FXMEG_SKIP_PASSES", ""), repr(device)):
+    for part in (
+        type(model).__module__,
+        type(model).__qualname__,
+        repr(model),
+        repr(getattr(model, "config", None)),
+        repr(_implementations(model)),
+        repr(config),
+        repr(sorted(options.items())),
+        os.environ.get("FXMEG_SKIP_PASSES", ""),
+        repr(device),
+    ):
         h.update(part.encode())
     h.update(_code(model).encode())
     h.update(_losses(model, loss_fn).encode())
     for name, t in model.state_dict(keep_vars=True).items():
         _hash_tensor(h, name, t)
-    for name, t in model.named_buffers(remove_duplicate=False):  # non-persistent ones are not in the state dict
+    # non-persistent ones are not in the state dict
+    for name, t in model.named_buffers(remove_duplicate=False):
         _hash_tensor(h, f"buffer {name}", t)
     leaves, spec = pytree.tree_flatten(example)
     h.update(repr(spec).encode())
@@ -150,7 +163,10 @@ def _implementations(model: nn.Module) -> list[tuple[str, str, object]]:
         if not hasattr(cfg, "to_dict") or id(cfg) in seen:
             continue
         seen.add(id(cfg))
-        found += [(name, k, getattr(cfg, k, None)) for k in ("_attn_implementation", "_experts_implementation")]
+        found += [
+            (name, k, getattr(cfg, k, None))
+            for k in ("_attn_implementation", "_experts_implementation")
+        ]
         configs += [(f"{name}/{k}", getattr(cfg, k, None)) for k in getattr(cfg, "sub_configs", {})]
     return found
 
@@ -182,7 +198,9 @@ def _losses(model: nn.Module, loss_fn) -> str:
         if own is None:
             from transformers.loss.loss_utils import LOSS_MAPPING
 
-            own = LOSS_MAPPING.get(getattr(m, "loss_type", None) or "ForCausalLM", LOSS_MAPPING["ForCausalLM"])
+            own = LOSS_MAPPING.get(
+                getattr(m, "loss_type", None) or "ForCausalLM", LOSS_MAPPING["ForCausalLM"]
+            )
         parts.append(f"{name}:{_callable(own, seen)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -200,22 +218,35 @@ def _callable(fn, seen: dict[int, object]) -> str:
     if isinstance(fn, types.MethodType):
         return f"method {type(fn.__self__).__qualname__} {_callable(fn.__func__, seen)}"
     if isinstance(fn, functools.partial):
-        return f"partial {_callable(fn.func, seen)} {_value(fn.args, seen)} {_value(fn.keywords, seen)}"
+        func = _callable(fn.func, seen)
+        return f"partial {func} {_value(fn.args, seen)} {_value(fn.keywords, seen)}"
     if isinstance(fn, types.FunctionType):
         code = fn.__code__
         called = sorted({n for c in _codes(code) for n in c.co_names
                          if isinstance(fn.__globals__.get(n), types.FunctionType)})
         cells = [_cell(c) for c in fn.__closure__ or ()]
-        return " ".join([f"function {fn.__module__}.{fn.__qualname__}", _code_text(code),
-                         _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen), _value(cells, seen),
-                         _value(getattr(fn, "__wrapped__", None), seen)]
-                        + [f"{n}={_callable(fn.__globals__[n], seen)}" for n in called])
+        return " ".join(
+            [
+                f"function {fn.__module__}.{fn.__qualname__}",
+                _code_text(code),
+                _value(fn.__defaults__, seen),
+                _value(fn.__kwdefaults__, seen),
+                _value(cells, seen),
+                _value(getattr(fn, "__wrapped__", None), seen),
+            ]
+            + [f"{n}={_callable(fn.__globals__[n], seen)}" for n in called]
+        )
     if isinstance(fn, types.BuiltinFunctionType):  # its repr may hold its object's address
         return f"builtin {getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None)}"
     call = type(fn).__call__ if callable(fn) else None
     state = vars(fn) if hasattr(fn, "__dict__") else {}
-    return " ".join([f"object {type(fn).__module__}.{type(fn).__qualname__}",
-                     _callable(call, seen) if isinstance(call, types.FunctionType) else "", _value(state, seen)])
+    return " ".join(
+        [
+            f"object {type(fn).__module__}.{type(fn).__qualname__}",
+            _callable(call, seen) if isinstance(call, types.FunctionType) else "",
+            _value(state, seen),
+        ]
+    )
 
 
 def _cell(cell):
@@ -234,14 +265,30 @@ def _codes(code: types.CodeType):
 
 def _code_text(code: types.CodeType) -> str:
     """A code object's bytecode, constants and names (line numbers left out)."""
-    consts = [_code_text(c) if isinstance(c, types.CodeType) else _value(c, {}) for c in code.co_consts]
-    return hashlib.sha256(repr((code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars,
-                                code.co_cellvars, code.co_argcount, code.co_kwonlyargcount)).encode()).hexdigest()
+    consts = [
+        _code_text(c) if isinstance(c, types.CodeType) else _value(c, {}) for c in code.co_consts
+    ]
+    return hashlib.sha256(
+        repr(
+            (
+                code.co_code,
+                consts,
+                code.co_names,
+                code.co_varnames,
+                code.co_freevars,
+                code.co_cellvars,
+                code.co_argcount,
+                code.co_kwonlyargcount,
+            )
+        ).encode()
+    ).hexdigest()
 
 
 def _value(v, seen: dict[int, object]) -> str:
     """A value a function closes over or is given, without memory addresses."""
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+    if v is None or isinstance(
+        v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+    ):
         return repr(v)
     if isinstance(v, (tuple, list)):
         return "[" + ",".join(_value(x, seen) for x in v) + "]"
@@ -255,7 +302,8 @@ def _value(v, seen: dict[int, object]) -> str:
         return h.hexdigest()
     if isinstance(v, type):
         return f"class {v.__module__}.{v.__qualname__}"
-    if isinstance(v, (nn.Module, types.ModuleType)):  # a module's own code and state are keyed apart
+    # a module's own code and state are keyed apart
+    if isinstance(v, (nn.Module, types.ModuleType)):
         return f"{type(v).__qualname__} {getattr(v, '__name__', '')}"
     if callable(v):
         return _callable(v, seen)
@@ -287,10 +335,30 @@ def program_digest(program) -> str:
     for name, gm in graphs:
         h.update(f"{name}\n{gm.code}\n".encode())
         h.update(repr([(n.name, n.meta.get("fxmeg")) for n in gm.graph.nodes]).encode())
-    for field in ("config", "specs", "placement", "buffers", "tp_specs", "ep_specs", "holders", "partition",
-                  "full_shapes", "aliases", "inputs", "value_checks", "flops_per_microbatch", "aux_scale",
-                  "init_dtypes", "keywords", "position_tables", "tp_whole", "cp_layout", "unread"):
-        h.update(f"{field}={getattr(program, field)!r}\n".encode())  # dicts in their order: the runtime walks it
+    for field in (
+        "config",
+        "specs",
+        "placement",
+        "buffers",
+        "tp_specs",
+        "ep_specs",
+        "holders",
+        "partition",
+        "full_shapes",
+        "aliases",
+        "inputs",
+        "value_checks",
+        "flops_per_microbatch",
+        "aux_scale",
+        "init_dtypes",
+        "keywords",
+        "position_tables",
+        "tp_whole",
+        "cp_layout",
+        "unread",
+    ):
+        # dicts in their order: the runtime walks it
+        h.update(f"{field}={getattr(program, field)!r}\n".encode())
     return h.hexdigest()
 
 
@@ -330,8 +398,16 @@ class _Pickler(pickle.Pickler):
             if isinstance(obj, FakeTensor):
                 return ("fake", tuple(obj.shape), obj.stride(), obj.dtype, obj.requires_grad)
             if _storage(obj) in self.storages:  # another tensor on a model tensor's memory
-                return ("view", self.storages[_storage(obj)], tuple(obj.shape), obj.stride(),
-                        obj.storage_offset(), obj.dtype, type(obj) is nn.Parameter, obj.requires_grad)
+                return (
+                    "view",
+                    self.storages[_storage(obj)],
+                    tuple(obj.shape),
+                    obj.stride(),
+                    obj.storage_offset(),
+                    obj.dtype,
+                    type(obj) is nn.Parameter,
+                    obj.requires_grad,
+                )
         if isinstance(obj, fx.Node):
             raise TypeError(f"a Node ({obj.name}) outside its graph's node list cannot be shared")
         return None
@@ -340,7 +416,11 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj.namespace, obj._schema.name.split("::")[-1], obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):
-            return _op, (obj._qualified_op_name.split("::")[0], obj._qualified_op_name.split("::")[1], None)
+            return _op, (
+                obj._qualified_op_name.split("::")[0],
+                obj._qualified_op_name.split("::")[1],
+                None,
+            )
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
         if isinstance(obj, fx.GraphModule):
@@ -356,13 +436,19 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == "fake":
             _, shape, stride, dtype, requires_grad = pid
-            return torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(requires_grad)
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(
+                requires_grad
+            )
         if pid[0] == "view":
             _, name, shape, stride, offset, dtype, parameter, requires_grad = pid
             base = self.tensors[name]
             assert base.dtype == dtype, (name, base.dtype, dtype)
             view = base.detach().as_strided(shape, stride, offset)
-            return nn.Parameter(view, requires_grad) if parameter else view.requires_grad_(requires_grad)
+            return (
+                nn.Parameter(view, requires_grad)
+                if parameter
+                else view.requires_grad_(requires_grad)
+            )
         return self.tensors[pid]
 
 
@@ -381,7 +467,10 @@ def _higher_order(name: str):
 
 
 def _graph_module_state(gm: fx.GraphModule) -> tuple:
-    nodes = [(n.op, n.name, n.target, _names(n.args), _names(n.kwargs), n.type, n.meta) for n in gm.graph.nodes]
+    nodes = [
+        (n.op, n.name, n.target, _names(n.args), _names(n.kwargs), n.type, n.meta)
+        for n in gm.graph.nodes
+    ]
     attributes = {k: v for k, v in gm.__dict__.items() if isinstance(v, torch.Tensor)}
     return (type(gm).__name__ if type(gm).__name__ != "GraphModuleImpl" else "GraphModule",
             dict(gm._modules), dict(gm._parameters), dict(gm._buffers), attributes,
@@ -401,7 +490,9 @@ def _graph_module(class_name, modules, parameters, buffers, attributes, nodes, c
     graph._codegen = codegen
     made: dict[str, fx.Node] = {}
     for op, name, target, args, kwargs, type_expr, node_meta in nodes:
-        node = graph.create_node(op, target, _nodes(args, made), _nodes(kwargs, made), name, type_expr)
+        node = graph.create_node(
+            op, target, _nodes(args, made), _nodes(kwargs, made), name, type_expr
+        )
         assert node.name == name, (node.name, name)
         node.meta = node_meta
         made[name] = node

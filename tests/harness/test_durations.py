@@ -34,7 +34,9 @@ def test_only_a_run_of_every_test_of_every_module_may_rewrite_it():
     assert durations.whole_run({"tests/a.py": 2, "tests/b.py": 3}, 5, on_disk) is None
     assert "tests/b.py" in durations.whole_run({"tests/a.py": 2}, 2, on_disk)  # a subset
     assert "4 of 5" in durations.whole_run({"tests/a.py": 1, "tests/b.py": 3}, 5, on_disk)  # -x
-    assert "1 tests failed" in durations.whole_run({"tests/a.py": 2, "tests/b.py": 3}, 5, on_disk, 1)
+    assert "1 tests failed" in durations.whole_run(
+        {"tests/a.py": 2, "tests/b.py": 3}, 5, on_disk, 1
+    )
 
 
 def test_the_committed_file_names_only_modules_that_exist():

@@ -44,8 +44,12 @@ def test_a_loaded_program_is_the_transformed_one(layout, tmp_path, monkeypatch):
     _first_transform(monkeypatch)
     made = shared_transform._shared_transform(str(tmp_path), mine, (ids, labels), **LAYOUTS[layout])
     _first_transform(monkeypatch)
-    loaded = shared_transform._shared_transform(str(tmp_path), theirs, (ids, labels), **LAYOUTS[layout])
-    assert os.path.exists(next(str(p)[:-len(".program")] for p in tmp_path.glob("*.program")) + ".lock")
+    loaded = shared_transform._shared_transform(
+        str(tmp_path), theirs, (ids, labels), **LAYOUTS[layout]
+    )
+    assert os.path.exists(
+        next(str(p)[: -len(".program")] for p in tmp_path.glob("*.program")) + ".lock"
+    )
 
     ours, copies = _graphs(made), _graphs(loaded)
     assert ours.keys() == copies.keys() and len(ours) > len(made.chunks)
@@ -88,7 +92,9 @@ def test_each_transform_of_a_spawn_is_made_once_and_a_failure_by_every_rank(tmp_
     def rank(*transforms):  # one rank's transforms, in order: (seed, tp)
         _first_transform(monkeypatch)
         for seed, tp in transforms:
-            shared_transform._shared_transform(str(tmp_path), make_model("gpt", seed=seed), (ids, labels), tp=tp)
+            shared_transform._shared_transform(
+                str(tmp_path), make_model("gpt", seed=seed), (ids, labels), tp=tp
+            )
 
     # the same model twice in one rank is transformed twice: to the code it may be another
     # model (a pass patched in between), and only the n-th transforms of two ranks are one
@@ -102,7 +108,9 @@ def test_each_transform_of_a_spawn_is_made_once_and_a_failure_by_every_rank(tmp_
     for _ in range(2):  # the second rank finds the failure and fails by itself, the same way
         _first_transform(monkeypatch)
         with pytest.raises(ConfigError, match="tp=3 does not divide 4"):  # refused before capture
-            shared_transform._shared_transform(str(tmp_path), make_model("gpt"), (ids, labels), tp=3)
+            shared_transform._shared_transform(
+                str(tmp_path), make_model("gpt"), (ids, labels), tp=3
+            )
     assert calls == [2, 2, 2, 1, 3, 3] and len(list(tmp_path.glob("*.failed"))) == 1
 
 
@@ -127,7 +135,10 @@ def test_the_key_sees_non_persistent_buffers():
     a, same, b = (hf_model("llama", vocab_size=96) for _ in range(3))
     with torch.no_grad():
         b.model.rotary_emb.inv_freq.mul_(2)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
     _differ(a, same, b)
 
 
@@ -163,9 +174,15 @@ def test_the_key_sees_the_implementation_transformers_runs(which):
     """The same weights and config values, other attention (sdpa / eager) or experts
     (grouped_mm / batched_mm) code: a config's repr does not show which."""
     if which == "attention":
-        a, same, b = (hf_model("llama", vocab_size=96, attn_implementation=i) for i in ("sdpa", "sdpa", "eager"))
+        a, same, b = (
+            hf_model("llama", vocab_size=96, attn_implementation=i)
+            for i in ("sdpa", "sdpa", "eager")
+        )
     else:
-        a, same, b = (tiny_moe("mixtral", experts_implementation=i) for i in ("grouped_mm", "grouped_mm", "batched_mm"))
+        a, same, b = (
+            tiny_moe("mixtral", experts_implementation=i)
+            for i in ("grouped_mm", "grouped_mm", "batched_mm")
+        )
     assert repr(a.config) == repr(b.config)
     _differ(a, same, b)
 

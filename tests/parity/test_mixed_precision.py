@@ -186,7 +186,8 @@ def test_matches_the_mixed_precision_oracle(results, sc):
     got = relative(_flat(masters), _flat(exact["masters"]))
     want = relative(_flat(ref["masters"]), _flat(exact["masters"]))
     assert got <= FLOAT64_SLACK * want, f"masters {got:.2e} from float64, the oracle's {want:.2e}"
-    failures = float64_grad_failures(ranks[0][sc.id]["grads"], ref, exact)  # each parameter, each step
+    # each parameter, each step
+    failures = float64_grad_failures(ranks[0][sc.id]["grads"], ref, exact)
     assert failures is None, failures
 
 

@@ -54,7 +54,8 @@ def run(rank: int) -> dict:
         with torch.no_grad():
             rec.run(ids, labels)
         out[f"masks_sp{int(sp)}"] = rec.masks
-        out[f"after_sp{int(sp)}"] = int(torch.randint(0, 2**30, (1,)))  # default stream after a step
+        # default stream after a step
+        out[f"after_sp{int(sp)}"] = int(torch.randint(0, 2**30, (1,)))
     for rc in ("none", "full", "selective"):
         engine = _engine(sequence_parallel=True, recompute=rc)
         torch.manual_seed(7)

@@ -17,24 +17,30 @@ def _loss_diff(name: str) -> str:
 
 class LossGraphs(TestCase):
     def test_gpt(self):
-        self.assertExpectedInline(_loss_diff("gpt"), """\
+        self.assertExpectedInline(
+            _loss_diff("gpt"),
+            """\
 @@
 -    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
 -    return (cross_entropy_loss,)
 +    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
 +    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
 +    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-+    return (cross_entropy_loss, num_tokens)""")
++    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama(self):
-        self.assertExpectedInline(_loss_diff("llama"), """\
+        self.assertExpectedInline(
+            _loss_diff("llama"),
+            """\
 @@
 -    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
 -    return (cross_entropy_loss,)
 +    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
 +    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
 +    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-+    return (cross_entropy_loss, num_tokens)""")
++    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 class _Head(torch.nn.Module):

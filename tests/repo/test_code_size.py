@@ -7,7 +7,9 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("longest_functions", REPO / "tools" / "longest_functions.py")
+_spec = importlib.util.spec_from_file_location(
+    "longest_functions", REPO / "tools" / "longest_functions.py"
+)
 lf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lf)
 

@@ -84,7 +84,9 @@ def blocks_of(page: str) -> list[Block]:
         marker = MARKER.match(before)
         where = f"{page}:{start}"
         assert marker or "docs-test" not in before, f"{where}: unreadable marker {before!r}"
-        assert not marker or marker["arg"].strip("() "), f"{where}: a docs-test marker needs a reason or a name"
+        assert not marker or marker["arg"].strip("() "), (
+            f"{where}: a docs-test marker needs a reason or a name"
+        )
         kind = (marker["kind"], marker["arg"]) if marker else None
         out.append(Block(page, start + 1, fence[2], text, kind))
         i += 1
@@ -105,11 +107,16 @@ def anchors(page: str) -> list[tuple[str, str]]:
     with open(os.path.join(ROOT, page)) as f:
         found = re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", f.read())
     here = os.path.dirname(page)
-    return [(os.path.normpath(os.path.join(here, t)) if t else page, a) for t, a in found if "://" not in t]
+    return [
+        (os.path.normpath(os.path.join(here, t)) if t else page, a)
+        for t, a in found
+        if "://" not in t
+    ]
 
 
 def headings(page: str) -> set[str]:
-    """GitHub's anchors of the headings of ``page``: lower case, punctuation dropped, spaces -> -."""
+    """GitHub's anchors of the headings of ``page``: lower case, punctuation dropped,
+    spaces -> -."""
     with open(os.path.join(ROOT, page)) as f:
         titles = re.findall(r"^#+ (.+)$", f.read(), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
@@ -159,7 +166,11 @@ def workdir(tmp_path_factory):
     prepare(read_documents(["pydoc:topics"]), str(work / "runs" / "corpus"), ByteTokenizer())
     bin_dir = work / ".bin"
     bin_dir.mkdir()
-    for name, run in {"python": "", "fxmeg": "-m fxmeg.cli", "torchrun": "-m torch.distributed.run"}.items():
+    for name, run in {
+        "python": "",
+        "fxmeg": "-m fxmeg.cli",
+        "torchrun": "-m torch.distributed.run",
+    }.items():
         (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" {run} "$@"\n')
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "FXMEG_VERIFY"}
@@ -202,7 +213,8 @@ def test_no_stale_rule():
 
 def test_links_point_to_files():
     """Every local link of the README and of the pages it links names an existing file (and
-    heading, for a #anchor), and every page under docs/ is linked from the README (so its blocks run here)."""
+    heading, for a #anchor), and every page under docs/ is linked from the README (so its blocks run
+    here)."""
     pages = [p for p in PAGES if os.path.exists(os.path.join(ROOT, p))]
     missing = [f"{page} -> {target}" for page in pages for target in local_links(page)
                if not os.path.exists(os.path.join(ROOT, target))]
@@ -222,4 +234,6 @@ def test_the_setup_commands_stay_in_the_readme():
     with open(os.path.join(ROOT, "Makefile")) as f:
         makefile = f.read()
     for target in ("demo", "test"):
-        assert re.search(rf"^{target}: setup$", makefile, re.MULTILINE), f"Makefile: {target} lost setup"
+        assert re.search(rf"^{target}: setup$", makefile, re.MULTILINE), (
+            f"Makefile: {target} lost setup"
+        )

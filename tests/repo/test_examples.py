@@ -16,13 +16,28 @@ STEPS = 3
 
 
 def torchrun(script: str, *args: str, nproc: int = 4) -> str:
-    """``torchrun --standalone --nproc-per-node NPROC examples/SCRIPT --steps 3 ARGS``; its stdout."""
+    """``torchrun --standalone --nproc-per-node NPROC examples/SCRIPT --steps 3 ARGS``; its
+    stdout."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         os.path.join(ROOT, "examples", script), "--steps", str(STEPS), *args],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            os.path.join(ROOT, "examples", script),
+            "--steps",
+            str(STEPS),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
@@ -30,7 +45,9 @@ def torchrun(script: str, *args: str, nproc: int = 4) -> str:
 
 def _losses(stdout: str) -> dict[int, float]:
     """{step: loss} of the 'step N loss X' lines."""
-    return {int(s): float(x) for s, x in re.findall(r"^step (\d+) loss (\S+)", stdout, re.MULTILINE)}
+    return {
+        int(s): float(x) for s, x in re.findall(r"^step (\d+) loss (\S+)", stdout, re.MULTILINE)
+    }
 
 
 def test_torchrun_gpt():

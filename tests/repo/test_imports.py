@@ -75,7 +75,9 @@ def test_every_core_dependency_is_imported_by_the_package():
     declared = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("-", "_")
                 for d in project["dependencies"]}
     unused = declared - _imported_top_levels("fxmeg", "models")
-    assert not unused, f"declared in pyproject.toml, imported by no fxmeg / models module: {sorted(unused)}"
+    assert not unused, (
+        f"declared in pyproject.toml, imported by no fxmeg / models module: {sorted(unused)}"
+    )
     extras = project["optional-dependencies"]
     assert "te" not in extras and "einops" in " ".join(extras["test"])  # einops: tests only
 

@@ -16,9 +16,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 _CONTAINERS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
-_CONSTRUCTORS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "bytearray"}
-_MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "insert", "remove",
-             "discard", "appendleft", "__setitem__"}
+_CONSTRUCTORS = {
+    "dict",
+    "list",
+    "set",
+    "defaultdict",
+    "OrderedDict",
+    "deque",
+    "Counter",
+    "bytearray",
+}
+_MUTATORS = {
+    "append",
+    "add",
+    "update",
+    "setdefault",
+    "pop",
+    "popitem",
+    "clear",
+    "extend",
+    "insert",
+    "remove",
+    "discard",
+    "appendleft",
+    "__setitem__",
+}
 
 
 def _is_container(value: ast.expr | None) -> bool:
@@ -44,8 +66,12 @@ def _written(node: ast.AST) -> str | None:
                 return t.id
             if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
                 return t.value.id
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
-            and isinstance(node.func.value, ast.Name)):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _MUTATORS
+        and isinstance(node.func.value, ast.Name)
+    ):
         return node.func.value.id
     return None
 
@@ -72,13 +98,18 @@ def offenders(source: str, where: str) -> list[str]:
             found.append(f"{where}:{n.lineno} module-level {name!r} written")
         if isinstance(n, (ast.Assign, ast.AugAssign)):
             for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in classes:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id in classes
+                ):
                     found.append(f"{where}:{n.lineno} class attribute {ast.unparse(t)} written")
     return found
 
 
 ALLOWED = {
-    "fxmeg/passes/op_rules.py": ("'_RULES' written",),  # the @rule registry: filled at import, then read only
+    # the @rule registry: filled at import, then read only
+    "fxmeg/passes/op_rules.py": ("'_RULES' written",),
 }
 
 
@@ -86,8 +117,10 @@ def test_fxmeg_has_no_module_level_mutable_state():
     found = [o for p in sorted((REPO / "fxmeg").rglob("*.py"))
              for o in offenders(p.read_text(), str(p.relative_to(REPO)))
              if not o.endswith(ALLOWED.get(str(p.relative_to(REPO)), ()))]
-    assert not found, "module-level mutable state (move it to an object the RankContext or Engine owns):\n  " + \
-        "\n  ".join(found)
+    assert not found, (
+        "module-level mutable state (move it to an object the RankContext or Engine owns):\n  "
+        + "\n  ".join(found)
+    )
 
 
 def test_the_scan_finds_each_kind_and_spares_constant_tables():
@@ -111,6 +144,13 @@ def test_the_scan_finds_each_kind_and_spares_constant_tables():
             return TABLE[k]
     ''')
     got = [o.split(" ", 1)[1] for o in offenders(source, "m.py")]
-    assert sorted(got) == sorted([
-        "module-level container 'cache'", "module-level container '_seen'", "class attribute C.depth written",
-        "global counter", "module-level '_CACHE' written", "module-level '_seen' written"]), got
+    assert sorted(got) == sorted(
+        [
+            "module-level container 'cache'",
+            "module-level container '_seen'",
+            "class attribute C.depth written",
+            "global counter",
+            "module-level '_CACHE' written",
+            "module-level '_seen' written",
+        ]
+    ), got

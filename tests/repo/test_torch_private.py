@@ -43,11 +43,21 @@ def _paths_by_entry() -> dict[str, str]:
     in the shim (an assignment's target, or the function that calls it)."""
     found = {}
     for top in ast.parse(SHIM.read_text()).body:
-        names = ([t.id for t in top.targets if isinstance(t, ast.Name)] if isinstance(top, ast.Assign)
-                 else [top.name] if isinstance(top, ast.FunctionDef) else [])
+        names = (
+            [t.id for t in top.targets if isinstance(t, ast.Name)]
+            if isinstance(top, ast.Assign)
+            else [top.name]
+            if isinstance(top, ast.FunctionDef)
+            else []
+        )
         for node in ast.walk(top):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_private"
-                    and node.args and isinstance(node.args[0], ast.Constant)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "_private"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 found[names[0] if names else "?"] = node.args[0].value
     return found
 
@@ -67,12 +77,18 @@ def _attribute_checks(tp) -> dict:
     view = x.view(2, 3)
     linear, norm = nn.Linear(2, 2), nn.BatchNorm1d(2)
     return {
-        "op_schema": lambda: tp.op_schema(torch.ops.aten.add.Tensor).name == "aten::add"
-        and tp.op_schema(len) is None,
+        "op_schema": lambda: (
+            tp.op_schema(torch.ops.aten.add.Tensor).name == "aten::add"
+            and tp.op_schema(len) is None
+        ),
         "view_base": lambda: tp.view_base(view) is x and tp.view_base(x) is None,
-        "storage_key": lambda: tp.storage_key(view) == tp.storage_key(x) != tp.storage_key(x.clone()),
+        "storage_key": lambda: (
+            tp.storage_key(view) == tp.storage_key(x) != tp.storage_key(x.clone())
+        ),
         "own_parameters": lambda: sorted(tp.own_parameters(linear)) == ["bias", "weight"],
-        "own_buffers": lambda: "running_mean" in tp.own_buffers(norm) and not tp.own_buffers(linear),
+        "own_buffers": lambda: (
+            "running_mean" in tp.own_buffers(norm) and not tp.own_buffers(linear)
+        ),
     }
 
 
@@ -95,15 +111,22 @@ def test_every_entry_resolves_on_the_installed_torch():
             ok, why = False, f"{type(exc).__name__}: {exc}"
         if not ok:
             failed.append(f"torch_private.{entry}: {why}")
-    assert not failed, (f"private torch names fxmeg uses that torch {torch.__version__} does not have "
-                        f"(fxmeg/torch_private.py was checked on torch {_checked_on()}):\n  " + "\n  ".join(failed))
+    assert not failed, (
+        f"private torch names fxmeg uses that torch {torch.__version__} does not have "
+        f"(fxmeg/torch_private.py was checked on torch {_checked_on()}):\n  " + "\n  ".join(failed)
+    )
 
 
 def test_every_public_name_of_the_shim_is_checked():
     """A new entry needs a ``_private`` path or an attribute check above."""
     tree = ast.parse(SHIM.read_text())
-    public = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
-              if isinstance(t, ast.Name)} | {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    public = {
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    } | {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     public = {n for n in public if not n.startswith("_")} - {"CHECKED_ON"}
     unchecked = public - set(_paths_by_entry()) - set(_attribute_checks(tp=None))
     assert not unchecked, f"entries of fxmeg/torch_private.py no test resolves: {sorted(unchecked)}"
@@ -126,10 +149,22 @@ def test_a_moved_name_raises_naming_it_and_the_checked_version():
 def _torch_private_attributes() -> frozenset[str]:
     """``_``-led attribute names that torch objects fxmeg handles carry (not dunders)."""
     gm = fx.symbolic_trace(nn.Linear(2, 2))
-    samples = [torch.zeros(2), torch.zeros(2).untyped_storage(), nn.Linear(2, 2), nn.Parameter(torch.zeros(2)),
-               gm, gm.graph, next(iter(gm.graph.nodes)), torch.ops.aten.add.Tensor, torch.ops.aten.add,
-               torch.autograd.Variable, torch.ops.higher_order.wrap_with_autocast]
-    return frozenset(n for obj in samples for n in dir(obj) if n.startswith("_") and not n.startswith("__"))
+    samples = [
+        torch.zeros(2),
+        torch.zeros(2).untyped_storage(),
+        nn.Linear(2, 2),
+        nn.Parameter(torch.zeros(2)),
+        gm,
+        gm.graph,
+        next(iter(gm.graph.nodes)),
+        torch.ops.aten.add.Tensor,
+        torch.ops.aten.add,
+        torch.autograd.Variable,
+        torch.ops.higher_order.wrap_with_autocast,
+    ]
+    return frozenset(
+        n for obj in samples for n in dir(obj) if n.startswith("_") and not n.startswith("__")
+    )
 
 
 def _private(name: str) -> bool:
@@ -150,8 +185,16 @@ def _torch_names(tree: ast.AST) -> set[str]:
     bound = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            bound |= {
+                a.asname or a.name.split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "torch"
+            }
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == "torch"
+            and not node.level
+        ):
             bound |= {a.asname or a.name for a in node.names}
     return bound
 
@@ -163,7 +206,11 @@ def _offences(tree: ast.AST, attributes: frozenset[str]) -> list[tuple[int, str]
         if isinstance(node, ast.Import):
             found += [(node.lineno, f"import {a.name}") for a in node.names
                       if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == "torch"
+            and not node.level
+        ):
             names = [a.name for a in node.names]
             if any(map(_private, node.module.split("."))) or any(map(_private, names)):
                 found.append((node.lineno, f"from {node.module} import {', '.join(names)}"))
@@ -172,12 +219,19 @@ def _offences(tree: ast.AST, attributes: frozenset[str]) -> list[tuple[int, str]
             rooted = chain is not None and chain[0] in torch_names
             in_ops = rooted and "ops" in chain and chain.index("ops") < len(chain) - 2 \
                 and not _private(chain[chain.index("ops") + 1])  # torch.ops.aten._to_copy: public
-            if (rooted and not in_ops) or (node.attr in attributes and (chain or [""])[0] not in ("self", "cls")):
+            if (rooted and not in_ops) or (
+                node.attr in attributes and (chain or [""])[0] not in ("self", "cls")
+            ):
                 found.append((node.lineno, ".".join(chain) if chain else f"(...).{node.attr}"))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and _private(node.args[1].value)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
             chain = _chain(node.args[0])
             if (chain is not None and chain[0] in torch_names) or node.args[1].value in attributes:
                 found.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
@@ -225,5 +279,7 @@ def test_the_scan_finds_each_kind_of_read(tmp_path):
             self._mine
     '''))
     attributes = frozenset({"_schema", "_cdata", "_parameters"})
-    lines = [int(o.split(":")[1]) for o in _scan(tmp_path / "pkg", skip=None, attributes=attributes)]
+    lines = [
+        int(o.split(":")[1]) for o in _scan(tmp_path / "pkg", skip=None, attributes=attributes)
+    ]
     assert lines == [3, 6, 7, 13, 14, 15, 16, 17, 18, 19, 20], lines

@@ -52,7 +52,11 @@ def hand_counts(model: nn.Module, ids: torch.Tensor) -> dict[str, list[int]]:
         return count
 
     model = copy.deepcopy(model)
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if n.endswith("mlp.experts")
+    ]
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     for h in handles:
@@ -72,7 +76,9 @@ def test_the_pass_only_marks_each_block_at_ep1():
     after = chunks(graph_after(model, batch, "expert_parallel"))[0]
     marks = load_marks(after)
     assert [(m.kwargs, m.args[0].args[1]) for m in marks] == [
-        ({"layer": f"model.layers.{i}.mlp.experts", "experts": 4, "bias": None}, 1) for i in range(2)]
+        ({"layer": f"model.layers.{i}.mlp.experts", "experts": 4, "bias": None}, 1)
+        for i in range(2)
+    ]
     assert all(m.prev is m.args[0] and m.args[0].target is operator.getitem for m in marks)
     kept = [ln for ln in after.code.splitlines() if "fxmeg_ops_expert_load" not in ln]
     assert kept == before.splitlines()
@@ -104,7 +110,8 @@ def test_an_unreadable_block_is_not_counted_at_ep1_and_refused_at_ep2():
     assert not load_marks(gm)
     with pytest.raises(PassError, match="not cumsum\\(histc\\(expert ids\\)\\)"):
         graph_after(_Unreadable(), batch, "expert_parallel", dp=2, ep=2)
-    with pytest.raises(PassError, match="not cumsum\\(histc\\(expert ids\\)\\)"):  # the bias update reads every block
+    # the bias update reads every block
+    with pytest.raises(PassError, match="not cumsum\\(histc\\(expert ids\\)\\)"):
         graph_after(_Unreadable(), batch, "expert_parallel", moe_router_bias_update_rate=1e-3)
 
 
@@ -128,9 +135,14 @@ def test_recompute_does_not_count_twice():
     (without that guard every count doubles). lr 0: every step routes alike."""
     model, batch = tiny_moe("olmoe"), make_batch(GBS, seed=2, vocab=96)
     want = hand_counts(model, batch[0])
-    engine = _engine(model, batch, recompute="full", optimizer=lambda groups: torch.optim.SGD(groups, lr=0.0))
-    regions = [m.region for gm in engine.program.chunks for m in gm.modules() if isinstance(m, Recompute)]
-    assert sum(len(load_marks(r)) for r in regions) == 2  # the markers run inside the recomputed blocks
+    engine = _engine(
+        model, batch, recompute="full", optimizer=lambda groups: torch.optim.SGD(groups, lr=0.0)
+    )
+    regions = [
+        m.region for gm in engine.program.chunks for m in gm.modules() if isinstance(m, Recompute)
+    ]
+    # the markers run inside the recomputed blocks
+    assert sum(len(load_marks(r)) for r in regions) == 2
     assert {k: list(v) for k, v in engine.train_step(batch).expert_load.items()} == want
     with mock.patch.object(engine.context.recomputation, "recomputing", return_value=False):
         doubled = engine.train_step(batch).expert_load
@@ -138,22 +150,46 @@ def test_recompute_does_not_count_twice():
     assert all(c % 2 == 0 for v in doubled.values() for c in v) and doubled != want
 
 
-MIXTRAL = json.dumps({"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2})
+MIXTRAL = json.dumps(
+    {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+)
 
 
 def test_the_trainer_logs_and_plots_the_load(corpus, tmp_path):
     run = str(tmp_path / "run")
-    cfg = TrainConfig.from_flat(data=corpus, model="transformers:MixtralForCausalLM", model_args=MIXTRAL,
-                                seq_len=16, micro_batch_size=2, global_batch_size=4, train_iters=4, log_interval=2,
-                                eval_iters=1, lr=1e-3, run_dir=run, progress=False, tensorboard=True)
+    cfg = TrainConfig.from_flat(
+        data=corpus,
+        model="transformers:MixtralForCausalLM",
+        model_args=MIXTRAL,
+        seq_len=16,
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=4,
+        log_interval=2,
+        eval_iters=1,
+        lr=1e-3,
+        run_dir=run,
+        progress=False,
+        tensorboard=True,
+    )
     Trainer(cfg).run()
     train = [r for r in read(run) if r["kind"] == "train"]
     assert [r["iteration"] for r in train] == [2, 4]
     layers = [f"model.layers.{i}.mlp.experts" for i in range(2)]
     for r in train:
         assert list(r["tokens_per_expert"]) == list(r["load_imbalance"]) == layers
-        assert all(sum(c) == 2 * 4 * 16 * 2 and len(c) == 4 for c in r["tokens_per_expert"].values())  # 2 steps
+        # 2 steps
+        assert all(
+            sum(c) == 2 * 4 * 16 * 2 and len(c) == 4 for c in r["tokens_per_expert"].values()
+        )
         assert all(1.0 <= x <= 4.0 for x in r["load_imbalance"].values())
         assert r["load_imbalance_max"] == max(r["load_imbalance"].values())
     assert plot(run).endswith("curves.png")
@@ -180,13 +216,20 @@ def balancing_reference(model: nn.Module, batches, rate: float):
     each step, the trained copy)."""
     ref = copy.deepcopy(model)
     opt = optimizer(reference_groups(ref.named_parameters()))
-    routers = {n.removesuffix(".gate") + ".experts": m for n, m in ref.named_modules() if n.endswith("mlp.gate")}
+    routers = {
+        n.removesuffix(".gate") + ".experts": m
+        for n, m in ref.named_modules()
+        if n.endswith("mlp.gate")
+    }
     counts: dict[str, torch.Tensor] = {}
 
     def hook(layer):
         def count(module, args, output):
             index = output[2]  # (router_logits, top_k_weights, top_k_index)
-            counts[layer] = counts.get(layer, 0) + torch.bincount(index.reshape(-1), minlength=module.num_experts)
+            counts[layer] = counts.get(layer, 0) + torch.bincount(
+                index.reshape(-1), minlength=module.num_experts
+            )
+
         return count
 
     for layer, router in routers.items():
@@ -217,7 +260,9 @@ def test_loss_free_balancing_equals_plain_pytorch_and_resumes(tmp_path):
     losses, counts, ref = balancing_reference(model, batches, RATE)
     _, unbalanced, _ = balancing_reference(model, batches, 0.0)
     assert counts[0] == unbalanced[0] and counts[1:] != unbalanced[1:]  # the bias moved tokens
-    engine = _engine(copy.deepcopy(model), batches[0], moe_router_bias_update_rate=RATE, optimizer=optimizer)
+    engine = _engine(
+        copy.deepcopy(model), batches[0], moe_router_bias_update_rate=RATE, optimizer=optimizer
+    )
     results = []
     for i, b in enumerate(batches):
         results.append(engine.train_step(b))
@@ -228,7 +273,9 @@ def test_loss_free_balancing_equals_plain_pytorch_and_resumes(tmp_path):
     state = engine.full_state_dict()
     assert_weights_close(state, ref.state_dict())
     assert torch.equal(state[BIAS], ref.get_buffer(BIAS)) and state[BIAS].abs().sum() > 0
-    resumed = _engine(copy.deepcopy(model), batches[0], moe_router_bias_update_rate=RATE, optimizer=optimizer)
+    resumed = _engine(
+        copy.deepcopy(model), batches[0], moe_router_bias_update_rate=RATE, optimizer=optimizer
+    )
     Checkpointer(resumed.program, resumed.context).load(str(tmp_path))
     loaded = resumed.full_state_dict()[BIAS]  # step 2's bias, before step 3's update
     assert loaded.abs().sum() > 0 and not torch.equal(loaded, state[BIAS])
@@ -238,10 +285,15 @@ def test_loss_free_balancing_equals_plain_pytorch_and_resumes(tmp_path):
 
 def test_loss_free_balancing_is_refused_without_a_router_bias():
     batch = make_batch(MBS, seed=0, vocab=96)
-    with pytest.raises(PassError, match=r"the router of the experts 'model.layers.0.mlp.experts' adds no 1-D "
-                                        r"buffer of 4 values .* train this model with moe_router_bias_update_rate=0"):
+    with pytest.raises(
+        PassError,
+        match=r"the router of the experts 'model.layers.0.mlp.experts' adds no 1-D "
+        r"buffer of 4 values .* train this model with moe_router_bias_update_rate=0",
+    ):
         graph_after(tiny_moe("mixtral"), batch, "expert_parallel", moe_router_bias_update_rate=1e-3)
-    with pytest.raises(PassError, match="moe_router_bias_update_rate=0.001, but fxmeg finds no routed experts"):
+    with pytest.raises(
+        PassError, match="moe_router_bias_update_rate=0.001, but fxmeg finds no routed experts"
+    ):
         transform(make_model("gpt"), make_batch(MBS, seed=0), moe_router_bias_update_rate=1e-3)
 
 

@@ -17,8 +17,21 @@ import torch
 
 from fxmeg.metrics import read
 
-FIELDS = {"iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "params_norm",
-          "skipped", "skipped_total", "tokens_per_s", "tflops_per_rank", "iteration_time", "batch_size"}
+FIELDS = {
+    "iteration",
+    "consumed_samples",
+    "loss",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "params_norm",
+    "skipped",
+    "skipped_total",
+    "tokens_per_s",
+    "tflops_per_rank",
+    "iteration_time",
+    "batch_size",
+}
 MODEL = '{"n_layer": 4, "n_embd": 64, "n_head": 4}'
 
 
@@ -39,15 +52,48 @@ def corpus(tmp_path_factory):
 
 def test_train_on_four_ranks_and_plot(corpus, tmp_path):
     run = str(tmp_path / "run")
-    out = fxmeg("train", "--data", corpus, "--model-args", MODEL, "--pipeline-model-parallel-size", "2", "--dp", "2",
-                "--use-distributed-optimizer",
-                "--seq-len", "64", "--global-batch-size", "32", "--train-iters", "30", "--lr", "3e-3",
-                "--lr-warmup-samples", "64", "--eval-interval", "10", "--eval-iters", "4",
-                "--log-interval", "5", "--run-dir", run, "--no-progress",
-                "--trace", str(tmp_path / "trace"), "--trace-interval", "15")
+    out = fxmeg(
+        "train",
+        "--data",
+        corpus,
+        "--model-args",
+        MODEL,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "32",
+        "--train-iters",
+        "30",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-samples",
+        "64",
+        "--eval-interval",
+        "10",
+        "--eval-iters",
+        "4",
+        "--log-interval",
+        "5",
+        "--run-dir",
+        run,
+        "--no-progress",
+        "--trace",
+        str(tmp_path / "trace"),
+        "--trace-interval",
+        "15",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (f"layout tp=1 cp=1 ep=1 pp=2 vpp=1 dp=2 zero=1 on 4 rank(s), schedule 1f1b, fp32; run directory "
-            f"{run}; no checkpoints (--save)") in out.stdout  # Megatron's flag names set pp and ZeRO-1
+    assert (
+        "layout tp=1 cp=1 ep=1 pp=2 vpp=1 dp=2 zero=1 on 4 rank(s), schedule 1f1b, fp32; run "
+        "directory "
+        # Megatron's flag names set pp and ZeRO-1
+        f"{run}; no checkpoints (--save)"
+    ) in out.stdout
     records = read(run)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r["valid_loss"] for r in records if r["kind"] == "eval"]
@@ -72,7 +118,12 @@ def check_trace(trace_dir, records):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names == {0: "pp 0 dp 0 tp 0", 1: "pp 0 dp 1 tp 0", 2: "pp 1 dp 0 tp 0", 3: "pp 1 dp 1 tp 0"}
+    assert names == {
+        0: "pp 0 dp 0 tp 0",
+        1: "pp 0 dp 1 tp 0",
+        2: "pp 1 dp 0 tp 0",
+        3: "pp 1 dp 1 tp 0",
+    }
     for rank in range(4):
         spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
         assert all(e["dur"] >= 0 and {"name", "cat", "ts"} <= set(e) for e in spans)
@@ -127,10 +178,40 @@ def _ranks(launcher: int) -> list[int]:
 
 
 def _train_args(corpus, run, ckpt):
-    return ["train", "--data", corpus, "--model-args", MODEL, "--pp", "2", "--dp", "2", "--seq-len", "64",
-            "--global-batch-size", "16", "--train-iters", "20", "--lr", "3e-3", "--lr-decay-samples", "400",
-            "--save-interval", "5", "--save", ckpt, "--load", ckpt, "--log-interval", "1",
-            "--eval-iters", "1", "--run-dir", run, "--no-progress"]
+    return [
+        "train",
+        "--data",
+        corpus,
+        "--model-args",
+        MODEL,
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "16",
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-3",
+        "--lr-decay-samples",
+        "400",
+        "--save-interval",
+        "5",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "1",
+        "--run-dir",
+        run,
+        "--no-progress",
+    ]
 
 
 def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
@@ -138,11 +219,20 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
     assert whole.returncode == 0, whole.stderr[-2000:]
     run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "fxmeg.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fxmeg.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        done = [r["iteration"] for r in read(run) if r["kind"] == "train"] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
+        done = (
+            [r["iteration"] for r in read(run) if r["kind"] == "train"]
+            if os.path.exists(os.path.join(run, "metrics.jsonl"))
+            else []
+        )
         if done and max(done) >= 12:
             break
         time.sleep(0.1)
@@ -157,8 +247,11 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
     steps = [r["iteration"] for r in records if r["kind"] == "train"]
     assert steps == list(range(1, 21))  # no step twice, none lost
     losses = {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
-    reference = {r["iteration"]: r["loss"] for r in read(str(tmp_path / "whole")) if r["kind"] == "train"}
-    assert [losses[i] for i in range(11, 21)] == [reference[i] for i in range(11, 21)]  # exact, fp32
+    reference = {
+        r["iteration"]: r["loss"] for r in read(str(tmp_path / "whole")) if r["kind"] == "train"
+    }
+    # exact, fp32
+    assert [losses[i] for i in range(11, 21)] == [reference[i] for i in range(11, 21)]
 
 
 def _two_nodes(*args: str) -> None:
@@ -187,9 +280,31 @@ def test_two_torchrun_nodes_train_save_and_resume_exactly(corpus, tmp_path):
     """tp=2 x pp=2 over two launchers of 2 ranks each: a 6-step run saving at 3 and 6, then
     the same two nodes resume from step 3: steps 4-6 and the evaluation bitwise as before."""
     ckpt = str(tmp_path / "ckpt")
-    args = ["--data", corpus, "--model-args", MODEL, "--tp", "2", "--pp", "2", "--seq-len", "64",
-            "--global-batch-size", "16", "--train-iters", "6", "--lr", "3e-3", "--lr-decay-samples", "400",
-            "--log-interval", "1", "--eval-iters", "1", "--no-progress"]
+    args = [
+        "--data",
+        corpus,
+        "--model-args",
+        MODEL,
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "16",
+        "--train-iters",
+        "6",
+        "--lr",
+        "3e-3",
+        "--lr-decay-samples",
+        "400",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "1",
+        "--no-progress",
+    ]
     _two_nodes(*args, "--save", ckpt, "--save-interval", "3", "--run-dir", str(tmp_path / "whole"))
     shutil.rmtree(os.path.join(ckpt, "iter_0000006"))  # resume from step 3
     with open(os.path.join(ckpt, "latest"), "w") as f:
@@ -198,18 +313,34 @@ def test_two_torchrun_nodes_train_save_and_resume_exactly(corpus, tmp_path):
     whole, resumed = read(str(tmp_path / "whole")), read(str(tmp_path / "resumed"))
     losses = {r["iteration"]: r["loss"] for r in whole if r["kind"] == "train"}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert {r["iteration"]: r["loss"] for r in resumed if r["kind"] == "train"} == {i: losses[i] for i in (4, 5, 6)}
+    assert {r["iteration"]: r["loss"] for r in resumed if r["kind"] == "train"} == {
+        i: losses[i] for i in (4, 5, 6)
+    }
     assert [(r["iteration"], r["valid_loss"]) for r in resumed if r["kind"] == "eval"] == [
         (r["iteration"], r["valid_loss"]) for r in whole if r["kind"] == "eval"]  # step 6, bitwise
     (memory,) = [r for r in whole if r["kind"] == "memory"]
     assert [s["stage"] for s in memory["stages"]] == [0, 1]
 
 
-HF_ARGS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2}
-HF_RUN = {"seq_len": 32, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 4, "lr": 3e-3,
-          "lr_decay_samples": 400, "eval_iters": 1, "eod_mask_loss": True, "reset_position_ids": True,
-          "reset_attention_mask": True}
+HF_ARGS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+HF_RUN = {
+    "seq_len": 32,
+    "micro_batch_size": 2,
+    "global_batch_size": 8,
+    "train_iters": 4,
+    "lr": 3e-3,
+    "lr_decay_samples": 400,
+    "eval_iters": 1,
+    "eod_mask_loss": True,
+    "reset_position_ids": True,
+    "reset_attention_mask": True,
+}
 """The trainer's settings (flat names) of the Hugging Face run; the rest are defaults: seed
 1234, AdamW betas (0.9, 0.95), eps 1e-8, weight decay 0.01 (not on 1-D parameters),
 cosine decay to 0 with no warmup, gradients clipped at norm 1."""
@@ -237,8 +368,18 @@ def _short_documents(directory: str) -> str:
 
 
 def _hf_flags(corpus: str) -> list[str]:
-    flags = ["--data", corpus, "--model", "transformers:LlamaForCausalLM", "--model-args", json.dumps(HF_ARGS),
-             "--log-interval", "1", "--no-progress", "--no-tensorboard"]
+    flags = [
+        "--data",
+        corpus,
+        "--model",
+        "transformers:LlamaForCausalLM",
+        "--model-args",
+        json.dumps(HF_ARGS),
+        "--log-interval",
+        "1",
+        "--no-progress",
+        "--no-tensorboard",
+    ]
     for name, value in HF_RUN.items():
         flags += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return flags
@@ -265,8 +406,9 @@ def _plain_hugging_face(corpus: str):
     with open(corpus + ".json") as f:
         vocab = -(-json.load(f)["vocab_size"] // 128) * 128
     torch.manual_seed(cfg.seed)
-    config = transformers.LlamaConfig(**HF_ARGS, vocab_size=vocab, max_position_embeddings=HF_RUN["seq_len"],
-                                      use_cache=False)
+    config = transformers.LlamaConfig(
+        **HF_ARGS, vocab_size=vocab, max_position_embeddings=HF_RUN["seq_len"], use_cache=False
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     opt = torch.optim.AdamW(reference_groups(model.named_parameters()), betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.01)
@@ -275,7 +417,12 @@ def _plain_hugging_face(corpus: str):
         logits = model(input_ids=f["tokens"], position_ids=f["position_ids"],
                        attention_mask=f["attend"][:, None]).logits  # (rows, s, vocab)
         counted = f["labels"] != -100
-        return torch.nn.functional.cross_entropy(logits[counted], f["labels"][counted], reduction="sum") / counted.sum()
+        return (
+            torch.nn.functional.cross_entropy(
+                logits[counted], f["labels"][counted], reduction="sum"
+            )
+            / counted.sum()
+        )
 
     losses, norms, lrs = [], [], []
     for step in range(HF_RUN["train_iters"]):
@@ -312,7 +459,17 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
     corpus = _short_documents(str(tmp_path))
     flags = _hf_flags(corpus)
     ckpt, layout = str(tmp_path / "ckpt"), ["--tp", "2", "--pp", "2"]
-    out = fxmeg("train", *flags, *layout, "--save", ckpt, "--save-interval", "2", "--run-dir", str(tmp_path / "whole"))
+    out = fxmeg(
+        "train",
+        *flags,
+        *layout,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "2",
+        "--run-dir",
+        str(tmp_path / "whole"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # iteration 4, the latest; --check: from_pretrained gives the checkpoint's tensors and logits
     assert main(["export", ckpt, "--to", str(tmp_path / "hf"), "--format", "hf", "--check"]) == 0
@@ -322,10 +479,18 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
     out = fxmeg("train", *flags, *layout, "--load", ckpt, "--run-dir", str(tmp_path / "resumed"))
     assert out.returncode == 0, out.stderr[-3000:]
     runs = {name: read(str(tmp_path / name)) for name in ("whole", "resumed")}
-    steps = {name: {r["iteration"]: r for r in records if r["kind"] == "train"} for name, records in runs.items()}
-    evals = {name: [r["valid_loss"] for r in records if r["kind"] == "eval"] for name, records in runs.items()}
+    steps = {
+        name: {r["iteration"]: r for r in records if r["kind"] == "train"}
+        for name, records in runs.items()
+    }
+    evals = {
+        name: [r["valid_loss"] for r in records if r["kind"] == "eval"]
+        for name, records in runs.items()
+    }
     assert sorted(steps["whole"]) == [1, 2, 3, 4]
-    assert {i: r["loss"] for i, r in steps["resumed"].items()} == {i: steps["whole"][i]["loss"] for i in (3, 4)}
+    assert {i: r["loss"] for i, r in steps["resumed"].items()} == {
+        i: steps["whole"][i]["loss"] for i in (3, 4)
+    }
     assert evals["resumed"] == evals["whole"]
 
     losses, norms, lrs, valid, model = _plain_hugging_face(corpus)
@@ -343,16 +508,27 @@ def test_a_users_error_is_one_line_and_debug_shows_its_traceback(corpus):
     out = fxmeg(*flags)
     assert out.returncode == 1
     assert out.stderr.splitlines() == [
-        "fxmeg: error: schedule='1f1d' is not one of ('auto', 'none', 'gpipe', '1f1b', 'interleaved', 'zbh1', "
-        "'zbv', 'dualpipev') (did you mean '1f1b'?)"]
+        (
+            "fxmeg: error: schedule='1f1d' is not one of ('auto', 'none', 'gpipe', '1f1b', "
+            "'interleaved', 'zbh1', "
+            "'zbv', 'dualpipev') (did you mean '1f1b'?)"
+        )
+    ]
     debug = fxmeg("--debug", *flags)
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError: schedule='1f1d'" in debug.stderr
+    assert (
+        debug.returncode == 1
+        and "Traceback" in debug.stderr
+        and "ConfigError: schedule='1f1d'" in debug.stderr
+    )
     bad = fxmeg("train", "--tensor-model-paralel-size", "2")
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == [
         "usage: fxmeg train [--FLAG VALUE ...]  (fxmeg train --help lists them)",
-        "fxmeg train: error: unrecognized arguments: --tensor-model-paralel-size 2 "
-        "(did you mean '--tensor-model-parallel-size'?)"]
+        (
+            "fxmeg train: error: unrecognized arguments: --tensor-model-paralel-size 2 "
+            "(did you mean '--tensor-model-parallel-size'?)"
+        ),
+    ]
 
 
 def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
@@ -360,27 +536,58 @@ def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
     traceback, none of torch elastic's report."""
     llama = {"vocab_size": 384, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 3, "num_key_value_heads": 3}
-    out = fxmeg("train", "--data", corpus, "--model", "transformers:LlamaForCausalLM", "--model-args",
-                json.dumps(llama), "--tp", "2", "--nproc", "4", "--seq-len", "32", "--micro-batch-size", "2",
-                "--global-batch-size", "4", "--train-iters", "1", "--run-dir", str(tmp_path / "run"))
+    out = fxmeg(
+        "train",
+        "--data",
+        corpus,
+        "--model",
+        "transformers:LlamaForCausalLM",
+        "--model-args",
+        json.dumps(llama),
+        "--tp",
+        "2",
+        "--nproc",
+        "4",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "1",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("fxmeg: error: "), out.stderr[-3000:]
     # from the model's config, before capture (fxmeg/model_checks.py), not from a traced view node
-    assert "tp=2 does not divide 3, the number of heads" in lines[0] and "num_attention_heads=3" in lines[0]
+    assert (
+        "tp=2 does not divide 3, the number of heads" in lines[0]
+        and "num_attention_heads=3" in lines[0]
+    )
     assert "Traceback" not in out.stdout + out.stderr
 
 
 def test_help_imports_no_torch_and_a_config_error_no_compiler():
     """`fxmeg --help` answers from the argument table alone (bench/cli_startup.py times it)."""
-    code = ("import sys, contextlib, io\nfrom fxmeg.cli import console\n"
-            "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
-            "    console(['--help'])\n"
-            "assert 'plan' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n")
+    code = (
+        "import sys, contextlib, io\nfrom fxmeg.cli import console\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "    console(['--help'])\n"
+        "assert 'plan' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    code = ("import sys\nfrom fxmeg.cli import console\n"  # a config error: no compiler stack either
-            "assert console(['train', '--data', 'x', '--train-iters', '1', '--schedule', '1f1d']) == 1\n"
-            "assert not {'torch._dynamo', 'torch._functorch.aot_autograd'} & set(sys.modules)\n")
+    # a config error: no compiler stack either
+    code = (
+        "import sys\nfrom fxmeg.cli import console\n"
+        "assert console(['train', '--data', 'x', '--train-iters', '1', '--schedule', '1f1d']) == "
+        "1\n"
+        "assert not {'torch._dynamo', 'torch._functorch.aot_autograd'} & set(sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stderr.startswith("fxmeg: error: schedule='1f1d'"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stderr.startswith("fxmeg: error: schedule='1f1d'"), (
+        out.stderr[-2000:]
+    )

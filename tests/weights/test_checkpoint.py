@@ -21,9 +21,21 @@ MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
 
 
 def _config(corpus, root, **kw) -> TrainConfig:
-    base = dict(data=corpus, model_args=MODEL, seq_len=32, micro_batch_size=4, global_batch_size=8,
-                log_interval=1, eval_iters=1, lr=1e-3, lr_decay_samples=400, run_dir=str(root / "run"),
-                save=str(root / "ckpt"), progress=False, tensorboard=False)
+    base = dict(
+        data=corpus,
+        model_args=MODEL,
+        seq_len=32,
+        micro_batch_size=4,
+        global_batch_size=8,
+        log_interval=1,
+        eval_iters=1,
+        lr=1e-3,
+        lr_decay_samples=400,
+        run_dir=str(root / "run"),
+        save=str(root / "ckpt"),
+        progress=False,
+        tensorboard=False,
+    )
     return TrainConfig.from_flat(**(base | kw))
 
 
@@ -66,12 +78,16 @@ def _train_and_get_killed(corpus: str, root: str) -> None:
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(corpus, tmp_path):
-    proc = multiprocessing.get_context("spawn").Process(target=_train_and_get_killed, args=(corpus, str(tmp_path)))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_train_and_get_killed, args=(corpus, str(tmp_path))
+    )
     proc.start()
     ckpt = tmp_path / "ckpt"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the save of step 4 has written its data files
-        if (ckpt / "iter_0000004").exists() and any(p.suffix == ".distcp" for p in (ckpt / "iter_0000004").iterdir()):
+        if (ckpt / "iter_0000004").exists() and any(
+            p.suffix == ".distcp" for p in (ckpt / "iter_0000004").iterdir()
+        ):
             break
         time.sleep(0.1)
     time.sleep(0.5)
@@ -89,20 +105,30 @@ def test_a_damaged_checkpoint_is_named_and_skipped(corpus, tmp_path):
     ckpt = tmp_path / "ckpt"
     data = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.warns(UserWarning, match=f"skipping incomplete checkpoints, loading .*iter_0000002.*{data.name} is truncated"):
+    with pytest.warns(
+        UserWarning,
+        match=f"skipping incomplete checkpoints, loading .*iter_0000002.*{data.name} is truncated",
+    ):
         resumed = Trainer(_config(corpus, tmp_path, train_iters=5, load=str(ckpt)))
     assert resumed.iteration == 2
     older = sorted((ckpt / "iter_0000002").glob("*.distcp"))[0]
     older.unlink()
-    with pytest.raises(CheckpointError, match=f"no complete checkpoint in .*{older.name} is missing"):
+    with pytest.raises(
+        CheckpointError, match=f"no complete checkpoint in .*{older.name} is missing"
+    ):
         find_complete(str(ckpt))
 
 
 def test_a_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     Trainer(_config(corpus, tmp_path, train_iters=1)).run()
     other = json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 4})
-    with pytest.raises(CheckpointError, match="incompatible model .*layers.1.attn.proj.bias: checkpoint \\[32\\] vs model None"):
-        Trainer(_config(corpus, tmp_path, train_iters=2, load=str(tmp_path / "ckpt"), model_args=other))
+    with pytest.raises(
+        CheckpointError,
+        match="incompatible model .*layers.1.attn.proj.bias: checkpoint \\[32\\] vs model None",
+    ):
+        Trainer(
+            _config(corpus, tmp_path, train_iters=2, load=str(tmp_path / "ckpt"), model_args=other)
+        )
 
 
 def test_export_then_init_from(corpus, tmp_path):
@@ -114,6 +140,8 @@ def test_export_then_init_from(corpus, tmp_path):
     full = t.engine.full_state_dict()
     assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
     for source in (out, str(tmp_path / "ckpt")):  # the exported file, or the checkpoint itself
-        fresh = Trainer(_config(corpus, tmp_path / "again", train_iters=1, init_from=source, save=""))
+        fresh = Trainer(
+            _config(corpus, tmp_path / "again", train_iters=1, init_from=source, save="")
+        )
         start = fresh.engine.full_state_dict()
         assert all(torch.equal(start[k], full[k]) for k in full)

@@ -45,7 +45,9 @@ def test_values_depend_on_the_module_name_not_on_the_rest_of_the_model():
     other = _meta("llama", n_layer=2)
     other = fxmeg.materialize(other, init_fn=other.init_weights, seed=1)
     assert not torch.equal(other.layers[0].mlp.up_proj.weight, small.layers[0].mlp.up_proj.weight)
-    assert torch.equal(small.rope_cos, make_model("llama", n_layer=2).rope_cos), "buffers recomputed"
+    assert torch.equal(small.rope_cos, make_model("llama", n_layer=2).rope_cos), (
+        "buffers recomputed"
+    )
 
 
 def test_tied_weights_stay_tied():
@@ -60,7 +62,9 @@ def test_meta_capture_computes_on_the_example_device():
     assert program.device == torch.device("cpu")
     for gm in (*program.chunks, program.reference):
         for node in gm.graph.nodes:  # GPT's torch.arange(s, device=ids.device) was captured on meta
-            assert torch.device("meta") not in [*node.args, *node.kwargs.values()], node.format_node()
+            assert torch.device("meta") not in [*node.args, *node.kwargs.values()], (
+                node.format_node()
+            )
 
 
 def test_parallelize_makes_the_twin_and_the_users_module_holds_it():
@@ -76,7 +80,9 @@ def test_parallelize_makes_the_twin_and_the_users_module_holds_it():
 def test_half_precision_masters_are_the_fp32_initial_values():
     ids, labels = make_batch(2, seed=0)
     model = _meta("gpt")
-    engine = fxmeg.parallelize(model, (ids, labels), init_fn=model.init_weights, seed=0, precision="bf16")
+    engine = fxmeg.parallelize(
+        model, (ids, labels), init_fn=model.init_weights, seed=0, precision="bf16"
+    )
     twin = _oracle("gpt")
     masters = {piece.name: piece.master for piece in engine.context.optimizer.pieces}
     for name, p in twin.named_parameters():
@@ -109,5 +115,7 @@ def test_a_buffer_init_fn_cannot_rebuild_is_named():
         if module is not model:
             model.init_weights(module)
 
-    with pytest.raises(InitError, match=r"module '<root>' \(Llama\).*init_fn left rope_cos, rope_sin unwritten"):
+    with pytest.raises(
+        InitError, match=r"module '<root>' \(Llama\).*init_fn left rope_cos, rope_sin unwritten"
+    ):
         fxmeg.parallelize(model, (ids, labels), init_fn=weights_only)
