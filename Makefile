@@ -3,6 +3,8 @@
 #               (tp=2 x pp=2 x dp=2), printing progress and the validation loss
 #   make test   runs the whole test suite
 #   make bench  prints the benchmarks' JSON lines (bench/)
+#   make durations  runs the whole suite as make test does and records each module's seconds
+#               in tests/durations.json (the slow-first order; docs/contributing.md)
 # Override the torch requirement on a CUDA machine: make demo TORCH=torch
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +13,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test durations bench setup clean
 
 setup: $(VENV)/.installed
 
@@ -28,9 +30,16 @@ demo: setup
 	$(BIN)/fxmeg train --config examples/demo.toml
 
 # Two workers (pytest-xdist), one whole module at a time (its spawns are shared by its tests),
-# slowest modules first (tests/conftest.py): the 2 cores stay busy to the end
+# slowest modules first (tests/durations.json, read by tests/conftest.py): the 2 cores stay
+# busy to the end
+PYTEST_SUITE := $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PYTEST_SUITE)
+
+# The same run, rewriting tests/durations.json if every test ran: commit it when the order
+# it gives has moved (docs/contributing.md)
+durations: setup
+	$(PYTEST_SUITE) --record-durations
 
 # Performance, one JSON line per benchmark (not part of the tests: timings are noisy)
 bench: setup

@@ -26,7 +26,9 @@ from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden
+    )
     per = args.layers // world
     rows = []
     for m in args.ms:
@@ -34,8 +36,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         ids = torch.randint(0, cfg.vocab_size, (m * args.mbs, cfg.seq_len))
         labels = torch.randint(0, cfg.vocab_size, (m * args.mbs, cfg.seq_len))
         engine = fxmeg.parallelize(
-            GPT(cfg), (ids[: args.mbs], labels[: args.mbs]), pp=world, global_batch_size=m * args.mbs,
-            split_points=[f"layers.{per * k}" for k in range(1, world)])
+            GPT(cfg),
+            (ids[: args.mbs], labels[: args.mbs]),
+            pp=world,
+            global_batch_size=m * args.mbs,
+            split_points=[f"layers.{per * k}" for k in range(1, world)],
+        )
         for _ in range(args.warmup):
             engine.train_step((ids, labels))
         bubbles = []

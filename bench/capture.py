@@ -23,7 +23,9 @@ from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
@@ -32,18 +34,33 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
     args = p.parse_args()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=8, n_embd=args.hidden)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=8, n_embd=args.hidden
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
-    batch = (torch.randint(0, args.vocab, (2, args.seq)), torch.randint(0, args.vocab, (2, args.seq)))
+    batch = (
+        torch.randint(0, args.vocab, (2, args.seq)),
+        torch.randint(0, args.vocab, (2, args.seq)),
+    )
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
     log = logging.getLogger("fxmeg.pass_driver")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    fxmeg.transform(model, batch, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=2, sequence_parallel=True,
-                    global_batch_size=2 * 2 * args.pp, distributed_optimizer=True, recompute="full")
+    fxmeg.transform(
+        model,
+        batch,
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        dp=2,
+        sequence_parallel=True,
+        global_batch_size=2 * 2 * args.pp,
+        distributed_optimizer=True,
+        recompute="full",
+    )
     log.removeHandler(handler)
     seconds = {r.step: r.seconds for r in records}
     nodes = next(r.nodes for r in records if r.step == "capture")

@@ -21,7 +21,17 @@ CASES = {
     "import_torch": ["-c", "import torch"],
     "fxmeg_help": ["-m", "fxmeg.cli", "--help"],
     "fxmeg_train_help": ["-m", "fxmeg.cli", "train", "--help"],
-    "config_error": ["-m", "fxmeg.cli", "train", "--data", "x", "--train-iters", "1", "--schedule", "1f1d"],
+    "config_error": [
+        "-m",
+        "fxmeg.cli",
+        "train",
+        "--data",
+        "x",
+        "--train-iters",
+        "1",
+        "--schedule",
+        "1f1d",
+    ],
 }
 
 
@@ -29,7 +39,9 @@ def seconds(args: list[str], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run([sys.executable, *args], capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [sys.executable, *args], capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
+        )
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -86,7 +86,9 @@ def run(rank: int, world: int, args, out: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mib", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16, 64])
     p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     p.add_argument("--calls", type=int, default=5)

@@ -57,8 +57,12 @@ def median(xs: list[float]) -> float:
 def parser(doc: str, **defaults) -> argparse.ArgumentParser:
     """The benchmarks' shared flags (model shape, micro-batching, steps); ``defaults``
     override their values (None drops a flag), or add flags of their own (e.g. pp=2)."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags = dict(m=8, mbs=2, layers=4, hidden=128, seq=128, vocab=2048, steps=10, warmup=2) | defaults
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    flags = (
+        dict(m=8, mbs=2, layers=4, hidden=128, seq=128, vocab=2048, steps=10, warmup=2) | defaults
+    )
     for name, value in flags.items():
         if value is not None:
             p.add_argument(f"--{name}", type=type(value), default=value)

@@ -26,14 +26,24 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden))
+    base = GPT(
+        GPTConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq,
+            n_layer=args.layers,
+            n_head=4,
+            n_embd=args.hidden,
+        )
+    )
     rows = args.mbs * args.m
     ids = torch.randint(0, args.vocab, (rows, args.seq))
     labels = torch.randint(0, args.vocab, (rows, args.seq))
     example = (ids[: args.mbs], labels[: args.mbs])
     adam = lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True)  # noqa: E731
     t0 = time.perf_counter()
-    compiled = fxmeg.parallelize(copy.deepcopy(base), example, global_batch_size=rows, compile=True, optimizer=adam)
+    compiled = fxmeg.parallelize(
+        copy.deepcopy(base), example, global_batch_size=rows, compile=True, optimizer=adam
+    )
     compiled.train_step((ids, labels))  # compiles forward and backward
     compile_s = time.perf_counter() - t0
     eager = fxmeg.parallelize(copy.deepcopy(base), example, global_batch_size=rows, optimizer=adam)
@@ -54,14 +64,27 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     med = {k: median(v) for k, v in times.items()}
     tokens = rows * args.seq
-    print(json.dumps({
-        "bench": "compile", "m": args.m, "mbs": args.mbs, "steps": args.steps,
-        "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab},
-        "step_s": med, "tokens_per_s": {k: tokens / v for k, v in med.items()},
-        "speedup_compiled_over_eager": med["eager"] / med["compiled"],
-        "eager_over_plain_pytorch": med["plain_pytorch"] / med["eager"],
-        "first_step_with_compilation_s": compile_s,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "compile",
+                "m": args.m,
+                "mbs": args.mbs,
+                "steps": args.steps,
+                "model": {
+                    "layers": args.layers,
+                    "hidden": args.hidden,
+                    "seq": args.seq,
+                    "vocab": args.vocab,
+                },
+                "step_s": med,
+                "tokens_per_s": {k: tokens / v for k, v in med.items()},
+                "speedup_compiled_over_eager": med["eager"] / med["compiled"],
+                "eager_over_plain_pytorch": med["plain_pytorch"] / med["eager"],
+                "first_step_with_compilation_s": compile_s,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def _documents(tokens: int, seed: int = 0):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tokens", type=int, default=100_000_000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--samples", type=int, default=200_000, help="samples of the blend")
@@ -67,13 +69,26 @@ def main() -> None:
         t0 = time.perf_counter()
         blending_indices([0.3, 0.7], args.samples)
         out["fxmeg_blend_s"] = round(time.perf_counter() - t0, 3)
-        for step in ("cache_write_s", "cache_read_s"):  # --data-cache-path: the first run writes, the next reads
+        # --data-cache-path: the first run writes, the next reads
+        for step in ("cache_write_s", "cache_read_s"):
             t0 = time.perf_counter()
-            cache.order(os.path.join(tmp, "cache"), data, (0, documents), seq_len=args.seq, num_samples=None, seed=1234)
+            cache.order(
+                os.path.join(tmp, "cache"),
+                data,
+                (0, documents),
+                seq_len=args.seq,
+                num_samples=None,
+                seed=1234,
+            )
             out[step] = round(time.perf_counter() - t0, 3)
         out |= _megatron(prefix, ids, args)
-        reader = TrainData(DataPaths(blend=(prefix,), split="99,1,0"), (args.read, args.gbs, 0), seq_len=args.seq,
-                           seed=1234, vocab=Vocabulary(65536, None))
+        reader = TrainData(
+            DataPaths(blend=(prefix,), split="99,1,0"),
+            (args.read, args.gbs, 0),
+            seq_len=args.seq,
+            seed=1234,
+            vocab=Vocabulary(65536, None),
+        )
         t0 = time.perf_counter()
         for start in range(0, args.read, args.gbs):
             reader.batch("train", range(start, start + args.gbs))
@@ -96,9 +111,17 @@ def _megatron(prefix: str, ids: np.ndarray, args) -> dict:
     class Tokenizer:
         eod, pad, vocab_size, unique_identifiers = 0, 1, 65536, {"class": "bench"}
 
-    config = GPTDatasetConfig(random_seed=1234, sequence_length=args.seq, blend=([prefix], None), split="1",
-                              tokenizer=Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=None)
+    config = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=args.seq,
+        blend=([prefix], None),
+        split="1",
+        tokenizer=Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None,
+    )
     data = MegatronDataset(prefix)
     t0 = time.perf_counter()
     with warnings.catch_warnings():

@@ -29,7 +29,9 @@ from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden
+    )
     torch.manual_seed(0)
     base = GPT(cfg)
     rows = args.mbs * args.m * world
@@ -44,7 +46,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     }
     waits = {True: [], False: []}
     for overlap, engine in engines.items():
-        engine.context.ddp.finish_grad_sync = _timing(engine.context.ddp.finish_grad_sync, waits[overlap])
+        engine.context.ddp.finish_grad_sync = _timing(
+            engine.context.ddp.finish_grad_sync, waits[overlap]
+        )
     ddp_step = _torch_ddp(copy.deepcopy(base), rank, world, ids, labels, args)
     ours = lambda: engines[True].train_step((ids, labels))  # noqa: E731
     ours_no_overlap = lambda: engines[False].train_step((ids, labels))  # noqa: E731
@@ -62,16 +66,27 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
     if rank == 0:
         params = sum(p.numel() for p in base.parameters())
-        print(json.dumps({
-            "bench": "data_parallel", "dp": world, "m": args.m, "mbs": args.mbs,
-            "params": params, "bucket_elements": args.bucket,
-            "fxmeg_tokens_per_s": tokens / median(t_ours),
-            "torch_ddp_tokens_per_s": tokens / median(t_ddp),
-            "ratio_fxmeg_over_ddp": median(t_ddp) / median(t_ours),
-            "fxmeg_no_overlap_tokens_per_s": tokens / median(t_off),
-            "exposed_reduction_wait_s": {"overlap": float(exposed[0]), "no_overlap": float(exposed[1])},
-            "fraction_of_reduction_hidden": 1.0 - float(exposed[0]) / float(exposed[1]),
-        }))
+        print(
+            json.dumps(
+                {
+                    "bench": "data_parallel",
+                    "dp": world,
+                    "m": args.m,
+                    "mbs": args.mbs,
+                    "params": params,
+                    "bucket_elements": args.bucket,
+                    "fxmeg_tokens_per_s": tokens / median(t_ours),
+                    "torch_ddp_tokens_per_s": tokens / median(t_ddp),
+                    "ratio_fxmeg_over_ddp": median(t_ddp) / median(t_ours),
+                    "fxmeg_no_overlap_tokens_per_s": tokens / median(t_off),
+                    "exposed_reduction_wait_s": {
+                        "overlap": float(exposed[0]),
+                        "no_overlap": float(exposed[1]),
+                    },
+                    "fraction_of_reduction_hidden": 1.0 - float(exposed[0]) / float(exposed[1]),
+                }
+            )
+        )
 
 
 def _timing(fn, out: list[float]):

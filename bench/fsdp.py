@@ -50,7 +50,9 @@ def _data(args, world: int):
 
 def run(rank: int, world: int, args, name: str, out: str) -> None:
     base = _rss()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     ids, labels = _data(args, world)
@@ -58,9 +60,18 @@ def run(rank: int, world: int, args, name: str, out: str) -> None:
     if name == "fsdp2":
         step = _fsdp2(model, rank, world, ids, labels, args)
     else:
-        zero = dict(zero=3, backward_prefetch="post") if name.endswith("-post") else dict(zero=int(name[-1]))
-        engine = fxmeg.parallelize(model, (ids[: args.mbs], labels[: args.mbs]), global_batch_size=len(ids),
-                                   optimizer=adamw, **zero)
+        zero = (
+            dict(zero=3, backward_prefetch="post")
+            if name.endswith("-post")
+            else dict(zero=int(name[-1]))
+        )
+        engine = fxmeg.parallelize(
+            model,
+            (ids[: args.mbs], labels[: args.mbs]),
+            global_batch_size=len(ids),
+            optimizer=adamw,
+            **zero,
+        )
         step = lambda: engine.train_step((ids, labels))  # noqa: E731
     times = [timed(step) for _ in range(args.warmup + args.steps)][args.warmup:]
     write_gathered({"peak": _peak() - base, "step_s": median(times)}, out)
@@ -107,12 +118,18 @@ def main() -> None:
     result = {"model": vars(args), "world": 2}
     for name, rounds in got.items():
         step = median([max(r["step_s"] for r in ranks) for ranks in rounds])
-        result[name] = {"tokens_per_s": round(tokens / step, 1), "step_s": round(step, 4),
-                        "peak_bytes": max(r["peak"] for ranks in rounds for r in ranks),
-                        "step_s_per_round": [round(max(r["step_s"] for r in ranks), 4) for ranks in rounds]}
+        result[name] = {
+            "tokens_per_s": round(tokens / step, 1),
+            "step_s": round(step, 4),
+            "peak_bytes": max(r["peak"] for ranks in rounds for r in ranks),
+            "step_s_per_round": [round(max(r["step_s"] for r in ranks), 4) for ranks in rounds],
+        }
     result["zero3_over_fsdp2"] = {
-        "tokens_per_s": round(result["fxmeg-zero3"]["tokens_per_s"] / result["fsdp2"]["tokens_per_s"], 3),
-        "peak": round(result["fxmeg-zero3"]["peak_bytes"] / result["fsdp2"]["peak_bytes"], 3)}
+        "tokens_per_s": round(
+            result["fxmeg-zero3"]["tokens_per_s"] / result["fsdp2"]["tokens_per_s"], 3
+        ),
+        "peak": round(result["fxmeg-zero3"]["peak_bytes"] / result["fsdp2"]["peak_bytes"], 3),
+    }
     print(json.dumps(result))
 
 

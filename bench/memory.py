@@ -66,7 +66,9 @@ def peak() -> int:
 
 
 def config(args) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=16, n_embd=args.hidden)
+    return GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=16, n_embd=args.hidden
+    )
 
 
 def batch(args, rows: int):
@@ -96,12 +98,22 @@ def parallel(rank: int, world: int, args, layout: dict, meta: bool, out: str) ->
     with torch.device("meta") if meta else torch.device("cpu"):
         torch.manual_seed(0)
         model = GPT(config(args))
-    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    largest = max(
+        sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        for m in model.modules()
+    )
     ids, labels = batch(args, args.m)
     init = dict(init_fn=model.init_weights, seed=0) if meta else {}
-    engine = fxmeg.parallelize(model, (ids[:1], labels[:1]), global_batch_size=args.m, **layout, **init,
-                               optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
-    built = peak() - base  # parameters and gradient buffers exist; Adam's state comes with the first step
+    engine = fxmeg.parallelize(
+        model,
+        (ids[:1], labels[:1]),
+        global_batch_size=args.m,
+        **layout,
+        **init,
+        optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True),
+    )
+    # parameters and gradient buffers exist; Adam's state comes with the first step
+    built = peak() - base
     for _ in range(args.steps):
         engine.train_step((ids, labels) if engine.needs_data else None)
     held = sum(p.numel() * p.element_size() for p in engine.named_parameters.values())
@@ -121,17 +133,23 @@ def _planned(args, layout: dict) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--m", type=int, default=4, help="micro-batches (of 1 row) per step")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--runs", default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2,real-dp4z1,real-dp4z2,real-dp4z3,"
-                                     "real-dp4z3b4m,real-dp4z3b4mpost,meta-dp4z3")
+    p.add_argument(
+        "--runs",
+        default="plain,real-pp4,real-tp2pp2,meta-pp4,meta-tp2pp2,real-dp4z1,real-dp4z2,real-dp4z3,"
+        "real-dp4z3b4m,real-dp4z3b4mpost,meta-dp4z3",
+    )
     args = p.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each (spawned) process
+    # read by each (spawned) process
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     layouts = {"pp4": dict(pp=4, schedule="1f1b"), "tp2pp2": dict(tp=2, pp=2, schedule="1f1b"),
                **{f"dp4z{z}": dict(zero=z) for z in (1, 2, 3)},
                "dp4z3b4m": dict(zero=3, bucket_size=4_000_000),
@@ -151,12 +169,15 @@ def main() -> None:
             with open(out) as f:
                 ranks = json.load(f)
             worst = max(ranks, key=lambda r: r["peak"])
-            result[run] = {"peak_per_rank": [r["peak"] for r in ranks], "worst": worst["peak"],
-                           "peak_after_parallelize": max(r["peak_after_parallelize"] for r in ranks),
-                           "params_bytes_per_rank": [r["params_bytes"] for r in ranks],
-                           "largest_module_bytes": worst["largest_module_bytes"],
-                           "share_bytes": max(r["share_bytes"] for r in ranks),
-                           "plan": _planned(args, layouts[layout])}
+            result[run] = {
+                "peak_per_rank": [r["peak"] for r in ranks],
+                "worst": worst["peak"],
+                "peak_after_parallelize": max(r["peak_after_parallelize"] for r in ranks),
+                "params_bytes_per_rank": [r["params_bytes"] for r in ranks],
+                "largest_module_bytes": worst["largest_module_bytes"],
+                "share_bytes": max(r["share_bytes"] for r in ranks),
+                "plan": _planned(args, layouts[layout]),
+            }
             result[run]["plan_over_worst"] = round(result[run]["plan"] / worst["peak"], 3)
     if "plain" in result:
         for run, r in result.items():

@@ -27,7 +27,8 @@ whole model first, so the whole-run peak mostly shows that).
 
     python bench/moe.py                  # m 4, mbs 2, 10 timed steps each, 3 for memory
     python bench/moe.py --steps 2 --warmup 1 --layers 2 --hidden 128 --mem-steps 1
-    python bench/moe.py --trace runs/moe-trace   # also writes ep1.json / ep2.json for fxmeg plot-schedule
+    # also writes ep1.json / ep2.json for fxmeg plot-schedule:
+    python bench/moe.py --trace runs/moe-trace
 """
 
 from __future__ import annotations
@@ -55,10 +56,17 @@ RUNS = {"ep1": 1, "ep2": 2}
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
     import transformers as T
 
-    cfg = T.MixtralConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=args.seq, num_local_experts=args.experts,
-                          num_experts_per_tok=args.top_k)
+    cfg = T.MixtralConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+    )
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(cfg)
 
@@ -82,7 +90,9 @@ def state_bytes(engine) -> dict[str, int]:
     params = list(ctx.named_parameters.values())
     grads = [b.data for b in ctx.ddp.all()]
     seen = {t.untyped_storage().data_ptr() for t in params + grads}
-    opt = [p.master for p in ctx.optimizer.pieces if p.master.untyped_storage().data_ptr() not in seen]
+    opt = [
+        p.master for p in ctx.optimizer.pieces if p.master.untyped_storage().data_ptr() not in seen
+    ]
     opt += [v for s in ctx.optimizer.inner.state.values() for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0]
     out = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in
@@ -104,7 +114,9 @@ def a2a(events: list[tuple]) -> tuple[float, float, dict[str, float]]:
 def speed(rank: int, world: int, args: argparse.Namespace) -> None:
     ids, labels = batch(args, world)
     engines = {name: engine(args, ep, ids, labels) for name, ep in RUNS.items()}
-    steps = {name: (lambda e=e: e.train_step((ids, labels), trace=True)) for name, e in engines.items()}
+    steps = {
+        name: (lambda e=e: e.train_step((ids, labels), trace=True)) for name, e in engines.items()
+    }
     for _ in range(args.warmup):
         for fn in steps.values():
             fn()
@@ -137,16 +149,24 @@ def speed(rank: int, world: int, args: argparse.Namespace) -> None:
     for name, ep in RUNS.items():
         t = times[name]
         result[name] = {
-            "ep": ep, "tokens_per_s": tokens / median(t), "median_step_s": median(t),
-            "min_step_s": min(t), "max_step_s": max(t),
+            "ep": ep,
+            "tokens_per_s": tokens / median(t),
+            "median_step_s": median(t),
+            "min_step_s": min(t),
+            "max_step_s": max(t),
             "state_bytes_per_rank": [r[name]["state_bytes"] for r in ranks],
-            "all_to_all": {"s_per_step": [r[name]["a2a_s"] for r in ranks],
-                           "share_of_step": [r[name]["a2a_share"] for r in ranks],
-                           "by_name_s": [r[name]["a2a_by_name_s"] for r in ranks]} if ep > 1 else None,
+            "all_to_all": {
+                "s_per_step": [r[name]["a2a_s"] for r in ranks],
+                "share_of_step": [r[name]["a2a_share"] for r in ranks],
+                "by_name_s": [r[name]["a2a_by_name_s"] for r in ranks],
+            }
+            if ep > 1
+            else None,
         }
     result["ratio_ep2_over_ep1_tokens_per_s"] = median(times["ep1"]) / median(times["ep2"])
-    result["ratio_ep2_over_ep1_state_bytes"] = (max(s["total"] for s in result["ep2"]["state_bytes_per_rank"])
-                                                / max(s["total"] for s in result["ep1"]["state_bytes_per_rank"]))
+    result["ratio_ep2_over_ep1_state_bytes"] = max(
+        s["total"] for s in result["ep2"]["state_bytes_per_rank"]
+    ) / max(s["total"] for s in result["ep1"]["state_bytes_per_rank"])
     with open(args.out, "w") as f:
         json.dump(result, f)
 
@@ -189,10 +209,24 @@ def main() -> None:
     p.add_argument("--trace", default="", help="write each run's last timed step's trace here")
     args = p.parse_args()
     world = 2
-    result = {"bench": "moe", "backend": "gloo", "dp": world, "m": args.m, "mbs": args.mbs,
-              "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
-                        "experts": args.experts, "top_k": args.top_k, "seq": args.seq, "vocab": args.vocab},
-              "steps": args.steps, "warmup": args.warmup}
+    result = {
+        "bench": "moe",
+        "backend": "gloo",
+        "dp": world,
+        "m": args.m,
+        "mbs": args.mbs,
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "seq": args.seq,
+            "vocab": args.vocab,
+        },
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         args.out = os.path.join(tmp, "speed.json")
@@ -204,10 +238,16 @@ def main() -> None:
             spawn(world, memory, args, ep, out)
             with open(out) as f:
                 ranks = json.load(f)
-            speed_result[name]["rss"] = {k: [r[k] for r in ranks]
-                                         for k in ("peak", "peak_after_parallelize", "peak_training")}
+            speed_result[name]["rss"] = {
+                k: [r[k] for r in ranks]
+                for k in ("peak", "peak_after_parallelize", "peak_training")
+            }
     result |= speed_result
-    if args.mem_steps and None not in result["ep1"]["rss"]["peak_training"] + result["ep2"]["rss"]["peak_training"]:
+    if (
+        args.mem_steps
+        and None
+        not in result["ep1"]["rss"]["peak_training"] + result["ep2"]["rss"]["peak_training"]
+    ):
         result["ratio_ep2_over_ep1_peak_training"] = (max(result["ep2"]["rss"]["peak_training"])
                                                       / max(result["ep1"]["rss"]["peak_training"]))
     result["experts_implementation"] = make_model(args).config._experts_implementation

@@ -79,18 +79,28 @@ class Empty(nn.Module):
 
 def _model(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=heads, n_embd=hidden))
+    return GPT(
+        GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=heads, n_embd=hidden)
+    )
 
 
 def _batch(rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
+    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(
+        0, vocab, (rows, seq), generator=g
+    )
 
 
 def _fxmeg(base: GPT, ids, labels, mbs: int, pp: int, schedule: str):
     engine = fxmeg.parallelize(
-        copy.deepcopy(base), (ids[:mbs], labels[:mbs]), pp=pp, vpp=FXMEG_VPP.get(schedule, 1), schedule=schedule,
-        global_batch_size=ids.shape[0], optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+        copy.deepcopy(base),
+        (ids[:mbs], labels[:mbs]),
+        pp=pp,
+        vpp=FXMEG_VPP.get(schedule, 1),
+        schedule=schedule,
+        global_batch_size=ids.shape[0],
+        optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True),
+    )
     return engine, lambda: engine.train_step((ids, labels))
 
 
@@ -118,7 +128,9 @@ def empty(rank: int, world: int, args: argparse.Namespace) -> dict:
             name, cls, placement = TORCH_SCHEDULES[key]
             if placement == "traced":
                 continue
-            group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=args.timeout))
+            group = dist.new_group(
+                list(range(world)), timeout=datetime.timedelta(seconds=args.timeout)
+            )
 
             def build(cls=cls, placement=placement, group=group, m=m, ids=ids, labels=labels):
                 step = torch_manual(copy.deepcopy(base), rank, world, m, cls, placement, group)
@@ -136,10 +148,16 @@ def empty(rank: int, world: int, args: argparse.Namespace) -> dict:
             out[name] = {"failed": failed[name]}
             continue
         t1, t2 = median(times[(name, args.m)]), median(times[(name, 2 * args.m)])
-        row = {"step_ms": {args.m: 1e3 * t1, 2 * args.m: 1e3 * t2}, "per_microbatch_us": 1e6 * (t2 - t1) / args.m}
+        row = {
+            "step_ms": {args.m: 1e3 * t1, 2 * args.m: 1e3 * t2},
+            "per_microbatch_us": 1e6 * (t2 - t1) / args.m,
+        }
         if name in actions:
             a1, a2 = actions[name][args.m], actions[name][2 * args.m]
-            row |= {"actions": {args.m: a1, 2 * args.m: a2}, "per_action_us": 1e6 * (t2 - t1) / (a2 - a1)}
+            row |= {
+                "actions": {args.m: a1, 2 * args.m: a2},
+                "per_action_us": 1e6 * (t2 - t1) / (a2 - a1),
+            }
         out[name] = row
     return out
 
@@ -222,23 +240,55 @@ def _split(spans: list[tuple], n: int) -> dict:
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
     report = {"empty": empty(rank, world, args), "traced": traced(rank, world, args)}
     if rank == 0:
-        print(json.dumps({"bench": "overhead", "pp": world, "m": args.m, "empty_model": EMPTY,
-                          "traced_model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq,
-                                           "vocab": args.vocab, "mbs": args.mbs},
-                          "steps": args.steps, **report}))
+        print(
+            json.dumps(
+                {
+                    "bench": "overhead",
+                    "pp": world,
+                    "m": args.m,
+                    "empty_model": EMPTY,
+                    "traced_model": {
+                        "layers": args.layers,
+                        "hidden": args.hidden,
+                        "seq": args.seq,
+                        "vocab": args.vocab,
+                        "mbs": args.mbs,
+                    },
+                    "steps": args.steps,
+                    **report,
+                }
+            )
+        )
 
 
 def main() -> None:
     p = parser(__doc__, pp=2)
-    p.add_argument("--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev", help="traced")
-    p.add_argument("--traced-steps", type=int, default=3, help="traced steps per schedule (times are their means)")
-    p.add_argument("--latency-ms", type=float, default=1.0, help="each message's latency in bound_latency_s")
+    p.add_argument(
+        "--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev", help="traced"
+    )
+    p.add_argument(
+        "--traced-steps",
+        type=int,
+        default=3,
+        help="traced steps per schedule (times are their means)",
+    )
+    p.add_argument(
+        "--latency-ms", type=float, default=1.0, help="each message's latency in bound_latency_s"
+    )
     p.add_argument("--empty-fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev",
                    help="on the empty model")
-    p.add_argument("--torch-schedules", default="1f1b,interleaved",
-                   help="on the empty model; its zbv, dualpipev and interleaved_zb fail there (their I action)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a peer variant's communication may block before it counts as failed")
+    p.add_argument(
+        "--torch-schedules",
+        default="1f1b,interleaved",
+        help="on the empty model; its zbv, dualpipev and interleaved_zb fail there "
+        "(their I action)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a peer variant's communication may block before it counts as failed",
+    )
     args = p.parse_args()
     spawn(args.pp, run, args)
 

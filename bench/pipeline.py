@@ -56,7 +56,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def torch_pipeline(model: GPT, rank: int, pp: int, vpp: int, m: int, *, same_math: bool, tied_group=None):
+def torch_pipeline(
+    model: GPT, rank: int, pp: int, vpp: int, m: int, *, same_math: bool, tied_group=None
+):
     """Schedule1F1B (vpp=1) or ScheduleInterleaved1F1B over stages c = rank + k * pp.
 
     As a user writes it from the tutorial, each stage owns a copy of the tied embedding /
@@ -88,7 +90,11 @@ def torch_pipeline(model: GPT, rank: int, pp: int, vpp: int, m: int, *, same_mat
                 [s.submod.lm_head.weight for s in stages if s.submod.last]
             if rank in (0, last) and pp > 1:
                 dist.all_reduce(tied[0].grad, group=tied_group)
-            grads = [p.grad for p in params if p.grad is not None and not (rank == last and rank != 0 and p is tied[-1])]
+            grads = [
+                p.grad
+                for p in params
+                if p.grad is not None and not (rank == last and rank != 0 and p is tied[-1])
+            ]
             total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().reshape(1)
             dist.all_reduce(total)
             coeff = 1.0 / (float(total.sqrt()) + 1e-6)
@@ -118,13 +124,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     tokens = rows * args.seq
     report = {}
     single = _single_process_time(rank, base, ids, labels, args)
-    tied_group = dist.new_group(sorted({0, world - 1}))  # first and last stage (any vpp: rank of chunk 0 and n-1)
+    # first and last stage (any vpp: rank of chunk 0 and n-1)
+    tied_group = dist.new_group(sorted({0, world - 1}))
     for name, vpp, split, p2p in _variants(world, args.layers):
         engine = fxmeg.parallelize(
             copy.deepcopy(base), (ids[: args.mbs], labels[: args.mbs]), pp=world, vpp=vpp,
             global_batch_size=rows, split_points=split, p2p=p2p,
             optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
-        peer, peer_params = torch_pipeline(copy.deepcopy(base), rank, world, vpp, args.m, same_math=False)
+        peer, peer_params = torch_pipeline(
+            copy.deepcopy(base), rank, world, vpp, args.m, same_math=False
+        )
         exact, _ = torch_pipeline(copy.deepcopy(base), rank, world, vpp, args.m, same_math=True,
                                   tied_group=tied_group)
         ours = lambda: engine.train_step((ids, labels))  # noqa: E731
@@ -143,7 +152,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         timeline = timelines.analyze(gathered[0]) if gathered else None
         mem_ours = _saved_peak(ours, engine.named_parameters.values())
         mem_theirs = _saved_peak(theirs, peer_params)
-        ideal = world * args.m / (args.m + world - 1) if vpp == 1 else world / (1 + (world - 1) / (vpp * args.m))
+        ideal = (
+            world * args.m / (args.m + world - 1)
+            if vpp == 1
+            else world / (1 + (world - 1) / (vpp * args.m))
+        )
         report[name] = {
             "fxmeg_chunks": [list(engine.partition.chunk_units(c)) for c in range(world * vpp)],
             "fxmeg_tokens_per_s": tokens / median(t_ours),
@@ -159,13 +172,28 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         }
         if timeline:  # one traced step: where fxmeg's time goes, per rank
             report[name]["fxmeg_trace"] = [
-                {"compute_s": r["compute_s"], "bubble": r["bubble"], "p2p_s": r["p2p_s"]} for r in timeline["ranks"]]
+                {"compute_s": r["compute_s"], "bubble": r["bubble"], "p2p_s": r["p2p_s"]}
+                for r in timeline["ranks"]
+            ]
     if rank == 0:
-        print(json.dumps({
-            "bench": "pipeline", "pp": world, "m": args.m, "mbs": args.mbs,
-            "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab},
-            "steps": args.steps, "results": report,
-        }))
+        print(
+            json.dumps(
+                {
+                    "bench": "pipeline",
+                    "pp": world,
+                    "m": args.m,
+                    "mbs": args.mbs,
+                    "model": {
+                        "layers": args.layers,
+                        "hidden": args.hidden,
+                        "seq": args.seq,
+                        "vocab": args.vocab,
+                    },
+                    "steps": args.steps,
+                    "results": report,
+                }
+            )
+        )
 
 
 def _variants(pp: int, layers: int):

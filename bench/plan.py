@@ -34,13 +34,28 @@ def build(kind: str, layers: int, seq: int) -> torch.nn.Module:
         if kind == "fxmeg":
             from models.llama import Llama, LlamaConfig
 
-            return Llama(LlamaConfig(vocab_size=s["vocab"], n_layer=layers, n_embd=s["hidden"], n_head=s["heads"],
-                                     n_kv_head=s["kv_heads"], ffn_hidden=s["ffn"], seq_len=seq))
+            return Llama(
+                LlamaConfig(
+                    vocab_size=s["vocab"],
+                    n_layer=layers,
+                    n_embd=s["hidden"],
+                    n_head=s["heads"],
+                    n_kv_head=s["kv_heads"],
+                    ffn_hidden=s["ffn"],
+                    seq_len=seq,
+                )
+            )
         import transformers as T
 
-        cfg = T.LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                            num_hidden_layers=layers, num_attention_heads=s["heads"],
-                            num_key_value_heads=s["kv_heads"], max_position_embeddings=seq)
+        cfg = T.LlamaConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            intermediate_size=s["ffn"],
+            num_hidden_layers=layers,
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            max_position_embeddings=seq,
+        )
         return T.AutoModelForCausalLM.from_config(cfg)
 
 
@@ -63,17 +78,31 @@ def one(kind: str, layers: int, seq: int) -> dict:
     passes = {r.step: round(r.seconds, 3) for r in records}
     first = plan.stages[0]
     return {
-        "model": kind, "seconds": round(end - start, 2), "build_s": round(built - start, 2),
-        "passes_s": passes, "plan_s": round(end - built - sum(passes.values()), 2),
+        "model": kind,
+        "seconds": round(end - start, 2),
+        "build_s": round(built - start, 2),
+        "passes_s": passes,
+        "plan_s": round(end - built - sum(passes.values()), 2),
         "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "total_parameters": plan.total_parameters,
-        "stage0": {k: getattr(first, k) for k in ("parameter_elements", "weights_and_optimizer", "activations",
-                                                  "microbatches_in_flight", "total", "bubble")},
+        "stage0": {
+            k: getattr(first, k)
+            for k in (
+                "parameter_elements",
+                "weights_and_optimizer",
+                "activations",
+                "microbatches_in_flight",
+                "total",
+                "bubble",
+            )
+        },
     }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=80)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--one", choices=("fxmeg", "hf"), help=argparse.SUPPRESS)

@@ -91,7 +91,11 @@ def torch_manual(model: GPT, rank: int, pp: int, m: int, cls, placement: str, gr
                       torch.device("cpu"), group=group)
         for c in mine
     ]
-    sched = cls(stages[0], m, loss_fn=lm_loss) if placement == "single" else cls(stages, m, loss_fn=lm_loss)
+    sched = (
+        cls(stages[0], m, loss_fn=lm_loss)
+        if placement == "single"
+        else cls(stages, m, loss_fn=lm_loss)
+    )
     return _step(sched, stages, has_first=0 in mine, has_last=n - 1 in mine)
 
 
@@ -157,19 +161,29 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     for s in filter(None, args.fxmeg_schedules.split(",")):
         def build(s=s):
             engine = fxmeg.parallelize(
-                copy.deepcopy(base), (ids[: args.mbs], labels[: args.mbs]), pp=world,
-                vpp=FXMEG_VPP.get(s, 1), schedule=s, global_batch_size=rows, comm_timeout_s=args.timeout,
-                optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+                copy.deepcopy(base),
+                (ids[: args.mbs], labels[: args.mbs]),
+                pp=world,
+                vpp=FXMEG_VPP.get(s, 1),
+                schedule=s,
+                global_batch_size=rows,
+                comm_timeout_s=args.timeout,
+                optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True),
+            )
             return lambda: engine.train_step((ids, labels))
         builders.append((f"fxmeg_{s}", build))
     for key in filter(None, args.torch_schedules.split(",")):
         name, cls, placement = TORCH_SCHEDULES[key]
-        group = dist.new_group(list(range(world)), timeout=timeout)  # its own tags: no stale messages across variants
+        # its own tags: no stale messages across variants
+        group = dist.new_group(list(range(world)), timeout=timeout)
 
         def build(cls=cls, placement=placement, group=group):
             model = copy.deepcopy(base)
-            step = (torch_traced(model, rank, world, args.m, ids[: args.mbs], group) if placement == "traced"
-                    else torch_manual(model, rank, world, args.m, cls, placement, group))
+            step = (
+                torch_traced(model, rank, world, args.m, ids[: args.mbs], group)
+                if placement == "traced"
+                else torch_manual(model, rank, world, args.m, cls, placement, group)
+            )
             return lambda: step(ids, labels)
         builders.append((name, build))
 
@@ -207,7 +221,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
                          "speedup_over_1_process": single / t if single else None}
 
     def best(prefix):
-        ok = {n: r["tokens_per_s"] for n, r in results.items() if n.startswith(prefix) and "failed" not in r}
+        ok = {
+            n: r["tokens_per_s"]
+            for n, r in results.items()
+            if n.startswith(prefix) and "failed" not in r
+        }
         if not ok:
             return None
         n = max(ok, key=ok.get)
@@ -217,30 +235,54 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     everywhere = results["one_process_on_every_rank"].get("median_step_s")
     ceiling = world * single / everywhere if single and everywhere else None
     if rank == 0:
-        print(json.dumps({
-            "bench": "zero_bubble", "pp": world, "m": args.m, "mbs": args.mbs,
-            "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab},
-            "steps": args.steps, "warmup": args.warmup,
-            "load_avg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
-            "results": results, "best_fxmeg": best_fxmeg, "best_torch": best_torch,
-            "ceiling_over_1_process": ceiling,
-            "ratio_best_fxmeg_over_best_torch": (best_fxmeg["tokens_per_s"] / best_torch["tokens_per_s"]
-                                                 if best_fxmeg and best_torch else None),
-        }))
+        print(
+            json.dumps(
+                {
+                    "bench": "zero_bubble",
+                    "pp": world,
+                    "m": args.m,
+                    "mbs": args.mbs,
+                    "model": {
+                        "layers": args.layers,
+                        "hidden": args.hidden,
+                        "seq": args.seq,
+                        "vocab": args.vocab,
+                    },
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "load_avg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+                    "results": results,
+                    "best_fxmeg": best_fxmeg,
+                    "best_torch": best_torch,
+                    "ceiling_over_1_process": ceiling,
+                    "ratio_best_fxmeg_over_best_torch": (
+                        best_fxmeg["tokens_per_s"] / best_torch["tokens_per_s"]
+                        if best_fxmeg and best_torch
+                        else None
+                    ),
+                }
+            )
+        )
 
 
 def main() -> None:
     p = parser(__doc__, pp=2)
     p.add_argument("--fxmeg-schedules", default="1f1b,interleaved,zbh1,zbv,dualpipev",
                    help="comma-separated fxmeg schedules (vpp=2 for interleaved, zbv, dualpipev)")
-    p.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
-                   help=f"comma-separated torch.distributed.pipelining variants, of {','.join(TORCH_SCHEDULES)}")
+    p.add_argument(
+        "--torch-schedules",
+        default=",".join(TORCH_SCHEDULES),
+        help="comma-separated torch.distributed.pipelining variants, of "
+        f"{','.join(TORCH_SCHEDULES)}",
+    )
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a variant's communication may block before it counts as failed")
     args = p.parse_args()
     unknown = set(filter(None, args.torch_schedules.split(","))) - set(TORCH_SCHEDULES)
     if unknown:
-        p.error(f"--torch-schedules: unknown {sorted(unknown)}; choose from {sorted(TORCH_SCHEDULES)}")
+        p.error(
+            f"--torch-schedules: unknown {sorted(unknown)}; choose from {sorted(TORCH_SCHEDULES)}"
+        )
     spawn(args.pp, run, args)
 
 

@@ -21,7 +21,10 @@ from models.gpt import GPT, GPTConfig  # noqa: E402
 
 def batch(step: int, rows: int = 32, seq: int = 32, vocab: int = 128):
     g = torch.Generator().manual_seed(step)
-    start, stride = torch.randint(0, vocab, (rows, 1), generator=g), torch.randint(1, 4, (rows, 1), generator=g)
+    start, stride = (
+        torch.randint(0, vocab, (rows, 1), generator=g),
+        torch.randint(1, 4, (rows, 1), generator=g),
+    )
     tokens = (start + stride * torch.arange(seq + 1)) % vocab
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -25,7 +25,11 @@ parser.add_argument("--run-dir", default="runs/llama", help="where metrics.jsonl
 args = parser.parse_args()
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-model = Llama(LlamaConfig(vocab_size=384, seq_len=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128))
+model = Llama(
+    LlamaConfig(
+        vocab_size=384, seq_len=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128
+    )
+)
 config = TrainConfig.from_flat(data=args.data, seq_len=64, micro_batch_size=4, global_batch_size=32,
                                train_iters=args.steps, tp=2, pp=2, lr=3e-3, lr_warmup_samples=128,
                                eval_interval=20, eval_iters=4, log_interval=min(5, args.steps),

@@ -37,7 +37,7 @@ from fxmeg.errors import ConfigError, closest
 
 log = logging.getLogger("fxmeg.capture")
 ATTENTION = ("sdpa", "eager")
-"""The attention implementations whose graphs fxmeg captures and splits (tests/test_hugging_face.py)."""
+"""The attention implementations whose graphs fxmeg captures and splits (tests/frontend/test_hugging_face.py)."""
 EXPORTABLE_EXPERTS = ("grouped_mm", "batched_mm")
 """The experts implementations fxmeg captures an "eager" mixture of experts with, in order of
 preference: grouped_mm is transformers' own default (each expert multiplies its tokens, as

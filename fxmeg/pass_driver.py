@@ -3,7 +3,7 @@
 The pass list is data (``PASSES``), the one list of the passes in order: each entry names
 its pass, the graph the pass takes (``Scope``) and the check of its Ensures
 (fxmeg/passes/verify.py); fxmeg/passes/__init__.py and docs/architecture.md §1 list the same
-passes in the same order (tests/test_pass_list.py holds them to it). ``transform``
+passes in the same order (tests/frontend/test_pass_list.py holds them to it). ``transform``
 captures the model, runs every pass in order, logs each one's time and node count, can
 dump each pass's graph, and collects the result into the frozen, rank-free
 ``fxmeg.program.Program`` (docs/architecture.md §1, §2).

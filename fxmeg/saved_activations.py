@@ -12,7 +12,7 @@ tensors (the largest region's, once). An op the table does not know counts its o
 when that requires grad (an upper bound), named in the breakdown as such.
 
 Measured against ``fxmeg.measured_activations.SavedBytes`` (what autograd really packs) in
-tests/test_plan.py. Megatron's formula and its differences: docs/cli.md.
+tests/diagnostics/test_plan.py. Megatron's formula and its differences: docs/cli.md.
 """
 
 from __future__ import annotations

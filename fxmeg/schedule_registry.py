@@ -8,14 +8,14 @@ may pick it. Every reader takes these facts from here: ``ParallelConfig`` (the n
 vpp and pp rules, 'auto', the placement, ``splits_backward``), ``EngineConfig``'s batch
 check and ``fxmeg.runtime.schedules.build`` (the same refusals, written once below:
 ``layout_refusal`` and ``batch_refusal``), the partition pass (a V placement) and
-docs/parallelism.md's schedule table (tests/test_schedule_registry.py checks it row for
+docs/parallelism.md's schedule table (tests/config/test_schedule_registry.py checks it row for
 row against ``table_rows``).
 
 Adding a schedule:
   1. one ``Spec`` in ``SPECS`` below (a new kind of rule: a field, and its line in
      ``layout_refusal`` or ``batch_refusal``);
   2. its builder in fxmeg/runtime/schedules.py, named by the row's ``builder``: a pure
-     function ``(pp, vpp, m) -> Schedule`` (tests/test_schedule_registry.py checks
+     function ``(pp, vpp, m) -> Schedule`` (tests/config/test_schedule_registry.py checks
      that every row names one);
   3. its row in docs/parallelism.md's table (the test prints the row it expects).
 The simulator grids (tests/runtime/test_schedules.py, test_schedules_zero_bubble.py) then

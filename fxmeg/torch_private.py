@@ -4,7 +4,7 @@ torch keeps no promise about names with a leading underscore (``torch._guards``,
 ``op._schema``, ``torch._foreach_norm``): a release may move or drop them. So no other
 module of fxmeg/ touches one; they import it from here, where each entry says what it is
 for and was checked on torch ``CHECKED_ON``. After a torch upgrade, ``pytest
-tests/test_torch_private.py`` resolves every entry and names the ones that moved;
+tests/repo/test_torch_private.py`` resolves every entry and names the ones that moved;
 its source scan fails on a private torch name read anywhere else in fxmeg/.
 (The public op namespaces ``torch.ops.aten`` / ``torch.ops.fxmeg`` are not private,
 whatever their ops are called: ``aten._to_copy`` needs no entry.)
@@ -154,4 +154,4 @@ foreach_norm = _private("torch:_foreach_norm")
 # Multiply each tensor of a list in place by one scalar (gradient clipping).
 foreach_mul_ = _private("torch:_foreach_mul_")
 
-# --- pytree: fxmeg uses none (tests/shared_transform.py uses torch.utils._pytree directly) ---
+# --- pytree: fxmeg uses none (tests/harness/shared_transform.py uses torch.utils._pytree directly) ---

@@ -44,11 +44,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg: LlamaConfig, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary cos and sin tables, (seq_len, head_dim) each."""
     head_dim = cfg.n_embd // cfg.n_head
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    freqs = torch.outer(torch.arange(cfg.seq_len, device=device).float(), inv_freq)  # (seq, head_dim / 2)
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        torch.arange(0, head_dim, 2, device=device).float() / head_dim
+    )
+    # (seq, head_dim / 2)
+    freqs = torch.outer(torch.arange(cfg.seq_len, device=device).float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # (seq, head_dim)
     return emb.cos(), emb.sin()
 

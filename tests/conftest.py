@@ -1,5 +1,5 @@
 """Fixtures shared by the trainer and checkpoint tests; every test (and, in a spawn, the rank
-that transforms: tests/shared_transform.py) checks each pass's Ensures after the pass
+that transforms: tests/harness/shared_transform.py) checks each pass's Ensures after the pass
 (fxmeg.passes.verify)."""
 
 import gc
@@ -9,32 +9,34 @@ import pytest
 
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
+from tests.harness import durations
 
 os.environ["FXMEG_VERIFY"] = "1"
 
-SLOWEST_FIRST = (
-    "tests/parity/test_expert_parallel.py", "tests/parity/test_zoo.py", "tests/test_cli.py",
-    "tests/test_docs.py", "tests/parity/test_zoo_axes.py", "tests/parity/test_context_parallel.py",
-    "tests/parity/test_hugging_face.py", "tests/parity/test_mixed_precision.py",
-    "tests/parity/test_variable_lengths.py", "tests/test_examples.py", "tests/parity/test_zero_bubble.py",
-    "tests/parity/test_pipeline.py", "tests/parity/test_tensor_parallel.py", "tests/parity/test_checkpoint.py",
-)
-"""The modules that take longest (wall time under `make test`'s two workers, 2 cores), slowest
-first: each worker takes a whole module at a time (``--dist loadfile``), and starting the
-longest ones first keeps one worker from running a long module alone at the end. Only an
-order: a module missing here runs after these, in its usual order."""
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="rewrite tests/durations.json from this run if it ran every test "
+                          "(make durations)")
 
 
 def pytest_collection_modifyitems(config, items):
-    first = {module: i for i, module in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable
+    """Slowest modules first, by tests/durations.json (tests/harness/durations.py)."""
+    modules = [durations.module(item.nodeid) for item in items]
+    rank = {m: i for i, m in enumerate(durations.slowest_first(modules, durations.read()))}
+    items.sort(key=lambda item: rank[durations.module(item.nodeid)])  # stable within a module
+
+
+def pytest_configure(config):
+    if config.getoption("record_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(durations.Recorder(), "fxmeg-record-durations")
 
 
 def pytest_collection_finish(session):
     """Every module is imported: freeze what exists, so the garbage collections the tests
     cause (fxmeg collects once per engine it builds, runtime/release.py) skip the
-    interpreter's imports instead of walking them each time (tests/distributed.py does the
-    same in each rank)."""
+    interpreter's imports instead of walking them each time (tests/harness/distributed.py
+    does the same in each rank)."""
     gc.collect()
     gc.freeze()
 

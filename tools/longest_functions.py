@@ -1,7 +1,7 @@
 """The longest functions under a folder (default fxmeg/), in code lines: the lines from
 ``def`` to the function's last line, blank lines and docstrings excluded (a docstring is
 prose that says why; it should not push a function over the limit). STYLE asks for ~40,
-a reason past 80; tests/test_code_size.py holds every function of fxmeg/ to ``LIMIT``.
+a reason past 80; tests/repo/test_code_size.py holds every function of fxmeg/ to ``LIMIT``.
 
 Usage: python tools/longest_functions.py [DIR] [N]"""
 
@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 LIMIT = 60
-"""Most code lines a function of fxmeg/ may have (tests/test_code_size.py)."""
+"""Most code lines a function of fxmeg/ may have (tests/repo/test_code_size.py)."""
 
 
 def _docstring_lines(tree: ast.AST) -> set[int]:
@@ -20,12 +20,18 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
     function's first statement, or an attribute's docstring after it)."""
     lines: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             lines.update(range(node.lineno, node.end_lineno + 1))
     return lines
 
 
-def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str], docstrings: set[int]) -> int:
+def code_lines(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str], docstrings: set[int]
+) -> int:
     """``node``'s lines (``def`` to its end, decorators excluded) that are neither blank
     nor part of a docstring."""
     span = range(node.lineno, node.end_lineno + 1)
@@ -41,7 +47,9 @@ def functions(root: str) -> list[tuple[int, str]]:
         docstrings = _docstring_lines(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                rows.append((code_lines(node, source, docstrings), f"{path}:{node.lineno} {node.name}"))
+                rows.append(
+                    (code_lines(node, source, docstrings), f"{path}:{node.lineno} {node.name}")
+                )
     return rows
 
 
@@ -51,5 +59,7 @@ def longest(root: str, n: int = 10) -> list[tuple[int, str]]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    for lines, where in longest(args[0] if args else "fxmeg", int(args[1]) if len(args) > 1 else 10):
+    for lines, where in longest(
+        args[0] if args else "fxmeg", int(args[1]) if len(args) > 1 else 10
+    ):
         print(f"{lines:4d}  {where}")

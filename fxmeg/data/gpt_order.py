@@ -1,6 +1,6 @@
 """Megatron's GPT sample order over one indexed dataset (``GPTDataset``'s document, sample
 and shuffle indices), written here in numpy so that a run reads Megatron's samples in
-Megatron's order (tests/test_gpt_order.py compares both, index by index and token by token).
+Megatron's order (tests/data/test_gpt_order.py compares both, index by index and token by token).
 
 For the documents of a split (one sequence each), ``num_samples`` samples of
 ``seq_len + extra`` tokens (``extra`` = 1: inputs and labels are the same window shifted by

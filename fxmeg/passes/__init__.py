@@ -4,7 +4,7 @@ after each pass when FXMEG_VERIFY=1. ``fxmeg/pass_driver.py`` holds the order an
 each as ``run(gm, config=config) -> gm`` on the graph of its scope (model, chunk, parent:
 docs/architecture.md §1). The sharding passes read one registry of op rules,
 ``passes/op_rules.py``.
-tests/test_pass_list.py holds this table to ``PASSES``:
+tests/frontend/test_pass_list.py holds this table to ``PASSES``:
 
   loss             model   mean loss -> (loss_sum, num_tokens)                  passes/loss.py
   analyse          model   whole-model FLOPs, value checks, position tables     passes/analyse.py
@@ -20,5 +20,5 @@ tests/test_pass_list.py holds this table to ``PASSES``:
 
 The metadata the passes write under ``node.meta["fxmeg"]`` and ``gm.meta["fxmeg"]``, who
 writes and who reads each key: docs/architecture.md §2 (held to the code by
-tests/test_pass_list.py). Higher-order ops (regions) in the passes: docs/architecture.md §8.9.
+tests/frontend/test_pass_list.py). Higher-order ops (regions) in the passes: docs/architecture.md §8.9.
 """

@@ -259,4 +259,4 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
 
 _BUILDERS = {f.__name__: f for f in (_none, _gpipe, _one_f_one_b, _interleaved, _zbh1, _zbv, _dualpipev)}
 """Each builder by the name its ``fxmeg.schedule_registry.Spec`` gives it: a new builder
-joins this list (tests/test_schedule_registry.py checks every row names one here)."""
+joins this list (tests/config/test_schedule_registry.py checks every row names one here)."""

@@ -3,7 +3,7 @@ and the helper that rebuilds full fp32 masters from every rank's optimizer piece
 
 ``reference`` trains the way Megatron's Float16OptimizerWithFloat16Params does, on one
 device, with nothing of fxmeg (its weight-decay groups are Megatron's rule written out
-in tests.helpers.reference_groups; a Hugging Face model is called with keywords and
+in tests.harness.helpers.reference_groups; a Hugging Face model is called with keywords and
 shifts its labels itself: its tokens are the labels after the first):
   * a deep copy of the model cast to bf16 / fp16 (parameters and floating buffers, as
     fxmeg's cast) runs forward and backward in half precision;
@@ -22,9 +22,9 @@ shifts its labels itself: its tokens are the labels after the first):
   * clipping of the global norm of the fp32 gradients, then the inner optimizer on the
     masters, then the masters copied into the half-precision parameters.
 
-With ``dtype=torch.float64`` the same loop is plain float64 training (float64 masters,
-no scale; ``skips`` names the steps an fp16 run skipped): the yardstick of the developers' rule that a correct run is no farther from
-float64 than the oracle is.
+With ``dtype=torch.float64`` the same loop is plain float64 training (float64 masters, no scale;
+``skips`` names the steps an fp16 run skipped): the yardstick of the developers' rule that a correct
+run is no farther from float64 than the oracle is.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from fxmeg.layouts import Shard
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
-from tests.helpers import OPTIMIZERS, Run, assert_grads_close, model_loss, reference_groups
+from tests.harness.helpers import OPTIMIZERS, Run, assert_grads_close, model_loss, reference_groups
 
 
 @contextlib.contextmanager
@@ -100,9 +100,12 @@ def reference(model: torch.nn.Module, batches, *, dtype: torch.dtype, micro_batc
     made = OPTIMIZERS[opt](reference_groups(masters.items()))
     inner = made if isinstance(made, list) else [made]  # Muon + AdamW: several optimizers
     scaler = Scaler(loss_scale) if dtype == torch.float16 else None
-    shifted = type(model).__module__.startswith("transformers.")  # the model shifts its labels itself
+    # the model shifts its labels itself
+    shifted = type(model).__module__.startswith("transformers.")
     first: dict[int, str] = {}
-    aliases = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    aliases = {
+        n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+    }
     out = {"losses": [], "norms": [], "skipped": [], "scales": [], "grads": []}
     for ids, labels in batches:
         scale = scaler.scale if scaler is not None else 1.0
@@ -112,7 +115,9 @@ def reference(model: torch.nn.Module, batches, *, dtype: torch.dtype, micro_batc
             g.zero_()
         for lo in range(0, ids.shape[0], micro_batch_size):
             with fp32_summed_cross_entropy():
-                loss = model_loss(half, ids[lo : lo + micro_batch_size], labels[lo : lo + micro_batch_size])
+                loss = model_loss(
+                    half, ids[lo : lo + micro_batch_size], labels[lo : lo + micro_batch_size]
+                )
             (loss * scale).backward()
             loss_sum += loss.item()
             for n, p in params.items():
@@ -178,14 +183,22 @@ def float64_rule_failures(masters: dict, oracle: dict, exact: dict, initial: dic
     whose float64 gradient is 70 x below the parameter's median; their step-1 gradients
     are 1.5 x the oracle's distance). Judge short runs by ``float64_grad_failures``."""
     got, want = change_errors(masters, exact, initial), change_errors(oracle, exact, initial)
-    far = {n: f"{got[n]:.1e} vs the oracle's {want[n]:.1e}" for n in got if got[n] > PARAM_SLACK * want[n]}
-    return f"masters farther from float64 than {PARAM_SLACK} x the oracle, of their change: {far}" if far else None
+    far = {
+        n: f"{got[n]:.1e} vs the oracle's {want[n]:.1e}"
+        for n in got
+        if got[n] > PARAM_SLACK * want[n]
+    }
+    return (
+        f"masters farther from float64 than {PARAM_SLACK} x the oracle, of their change: {far}"
+        if far
+        else None
+    )
 
 
 def float64_grad_failures(got: list[dict], oracle: dict, exact: dict) -> str | None:
     """None when every parameter's gradient at every step (``got``: fxmeg's
     ``StepResult.grads`` of each step) is no farther from the float64 run's (``exact``)
-    than PARAM_SLACK x the oracle's, per parameter (tests.helpers.assert_grads_close with
+    than PARAM_SLACK x the oracle's, per parameter (tests.harness.helpers.assert_grads_close with
     that factor; ``oracle`` and ``exact``: ``reference``'s results); else what is."""
     def run(r: dict) -> Run:
         return Run(r["losses"], r["norms"], r["masters"], r["grads"])
@@ -197,7 +210,9 @@ def float64_grad_failures(got: list[dict], oracle: dict, exact: dict) -> str | N
     return None
 
 
-def assert_float64_rule_per_parameter(masters: dict, oracle: dict, exact: dict, initial: dict) -> None:
+def assert_float64_rule_per_parameter(
+    masters: dict, oracle: dict, exact: dict, initial: dict
+) -> None:
     """``float64_rule_failures`` as an assertion."""
     failures = float64_rule_failures(masters, oracle, exact, initial)
     assert failures is None, failures
@@ -247,7 +262,7 @@ def check_sharded_bf16(ranks: list[dict], sc) -> None:
     """A dp-only bf16 scenario whose ranks reported ``master_pieces`` trains as the
     plain-PyTorch mixed-precision oracle: every step's loss and grad norm, and every fp32
     master at the end (gathered from the ranks' shards), within 1e-5."""
-    from tests.helpers import assert_losses_close, assert_weights_close
+    from tests.harness.helpers import assert_losses_close, assert_weights_close
     from tests.parity.scenarios import MBS, STEPS
 
     model = sc.make_model()

@@ -11,7 +11,7 @@ import torch
 
 import fxmeg
 from fxmeg.layouts import Shard
-from tests.helpers import (
+from tests.harness.helpers import (
     OPTIMIZERS,
     Run,
     assert_bitwise,
@@ -48,7 +48,7 @@ class Scenario:
     meta: bool = False
     """Build the model on the meta device: parallelize makes each rank's part
     (init_fn=model.init_weights, seed=0) and the reference trains its twin, initialised
-    by the test's own statement of the seeding rule (``tests.helpers.seeded_init``)."""
+    by the test's own statement of the seeding rule (``tests.harness.helpers.seeded_init``)."""
 
     @property
     def world(self) -> int:
@@ -90,9 +90,18 @@ class Scenario:
         model = self.meta_model() if self.meta else self.make_model()
         init = dict(init_fn=model.init_weights, seed=0) if self.meta else {}
         return fxmeg.parallelize(
-            model, tuple(t[:MBS] for t in batches[0]), **init,
-            tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
-            optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, **dict(self.options),
+            model,
+            tuple(t[:MBS] for t in batches[0]),
+            **init,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            vpp=self.vpp,
+            schedule=self.schedule,
+            global_batch_size=self.gbs,
+            optimizer=OPTIMIZERS[self.opt],
+            clip_grad=self.clip,
+            **dict(self.options),
         )
 
 
@@ -140,8 +149,11 @@ def check_parity(ranks: list[dict], sc: Scenario, *, norm_rtol: float = 1e-4,
     steps = ranks[0]["steps"]
     assert_losses_close([s.loss for s in steps], ref.losses)
     assert_losses_close([s.grad_norm for s in steps], ref.norms, rtol=norm_rtol)
-    assert_grads_close(ranks[0]["grads"], ref, lambda: reference_run(model, sc.batches(), clip=sc.clip,
-                                                                      opt=sc.opt, dtype=torch.float64))
+    assert_grads_close(
+        ranks[0]["grads"],
+        ref,
+        lambda: reference_run(model, sc.batches(), clip=sc.clip, opt=sc.opt, dtype=torch.float64),
+    )
     assert_weights_close(ranks[0]["state"], ref.state)
     if sc.meta:  # each rank made its part exactly as the single-device twin
         assert_bitwise(ranks[0]["initial"], sc.make_model().state_dict())
@@ -164,8 +176,12 @@ def check_optimizer_share(ranks: list[dict], sc: Scenario) -> None:
     it, but padding belongs to no parameter, so no master or moment covers it (Megatron's
     distributed optimizer keeps state of its parameters' ranges only)."""
     model = sc.make_model()
-    plain = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    assert {n for n, p in model.named_parameters() if p.requires_grad} <= {n for r in ranks for n in r["param_names"]}
+    plain = {
+        n: p.numel() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    }
+    assert {n for n, p in model.named_parameters() if p.requires_grad} <= {
+        n for r in ranks for n in r["param_names"]
+    }
     options = dict(sc.options)
     ep, dp_cp = options.get("ep", 1), sc.dp * sc.cp
     shared = options.get("zero", 0) >= 1 or options.get("distributed_optimizer", False)
@@ -184,7 +200,10 @@ def check_optimizer_share(ranks: list[dict], sc: Scenario) -> None:
             keys = members[0]["optimizer_elements"]
             gots = [{key: sum(r["optimizer_elements"][key] for r in members) for key in keys}]
             if sc.pp == sc.tp == 1:
-                assert wants == [sum(p.numel() for p in model.parameters() if p.requires_grad)], (wants, where)
+                assert wants == [sum(p.numel() for p in model.parameters() if p.requires_grad)], (
+                    wants,
+                    where,
+                )
         for got, want in zip(gots, wants, strict=True):
             assert got == dict.fromkeys(("master", "exp_avg", "exp_avg_sq"), want), (
                 f"(pp, tp) rank {where}: {got}, the model's share {want} each")
@@ -239,7 +258,11 @@ def router_loss_reference(sc: Scenario, dtype: torch.dtype | None = None) -> Run
 
 
 def _router_loss_run(model, sc: Scenario) -> Run:
-    coef, experts, k = model.config.router_aux_loss_coef, model.config.num_local_experts, model.config.num_experts_per_tok
+    coef, experts, k = (
+        model.config.router_aux_loss_coef,
+        model.config.num_local_experts,
+        model.config.num_experts_per_tok,
+    )
     running = dict(sc.options).get("moe_router_load_balancing_type") == "global_aux_loss"
     ref = copy.deepcopy(model)
     opt = optimizer(reference_groups(ref.named_parameters()))
@@ -250,21 +273,29 @@ def _router_loss_run(model, sc: Scenario) -> Run:
         micro_batches = len(ids) // MBS  # m on each of dp ranks
         parts = [slice(g * MBS, (g + 1) * MBS) for g in range(micro_batches)]
         with torch.no_grad():
-            fractions = [_switch_terms(ref(input_ids=ids[p], use_cache=False), experts, k)[0] for p in parts]
+            fractions = [
+                _switch_terms(ref(input_ids=ids[p], use_cache=False), experts, k)[0] for p in parts
+            ]
         ce_sum = 0.0
         for g, part in enumerate(parts):
             out = ref(input_ids=ids[part], labels=labels[part], use_cache=False)
             n = int((labels[part, 1:] != -100).sum())
             ce = out.loss - coef * out.aux_loss
             f, probs = _switch_terms(out, experts, k)
-            torch.testing.assert_close(experts * (f * probs).sum(), out.aux_loss)  # the model's own loss
+            # the model's own loss
+            torch.testing.assert_close(experts * (f * probs).sum(), out.aux_loss)
             if running:
                 f = torch.stack(fractions[: (g // sc.dp + 1) * sc.dp]).mean(0)
             aux = experts * (f.detach() * probs).sum()
             (ce * n / total + coef * aux / micro_batches).backward()
             ce_sum += ce.item() * n
-        grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)
-                      if p.grad is not None})  # before clipping
+        grads.append(
+            {
+                n: p.grad.detach().clone()
+                for n, p in ref.named_parameters(remove_duplicate=False)
+                if p.grad is not None
+            }
+        )  # before clipping
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         opt.step()
         losses.append(ce_sum / total)

@@ -20,18 +20,33 @@ from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.test_checkpoint import SlowWriter
+from tests.harness.distributed import run_world
+from tests.weights.test_checkpoint import SlowWriter
 
 GLOBAL_BATCH = 8
 
 
 def config(root: str, name: str, **kw) -> TrainConfig:
-    base = dict(data=os.path.join(root, "corpus"), model_args=json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4}),
-                seq_len=32, micro_batch_size=2, global_batch_size=GLOBAL_BATCH, train_iters=6, log_interval=1,
-                eval_interval=2, eval_iters=1, lr=3e-3, lr_warmup_samples=8,
-                lr_decay_samples=400, pp=2, dp=2, distributed_optimizer=True, run_dir=os.path.join(root, name),
-                progress=False, tensorboard=False)
+    base = dict(
+        data=os.path.join(root, "corpus"),
+        model_args=json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4}),
+        seq_len=32,
+        micro_batch_size=2,
+        global_batch_size=GLOBAL_BATCH,
+        train_iters=6,
+        log_interval=1,
+        eval_interval=2,
+        eval_iters=1,
+        lr=3e-3,
+        lr_warmup_samples=8,
+        lr_decay_samples=400,
+        pp=2,
+        dp=2,
+        distributed_optimizer=True,
+        run_dir=os.path.join(root, name),
+        progress=False,
+        tensorboard=False,
+    )
     return TrainConfig.from_flat(**(base | kw))
 
 
@@ -66,9 +81,15 @@ def three_runs(rank: int, root: str) -> dict:
     start = (resumed.iteration, resumed.consumed, resumed.valid_consumed)
     resumed_seen = _spy(resumed)
     resumed.run()
-    return {"whole": whole.engine.full_state_dict(), "async": saving.engine.full_state_dict(),
-            "resumed": resumed.engine.full_state_dict(), "start": start, "valid_count": len(resumed.data.valid),
-            "async_seen": saving_seen, "resumed_seen": resumed_seen}
+    return {
+        "whole": whole.engine.full_state_dict(),
+        "async": saving.engine.full_state_dict(),
+        "resumed": resumed.engine.full_state_dict(),
+        "start": start,
+        "valid_count": len(resumed.data.valid),
+        "async_seen": saving_seen,
+        "resumed_seen": resumed_seen,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +120,10 @@ def test_async_checkpoint_resumes_bitwise(results):
     root, ranks = results
     whole = _records(root, "whole", "train", "loss")
     assert _records(root, "async", "train", "loss") == whole  # the background save changes nothing
-    assert ranks[0]["start"] == (3, 3 * GLOBAL_BATCH, GLOBAL_BATCH)  # one evaluation (step 2) before the save
-    assert _records(root, "resumed", "train", "loss") == {i: whole[i] for i in (4, 5, 6)}  # bitwise, fp32
+    # one evaluation (step 2) before the save
+    assert ranks[0]["start"] == (3, 3 * GLOBAL_BATCH, GLOBAL_BATCH)
+    # bitwise, fp32
+    assert _records(root, "resumed", "train", "loss") == {i: whole[i] for i in (4, 5, 6)}
     valid = _records(root, "whole", "eval", "valid_loss")
     assert _records(root, "resumed", "eval", "valid_loss") == {i: valid[i] for i in (4, 6)}
     for rank in ranks:  # every parameter, gathered on every rank
@@ -118,5 +141,7 @@ def test_validation_stream_continues_across_evaluations_and_the_resume(results):
     for rank in ranks:  # pp=2: the first stage reads the ids, the last the labels
         assert rank["valid_count"] >= 4 * GLOBAL_BATCH
         stream = list(range(3 * GLOBAL_BATCH))
-        assert rank["async_seen"] == [stream[:8], stream[8:16], stream[16:]]  # evaluations at 2, 4, 6
-        assert rank["resumed_seen"] == [stream[8:16], stream[16:]]  # 4 and 6: from where step 2 left off
+        # evaluations at 2, 4, 6
+        assert rank["async_seen"] == [stream[:8], stream[8:16], stream[16:]]
+        # 4 and 6: from where step 2 left off
+        assert rank["resumed_seen"] == [stream[8:16], stream[16:]]

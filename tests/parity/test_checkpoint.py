@@ -17,8 +17,16 @@ from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
 from fxmeg.metrics import read
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.helpers import LOSS_RTOL, assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
+    LOSS_RTOL,
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    make_model,
+    optimizer,
+    reference,
+)
 from models.gpt import GPT, GPTConfig
 
 SAVED = dict(tp=2, pp=2, dp=2, distributed_optimizer=True)
@@ -54,8 +62,13 @@ API_BATCHES = [make_batch(16, seed=s) for s in range(4)]
 
 def _api_engine(**layout):
     ids, labels = API_BATCHES[0]
-    return fxmeg.parallelize(make_model("gpt", n_layer=2), (ids[:2], labels[:2]), global_batch_size=16,
-                             optimizer=optimizer, **layout)
+    return fxmeg.parallelize(
+        make_model("gpt", n_layer=2),
+        (ids[:2], labels[:2]),
+        global_batch_size=16,
+        optimizer=optimizer,
+        **layout,
+    )
 
 
 def _engine_saves(root: str) -> dict:
@@ -80,7 +93,11 @@ def resumed(rank: int, root: str) -> dict:
     out = {}
     batch = _fixed_batch()
     for name, layout in LAYOUTS.items():
-        t = Trainer(config(root, f"resumed-{name}", train_iters=6, load=os.path.join(root, "ckpt"), **layout))
+        t = Trainer(
+            config(
+                root, f"resumed-{name}", train_iters=6, load=os.path.join(root, "ckpt"), **layout
+            )
+        )
         out[name] = {"iteration": t.iteration, "state": t.engine.full_state_dict(),
                      "eval": t.engine.eval_step(batch).loss}
         t.run()

@@ -1,18 +1,18 @@
-"""Context parallelism on real gloo ranks vs plain single-device PyTorch, GPT (learned
-positions, tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with
-dp=2 and the distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends
-local sequence slices), tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recompute, overlapped parameter
-gathers and layer-wise sharding (Muon), compiled chunks (torch.compile); and Hugging Face's Llama at cp=2 in sdpa (a causal
-mask built from positions, labels shifted inside the model) and eager attention (matmul,
-softmax, matmul; also at cp2 x tp2), Llama 4 at cp=2 (its complex rotary table cut to each
-rank's positions, chunked attention, the attention temperature, batched experts), Bloom at
-cp=2 (ALiBi added to the scores by baddbmm, heads merged into the batch dim), and on padded dict batches (attention_mask kept
-whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with position_ids,
-cp2 x tp2, cp2 x dp2, cp2 x pp2: the mask crosses the pipeline cut) against plain
-training on the same dicts. Every batch ignores a different number of leading labels per
-sample, so cp ranks count different tokens (some none). Also
-``fxmeg::cp_attention`` itself against full causal attention, values and gradients, with
-GQA (``enable_gqa``); Engine.verify at cp=2; and the activations each rank saves."""
+"""Context parallelism on real gloo ranks vs plain single-device PyTorch, GPT (learned positions,
+tied embedding) and Llama (rotary tables, GQA): cp=2; cp=4; cp=2 composed with dp=2 and the
+distributed optimizer, pp=2 (1F1B, interleaved, ZB-H1: the pipeline sends local sequence slices),
+tp=2 (with sequence parallelism), cp2 x tp2 x pp2, recompute, overlapped parameter gathers and
+layer-wise sharding (Muon), compiled chunks (torch.compile); and Hugging Face's Llama at cp=2 in
+sdpa (a causal mask built from positions, labels shifted inside the model) and eager attention
+(matmul, softmax, matmul; also at cp2 x tp2), Llama 4 at cp=2 (its complex rotary table cut to each
+rank's positions, chunked attention, the attention temperature, batched experts), Bloom at cp=2
+(ALiBi added to the scores by baddbmm, heads merged into the batch dim), and on padded dict batches
+(attention_mask kept whole on every cp rank; right-padded sdpa, left-padded sdpa and eager with
+position_ids, cp2 x tp2, cp2 x dp2, cp2 x pp2: the mask crosses the pipeline cut) against plain
+training on the same dicts. Every batch ignores a different number of leading labels per sample, so
+cp ranks count different tokens (some none). Also ``fxmeg::cp_attention`` itself against full causal
+attention, values and gradients, with GQA (``enable_gqa``); Engine.verify at cp=2; and the
+activations each rank saves."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from fxmeg.measured_activations import SavedBytes
 from fxmeg.metrics import read
 from fxmeg.ops import cp_positions
 from fxmeg.trainer import TrainConfig, Trainer
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     LOSS_RTOL,
     assert_losses_close,
     assert_weights_close,
@@ -52,24 +52,45 @@ from tests.passes.test_op_rules import ZerosLike
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
 EAGER = (("attn_implementation", "eager"),)
-PARITY = [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")] + [Scenario("hf-llama", cp=2, model_args=EAGER)] + [
-    Scenario(m, cp=2, dp=2, options=DIST_OPT) for m in MODELS
-] + [Scenario(m, cp=4) for m in MODELS] + [
-    Scenario("gpt", cp=2, pp=2, schedule="1f1b"),
-    Scenario("gpt", cp=2, pp=2, vpp=2),
-    Scenario("llama", cp=2, pp=2, schedule="zbh1"),
-    Scenario("gpt", cp=2, tp=2, options=(("sequence_parallel", True),)),
-    Scenario("llama", cp=2, tp=2),
-    Scenario("hf-llama", cp=2, tp=2, model_args=EAGER),
-    Scenario("llama", cp=2, tp=2, pp=2, schedule="1f1b", options=(("sequence_parallel", True),)),  # 8 ranks
-    Scenario("gpt", cp=2, dp=2, options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full"))),
-    Scenario("llama", cp=2, options=(("compile", True),)),  # the cp ops inside inductor's graphs
-    Scenario("llama", cp=2, dp=2, opt="muon",
-             options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective"))),
-    Scenario("moe-llama4_text", cp=2),  # complex rotary, chunked attention, batched experts per token
-    Scenario("hf-bloom", cp=2),  # ALiBi: baddbmm of the scores, heads in and out of the batch dim
-]
-
+PARITY = (
+    [Scenario(m, cp=2) for m in (*MODELS, "hf-llama")]
+    + [Scenario("hf-llama", cp=2, model_args=EAGER)]
+    + [Scenario(m, cp=2, dp=2, options=DIST_OPT) for m in MODELS]
+    + [Scenario(m, cp=4) for m in MODELS]
+    + [
+        Scenario("gpt", cp=2, pp=2, schedule="1f1b"),
+        Scenario("gpt", cp=2, pp=2, vpp=2),
+        Scenario("llama", cp=2, pp=2, schedule="zbh1"),
+        Scenario("gpt", cp=2, tp=2, options=(("sequence_parallel", True),)),
+        Scenario("llama", cp=2, tp=2),
+        Scenario("hf-llama", cp=2, tp=2, model_args=EAGER),
+        # 8 ranks
+        Scenario(
+            "llama", cp=2, tp=2, pp=2, schedule="1f1b", options=(("sequence_parallel", True),)
+        ),
+        Scenario(
+            "gpt",
+            cp=2,
+            dp=2,
+            options=(*DIST_OPT, ("overlap_param_gather", True), ("recompute", "full")),
+        ),
+        Scenario(
+            "llama", cp=2, options=(("compile", True),)
+        ),  # the cp ops inside inductor's graphs
+        Scenario(
+            "llama",
+            cp=2,
+            dp=2,
+            opt="muon",
+            options=(*DIST_OPT, ("optimizer_sharding", "layerwise"), ("recompute", "selective")),
+        ),
+        # complex rotary, chunked attention, batched experts per token
+        Scenario("moe-llama4_text", cp=2),
+        Scenario(
+            "hf-bloom", cp=2
+        ),  # ALiBi: baddbmm of the scores, heads in and out of the batch dim
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -104,14 +125,27 @@ class Padded:
 
 
 PADDED_MBS = 2
-PADDED = [Padded("right", "sdpa"), Padded("left", "sdpa"), Padded("left", "eager"), Padded("left", "sdpa", tp=2),
-          Padded("left", "eager", dp=2), Padded("left", "sdpa", pp=2)]
+PADDED = [
+    Padded("right", "sdpa"),
+    Padded("left", "sdpa"),
+    Padded("left", "eager"),
+    Padded("left", "sdpa", tp=2),
+    Padded("left", "eager", dp=2),
+    Padded("left", "sdpa", pp=2),
+]
 
 
 def train_padded(case: Padded) -> dict:
     data = case.batches()
-    engine = fxmeg.parallelize(case.model(), {k: t[:PADDED_MBS] for k, t in data[0].items()}, cp=2,
-                               tp=case.tp, pp=case.pp, global_batch_size=case.gbs, optimizer=optimizer)
+    engine = fxmeg.parallelize(
+        case.model(),
+        {k: t[:PADDED_MBS] for k, t in data[0].items()},
+        cp=2,
+        tp=case.tp,
+        pp=case.pp,
+        global_batch_size=case.gbs,
+        optimizer=optimizer,
+    )
     steps = [engine.train_step(b) for b in data]
     return {"losses": [s.loss for s in steps], "tokens": [s.num_tokens for s in steps],
             "dims": engine.program.cp_layout.dims, "state": engine.full_state_dict()}
@@ -135,8 +169,15 @@ def attention(rank: int) -> dict:
         ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v))
         y = ops.cp_attention(ql, kl, vl, None, gqa, cp, group)
         y.backward(torch.ones_like(y))
-        out[gqa] = {name: (a, b[:, :, mine]) for name, a, b in (
-            ("out", y, full), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad), ("dv", vl.grad, v.grad))}
+        out[gqa] = {
+            name: (a, b[:, :, mine])
+            for name, a, b in (
+                ("out", y, full),
+                ("dq", ql.grad, q.grad),
+                ("dk", kl.grad, k.grad),
+                ("dv", vl.grad, v.grad),
+            )
+        }
     return out
 
 
@@ -144,8 +185,13 @@ def saved_bytes(cp: int) -> int:
     """Peak bytes autograd saves on this rank in one step of a 2-layer GPT on sequences
     of 64, micro-batches of 2, at cp=cp (the rest of the two ranks data-parallel)."""
     batches = [make_batch(8, seed=100, seq=64)]
-    engine = fxmeg.parallelize(make_model("gpt", n_layer=2, seq_len=64), tuple(t[:2] for t in batches[0]),
-                               cp=cp, global_batch_size=8, optimizer=optimizer)
+    engine = fxmeg.parallelize(
+        make_model("gpt", n_layer=2, seq_len=64),
+        tuple(t[:2] for t in batches[0]),
+        cp=cp,
+        global_batch_size=8,
+        optimizer=optimizer,
+    )
     meter = SavedBytes(engine.named_parameters.values())
     with meter.hooks():
         engine.train_step(batches[0])
@@ -157,10 +203,21 @@ TRAINER_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 4}
 
 
 def trainer_config(root: str, name: str, **kw) -> TrainConfig:
-    base = {"data": os.path.join(root, "corpus"), "model_args": json.dumps(TRAINER_MODEL), "seq_len": 32,
-            "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1, "eval_iters": 1, "lr": 3e-3,
-            "lr_warmup_samples": 8, "lr_decay_samples": 200, "run_dir": os.path.join(root, name),
-            "progress": False, "tensorboard": False}
+    base = {
+        "data": os.path.join(root, "corpus"),
+        "model_args": json.dumps(TRAINER_MODEL),
+        "seq_len": 32,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "log_interval": 1,
+        "eval_iters": 1,
+        "lr": 3e-3,
+        "lr_warmup_samples": 8,
+        "lr_decay_samples": 200,
+        "run_dir": os.path.join(root, name),
+        "progress": False,
+        "tensorboard": False,
+    }
     return TrainConfig.from_flat(**(base | kw))
 
 
@@ -169,8 +226,12 @@ def checkpoints(root: str) -> dict:
     2-step run that saves, and its checkpoint resumed at cp=1 x dp=4 for 2 more steps."""
     whole = Trainer(trainer_config(root, "whole", train_iters=4, **SAVED))
     whole.run()
-    Trainer(trainer_config(root, "first", train_iters=2, save=os.path.join(root, "ckpt"), **SAVED)).run()
-    resumed = Trainer(trainer_config(root, "resumed", train_iters=4, load=os.path.join(root, "ckpt"), dp=4))
+    Trainer(
+        trainer_config(root, "first", train_iters=2, save=os.path.join(root, "ckpt"), **SAVED)
+    ).run()
+    resumed = Trainer(
+        trainer_config(root, "resumed", train_iters=4, load=os.path.join(root, "ckpt"), dp=4)
+    )
     resumed.run()
     return {"whole": whole.engine.full_state_dict(), "resumed": resumed.engine.full_state_dict()}
 
@@ -186,16 +247,27 @@ def window(rank: int, model=_Window) -> dict:
     batches = window_batches()
     engine = fxmeg.parallelize(model(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
                                optimizer=optimizer)
-    return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
+    return {
+        "losses": [engine.train_step(b).loss for b in batches],
+        "state": engine.full_state_dict(),
+    }
 
 
 def regression(rank: int) -> dict:
     """A plain-mean regression loss at cp=2: its count is the loss pass's constant."""
     torch.manual_seed(0)
     batches = regression_batches()
-    engine = fxmeg.parallelize(MeanSquared(), tuple(t[:2] for t in batches[0]), cp=2, global_batch_size=8,
-                               optimizer=optimizer)
-    return {"losses": [engine.train_step(b).loss for b in batches], "state": engine.full_state_dict()}
+    engine = fxmeg.parallelize(
+        MeanSquared(),
+        tuple(t[:2] for t in batches[0]),
+        cp=2,
+        global_batch_size=8,
+        optimizer=optimizer,
+    )
+    return {
+        "losses": [engine.train_step(b).loss for b in batches],
+        "state": engine.full_state_dict(),
+    }
 
 
 def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
@@ -220,8 +292,12 @@ def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cp"))
     prepare(read_documents(["pydoc:topics"]), os.path.join(root, "corpus"), ByteTokenizer())
     by_world = {w: [s for s in PARITY if s.world == w] for w in sorted({s.world for s in PARITY})}
-    assert list(by_world) == [2, 4, 8]  # one spawn per world size; the trainer runs in the 4-rank one
-    out = {w: run_world(w, run, scenarios, *([root] if w == 4 else [])) for w, scenarios in by_world.items()}
+    # one spawn per world size; the trainer runs in the 4-rank one
+    assert list(by_world) == [2, 4, 8]
+    out = {
+        w: run_world(w, run, scenarios, *([root] if w == 4 else []))
+        for w, scenarios in by_world.items()
+    }
     return out | {"root": root}
 
 
@@ -238,7 +314,8 @@ def test_padded_dict_batches_match_single_device(results, case):
     ranks = [r["padded"][case.id] for r in results[case.world]]
     for r in ranks:
         assert r["losses"] == ranks[0]["losses"] and r["tokens"] == ranks[0]["tokens"]
-    assert ranks[0]["dims"] == ((1, None, 1, 1) if case.side == "left" else (1, None, 1))  # the mask whole
+    # the mask whole
+    assert ranks[0]["dims"] == ((1, None, 1, 1) if case.side == "left" else (1, None, 1))
     losses, ref = train_dicts(case.model(), case.batches())
     assert ranks[0]["tokens"] == [int((b["labels"][:, 1:] != -100).sum()) for b in case.batches()]
     assert_losses_close(ranks[0]["losses"], losses)
@@ -252,7 +329,9 @@ def test_activations_per_rank_shrink_with_cp(results):
         assert r["saved"][2] <= 0.6 * r["saved"][1], r["saved"]
 
 
-@pytest.mark.parametrize("name,model", [("window", _Window), ("encoder", _Encoder), ("zeros_like", ZerosLike)])
+@pytest.mark.parametrize(
+    "name,model", [("window", _Window), ("encoder", _Encoder), ("zeros_like", ZerosLike)]
+)
 def test_a_sliding_window_no_mask_or_zeros_like_matches_single_device(results, name, model):
     torch.manual_seed(0)
     losses, _, state = reference(model(), window_batches())

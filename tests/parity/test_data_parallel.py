@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_worlds
-from tests.helpers import assert_overlapped
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_overlapped
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 SMALL_BUCKETS = (("bucket_size", 3000),)
-PARITY = [
-    Scenario(model, dp=2, options=SMALL_BUCKETS) for model in ("gpt", "llama")
-] + [
-    Scenario(model, dp=2, pp=2, schedule="1f1b", options=SMALL_BUCKETS) for model in ("gpt", "llama")
-] + [
-    Scenario(model, dp=2, pp=2, vpp=2, schedule="interleaved") for model in ("gpt", "llama")
-] + [
-    Scenario("gpt", dp=2, options=(("overlap_grad_reduce", False),)),
-]
+PARITY = (
+    [Scenario(model, dp=2, options=SMALL_BUCKETS) for model in ("gpt", "llama")]
+    + [
+        Scenario(model, dp=2, pp=2, schedule="1f1b", options=SMALL_BUCKETS)
+        for model in ("gpt", "llama")
+    ]
+    + [Scenario(model, dp=2, pp=2, vpp=2, schedule="interleaved") for model in ("gpt", "llama")]
+    + [
+        Scenario("gpt", dp=2, options=(("overlap_grad_reduce", False),)),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,9 @@ def test_parity(results, sc):
     check_parity([r[sc.id] for r in results[sc.world]], sc)
 
 
-@pytest.mark.parametrize("sc", [s for s in PARITY if s.options == SMALL_BUCKETS], ids=lambda s: s.id)
+@pytest.mark.parametrize(
+    "sc", [s for s in PARITY if s.options == SMALL_BUCKETS], ids=lambda s: s.id
+)
 def test_reductions_overlap_backward(results, sc):
     for rank in results[sc.world]:
         r = rank[sc.id]

@@ -3,7 +3,7 @@ ep=2 (dp=2, each rank routing its own micro-batches) and over a pipeline (pp=2, 
 stage holding one of the two layers), every rank reports each layer's counts over the
 global batch: those of the model's own routing in one process. Loss-free balancing at
 ep=2 (DeepSeek-V3, ``moe_router_bias_update_rate``) trains as the plain single-device
-loop of tests/test_expert_load.py, the router bias included."""
+loop of tests/runtime/test_expert_load.py, the router bias included."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, tiny_moe
-from tests.test_expert_load import BIAS, RATE, balancing_reference, hand_counts
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    optimizer,
+    tiny_moe,
+)
+from tests.runtime.test_expert_load import BIAS, RATE, balancing_reference, hand_counts
 
 GBS, MBS = 8, 2
 LAYOUTS = {"dp2-ep2": dict(ep=2), "pp2": dict(pp=2)}
@@ -24,7 +30,9 @@ def _batches(n: int = 2):
 
 
 def _engine(model, **options):
-    return fxmeg.parallelize(model, tuple(t[:MBS] for t in _batches()[0]), global_batch_size=GBS, **options)
+    return fxmeg.parallelize(
+        model, tuple(t[:MBS] for t in _batches()[0]), global_batch_size=GBS, **options
+    )
 
 
 def run(rank: int) -> dict:
@@ -32,7 +40,9 @@ def run(rank: int) -> dict:
     for name, layout in LAYOUTS.items():
         engine = _engine(tiny_moe("mixtral"), **layout)
         out[name] = [engine.train_step(b).expert_load for b in _batches()]
-    engine = _engine(tiny_moe("deepseek_v3"), ep=2, moe_router_bias_update_rate=RATE, optimizer=optimizer)
+    engine = _engine(
+        tiny_moe("deepseek_v3"), ep=2, moe_router_bias_update_rate=RATE, optimizer=optimizer
+    )
     out["balancing"] = [engine.train_step(b) for b in _batches(3)]
     state = engine.full_state_dict()
     out["state"] = state if rank == 0 else None
@@ -60,4 +70,5 @@ def test_loss_free_balancing_at_ep2_equals_plain_pytorch(results):
     assert_losses_close([s.loss for s in steps], losses)
     assert [{k: list(v) for k, v in s.expert_load.items()} for s in steps] == counts
     assert_weights_close(results[0]["state"], ref.state_dict())
-    assert all(torch.equal(r["bias"], ref.get_buffer(BIAS)) for r in results)  # every rank, the same update
+    # every rank, the same update
+    assert all(torch.equal(r["bias"], ref.get_buffer(BIAS)) for r in results)

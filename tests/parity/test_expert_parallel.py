@@ -17,7 +17,8 @@ ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp
 OLMoE at tp=2, and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
-loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank holds exactly E / ep
+loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank
+holds exactly E / ep
 experts of every layer, and the expert gradients are reduced over the
 expert-data-parallel ranks only (the groups their buffers reduce over).
 
@@ -42,8 +43,16 @@ from fxmeg import moe
 from fxmeg.checkpoint import META, Checkpointer
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
-from tests.distributed import run_world
-from tests.helpers import BATCHED_MOE, MOE, assert_bitwise, assert_losses_close, assert_weights_close, make_model, reference
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
+    BATCHED_MOE,
+    MOE,
+    assert_bitwise,
+    assert_losses_close,
+    assert_weights_close,
+    make_model,
+    reference,
+)
 from tests.parity.mixed_precision import (
     assert_float64_rule_per_parameter,
     float64_grad_failures,
@@ -51,11 +60,23 @@ from tests.parity.mixed_precision import (
     master_pieces,
 )
 from tests.parity.mixed_precision import reference as mixed_reference
-from tests.parity.scenarios import MBS, Scenario, check_optimizer_share, check_parity, check_router_loss, train
+from tests.parity.scenarios import (
+    MBS,
+    Scenario,
+    check_optimizer_share,
+    check_parity,
+    check_router_loss,
+    train,
+)
 
-EP2 = [Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),)) for kind in sorted(MOE) + sorted(BATCHED_MOE)]
-CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]  # folded over cp
-DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]  # ep=1: all experts
+EP2 = [
+    Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),))
+    for kind in sorted(MOE) + sorted(BATCHED_MOE)
+]
+# folded over cp
+CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]
+# ep=1: all experts
+DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -70,24 +91,32 @@ FOUR = [
     Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
 ]
-ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))  # batched_mm: captured grouped
+# batched_mm: captured grouped
+ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
-ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))  # counts all-reduced over cp, probabilities summed
-GLOBAL_LOSS = Scenario("hf-mixtral", dp=2, options=(("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss")))
-BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))  # experts: aten._grouped_mm
+# counts all-reduced over cp, probabilities summed
+ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))
+GLOBAL_LOSS = Scenario(
+    "hf-mixtral", dp=2, options=(("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss"))
+)
+# experts: aten._grouped_mm
+BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))
 ALL = EP2 + CP + DP2 + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, BF16]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
 SAVE_AT = 2
 RESUMED = [  # the same global batch (16 rows) as SAVED: the same batches
-    Scenario("moe-mixtral", dp=2, options=(("distributed_optimizer", True),)),  # ep=1: all experts, state over dp
+    # ep=1: all experts, state over dp
+    Scenario("moe-mixtral", dp=2, options=(("distributed_optimizer", True),)),
     Scenario("moe-mixtral", dp=2, pp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, m=2, options=(("ep", 4),)),
 ]
-"""Layers of routed experts among n (the rest dense): DeepSeek-V3's first, every other of Llama 4's."""
+"""Layers of routed experts among n (the rest dense): DeepSeek-V3's first, every other of
+Llama 4's."""
 BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5  # tests/parity/test_mixed_precision.py's
-FIRST_LOSS_RTOL = 1e-6  # the first step's forward: the oracle's arithmetic up to the order of fp32 sums
+# the first step's forward: the oracle's arithmetic up to the order of fp32 sums
+FIRST_LOSS_RTOL = 1e-6
 
 
 def held(rank: int, engine) -> dict:
@@ -95,15 +124,24 @@ def held(rank: int, engine) -> dict:
     banks' splits, the ranks each gradient buffer reduces over, and the routed-experts
     calls inside activation-recompute regions (run again in backward)."""
     ctx = engine.context
-    regions = [m.region for gm in ctx.chunks.values() for m in gm.modules() if isinstance(m, Recompute)]
+    regions = [
+        m.region for gm in ctx.chunks.values() for m in gm.modules() if isinstance(m, Recompute)
+    ]
     return dict(
         rank=rank,
         shapes={n: tuple(p.shape) for n, p in ctx.named_parameters.items()},
         ep_specs=dict(engine.program.ep_specs),
-        reduced_over={buf.label: sorted(dist.get_process_group_ranks(buf.group)) if buf.group is not None
-                      else [rank] for buf in ctx.ddp.all()},
-        recomputed_experts=sum(getattr(n.target, "__name__", "") == "routed_experts"
-                               for region in regions for n in region.graph.nodes),
+        reduced_over={
+            buf.label: sorted(dist.get_process_group_ranks(buf.group))
+            if buf.group is not None
+            else [rank]
+            for buf in ctx.ddp.all()
+        },
+        recomputed_experts=sum(
+            getattr(n.target, "__name__", "") == "routed_experts"
+            for region in regions
+            for n in region.graph.nodes
+        ),
     )
 
 
@@ -120,7 +158,9 @@ def save(rank: int, root: str) -> dict:
     engine = SAVED.engine()
     for b in SAVED.batches()[:SAVE_AT]:
         engine.train_step(b)
-    path = Checkpointer(engine.program, engine.context, hugging_face=engine.hugging_face).save(root, SAVE_AT, {})
+    path = Checkpointer(engine.program, engine.context, hugging_face=engine.hugging_face).save(
+        root, SAVE_AT, {}
+    )
     state = engine.full_state_dict()  # collective
     out = dict(banks=sorted(engine.program.ep_specs), state=None)
     if rank == 0:
@@ -158,7 +198,10 @@ def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ep-ckpt"))  # saved in the 2-rank spawn, loaded in both
     # the 4-rank spawn trains 15 runs (about 2 minutes on 2 cores): twice the usual deadline
-    return {w: run_world(w, train_ep, [s for s in ALL if s.world == w], root, deadline_s=600) for w in (2, 4)}
+    return {
+        w: run_world(w, train_ep, [s for s in ALL if s.world == w], root, deadline_s=600)
+        for w in (2, 4)
+    }
 
 
 def _ranks(results, sc) -> list[dict]:
@@ -205,7 +248,9 @@ def test_the_optimizer_state_is_each_ranks_share_of_the_model(results, sc):
     check_optimizer_share(_ranks(results, sc), sc)
 
 
-@pytest.mark.parametrize("sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS], ids=lambda s: s.id)
+@pytest.mark.parametrize(
+    "sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS], ids=lambda s: s.id
+)
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):
     """With recompute='full' each block, its routed experts and their all-to-alls
     included, runs forward twice (again in backward): the router loss still counts once."""
@@ -221,14 +266,17 @@ def test_checkpoint_names_each_bank_whole(results):
     saved = results[SAVED.world][0]["save"]
     full = {n: list(t.shape) for n, t in SAVED.make_model().named_parameters()}
     banks = saved["banks"]
-    assert len(banks) == 2 * SAVED.layers and all(full[n][0] == 4 for n in banks), banks  # up and down, E = 4
+    # up and down, E = 4
+    assert len(banks) == 2 * SAVED.layers and all(full[n][0] == 4 for n in banks), banks
     for name in banks:
         assert saved["meta"][name] == full[name], name
         for key in (f"model/{name}", f"optim/exp_avg/{name}", f"optim/exp_avg_sq/{name}"):
             assert saved["saved"][key] == full[name], key
 
 
-def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(results, tmp_path, capsys, monkeypatch):
+def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(
+    results, tmp_path, capsys, monkeypatch
+):
     """`fxmeg export --format hf --check` of the ep=2 checkpoint: the export's tensors are
     the checkpoint's bit for bit, its logits the checkpoint's model's, generate() keeps the
     key/value cache (use_cache true in config.json and generation_config.json), files are
@@ -252,8 +300,14 @@ def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(results, tmp_pa
     finally:
         os.umask(umask)
     printed = capsys.readouterr()
-    assert "check: tensors: 39 equal to the checkpoint's" in printed.out and "check: generate()" in printed.out
-    assert not [w for w in caught if "torch.distributed" in str(w.message)] and "torch.distributed" not in printed.err
+    assert (
+        "check: tensors: 39 equal to the checkpoint's" in printed.out
+        and "check: generate()" in printed.out
+    )
+    assert (
+        not [w for w in caught if "torch.distributed" in str(w.message)]
+        and "torch.distributed" not in printed.err
+    )
     assert {f: oct(os.stat(os.path.join(out, f)).st_mode & 0o777) for f in os.listdir(out)} == {
         f: "0o644" for f in ("model.safetensors", "config.json", "generation_config.json")}
     for name in ("config.json", "generation_config.json"):
@@ -263,12 +317,22 @@ def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(results, tmp_pa
     tensors = load_file(os.path.join(out, "model.safetensors"))
     tensors[bank][3, 0, 5] += 1e-3  # expert 3: rank 1's at ep=2
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ExportMismatch, match=rf"tensor '{bank}' differs from the checkpoint's \(max abs diff 0.001 at \(3, 0, 5\)"):
+    with pytest.raises(
+        ExportMismatch,
+        match=rf"tensor '{bank}' differs from the checkpoint's \(max abs diff 0.001 at \(3, 0, 5\)",
+    ):
         check(ckpt, out)
     write = checkpoint.write
-    monkeypatch.setattr(checkpoint, "write", lambda state, *a, **kw: write({**state, bank: state[bank] * 2}, *a, **kw))
+    monkeypatch.setattr(
+        checkpoint,
+        "write",
+        lambda state, *a, **kw: write({**state, bank: state[bank] * 2}, *a, **kw),
+    )
     assert main(["export", ckpt, "--to", out, "--format", "hf", "--check"]) == 1
-    assert f"fxmeg export --check: export check of {out} against {ckpt}: tensor '{bank}' differs" in capsys.readouterr().err
+    assert (
+        f"fxmeg export --check: export check of {out} against {ckpt}: tensor '{bank}' differs"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("sc", RESUMED, ids=lambda s: s.id)
@@ -313,28 +377,51 @@ def test_bf16_matches_the_mixed_precision_oracle(results):
         masters 3.62e-3 from float64, the oracle's 3.62e-3; the router's up to 1.4e-2 from
         the oracle's."""
     ranks = _ranks(results, BF16)
-    ref = mixed_reference(BF16.make_model(), BF16.batches(), dtype=torch.bfloat16, micro_batch_size=MBS,
-                          clip=BF16.clip)
+    ref = mixed_reference(
+        BF16.make_model(),
+        BF16.batches(),
+        dtype=torch.bfloat16,
+        micro_batch_size=MBS,
+        clip=BF16.clip,
+    )
     for r in ranks:
-        assert [(s.loss, s.grad_norm) for s in r["steps"]] == [(s.loss, s.grad_norm) for s in ranks[0]["steps"]]
+        assert [(s.loss, s.grad_norm) for s in r["steps"]] == [
+            (s.loss, s.grad_norm) for s in ranks[0]["steps"]
+        ]
     steps = ranks[0]["steps"]
     assert not any(s.skipped for s in steps) and not any(ref["skipped"])
     first, want = steps[0].loss, ref["losses"][0]
     assert abs(first - want) <= FIRST_LOSS_RTOL * want, f"step 0: {first} vs oracle {want}"
     for step, (got, want) in enumerate(zip(steps, ref["losses"])):
-        assert abs(got.loss - want) <= BF16_LOSS_RTOL * want, f"step {step}: {got.loss} vs oracle {want}"
+        assert abs(got.loss - want) <= BF16_LOSS_RTOL * want, (
+            f"step {step}: {got.loss} vs oracle {want}"
+        )
     got = _bf16_masters(ranks)
     assert got.keys() == ref["masters"].keys()
     state = ranks[0]["state"]  # the bf16 parameters are the masters, rounded
     for name, m in got.items():
         assert torch.equal(state[name], m.to(state[name].dtype)), name
-    f64_model = make_model(BF16.model, n_layer=BF16.layers, experts_implementation="eager")  # no float64 grouped_mm
-    float64 = mixed_reference(f64_model, BF16.batches(), dtype=torch.float64, micro_batch_size=MBS, clip=BF16.clip,
-                              skips=ref["skipped"])
+    # no float64 grouped_mm
+    f64_model = make_model(BF16.model, n_layer=BF16.layers, experts_implementation="eager")
+    float64 = mixed_reference(
+        f64_model,
+        BF16.batches(),
+        dtype=torch.float64,
+        micro_batch_size=MBS,
+        clip=BF16.clip,
+        skips=ref["skipped"],
+    )
     exact = float64["masters"]
-    distance, oracle = _relative(_flat(got), _flat(exact)), _relative(_flat(ref["masters"]), _flat(exact))
-    assert distance <= FLOAT64_SLACK * oracle, f"masters {distance:.2e} from float64, the oracle's {oracle:.2e}"
-    assert_float64_rule_per_parameter(got, ref["masters"], exact, dict(BF16.make_model().named_parameters()))
+    distance, oracle = (
+        _relative(_flat(got), _flat(exact)),
+        _relative(_flat(ref["masters"]), _flat(exact)),
+    )
+    assert distance <= FLOAT64_SLACK * oracle, (
+        f"masters {distance:.2e} from float64, the oracle's {oracle:.2e}"
+    )
+    assert_float64_rule_per_parameter(
+        got, ref["masters"], exact, dict(BF16.make_model().named_parameters())
+    )
     failures = float64_grad_failures(ranks[0]["grads"], ref, float64)
     assert failures is None, failures
 
@@ -395,7 +482,10 @@ def test_experts_without_rows_keep_their_rows_in_backward():
     as on its peers (without it the peers wait for gradients this rank never sends, and
     gloo aborts); the banks get a zero gradient."""
     rows = torch.zeros(0, 32, requires_grad=True)
-    w_up, w_down = torch.randn(2, 32, 96, requires_grad=True), torch.randn(2, 48, 32, requires_grad=True)
+    w_up, w_down = (
+        torch.randn(2, 32, 96, requires_grad=True),
+        torch.randn(2, 48, 32, requires_grad=True),
+    )
     middle = make_model("moe-mixtral", n_layer=1).model.layers[0].mlp.experts._apply_gate
     out = moe.expert_mlp(middle, rows, [0, 0], w_up, w_down, None, None)
     d_rows, d_up, d_down = torch.autograd.grad(out.sum(), [rows, w_up, w_down])

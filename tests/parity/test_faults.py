@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import make_batch, make_model
+from tests.harness.distributed import run_world
+from tests.harness.helpers import make_batch, make_model
 
 BAD_STEP = 2
 
@@ -18,8 +18,13 @@ BAD_STEP = 2
 def nan_on_one_rank(rank: int, precision: str, on_nonfinite: str) -> dict:
     """dp=2: rank 0's gradient of one weight becomes NaN at step 2."""
     batches = [make_batch(8, seed=s) for s in range(5)]
-    engine = fxmeg.parallelize(make_model("gpt"), tuple(t[:2] for t in batches[0]), global_batch_size=8,
-                               precision=precision, on_nonfinite=on_nonfinite)
+    engine = fxmeg.parallelize(
+        make_model("gpt"),
+        tuple(t[:2] for t in batches[0]),
+        global_batch_size=8,
+        precision=precision,
+        on_nonfinite=on_nonfinite,
+    )
     out = {"steps": []}
     for step, batch in enumerate(batches):
         handle = None
@@ -40,7 +45,9 @@ def nan_on_one_rank(rank: int, precision: str, on_nonfinite: str) -> dict:
 
 
 def _snapshot(engine) -> tuple:
-    params = tuple(p.detach().float().clone().numpy().tobytes() for p in engine.named_parameters.values())
+    params = tuple(
+        p.detach().float().clone().numpy().tobytes() for p in engine.named_parameters.values()
+    )
     state = tuple(v.clone().numpy().tobytes() for s in engine.context.optimizer.inner.state.values()
                   for v in s.values() if isinstance(v, torch.Tensor))
     return params, state
@@ -91,7 +98,11 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results, preci
         assert [s.skipped for s in got["steps"]] == [i == BAD_STEP for i in range(5)]
         assert got["steps"][BAD_STEP].skip_reason == "nonfinite"
         assert got["unchanged"]  # weights and optimizer state untouched
-        assert all(s.loss == s.loss and s.grad_norm is not None for i, s in enumerate(got["steps"]) if i != BAD_STEP)
+        assert all(
+            s.loss == s.loss and s.grad_norm is not None
+            for i, s in enumerate(got["steps"])
+            if i != BAD_STEP
+        )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

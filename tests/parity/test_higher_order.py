@@ -15,9 +15,15 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer, reference
-from tests.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    optimizer,
+    reference,
+)
+from tests.frontend.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
 
 STEPS = 3
 CASES = {
@@ -43,7 +49,10 @@ def _make(kind: str):
 
 
 def _batches(kind: str):
-    return [make_batch(GBS, seed=10 + s, vocab=96 if kind == "xt" else 64, seq=SEQ) for s in range(STEPS)]
+    return [
+        make_batch(GBS, seed=10 + s, vocab=96 if kind == "xt" else 64, seq=SEQ)
+        for s in range(STEPS)
+    ]
 
 
 def train_cases(rank: int, names: list[str]) -> dict:
@@ -54,19 +63,29 @@ def train_cases(rank: int, names: list[str]) -> dict:
         engine = fxmeg.parallelize(_make(kind), tuple(t[:MBS] for t in batches[0]),
                                    global_batch_size=GBS, optimizer=optimizer, **options)
         steps = [engine.train_step(b) for b in batches]
-        out[name] = ([s.loss for s in steps], [s.grad_norm for s in steps], engine.full_state_dict())
+        out[name] = (
+            [s.loss for s in steps],
+            [s.grad_norm for s in steps],
+            engine.full_state_dict(),
+        )
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(2, train_cases, [n for n, (kind, _) in CASES.items() if kind != "xt" or HAS_XT])
+    return run_world(
+        2, train_cases, [n for n, (kind, _) in CASES.items() if kind != "xt" or HAS_XT]
+    )
 
 
-NO_XT = pytest.mark.skipif(not HAS_XT, reason="x-transformers is not installed (pip install -e '.[test]')")
+NO_XT = pytest.mark.skipif(
+    not HAS_XT, reason="x-transformers is not installed (pip install -e '.[test]')"
+)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=NO_XT if kind == "xt" else ()) for n, (kind, _) in CASES.items()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=NO_XT if kind == "xt" else ()) for n, (kind, _) in CASES.items()]
+)
 def test_parity(results, name):
     kind, _ = CASES[name]
     ref_losses, ref_norms, ref_state = reference(_make(kind), _batches(kind))

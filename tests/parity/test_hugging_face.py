@@ -1,16 +1,16 @@
-"""Unmodified Hugging Face models (built from a config, no download) on real gloo ranks
-vs single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2 x pp=2
-and tp=2 x pp=2 x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2;
-Mistral at pp=2 x tp=2 and, with a pad token on either vocabulary shard, at tp=2; Llama with
-eager attention, Gemma-2 (eager, softcapping), Phi-3 (fused qkv_proj / gate_up_proj) and OLMo-2 (q/k norms over the whole
-projection) at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with its router loss."""
+"""Unmodified Hugging Face models (built from a config, no download) on real gloo ranks vs
+single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2 x pp=2 and tp=2 x pp=2
+x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2; Mistral at pp=2 x tp=2 and, with
+a pad token on either vocabulary shard, at tp=2; Llama with eager attention, Gemma-2 (eager,
+softcapping), Phi-3 (fused qkv_proj / gate_up_proj) and OLMo-2 (q/k norms over the whole projection)
+at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with its router loss."""
 
 from __future__ import annotations
 
 import pytest
 
 from fxmeg.layouts import is_split
-from tests.distributed import run_worlds
+from tests.harness.distributed import run_worlds
 from tests.parity.scenarios import Scenario, check_parity, check_router_loss, train_each
 
 PARITY = [
@@ -27,7 +27,8 @@ PARITY = [
     Scenario("hf-phi3", tp=2), Scenario("hf-olmo2", tp=2),
     Scenario("hf-gemma2", tp=2),  # eager by default, softcapped attention and tied head
 ]
-MIXTRAL = [Scenario("hf-mixtral", pp=2), Scenario("hf-mixtral", tp=2, pp=2)]  # tp: the router stays whole
+# tp: the router stays whole
+MIXTRAL = [Scenario("hf-mixtral", pp=2), Scenario("hf-mixtral", tp=2, pp=2)]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ trainer feeds them (``--eod-mask-loss --reset-position-ids --reset-attention-mas
 documents packed in a window do not see each other, positions restart, no loss on an
 end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2; and SFT
 conversations as the trainer lays them out (--sft, loss on the assistant turns alone:
-tests/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
+tests/data/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
 (each step its own length, variable_seq_lengths), at tp2 x pp2 x dp2."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,
@@ -85,41 +85,79 @@ def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
 
     prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-masks-"), "data")
     rng = np.random.default_rng(5)
-    write_indexed(prefix, (np.append(rng.integers(2, 128, int(rng.integers(1, 12))), EOD) for _ in range(80)),
-                  np.uint16)
-    switches = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True) if masks else {}
-    cfg = TrainConfig.from_flat(data=prefix, split="90,10,0", seq_len=SEQ, global_batch_size=GBS,
-                                micro_batch_size=MBS, train_iters=STEPS, eval_iters=1, vocab_size=128, eod_id=EOD,
-                                **switches)
+    write_indexed(
+        prefix,
+        (np.append(rng.integers(2, 128, int(rng.integers(1, 12))), EOD) for _ in range(80)),
+        np.uint16,
+    )
+    switches = (
+        dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+        if masks
+        else {}
+    )
+    cfg = TrainConfig.from_flat(
+        data=prefix,
+        split="90,10,0",
+        seq_len=SEQ,
+        global_batch_size=GBS,
+        micro_batch_size=MBS,
+        train_iters=STEPS,
+        eval_iters=1,
+        vocab_size=128,
+        eod_id=EOD,
+        **switches,
+    )
     data = train_data(cfg)
     shutil.rmtree(os.path.dirname(prefix))
-    return [model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True) for s in range(STEPS)]
+    return [
+        model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True)
+        for s in range(STEPS)
+    ]
 
 
 def sft_batches(layout: str) -> list[dict[str, torch.Tensor]]:
-    """The trainer's batches of 40 random conversations (tests/sft_data.py) in ``layout``."""
+    """The trainer's batches of 40 random conversations (tests/harness/sft_data.py) in
+    ``layout``."""
     from fxmeg.trainer import TrainConfig, model_batch, train_data
-    from tests import sft_data
+    from tests.harness import sft_data
 
     root = tempfile.mkdtemp(prefix="fxmeg-sft-")
     lines = sft_data.write_lines(os.path.join(root, "c.jsonl"), sft_data.conversations(40, seed=4))
-    cfg = TrainConfig.from_flat(sft=True, sft_layout=layout, data_path=lines, split="80,20,0", seq_len=4 * SEQ,
-                                tokenizer_model=sft_data.write_tokenizer(os.path.join(root, "tok")),
-                                chat_template=sft_data.write_template(os.path.join(root, "chat.jinja")),
-                                global_batch_size=GBS, micro_batch_size=MBS, train_iters=STEPS, eval_iters=1,
-                                variable_seq_lengths=layout == "padded", sft_pad_multiple=4)
+    cfg = TrainConfig.from_flat(
+        sft=True,
+        sft_layout=layout,
+        data_path=lines,
+        split="80,20,0",
+        seq_len=4 * SEQ,
+        tokenizer_model=sft_data.write_tokenizer(os.path.join(root, "tok")),
+        chat_template=sft_data.write_template(os.path.join(root, "chat.jinja")),
+        global_batch_size=GBS,
+        micro_batch_size=MBS,
+        train_iters=STEPS,
+        eval_iters=1,
+        variable_seq_lengths=layout == "padded",
+        sft_pad_multiple=4,
+    )
     data = train_data(cfg)
     shutil.rmtree(root)
-    return [model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True) for s in range(STEPS)]
+    return [
+        model_batch(data.fields("train", range(s * GBS, (s + 1) * GBS)), keywords=True)
+        for s in range(STEPS)
+    ]
 
 
 def run(rank: int) -> dict:
     out = {}
     for case in (*CASES, *MASKED, *SFT):
         data = batches(case)
-        engine = fxmeg.parallelize(model(case), {k: t[:MBS] for k, t in data[0].items()},
-                                   global_batch_size=GBS, optimizer=optimizer, **(MASKED | SFT).get(case, LAYOUT),
-                                   sequence_parallel=case.endswith("-sp"))
+        engine = fxmeg.parallelize(
+            model(case),
+            {k: t[:MBS] for k, t in data[0].items()},
+            global_batch_size=GBS,
+            optimizer=optimizer,
+            **(MASKED | SFT).get(case, LAYOUT),
+            sequence_parallel=case.endswith("-sp"),
+        )
         steps = [engine.train_step(b) for b in data]
         out[case] = dict(losses=[s.loss for s in steps], tokens=[s.num_tokens for s in steps],
                          eval=engine.eval_step(data[0]).loss, state=engine.full_state_dict())
@@ -171,7 +209,10 @@ def _as_on_one_device(results, case: str) -> tuple[list[dict], dict]:
 def test_megatrons_masks_train_as_on_one_device(results, case):
     data, state = _as_on_one_device(results, case)
     # the loss mask counts: every end-of-document input is left out
-    assert all(int((b["shift_labels"] == -100).sum()) >= int((b["input_ids"] == EOD).sum()) > 0 for b in data)
+    assert all(
+        int((b["shift_labels"] == -100).sum()) >= int((b["input_ids"] == EOD).sum()) > 0
+        for b in data
+    )
     # and the masks matter: the same training without them ends outside these tolerances
     _, unmasked = train_dicts(model(case), megatron_batches(masks=False))
     with pytest.raises(AssertionError):

@@ -18,8 +18,8 @@ from torch import nn
 import fxmeg
 from fxmeg.errors import ReleasedError
 from fxmeg.weights import open_weights
-from tests.distributed import run_world, run_worlds
-from tests.helpers import (
+from tests.harness.distributed import run_world, run_worlds
+from tests.harness.helpers import (
     assert_bitwise,
     assert_run_close,
     first_failure,
@@ -36,8 +36,18 @@ MODELS = ("gpt", "llama")
 PARITY = [
     *(Scenario(m, pp=2, schedule="1f1b", meta=True) for m in MODELS),
     *(Scenario(m, tp=2, meta=True) for m in MODELS),
-    *(Scenario(m, tp=2, pp=2, dp=2, schedule="1f1b", options=(("distributed_optimizer", True),), meta=True)
-      for m in MODELS),
+    *(
+        Scenario(
+            m,
+            tp=2,
+            pp=2,
+            dp=2,
+            schedule="1f1b",
+            options=(("distributed_optimizer", True),),
+            meta=True,
+        )
+        for m in MODELS
+    ),
 ]
 
 
@@ -87,7 +97,11 @@ def test_real_model_keeps_only_what_the_rank_holds(results):
         assert r["shared"] == r["mine"], "the user's module holds the engine's own parameters"
         assert r["meta"] == sorted(set(r["every"]) - set(r["mine"]))
         assert r["freed"] == r["meta"], "a released parameter's memory is freed"
-        assert f"{r['other']!r}" in r["read"] and "pipeline rank" in r["read"] and "full_state_dict()" in r["read"]
+        assert (
+            f"{r['other']!r}" in r["read"]
+            and "pipeline rank" in r["read"]
+            and "full_state_dict()" in r["read"]
+        )
     assert ranks[0]["meta"] and ranks[1]["meta"], "each stage releases the other stage's weights"
 
 
@@ -133,13 +147,24 @@ def _load_hf(rank: int, path: str) -> dict:
     with torch.device("meta"):
         model = hf_model("llama")
     ids, _ = make_batch(4, seed=3)
-    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _Recording(safe_open(*a, **k), log)):
-        engine = fxmeg.parallelize(model, (ids[:2], ids[:2]), weights=weights, tp=2, pp=2, global_batch_size=4)
+    with mock.patch.object(
+        safetensors, "safe_open", lambda *a, **k: _Recording(safe_open(*a, **k), log)
+    ):
+        engine = fxmeg.parallelize(
+            model, (ids[:2], ids[:2]), weights=weights, tp=2, pp=2, global_batch_size=4
+        )
     state = engine.full_state_dict()
     needed = {n for gm in engine.context.chunks.values() for n, _ in gm.named_parameters()}
     loss = engine.train_step((ids, ids)).loss
-    return dict(state=state if rank == 0 else None, reads=dict(weights.reads), needed=needed,
-                shards=sorted(weights.opened_files), loss=loss, log=log, tp_rank=engine.context.groups.tp_rank)
+    return dict(
+        state=state if rank == 0 else None,
+        reads=dict(weights.reads),
+        needed=needed,
+        shards=sorted(weights.opened_files),
+        loss=loss,
+        log=log,
+        tp_rank=engine.context.groups.tp_rank,
+    )
 
 
 def _box(name: str, shape: tuple[int, ...], tp_rank: int) -> tuple:
@@ -149,8 +174,17 @@ def _box(name: str, shape: tuple[int, ...], tp_rank: int) -> tuple:
     def half(n):
         return (n // 2 * tp_rank, n // 2 * (tp_rank + 1))
 
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-                      "embed_tokens.weight", "lm_head.weight")):
+    if name.endswith(
+        (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "embed_tokens.weight",
+            "lm_head.weight",
+        )
+    ):
         return (half(shape[0]), (0, shape[1]))
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return ((0, shape[0]), half(shape[1]))
@@ -180,8 +214,14 @@ def _wrapped(rank: int, path: str) -> dict:
         with torch.device("meta"):
             model = _Wrapped()
         ids, labels = WRAPPED_BATCHES[0]
-        engine = fxmeg.parallelize(model, (ids[:2], labels[:2]), weights=path, pp=2, global_batch_size=8,
-                                   optimizer=optimizer)
+        engine = fxmeg.parallelize(
+            model,
+            (ids[:2], labels[:2]),
+            weights=path,
+            pp=2,
+            global_batch_size=8,
+            optimizer=optimizer,
+        )
         return trained(engine, WRAPPED_BATCHES, rank)
     except fxmeg.FxmegError as e:  # reported by the test (the spawn's other test goes on)
         return f"{type(e).__name__}: {e}"
@@ -228,11 +268,15 @@ def test_hugging_face_checkpoint_loads_sharded(hugging_face):
         assert set(r["reads"].values()) == {1}, "each tensor once"
         assert len(r["shards"]) < len(shards), "and opens only the shards that hold them"
         want = [(n, _box(n, tuple(full[n].shape), r["tp_rank"])) for n in r["needed"]]
-        want = sorted((n, box, math.prod(b - a for a, b in box) * full[n].element_size()) for n, box in want)
+        want = sorted(
+            (n, box, math.prod(b - a for a, b in box) * full[n].element_size()) for n, box in want
+        )
         assert sorted(r["log"]) == want, "each tensor's own box, and nothing else, is read"
         split = [n for n in r["needed"] if not n.endswith("norm.weight")]
         read = sum(nbytes for n, _, nbytes in r["log"] if n in split)
-        assert 2 * read == sum(full[n].nbytes for n in split), "half the bytes of every split tensor"
+        assert 2 * read == sum(full[n].nbytes for n in split), (
+            "half the bytes of every split tensor"
+        )
     every = set(model.state_dict())
     assert all(r["needed"] < every for r in ranks)
     ids, _ = make_batch(4, seed=3)

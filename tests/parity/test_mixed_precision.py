@@ -41,8 +41,8 @@ import torch
 
 import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
-from tests.distributed import run_worlds
-from tests.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import OPTIMIZERS, assert_bitwise, dp_shard_elements, make_batch
 from tests.parity.mixed_precision import (
     float64_grad_failures,
     gather_masters,
@@ -186,7 +186,8 @@ def test_matches_the_mixed_precision_oracle(results, sc):
     got = relative(_flat(masters), _flat(exact["masters"]))
     want = relative(_flat(ref["masters"]), _flat(exact["masters"]))
     assert got <= FLOAT64_SLACK * want, f"masters {got:.2e} from float64, the oracle's {want:.2e}"
-    failures = float64_grad_failures(ranks[0][sc.id]["grads"], ref, exact)  # each parameter, each step
+    # each parameter, each step
+    failures = float64_grad_failures(ranks[0][sc.id]["grads"], ref, exact)
     assert failures is None, failures
 
 

@@ -4,7 +4,7 @@ dp=2 and tp=2 x dp=2, against the same optimizers on one device; each data-paral
 keeps masters and state only for the whole parameters assigned to it; checkpoints round
 trip at the same layout.
 
-Parity runs Muon with its Newton-Schulz iteration in fp32 (tests.helpers.Fp32Muon): stock
+Parity runs Muon with its Newton-Schulz iteration in fp32 (tests.harness.helpers.Fp32Muon): stock
 Muon orthogonalises in bf16, which turns the rounding of another reduction order into
 percent-level weight differences. Stock Muon is checked by the float64 rule instead: its
 distance from a float64 run of the same training is no larger than single-device stock
@@ -23,9 +23,13 @@ import torch
 from fxmeg.checkpoint import Checkpointer
 from fxmeg.runtime.layerwise import assign
 from fxmeg.runtime.optimizer import ADAMW_ONLY
-from tests.distributed import run_world
-from tests.helpers import assert_losses_close, reference
-from tests.parity.mixed_precision import assert_float64_rule_per_parameter, gather_masters, master_pieces
+from tests.harness.distributed import run_world
+from tests.harness.helpers import assert_losses_close, reference
+from tests.parity.mixed_precision import (
+    assert_float64_rule_per_parameter,
+    gather_masters,
+    master_pieces,
+)
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.scenarios import MBS, Scenario, check_parity
 
@@ -35,7 +39,8 @@ DP2 = Scenario("gpt", dp=2, opt="muon", options=LAYERWISE)
 TP2_DP2 = Scenario("gpt", tp=2, dp=2, opt="muon", options=AUTO)
 PARITY = [DP2, Scenario("llama", dp=2, opt="muon", options=AUTO), TP2_DP2]
 OTHERS = [  # parity too; the layer-wise assignment is per pipeline stage, or there is none
-    Scenario("gpt", dp=2, pp=2, schedule="1f1b", opt="muon", options=AUTO),  # wte tied across stages
+    # wte tied across stages
+    Scenario("gpt", dp=2, pp=2, schedule="1f1b", opt="muon", options=AUTO),
     Scenario("llama", tp=2, dp=2, opt="muon"),  # no distributed optimizer: full matrices over tp
 ]
 HALF = Scenario("llama", tp=2, dp=2, opt="muon", options=AUTO + (("precision", "bf16"),))
@@ -62,12 +67,25 @@ def train(rank: int, sc: Scenario) -> dict:
         for g in o.param_groups:
             for name, p in zip(g["param_names"], g["params"]):
                 held.setdefault(type(o).__name__, {})[name] = {
-                    k: v.numel() for k, v in o.state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    k: v.numel()
+                    for k, v in o.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                }
     groups = engine.context.groups
-    return dict(steps=steps, grads=grads, state=state if rank == 0 else None, held=held, strays=strays,
-                sharding=opt.sharding, owner=opt.owner, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
-                local={n: p.numel() for n, p in engine.named_parameters.items()},
-                pieces=master_pieces(engine), tp_specs=engine.program.tp_specs)
+    return dict(
+        steps=steps,
+        grads=grads,
+        state=state if rank == 0 else None,
+        held=held,
+        strays=strays,
+        sharding=opt.sharding,
+        owner=opt.owner,
+        dp_rank=groups.dp_rank,
+        tp_rank=groups.tp_rank,
+        local={n: p.numel() for n, p in engine.named_parameters.items()},
+        pieces=master_pieces(engine),
+        tp_specs=engine.program.tp_specs,
+    )
 
 
 def round_trip(root: str, sc: Scenario) -> dict:
@@ -81,7 +99,9 @@ def round_trip(root: str, sc: Scenario) -> dict:
     again = sc.engine()
     Checkpointer(again.program, again.context).load(root)
     got = [again.train_step(b).loss for b in batches[2:4]]
-    return dict(want=want, got=got, same_state=_equal(first.full_state_dict(), again.full_state_dict()))
+    return dict(
+        want=want, got=got, same_state=_equal(first.full_state_dict(), again.full_state_dict())
+    )
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -120,14 +140,17 @@ def test_each_rank_keeps_state_for_its_whole_parameters_only(results, sc):
         assert r["sharding"] == "layerwise" and r["owner"] == owner and r["strays"] == 0
         mine = {n for n in full if owner[n] == r["dp_rank"]}
         muon, adamw = r["held"]["Fp32Muon"], r["held"]["AdamW"]
-        assert {n for n, s in {**muon, **adamw}.items() if s} == mine  # state for its parameters, no other
+        # state for its parameters, no other
+        assert {n for n, s in {**muon, **adamw}.items() if s} == mine
         assert set(muon) == mine & matrices and set(adamw) == mine - matrices
         for n in mine & matrices:  # whole matrices, full even where tp splits the parameter
             assert muon[n] == {"momentum_buffer": full[n]}
         for n in mine - matrices:
             assert adamw[n] == {"exp_avg": r["local"][n], "exp_avg_sq": r["local"][n]}
     for t in range(sc.tp):  # the data-parallel ranks of each tp rank partition the parameters
-        held = [set(r["held"]["Fp32Muon"]) | set(r["held"]["AdamW"]) for r in ranks if r["tp_rank"] == t]
+        held = [
+            set(r["held"]["Fp32Muon"]) | set(r["held"]["AdamW"]) for r in ranks if r["tp_rank"] == t
+        ]
         assert sum(len(h) for h in held) == len(full) and set().union(*held) == set(full)
 
 
@@ -142,14 +165,18 @@ def test_bf16_parameters_with_full_fp32_matrix_masters_train_as_the_oracle(resul
     2.1 x)."""
     ranks = [r[HALF.id] for r in results[HALF.world]]
     model = HALF.make_model()
-    ref, exact = (mixed_reference(model, HALF.batches(), dtype=d, micro_batch_size=MBS, opt=HALF.opt)
-                  for d in (torch.bfloat16, torch.float64))
+    ref, exact = (
+        mixed_reference(model, HALF.batches(), dtype=d, micro_batch_size=MBS, opt=HALF.opt)
+        for d in (torch.bfloat16, torch.float64)
+    )
     steps = ranks[0]["steps"]
     assert not any(s.skipped for s in steps)
     assert_losses_close([s.loss for s in steps], ref["losses"], rtol=1e-3)
     assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-2)
     masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, HALF.tp)
-    assert_float64_rule_per_parameter(masters, ref["masters"], exact["masters"], dict(model.named_parameters()))
+    assert_float64_rule_per_parameter(
+        masters, ref["masters"], exact["masters"], dict(model.named_parameters())
+    )
 
 
 def test_stock_bf16_muon_differs_from_float64_no_more_than_single_device(results):
@@ -161,7 +188,10 @@ def test_stock_bf16_muon_differs_from_float64_no_more_than_single_device(results
     got = ranks[0]["state"]
 
     def distance(x: dict) -> float:
-        return math.sqrt(sum((x[k].double() - f64[k]).norm() ** 2 for k in f64) / sum(v.norm() ** 2 for v in f64.values()))
+        return math.sqrt(
+            sum((x[k].double() - f64[k]).norm() ** 2 for k in f64)
+            / sum(v.norm() ** 2 for v in f64.values())
+        )
 
     assert distance(got) <= 2 * distance(ref), (distance(got), distance(ref))
     noise = max(abs(a - b) for a, b in zip(ref_losses, f64_losses))

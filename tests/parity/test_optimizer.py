@@ -9,8 +9,8 @@ import torch
 import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
-from tests.distributed import run_worlds
-from tests.helpers import dp_shard_elements, make_batch, make_model, reference
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import dp_shard_elements, make_batch, make_model, reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
 from tests.parity.scenarios import Scenario, check_parity, train
 
@@ -67,7 +67,9 @@ def _snapshot(engine) -> tuple:
     params = tuple(p.detach().clone().numpy().tobytes() for p in engine.named_parameters.values())
     state = tuple(
         v.clone().numpy().tobytes()
-        for s in engine.context.optimizer.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        for s in engine.context.optimizer.inner.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
     )
     return params, state, engine.context.optimizer.param_groups[0]["lr"]
 
@@ -99,7 +101,9 @@ def test_clipping_equals_torch_clip_grad_norm(results, sc):
     """Norm value and the clipped update, with a tied embedding across pipeline stages."""
     ranks = [r[sc.id] for r in results[sc.world]]
     check_parity(ranks, sc, norm_rtol=1e-5)
-    _, ref_norms, _ = reference(make_model(sc.model, n_layer=sc.layers), sc.batches(), clip=sc.clip, opt=sc.opt)
+    _, ref_norms, _ = reference(
+        make_model(sc.model, n_layer=sc.layers), sc.batches(), clip=sc.clip, opt=sc.opt
+    )
     assert min(ref_norms) > sc.clip  # clipping really was active in every step
 
 
@@ -152,4 +156,6 @@ def test_overlapped_param_gather_matches_and_waits_before_use(results):
             if step > 0:  # the previous step's gathers were waited for during forward,
                 (chunk,) = r["layouts"]  # before this chunk's last backward
                 waited = [i for i, (k, _) in enumerate(log) if k == "gathered"]
-                assert len(waited) == len(labels) and max(waited) < log.index(("sync", f"chunk{chunk}"))
+                assert len(waited) == len(labels) and max(waited) < log.index(
+                    ("sync", f"chunk{chunk}")
+                )

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from tests.distributed import run_world
+from tests.harness.distributed import run_world
 from tests.parity.scenarios import Scenario
 
 M, STEPS = 4, 3

@@ -14,8 +14,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
 from fxmeg.measured_activations import SavedBytes
-from tests.distributed import run_worlds
-from tests.helpers import assert_bitwise, make_batch, make_model, optimizer
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import assert_bitwise, make_batch, make_model, optimizer
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),
@@ -23,17 +23,28 @@ CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "int
 PARITY = [Scenario(model, *c) for c in CONFIGS for model in ("gpt", "llama")] + [
     # compiled chunks, whole blocks recomputed, sent activations freed: all at once
     Scenario("gpt", 2, 1, "1f1b", 4, options=(("compile", True), ("recompute", "full"))),
-    Scenario("llama", 2, 2, "interleaved", 4, options=(("recompute", "full"), ("recompute_num_layers", 1))),
+    Scenario(
+        "llama",
+        2,
+        2,
+        "interleaved",
+        4,
+        options=(("recompute", "full"), ("recompute_num_layers", 1)),
+    ),
 ]
 BITWISE = [Scenario("llama", pp, 1, "1f1b", 4, clip=0.0) for pp in (2, 4)]
 SCENARIOS = PARITY + BITWISE
 
 
 BAD_CONFIGS = {  # on 2 ranks, each must fail before any process group exists
-    "pp*vpp > blocks": (dict(pp=2, vpp=4, global_batch_size=2 * 2),
-                        "pp * vpp = 8 chunks, but the model has only 4 blocks"),
-    "interleaved m": (dict(pp=2, vpp=2, global_batch_size=2 * 3),
-                      "interleaved schedule needs the micro-batch count m to be a multiple of pp=2"),
+    "pp*vpp > blocks": (
+        dict(pp=2, vpp=4, global_batch_size=2 * 2),
+        "pp * vpp = 8 chunks, but the model has only 4 blocks",
+    ),
+    "interleaved m": (
+        dict(pp=2, vpp=2, global_batch_size=2 * 3),
+        "interleaved schedule needs the micro-batch count m to be a multiple of pp=2",
+    ),
     "split point": (dict(pp=2, split_points=["layers.9"]), "split point 'layers.9' names no block"),
 }
 
@@ -91,7 +102,9 @@ def test_every_sent_activation_is_freed(results, sc):
         for c in r[sc.id]["counters"]:
             assert c.deallocated == c.sent_for_dealloc
             if r[sc.id]["pp_rank"] < sc.pp - 1 or sc.vpp > 1:  # every chunk but the last sends
-                assert c.sent_for_dealloc == sc.m * (sc.vpp if r[sc.id]["pp_rank"] < sc.pp - 1 else sc.vpp - 1)
+                assert c.sent_for_dealloc == sc.m * (
+                    sc.vpp if r[sc.id]["pp_rank"] < sc.pp - 1 else sc.vpp - 1
+                )
 
 
 @pytest.mark.parametrize("sc", BITWISE, ids=lambda s: s.id)
@@ -118,5 +131,7 @@ def test_bad_configs_are_refused_before_process_groups(results, name):
 def test_full_recompute_keeps_under_a_third_of_stage_0_activations(results):
     """Acceptance: with every block recomputed, the first stage (two micro-batches in
     flight under 1F1B at pp=2) keeps at most a third of the activations it keeps without."""
-    first = next(r["activations"] for r in results[2] if r["gpt-dp1-pp2-vpp1-1f1b-m4"]["pp_rank"] == 0)
+    first = next(
+        r["activations"] for r in results[2] if r["gpt-dp1-pp2-vpp1-1f1b-m4"]["pp_rank"] == 0
+    )
     assert first["full"] <= first["none"] / 3, first

@@ -6,7 +6,7 @@ like one device; a replica changed between steps stops the next step
 (check_replicas_interval). Frozen parameters and buffers are checked too. And the Program
 replicas are built from: with the spawn's shared transform left out, every rank transforms
 a Mixtral at tp=2 x pp=2 x ep=2 by itself and all ranks make the same Program (its digest:
-graphs, specs, placement, buffer layouts, tp / ep specs; tests/shared_transform.py)."""
+graphs, specs, placement, buffer layouts, tp / ep specs; tests/harness/shared_transform.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 import fxmeg
 from fxmeg.errors import ReplicaError
-from tests import shared_transform
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness import shared_transform
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
@@ -57,7 +57,9 @@ def _broadcast_then_drift(rank: int) -> dict:
     """tp=2 x dp=2 with sequence parallelism (norm gradients all-reduced over tp), every
     rank seeded differently: trained after the broadcast, checked before every step;
     then rank 2 changes its shard of one weight."""
-    engine = _engine(rank, tp=2, sequence_parallel=True, broadcast_params=True, check_replicas_interval=1)
+    engine = _engine(
+        rank, tp=2, sequence_parallel=True, broadcast_params=True, check_replicas_interval=1
+    )
     batches = _batches()
     steps = [engine.train_step(b) for b in batches[:STEPS]]
     state = engine.full_state_dict()
@@ -69,7 +71,11 @@ def _broadcast_then_drift(rank: int) -> dict:
         drift = None
     except ReplicaError as err:
         drift = {"message": str(err), "parameter": err.parameter, "ranks": err.ranks}
-    return {"losses": [s.loss for s in steps], "state": state if rank == 0 else None, "drift": drift}
+    return {
+        "losses": [s.loss for s in steps],
+        "state": state if rank == 0 else None,
+        "drift": drift,
+    }
 
 
 def _broadcast_pipeline(rank: int) -> dict:
@@ -81,7 +87,11 @@ def _broadcast_pipeline(rank: int) -> dict:
     steps = [engine.train_step(b) for b in _batches()[:STEPS]]
     state = engine.full_state_dict()
     stage1 = sorted(n for n, h in engine.program.holders.items() if h == (1,))
-    return {"losses": [s.loss for s in steps], "state": state if rank == 0 else None, "stage1": stage1}
+    return {
+        "losses": [s.loss for s in steps],
+        "state": state if rank == 0 else None,
+        "stage1": stage1,
+    }
 
 
 def _broadcast_masters(rank: int) -> dict:
@@ -111,12 +121,19 @@ def _state(rank: int) -> dict:
     for name, odd in (("gpt", 1), ("llama", 3)):
         batches = _batches()
         try:
-            fxmeg.parallelize(model(name, rank == odd), tuple(t[:MBS] for t in batches[0]), global_batch_size=GBS)
+            fxmeg.parallelize(
+                model(name, rank == odd), tuple(t[:MBS] for t in batches[0]), global_batch_size=GBS
+            )
             out[name] = None
         except ReplicaError as err:
             out[name] = (err.parameter, err.ranks)
-    engine = fxmeg.parallelize(model("gpt", rank == 1), tuple(t[:MBS] for t in _batches()[0]),
-                               global_batch_size=GBS, broadcast_params=True, check_replicas_interval=1)
+    engine = fxmeg.parallelize(
+        model("gpt", rank == 1),
+        tuple(t[:MBS] for t in _batches()[0]),
+        global_batch_size=GBS,
+        broadcast_params=True,
+        check_replicas_interval=1,
+    )
     out["broadcast"] = [engine.train_step(b).loss for b in _batches()[:2]]
     return out
 
@@ -124,8 +141,15 @@ def _state(rank: int) -> dict:
 def _transformed_alone(rank: int) -> dict:
     """Each rank transforms for itself (the shared cache, which lets one rank transform for
     the spawn, left out); every rank's Program digest, all-gathered."""
-    program = shared_transform.transform_alone(tiny_moe("mixtral"), make_batch(MBS, seed=0, vocab=96), tp=2, pp=2,
-                                               ep=2, dp=2, global_batch_size=GBS)
+    program = shared_transform.transform_alone(
+        tiny_moe("mixtral"),
+        make_batch(MBS, seed=0, vocab=96),
+        tp=2,
+        pp=2,
+        ep=2,
+        dp=2,
+        global_batch_size=GBS,
+    )
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, shared_transform.program_digest(program))
     return {"digests": digests, "tp": len(program.tp_specs), "ep": len(program.ep_specs),
@@ -159,9 +183,11 @@ def test_a_rank_seeded_differently_is_refused_on_every_rank(results):
         got = r["tp-dp"]
         assert got["message"] is not None, "parallelize accepted diverging replicas"
         assert got["message"].startswith(
-            "replicas differ at start-up: 'wte.weight' differs between tensor-parallel ranks (in the full "
+            "replicas differ at start-up: 'wte.weight' differs between tensor-parallel ranks (in "
+            "the full "
             "tensor their shards are cut from): rank 3 holds other values than rank 2, and between "
-            "data-parallel replicas: rank 3 holds other values than rank 1."), got["message"]
+            "data-parallel replicas: rank 3 holds other values than rank 1."
+        ), got["message"]
         assert FIX in got["message"] and "broadcast_params=True" in got["message"]
         assert got["parameter"] == "wte.weight" and got["ranks"] == [(3, 2), (3, 1)]
 
@@ -170,8 +196,11 @@ def test_a_tied_weight_must_agree_across_its_pipeline_holders(results):
     for r in results:
         got = r["tied"]
         assert got["message"] is not None
-        assert ("'wte.weight' differs between the pipeline ranks holding this tied weight: rank 2 holds "
-                "other values than rank 0; rank 3 holds other values than rank 1.") in got["message"]
+        assert (
+            "'wte.weight' differs between the pipeline ranks holding this tied weight: rank 2 "
+            "holds "
+            "other values than rank 0; rank 3 holds other values than rank 1."
+        ) in got["message"]
         assert got["ranks"] == [(2, 0), (3, 1)]
 
 
@@ -205,17 +234,22 @@ def test_a_replica_changed_between_steps_stops_the_next_step(results):
         drift = r["drift"]["drift"]
         assert drift is not None, "the drifted replica trained on"
         assert drift["message"].startswith(
-            f"replicas drifted before train step {STEPS + 1} of this engine: '{PERTURBED}' differs between "
-            "data-parallel replicas: rank 2 holds other values than rank 0."), drift["message"]
+            f"replicas drifted before train step {STEPS + 1} of this engine: '{PERTURBED}' differs "
+            "between "
+            "data-parallel replicas: rank 2 holds other values than rank 0."
+        ), drift["message"]
         assert drift["parameter"] == PERTURBED and drift["ranks"] == [(2, 0)]
 
 
 def test_the_collective_section_of_docs_errors_lists_these_rows(results):
-    """docs/errors.md's rows found by a collective check, each excerpt in the message raised here."""
+    """docs/errors.md's rows found by a collective check, each excerpt in the message raised
+    here."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
     with open(path) as f:
         section = f.read().split("\n## Found by a collective check")[1].split("\n## ")[0]
-    rows = dict(re.findall(r"^\| `([a-z0-9-]+)` \| [^|]* \| `([^`]*)` \|", section, flags=re.MULTILINE))
+    rows = dict(
+        re.findall(r"^\| `([a-z0-9-]+)` \| [^|]* \| `([^`]*)` \|", section, flags=re.MULTILINE)
+    )
     raised = {"replicas-differ": results[0]["tp-dp"]["message"],
               "replicas-drifted": results[0]["drift"]["drift"]["message"]}
     assert rows.keys() == raised.keys()
@@ -232,6 +266,7 @@ def test_frozen_parameters_and_buffers_must_agree_too(results):
 
 def test_ranks_that_transform_by_themselves_make_the_same_program(results):
     got = results[0]["alone"]
-    assert got["tp"] and got["ep"] and got["buffers"] and got["placement"] == (0, 1)  # something to agree on
+    # something to agree on
+    assert got["tp"] and got["ep"] and got["buffers"] and got["placement"] == (0, 1)
     assert all(r["alone"]["digests"] == got["digests"] for r in results)
     assert len(set(got["digests"])) == 1, f"the ranks' Programs differ: {got['digests']}"

@@ -16,8 +16,15 @@ import torch.distributed as dist
 import fxmeg
 from fxmeg.layouts import Replicate, Shard
 
-from tests.distributed import run_worlds
-from tests.helpers import assert_losses_close, assert_weights_close, make_batch, make_model, optimizer, reference
+from tests.harness.distributed import run_worlds
+from tests.harness.helpers import (
+    assert_losses_close,
+    assert_weights_close,
+    make_batch,
+    make_model,
+    optimizer,
+    reference,
+)
 from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
 from tests.passes.test_tp_ops import KINDS, PLANS, _Heads
@@ -56,10 +63,16 @@ def compiled_collectives(rank: int) -> dict:
                 grads_equal=bool(torch.equal(x1.grad, x2.grad)), grad=x1.grad.tolist())
 
 
-RULES = {"layer-norm": _NormedMLP, "sum-read-whole": _SplitSum, "sum-read-both": lambda: _SplitSum(mixed=True),
-         "cat-blocks": _CatStack,
-         "einsum-bias": _EinsumAttention, "zeros-like": ZerosLike}
-RULES |= {kind: lambda kind=kind: _Heads(kind) for kind in KINDS}  # issue 28's layouts (test_tp_ops)
+RULES = {
+    "layer-norm": _NormedMLP,
+    "sum-read-whole": _SplitSum,
+    "sum-read-both": lambda: _SplitSum(mixed=True),
+    "cat-blocks": _CatStack,
+    "einsum-bias": _EinsumAttention,
+    "zeros-like": ZerosLike,
+}
+# issue 28's layouts (test_tp_ops)
+RULES |= {kind: lambda kind=kind: _Heads(kind) for kind in KINDS}
 
 
 def _rule_model(name):
@@ -108,7 +121,9 @@ def test_each_rank_holds_its_shards_only(results, sc):
     for r in results[sc.world]:
         specs = r[sc.id]["tp_specs"]
         sharded = sum(p.numel() for n, p in model.named_parameters() if isinstance(specs[n], Shard))
-        replicated = sum(p.numel() for n, p in model.named_parameters() if isinstance(specs[n], Replicate))
+        replicated = sum(
+            p.numel() for n, p in model.named_parameters() if isinstance(specs[n], Replicate)
+        )
         assert sharded and replicated
         assert r[sc.id]["param_elements"] == sharded // sc.tp + replicated
 

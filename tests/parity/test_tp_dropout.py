@@ -11,8 +11,8 @@ import torch
 from torch import fx
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import make_batch
+from tests.harness.distributed import run_world
+from tests.harness.helpers import make_batch
 from tests.passes.test_tp_dropout import DropoutAttention
 
 aten = torch.ops.aten
@@ -54,7 +54,8 @@ def run(rank: int) -> dict:
         with torch.no_grad():
             rec.run(ids, labels)
         out[f"masks_sp{int(sp)}"] = rec.masks
-        out[f"after_sp{int(sp)}"] = int(torch.randint(0, 2**30, (1,)))  # default stream after a step
+        # default stream after a step
+        out[f"after_sp{int(sp)}"] = int(torch.randint(0, 2**30, (1,)))
     for rc in ("none", "full", "selective"):
         engine = _engine(sequence_parallel=True, recompute=rc)
         torch.manual_seed(7)

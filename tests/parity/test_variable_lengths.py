@@ -19,8 +19,8 @@ import torch
 
 import fxmeg
 from fxmeg.errors import BatchError
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,
@@ -61,7 +61,12 @@ def padded(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-HF_BATCHES = [padded([16, 9, 5, 12], 0), padded([3, 8, 7, 6], 1), padded([12, 4, 10, 11], 2), padded([8, 8, 2, 5], 3)]
+HF_BATCHES = [
+    padded([16, 9, 5, 12], 0),
+    padded([3, 8, 7, 6], 1),
+    padded([12, 4, 10, 11], 2),
+    padded([8, 8, 2, 5], 3),
+]
 
 
 def hf_llama():
@@ -69,8 +74,14 @@ def hf_llama():
 
 
 def run_hf(**layout) -> dict:
-    engine = fxmeg.parallelize(hf_llama(), {k: t[:2] for k, t in HF_BATCHES[0].items()}, global_batch_size=4,
-                               optimizer=optimizer, variable_seq_lengths=True, **layout)
+    engine = fxmeg.parallelize(
+        hf_llama(),
+        {k: t[:2] for k, t in HF_BATCHES[0].items()},
+        global_batch_size=4,
+        optimizer=optimizer,
+        variable_seq_lengths=True,
+        **layout,
+    )
     steps = [engine.train_step(b) for b in HF_BATCHES]
     return dict(losses=[s.loss for s in steps], compiled=[key for key, _ in engine.shapes.compiled],
                 state=engine.full_state_dict())
@@ -88,10 +99,13 @@ def run(rank: int) -> dict:
         feeds = engine.needs_data
         steps, grads = [], []
         for b in sc.batches():
-            step = engine.train_step(b if feeds else None, full_grads=True)  # collective: every rank gathers
+            # collective: every rank gathers
+            step = engine.train_step(b if feeds else None, full_grads=True)
             steps.append(dataclasses.replace(step, grads=None))
             grads.append(step.grads)
-        evaluated = engine.eval_step(make_batch(sc.gbs, **EVAL) if feeds else None, num_microbatches=sc.m).loss
+        evaluated = engine.eval_step(
+            make_batch(sc.gbs, **EVAL) if feeds else None, num_microbatches=sc.m
+        ).loss
         state = engine.full_state_dict()
         try:
             engine.train_step(make_batch(sc.gbs, seed=1, seq=24) if feeds else None)
@@ -104,9 +118,16 @@ def run(rank: int) -> dict:
             refused = "no error"
         except BatchError as e:
             refused = str(e)
-        out[sc.id] = dict(steps=steps, grads=grads if rank == 0 else None, state=state if rank == 0 else None,
-                          feeds=feeds, eval=evaluated,
-                          compiled=[key for key, _ in engine.shapes.compiled], error=error, refused=refused)
+        out[sc.id] = dict(
+            steps=steps,
+            grads=grads if rank == 0 else None,
+            state=state if rank == 0 else None,
+            feeds=feeds,
+            eval=evaluated,
+            compiled=[key for key, _ in engine.shapes.compiled],
+            error=error,
+            refused=refused,
+        )
     return out
 
 
@@ -142,7 +163,9 @@ def test_a_length_above_the_position_table_is_refused_naming_both(results, sc):
     table = "table 'rope_cos'" if sc.model == "llama" else "position embedding 'wpe'"
     for r in results:
         message = r[sc.id]["error"]
-        assert "sequence length 24" in message and f"{table}" in message and "16 rows" in message, message
+        assert "sequence length 24" in message and f"{table}" in message and "16 rows" in message, (
+            message
+        )
 
 
 @pytest.mark.parametrize("name", HF_LAYOUTS)
@@ -160,5 +183,9 @@ def test_a_batch_refused_on_the_stages_with_data_stops_every_stage(results):
     instead of waiting for activations that never come."""
     sc = next(sc for sc in CASES if sc.pp == 4)
     for r in (r[sc.id] for r in results):
-        want = "a batch must hold 2 tensors" if r["feeds"] else "another pipeline stage refused its batch"
+        want = (
+            "a batch must hold 2 tensors"
+            if r["feeds"]
+            else "another pipeline stage refused its batch"
+        )
         assert want in r["refused"], r["refused"]

@@ -23,8 +23,8 @@ import fxmeg.pass_driver as driver
 from fxmeg.layouts import Shard
 from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_losses_close,
     graph_after,
     make_batch,
@@ -65,8 +65,12 @@ def _differ(a: dict, b: dict) -> list[str]:
     """Keys whose values differ; the gradient buffers are zeroed by verify (the next step
     zeroes them anyway)."""
     assert a.keys() == b.keys()
-    return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
-            and not (k.startswith("grad/") and not b[k].any())]
+    return [
+        k
+        for k in a
+        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+        and not (k.startswith("grad/") and not b[k].any())
+    ]
 
 
 def _doge(broken: bool) -> list:
@@ -76,8 +80,14 @@ def _doge(broken: bool) -> list:
     data = zoo.batches("doge")
     with mock.patch.object(_TensorParallel, "_check_statistics", _without_reductions if broken
                            else _TensorParallel._check_statistics):
-        engine = fxmeg.parallelize(zoo.make("doge"), tuple(t[:zoo.MBS] for t in data[0]), tp=2, pp=2,
-                                   global_batch_size=zoo.GBS, optimizer=optimizer)
+        engine = fxmeg.parallelize(
+            zoo.make("doge"),
+            tuple(t[: zoo.MBS] for t in data[0]),
+            tp=2,
+            pp=2,
+            global_batch_size=zoo.GBS,
+            optimizer=optimizer,
+        )
     out = []
     for batch in data:
         out.append(engine.verify(batch))
@@ -108,7 +118,9 @@ def run(rank: int) -> dict:
     plain.train_step(b0)
     want = plain.train_step(b2)
     out["next_step_same"] = (after.loss, after.grad_norm) == (want.loss, want.grad_norm) and all(
-        torch.equal(v, plain_v) for v, plain_v in zip(state.values(), plain.full_state_dict().values()))
+        torch.equal(v, plain_v)
+        for v, plain_v in zip(state.values(), plain.full_state_dict().values())
+    )
     # Hugging Face Mistral with a pad token: right, and with the padding fix removed
     batch = _padded(MISTRAL.batches()[0])
     out["mistral"] = MISTRAL.engine().verify(batch)
@@ -128,7 +140,9 @@ def test_verify_passes_on_gpt_and_mistral_with_pad_token(results):
         r = results[0][key]
         assert r.ok, r.report()
         trainable = [n for n, p in sc.make_model().named_parameters() if p.requires_grad]
-        assert sorted(e.name for e in r.errors) == sorted(trainable), "every trainable parameter, once"
+        assert sorted(e.name for e in r.errors) == sorted(trainable), (
+            "every trainable parameter, once"
+        )
         assert r.first_failure is None and r.unread == ()
         assert r.loss_error <= 1e-5 and r.worst.error <= 1e-4
         assert all(ranks[key] == r for ranks in results)  # the same result on every rank
@@ -163,7 +177,9 @@ def test_verify_over_steps_catches_a_gradient_dead_at_the_first(results):
 
 def test_passes_tag_the_nodes_they_insert():
     model = make_model("gpt", n_layer=2)
-    gm = graph_after(model, tuple(t[:MBS] for t in make_batch(MBS, seed=0)), "tensor_parallel", tp=2)
+    gm = graph_after(
+        model, tuple(t[:MBS] for t in make_batch(MBS, seed=0)), "tensor_parallel", tp=2
+    )
     tags = {n.meta.get("fxmeg", {}).get("pass") for n in gm.graph.nodes}
     assert {None, "loss", "tensor_parallel"} <= tags
     assert all(n.meta["fxmeg"].get("pass") is None for n in gm.graph.nodes if n.op == "get_attr")
@@ -175,12 +191,38 @@ MODEL = '{"n_layer": 2, "n_embd": 32, "n_head": 4}'
 def test_cli_verify_on_two_ranks(corpus):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "fxmeg.cli", "verify", "--data", corpus, "--model-args", MODEL, "--dp", "2", "--distributed-optimizer",
-         "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--verify-steps", "2"],
-        env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "fxmeg.cli",
+            "verify",
+            "--data",
+            corpus,
+            "--model-args",
+            MODEL,
+            "--dp",
+            "2",
+            "--distributed-optimizer",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--verify-steps",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "layout tp=1 pp=1 vpp=1 dp=2" in out.stdout
-    assert "step 1 of 2: fxmeg verify: OK" in out.stdout and "step 2 of 2: fxmeg verify: OK" in out.stdout
+    assert (
+        "step 1 of 2: fxmeg verify: OK" in out.stdout
+        and "step 2 of 2: fxmeg verify: OK" in out.stdout
+    )
 
 
 # ------------------------------------- what verify cannot see: capture and the loss pass
@@ -221,7 +263,7 @@ def _misbind_parameter(monkeypatch):
 def test_plain_pytorch_parity_sees_capture_and_loss_bugs_that_verify_cannot(monkeypatch, bug):
     """Verify's reference is fxmeg's own capture after its own loss pass (docs/cli.md):
     a bug there is on both sides of its comparison, so it reports OK. Training against
-    plain PyTorch (tests/helpers.py ``reference``, as tests/test_engine.py trains it
+    plain PyTorch (tests/harness/helpers.py ``reference``, as tests/engine/test_engine.py trains it
     without the bug) is the oracle that sees it."""
     model, gbs, mbs = make_model("gpt", n_layer=2), 4, 2
     batches = [make_batch(gbs, seed=30)]

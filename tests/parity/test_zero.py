@@ -15,8 +15,8 @@ from torch import nn
 import fxmeg
 from fxmeg.meta_init import Source
 from models.gpt import GPT, GPTConfig
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     assert_bitwise,
     assert_losses_close,
     assert_weights_close,
@@ -24,7 +24,7 @@ from tests.helpers import (
     make_model,
     optimizer,
 )
-from tests.helpers import reference as plain_reference
+from tests.harness.helpers import reference as plain_reference
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
 from tests.parity.scenarios import (
     MBS,
@@ -52,13 +52,20 @@ PARITY = [
     Scenario("llama", dp=4, options=Z3 + (("recompute", "full"),)),
     Scenario("gpt", dp=4, meta=True, options=Z3),
     Scenario("llama", dp=2, tp=2, meta=True, options=Z3),  # each rank makes its tp shard's dp part
-    Scenario("moe-mixtral", dp=4, options=(("ep", 2),) + Z2),  # experts over edp = 2, the rest over dp = 4
+    # experts over edp = 2, the rest over dp = 4
+    Scenario("moe-mixtral", dp=4, options=(("ep", 2),) + Z2),
 ]
-BF16 = [Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),)),
-        Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),), meta=True)]  # fp32 masters of shards made
-ZOO = [Scenario("hf-llama", dp=2, options=Z3),  # Hugging Face models, not written for fxmeg's tests;
-       Scenario("hf-gpt2", dp=2, options=Z3),  # tied heads: read through ops.early_linear
-       Scenario("hf-gemma2", dp=2, options=Z3)]  # (Gemma 2's softcapped)
+BF16 = [
+    Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),)),
+    # fp32 masters of shards made
+    Scenario("llama", dp=2, options=Z3 + (("precision", "bf16"),), meta=True),
+]
+# Hugging Face models, not written for fxmeg's tests;
+ZOO = [
+    Scenario("hf-llama", dp=2, options=Z3),
+    Scenario("hf-gpt2", dp=2, options=Z3),  # tied heads: read through ops.early_linear
+    Scenario("hf-gemma2", dp=2, options=Z3),
+]  # (Gemma 2's softcapped)
 ROUTER = Scenario("hf-mixtral", dp=2, options=Z3)  # 3-D expert banks whole (ep=1), a router loss
 SCENARIOS = PARITY + ZOO + [ROUTER] + BF16
 
@@ -79,19 +86,31 @@ def held(rank: int, engine) -> dict:
     """What this rank holds between steps, counted from the tensors: parameter bytes whose
     memory is allocated, gradient elements of every buffer, shard elements."""
     ctx, par = engine.context, engine.config.parallel
-    dp_cp, edp = par.dp_cp, par.edp  # what the dense buffers and the expert banks' buffers shard over
+    # what the dense buffers and the expert banks' buffers shard over
+    dp_cp, edp = par.dp_cp, par.edp
     return dict(
         param_bytes=sum(p.untyped_storage().nbytes() for p in ctx.named_parameters.values()),
         params=len(ctx.named_parameters),
-        main_grads=sum(getattr(p, "main_grad", None) is not None for p in ctx.named_parameters.values()),
+        main_grads=sum(
+            getattr(p, "main_grad", None) is not None for p in ctx.named_parameters.values()
+        ),
         grad_elements=sum(b.reduced().numel() for b in ctx.ddp.all()),
-        shard_elements=sum(b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")),
+        shard_elements=sum(
+            b.param_shard.numel() for b in ctx.ddp.all() if hasattr(b, "param_shard")
+        ),
         buffer_elements=sum(b.layout.numel for b in ctx.ddp.all()),
         share=sum(b.layout.numel // (edp if b.layout.experts else dp_cp) for b in ctx.ddp.all()),
-        dp_cp=dp_cp, dp_cp_rank=ctx.groups.dp_cp_rank,
+        dp_cp=dp_cp,
+        dp_cp_rank=ctx.groups.dp_cp_rank,
         buckets=sum(len(b.layout.buckets) for b in ctx.ddp.all()),
-        made=[{name: n for name, n in call.items() if name in ctx.named_parameters} for call in MADE],
-        **(dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank) if engine.config.precision == "bf16" else {}),
+        made=[
+            {name: n for name, n in call.items() if name in ctx.named_parameters} for call in MADE
+        ],
+        **(
+            dict(pieces=master_pieces(engine), tp_rank=ctx.groups.tp_rank)
+            if engine.config.precision == "bf16"
+            else {}
+        ),
     )
 
 
@@ -104,8 +123,13 @@ MOVE_BATCHES = [make_batch(16, seed=40 + s) for s in range(4)]
 
 def _engine(**layout):
     ids, labels = MOVE_BATCHES[0]
-    return fxmeg.parallelize(make_model("gpt", n_layer=2), (ids[:2], labels[:2]), global_batch_size=16,
-                             optimizer=optimizer, **layout)
+    return fxmeg.parallelize(
+        make_model("gpt", n_layer=2),
+        (ids[:2], labels[:2]),
+        global_batch_size=16,
+        optimizer=optimizer,
+        **layout,
+    )
 
 
 def moves(root: str) -> dict:
@@ -162,7 +186,9 @@ def _view_model() -> _Views:
 
 def views() -> dict:
     ids, labels = VIEW_BATCHES[0]
-    engine = fxmeg.parallelize(_view_model(), (ids[:2], labels[:2]), global_batch_size=8, optimizer=optimizer, zero=3)
+    engine = fxmeg.parallelize(
+        _view_model(), (ids[:2], labels[:2]), global_batch_size=8, optimizer=optimizer, zero=3
+    )
     losses = [engine.train_step(b).loss for b in VIEW_BATCHES]
     return dict(losses=losses, state=engine.full_state_dict())
 
@@ -173,9 +199,16 @@ def from_weights() -> dict:
     ids, labels = VIEW_BATCHES[0]
     with torch.device("meta"):
         model = make_model("llama", n_layer=2)
-    engine = fxmeg.parallelize(model, (ids[:2], labels[:2]), global_batch_size=8, optimizer=optimizer, zero=3,
-                               weights=make_model("llama", n_layer=2).state_dict(),
-                               init_fn=model.init_weights)  # for its rotary table, not in a state dict
+    engine = fxmeg.parallelize(
+        model,
+        (ids[:2], labels[:2]),
+        global_batch_size=8,
+        optimizer=optimizer,
+        zero=3,
+        weights=make_model("llama", n_layer=2).state_dict(),
+        # for its rotary table, not in a state dict
+        init_fn=model.init_weights,
+    )
     return dict(state=engine.full_state_dict(), **held(0, engine),
                 param_elements=sum(p.numel() for p in engine.named_parameters.values()),
                 layouts={c: engine.program.buffers[c] for c in engine.context.chunks})
@@ -251,7 +284,10 @@ def test_each_rank_holds_its_share_between_steps(results, sc):
     the step and, at zero=3, no parameter memory does."""
     for r in (r[sc.id] for r in results[sc.world]):
         share = r["share"]
-        assert r["buffer_elements"] - r["param_elements"] <= 128 * r["dp_cp"] * r["buckets"] + 64 * r["params"]
+        assert (
+            r["buffer_elements"] - r["param_elements"]
+            <= 128 * r["dp_cp"] * r["buckets"] + 64 * r["params"]
+        )
         assert r["grad_elements"] == share and r["main_grads"] == 0
         if dict(sc.options).get("ep", 1) == 1:
             assert share * r["dp_cp"] == r["buffer_elements"]
@@ -313,7 +349,13 @@ def test_zero3_frees_a_bucket_in_backward_once_autograd_let_go_of_it(results):
             last = log.index(("ready", "wte.weight"))
             live = set()
             for k, (kind, label) in enumerate(log[:last]):
-                live = live | {label} if kind == "gather" else live - {label} if kind == "released" else live
+                live = (
+                    live | {label}
+                    if kind == "gather"
+                    else live - {label}
+                    if kind == "released"
+                    else live
+                )
                 assert k < ready[0] or "chunk0/5" not in live, log[k - 3 : k + 1]
 
 
@@ -344,7 +386,10 @@ def test_backward_prefetch_post_keeps_one_bucket_of_each_whole(results):
     for r in results[2]:
         most_pre = [_most_whole_in_backward(log) for log in r[pre.id]["events"]]
         most_post = [_most_whole_in_backward(log) for log in r[post.id]["events"]]
-        assert all(m <= 2 for m in most_post) and all(m == 4 for m in most_pre), (most_post, most_pre)
+        assert all(m <= 2 for m in most_post) and all(m == 4 for m in most_pre), (
+            most_post,
+            most_pre,
+        )
 
 
 @pytest.mark.parametrize("sc", BF16, ids=lambda s: s.id)
@@ -377,13 +422,17 @@ def test_zero3_on_meta_makes_exactly_the_parameters_its_shard_covers(results, ca
     none other: never the whole stage; and the values are the model's."""
     world = 2 if case == "weights" else next(s.world for s in SCENARIOS if s.id == case)
     if case == "weights":
-        assert_bitwise(results[2][0]["weights"]["state"], make_model("llama", n_layer=2).state_dict())
+        assert_bitwise(
+            results[2][0]["weights"]["state"], make_model("llama", n_layer=2).state_dict()
+        )
     for r in (r[case] for r in results[world]):
         made = {}
         for call in r["made"]:  # a call of the source a bucket
             assert not made.keys() & call.keys(), f"made twice: {sorted(made.keys() & call.keys())}"
             made |= call
-        want = must_make([lay for lays in r["layouts"].values() for lay in lays], r["dp_cp"], r["dp_cp_rank"])
+        want = must_make(
+            [lay for lays in r["layouts"].values() for lay in lays], r["dp_cp"], r["dp_cp_rank"]
+        )
         assert made == want, f"made but not covered {sorted(made.keys() - want.keys())}, " \
                              f"covered but not made {sorted(want.keys() - made.keys())}"
         assert 0 < sum(made.values()) < r["param_elements"]
@@ -408,11 +457,15 @@ def test_reading_the_users_module_after_zero3_is_a_named_error(results):
     for r in (r["readme"] for r in results[2]):
         for what in ("norm", "state_dict", "printed", "engine", "tied"):
             kind, message = r[what]
-            assert kind == "ReleasedError" and "full_state_dict()" in message and "zero=3" in message, r[what]
+            assert (
+                kind == "ReleasedError" and "full_state_dict()" in message and "zero=3" in message
+            ), r[what]
         assert "'wte.weight' (tied: 'lm_head.weight')" in r["norm"][1] == r["tied"][1]
         assert "'layers.0.mlp.fc.weight'" in r["printed"][1]
-        assert r["elements"] == sum(p.numel() for p in GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=4,
-                                                                          n_embd=64)).parameters())
+        assert r["elements"] == sum(
+            p.numel()
+            for p in GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=4, n_embd=64)).parameters()
+        )
         assert r["full"] > 0
 
 
@@ -425,15 +478,19 @@ def test_zero3_frees_a_parameter_after_the_last_reader_of_its_views(results):
     assert_weights_close(results[2][0]["views"]["state"], want_state)
 
 
-@pytest.mark.parametrize("sc", [s for s in PARITY if s.pp == 1 and s.tp == 1 and s.cp == 1 and not s.meta][:4],
-                         ids=lambda s: s.id)
+@pytest.mark.parametrize(
+    "sc",
+    [s for s in PARITY if s.pp == 1 and s.tp == 1 and s.cp == 1 and not s.meta][:4],
+    ids=lambda s: s.id,
+)
 def test_the_plan_counts_what_a_rank_holds(results, sc):
     """``fxmeg.plan`` (no process) predicts the gradient and parameter bytes each rank
     holds between steps at zero=2 and 3, as counted on the ranks."""
     ids, labels = sc.batches()[0]
     options = {k: v for k, v in sc.options}
-    stage = fxmeg.plan(sc.make_model(), (ids[:MBS], labels[:MBS]), dp=sc.dp, global_batch_size=sc.gbs,
-                       **options).stages[0]
+    stage = fxmeg.plan(
+        sc.make_model(), (ids[:MBS], labels[:MBS]), dp=sc.dp, global_batch_size=sc.gbs, **options
+    ).stages[0]
     r = results[sc.world][0][sc.id]
     assert stage.gradient_buffers == 4 * r["grad_elements"]
     assert stage.parameters == 4 * (r["shard_elements"] if _zero(sc) == 3 else r["param_elements"])

@@ -12,7 +12,7 @@ relative norm: docs/megatron-semantics.md §1).
   experts, top-2; Mixtral also with experts_implementation="eager"; Llama 4, whose
   experts run batched over every token and whose rotary embedding is complex
   (``view_as_complex`` of the head-split q and k), layer 0 dense with rotary and chunked
-  attention, layer 1 routed without rotary: tests.helpers.BATCHED_MOE) at tp=2 x pp=2
+  attention, layer 1 routed without rotary: tests.harness.helpers.BATCHED_MOE) at tp=2 x pp=2
   only (MOE_ZOO), where each tp rank holds less than the whole model; Granite's (granitemoe,
   granitemoeshared) at world size 1 with 4 micro-batches (WORLD1_MOE);
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
@@ -27,7 +27,7 @@ relative norm: docs/megatron-semantics.md §1).
   Falcon's default config (multi-query, parallel attention, ``x @ w.T`` linears) and
   gpt_bigcode's multi-query fused ``c_attn``; bloom's per-head interleaved fused QKV with
   ALiBi through ``baddbmm``, split by whole heads. SPLIT names the parameters each must split;
-* hybrids of attention with state-space or linear-attention layers (tests.helpers.HYBRID,
+* hybrids of attention with state-space or linear-attention layers (tests.harness.helpers.HYBRID,
   one such layer then one attention layer, a pipeline cut between them): Qwen3-Next,
   Falcon-H1, Nemotron-H, Granite-4.0, OLMo-Hybrid, LFM2, Bamba, Jamba, Zamba2, Kimi-Linear,
   their convolution, recurrence and projections split by heads (fxmeg/passes/tp_channels.py;
@@ -53,8 +53,8 @@ import torch
 from torch import nn
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import (
+from tests.harness.distributed import run_world
+from tests.harness.helpers import (
     BATCHED_MOE,
     HYBRID,
     MOE,
@@ -183,7 +183,7 @@ ZOO["mixtral-eager-experts"] = (hf("mixtral", experts_implementation="eager", **
 # Llama 4: complex rotary (view_as_complex of the head-split q and k), chunked attention, batched experts
 ZOO["llama4_text"] = (hf("llama4_text", **BATCHED_MOE["llama4_text"]), {}, -100)
 MOE_ZOO = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss-eager", "mixtral-eager-experts", "llama4_text")
-"""Mixtures of experts (tests.helpers.MOE: 4 experts, top-2) as transformers builds them
+"""Mixtures of experts (tests.harness.helpers.MOE: 4 experts, top-2) as transformers builds them
 (grouped_mm experts), and Mixtral with experts_implementation="eager", which fxmeg captures
 as grouped_mm (its single-device reference runs eager). At tp the router stays whole and
 every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared expert) are
@@ -192,7 +192,7 @@ about 10 s each in the test process (they train there too: issue 27)."""
 for _kind in ("granitemoe", "granitemoeshared"):
     ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
 WORLD1_MOE = ("granitemoe", "granitemoeshared")
-"""Granite's mixtures of experts (tests.helpers.MOE: 4 experts, top-2; the shared one with
+"""Granite's mixtures of experts (tests.harness.helpers.MOE: 4 experts, top-2; the shared one with
 its dense shared MLP), grouped_mm experts as transformers builds them, at world size 1
 only: the zoo's 8 rows in 4 micro-batches of 2, where each block's top-k ranks a quarter
 of the tokens its single-device twin ranks at once (a layout reported 1.2e-5 off in
@@ -225,7 +225,7 @@ ZOO["doge"] = (hf("doge"), {}, -100)
 # attention expert's query heads; not under ep (its experts are not Hugging Face's grouped form)
 ZOO["jetmoe"] = (hf("jetmoe", num_local_experts=4, num_experts_per_tok=2), {}, -100)
 
-# hybrids (tests.helpers.HYBRID): a state-space or linear-attention layer, then an attention
+# hybrids (tests.harness.helpers.HYBRID): a state-space or linear-attention layer, then an attention
 # layer; split by heads over tp (fxmeg/passes/tp_channels.py), a pipeline cut between them
 ZOO["qwen3_next"] = (qwen3_next, {}, -100)
 for _kind in ("falcon_h1", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2", "bamba", "jamba", "zamba2"):
@@ -417,9 +417,9 @@ AXES_LAYOUTS = {"pp2-vpp2-tp2-sp": "tp2 sp x pp2 x vpp2", "cp2-dp2-distopt": "cp
 
 def tested_layouts() -> dict[str, set[str]]:
     """Model type -> the layouts the zoo (this module and test_zoo_axes) and the expert
-    parallel spawn (every ``tests.helpers.MOE`` family at ep2) train it on; a variant
+    parallel spawn (every ``tests.harness.helpers.MOE`` family at ep2) train it on; a variant
     (eager attention, eager experts, multi-query) in parentheses."""
-    from tests.helpers import BATCHED_MOE
+    from tests.harness.helpers import BATCHED_MOE
     from tests.parity import test_zoo_axes
 
     def kind(name: str) -> tuple[str, str]:

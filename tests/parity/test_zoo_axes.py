@@ -35,8 +35,8 @@ import pytest
 import torch
 
 import fxmeg
-from tests.distributed import run_world
-from tests.helpers import optimizer, trained
+from tests.harness.distributed import run_world
+from tests.harness.helpers import optimizer, trained
 from tests.parity.mixed_precision import float64_grad_failures, gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
@@ -58,13 +58,22 @@ def train(name: str, layout: str, rank: int):
     try:
         data = batches(name)
         options = dict(LAYOUTS[layout][1]) | (ZOO[name][1] if "tp" in LAYOUTS[layout][1] else {})
-        engine = fxmeg.parallelize(make(name, LAYERS), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
-                                   optimizer=optimizer, **options)
+        engine = fxmeg.parallelize(
+            make(name, LAYERS),
+            tuple(t[:MBS] for t in data[0]),
+            global_batch_size=GBS,
+            optimizer=optimizer,
+            **options,
+        )
         first = master_pieces(engine) if "precision" in options else None
         out = trained(engine, data, rank)
         if "precision" in options:
-            out |= dict(first=first, pieces=master_pieces(engine), tp_rank=engine.context.groups.tp_rank,
-                        tp_specs=engine.program.tp_specs)
+            out |= dict(
+                first=first,
+                pieces=master_pieces(engine),
+                tp_rank=engine.context.groups.tp_rank,
+                tp_specs=engine.program.tp_specs,
+            )
     except Exception as e:  # noqa: BLE001 (reported)
         out = f"{type(e).__name__}: {e}"
     return out
@@ -93,9 +102,12 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     # avoids), and the all-gather sits at the addmm, after the view (it trains at tp2 x pp2
     # without sp: test_zoo, and at pp2 x vpp2 x tp2 without sp)
     ("gpt2", "pp2-vpp2-tp2-sp"): re.escape(
-        "PassError: cannot split node 'view_1' (view.default, module 'transformer.h.0.attn.c_attn') over "
-        "tp=2 ranks (split along dim 1 by module 'transformer.wte'): it merges dim 1 (size 16, split over "
-        "tp ranks) into a larger dim with dims outside it."),
+        "PassError: cannot split node 'view_1' (view.default, module "
+        "'transformer.h.0.attn.c_attn') over "
+        "tp=2 ranks (split along dim 1 by module 'transformer.wte'): it merges dim 1 (size 16, "
+        "split over "
+        "tp ranks) into a larger dim with dims outside it."
+    ),
 }
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5
@@ -108,7 +120,9 @@ def mixed_oracle(name: str, dtype: torch.dtype) -> dict:
     """The plain-PyTorch mixed-precision recipe (or with float64, plain float64 training)
     on the zoo's batches (cached)."""
     if (name, dtype) not in _MIXED:
-        _MIXED[name, dtype] = mixed_reference(make(name, LAYERS), batches(name), dtype=dtype, micro_batch_size=MBS)
+        _MIXED[name, dtype] = mixed_reference(
+            make(name, LAYERS), batches(name), dtype=dtype, micro_batch_size=MBS
+        )
     return _MIXED[name, dtype]
 
 
@@ -167,11 +181,16 @@ def failure(ranks: list, name: str, layout: str) -> str | None:
             return f"AssertionError: {name}: no parameter split over tp"
         for rank, r in enumerate(ranks):
             if r["held"] >= r["whole"]:
-                return f"AssertionError: {name}: rank {rank} holds all {r['whole']} elements of its parameters"
+                return (
+                    f"AssertionError: {name}: rank {rank} holds all {r['whole']} elements of "
+                    "its parameters"
+                )
     return None
 
 
-@pytest.mark.parametrize("name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}")
+@pytest.mark.parametrize(
+    "name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}"
+)
 def test_zoo_axis(spawned, name, layout):
     wrong = failure(spawned[name, layout], name, layout)
     assert wrong is None, wrong
@@ -180,7 +199,9 @@ def test_zoo_axis(spawned, name, layout):
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
 def test_known_gap_still_fails(spawned, name, layout):
     wrong = failure(spawned[name, layout], name, layout)
-    assert wrong is not None, f"{name} at {layout} now trains: move it from KNOWN_GAPS into the test"
+    assert wrong is not None, (
+        f"{name} at {layout} now trains: move it from KNOWN_GAPS into the test"
+    )
     assert re.search(KNOWN_GAPS[name, layout], wrong), wrong
 
 

@@ -9,12 +9,20 @@ from torch import nn
 
 from fxmeg.layouts import BucketSlot
 from fxmeg.program import buffer_layouts, chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 
 def _laid_out(name="gpt", *, num_chunks=1, pp=1, dp=2, bucket_size=None, shard=False, n_layer=2):
-    return graph_after(make_model(name, n_layer=n_layer), make_batch(2, seed=0), "buckets", num_chunks=num_chunks,
-                       pp=pp, dp=dp, bucket_size=bucket_size, distributed_optimizer=shard)
+    return graph_after(
+        make_model(name, n_layer=n_layer),
+        make_batch(2, seed=0),
+        "buckets",
+        num_chunks=num_chunks,
+        pp=pp,
+        dp=dp,
+        bucket_size=bucket_size,
+        distributed_optimizer=shard,
+    )
 
 
 def describe(parent) -> str:
@@ -31,7 +39,9 @@ def describe(parent) -> str:
 
 class Layouts(TestCase):
     def test_gpt_dp2_buckets_of_4000(self):
-        self.assertExpectedInline(describe(_laid_out(bucket_size=4000)), """\
+        self.assertExpectedInline(
+            describe(_laid_out(bucket_size=4000)),
+            """\
 chunk 0 torch.float32 buffer of 29888
   bucket 0 [0, 4192): ln_f.bias@0 ln_f.weight@32 layers.1.mlp.proj.bias@64 layers.1.mlp.proj.weight@96
   bucket 1 [4192, 8416): layers.1.mlp.fc.bias@4192 layers.1.mlp.fc.weight@4320
@@ -39,10 +49,13 @@ chunk 0 torch.float32 buffer of 29888
   bucket 3 [12608, 16800): layers.1.ln_1.bias@12608 layers.1.ln_1.weight@12640 layers.0.mlp.proj.bias@12672 layers.0.mlp.proj.weight@12704
   bucket 4 [16800, 21024): layers.0.mlp.fc.bias@16800 layers.0.mlp.fc.weight@16928
   bucket 5 [21024, 25216): layers.0.ln_2.bias@21024 layers.0.ln_2.weight@21056 layers.0.attn.proj.bias@21088 layers.0.attn.proj.weight@21120 layers.0.attn.qkv.weight@22144
-  bucket 6 [25216, 29888): layers.0.ln_1.bias@25216 layers.0.ln_1.weight@25248 wpe.weight@25280 wte.weight@25792""")
+  bucket 6 [25216, 29888): layers.0.ln_1.bias@25216 layers.0.ln_1.weight@25248 wpe.weight@25280 wte.weight@25792""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_gpt_dp2_sharded(self):
-        self.assertExpectedInline(describe(_laid_out(bucket_size=4000, shard=True)), """\
+        self.assertExpectedInline(
+            describe(_laid_out(bucket_size=4000, shard=True)),
+            """\
 chunk 0 torch.float32 buffer of 30592
   bucket 0 [0, 4352): ln_f.bias@0 ln_f.weight@64 layers.1.mlp.proj.bias@128 layers.1.mlp.proj.weight@192
   bucket 1 [4352, 8576): layers.1.mlp.fc.bias@4352 layers.1.mlp.fc.weight@4480
@@ -50,14 +63,18 @@ chunk 0 torch.float32 buffer of 30592
   bucket 3 [12928, 17280): layers.1.ln_1.bias@12928 layers.1.ln_1.weight@12992 layers.0.mlp.proj.bias@13056 layers.0.mlp.proj.weight@13120
   bucket 4 [17280, 21504): layers.0.mlp.fc.bias@17280 layers.0.mlp.fc.weight@17408
   bucket 5 [21504, 25856): layers.0.ln_2.bias@21504 layers.0.ln_2.weight@21568 layers.0.attn.proj.bias@21632 layers.0.attn.proj.weight@21696 layers.0.attn.qkv.weight@22720
-  bucket 6 [25856, 30592): layers.0.ln_1.bias@25856 layers.0.ln_1.weight@25920 wpe.weight@25984 wte.weight@26496""")
+  bucket 6 [25856, 30592): layers.0.ln_1.bias@25856 layers.0.ln_1.weight@25920 wpe.weight@25984 wte.weight@26496""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama_pp2_one_bucket(self):
-        self.assertExpectedInline(describe(_laid_out("llama", num_chunks=2, pp=2, n_layer=2)), """\
+        self.assertExpectedInline(
+            describe(_laid_out("llama", num_chunks=2, pp=2, n_layer=2)),
+            """\
 chunk 0 torch.float32 buffer of 13376
   bucket 0 [0, 13376): layers.0.mlp.down_proj.weight@0 layers.0.mlp.up_proj.weight@2048 layers.0.mlp.gate_proj.weight@4096 layers.0.post_attention_layernorm.weight@6144 layers.0.self_attn.o_proj.weight@6176 layers.0.self_attn.v_proj.weight@7200 layers.0.self_attn.k_proj.weight@7712 layers.0.self_attn.q_proj.weight@8224 layers.0.input_layernorm.weight@9248 embed_tokens.weight@9280
 chunk 1 torch.float32 buffer of 13408
-  bucket 0 [0, 13408): lm_head.weight@0 norm.weight@4096 layers.1.mlp.down_proj.weight@4128 layers.1.mlp.up_proj.weight@6176 layers.1.mlp.gate_proj.weight@8224 layers.1.post_attention_layernorm.weight@10272 layers.1.self_attn.o_proj.weight@10304 layers.1.self_attn.v_proj.weight@11328 layers.1.self_attn.k_proj.weight@11840 layers.1.self_attn.q_proj.weight@12352 layers.1.input_layernorm.weight@13376""")
+  bucket 0 [0, 13408): lm_head.weight@0 norm.weight@4096 layers.1.mlp.down_proj.weight@4128 layers.1.mlp.up_proj.weight@6176 layers.1.mlp.gate_proj.weight@8224 layers.1.post_attention_layernorm.weight@10272 layers.1.self_attn.o_proj.weight@10304 layers.1.self_attn.v_proj.weight@11328 layers.1.self_attn.k_proj.weight@11840 layers.1.self_attn.q_proj.weight@12352 layers.1.input_layernorm.weight@13376""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 def test_ready_order_is_first_use_latest_first():
@@ -103,7 +120,9 @@ def test_parameter_nodes_carry_their_bucket():
     (lay,) = buffer_layouts(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in {s.name for s in lay.slots}:
-            assert node.meta["fxmeg"]["bucket"] == BucketSlot(0, torch.float32, lay.slot(node.target).bucket)
+            assert node.meta["fxmeg"]["bucket"] == BucketSlot(
+                0, torch.float32, lay.slot(node.target).bucket
+            )
 
 
 class _Shared(nn.Module):
@@ -126,7 +145,10 @@ class _Shared(nn.Module):
 def test_parameter_shared_by_chunks_of_one_rank_has_one_slot():
     ids = torch.randint(0, 16, (2, 4))
     parent = graph_after(_Shared(), (ids, ids), "buckets", num_chunks=4, pp=2, global_batch_size=4)
-    slots = {c: {s.name for lay in buffer_layouts(gm) for s in lay.slots} for c, gm in enumerate(chunks(parent))}
+    slots = {
+        c: {s.name for lay in buffer_layouts(gm) for s in lay.slots}
+        for c, gm in enumerate(chunks(parent))
+    }
     assert "shared.weight" in slots[0] and "shared.weight" not in slots[2]  # chunks 0, 2: rank 0
     c2 = chunks(parent)[2]
     node = next(n for n in c2.graph.nodes if n.op == "get_attr" and n.target == "shared.weight")
@@ -140,4 +162,6 @@ def test_tied_weight_on_two_ranks_is_tagged_with_each_holders_bucket():
     for c, gm in enumerate(chunks(parent)):
         node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wte.weight")
         (lay,) = buffer_layouts(gm)
-        assert node.meta["fxmeg"]["bucket"] == BucketSlot(c, torch.float32, lay.slot("wte.weight").bucket)
+        assert node.meta["fxmeg"]["bucket"] == BucketSlot(
+            c, torch.float32, lay.slot("wte.weight").bucket
+        )

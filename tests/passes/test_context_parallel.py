@@ -11,7 +11,7 @@ from fxmeg.errors import PassError
 from fxmeg.ops import cp_positions
 from fxmeg.pass_driver import transform
 from fxmeg.runtime.batches import context_slice
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _cp_diff(name: str, cp: int = 2) -> str:
@@ -24,7 +24,9 @@ def _cp_diff(name: str, cp: int = 2) -> str:
 
 class SplitGraphs(TestCase):
     def test_gpt_cp2(self):
-        self.assertExpectedInline(_cp_diff("gpt"), """\
+        self.assertExpectedInline(
+            _cp_diff("gpt"),
+            """\
 @@
 -    add = torch.ops.aten.add.Tensor(embedding, embedding_1);  embedding = embedding_1 = None
 +    cp_slice_default = torch.ops.fxmeg.cp_slice.default(embedding_1, 0, 2, 'cp');  embedding_1 = None
@@ -44,10 +46,13 @@ class SplitGraphs(TestCase):
 -    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
 +    cp_attention_default = torch.ops.fxmeg.cp_attention.default(transpose, transpose_1, transpose_2, None, False, 2, 'cp');  transpose = transpose_1 = transpose_2 = None
 +    transpose_3 = torch.ops.aten.transpose.int(cp_attention_default, 1, 2);  cp_attention_default = None
-+    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama_cp2(self):
-        self.assertExpectedInline(_cp_diff("llama"), """\
+        self.assertExpectedInline(
+            _cp_diff("llama"),
+            """\
 @@
 -    view = torch.ops.aten.view.default(linear, [2, 16, 4, 8]);  linear = None
 +    view = torch.ops.aten.view.default(linear, [2, 8, 4, 8]);  linear = None
@@ -77,7 +82,8 @@ class SplitGraphs(TestCase):
 -    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
 +    cp_attention_default = torch.ops.fxmeg.cp_attention.default(add_1, repeat_interleave, repeat_interleave_1, None, False, 2, 'cp');  add_1 = repeat_interleave = repeat_interleave_1 = None
 +    transpose_3 = torch.ops.aten.transpose.int(cp_attention_default, 1, 2);  cp_attention_default = None
-+    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""")
++    reshape = torch.ops.aten.reshape.default(transpose_3, [2, 8, 32]);  transpose_3 = None""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 def test_megatron_load_balanced_layout():
@@ -124,11 +130,20 @@ class _Conv(nn.Module):
         return nn.functional.cross_entropy(h.flatten(0, 1), labels.flatten())
 
 
-@pytest.mark.parametrize("model,words", [
-    (_Shift, "it computes along dim 1, the sequence"),
-    (_Conv, "(conv1d.default, module 'conv') along the sequence over cp=2 ranks: it mixes positions outside "
-            "attention: a convolution over a value split along the sequence"),
-])
+@pytest.mark.parametrize(
+    "model,words",
+    [
+        (_Shift, "it computes along dim 1, the sequence"),
+        (
+            _Conv,
+            (
+                "(conv1d.default, module 'conv') along the sequence over cp=2 ranks: it mixes "
+                "positions outside "
+                "attention: a convolution over a value split along the sequence"
+            ),
+        ),
+    ],
+)
 def test_position_mixing_is_refused_naming_the_node(model, words):
     with pytest.raises(PassError, match="mixes positions outside attention") as err:
         transform(model(), make_batch(2, seed=0), cp=2)
@@ -171,10 +186,14 @@ def test_eager_attention_gathers_keys_and_values_and_cuts_the_mask_rows():
     nodes = list(program.chunks[0].graph.nodes)
     gathers = [n for n in nodes if n.target == torch.ops.fxmeg.cp_gather.default]
     assert len(gathers) == 4  # k^T and v, two layers
-    assert {(n.args[1], tuple(n.meta["val"].shape[-2:])) for n in gathers} == {(3, (8, 16)), (2, (16, 8))}
+    assert {(n.args[1], tuple(n.meta["val"].shape[-2:])) for n in gathers} == {
+        (3, (8, 16)),
+        (2, (16, 8)),
+    }
     keys = [n for n in gathers if n.args[1] == 3]
     scores = [n for n in nodes if n.target == torch.ops.aten.matmul.default and n.args[1] in keys]
-    assert len(scores) == 2 and all(tuple(n.meta["val"].shape[-2:]) == (8, 16) for n in scores)  # local x all
+    # local x all
+    assert len(scores) == 2 and all(tuple(n.meta["val"].shape[-2:]) == (8, 16) for n in scores)
 
 
 class _Window(nn.Module):
@@ -187,7 +206,9 @@ class _Window(nn.Module):
     def forward(self, ids, labels):
         h = self.layers[0](ids).unsqueeze(1)
         ones = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device)
-        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=ones.tril() & ~ones.tril(-4))
+        h = nn.functional.scaled_dot_product_attention(
+            h, h, h, attn_mask=ones.tril() & ~ones.tril(-4)
+        )
         return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
 
@@ -214,7 +235,9 @@ def test_a_mask_built_from_positions_has_its_rows_cut():
     """A sliding window is not causal attention: SDPA stays, over all-gathered keys and
     values, with the mask's rows cut to this rank's queries (parity: the cp module)."""
     gm = graph_after(_Window(), make_batch(2, seed=0), "context_parallel", cp=2)
-    (sdpa,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    (sdpa,) = [
+        n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default
+    ]
     assert [a.target for a in sdpa.args[1:4]] == [torch.ops.fxmeg.cp_gather.default] * 2 + [
         torch.ops.fxmeg.cp_slice.default]
     assert tuple(sdpa.args[3].meta["val"].shape) == (8, 16)  # local queries x all keys
@@ -229,12 +252,16 @@ class _Padding(nn.Module):
 
     def forward(self, ids, labels):
         h = self.layers[0](ids).unsqueeze(1)
-        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=(ids != 0)[:, None, None, :])
+        h = nn.functional.scaled_dot_product_attention(
+            h, h, h, attn_mask=(ids != 0)[:, None, None, :]
+        )
         return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
 
 def test_a_mask_from_the_inputs_is_refused():
-    with pytest.raises(PassError, match="an attention with a mask that depends on the split inputs"):
+    with pytest.raises(
+        PassError, match="an attention with a mask that depends on the split inputs"
+    ):
         transform(_Padding(), make_batch(2, seed=0), cp=2)
 
 
@@ -250,13 +277,20 @@ def test_a_padding_mask_input_reaches_every_rank_whole(attn):
     it (every cp rank reads all its keys), position_ids and the rest are cut, and the 4-D
     mask's rows are cut to this rank's queries where it meets attention (keys whole)."""
     batch = _dict_batch("left")
-    program = transform(make_model("hf-llama", pad_token_id=0, attn_implementation=attn), batch, cp=2)
+    program = transform(
+        make_model("hf-llama", pad_token_id=0, attn_implementation=attn), batch, cp=2
+    )
     assert list(batch) == ["input_ids", "attention_mask", "labels", "position_ids"]
     assert program.cp_layout.dims == (1, None, 1, 1)
     local = context_slice(program.cp_layout, tuple(batch.values()), 1)
-    assert torch.equal(local[1], batch["attention_mask"]) and torch.equal(local[3], batch["position_ids"][:, 4:12])
-    cuts = [n for n in program.chunks[0].graph.nodes if n.target == torch.ops.fxmeg.cp_slice.default]
-    assert [(n.args[1], tuple(n.meta["val"].shape)) for n in cuts] == [(2, (2, 1, 8, 16))]  # one mask, 2 layers
+    assert torch.equal(local[1], batch["attention_mask"]) and torch.equal(
+        local[3], batch["position_ids"][:, 4:12]
+    )
+    cuts = [
+        n for n in program.chunks[0].graph.nodes if n.target == torch.ops.fxmeg.cp_slice.default
+    ]
+    # one mask, 2 layers
+    assert [(n.args[1], tuple(n.meta["val"].shape)) for n in cuts] == [(2, (2, 1, 8, 16))]
 
 
 class _MaskTwice(nn.Module):
@@ -268,16 +302,22 @@ class _MaskTwice(nn.Module):
 
     def forward(self, ids, mask, labels):
         h = (self.layers[0](ids) * mask[..., None]).unsqueeze(1)
-        h = nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=mask.bool()[:, None, None, :])
+        h = nn.functional.scaled_dot_product_attention(
+            h, h, h, attn_mask=mask.bool()[:, None, None, :]
+        )
         return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
 
 def test_a_mask_input_used_otherwise_is_refused_naming_it():
     ids, labels = make_batch(2, seed=0)
-    with pytest.raises(PassError, match="an attention with a mask that depends on the split inputs") as err:
+    with pytest.raises(
+        PassError, match="an attention with a mask that depends on the split inputs"
+    ) as err:
         transform(_MaskTwice(), (ids, torch.ones(2, 16), labels), cp=2)
-    assert ("input 'mask' feeds the attention mask at node 'scaled_dot_product_attention' but also node 'mul'"
-            in str(err.value)), str(err.value)
+    assert (
+        "input 'mask' feeds the attention mask at node 'scaled_dot_product_attention' but also "
+        "node 'mul'" in str(err.value)
+    ), str(err.value)
 
 
 class MeanSquared(nn.Module):
@@ -289,14 +329,22 @@ class MeanSquared(nn.Module):
 
     def forward(self, x, y):
         b, s, _ = x.shape
-        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(self.inp(x)).split(16, dim=-1))
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16)
+        q, k, v = (
+            t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(self.inp(x)).split(16, dim=-1)
+        )
+        a = (
+            nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, s, 16)
+        )
         return ((self.out(a) - y) ** 2).mean()
 
 
 def regression_batches():
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 16, 8, generator=g), torch.randn(8, 16, 8, generator=g)) for _ in range(3)]
+    return [
+        (torch.randn(8, 16, 8, generator=g), torch.randn(8, 16, 8, generator=g)) for _ in range(3)
+    ]
 
 
 def test_a_plain_means_count_is_each_ranks_share():
@@ -314,6 +362,10 @@ def test_a_count_the_same_on_every_cp_rank_is_refused():
         per = (model.out(model.inp(x)) - y) ** 2
         return per.sum(), torch.ones(x.shape[0], x.shape[1]).sum() * 8
 
-    with pytest.raises(PassError, match="computed from no sequence input .* summed over the cp ranks it would "
-                                        "count 2 times"):
-        transform(MeanSquared(), tuple(t[:2] for t in regression_batches()[0]), cp=2, loss_fn=loss_fn)
+    with pytest.raises(
+        PassError,
+        match="computed from no sequence input .* summed over the cp ranks it would count 2 times",
+    ):
+        transform(
+            MeanSquared(), tuple(t[:2] for t in regression_batches()[0]), cp=2, loss_fn=loss_fn
+        )

@@ -11,7 +11,7 @@ from fxmeg import ops
 from fxmeg.layouts import ExpertShard
 from fxmeg.passes.graph_utils import val
 from fxmeg.program import chunks
-from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 
 def _nodes(parent, pred):
@@ -27,13 +27,17 @@ def test_each_block_becomes_one_routed_experts_node_computing_the_same(kind):
     batch = make_batch(2, seed=0, vocab=96)
     before = graph_after(tiny_moe(kind), batch, "expert_parallel", dp=2)
     after = graph_after(tiny_moe(kind), batch, "expert_parallel", ep=2, dp=2)
-    moe_layers = sum(n.endswith(".experts") for n, _ in tiny_moe(kind).named_modules())  # DeepSeek-V3,
+    # DeepSeek-V3,
+    moe_layers = sum(n.endswith(".experts") for n, _ in tiny_moe(kind).named_modules())
     # AFMoE: the first layer is dense
-    assert len(_nodes(before, _grouped)) == 2 * moe_layers and not _nodes(before, lambda n: n.target is ops.routed_experts)
+    assert len(_nodes(before, _grouped)) == 2 * moe_layers and not _nodes(
+        before, lambda n: n.target is ops.routed_experts
+    )
     calls = _nodes(after, lambda n: n.target is ops.routed_experts)
     assert len(calls) == moe_layers and not _nodes(after, _grouped)
-    assert [(c.kwargs["num_experts"], c.kwargs["group"], c.kwargs["capacity_factor"]) for c in calls] == [
-        (4, "ep", None)] * moe_layers
+    assert [
+        (c.kwargs["num_experts"], c.kwargs["group"], c.kwargs["capacity_factor"]) for c in calls
+    ] == [(4, "ep", None)] * moe_layers
     banks = _nodes(after, lambda n: n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {}))
     assert len(banks) == moe_layers * (4 if kind == "gpt_oss" else 2)  # GPT-OSS: two bias banks too
     for b in banks:
@@ -49,19 +53,32 @@ def test_global_router_loss_wraps_the_tokens_per_expert_and_is_refused_without_a
     computes no router loss, or recompute, is refused by name."""
     import fxmeg
     from fxmeg.errors import ConfigError, PassError
-    from tests.helpers import hf_model
+    from tests.harness.helpers import hf_model
 
     batch = make_batch(2, seed=0)
-    parent = graph_after(hf_model("mixtral"), batch, "expert_parallel", moe_router_load_balancing_type="global_aux_loss")
+    parent = graph_after(
+        hf_model("mixtral"),
+        batch,
+        "expert_parallel",
+        moe_router_load_balancing_type="global_aux_loss",
+    )
     (mean,) = _nodes(parent, lambda n: n.target is ops.global_tokens)
     assert mean.args[0].target == torch.ops.aten.div.Tensor and mean.kwargs == {"group": "dp"}
     (product,) = mean.users
     assert product.target == torch.ops.aten.mul.Tensor
     with pytest.raises(PassError, match="computes no router loss .* output_router_logits=True"):
-        fxmeg.transform(tiny_moe("mixtral", vocab_size=128), batch, moe_router_load_balancing_type="global_aux_loss")
+        fxmeg.transform(
+            tiny_moe("mixtral", vocab_size=128),
+            batch,
+            moe_router_load_balancing_type="global_aux_loss",
+        )
     with pytest.raises(ConfigError, match="does not run with recompute='full' yet"):
-        fxmeg.transform(hf_model("mixtral"), batch, moe_router_load_balancing_type="global_aux_loss",
-                        recompute="full")
+        fxmeg.transform(
+            hf_model("mixtral"),
+            batch,
+            moe_router_load_balancing_type="global_aux_loss",
+            recompute="full",
+        )
     with pytest.raises(ConfigError, match="is not one of"):
         fxmeg.transform(hf_model("mixtral"), batch, moe_router_load_balancing_type="global")
 
@@ -76,8 +93,17 @@ class BatchedExperts(nn.Module):
     def __init__(self, scores: str = "top-k", shift: float = 0.0):
         super().__init__()
         self.scores, self.shift = scores, shift
-        self.layers = nn.ModuleList([nn.ModuleDict({"emb": nn.Embedding(128, 16), "router": nn.Linear(16, 4),
-                                                    "head": nn.Linear(16, 128)})])
+        self.layers = nn.ModuleList(
+            [
+                nn.ModuleDict(
+                    {
+                        "emb": nn.Embedding(128, 16),
+                        "router": nn.Linear(16, 4),
+                        "head": nn.Linear(16, 128),
+                    }
+                )
+            ]
+        )
         self.gate_up = nn.Parameter(torch.randn(4, 16, 64) * 0.1)  # [E, H, 2I]
         self.down = nn.Parameter(torch.randn(4, 32, 16) * 0.1)  # [E, I, H]
 
@@ -118,7 +144,9 @@ def test_batched_experts_become_one_routed_experts_node_with_the_weights_on_thei
     assert len(_bank_matmuls(before)) == 2 and not _bank_matmuls(after)
     (call,) = _nodes(after, lambda n: n.target is ops.routed_experts)
     assert (call.kwargs["num_experts"], call.kwargs["probs_on_input"]) == (4, True)
-    assert call.args[3].target == torch.ops.aten.gather.default and tuple(val(call.args[3]).shape) == (32, 2)
+    assert call.args[3].target == torch.ops.aten.gather.default and tuple(
+        val(call.args[3]).shape
+    ) == (32, 2)
     assert len(_nodes(before, lambda n: n.target is ops.expert_load)) == 1  # counted at ep=1 too
     banks = _nodes(after, lambda n: n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {}))
     assert sorted(tuple(val(b).shape) for b in banks) == (
@@ -128,11 +156,19 @@ def test_batched_experts_become_one_routed_experts_node_with_the_weights_on_thei
     assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("kwargs,words", [
-    ({"scores": "softmax"}, "cannot show that the routing scores 'softmax' .* are zero outside each token's top-k"),
-    ({"shift": 0.5}, "maps a zero row to a nonzero one"),
-])
-def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_at_ep1(kwargs, words):
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (
+            {"scores": "softmax"},
+            "cannot show that the routing scores 'softmax' .* are zero outside each token's top-k",
+        ),
+        ({"shift": 0.5}, "maps a zero row to a nonzero one"),
+    ],
+)
+def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_at_ep1(
+    kwargs, words
+):
     """Scores not zero outside the top-k (every expert weighs in), or an activation that
     turns a skipped expert's zero rows into something: running only the picked experts
     would change the values, so ep=2 refuses by name (row ep-batched-experts); at ep=1
@@ -143,7 +179,9 @@ def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_a
     with pytest.raises(PassError, match=words + ".* Fix: train this model with ep=1"):
         graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", ep=2, dp=2)
     parent = graph_after(BatchedExperts(**kwargs), batch, "expert_parallel", dp=2)
-    assert len(_bank_matmuls(parent)) == 2 and not _nodes(parent, lambda n: n.target is ops.expert_load)
+    assert len(_bank_matmuls(parent)) == 2 and not _nodes(
+        parent, lambda n: n.target is ops.expert_load
+    )
 
 
 def test_the_routed_experts_signature_is_written_once():
@@ -155,8 +193,11 @@ def test_the_routed_experts_signature_is_written_once():
     from fxmeg import moe
     from fxmeg.runtime import experts
 
-    want = [p.name.replace("exchange", "group") for p in inspect.signature(moe.routed_experts).parameters.values()
-            if p.name != "drops"]  # the rank's, given by the binding
+    want = [
+        p.name.replace("exchange", "group")
+        for p in inspect.signature(moe.routed_experts).parameters.values()
+        if p.name != "drops"
+    ]  # the rank's, given by the binding
     for op in (ops.routed_experts, experts.RankExperts().routed_experts):
         assert list(inspect.signature(op).parameters) == want, op
     with pytest.raises(TypeError):

@@ -6,35 +6,41 @@ from expecttest import TestCase
 from fxmeg.capture import capture
 from fxmeg.errors import PassError
 from fxmeg.passes.loss import loss
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _loss_diff(name: str) -> str:
-    """What the loss pass changes in the captured graph (tests/test_capture.py)."""
+    """What the loss pass changes in the captured graph (tests/frontend/test_capture.py)."""
     model, example = make_model(name, n_layer=1), make_batch(2, seed=0)
     return graph_diff(capture(model, example).gm.code, graph_after(model, example, "loss").code)
 
 
 class LossGraphs(TestCase):
     def test_gpt(self):
-        self.assertExpectedInline(_loss_diff("gpt"), """\
+        self.assertExpectedInline(
+            _loss_diff("gpt"),
+            """\
 @@
 -    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
 -    return (cross_entropy_loss,)
 +    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
 +    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
 +    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-+    return (cross_entropy_loss, num_tokens)""")
++    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama(self):
-        self.assertExpectedInline(_loss_diff("llama"), """\
+        self.assertExpectedInline(
+            _loss_diff("llama"),
+            """\
 @@
 -    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1);  flatten = flatten_1 = None
 -    return (cross_entropy_loss,)
 +    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(flatten, flatten_1, None, 2, -100, 0.0);  flatten = None
 +    ne_scalar = torch.ops.aten.ne.Scalar(flatten_1, -100);  flatten_1 = None
 +    num_tokens = torch.ops.aten.sum.default(ne_scalar);  ne_scalar = None
-+    return (cross_entropy_loss, num_tokens)""")
++    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 class _Head(torch.nn.Module):

@@ -11,7 +11,7 @@ from fxmeg.ops import CP, TP
 from fxmeg.pass_driver import transform
 from fxmeg.passes import context_parallel, tensor_parallel  # noqa: F401  (register their rules)
 from fxmeg.passes.op_rules import FAMILIES, family_of, rules
-from tests.helpers import make_batch
+from tests.harness.helpers import make_batch
 
 aten = torch.ops.aten
 

@@ -1,19 +1,35 @@
 from expecttest import TestCase
 
 from fxmeg.program import chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 
 def _waits(num_chunks: int) -> str:
-    parent = graph_after(make_model("gpt", n_layer=2), make_batch(2, seed=0), "param_gather", num_chunks=num_chunks,
-                         dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
+    parent = graph_after(
+        make_model("gpt", n_layer=2),
+        make_batch(2, seed=0),
+        "param_gather",
+        num_chunks=num_chunks,
+        dp=2,
+        bucket_size=4000,
+        distributed_optimizer=True,
+        overlap_param_gather=True,
+    )
     out = []
     for c, chunk in enumerate(chunks(parent)):
         lines = chunk.code.strip().splitlines()
         waits = [i for i, ln in enumerate(lines) if "wait_param_gather" in ln]
         for i in waits:  # the marker comes right before the first reader of its bucket
             assert "wait_param_gather" not in lines[i + 1]
-        out.append(f"# chunk {c}\n" + "\n".join(lines[i].split(";")[0].strip() + "\n  before: " + lines[i + 1].split(" = ")[0].strip() for i in waits))
+        out.append(
+            f"# chunk {c}\n"
+            + "\n".join(
+                lines[i].split(";")[0].strip()
+                + "\n  before: "
+                + lines[i + 1].split(" = ")[0].strip()
+                for i in waits
+            )
+        )
     return "\n".join(out)
 
 

@@ -5,7 +5,7 @@ import torch
 from expecttest import TestCase
 
 from fxmeg.program import chunk_spec, chunks
-from tests.helpers import chunk_boundaries, graph_after, make_batch, make_model
+from tests.harness.helpers import chunk_boundaries, graph_after, make_batch, make_model
 
 
 def _pipelined(name, *, n_layer, num_chunks):
@@ -20,7 +20,9 @@ class ChunkBoundaries(TestCase):
 
     def test_gpt_pp2(self):
         parent = _pipelined("gpt", n_layer=2, num_chunks=2)[1]
-        self.assertExpectedInline(chunk_boundaries(parent), """\
+        self.assertExpectedInline(
+            chunk_boundaries(parent),
+            """\
 # chunk 0
 def forward(self, input_ids):
     send_add_2 = fxmeg_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
@@ -30,11 +32,14 @@ def forward(self, input_ids):
 # chunk 1
 def forward(self, labels, add_2):
     recv_add_2 = fxmeg_ops_recv(add_2, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
-    return (cross_entropy_loss, num_tokens)""")
+    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama_pp2(self):
         parent = _pipelined("llama", n_layer=2, num_chunks=2)[1]
-        self.assertExpectedInline(chunk_boundaries(parent), """\
+        self.assertExpectedInline(
+            chunk_boundaries(parent),
+            """\
 # chunk 0
 def forward(self, input_ids):
     send_slice_1 = fxmeg_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
@@ -48,11 +53,14 @@ def forward(self, labels, slice_1, slice_2, add_5):
     recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
     recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
     recv_add_5 = fxmeg_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
-    return (cross_entropy_loss, num_tokens)""")
+    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_gpt_pp2_vpp2(self):
         parent = _pipelined("gpt", n_layer=4, num_chunks=4)[1]
-        self.assertExpectedInline(chunk_boundaries(parent), """\
+        self.assertExpectedInline(
+            chunk_boundaries(parent),
+            """\
 # chunk 0
 def forward(self, input_ids):
     send_add_2 = fxmeg_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
@@ -76,11 +84,14 @@ def forward(self, add_4):
 # chunk 3
 def forward(self, labels, add_6):
     recv_add_6 = fxmeg_ops_recv(add_6, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_6 = None
-    return (cross_entropy_loss, num_tokens)""")
+    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama_pp2_vpp2(self):
         parent = _pipelined("llama", n_layer=4, num_chunks=4)[1]
-        self.assertExpectedInline(chunk_boundaries(parent), """\
+        self.assertExpectedInline(
+            chunk_boundaries(parent),
+            """\
 # chunk 0
 def forward(self, input_ids):
     send_slice_1 = fxmeg_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
@@ -116,7 +127,8 @@ def forward(self, labels, slice_1, slice_2, add_17):
     recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
     recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
     recv_add_17 = fxmeg_ops_recv(add_17, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_17 = None
-    return (cross_entropy_loss, num_tokens)""")
+    return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -141,12 +153,17 @@ def test_boundaries_carry_several_tensors_and_relay_them():
         assert nxt.recv == prev.send
     assert specs[-1].is_last and not any(s.is_last for s in specs[:-1])
     middle = chunks(parent)[1].code
-    assert "send_slice_1 = fxmeg_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False)" in middle
+    assert (
+        "send_slice_1 = fxmeg_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = "
+        "torch.float32, grad = False)" in middle
+    )
 
 
 def test_tied_weight_is_held_by_both_ends():
     _, parent = _pipelined("gpt", n_layer=4, num_chunks=4)
-    holders = [c for c, gm in enumerate(chunks(parent)) if "wte.weight" in dict(gm.named_parameters())]
+    holders = [
+        c for c, gm in enumerate(chunks(parent)) if "wte.weight" in dict(gm.named_parameters())
+    ]
     assert holders == [0, 3]
     first, last = chunks(parent)[0], chunks(parent)[3]
     assert first.get_parameter("wte.weight") is last.get_parameter("wte.weight")

@@ -14,7 +14,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.layout_plan import activation_bytes
 from fxmeg.measured_activations import SavedBytes
 from fxmeg.passes.recompute import Recompute
-from tests.helpers import (
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     hf_model,
@@ -40,7 +40,12 @@ def train(model, batches, **options):
 
 
 def regions(engine) -> list[torch.fx.GraphModule]:
-    return [m.region for gm in engine.context.chunks.values() for m in gm.modules() if isinstance(m, Recompute)]
+    return [
+        m.region
+        for gm in engine.context.chunks.values()
+        for m in gm.modules()
+        if isinstance(m, Recompute)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,9 @@ def test_recompute_num_layers_takes_the_first_blocks_of_each_chunk(gpt):
     _, peak_two, engine = train(model, batches[:1], recompute="full", recompute_num_layers=2)
     _, peak_all, _ = train(model, batches[:1], recompute="full")
     _, peak_none, _ = train(model, batches[:1], recompute="none")
-    modules = {(r.graph.find_nodes(op="placeholder")[0].meta["fxmeg"]["module"]) for r in regions(engine)}
+    modules = {
+        (r.graph.find_nodes(op="placeholder")[0].meta["fxmeg"]["module"]) for r in regions(engine)
+    }
     assert len(regions(engine)) == 2 and modules <= {"", "layers.0"}
     assert peak_all < peak_two < peak_none
 
@@ -100,13 +107,20 @@ def test_compiled_chunks_train_the_same(gpt):
     losses, _, engine = train(model, batches, compile=True, recompute="full")
     assert_losses_close(losses, ref_losses)
     assert_weights_close(engine.full_state_dict(), ref_state)
-    assert all(hasattr(run, "_orig_mod") for run in engine.context.executor._run.values())  # compiled
+    # compiled
+    assert all(hasattr(run, "_orig_mod") for run in engine.context.executor._run.values())
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(recompute="most"), "recompute='most' must be 'none', 'selective' or 'full'"),
-    (dict(recompute="selective", recompute_num_layers=1), "recompute_num_layers=1 needs recompute='full'"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(recompute="most"), "recompute='most' must be 'none', 'selective' or 'full'"),
+        (
+            dict(recompute="selective", recompute_num_layers=1),
+            "recompute_num_layers=1 needs recompute='full'",
+        ),
+    ],
+)
 def test_bad_recompute_options(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), **options)

@@ -14,7 +14,7 @@ from torch import nn
 from fxmeg.errors import PassError
 from fxmeg.pass_driver import transform
 from fxmeg.program import split_spec
-from tests.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch, make_model
 from tests.passes.test_tp_dropout import Block
 
 MBS = 2
@@ -22,7 +22,9 @@ MBS = 2
 
 def _program(model, **options):
     ids, labels = make_batch(MBS, seed=0, vocab=options.pop("vocab", 128))
-    return transform(model, (ids, labels), pp=2, schedule="zbh1", global_batch_size=2 * MBS, **options), (ids, labels)
+    return transform(
+        model, (ids, labels), pp=2, schedule="zbh1", global_batch_size=2 * MBS, **options
+    ), (ids, labels)
 
 
 def _autograd(program, batch):
@@ -118,7 +120,9 @@ def forward(self, view, view_1, view_5, view_7):
     t_7 = torch.ops.aten.t.default(mm_4);  mm_4 = None
     t_9 = torch.ops.aten.t.default(t_7);  t_7 = None
     return (t_5, t_9)""")
-    assert_expected_inline(gm.zb_input.code.strip(), """\
+    assert_expected_inline(
+        gm.zb_input.code.strip(),
+        """\
 def forward(self, t, view, detach, t_1, view_1, view_3, _log_softmax, detach_1, getitem_1, tangents_1):
     nll_loss_backward = torch.ops.aten.nll_loss_backward.default(tangents_1, _log_softmax, view_3, None, 2, -100, getitem_1);  tangents_1 = _log_softmax = view_3 = getitem_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
@@ -135,7 +139,8 @@ def forward(self, t, view, detach, t_1, view_1, view_3, _log_softmax, detach_1, 
     mm_5 = torch.ops.aten.mm.default(view_7, t_8);  t_8 = None
     view_8 = torch.ops.aten.view.default(mm_5, [2, 16, 4]);  mm_5 = None
     add_1 = torch.ops.aten.add.Tensor(view_6, view_8);  view_6 = view_8 = None
-    return (add_1, view, view_1, view_5, view_7)""")
+    return (add_1, view, view_1, view_5, view_7)""",  # noqa: E501 (expected text, compared whole)
+    )
 
 
 class _Dropout(nn.Module):

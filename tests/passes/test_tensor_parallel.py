@@ -13,11 +13,13 @@ from fxmeg.layouts import Replicate, Shard
 from fxmeg.pass_driver import transform
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
-from tests.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 
 
 def _tp(model, tp=2, stop_after="tensor_parallel", **kw):
-    ids, labels = make_batch(2, seed=0, vocab=model.cfg.vocab_size if hasattr(model, "cfg") else 128)
+    ids, labels = make_batch(
+        2, seed=0, vocab=model.cfg.vocab_size if hasattr(model, "cfg") else 128
+    )
     return graph_after(model, (ids, labels), stop_after, tp=tp, **kw)
 
 
@@ -33,7 +35,9 @@ def _tp_diff(name: str) -> str:
 
 class ShardedGraphs(TestCase):
     def test_gpt_tp2(self):
-        self.assertExpectedInline(_tp_diff("gpt"), """\
+        self.assertExpectedInline(
+            _tp_diff("gpt"),
+            """\
 @@
 -    embedding = torch.ops.aten.embedding.default(wte_weight, input_ids);  input_ids = None
 +    vocab_shard_ids_default = torch.ops.fxmeg.vocab_shard_ids.default(input_ids, 64, 'tp');  input_ids = None
@@ -92,10 +96,13 @@ class ShardedGraphs(TestCase):
 +    sum_default = torch.ops.aten.sum.default(getitem_5);  getitem_5 = None
 @@
 -    return (cross_entropy_loss, num_tokens)
-+    return (sum_default, num_tokens)""")
++    return (sum_default, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_llama_tp2(self):
-        self.assertExpectedInline(_tp_diff("llama"), """\
+        self.assertExpectedInline(
+            _tp_diff("llama"),
+            """\
 @@
 -    embedding = torch.ops.aten.embedding.default(embed_tokens_weight, input_ids);  embed_tokens_weight = input_ids = None
 -    to = torch.ops.aten.to.dtype(embedding, torch.float32);  embedding = None
@@ -152,7 +159,8 @@ class ShardedGraphs(TestCase):
 +    sum_default = torch.ops.aten.sum.default(getitem_6);  getitem_6 = None
 @@
 -    return (cross_entropy_loss, num_tokens)
-+    return (sum_default, num_tokens)""")
++    return (sum_default, num_tokens)""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -169,7 +177,9 @@ def test_runtime_materialises_this_ranks_shards(rank):
     w = ref["layers.0.attn.qkv.weight"]
     want = torch.cat([w[b * 32 + rank * 16 : b * 32 + (rank + 1) * 16] for b in range(3)])
     assert torch.equal(qkv, want)
-    assert torch.equal(gm.get_parameter("wte.weight"), ref["wte.weight"][rank * 64 : (rank + 1) * 64])
+    assert torch.equal(
+        gm.get_parameter("wte.weight"), ref["wte.weight"][rank * 64 : (rank + 1) * 64]
+    )
     proj = gm.get_parameter("layers.0.mlp.proj.weight")
     assert torch.equal(proj, ref["layers.0.mlp.proj.weight"][:, rank * 64 : (rank + 1) * 64])
     tags = _tags(program.chunks[0])
@@ -217,15 +227,25 @@ def test_tp_not_dividing_kv_heads_replicates_them():
     gm = _tp(make_model("llama", n_layer=1, n_embd=64, n_head=4, n_kv_head=2), tp=4)
     tags = _tags(gm)
     assert tags["layers.0.self_attn.q_proj.weight"] == Shard(0, (64,))
-    assert tags["layers.0.self_attn.k_proj.weight"] == tags["layers.0.self_attn.v_proj.weight"] == Replicate(True)
-    (sdpa,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert (
+        tags["layers.0.self_attn.k_proj.weight"]
+        == tags["layers.0.self_attn.v_proj.weight"]
+        == Replicate(True)
+    )
+    (sdpa,) = [
+        n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default
+    ]
     assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 1, 16, 16)] * 3
 
 
 def test_tp_not_dividing_the_vocabulary_offers_padding():
     model = make_model("gpt", n_layer=1, vocab_size=126)
     ids, labels = make_batch(2, seed=0, vocab=126)
-    with pytest.raises(PassError, match=r"tp=4 does not divide the 126 vocabulary rows.*pad the vocabulary to a multiple of 4 \(e.g. 128\)"):
+    with pytest.raises(
+        PassError,
+        match=r"tp=4 does not divide the 126 vocabulary rows"
+        r".*pad the vocabulary to a multiple of 4 \(e.g. 128\)",
+    ):
         graph_after(model, (ids, labels), "tensor_parallel", tp=4)
 
 
@@ -235,7 +255,9 @@ class _NormedMLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(128, 16)
-        self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})]
+        )
         self.head = nn.Linear(16, 128)
 
     def forward(self, ids, labels):
@@ -270,7 +292,11 @@ def test_layer_norm_over_split_features_all_reduces_its_statistics():
     # two statistics + the row-parallel down projection's output; the embedding's rows
     assert ops.count(fx.tp_reduce.default) == 2 + 1 + 1
     assert _local(gm, torch.ops.aten.sum.dim_IntList) == [(2, 16, 1)] * 2
-    stats = [n for n in gm.graph.nodes if n.target == fx.tp_reduce.default and n.args[0].target == fx.tp_copy.default]
+    stats = [
+        n
+        for n in gm.graph.nodes
+        if n.target == fx.tp_reduce.default and n.args[0].target == fx.tp_copy.default
+    ]
     assert [s.args[0].args[0].target for s in stats] == [torch.ops.aten.sum.dim_IntList] * 2
     assert [[u.args[1] for u in s.users] for s in stats] == [[32], [32]]  # / the full size
 
@@ -294,9 +320,12 @@ def test_gemma2_softcapped_eager_attention_and_head():
 
 def test_a_tied_weight_split_for_one_use_and_read_whole_by_another_is_refused():
     model = make_model("hf-gemma2", n_layer=1)
-    with pytest.raises(PassError, match=r"parameter 'model.embed_tokens.weight' is split along dim 0 "
-                                        r"in blocks \(128,\) for one use but read whole by node 'linear_7' "
-                                        r"\(module 'lm_head'\)"):
+    with pytest.raises(
+        PassError,
+        match=r"parameter 'model.embed_tokens.weight' is split along dim 0 "
+        r"in blocks \(128,\) for one use but read whole by node 'linear_7' "
+        r"\(module 'lm_head'\)",
+    ):
         _tp(model, tp_plan={"lm_head": "replicate"})
 
 
@@ -307,14 +336,18 @@ class _EinsumAttention(nn.Module):
         super().__init__()
         self.contract_split = contract_split
         self.emb = nn.Embedding(128, 16)
-        self.layers = nn.ModuleList([nn.ModuleDict({"qkv": nn.Linear(16, 48), "o": nn.Linear(16, 16)})])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"qkv": nn.Linear(16, 48), "o": nn.Linear(16, 16)})]
+        )
         self.head = nn.Linear(16, 128)
         self.register_buffer("bias", torch.randn(4, 1, 1))
 
     def forward(self, ids, labels):
         x = self.emb(ids)
         b, t, _ = x.shape
-        q, k, v = (y.view(b, t, 4, 4).transpose(1, 2) for y in self.layers[0]["qkv"](x).split(16, -1))
+        q, k, v = (
+            y.view(b, t, 4, 4).transpose(1, 2) for y in self.layers[0]["qkv"](x).split(16, -1)
+        )
         if self.contract_split:
             s = torch.einsum("bhqd,bhkd->bqk", q, k)[:, None]
         else:
@@ -330,7 +363,8 @@ def test_einsum_attention_with_a_mask_per_head():
     gm = _tp(_EinsumAttention())
     assert _local(gm, torch.ops.aten.einsum.default) == [(2, 2, 16, 16)]
     slices = [n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.tp_slice.default]
-    assert [(s.args[0].target, s.args[1:3]) for s in slices] == [("bias", (0, 2))]  # this rank's heads
+    # this rank's heads
+    assert [(s.args[0].target, s.args[1:3]) for s in slices] == [("bias", (0, 2))]
 
 
 class _EinopsAttention(nn.Module):
@@ -373,7 +407,8 @@ def test_einops_rearrange_keeps_the_head_split(style):
     program = transform(_EinopsAttention(style), make_batch(2, seed=0), tp=2)
     gm = program.chunks[0]
     reshapes = _local(gm, torch.ops.aten.reshape.default)
-    assert reshapes == [(2, 16, 2, 4)] * 3 + [(2, 16, 8)]  # (b, n, heads, d) x q, k, v; (b, n, h * d)
+    # (b, n, heads, d) x q, k, v; (b, n, h * d)
+    assert reshapes == [(2, 16, 2, 4)] * 3 + [(2, 16, 8)]
     assert _local(gm, torch.ops.aten.einsum.default) == [(2, 2, 16, 16), (2, 2, 16, 4)]
     tags = _tags(gm)
     if style == "separate":
@@ -399,8 +434,12 @@ def test_fused_qkv_sliced_by_blocks():
     tags = _tags(gm)
     assert tags["model.layers.0.self_attn.qkv_proj.weight"] == Shard(0, (32, 16, 16))
     assert tags["model.layers.0.mlp.gate_up_proj.weight"] == Shard(0, (64, 64))
-    slices = [n.args[1:] for n in gm.graph.nodes
-              if n.target == torch.ops.aten.slice.Tensor and n.args[0].target == torch.ops.aten.linear.default]
+    slices = [
+        n.args[1:]
+        for n in gm.graph.nodes
+        if n.target == torch.ops.aten.slice.Tensor
+        and n.args[0].target == torch.ops.aten.linear.default
+    ]
     assert slices == [(2, 0, 16), (2, 16, 24), (2, 24, 32)]
 
 
@@ -424,8 +463,9 @@ def test_qk_norm_per_head_keeps_the_head_split():
     gm = _hf("qwen3")
     assert _local(gm, torch.ops.aten.mean.dim)[1:3] == [(2, 16, 2, 1), (2, 16, 1, 1)]
     assert _tags(gm)["model.layers.0.self_attn.q_norm.weight"] == Replicate(True)
-    assert torch.ops.fxmeg.tp_reduce.default not in {u.target for n in gm.graph.nodes
-                                                      if n.target == torch.ops.aten.mean.dim for u in n.users}
+    assert torch.ops.fxmeg.tp_reduce.default not in {
+        u.target for n in gm.graph.nodes if n.target == torch.ops.aten.mean.dim for u in n.users
+    }
 
 
 class _SplitSum(_NormedMLP):
@@ -461,7 +501,11 @@ def test_a_sum_read_both_split_and_whole_sums_the_split_readers_parts_on_their_e
     total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
     (reduce,) = total.users
     assert reduce.target == torch.ops.fxmeg.tp_reduce.default
-    mul = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor and n.meta["fxmeg"]["module"] == "")
+    mul = next(
+        n
+        for n in gm.graph.nodes
+        if n.target == torch.ops.aten.mul.Tensor and n.meta["fxmeg"]["module"] == ""
+    )
     edge = next(a for a in mul.all_input_nodes if a is not mul.args[0])
     assert edge.target == torch.ops.fxmeg.tp_copy.default and edge.args[0] is reduce
 
@@ -472,7 +516,9 @@ class _NewPointwise(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(128, 16)
-        self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})]
+        )
         self.head = nn.Linear(16, 128)
 
     def forward(self, ids, labels):
@@ -548,5 +594,7 @@ def test_differential_attention_is_refused_naming_the_block_to_keep_whole():
     with pytest.raises(PassError) as err:
         graph_after(make("diffllama"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
     msg = str(err.value)
-    assert "module 'model.layers.0.self_attn.v_proj'" in msg and "it splits the dim into [1, 1]" in msg
+    assert (
+        "module 'model.layers.0.self_attn.v_proj'" in msg and "it splits the dim into [1, 1]" in msg
+    )
     assert f"tp_plan={DIFFLLAMA_PLAN}" in msg

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fxmeg import ops
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 
 aten = torch.ops.aten
 
@@ -57,14 +57,21 @@ def _streams(gm) -> dict[str, str]:
             forked = any(a.target is ops.tp_rng_fork for a in n.all_input_nodes)
             joined = [u.target for u in n.users] == [ops.tp_rng_join]
             assert forked == joined, n.format_node()
-            key = "sdpa" if n.target == aten.scaled_dot_product_attention.default else n.meta["fxmeg"]["module"]
+            key = (
+                "sdpa"
+                if n.target == aten.scaled_dot_product_attention.default
+                else n.meta["fxmeg"]["module"]
+            )
             out[key] = "rank" if forked else "default"
     return out
 
 
 def test_head_split_attention_dropout_is_per_rank_residual_dropout_is_not():
     torch.manual_seed(0)
-    assert _streams(_graph(DropoutAttention())) == {"layers.0.attn_drop": "rank", "layers.0.resid_drop": "default"}
+    assert _streams(_graph(DropoutAttention())) == {
+        "layers.0.attn_drop": "rank",
+        "layers.0.resid_drop": "default",
+    }
 
 
 def test_sequence_parallel_residual_dropout_is_per_rank():
@@ -75,7 +82,10 @@ def test_sequence_parallel_residual_dropout_is_per_rank():
 
 def test_fused_attention_with_dropout_is_per_rank():
     torch.manual_seed(0)
-    assert _streams(_graph(DropoutAttention(fused=True))) == {"sdpa": "rank", "layers.0.resid_drop": "default"}
+    assert _streams(_graph(DropoutAttention(fused=True))) == {
+        "sdpa": "rank",
+        "layers.0.resid_drop": "default",
+    }
 
 
 def test_no_tensor_parallelism_no_markers():
@@ -94,7 +104,9 @@ def test_recompute_regions_hold_the_markers():
     replay forks again from the replayed default stream."""
     torch.manual_seed(0)
     for granularity in ("full", "selective"):
-        gm = graph_after(DropoutAttention(), make_batch(2, seed=0), "recompute", tp=2, recompute=granularity)
+        gm = graph_after(
+            DropoutAttention(), make_batch(2, seed=0), "recompute", tp=2, recompute=granularity
+        )
         regions = [m for name, m in gm.named_modules() if name.endswith("region")]
         inside = [n.target for m in regions for n in m.graph.nodes if n.target in ops.RNG_MARKERS]
         assert inside == [ops.tp_rng_fork, ops.tp_rng_join], granularity

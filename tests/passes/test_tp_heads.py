@@ -14,14 +14,16 @@ from torch import nn
 import fxmeg
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 from tests.parity.test_zoo import hf
 
 aten = torch.ops.aten
 
 
 def _layouts(gm) -> dict:
-    return {n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})}
+    return {
+        n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})
+    }
 
 
 def _local(gm, target) -> list:
@@ -51,11 +53,17 @@ def test_falcon_splits_its_mlp_and_query_heads_and_replicates_its_one_key_value_
     assert tp[prefix + "mlp.dense_h_to_4h.weight"] == Shard(0, (128,))
     assert tp[prefix + "mlp.dense_4h_to_h.weight"] == Shard(1, (128,))
     assert tp[prefix + "self_attention.dense.weight"] == Shard(1, (32,))
-    assert tp[prefix + "self_attention.query_key_value.weight"] == Replicate(True)  # k, v rows: grads summed
+    # k, v rows: grads summed
+    assert tp[prefix + "self_attention.query_key_value.weight"] == Replicate(True)
     assert aten.matmul.default not in [n.target for n in gm.graph.nodes]
-    assert sorted(_local(gm, aten.linear.default))[:3] == [(2, 16, 8), (2, 16, 8), (2, 16, 16)]  # k, v, q
+    # k, v, q
+    assert sorted(_local(gm, aten.linear.default))[:3] == [(2, 16, 8), (2, 16, 8), (2, 16, 16)]
     (sdpa,) = [n for n in gm.graph.nodes if n.target == aten.scaled_dot_product_attention.default]
-    assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 2, 16, 8), (2, 1, 16, 8), (2, 1, 16, 8)]
+    assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [
+        (2, 2, 16, 8),
+        (2, 1, 16, 8),
+        (2, 1, 16, 8),
+    ]
     (warning,) = said
     assert "'transformer.h.*.self_attention.query_key_value'" in warning
     assert "1 and 1 key/value head(s), not divisible by tp=2" in warning
@@ -88,12 +96,15 @@ def test_llama_with_one_key_value_head_at_tp2(caplog):
     assert tp[attn + "o_proj.weight"] == Shard(1, (32,))
     assert tp["model.layers.0.mlp.up_proj.weight"] == Shard(0, (48,))
     linears = [n for n in gm.graph.nodes if n.target == aten.linear.default]
-    assert [n.args[0].target for n in linears[:3]] == [torch.ops.fxmeg.tp_copy.default] * 3  # one entry
+    # one entry
+    assert [n.args[0].target for n in linears[:3]] == [torch.ops.fxmeg.tp_copy.default] * 3
     (sdpa,) = [n for n in gm.graph.nodes if n.target == aten.scaled_dot_product_attention.default]
     assert [a.target for a in sdpa.args[1:3]] == [torch.ops.fxmeg.tp_slice.default] * 2
     assert [tuple(a.meta["val"].shape) for a in sdpa.args[:3]] == [(2, 2, 16, 8)] * 3
     (warning,) = said
-    assert "'model.layers.*.self_attn.k_proj': 1 key/value head(s), not divisible by tp=2" in warning
+    assert (
+        "'model.layers.*.self_attn.k_proj': 1 key/value head(s), not divisible by tp=2" in warning
+    )
     assert "'model.layers.*.self_attn.v_proj'" in warning and "q_proj" not in warning
 
 
@@ -103,7 +114,9 @@ class _Interleaved(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb, self.head = nn.Embedding(96, 32), nn.Linear(32, 96)
-        self.layers = nn.ModuleList([nn.ModuleDict({"qkv": nn.Linear(32, 96), "out": nn.Linear(32, 32)})])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"qkv": nn.Linear(32, 96), "out": nn.Linear(32, 32)})]
+        )
 
     def forward(self, ids, labels):
         x = self.emb(ids)
@@ -127,10 +140,18 @@ def test_per_head_interleaved_fused_qkv_splits_by_whole_heads(caplog):
 def test_whole_projections_are_warned_about_and_shown_by_plan(caplog):
     model = _build("llama", num_key_value_heads=1)
     with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
-        result = fxmeg.plan(model, make_batch(2, seed=0, vocab=96), tp=2, tp_plan={"model.layers.*.mlp.*": "replicate"})
+        result = fxmeg.plan(
+            model,
+            make_batch(2, seed=0, vocab=96),
+            tp=2,
+            tp_plan={"model.layers.*.mlp.*": "replicate"},
+        )
     assert dict(result.tp_whole)["model.layers.*.mlp.down_proj"] == "tp_plan says 'replicate'"
     text = str(result)
-    assert "tp=2 leaves whole on every tp rank: model.layers.*.mlp.up_proj (tp_plan says 'replicate')" in text
+    assert (
+        "tp=2 leaves whole on every tp rank: model.layers.*.mlp.up_proj (tp_plan says 'replicate')"
+        in text
+    )
     assert "model.layers.*.self_attn.k_proj (1 key/value head(s), not divisible by tp=2" in text
     assert [m for m in result.to_dict()["tp_whole"]][0]["modules"] == "model.layers.*.mlp.down_proj"
 
@@ -168,6 +189,11 @@ class _KeyReadWhole(nn.Module):
 
 @pytest.mark.parametrize("in_region", [False, True], ids=["outside", "in-a-region"])
 def test_a_replicated_key_read_outside_the_split_heads_is_refused(in_region):
-    with pytest.raises(PassError, match=r"cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks "
-                                        r"\(tp does not divide its key/value heads\): its output reaches node "):
-        graph_after(_KeyReadWhole(in_region), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+    with pytest.raises(
+        PassError,
+        match=r"cannot replicate the key/value projection 'layers.0.k' over tp=2 ranks "
+        r"\(tp does not divide its key/value heads\): its output reaches node ",
+    ):
+        graph_after(
+            _KeyReadWhole(in_region), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2
+        )

@@ -13,14 +13,17 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.layouts import Replicate, Shard
-from tests.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 
 def _layouts(gm) -> dict:
-    return {n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})}
+    return {
+        n.target: n.meta["fxmeg"]["tp"] for n in gm.graph.nodes if "tp" in n.meta.get("fxmeg", {})
+    }
 
 
-@pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3", "afmoe"}))  # their first layer is dense
+# their first layer is dense
+@pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3", "afmoe"}))
 def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
         gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
@@ -46,25 +49,37 @@ def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
 def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
     with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
         graph_after(tiny_moe("gpt_oss"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
-    assert ("tp=2 leaves 8 expert parameters (37888 elements) whole on every tp rank: 'model.layers.*.mlp."
-            "experts' (down_proj [4, 48, 32], down_proj_bias [4, 32], gate_up_proj [4, 32, 96], "
-            "gate_up_proj_bias [4, 96])") in caplog.text
+    assert (
+        "tp=2 leaves 8 expert parameters (37888 elements) whole on every tp rank: "
+        "'model.layers.*.mlp."
+        "experts' (down_proj [4, 48, 32], down_proj_bias [4, 32], gate_up_proj [4, 32, 96], "
+        "gate_up_proj_bias [4, 96])"
+    ) in caplog.text
 
 
 def test_deepseek_v3_is_refused_at_its_latent_attention_by_name():
     """MLA slices the rotary part out of kv_a_proj_with_mqa's output: refused naming the
-    node, the module and the fix (the attention block whole); with attention whole as the fix says, the router (a
+    node, the module and the fix (the attention block whole); with attention whole as the fix says,
+    the router (a
     linear of fp32 casts of its weight) and the experts stay whole, the shared experts split."""
     model, batch = tiny_moe("deepseek_v3"), make_batch(2, seed=0, vocab=96)
-    refusal = (r"cannot split node 'slice_\d+' \(slice.Tensor, module 'model.layers.0.self_attn'\) over tp=2 "
-               r"ranks \(split along dim 3 by module 'model.layers.0.self_attn.kv_a_proj_with_mqa'\): it slices "
-               r"\[0:4:2\] .* Fix: keep module 'model.layers.\*.self_attn' whole with "
-               r"tp_plan=\{'model.layers.\*.self_attn.\*': 'replicate'\}")
+    refusal = (
+        r"cannot split node 'slice_\d+' \(slice.Tensor, module 'model.layers.0.self_attn'\) over "
+        r"tp=2 "
+        r"ranks \(split along dim 3 by module 'model.layers.0.self_attn.kv_a_proj_with_mqa'\): it "
+        r"slices "
+        r"\[0:4:2\] .* Fix: keep module 'model.layers.\*.self_attn' whole with "
+        r"tp_plan=\{'model.layers.\*.self_attn.\*': 'replicate'\}"
+    )
     with pytest.raises(PassError, match=refusal):
         graph_after(model, batch, "tensor_parallel", tp=2)
     plan = {"model.layers.*.self_attn.*": "replicate"}
     tp = _layouts(graph_after(model, batch, "tensor_parallel", tp=2, tp_plan=plan))
-    assert tp["model.layers.1.mlp.gate.weight"] == tp["model.layers.1.mlp.experts.down_proj"] == Replicate()
+    assert (
+        tp["model.layers.1.mlp.gate.weight"]
+        == tp["model.layers.1.mlp.experts.down_proj"]
+        == Replicate()
+    )
     assert tp["model.layers.1.mlp.shared_experts.up_proj.weight"] == Shard(0, (48,))
 
 
@@ -77,8 +92,18 @@ class _Scored(nn.Module):
         super().__init__()
         self.reduce = reduce
         self.emb = nn.Embedding(128, 16)
-        self.layers = nn.ModuleList([nn.ModuleDict({"scorer": nn.Linear(16, 4), "weigh": nn.Linear(16, 1),
-                                                    "up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})])
+        self.layers = nn.ModuleList(
+            [
+                nn.ModuleDict(
+                    {
+                        "scorer": nn.Linear(16, 4),
+                        "weigh": nn.Linear(16, 1),
+                        "up": nn.Linear(16, 32),
+                        "down": nn.Linear(32, 16),
+                    }
+                )
+            ]
+        )
         self.head = nn.Linear(16, 128)
 
     def forward(self, ids, labels):
@@ -89,14 +114,21 @@ class _Scored(nn.Module):
             h = h - h.max(dim=-1, keepdim=True).values  # along the split features
         elif self.reduce == "sequence":
             h = h - h.max(dim=1, keepdim=True).values  # along the sequence: keeps the split
-        x = x + block["down"](h.relu()) * probs.max(-1, keepdim=True).values * block["weigh"](x).sigmoid()
+        x = (
+            x
+            + block["down"](h.relu())
+            * probs.max(-1, keepdim=True).values
+            * block["weigh"](x).sigmoid()
+        )
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
 def test_a_router_is_found_by_kind_not_by_name():
     tp = _layouts(graph_after(_Scored(), make_batch(2, seed=0), "tensor_parallel", tp=2))
     assert tp["layers.0.scorer.weight"] == tp["layers.0.weigh.weight"] == Replicate()
-    assert tp["layers.0.up.weight"] == Shard(0, (32,)) and tp["layers.0.down.weight"] == Shard(1, (32,))
+    assert tp["layers.0.up.weight"] == Shard(0, (32,)) and tp["layers.0.down.weight"] == Shard(
+        1, (32,)
+    )
 
 
 def test_a_two_output_reduction_keeps_the_split_along_another_dim():
@@ -106,7 +138,10 @@ def test_a_two_output_reduction_keeps_the_split_along_another_dim():
 
 
 def test_a_two_output_reduction_over_the_split_dim_is_refused_by_name():
-    refusal = (r"cannot split node 'max_1' \(max.dim, module ''\) over tp=2 ranks \(split along dim 2 by module "
-               r"'layers.0.up'\): it reduces over dim 2")
+    refusal = (
+        r"cannot split node 'max_1' \(max.dim, module ''\) over tp=2 ranks \(split along dim 2 by "
+        r"module "
+        r"'layers.0.up'\): it reduces over dim 2"
+    )
     with pytest.raises(PassError, match=refusal):
         graph_after(_Scored("features"), make_batch(2, seed=0), "tensor_parallel", tp=2)

@@ -12,7 +12,7 @@ from torch import nn
 
 from fxmeg.layouts import LOCAL, Replicate, Shard  # noqa: F401
 from fxmeg.pass_driver import transform
-from tests.helpers import graph_after, make_batch
+from tests.harness.helpers import graph_after, make_batch
 
 aten, fx_ops = torch.ops.aten, torch.ops.fxmeg
 
@@ -38,21 +38,36 @@ class _Heads(nn.Module):
             q, k, v = (y.transpose(1, 2) for y in L["qkv"](x).view(b, t, 3, 4, 4).unbind(2))
         else:
             q, k, v = (L[n](x).view(b, t, 4, 4).transpose(1, 2) for n in "qkv")
-        if self.kind in ("merged", "baddbmm", "baddbmm-beta0"):  # fairseq: heads merged into the batch of bmm
+        # fairseq: heads merged into the batch of bmm
+        if self.kind in ("merged", "baddbmm", "baddbmm-beta0"):
             q, k, v = (y.reshape(b * 4, t, 4) for y in (q, k, v))
             causal = torch.triu(torch.full((t, t), -1e4), 1)
             if self.kind == "baddbmm":
-                s = torch.baddbmm(causal.expand(b * 4, t, t), q, k.transpose(1, 2), beta=1.0, alpha=0.5)
+                s = torch.baddbmm(
+                    causal.expand(b * 4, t, t), q, k.transpose(1, 2), beta=1.0, alpha=0.5
+                )
             elif self.kind == "baddbmm-beta0":  # the input ignored (gpt_bigcode passes torch.empty)
-                s = torch.baddbmm(torch.full((b * 4, t, t), float("nan")), q, k.transpose(1, 2), beta=0.0) + causal
+                s = (
+                    torch.baddbmm(
+                        torch.full((b * 4, t, t), float("nan")), q, k.transpose(1, 2), beta=0.0
+                    )
+                    + causal
+                )
             else:
-                s = (torch.bmm(q, k.transpose(1, 2)).view(b, 4, t, t) * 0.5 + causal).view(b * 4, t, t)
+                s = (torch.bmm(q, k.transpose(1, 2)).view(b, 4, t, t) * 0.5 + causal).view(
+                    b * 4, t, t
+                )
             return torch.bmm(s.softmax(-1), v).view(b, 4, t, 4).transpose(1, 2).reshape(b, t, 16)
         if self.kind == "safe-softmax":  # SDPA's math-path softmax over the (split) heads
             return torch.ops.aten._safe_softmax(q.transpose(1, 2), 2).reshape(b, t, 16)
         if self.kind == "across-heads":  # softmax / amax / amin over the (split) heads
             h = q.transpose(1, 2)  # (b, t, heads, head_dim)
-            h = h.softmax(2) + h.log_softmax(2) * 0.1 + (h - h.amax(2, keepdim=True)) - h.amin(2, keepdim=True)
+            h = (
+                h.softmax(2)
+                + h.log_softmax(2) * 0.1
+                + (h - h.amax(2, keepdim=True))
+                - h.amin(2, keepdim=True)
+            )
             return h.reshape(b, t, 16)
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         if self.kind == "index":  # aten.index.Tensor along the sequence of head-split values
@@ -73,7 +88,9 @@ PLANS = {"replicate-qkv": {"layers.*.qkv": "replicate"}}
 
 def _tp(kind: str):
     torch.manual_seed(0)
-    return graph_after(_Heads(kind), make_batch(2, seed=0), "tensor_parallel", tp=2, tp_plan=PLANS.get(kind, {}))
+    return graph_after(
+        _Heads(kind), make_batch(2, seed=0), "tensor_parallel", tp=2, tp_plan=PLANS.get(kind, {})
+    )
 
 
 def _tags(gm) -> dict:
@@ -98,7 +115,8 @@ def test_heads_merged_into_the_batch_stay_split(kind):
     if kind == "baddbmm":
         assert aten.baddbmm.default not in [n.target for n in gm.graph.nodes]
         cut = next(n for n in gm.graph.nodes if n.target == fx_ops.tp_slice.default)
-        assert tuple(cut.args[0].meta["val"].shape) == (2, 4, 16, 16) and cut.args[1] == 1  # per batch entry
+        # per batch entry
+        assert tuple(cut.args[0].meta["val"].shape) == (2, 4, 16, 16) and cut.args[1] == 1
 
 
 def test_fused_qkv_viewed_as_three_blocks_of_heads_and_unbound():
@@ -135,7 +153,8 @@ def test_softmax_and_extremes_over_the_split_dim_are_all_reduced():
     assert _tags(gm)["layers.0.q.weight"] == Shard(0, (16,))
     stats = [n for n in gm.graph.nodes if n.target == fx_ops.tp_reduce.default
              and n.args[0].target == fx_ops.tp_copy.default]
-    assert [s.args[0].args[0].target for s in stats] == [aten.sum.dim_IntList] * 2  # read with split values
+    # read with split values
+    assert [s.args[0].args[0].target for s in stats] == [aten.sum.dim_IntList] * 2
     maxima = [n for n in gm.graph.nodes if n.target == fx_ops.tp_max.default]
     assert [n.args[0].target for n in maxima] == [aten.amax.default] * 3 + [aten.neg.default]
 
@@ -145,8 +164,12 @@ def test_replicating_one_fused_projection_keeps_its_output_projection_whole():
     to the residual stream it reads) stays whole too, instead of splitting the stream up
     to the vocabulary-parallel head; the MLP still splits."""
     tags = _tags(_tp("replicate-qkv"))
-    assert tags["layers.0.qkv.weight"] == Replicate(False) and tags["layers.0.o.weight"] == Replicate(False)
-    assert tags["layers.0.up.weight"] == Shard(0, (32,)) and tags["layers.0.down.weight"] == Shard(1, (32,))
+    assert tags["layers.0.qkv.weight"] == Replicate(False) and tags[
+        "layers.0.o.weight"
+    ] == Replicate(False)
+    assert tags["layers.0.up.weight"] == Shard(0, (32,)) and tags["layers.0.down.weight"] == Shard(
+        1, (32,)
+    )
     assert tags["head.weight"] == Shard(0, (128,))
 
 
@@ -166,7 +189,10 @@ def test_a_sequence_parallel_split_is_not_merged_into_the_batch():
     from fxmeg.passes.tp_placement import reshape_shard
 
     seq = reshape_shard(Shard(1, (16,), seq=True), (2, 16, 64), (32, 64), 2)
-    assert seq == "it merges dim 1 (size 16, split over tp ranks) into a larger dim with dims outside it"
+    assert (
+        seq
+        == "it merges dim 1 (size 16, split over tp ranks) into a larger dim with dims outside it"
+    )
     assert reshape_shard(Shard(1, (4,)), (2, 4, 16, 8), (8, 16, 8), 2) == Shard(0, (4, 4))
 
 
@@ -181,4 +207,6 @@ def test_a_safe_softmax_over_the_split_dim_gives_zero_for_a_row_masked_everywher
     assert cond.target == aten.eq.Scalar and cond.args[0].target == fx_ops.tp_max.default
     assert cond.args[1] == float("-inf") and [n.args[1] for n in wheres] == [0.0, 0.0]
     # the shifted scores zeroed there too (their exp finite: no NaN in backward), and the result
-    assert wheres[0].args[2].target == aten.sub.Tensor and wheres[1].args[2].target == aten.div.Tensor
+    assert (
+        wheres[0].args[2].target == aten.sub.Tensor and wheres[1].args[2].target == aten.div.Tensor
+    )

@@ -14,16 +14,31 @@ from fxmeg.errors import ConfigError
 from fxmeg.pass_driver import NAMES, check_pass
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import chunks
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
-OPTIONS = dict(tp=2, num_chunks=2, dp=2, bucket_size=4000, distributed_optimizer=True, overlap_param_gather=True)
+OPTIONS = dict(
+    tp=2,
+    num_chunks=2,
+    dp=2,
+    bucket_size=4000,
+    distributed_optimizer=True,
+    overlap_param_gather=True,
+)
 
 
 def _config(**kw):
     from fxmeg.config import make_config
 
-    return make_config(make_batch(2, seed=0), world=None, tp=2, pp=2, dp=2, distributed_optimizer=True,
-                       overlap_param_gather=True, **kw)
+    return make_config(
+        make_batch(2, seed=0),
+        world=None,
+        tp=2,
+        pp=2,
+        dp=2,
+        distributed_optimizer=True,
+        overlap_param_gather=True,
+        **kw,
+    )
 
 
 def _after(name):
@@ -53,7 +68,9 @@ def _untag_loss(gm):
 
 
 def _untag_tp(gm):
-    next(n for n in gm.graph.nodes if n.op == "get_attr" and "tp" in n.meta["fxmeg"]).meta["fxmeg"].pop("tp")
+    next(n for n in gm.graph.nodes if n.op == "get_attr" and "tp" in n.meta["fxmeg"]).meta[
+        "fxmeg"
+    ].pop("tp")
 
 
 def _later_chunk(gm):
@@ -71,8 +88,9 @@ def _lose_recv(parent):
 def _overlap_slots(parent):
     gm = chunks(parent)[0]
     layout = gm.meta["fxmeg"]["buffers"][0]
-    gm.meta["fxmeg"]["buffers"] = (type(layout)(layout.dtype, layout.numel, layout.slots + layout.slots[:1],
-                                                layout.buckets),)
+    gm.meta["fxmeg"]["buffers"] = (
+        type(layout)(layout.dtype, layout.numel, layout.slots + layout.slots[:1], layout.buckets),
+    )
 
 
 def _drop_wait(parent):
@@ -109,7 +127,9 @@ def test_stop_after_names_a_pass():
 def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
     monkeypatch.setenv("FXMEG_SKIP_PASSES", "recompute, param_gather")
     with caplog.at_level(logging.INFO, logger="fxmeg.pass_driver"):
-        program = fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config(recompute="full"))
+        program = fxmeg.transform(
+            make_model("gpt", n_layer=2), make_batch(2, seed=0), _config(recompute="full")
+        )
     logged = [r.getMessage().split()[0] for r in caplog.records if r.levelno == logging.INFO]
     assert logged == ["capture", *(n for n in NAMES if n not in ("recompute", "param_gather"))]
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -119,10 +139,25 @@ def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
         assert not any(n.target is fxmeg.ops.wait_param_gather for n in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("names, message", [
-    ("recompute,bucket", r"names 'bucket', which is not a pass \(did you mean 'buckets'\?\); the passes are loss, "),
-    ("pipeline", "pass 'pipeline' cannot be skipped.*can be: context_parallel, tensor_parallel, expert_parallel, recompute"),
-])
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (
+            "recompute,bucket",
+            (
+                r"names 'bucket', which is not a pass \(did you mean 'buckets'\?\); the passes are "
+                r"loss, "
+            ),
+        ),
+        (
+            "pipeline",
+            (
+                "pass 'pipeline' cannot be skipped.*can be: context_parallel, tensor_parallel, "
+                "expert_parallel, recompute"
+            ),
+        ),
+    ],
+)
 def test_skip_passes_refuses_unknown_and_required_names(monkeypatch, names, message):
     monkeypatch.setenv("FXMEG_SKIP_PASSES", names)
     with pytest.raises(ConfigError, match=message):
@@ -135,7 +170,9 @@ def _with(name, **changes):
 
 def test_driver_refuses_a_pass_that_returns_no_graph(monkeypatch):
     monkeypatch.setattr(driver, "PASSES", _with("recompute", run=lambda gm, **_: None))
-    with pytest.raises(TypeError, match="pass 'recompute' returned NoneType for chunk 0, not an fx.GraphModule"):
+    with pytest.raises(
+        TypeError, match="pass 'recompute' returned NoneType for chunk 0, not an fx.GraphModule"
+    ):
         fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
 
 
@@ -143,5 +180,8 @@ def test_driver_refuses_a_pass_on_the_wrong_side_of_pipeline(monkeypatch):
     order = [p for p in driver.PASSES if p.name != "recompute"]
     order.insert(NAMES.index("pipeline"), driver.PASSES[NAMES.index("recompute")])
     monkeypatch.setattr(driver, "PASSES", tuple(order))
-    with pytest.raises(AssertionError, match="pass 'recompute' takes the chunk graph, but it got a graph that is not"):
+    with pytest.raises(
+        AssertionError,
+        match="pass 'recompute' takes the chunk graph, but it got a graph that is not",
+    ):
         fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())

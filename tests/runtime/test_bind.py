@@ -29,11 +29,20 @@ def test_each_op_is_bound_by_its_entry_and_a_missing_binding_leaves_it_alone():
         return fraction
 
     gm = _graph()
-    binding = collectives.Binding({"tp": "tp_real", "dp": "dp_real"}, wait_param_gather=wait, global_tokens=tokens)
+    binding = collectives.Binding(
+        {"tp": "tp_real", "dp": "dp_real"}, wait_param_gather=wait, global_tokens=tokens
+    )
     collectives.bind(gm, binding)
     targets = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
-    assert set(targets) == {wait, ops.expert_load, binding.rng.tp_rng_fork, tokens}  # expert_load: no recorder
+    # expert_load: no recorder
+    assert set(targets) == {wait, ops.expert_load, binding.rng.tp_rng_fork, tokens}
     assert targets[binding.rng.tp_rng_fork].kwargs["group"] == "tp_real"
     assert targets[tokens].kwargs["group"] == "dp_real"
-    assert set(collectives.BINDERS) >= {ops.routed_experts, ops.zero_gather, ops.zero_release, ops.early_linear,
-                                        ops.tp_rng_join, *ops.COLLECTIVES}
+    assert set(collectives.BINDERS) >= {
+        ops.routed_experts,
+        ops.zero_gather,
+        ops.zero_release,
+        ops.early_linear,
+        ops.tp_rng_join,
+        *ops.COLLECTIVES,
+    }

@@ -1,7 +1,7 @@
 """Gradient buffers and the reduction event log, at world size 1 (no processes)."""
 
 import fxmeg
-from tests.helpers import assert_overlapped, make_batch, make_model
+from tests.harness.helpers import assert_overlapped, make_batch, make_model
 
 
 def _engine(**kw):
@@ -12,7 +12,11 @@ def test_every_main_grad_is_a_view_of_exactly_one_buffer():
     engine = _engine(bucket_size=3000)
     buffers = engine.context.ddp.all()
     for name, p in engine.named_parameters.items():
-        owners = [b for b in buffers if p.main_grad.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()]
+        owners = [
+            b
+            for b in buffers
+            if p.main_grad.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+        ]
         assert len(owners) == 1, name
         slot = owners[0].layout.slot(name)
         assert p.main_grad.data_ptr() == owners[0].data[slot.offset:].data_ptr()

@@ -17,7 +17,7 @@ from fxmeg.runtime.p2p import PointToPoint
 from fxmeg.runtime.schedules import Action, Kind, fmt
 from fxmeg.timelines import Tracer
 from fxmeg.torch_private import run_backward
-from tests.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch, make_model
 
 M, ROWS = 4, 2  # micro-batches, rows per micro-batch
 CPU = torch.device("cpu")
@@ -40,8 +40,15 @@ def lowered_steps(m: int, *, train: bool = True, name: str = "none") -> list:
 def _executor(chunk_graphs, *, placement=None, on_grad_sync=None, tracer=None) -> Executor:
     specs = {c: chunk_spec(gm) for c, gm in chunk_graphs.items()}
     wire = PointToPoint(specs, pp=1, peer=lambda r: r, group=None, device=CPU, placement=placement)
-    return Executor(chunk_graphs, specs=specs, rank=0, device=CPU, wire=wire, hooks=ComputeHooks(on_grad_sync=on_grad_sync),
-                    tracer=tracer)
+    return Executor(
+        chunk_graphs,
+        specs=specs,
+        rank=0,
+        device=CPU,
+        wire=wire,
+        hooks=ComputeHooks(on_grad_sync=on_grad_sync),
+        tracer=tracer,
+    )
 
 
 def _setup(seed: int = 3):
@@ -194,7 +201,9 @@ def test_neighbour_chunks_on_one_rank_hand_off_without_messages():
     for k, g in want_grads.items():
         torch.testing.assert_close(model.get_parameter(k).grad, g, rtol=1e-4, atol=1e-6, msg=k)
     assert ex.counters.peak_in_flight == 2 * M
-    evaluation = schedules.lower(schedules.forward_only({0: [(a,) for a in order]}), num_chunks=2, placement=(0, 0))
+    evaluation = schedules.lower(
+        schedules.forward_only({0: [(a,) for a in order]}), num_chunks=2, placement=(0, 0)
+    )
     stats = ex.run(evaluation[0], mbs, train=False)
     assert abs(stats[0].item() - want_loss) <= 1e-5 * want_loss
 
@@ -211,10 +220,17 @@ def test_a_sent_output_is_kept_only_when_its_node_saved_it():
     normed = torch.nn.functional.layer_norm(x, (8,))
     assert not _saves_its_result(normed, {})
     want = torch.autograd.grad(torch.nn.functional.layer_norm(x, (8,)), x, torch.ones(4, 8))[0]
-    normed.data = torch.empty(1)  # what DEALLOC does; the executor runs backward from it as Megatron does
+    # what DEALLOC does; the executor runs backward from it as Megatron does
+    normed.data = torch.empty(1)
     run_backward(
-        (normed,), (torch.ones(4, 8),), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
-        accumulate_grad=True)
+        (normed,),
+        (torch.ones(4, 8),),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
     assert torch.equal(x.grad, want)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fxmeg.runtime import experts
 from fxmeg.timelines import Tracer
-from tests.distributed import run_world
+from tests.harness.distributed import run_world
 
 E = 4  # experts, 2 per rank
 
@@ -21,8 +21,13 @@ def exchange_rows(rank: int) -> dict:
     out = {}
     for traced in (False, True):
         ex.tracer.begin_step(traced)
-        counts = torch.tensor([1, 2, 0, 3]) if rank == 0 else torch.tensor([2, 0, 1, 1])  # rows per expert
-        rows = (torch.arange(int(counts.sum()), dtype=torch.float32) + 10 * rank).unsqueeze(1).requires_grad_()
+        # rows per expert
+        counts = torch.tensor([1, 2, 0, 3]) if rank == 0 else torch.tensor([2, 0, 1, 1])
+        rows = (
+            (torch.arange(int(counts.sum()), dtype=torch.float32) + 10 * rank)
+            .unsqueeze(1)
+            .requires_grad_()
+        )
         got, per_expert, state = ex.dispatch(rows, counts)
         back = ex.combine(got * 2, state)
         back.sum().backward()
@@ -45,7 +50,8 @@ def test_rows_go_to_their_expert_and_back(ranks):
     assert r1["got"] == [12.0, 3.0, 4.0, 5.0, 13.0] and r1["per_expert"] == [1, 4]
     for r, rank in ((r0, 0), (r1, 1)):
         n = len(r["back"])
-        assert r["back"] == [2 * (i + 10 * rank) for i in range(n)]  # each row back where it came from
+        # each row back where it came from
+        assert r["back"] == [2 * (i + 10 * rank) for i in range(n)]
         assert r["grad"] == [2.0] * n
 
 
@@ -53,4 +59,10 @@ def test_each_all_to_all_is_a_span_when_traced(ranks):
     for r in ranks:
         assert r[False]["spans"] == []
         names = [name for name, cat in r[True]["spans"] if cat == "ep_a2a"]
-        assert sorted(names) == ["ep combine", "ep combine grad", "ep counts", "ep dispatch", "ep dispatch grad"]
+        assert sorted(names) == [
+            "ep combine",
+            "ep combine grad",
+            "ep counts",
+            "ep dispatch",
+            "ep dispatch grad",
+        ]

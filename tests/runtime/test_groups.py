@@ -120,7 +120,8 @@ CP_SHAPES = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 2, 2), (2, 2, 2, 2), (1, 1, 2, 4
 
 @pytest.mark.parametrize("tp,pp,dp,cp", CP_SHAPES)
 def test_context_parallel_sits_between_tp_and_dp(tp, pp, dp, cp):
-    """Megatron's order tp-cp-dp-pp: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank));
+    """Megatron's order tp-cp-dp-pp: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp *
+    pp_rank));
     cp groups vary only the cp rank, dp x cp groups the dp and cp ranks (cp fastest)."""
     topo = Topology(tp=tp, pp=pp, dp=dp, cp=cp)
     assert topo.world_size == tp * cp * pp * dp
@@ -128,7 +129,12 @@ def test_context_parallel_sits_between_tp_and_dp(tp, pp, dp, cp):
         r = topo.rank(tp=t, cp=c, dp=d, pp=p)
         assert r == t + tp * (c + cp * (d + dp * p))
         assert topo.coords(r) == (t, d, p) and topo.cp_rank(r) == c
-    for kind, size, varying in (("cp", cp, "c"), ("dp_cp", dp * cp, "cd"), ("tp", tp, "t"), ("pp", pp, "p")):
+    for kind, size, varying in (
+        ("cp", cp, "c"),
+        ("dp_cp", dp * cp, "cd"),
+        ("tp", tp, "t"),
+        ("pp", pp, "p"),
+    ):
         groups = getattr(topo, f"{kind}_groups")()
         assert sorted(r for g in groups for r in g) == list(range(topo.world_size))
         assert all(len(g) == size for g in groups)
@@ -164,8 +170,16 @@ def test_expert_groups_fold_over_cp():
     assert Topology(tp=1, pp=1, dp=2, cp=2, ep=4).ep_groups() == [[0, 1, 2, 3]]
 
 
-EP_SHAPES = [(2, 1, 4, 1, 2), (2, 1, 2, 2, 2), (1, 2, 4, 1, 4), (2, 2, 3, 2, 3), (1, 1, 2, 3, 6), (1, 2, 6, 1, 2),
-             (2, 1, 2, 2, 1), (1, 1, 4, 2, 4)]
+EP_SHAPES = [
+    (2, 1, 4, 1, 2),
+    (2, 1, 2, 2, 2),
+    (1, 2, 4, 1, 4),
+    (2, 2, 3, 2, 3),
+    (1, 1, 2, 3, 6),
+    (1, 2, 6, 1, 2),
+    (2, 1, 2, 2, 1),
+    (1, 1, 4, 2, 4),
+]
 
 
 @pytest.mark.parametrize("tp,pp,dp,cp,ep", EP_SHAPES)
@@ -177,7 +191,8 @@ def test_expert_groups_partition_each_dp_cp_group(tp, pp, dp, cp, ep):
     topo = Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
     eps, edps = topo.ep_groups(), topo.edp_groups()
     for groups, size in ((eps, ep), (edps, dp * cp // ep)):
-        assert sorted(r for g in groups for r in g) == list(range(topo.world_size))  # each rank once
+        # each rank once
+        assert sorted(r for g in groups for r in g) == list(range(topo.world_size))
         assert all(len(g) == size for g in groups)
     for dc in topo.dp_cp_groups():
         inside_ep = [g for g in eps if set(g) <= set(dc)]
@@ -188,6 +203,11 @@ def test_expert_groups_partition_each_dp_cp_group(tp, pp, dp, cp, ep):
     for r in range(topo.world_size):
         g = Groups(topo, r)
         q = topo.cp_rank(r) + cp * topo.coords(r)[1]
-        assert (g.dp_cp_rank, g.ep_rank, g.edp_rank, g.edp_size) == (q, q % ep, q // ep, dp * cp // ep)
+        assert (g.dp_cp_rank, g.ep_rank, g.edp_rank, g.edp_size) == (
+            q,
+            q % ep,
+            q // ep,
+            dp * cp // ep,
+        )
         assert next(e for e in eps if r in e).index(r) == g.ep_rank
         assert next(d for d in edps if r in d).index(r) == g.edp_rank

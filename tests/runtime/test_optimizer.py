@@ -10,7 +10,7 @@ from fxmeg.errors import ConfigError
 from fxmeg.loss_scale import LossScaleConfig, LossScaler
 from fxmeg.lr_schedule import LRSchedule, ParamScheduler
 from fxmeg.runtime.optimizer import param_groups
-from tests.helpers import (
+from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     learnable_batch,
@@ -38,7 +38,9 @@ def test_linear(samples, want):
 def test_cosine(samples):
     ratio = (samples - W) / (D - W)
     want = MIN + (MAX - MIN) * 0.5 * (math.cos(math.pi * ratio) + 1)
-    assert LRSchedule(MAX, MIN, W, decay_samples=D, style="cosine").lr(samples) == pytest.approx(want)
+    assert LRSchedule(MAX, MIN, W, decay_samples=D, style="cosine").lr(samples) == pytest.approx(
+        want
+    )
 
 
 def test_inverse_square_root_and_constant():
@@ -54,7 +56,9 @@ def test_inverse_square_root_and_constant():
     ("exponential", lambda r: 2 * 0.5**r - 1), ("minus_sqrt", lambda r: 1 - math.sqrt(r)),
 ])
 def test_wsd(style, coeff):
-    s = LRSchedule(MAX, MIN, W, decay_samples=D, style="WSD", wsd_decay_samples=200, wsd_style=style)
+    s = LRSchedule(
+        MAX, MIN, W, decay_samples=D, style="WSD", wsd_decay_samples=200, wsd_style=style
+    )
     assert s.lr(500) == MAX and s.lr(800) == MAX  # stable until the last 200 samples
     assert s.lr(900) == pytest.approx(MIN + (MAX - MIN) * coeff(0.5))
 
@@ -69,7 +73,9 @@ def test_weight_decay_increment():
 
 def test_scheduler_sets_groups_and_respects_no_decay_groups():
     p, q = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.AdamW([{"params": [p], "wd_mult": 1.0}, {"params": [q], "weight_decay": 0.0, "wd_mult": 0.0}])
+    opt = torch.optim.AdamW(
+        [{"params": [p], "wd_mult": 1.0}, {"params": [q], "weight_decay": 0.0, "wd_mult": 0.0}]
+    )
     sched = ParamScheduler(LRSchedule(MAX, decay_samples=D, start_wd=0.05, end_wd=0.05), opt)
     assert [g["lr"] for g in opt.param_groups] == [MAX, MAX]  # no warmup: max_lr at once
     sched.step(500)
@@ -77,10 +83,15 @@ def test_scheduler_sets_groups_and_respects_no_decay_groups():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
 
 
-@pytest.mark.parametrize("bad,field", [
-    (dict(style="cosinus"), "style"), (dict(decay_samples=50, warmup_samples=100), "decay_samples"),
-    (dict(start_wd=0.1), "start_wd"), (dict(style="WSD", wsd_decay_samples=5000), "wsd_decay_samples"),
-])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        (dict(style="cosinus"), "style"),
+        (dict(decay_samples=50, warmup_samples=100), "decay_samples"),
+        (dict(start_wd=0.1), "start_wd"),
+        (dict(style="WSD", wsd_decay_samples=5000), "wsd_decay_samples"),
+    ],
+)
 def test_bad_schedule_is_refused(bad, field):
     kwargs = dict(max_lr=1.0, decay_samples=D) | bad
     with pytest.raises(ConfigError, match=field):
@@ -88,7 +99,9 @@ def test_bad_schedule_is_refused(bad, field):
 
 
 def test_loss_scaler_hysteresis_backoff_growth():
-    s = LossScaler(LossScaleConfig(initial=1024.0, hysteresis=2, growth_interval=3, min_scale=256.0))
+    s = LossScaler(
+        LossScaleConfig(initial=1024.0, hysteresis=2, growth_interval=3, min_scale=256.0)
+    )
     s.update(found_inf=True)
     assert s.scale == 1024.0  # hysteresis absorbs the first overflow
     s.update(found_inf=True)
@@ -129,7 +142,7 @@ def test_bf16_trains_as_the_mixed_precision_oracle_for_20_steps(name):
 @pytest.mark.parametrize("name", ["gpt", "llama", "hf-gpt2", "hf-qwen3"])
 def test_param_groups_are_megatrons_weight_decay_groups(name):
     """fxmeg's default groups against Megatron's rule as the tests write it out
-    (tests.helpers.reference_groups): biases and 1-D parameters (norms) do not decay."""
+    (tests.harness.helpers.reference_groups): biases and 1-D parameters (norms) do not decay."""
     named = list(make_model(name, n_layer=2).named_parameters())
     got = [(g["param_names"], g.get("weight_decay")) for g in param_groups(named)]
     assert got == [(g["param_names"], g.get("weight_decay")) for g in reference_groups(named)]
@@ -137,14 +150,18 @@ def test_param_groups_are_megatrons_weight_decay_groups(name):
 
 def test_engine_schedule_counts_samples_and_reports_the_lr_used():
     sched = LRSchedule(1e-3, warmup_samples=16, decay_samples=64, style="linear")
-    engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), global_batch_size=8, lr_schedule=sched)
+    engine = fxmeg.parallelize(
+        make_model("gpt"), make_batch(2, seed=0), global_batch_size=8, lr_schedule=sched
+    )
     lrs = [engine.train_step(make_batch(8, seed=s)).lr for s in range(4)]
     assert lrs == [sched.lr(0), sched.lr(8), sched.lr(16), sched.lr(24)]
     assert lrs[0] == 0.0 and lrs[2] == 1e-3
 
 
 def test_optimizer_options_are_checked():
-    with pytest.raises(ConfigError, match="overlap_param_gather=True needs distributed_optimizer=True"):
+    with pytest.raises(
+        ConfigError, match="overlap_param_gather=True needs distributed_optimizer=True"
+    ):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), overlap_param_gather=True)
     with pytest.raises(ConfigError, match="precision='bf_16' is not one of .*did you mean 'bf16'"):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), precision="bf_16")

@@ -56,7 +56,9 @@ def test_1f1b_bubble_is_the_textbook_value(pp, m, p2p):
         assert abs(sim.bubble(rank) - (pp - 1) / (m + pp - 1)) < 1e-12
 
 
-@pytest.mark.parametrize("pp,vpp,m", [(pp, vpp, m) for pp, vpp, m in GRID if vpp > 1 and m >= pp and m % pp == 0])
+@pytest.mark.parametrize(
+    "pp,vpp,m", [(pp, vpp, m) for pp, vpp, m in GRID if vpp > 1 and m >= pp and m % pp == 0]
+)
 def test_interleaved_bubble_is_smaller(pp, vpp, m):
     one = simulate(lower(build("1f1b", pp=pp, vpp=1, m=m), num_chunks=pp), pp=pp)
     # the same model cut into vpp times more chunks: each costs 1 / vpp
@@ -82,9 +84,14 @@ def test_eager_posts_hide_latency_that_paired_posts_expose(pp):
     """A message moves once both ends posted it. Paired posts a receive right before the
     compute that reads it, so in the steady state each one waits the whole latency;
     eager posts it units ahead, and the latency overlaps their compute."""
-    paired, eager = (lower(build("1f1b", pp=pp, vpp=1, m=8), num_chunks=pp, p2p=p2p) for p2p in ("paired", "eager"))
+    paired, eager = (
+        lower(build("1f1b", pp=pp, vpp=1, m=8), num_chunks=pp, p2p=p2p)
+        for p2p in ("paired", "eager")
+    )
     assert simulate(paired, pp=pp).makespan == simulate(eager, pp=pp).makespan
-    assert simulate(paired, pp=pp, latency=0.5).makespan > simulate(eager, pp=pp, latency=0.5).makespan
+    assert (
+        simulate(paired, pp=pp, latency=0.5).makespan > simulate(eager, pp=pp, latency=0.5).makespan
+    )
 
 
 def test_gpipe_and_forward_only():
@@ -113,7 +120,10 @@ def test_simulator_finds_a_deadlock():
     with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0B0, rank 1 at 1F0"):
         simulate(bad, pp=2)
     # a send nobody receives: freeing the activation waits forever
-    lost = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),), (Action(0, Kind.DEALLOC, 0),)], 1: []}
+    lost = {
+        0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),), (Action(0, Kind.DEALLOC, 0),)],
+        1: [],
+    }
     with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0D0"):
         simulate(lost, pp=2)
     unread = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.SEND_F, 0),)], 1: []}
@@ -122,41 +132,62 @@ def test_simulator_finds_a_deadlock():
 
 
 def test_simulator_finds_out_of_order_messages():
-    bad = {0: [(Action(0, Kind.F, 0),), (Action(0, Kind.F, 1),), (Action(0, Kind.SEND_F, 1), Action(0, Kind.SEND_F, 0))],
-           1: [(Action(1, Kind.RECV_F, 0), Action(1, Kind.RECV_F, 1))]}
+    bad = {
+        0: [
+            (Action(0, Kind.F, 0),),
+            (Action(0, Kind.F, 1),),
+            (Action(0, Kind.SEND_F, 1), Action(0, Kind.SEND_F, 0)),
+        ],
+        1: [(Action(1, Kind.RECV_F, 0), Action(1, Kind.RECV_F, 1))],
+    }
     with pytest.raises(ScheduleError, match="order mismatch: 0SF1 on rank 0 meets 1RF0 on rank 1"):
         simulate(bad, pp=2)
 
 
 class Tables(TestCase):
     def test_1f1b_pp2_m4(self):
-        self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2)), """\
+        self.assertExpectedInline(
+            table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2)),
+            """\
 rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0B0       0F2       0SF2+0RB1 0D2       0B1       0F3       0SF3+0RB2 0D3       0B2       0RB3      0GS3      0B3
-rank 1: 1RF0      1F0       1B0       1SB0+1RF1 1F1       1B1       1SB1+1RF2 1F2       1B2       1SB2+1RF3 1F3       1GS3      1B3       1SB3""")
+rank 1: 1RF0      1F0       1B0       1SB0+1RF1 1F1       1B1       1SB1+1RF2 1F2       1B2       1SB2+1RF3 1F3       1GS3      1B3       1SB3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_1f1b_pp4_m4(self):
-        self.assertExpectedInline(table(lower(build("1f1b", pp=4, vpp=1, m=4), num_chunks=4)), """\
+        self.assertExpectedInline(
+            table(lower(build("1f1b", pp=4, vpp=1, m=4), num_chunks=4)),
+            """\
 rank 0: 0F0       0SF0      0D0       0F1       0SF1      0D1       0F2       0SF2      0D2       0F3       0SF3+0RB0 0D3       0B0       0RB1      0B1       0RB2      0B2       0RB3      0GS3      0B3
 rank 1: 1RF0      1F0       1SF0+1RF1 1D0       1F1       1SF1+1RF2 1D1       1F2       1SF2+1RB0 1D2       1B0       1SB0+1RF3 1F3       1SF3+1RB1 1D3       1B1       1SB1+1RB2 1B2       1SB2+1RB3 1GS3      1B3       1SB3
 rank 2: 2RF0      2F0       2SF0+2RF1 2D0       2F1       2SF1+2RB0 2D1       2B0       2SB0+2RF2 2F2       2SF2+2RB1 2D2       2B1       2SB1+2RF3 2F3       2SF3+2RB2 2D3       2B2       2SB2+2RB3 2GS3      2B3       2SB3
-rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F2       3B2       3SB2+3RF3 3F3       3GS3      3B3       3SB3""")
+rank 3: 3RF0      3F0       3B0       3SB0+3RF1 3F1       3B1       3SB1+3RF2 3F2       3B2       3SB2+3RF3 3F3       3GS3      3B3       3SB3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_interleaved_pp2_vpp2_m4(self):
-        self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4)), """\
+        self.assertExpectedInline(
+            table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4)),
+            """\
 rank 0: 0F0                 0SF0                0D0                 0F1                 0SF1+2RF0           0D1                 2F0                 2SF0+2RF1           2D0                 2F1                 2SF1+2RB0           2D1                 0F2                 2B0                 0SF2+2SB0+2RB1      0D2                 0F3                 2B1                 0SF3+2SB1+2RF2+0RB0 0D3                 2F2                 0B0                 2SF2+2RF3+0RB1      2D2                 2F3                 0B1                 2SF3+2RB2           2D3                 2B2                 2SB2+2RB3           2GS3                2B3                 2SB3+0RB2           0B2                 0RB3                0GS3                0B3
-rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3GS3                3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1GS3                1B3                 1SB3""")
-
+rank 1: 1RF0                1F0                 1SF0+1RF1           1D0                 1F1                 1SF1+3RF0           1D1                 3F0                 3B0                 3SB0+3RF1           3F1                 3B1                 3SB1+1RF2+1RB0      1F2                 1B0                 1SF2+1SB0+1RF3+1RB1 1D2                 1F3                 1B1                 1SF3+1SB1+3RF2      1D3                 3F2                 3B2                 3SB2+3RF3           3F3                 3GS3                3B3                 3SB3+1RB2           1B2                 1SB2+1RB3           1GS3                1B3                 1SB3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_eager_1f1b_pp2_m4(self):
-        # each send right after its compute; each receive EAGER_AHEAD (4) units before the unit that reads it
-        self.assertExpectedInline(table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2, p2p="eager")), """\
+        # each send right after its compute; each receive EAGER_AHEAD (4) units before the unit that
+        # reads it
+        self.assertExpectedInline(
+            table(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2, p2p="eager")),
+            """\
 rank 0: 0RB0+0RB1      0F0            0SF0           0D0            0F1            0SF1           0RB2           0D1            0B0            0RB3           0F2            0SF2           0D2            0B1            0F3            0SF3           0D3            0B2            0GS3           0B3
-rank 1: 1RF0+1RF1+1RF2 1F0            1B0            1SB0           1RF3           1F1            1B1            1SB1           1F2            1B2            1SB2           1F3            1GS3           1B3            1SB3""")
+rank 1: 1RF0+1RF1+1RF2 1F0            1B0            1SB0           1RF3           1F1            1B1            1SB1           1F2            1B2            1SB2           1F3            1GS3           1B3            1SB3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_eager_interleaved_pp2_vpp2_m4(self):
-        self.assertExpectedInline(table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4, p2p="eager")), """\
+        self.assertExpectedInline(
+            table(lower(build("interleaved", pp=2, vpp=2, m=4), num_chunks=4, p2p="eager")),
+            """\
 rank 0: 2RF0+2RF1+2RB0                0F0                           0SF0                          2RB1                          0D0                           0F1                           0SF1                          2RF2+0RB0                     0D1                           2F0                           2SF0                          2RF3+0RB1                     2D0                           2F1                           2SF1                          2RB2                          2D1                           0F2                           0SF2                          2B0                           2SB0                          2RB3                          0D2                           0F3                           0SF3                          2B1                           2SB1                          0RB2                          0D3                           2F2                           2SF2                          0B0                           0RB3                          2D2                           2F3                           2SF3                          0B1                           2D3                           2B2                           2SB2                          2GS3                          2B3                           2SB3                          0B2                           0GS3                          0B3
-rank 1: 1RF0+1RF1+3RF0+3RF1+1RF2+1RB0 1F0                           1SF0                          1RF3+1RB1                     1D0                           1F1                           1SF1                          3RF2                          1D1                           3F0                           3B0                           3SB0                          3RF3                          3F1                           3B1                           3SB1                          1RB2                          1F2                           1SF2                          1B0                           1SB0                          1RB3                          1D2                           1F3                           1SF3                          1B1                           1SB1                          1D3                           3F2                           3B2                           3SB2                          3F3                           3GS3                          3B3                           3SB3                          1B2                           1SB2                          1GS3                          1B3                           1SB3""")
+rank 1: 1RF0+1RF1+3RF0+3RF1+1RF2+1RB0 1F0                           1SF0                          1RF3+1RB1                     1D0                           1F1                           1SF1                          3RF2                          1D1                           3F0                           3B0                           3SB0                          3RF3                          3F1                           3B1                           3SB1                          1RB2                          1F2                           1SF2                          1B0                           1SB0                          1RB3                          1D2                           1F3                           1SF3                          1B1                           1SB1                          1D3                           3F2                           3B2                           3SB2                          3F3                           3GS3                          3B3                           3SB3                          1B2                           1SB2                          1GS3                          1B3                           1SB3""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (4, 2, 8)])
@@ -168,6 +199,8 @@ def test_grad_sync_precedes_each_chunks_last_backward(pp, vpp, m):
         for i in syncs:
             gs, nxt = steps[i][0], steps[i + 1][0]
             assert nxt == Action(gs.chunk, Kind.B, m - 1)
-            assert not any(a.kind is Kind.B and a.chunk == gs.chunk for s in steps[i + 1 + 1:] for a in s)
+            assert not any(
+                a.kind is Kind.B and a.chunk == gs.chunk for s in steps[i + 1 + 1 :] for a in s
+            )
     fwd = lower(forward_only(build(_name(pp, vpp), pp=pp, vpp=vpp, m=m)), num_chunks=pp * vpp)
     assert not any(s[0].kind is Kind.GRAD_SYNC for steps in fwd.values() for s in steps)

@@ -92,8 +92,12 @@ def test_eager_posts_each_receive_units_before_it_is_read(name, pp):
                         reads += 1
                         assert unit_of[a] - posted_at[r] >= min(ahead, unit_of[a]), (p2p, rank, a)
                 else:
-                    posted_at.update((r, begun) for r in step if r.kind in (Kind.RECV_F, Kind.RECV_B))
-            assert reads == sum(r.kind in (Kind.RECV_F, Kind.RECV_B) for step in steps for r in step)
+                    posted_at.update(
+                        (r, begun) for r in step if r.kind in (Kind.RECV_F, Kind.RECV_B)
+                    )
+            assert reads == sum(
+                r.kind in (Kind.RECV_F, Kind.RECV_B) for step in steps for r in step
+            )
 
 
 def test_p2p_mode_by_backend():
@@ -121,7 +125,9 @@ def test_zbh1_holds_1f1b_memory_at_a_third_of_its_bubble(pp, m):
         assert zb.makespan - 3 * m == pytest.approx((one.makespan - 3 * m) / 3)
 
 
-@pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in itertools.product(range(2, 5), range(1, 17)) if m % pp == 0])
+@pytest.mark.parametrize(
+    "pp,m", [(pp, m) for pp, m in itertools.product(range(2, 5), range(1, 17)) if m % pp == 0]
+)
 def test_zbv_bubble_is_below_interleaved(pp, m):
     *_, inter = _run("interleaved", pp, m)
     *_, zbv = _run("zbv", pp, m)
@@ -133,12 +139,24 @@ def test_zbv_bubble_is_below_interleaved(pp, m):
 def test_v_placement_hands_off_inside_a_rank():
     assert placement("zbv", pp=4, vpp=2) == (0, 1, 2, 3, 3, 2, 1, 0)
     assert placement("dualpipev", pp=2, vpp=2) == (0, 1, 1, 0)
-    assert placement("interleaved", pp=2, vpp=2) == (0, 1, 0, 1) and placement("zbh1", pp=3, vpp=1) == (0, 1, 2)
+    assert placement("interleaved", pp=2, vpp=2) == (0, 1, 0, 1) and placement(
+        "zbh1", pp=3, vpp=1
+    ) == (0, 1, 2)
     for name in ("zbv", "dualpipev"):
         _, lowered, _ = _run(name, 4, 8)
-        p2p = {a for steps in lowered.values() for s in steps for a in s if a.kind.value in ("SF", "RF", "SB", "RB")}
+        p2p = {
+            a
+            for steps in lowered.values()
+            for s in steps
+            for a in s
+            if a.kind.value in ("SF", "RF", "SB", "RB")
+        }
         # chunks 3 and 4 share rank 3: no message crosses between them
-        assert not {a for a in p2p if (a.chunk, a.kind.value) in {(3, "SF"), (4, "RF"), (4, "SB"), (3, "RB")}}
+        assert not {
+            a
+            for a in p2p
+            if (a.chunk, a.kind.value) in {(3, "SF"), (4, "RF"), (4, "SB"), (3, "RB")}
+        }
         assert {a.chunk for a in p2p if a.kind is Kind.SEND_F} == {0, 1, 2, 4, 5, 6}
     # evaluation runs the same placement forward only
     where = placement("zbv", pp=2, vpp=2)
@@ -156,7 +174,9 @@ def test_grad_sync_precedes_each_chunks_last_weight_gradient(name):
         for i in syncs:
             c, nxt = steps[i][0].chunk, steps[i + 1][0]
             assert nxt.chunk == c and nxt.kind in (Kind.W, Kind.B)
-            later = [a for s in steps[i + 2:] for a in s if a.chunk == c and a.kind in (Kind.W, Kind.B)]
+            later = [
+                a for s in steps[i + 2 :] for a in s if a.chunk == c and a.kind in (Kind.W, Kind.B)
+            ]
             assert not later
             # every input gradient of the chunk has run by then: only weights are left
             assert not [a for s in steps[i + 1:] for a in s if a.chunk == c and a.kind is Kind.I]
@@ -180,7 +200,14 @@ def test_simulator_refuses_a_wrong_order_inside_a_rank():
     ahead = {0: [(Action(1, Kind.F, 0),), (Action(0, Kind.F, 0),)]}
     with pytest.raises(ScheduleError, match="runs 1F0 before 0F0, which feeds it on this rank"):
         simulate(ahead, pp=1, placement=where)
-    early = {0: [(Action(0, Kind.F, 0),), (Action(1, Kind.F, 0),), (Action(0, Kind.I, 0),), (Action(1, Kind.I, 0),)]}
+    early = {
+        0: [
+            (Action(0, Kind.F, 0),),
+            (Action(1, Kind.F, 0),),
+            (Action(0, Kind.I, 0),),
+            (Action(1, Kind.I, 0),),
+        ]
+    }
     with pytest.raises(ScheduleError, match="runs 0I0 before 1I0 / 1B0"):
         simulate(early, pp=1, placement=where)
 
@@ -190,34 +217,51 @@ def test_simulator_refuses_freeing_an_activation_after_its_backward():
                 (Action(0, Kind.I, 0),), (Action(0, Kind.DEALLOC, 0),), (Action(0, Kind.W, 0),)],
             1: [(Action(1, Kind.RECV_F, 0),), (Action(1, Kind.F, 0),), (Action(1, Kind.B, 0),),
                 (Action(1, Kind.SEND_B, 0),)]}
-    with pytest.raises(ScheduleError, match="rank 0 frees 0D0 after the backward of its micro-batch"):
+    with pytest.raises(
+        ScheduleError, match="rank 0 frees 0D0 after the backward of its micro-batch"
+    ):
         simulate(late, pp=2)
 
 
 def test_dualpipev_needs_a_micro_batch_per_chunk():
     """The builder refuses with the configuration's words (fxmeg/schedule_registry.py)."""
-    with pytest.raises(ScheduleError, match=r"^the dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=7\. "):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^the dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=7\. ",
+    ):
         build("dualpipev", pp=4, vpp=2, m=7)
-    with pytest.raises(ScheduleError, match=r"^schedule='zbv' runs two chunks per pipeline rank in a V: it needs vpp=2 "
-                                            r"and pp > 1; got vpp=3, pp=2"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^schedule='zbv' runs two chunks per pipeline rank in a V: it needs vpp=2 "
+        r"and pp > 1; got vpp=3, pp=2",
+    ):
         build("zbv", pp=2, vpp=3, m=4)
 
 
 class Tables(TestCase):
     def test_zbh1_pp2_m4(self):
-        self.assertExpectedInline(table(_run("zbh1", 2, 4)[1]), """\
+        self.assertExpectedInline(
+            table(_run("zbh1", 2, 4)[1]),
+            """\
 rank 0: 0F0       0SF0      0D0       0F1       0SF1+0RB0 0D1       0I0       0W0       0F2       0SF2+0RB1 0D2       0I1       0W1       0F3       0SF3+0RB2 0D3       0I2       0W2       0RB3      0I3       0GS3      0W3
-rank 1: 1RF0      1F0       1I0       1SB0+1RF1 1F1       1I1       1SB1      1W0       1RF2      1F2       1I2       1SB2      1W1       1RF3      1F3       1I3       1SB3      1W2       1GS3      1W3""")
+rank 1: 1RF0      1F0       1I0       1SB0+1RF1 1F1       1I1       1SB1      1W0       1RF2      1F2       1I2       1SB2      1W1       1RF3      1F3       1I3       1SB3      1W2       1GS3      1W3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_zbv_pp2_m4(self):
-        self.assertExpectedInline(table(_run("zbv", 2, 4)[1]), """\
+        self.assertExpectedInline(
+            table(_run("zbv", 2, 4)[1]),
+            """\
 rank 0: 3RF0      0F0       0SF0      0F1       0SF1      0F2       0SF2      3F0       3RF1      0D0       0D1       3I0       3SB0      3W0       3F1       0RB0      0D2       3I1       3SB1      3W1       0F3       0SF3      0I0       3RF2      0W0       3F2       0RB1      3I2       3SB2      3W2       0I1       3RF3      0D3       0W1       3F3       0RB2      3I3       3SB3      3GS3      3W3       0I2       0RB3      0W2       0I3       0GS3      0W3
-rank 1: 1RF0      1F0       1RF1      2F0       2SF0      2D0       1F1       1RF2      2F1       2SF1+2RB0 2I0       2RB1      2D1       2W0       1F2       1I0       1SB0      1W0       2F2       2SF2      2I1       1RF3      2W1       1F3       2RB2      1I1       1SB1      1W1       2F3       2SF3      2I2       2RB3      2W2       1I2       1SB2      2I3       1I3       1SB3      1W2       2GS3      2W3       1GS3      1W3""")
+rank 1: 1RF0      1F0       1RF1      2F0       2SF0      2D0       1F1       1RF2      2F1       2SF1+2RB0 2I0       2RB1      2D1       2W0       1F2       1I0       1SB0      1W0       2F2       2SF2      2I1       1RF3      2W1       1F3       2RB2      1I1       1SB1      1W1       2F3       2SF3      2I2       2RB3      2W2       1I2       1SB2      2I3       1I3       1SB3      1W2       2GS3      2W3       1GS3      1W3""",  # noqa: E501 (expected text, compared whole)
+        )
 
     def test_dualpipev_pp2_m4(self):
-        self.assertExpectedInline(table(_run("dualpipev", 2, 4)[1]), """\
+        self.assertExpectedInline(
+            table(_run("dualpipev", 2, 4)[1]),
+            """\
 rank 0: 3RF0           0F0            0SF0           0F1            0SF1           0F2            0SF2           3F0            3RF1           0D0            0D1            3I0            3SB0           3W0            3F1            3RF2           0D2            0F3            3B1            0SF3+3SB1+0RB0 3F2            0D3            0B0            3RF3           3B2            3SB2+0RB1      3F3            0B1            0RB2           3GS3           3B3            3SB3           0I2            0RB3           0W2            0I3            0GS3           0W3
-rank 1: 1RF0           1F0            1RF1           2F0            2SF0           2D0            1F1            1RF2           2F1            2SF1           1F2            2RB0           2B0            1RF3           2D1            2F2            1B0            2SF2+1SB0+2RB1 1F3            2D2            2B1            2RB2           2F3            1B1            2SF3+1SB1      2B2            2RB3           2D3            1B2            1SB2           2I3            1I3            1SB3           2GS3           2W3            1GS3           1W3""")
+rank 1: 1RF0           1F0            1RF1           2F0            2SF0           2D0            1F1            1RF2           2F1            2SF1           1F2            2RB0           2B0            1RF3           2D1            2F2            1B0            2SF2+1SB0+2RB1 1F3            2D2            2B1            2RB2           2F3            1B1            2SF3+1SB1      2B2            2RB3           2D3            1B2            1SB2           2I3            1I3            1SB3           2GS3           2W3            1GS3           1W3""",  # noqa: E501 (expected text, compared whole)
+        )
 
 
 def test_measured_costs_per_chunk_set_the_makespan():

@@ -1,0 +1,104 @@
+"""The pass list is written once, as ``fxmeg.pass_driver.PASSES``; everything else that lists
+the passes (their checks, fxmeg/passes/__init__.py's table, docs/architecture.md's table and flow),
+the Program's fields (docs/architecture.md §2) or the metadata keys (docs/architecture.md
+§2's table, the one list of them) is held to the code here, in order and with nothing extra."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import fxmeg.passes
+from fxmeg.pass_driver import NAMES, PASSES
+from fxmeg.passes import verify
+from fxmeg.program import Program
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the markdown table that opens with ``header``."""
+    lines = text[text.index(header):].splitlines()[2:]  # [2:]: header and |---| rule
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _section(text: str, start: str, end: str) -> str:
+    at = text.index(start)
+    return text[at : text.index(end, at)]
+
+
+def test_every_pass_is_its_own_file_and_has_its_check():
+    for p in PASSES:
+        assert (p.run.__module__, p.run.__name__) == (f"fxmeg.passes.{p.name}", p.name)
+        assert p.check is getattr(verify, p.name), f"{p.name}'s check is not verify.{p.name}"
+    checks = {name for name, f in inspect.getmembers(verify, inspect.isfunction)
+              if f.__module__ == verify.__name__ and not name.startswith("_")}
+    assert checks == set(NAMES), "verify.py checks a pass that is not in PASSES"
+    own = {f.stem for f in (ROOT / "fxmeg" / "passes").glob("*.py")
+           if not f.stem.startswith("_") and hasattr(importlib.import_module(f"fxmeg.passes.{f.stem}"), f.stem)}
+    assert own - {"verify"} == set(NAMES), "a file in fxmeg/passes/ defines its pass but PASSES misses it"
+
+
+def test_package_docstring_lists_the_passes_in_order():
+    rows = re.findall(r"^  (\w+) +(\w+) +.* passes/(\w+)\.py$", fxmeg.passes.__doc__, re.MULTILINE)
+    assert rows == [(p.name, p.scope.value, p.name) for p in PASSES]
+
+
+def test_design_table_lists_the_passes_in_order():
+    rows = _table(ARCHITECTURE, "| Pass | Scope | Requires | Ensures |")
+    assert [tuple(r[:2]) for r in rows] == [(p.name, p.scope.value) for p in PASSES]
+
+
+def test_design_flow_lists_the_passes_in_order():
+    flow = _section(ARCHITECTURE, "## 1. The flow", "▼ Program")
+    chain = " ".join(line.strip(" │▼").split(":")[-1] for line in flow.splitlines() if " -> " in line)
+    assert re.split(r"\s*->\s*", chain.strip(" ->")) == list(NAMES)
+
+
+def test_design_lists_every_program_field():
+    rows = _table(ARCHITECTURE, "| Field | What |")
+    listed = [name for row in rows for name in re.findall(r"`(\w+)`", row[0])]
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Program))
+
+
+_WRITES = (
+    re.compile(r"""\["fxmeg"\]\["(\w+)"\] = """),  # meta["fxmeg"]["loss"] = ...
+    re.compile(r"""\["fxmeg"\] = \{(?:\*\*.*?\), )?"(\w+)":"""),  # meta["fxmeg"] = {"spec": ...}
+    re.compile(r""""fxmeg": \{"(\w+)":"""),  # node.meta = {..., "fxmeg": {"module": ""}}
+)
+
+
+def _written_keys() -> set[str]:
+    """Every key the package's code writes under a ``meta["fxmeg"]`` dict."""
+    found = set()
+    for path in (ROOT / "fxmeg").rglob("*.py"):
+        text = path.read_text()
+        for pattern in _WRITES:
+            found.update(pattern.findall(text))
+    return found
+
+
+def test_metadata_keys_are_the_ones_the_code_writes():
+    rows = _table(ARCHITECTURE, "| Key | On | Written by | Read by |")
+    node_doc = [m for r in rows for m in re.findall(r'^`node\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
+    graph_doc = [m for r in rows for m in re.findall(r'^`gm\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
+    assert len(node_doc) + len(graph_doc) == len(rows), "a row of the key table names no key"
+    assert set(node_doc) | set(graph_doc) == _written_keys()
+
+
+def test_passes_that_are_not_whole_model_say_their_scope():
+    for p in PASSES:
+        doc = f"{inspect.getmodule(p.run).__doc__} {p.run.__doc__}"  # the module's or the function's
+        if p.scope.value == "chunk":
+            assert "Scope: one chunk graph" in doc, p.name
+        if p.scope.value == "parent":
+            assert "Scope: the pipelined parent graph" in doc, p.name
