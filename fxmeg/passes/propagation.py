@@ -6,7 +6,7 @@ An axis names itself (``axis``, the key of its rules in ``op_rules``), says whic
 placements are split on it (``split_kinds``) and registers one rule per op family. The
 driver visits every node once, in order, regions' bodies included; a rule receives a node
 whose operands have placements and returns the node's ``Placement``, asking
-``redistribute`` for every collective or local cut it needs; a node that reads no split
+``move`` (fxmeg/passes/redistribute.py) for every collective or local cut it needs; a node that reads no split
 value stays replicated unless its rule starts a split. ``refuse`` builds every refusal
 (node, op, module, axis, fix); ``refresh`` re-evaluates every value on local shapes.
 """
@@ -25,7 +25,7 @@ from fxmeg.errors import PassError
 from fxmeg.layouts import Places
 from fxmeg.passes.graph_utils import body_call, fake_eval, finish, is_hop, is_subgraph, without_grad
 from fxmeg.passes.op_rules import describe, rule_for
-from fxmeg.passes.redistribute import redistribute
+from fxmeg.passes.redistribute import insert_move
 
 UNDECIDED = object()
 """``before_rules``' answer when the family's rule decides."""
@@ -89,8 +89,8 @@ class Propagation:
 
     def move(self, value: fx.Node, src: str, dst: str, *, at: fx.Node, dim: int | None = None,
              after: bool = False, like: fx.Node | None = None) -> fx.Node:
-        """``redistribute`` on this axis, in the graph being walked."""
-        return redistribute(self.g, self.axis, value, src, dst, size=self.size, dim=dim, at=at, after=after,
+        """``insert_move`` on this axis, in the graph being walked."""
+        return insert_move(self.g, self.axis, value, src, dst, size=self.size, dim=dim, at=at, after=after,
                             like=like)
 
     # ------------------------------------------------------------------ hooks

@@ -48,7 +48,7 @@ MOVES: dict[tuple[str, str, str], Move] = {
 }
 
 
-def redistribute(g: fx.Graph, axis: str, value: fx.Node, src: str, dst: str, *, size: int,
+def insert_move(g: fx.Graph, axis: str, value: fx.Node, src: str, dst: str, *, size: int,
                  dim: int | None = None, at: fx.Node, after: bool = False,
                  like: fx.Node | None = None) -> fx.Node:
     """A node computing ``value`` moved from placement ``src`` to ``dst`` on ``axis``

@@ -25,7 +25,7 @@ from fxmeg.layouts import LOCAL, PARTIAL, Shard
 from fxmeg.ops import TP
 from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
-from fxmeg.passes.redistribute import redistribute
+from fxmeg.passes.redistribute import insert_move
 from fxmeg.passes.tp_rules_more import EXTREMES
 from fxmeg.passes.tp_placement import Indivisible, divisors, reshape_shard
 from fxmeg.torch_private import op_schema
@@ -372,7 +372,7 @@ class PropagationRules:
             if split and whole:
                 self._sum_into(split)
             elif split:
-                copy = redistribute(total.graph, TP, origin, "partial", "synced", size=self.tp, at=total,
+                copy = insert_move(total.graph, TP, origin, "partial", "synced", size=self.tp, at=total,
                                     like=origin)
                 total.replace_input_with(origin, copy)
                 self.place[copy] = PARTIAL
@@ -429,7 +429,7 @@ class PropagationRules:
         """A tp_copy on each (split reader, operand) edge: forward the operand itself,
         backward the readers' parts summed over tp ranks."""
         for reader, operand in edges:
-            copy = redistribute(reader.graph, TP, operand, "replicated", "synced", size=self.tp, at=reader)
+            copy = insert_move(reader.graph, TP, operand, "replicated", "synced", size=self.tp, at=reader)
             reader.replace_input_with(operand, copy)
             self.place[copy] = None
 

@@ -4,7 +4,7 @@ reading files only: no ranks, no training).
 
 * The README's "What is supported" table: every item of a "not yet" cell names the
   docs/errors.md row that refuses it (``[`row`](docs/errors.md)``), the row exists, and the
-  refusal exists in code (tests/test_errors.py runs the row, or its message excerpt is in
+  refusal exists in code (tests/repo/test_errors.py runs the row, or its message excerpt is in
   fxmeg/'s sources); every item of a "supported" cell names a test that runs it
   (```tests/FILE.py``` or ```tests/FILE.py::TEST```), and the file and the test exist.
 * Paths: every repository path named in README.md, docs/*.md (text and relative links,
@@ -91,8 +91,8 @@ def _error_rows() -> dict[str, str]:
 
 
 def _tested_rows() -> set[str]:
-    """The rows tests/test_errors.py runs: the keys of its ROWS and SET_UP."""
-    tree = ast.parse(_read("tests/test_errors.py"))
+    """The rows tests/repo/test_errors.py runs: the keys of its ROWS and SET_UP."""
+    tree = ast.parse(_read("tests/repo/test_errors.py"))
     keys = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in ("ROWS", "SET_UP") for t in node.targets):
@@ -120,7 +120,7 @@ def test_each_not_yet_names_a_refusal_that_exists(area, cell):
         for row in rows:
             assert row in documented, f"README.md, {area}: {item!r} names row {row!r}, which docs/errors.md lacks"
             assert row in tested or _in_sources(documented[row]), (
-                f"README.md, {area}: row {row!r} is neither run by tests/test_errors.py nor is its message "
+                f"README.md, {area}: row {row!r} is neither run by tests/repo/test_errors.py nor is its message "
                 f"{documented[row]!r} in fxmeg/'s sources")
 
 
