@@ -1,57 +1,18 @@
 """Context-parallel pass: every sequence split over cp ranks, attention exchanging keys
-and values, found and applied on the ATen graph of an unmodified model.
+and values, on the ATen graph of an unmodified model. The driver is the one sharding
+propagation (fxmeg/passes/propagation.py) configured for cp: values split along the
+sequence are ``Seq`` s; the layout, the masks, the refusals in full:
+docs/architecture.md §8.11.
 
-Layout (Megatron's load balancing for causal attention): a sequence of length s is cut
-into 2 * cp chunks and cp rank r holds chunks r and 2 * cp - 1 - r (``ops.cp_positions``),
-so every rank holds as many early queries (little attention work) as late ones. The
-runtime cuts the batch inputs so (``fxmeg/runtime/batches.py``, from
-``gm.meta["fxmeg"]["cp"]``); this pass makes the graph compute on those local rows.
-
-Attention: each ``scaled_dot_product_attention`` becomes ``fxmeg::cp_attention``: K and
-V are all-gathered over the cp group and this rank's queries attend to every key under
-the causal mask of their global positions; backward gathers K and V again, recomputes
-the probabilities and reduce-scatters dK and dV (only the local q, k, v are kept between
-forward and backward). Megatron (TransformerEngine) runs a ring of p2p sends overlapped
-with blockwise attention and an online softmax instead; the all-gather is simpler, exact
-(one softmax over all keys, the arithmetic of one device) and, on gloo, where a send does
-not overlap compute, a ring's overlap buys nothing. Its cost: the full K and V of one
-layer exist at a time, in forward and again in backward (a ring holds one block).
-
-Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs (sums over tokens), on the
-whole graph (it runs before tensor_parallel and partition, which see the local shapes);
-the batch inputs are (batch, seq, ...): the
-sequence length s is dim 1 of the first input of two or more dims, and every input with
-s at dim 1 is split there, except one that feeds attention masks alone (a padding mask,
-Hugging Face's ``attention_mask``; ``passes/cp_masks.py``): attention reads it along the
-keys, so every rank reads it whole and the values built from it are whole-sequence
-(replicated) values, cut where they meet the local sequence like a position table.
-Ensures, for every cp rank alike (the graph holds no rank; ``fxmeg::cp_*`` ops read it
-from the group the runtime binds to the symbolic name "cp"):
-  * ``gm.meta["fxmeg"]["cp"]`` is a ``CPLayout``: s, cp and, per input, the dim split
-    (None: whole on every rank) and whether the runtime shifts it left by one position
-    before the cut (labels shifted inside the model, Hugging Face's ``pad(labels, [0, 1],
-    value=-100)[:, 1:]``: the graph reads the input instead);
-  * shape arguments (view, reshape, expand, unflatten) along the sequence are local
-    (s / cp; merged with the batch dim, batch * s / cp);
-  * a replicated value indexed by position that meets the local sequence (a rotary
-    table ``rope_cos[:s]``, position embeddings of ``arange(s)``) is cut to this rank's
-    positions by ``fxmeg::cp_slice`` where it meets it (its gradient scattered back);
-  * every attention is ``fxmeg::cp_attention``, causal over the global sequence as above,
-    GQA (``enable_gqa``) included;
-  * the loss outputs are sums over this rank's tokens (the runtime sums them over
-    dp x cp, as it reduces the gradients);
-  * ``meta["val"]`` holds the local shapes.
-Refused with a PassError naming the node, before any process group exists: s not
-divisible by 2 * cp (row cp-sequence-length); an op that mixes positions outside
-attention (a cumulative sum, a convolution, a reduction, a slice or product along the
-sequence; row cp-position-mixing); an SDPA whose mask depends on a split input (a
-padding mask computed from the token ids, or a mask input used otherwise too: the
-message names the input and its other use), or with dropout
-(row cp-attention-mask); an output computed from whole inputs alone (it would count
-cp times). Another mask, from positions (a sliding window) or from a padding-mask input,
-has its rows cut to the local queries (keys whole, K and V all-gathered). Eager
-attention (``q @ k^T``, a mask added, softmax, ``@ v``) is split where it stands
-(``_attention_product``).
+Requires: the loss pass's sums over tokens, on the whole graph (before tensor_parallel
+and partition); (batch, seq, ...) inputs, s dim 1 of the first input of two or more dims.
+Ensures, for every cp rank alike (``fxmeg::cp_*`` ops on the group "cp"): rank r holds
+chunks r and 2 * cp - 1 - r of 2 * cp (``gm.meta["fxmeg"]["cp"]``, a ``CPLayout``, tells
+the runtime how to cut each input); shape arguments along the sequence local; position
+tables cut where they meet the local sequence (``cp_slice``); every causal attention
+``cp_attention``, other masks' rows cut; loss outputs sums over this rank's tokens;
+``meta["val"]`` local. An op mixing positions outside attention, a mask depending on a
+split input, or an output every rank would count whole is a PassError naming the node.
 """
 
 from __future__ import annotations

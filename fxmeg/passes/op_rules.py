@@ -2,7 +2,7 @@
 each parallel axis's rule for that family (as PyTorch DTensor's ``register_op_strategy``
 keeps its sharding rules in one place, grouped by family).
 
-An op is found by its kind, never by a list of names alone (docs/design.md §4): an
+An op is found by its kind, never by a list of names alone (docs/architecture.md §3): an
 explicit entry of a family first (ops whose kind no tag or schema says: casts, views,
 products), then torch's tags (``torch.Tag.pointwise``, ``torch.Tag.reduction``), so an op
 never seen before is handled when its kind is known. A pass registers its rule for one

@@ -1,59 +1,17 @@
-"""Tensor-parallel pass: Megatron's column / row-parallel linears, vocab-parallel embedding
-and cross-entropy, and sequence parallelism, found and applied on the ATen graph.
+"""Tensor-parallel pass: Megatron's column / row-parallel linears, vocabulary-parallel
+embedding and cross-entropy, and sequence parallelism, found on the ATen graph. The driver
+is the one sharding propagation (fxmeg/passes/propagation.py) configured for tp: values
+split over tp ranks are ``Shard`` s; its rules by op family are here and in tp_rules.py,
+tp_rules_more.py, tp_channels.py; the whole contract, op by op: docs/architecture.md §8.10.
 
 Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs.
-Ensures, for every tp rank alike (the graph holds no rank: what differs per rank happens
-inside ``fxmeg::`` ops, from the group the runtime binds):
-  * inside a block (numbered module list), a linear with a replicated input becomes
-    column-parallel (weight rows split; a fused output sliced or split into pieces that
-    tile it is split block by block) and a linear whose input is split on its feature dim
-    becomes row-parallel (weight columns split; its output all-reduced, then its bias added);
-    ``plan`` (module-FQN glob -> colwise | rowwise | replicate | vocab) overrides this;
-  * but a router (its output features softmaxed or ranked against one another) and a
-    one-feature gate stay whole, found by what their output feeds, never by name
-    (fxmeg/passes/tp_moe.py says how); so do the expert banks they route to, and the
-    pass logs which (a WARNING on ``fxmeg.passes.tensor_parallel``);
-  * every other op carries the split by its kind (docs/design.md §4), so an op never seen
-    before is handled when its kind is known: pointwise ops (``torch.Tag.pointwise``) keep
-    their operands' split (a replicated operand spanning it is cut to this rank's part, a
-    parameter read only there, as a norm's weight, is split instead); views, transposes,
-    splits and repeat_interleave (GQA) move it, their shape arguments (heads, KV heads, split
-    sizes) divided by tp; reductions (``torch.Tag.reduction``) over other dims keep it, and
-    a sum or mean over the split dim (RMSNorm over a whole split projection; layer_norm is
-    decomposed so) is the local sum all-reduced over tp (its gradient too, when it is read
-    with split values, as a norm's statistic is); the matmul
-    family (matmul, bmm, mm of activations, einsum: eager attention) passes a split batch or
-    free dim through and refuses a split contracting dim; a slice of whole blocks of a
-    fused output (Phi-3's ``qkv[..., :q]``) takes this rank's part of them; cat / stack,
-    select / index_select and attention follow one rule each;
-  * the embedding over the vocabulary and the LM head (the linear feeding the loss) split
-    the vocabulary: ``fxmeg::vocab_shard_ids`` maps ids to this rank's rows and masks the
-    others, the looked-up rows are all-reduced; a ``padding_idx`` stays a global row whose
-    tokens pass no gradient to the weight; the loss is
-    ``fxmeg::vocab_parallel_cross_entropy`` on the local logits, never gathered.
-    A tied embedding / head weight is split the same way for both uses;
-  * collectives are ``fxmeg::`` ops on the symbolic group "tp" (bound at run time):
-    ``tp_copy`` before column-parallel inputs, ``tp_reduce`` after row-parallel outputs;
-  * with ``sequence_parallel`` the residual stream between blocks is split along the
-    sequence: ``sp_gather`` replaces tp_copy, ``sp_scatter`` replaces tp_reduce, and a
-    replicated operand of the stream (position embeddings) is cut to the local part
-    (``fxmeg::tp_slice``);
-  * a random op (dropout, native_dropout, bernoulli, rand_like, randn_like, attention with
-    dropout_p > 0) whose output is split over tp is bracketed by ``fxmeg.ops.tp_rng_fork`` /
-    ``tp_rng_join``: it draws from this tp rank's stream (Megatron's model-parallel RNG
-    tracker); one on a replicated value keeps the default stream (docs/design.md §4);
-  * parameters are not touched: each trainable parameter's get_attr carries
-    ``meta["fxmeg"]["tp"]``, a ``fxmeg.layouts.Shard(dim, parts)`` or
-    ``Replicate(reduce_grad)``, reduce_grad True when its gradient differs per tp rank (it
-    touches a split value: norm weights under sequence parallelism) and must be
-    all-reduced; the runtime
-    materialises each rank's shard from these tags (``fxmeg.runtime.context``);
-  * ``meta["val"]`` holds the local shapes, parameters' get_attr nodes included.
-Anything it cannot split safely is a PassError naming the node, the module, the numbers
-and a fix. A higher-order op (an autocast or no-grad region, ``wrap``) whose operands are
-all replicated stays as it is; one that reads a split value is entered: the same rules run
-over its body, its placeholders placed like its operands, its outputs like the body's
-results (the driver: fxmeg/passes/propagation.py).
+Ensures, for every tp rank alike (the graph holds no rank; ``fxmeg::`` ops on the group
+"tp" do what differs): linears in blocks column- or row-parallel (``tp_plan`` overrides),
+routers and their expert banks whole (said aloud), the vocabulary split in the embedding,
+LM head and loss, every other op carrying the split by its family; random ops on split
+values drawing from this rank's stream; each trainable parameter's get_attr tagged
+``meta["fxmeg"]["tp"]`` (``Shard`` or ``Replicate(reduce_grad)``); ``meta["val"]`` local.
+Anything it cannot split exactly is a PassError naming the node, module, numbers and fix.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
-"""Attention layouts the tensor-parallel pass (fxmeg/passes/tensor_parallel.py) meets before
-it places a single value: linears written as products with a transposed parameter, and
-key/value heads fewer than the tp ranks; and what it leaves whole, said aloud.
-
-* **Linears as products.** ``x @ weight.T`` (Falcon's ``FalconLinear``: ``matmul`` of
-  ``numpy_T``, ``t`` or ``transpose(0, 1)`` of a 2-D parameter) is ``linear(x, weight)``:
-  rewritten so, it is column- or row-parallel like any other linear
-  (``linears_from_products``).
-* **Key/value heads fewer than tp ranks** (multi-query attention, GQA with
-  ``num_key_value_heads < tp``), as vLLM's ``num_kv_head_replicas``: the query heads split
-  over tp, the key/value heads are computed whole on every rank (``kv_replicas``).
-  Found by shapes, never by name: a projection (or a block of a fused one) whose output
-  a view splits into H heads of D features, where tp does not divide H while it divides
-  the heads of a sibling (another block of the same fused output, or another linear of
-  the same module reading the same input). A fused projection (``c_attn`` split into
-  [q, k, v]; Falcon's ``query_key_value`` viewed as heads and sliced) is rewritten into
-  one linear per block, each reading its rows of the fused weight (``slice``); the query
-  block reads this rank's rows of them (``fxmeg::tp_slice``, whose backward pads the
-  gradient with zeros).
-  Gradients, as Megatron reduces a replicated parameter used by split compute: a
-  replicated key/value is read only by this rank's query heads, so its gradient on a
-  rank is that rank's part. Its projection reads its input through ``tp_copy`` (the
-  input's gradient is summed over tp like a column-parallel linear's), and its weight is
-  ``Replicate(reduce_grad=True)`` (found by ``_touches_split``: its gradient is summed
-  over tp). A fused weight is held whole on every rank, ``Replicate(reduce_grad=True)``
-  too: its query rows' gradient is this rank's rows padded with zeros, so the sum over
-  tp is exact for every row. ``check_kv_readers`` refuses a replicated key/value read
-  by anything that is not split over tp (its gradient would be counted tp times).
-* **Nothing whole is silent.** ``say_whole_projections`` warns (logger
-  ``fxmeg.passes.tensor_parallel``) naming every block's projection whose weight every tp
-  rank holds whole, and why; the pass records the list in ``gm.meta["fxmeg"]["tp_whole"]``
-  (``Program.tp_whole``, shown by ``fxmeg plan``).
+"""Attention layouts the tensor-parallel pass meets before it places a single value:
+linears written as products with a transposed parameter (``linears_from_products``),
+key/value heads fewer than the tp ranks, computed whole on every rank (``kv_replicas``,
+``kv_linear``, ``check_kv_readers``), and the projections it leaves whole, said aloud
+(``say_whole_projections``). Found by shapes, never by name; the gradients' reasoning:
+docs/architecture.md §8.12.
 """
 
 from __future__ import annotations

@@ -244,13 +244,8 @@ DOCSTRING_LINES = 30
 """A module docstring says what the module is for and what it guarantees (a pass's Requires /
 Ensures included: those keep pipeline.py, buckets.py and expert_parallel.py near the limit);
 rationale, history and comparisons go to docs/ (docs/architecture.md §8) behind a pointer."""
-LONG_DOCSTRING_EXEMPT = {
-    # Being rewritten by another engineer (the one sharding propagation, issue 45); empty
-    # this set once they land, and shorten what the test then names.
-    "fxmeg/passes/tensor_parallel.py",
-    "fxmeg/passes/context_parallel.py",
-    "fxmeg/passes/tp_heads.py",
-}
+LONG_DOCSTRING_EXEMPT: set[str] = set()
+"""Modules allowed a longer docstring, each with the reason (none today)."""
 
 
 def _module_docstring_lines(path: str) -> int:
