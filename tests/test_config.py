@@ -8,9 +8,11 @@ import re
 import tempfile
 
 import pytest
+import torch
 
 from fxmeg.cli import _train_parser, config_from, main
-from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.config import INTERNAL, SECTIONS, EngineConfig, ParallelConfig, flat_names
+from fxmeg.config_sections import DataParallelConfig, GuardsConfig, MoEConfig, RecomputeConfig
 from fxmeg.errors import ConfigError
 from fxmeg.train_config import MEGATRON_NAMES
 from fxmeg.trainer import TrainConfig, batch_size_schedule, flat_fields
@@ -90,9 +92,50 @@ def test_every_cli_flag_maps_to_a_field():
 
 def test_train_config_redeclares_no_engine_or_layout_field():
     own = {f.name for f in dataclasses.fields(TrainConfig)}
-    assert not own & {f.name for f in dataclasses.fields(EngineConfig)}
-    assert not own & {f.name for f in dataclasses.fields(ParallelConfig)}
-    assert {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in dataclasses.fields(ParallelConfig)} == set()
+    for cls in (EngineConfig, *SECTIONS.values()):
+        assert not own & {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+def test_the_sections_partition_the_flat_names():
+    """Every flat name is one field of EngineConfig or of exactly one section, and every
+    field (but the sections themselves and decided_sharding, not an option) is one flat
+    name: the map goes both ways, and from_flat / flat round-trip through it."""
+    names = flat_names()
+    fields = [("", f.name) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
+    fields += [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+               if f.name not in INTERNAL]
+    assert sorted(fields) == sorted((section, name) for name, section in names.items())
+    assert len({name for _, name in fields}) == len(fields)  # no name in two places
+    assert INTERNAL == {"decided_sharding"}
+    config = EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, tp=2, zero=2, recompute="full",
+                                    moe_router_bias_update_rate=0.1, p2p="paired", on_nonfinite="raise",
+                                    precision="bf16")
+    assert (config.parallel.tp, config.data_parallel.zero, config.recomputation.recompute, config.pipeline.p2p,
+            config.moe.moe_router_bias_update_rate, config.guards.on_nonfinite, config.precision) == (
+        2, 2, "full", "paired", 0.1, "raise", "bf16")
+    assert EngineConfig.from_flat(**config.flat()) == config and set(config.flat()) == set(names)
+    changed = config.replace(zero=3, tp=1, clip_grad=0.5)
+    assert (changed.data_parallel.zero, changed.parallel.tp, changed.clip_grad, changed.guards) == (
+        3, 1, 0.5, config.guards)
+
+
+def test_a_misspelt_flat_name_is_refused_with_the_nearest():
+    from fxmeg.config import make_config
+
+    example = (torch.zeros(2, 4, dtype=torch.long),)
+    for build, message in [
+        (lambda: EngineConfig.from_flat(micro_batch_size=2, global_batch_size=2, recompute_num_layer=1),
+         "unknown option 'recompute_num_layer' (did you mean 'recompute_num_layers'?)"),
+        (lambda: EngineConfig(2, 2).replace(overlap_grad_reduse=False),
+         "unknown option 'overlap_grad_reduse' (did you mean 'overlap_grad_reduce'?)"),
+        (lambda: make_config(example, world=None, moe_capacity_factr=1.0),
+         "unknown option 'moe_capacity_factr' (did you mean 'moe_capacity_factor'?)"),
+        (lambda: TrainConfig.from_flat("run.toml", data="x", train_iters=1, comm_timeout=5.0),
+         "unknown config key 'comm_timeout' in run.toml (did you mean 'comm_timeout_s'?)"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert str(err.value) == message
 
 
 def test_parallelize_takes_a_whole_config_and_resolves_dp():
@@ -157,8 +200,7 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
         make_config(example, world=None, ep=2)  # a transform without processes takes dp=1
 
     def engine(**options):
-        par = {k: options.pop(k) for k in ("pp", "vpp", "dp", "schedule") if k in options}
-        return EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(ep=2, **par), **options)
+        return EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, ep=2, **options)
 
     for schedule, vpp in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):
         with pytest.raises(ConfigError, match=rf"^ep=2 does not run with schedule='{schedule}': a zero-bubble "
@@ -176,7 +218,8 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
     with pytest.raises(ConfigError, match=layerwise):
         engine(distributed_optimizer=True, optimizer_sharding="layerwise")
     with pytest.raises(ConfigError, match=layerwise):  # 'auto' decided layer-wise (an optimizer such as Muon)
-        engine(distributed_optimizer=True, decided_sharding=OptimizerSharding.LAYERWISE)
+        dataclasses.replace(engine(), data_parallel=DataParallelConfig(distributed_optimizer=True,
+                                                                       decided_sharding=OptimizerSharding.LAYERWISE))
     with pytest.raises(ConfigError, match=layerwise):
         make_config(example, world=2, ep=2, distributed_optimizer=True, optimizer_sharding="layerwise")
     for ok in (engine(pp=2, schedule="1f1b"), engine(pp=2, vpp=2), engine(distributed_optimizer=True),
@@ -187,7 +230,7 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
 
 # ---------------------------------------------------------------- sizes and numbers
 
-CLASSES = (ParallelConfig, EngineConfig, TrainConfig)
+CLASSES = (ParallelConfig, EngineConfig, DataParallelConfig, MoEConfig, RecomputeConfig, GuardsConfig, TrainConfig)
 REQUIRED = {EngineConfig: {"micro_batch_size": 2, "global_batch_size": 4},
             TrainConfig: {"data": "x", "train_iters": 1}}
 """The fields each class cannot be built without."""

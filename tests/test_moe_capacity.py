@@ -1,4 +1,4 @@
-"""Capacity mode of the routed experts (``EngineConfig.moe_capacity_factor``; fxmeg/moe.py):
+"""Capacity mode of the routed experts (``MoEConfig.moe_capacity_factor``; fxmeg/moe.py):
 Megatron's ``--moe-expert-capacity-factor`` with drop policy "probs" and
 ``--moe-pad-expert-input-to-capacity``.
 
@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from fxmeg import moe
-from fxmeg.config import EngineConfig, ParallelConfig
+from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError
 from fxmeg.recomputation import Recomputation
 from tests.distributed import run_world
@@ -259,11 +259,11 @@ def test_a_recomputed_forward_is_not_counted_again(drops):
 
 def test_the_capacity_factor_is_checked():
     def config(factor, **parallel):
-        return EngineConfig(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=factor,
-                            parallel=ParallelConfig(**{"ep": 2, **parallel}))
+        return EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=factor,
+                                      **{"ep": 2, **parallel})
 
-    assert config(1.0).moe_capacity_factor == 1.0 and config(None).moe_capacity_factor is None
-    assert config(2).moe_capacity_factor == 2  # an int is a number
+    assert config(1.0).moe.moe_capacity_factor == 1.0 and config(None).moe.moe_capacity_factor is None
+    assert config(2).moe.moe_capacity_factor == 2  # an int is a number
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match=rf"^moe_capacity_factor={bad} must be a finite number > 0 .* or None "
                                               r"\(dropless\); e.g. moe_capacity_factor=1.0"):
@@ -271,11 +271,11 @@ def test_the_capacity_factor_is_checked():
     with pytest.raises(ConfigError, match=r"^moe_capacity_factor=1.0 needs ep > 1: at ep=1 fxmeg runs the model's "
                                           r"own experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"):
         config(1.0, ep=1)
-    assert EngineConfig(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True,
-                        parallel=ParallelConfig(ep=2)).compile  # static shapes: compiled (the spawn below)
+    assert EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True,
+                                  ep=2).compile  # static shapes: compiled (the spawn below)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and dropless experts: .*; set "
                                           r"moe_capacity_factor \(static shapes\) or compile=False"):
-        EngineConfig(micro_batch_size=2, global_batch_size=8, compile=True, parallel=ParallelConfig(ep=2))
+        EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, compile=True, ep=2)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         config(1.0, pp=2, schedule="zbh1")
 
@@ -288,9 +288,9 @@ def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():
     parser = argparse.ArgumentParser()
     _train_parser(parser)
     args = parser.parse_args(["--data", "x", "--train-iters", "1", "--ep", "2", "--moe-capacity-factor", "1.5"])
-    assert config_from(args).engine.moe_capacity_factor == 1.5
+    assert config_from(args).engine.moe.moe_capacity_factor == 1.5
     args = parser.parse_args(["--data", "x", "--train-iters", "1"])
-    assert config_from(args).engine.moe_capacity_factor is None
+    assert config_from(args).engine.moe.moe_capacity_factor is None
 
 
 # ---------------------------------------------------------------- two ranks, ep=2

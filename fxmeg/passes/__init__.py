@@ -2,7 +2,9 @@
 docstring states what the pass requires and ensures, and ``verify.py`` checks the Ensures
 after each pass when FXMEG_VERIFY=1 (the tests set it). ``fxmeg/pass_driver.py`` holds the
 order (``PASSES``, with each pass's scope and check) and the driver, which calls a pass
-as ``run(gm, config=config) -> gm``. Its scope says what ``gm`` is: the whole-model graph
+as ``run(gm, **what_it_reads) -> gm``: the pass's parameters after ``gm`` name the sections
+of the EngineConfig it reads (``parallel``, ``data_parallel``, ``moe``, ``recomputation``,
+...), or ``config`` for all of it (``pass_driver.inputs``). Its scope says what ``gm`` is: the whole-model graph
 (model); one chunk graph, the call adding ``chunk=``, the chunk's
 ``fxmeg.program.ChunkInfo`` (chunk: the driver runs it on each chunk); or the pipelined
 parent, for a pass that needs every chunk at once (parent).

@@ -117,7 +117,7 @@ def test_blocks_found_under_any_container_name():
 def test_placement_follows_the_schedule(schedule, vpp, want):
     # ZB-V / DualPipeV run the chunks down the ranks and back up: the loss's chunk on rank 0
     config = EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(pp=2, vpp=vpp, schedule=schedule))
-    gm = partition(_graph(n_layer=4), config)
+    gm = partition(_graph(n_layer=4), config.parallel)
     assert gm.meta["fxmeg"]["partition"].placement == want
 
 
@@ -157,7 +157,7 @@ def test_a_v_balances_the_ranks(name, schedule, pp):
     config = EngineConfig(micro_batch_size=2, global_batch_size=8,
                           parallel=ParallelConfig(pp=pp, vpp=2, schedule=schedule))
     where = config.parallel.placement
-    p = partition(_graph(name, n_layer=6), config).meta["fxmeg"]["partition"]
+    p = partition(_graph(name, n_layer=6), config.parallel).meta["fxmeg"]["partition"]
     units, k = p.unit_costs, 2 * pp
     best, on_blocks = _best(p, lambda cuts: max(_rank_loads(units, (0, *cuts), where)), k)
     want = on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best
@@ -172,7 +172,7 @@ def test_interleaved_keeps_even_chunks(vpp):
     """Interleaved ranks take turns chunk by chunk: the cut stays the chunk-balanced one."""
     config = EngineConfig(micro_batch_size=2, global_batch_size=8,
                           parallel=ParallelConfig(pp=2, vpp=vpp, schedule="interleaved"))
-    p = partition(_graph("llama", n_layer=6), config).meta["fxmeg"]["partition"]
+    p = partition(_graph("llama", n_layer=6), config.parallel).meta["fxmeg"]["partition"]
     assert p.starts == cut(_graph("llama", n_layer=6), num_chunks=2 * vpp).starts
 
 
@@ -181,7 +181,7 @@ def test_a_v_of_even_chunks_can_leave_a_rank_busier():
     largest in the middle (both on rank 1); the cut by rank load is strictly better there."""
     config = EngineConfig(micro_batch_size=2, global_batch_size=8,
                           parallel=ParallelConfig(pp=2, vpp=2, schedule="zbv"))
-    p = partition(_graph("gpt", n_layer=6), config).meta["fxmeg"]["partition"]
+    p = partition(_graph("gpt", n_layer=6), config.parallel).meta["fxmeg"]["partition"]
     even_chunks = cut(_graph("gpt", n_layer=6), num_chunks=4)
     assert max(_rank_loads(p.unit_costs, p.starts, p.placement)) < max(
         _rank_loads(p.unit_costs, even_chunks.starts, p.placement))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fxmeg
+from fxmeg.config_sections import DataParallelConfig
 from fxmeg.errors import ConfigError
 from fxmeg.layouts import Shard
 from fxmeg.lr_schedule import LRSchedule
@@ -169,12 +170,11 @@ def test_a_factory_routing_by_the_masters_shape_is_refused_under_flat_shards():
 
 def test_config_checks_the_sharding_name_and_its_companions():
     with pytest.raises(ConfigError, match="optimizer_sharding='layerwsie' is not one of .*did you mean 'layerwise'"):
-        fxmeg.EngineConfig(2, 2, distributed_optimizer=True, optimizer_sharding="layerwsie")
+        DataParallelConfig(distributed_optimizer=True, optimizer_sharding="layerwsie")
     with pytest.raises(ConfigError, match="optimizer_sharding='layerwise' needs distributed_optimizer=True"):
-        fxmeg.EngineConfig(2, 2, optimizer_sharding="layerwise")
+        DataParallelConfig(optimizer_sharding="layerwise")
     with pytest.raises(ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"):
-        fxmeg.EngineConfig(2, 2, distributed_optimizer=True, optimizer_sharding="layerwise",
-                           overlap_param_gather=True)
+        DataParallelConfig(distributed_optimizer=True, optimizer_sharding="layerwise", overlap_param_gather=True)
 
 
 def _padded_for_flat_shards(engine) -> bool:
@@ -190,11 +190,11 @@ def test_the_sharding_is_decided_once_and_the_buckets_pass_reads_it():
     batch = make_batch(2, seed=0)
     muon = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, optimizer=muon_adamw(), distributed_optimizer=True)
     adam = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, distributed_optimizer=True)
-    assert muon.config.decided_sharding is OptimizerSharding.LAYERWISE is muon.context.optimizer.sharding
-    assert adam.config.decided_sharding is OptimizerSharding.ELEMENTWISE is adam.context.optimizer.sharding
+    assert muon.config.data_parallel.decided_sharding is OptimizerSharding.LAYERWISE is muon.context.optimizer.sharding
+    assert adam.config.data_parallel.decided_sharding is OptimizerSharding.ELEMENTWISE is adam.context.optimizer.sharding
     assert _padded_for_flat_shards(adam) and not _padded_for_flat_shards(muon)
-    assert fxmeg.EngineConfig(2, 2, distributed_optimizer=True).sharding is OptimizerSharding.ELEMENTWISE  # no factory
+    assert DataParallelConfig(distributed_optimizer=True).sharding is OptimizerSharding.ELEMENTWISE  # no factory
     with pytest.raises(ConfigError, match="decided_sharding='layerwise' contradicts distributed_optimizer=False"):
-        fxmeg.EngineConfig(2, 2, decided_sharding=OptimizerSharding.LAYERWISE)
+        DataParallelConfig(decided_sharding=OptimizerSharding.LAYERWISE)
     with pytest.raises(ConfigError, match="unknown option 'decided_sharding'"):
         fxmeg.parallelize(make_model("gpt", n_layer=2), batch, decided_sharding=OptimizerSharding.NONE)
