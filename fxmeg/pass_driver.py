@@ -175,7 +175,8 @@ def transform(
     example = cast_inputs(example, config.dtype)
     opts = DriverOptions.from_env()
     start = time.perf_counter()
-    grouped = config.parallel.ep > 1 or config.parallel.cp > 1 or config.moe.moe_router_bias_update_rate > 0  # readable experts
+    par = config.parallel
+    grouped = par.ep > 1 or par.cp > 1 or config.moe.moe_router_bias_update_rate > 0  # readable experts
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start, opts)
     reference = None

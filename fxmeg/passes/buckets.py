@@ -51,7 +51,8 @@ GRAD_DTYPE = torch.float32
 BUCKET_ALIGN = 128
 
 
-def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig, data_parallel: DataParallelConfig) -> fx.GraphModule:
+def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
+            data_parallel: DataParallelConfig) -> fx.GraphModule:
     """Lay out the parameter gradients of every chunk of the pipelined ``parent`` graph
     (``parallel``: dp x cp and edp; ``data_parallel``: bucket size, ZeRO stage, whether the
     distributed optimizer shards the buffers)."""

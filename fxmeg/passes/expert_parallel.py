@@ -75,7 +75,8 @@ _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 _BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}
 
 
-def expert_parallel(gm: fx.GraphModule, *, parallel: ParallelConfig, moe: MoEConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def expert_parallel(gm: fx.GraphModule, *, parallel: ParallelConfig, moe: MoEConfig,
+                    chunk: ChunkInfo) -> fx.GraphModule:
     """Mark every routed-experts block of chunk graph ``gm`` with ``expert_load`` and, at
     ep > 1, rewrite it for ``parallel.ep`` ranks (module docstring)."""
     ep, rate = parallel.ep, moe.moe_router_bias_update_rate

@@ -238,8 +238,8 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
     return load
 
 
-def _binding(program: Program, data_parallel: DataParallelConfig, groups: Groups, ddp: DataParallel, zero: ZeroParams | None,
-             load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
+def _binding(program: Program, data_parallel: DataParallelConfig, groups: Groups, ddp: DataParallel,
+             zero: ZeroParams | None, load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
              recomputation: Recomputation) -> collectives.Binding:
     """What this rank's chunk graphs' ops are bound to (``collectives.bind``)."""
     return collectives.Binding(
