@@ -131,9 +131,10 @@ def _decide_sharding(config: EngineConfig, factory: OptimizerFactory, model: nn.
     buffers for elementwise shards, and before any process group, so that a request the
     optimizer cannot meet is refused on every rank at once."""
     plan = plan_optimizers(factory, param_groups(model.named_parameters()), device)
-    decided = plan.sharding(config.distributed_optimizer, config.optimizer_sharding,
-                            overlap_param_gather=config.overlap_param_gather, zero=config.zero_stage)
-    return dataclasses.replace(config, decided_sharding=decided)
+    dp = config.data_parallel
+    decided = plan.sharding(dp.distributed_optimizer, dp.optimizer_sharding,
+                            overlap_param_gather=dp.overlap_param_gather, zero=dp.zero_stage)
+    return dataclasses.replace(config, data_parallel=dataclasses.replace(dp, decided_sharding=decided))
 
 
 def _stand_in_device(model: nn.Module, example_inputs: Example, device: torch.device | str | None) -> torch.device:
@@ -186,7 +187,7 @@ class Engine:
         zero=3 their memory is allocated only while a step uses them (docs/zero.md): there
         they are placeholders that give shapes and raise ``ReleasedError`` on a read of
         values (read ``full_state_dict()``)."""
-        if self.config.zero_stage != 3:
+        if self.config.data_parallel.zero_stage != 3:
             return self.context.named_parameters
         if self._placeholders is None:
             why = "zero=3 allocates its memory only while a step reads it (docs/zero.md)"

@@ -381,8 +381,8 @@ def hf_config(spec: list[str]):
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:
-    """One flag per flat name of TrainConfig (its own fields, then EngineConfig's and
-    ParallelConfig's scalar fields), its help the field's docstring."""
+    """One flag per flat name of TrainConfig (its own fields, then the scalar fields of
+    EngineConfig and its sections), its help the field's docstring."""
     from fxmeg.train_config import flat_fields
 
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
@@ -401,11 +401,10 @@ WORDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 def _flags(p: argparse.ArgumentParser, names, defaults: dict[str, str] | None = None) -> None:
     """One flag per flat name (default None: not given), its help the field's docstring and
     the default (as ``defaults`` says it where the command's own differs)."""
-    from fxmeg.config import EngineConfig, ParallelConfig
-    from fxmeg.train_config import TrainConfig, flat_defaults, flat_fields
+    from fxmeg.train_config import flat_defaults, flat_fields
 
-    docs = {cls: _field_docs(cls) for cls in (TrainConfig, EngineConfig, ParallelConfig)}
     fields_default, fields = flat_defaults(), flat_fields()
+    docs = {cls: _field_docs(cls) for cls, _ in fields.values()}
     for name in names:
         (cls, kind), flag = fields[name], "--" + name.replace("_", "-")
         doc = docs[cls].get(name, "")

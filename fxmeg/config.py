@@ -7,13 +7,20 @@ their messages name the field, the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from fxmeg.config_sections import (
+    DataParallelConfig,
+    GuardsConfig,
+    MoEConfig,
+    PipelineConfig,
+    RecomputeConfig,
+)
 from fxmeg.errors import ConfigError, closest
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
@@ -26,16 +33,10 @@ from fxmeg.schedule_registry import (
     placement,
     resolve,
 )
-from fxmeg.sharding_modes import OptimizerSharding, check_sharding, decide_sharding
+from fxmeg.sharding_modes import OptimizerSharding, check_zero3_companions
 from fxmeg.sizes import Size, check_numbers, check_size
 
-GRANULARITIES = ("none", "selective", "full")
-"""Activation recompute: nothing, attention cores, or whole blocks."""
-P2P_MODES = ("paired", "eager")
-"""Where pipeline sends / receives are posted (see EngineConfig.p2p)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LOAD_BALANCING = ("aux_loss", "global_aux_loss")
-"""How a router loss counts tokens per expert (see EngineConfig.moe_router_load_balancing_type)."""
 
 
 @dataclass(frozen=True)
@@ -173,110 +174,48 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything ``fxmeg.parallelize`` needs besides the model and the optimizer."""
+    """Everything ``fxmeg.parallelize`` needs besides the model and the optimizer: the batch,
+    precision and compilation, and one section per concern (``fxmeg.config_sections``),
+    each checking its own fields; the rules that join sections are checked here. Build one
+    from flat names (the flags', config-file keys', ``parallelize``'s keywords) with
+    ``from_flat``; change flat names with ``replace``."""
 
     micro_batch_size: int
     """Samples in one micro-batch on one rank (the example inputs' batch dimension)."""
     global_batch_size: int
     """Samples in one optimizer step over all data-parallel ranks."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Parallel layout."""
+    """Parallel layout and pipeline schedule."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """How pipeline stages exchange activations."""
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """Gradient reduction, ZeRO and the distributed optimizer."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options."""
+    recomputation: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recompute."""
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
+    """Non-finite gradients, loss spikes, communication timeouts."""
     clip_grad: float = 1.0
     """Clip the global L2 gradient norm to this value; 0 disables clipping."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32, bf16 or fp16 (fp32 masters and gradients)."""
-    zero: int | None = None
-    """ZeRO stage (docs/zero.md): 0 nothing sharded; 1 optimizer state and masters sharded
-    over the data-parallel x context-parallel ranks (the distributed optimizer); 2 also the
-    fp32 gradients; 3 also the parameters between uses. None: 1 with
-    ``distributed_optimizer=True``, else 0."""
-    distributed_optimizer: bool = False
-    """ZeRO-1 (``zero >= 1`` sets it; kept as Megatron's spelling of zero=1)."""
-    reshard_after_forward: bool = True
-    """zero=3: free each bucket's parameters after forward's last use (False: keep them
-    until the chunk's backward is done: faster, more memory)."""
-    backward_prefetch: str = "pre"
-    """zero=3 (docs/zero.md): 'pre' gathers the next bucket when backward first reads one,
-    and reduces a bucket's gradients while the next bucket's are made (most overlap; up to
-    two buckets of parameters and two of gradients whole at once); 'post' gathers the next
-    bucket once backward freed the current one, and waits for a reduction before it stages
-    the next bucket's gradients (at most one of each, and the next bucket's gather is
-    exposed: less memory, slower)."""
-    optimizer_sharding: str = "auto"
-    """Distributed optimizer: 'elementwise' (flat equal slices of every bucket, for
-    elementwise optimizers such as AdamW), 'layerwise' (whole parameters per rank,
-    balanced by elements, stepped with their full shape: Muon, Shampoo-like ones) or
-    'auto' (layerwise when an inner optimizer is known not to be elementwise)."""
-    overlap_param_gather: bool = False
-    """Distributed optimizer: all-gather updated parameters in the background and wait
-    for each bucket only just before the next forward first reads it."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 loss scaling (ignored for fp32 / bf16)."""
     lr_schedule: LRSchedule | None = None
     """Learning-rate / weight-decay schedule in samples; None keeps the optimizer's lr."""
-    check_for_nan_in_grad: bool = True
-    """Look for inf / NaN in the reduced gradients every step (fp16 always does)."""
-    on_nonfinite: str = "skip"
-    """bf16 / fp32: 'skip' the step on every rank, or 'raise' naming parameter and rank."""
-    skip_on_grad_norm_above: float = 0.0
-    """Skip a step whose global gradient norm exceeds this (a loss-spike guard; 0: off)."""
-    max_consecutive_skips: int = 50
-    """Stop with an error after this many skipped steps in a row (0: never). fp16's first
-    steps skip while the loss scale backs off from 2^32: keep this above ~25 there."""
-    comm_timeout_s: float = 600.0
-    """Seconds a pipeline send / receive may wait before the step fails naming the peer."""
-    overlap_grad_reduce: bool = True
-    """Reduce each gradient bucket as soon as it is complete, overlapping backward."""
-    p2p: str = "auto"
-    """Where pipeline sends / receives are posted: 'paired' (Megatron's send+receive
-    groups between units; NCCL needs it), 'eager' (each send right after its compute,
-    receives four units ahead; host backends such as gloo) or 'auto' (eager unless NCCL)."""
-    bucket_size: int | None = None
-    """Elements per gradient bucket; None = Megatron's max(40M, 1M * dp)."""
-    recompute: str = "none"
-    """Activation recompute: 'none', 'selective' (attention cores) or 'full' (whole blocks)."""
-    recompute_num_layers: int | None = None
-    """With recompute='full': only the first this many blocks of each chunk (None: all)."""
     compile: bool = False
     """Run each chunk graph through torch.compile (inductor)."""
-    broadcast_params: bool = False
-    """At start-up, copy the first replica's parameters to the others (Megatron's
-    broadcast_params) instead of refusing replicas that differ."""
-    check_replicas_interval: int = 0
-    """Before every this many steps, check that replicas still hold the same parameters
-    (0: only at start-up)."""
     variable_seq_lengths: bool = False
     """Batches may differ from the example in their non-batch dimensions (the sequence
     length, per global batch, as with dynamic padding): each new shape is captured and
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
     share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/variable_shapes.py).
     Off: a batch must have the example's shape."""
-    moe_capacity_factor: float | None = None
-    """Capacity mode (ep > 1): each expert takes at most ceil(tokens * top-k / experts * factor)
-    of a rank's (token, slot) pairs, those of highest weight, padded to exactly that many
-    (static shapes); the others are dropped and counted. None: dropless."""
-    moe_router_load_balancing_type: str = "aux_loss"
-    """A router loss as the model computes it per micro-batch ("aux_loss"), or with its
-    tokens per expert averaged over the global batch's micro-batches so far, every dp
-    rank's ("global_aux_loss", Megatron's name; the probabilities stay the micro-batch's)."""
-    moe_router_bias_update_rate: float = 0.0
-    """Loss-free expert balancing (DeepSeek-V3; Megatron's name): after every step, each
-    mixture-of-experts router's expert bias buffer (the 1-D buffer it adds to the scores
-    before its top-k, DeepSeek-V3's ``e_score_correction_bias``) moves by this rate times
-    sign(mean count - count) of the step's tokens per expert. 0: off."""
-    decided_sharding: OptimizerSharding | None = None
-    """Set by ``parallelize``, not an option: the optimizer sharding decided once from the
-    fields above and what the optimizer factory builds (``decide_sharding``); None before
-    (read ``sharding``)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
         "global_batch_size": Size(1, "global batch size (samples per optimizer step)"),
-        "max_consecutive_skips": Size(0, "skipped steps allowed in a row (0: no limit)"),
-        "bucket_size": Size(1, "gradient bucket size (elements)", "Megatron's max(40M, 1M * dp)"),
-        "recompute_num_layers": Size(0, "number of blocks recomputed per chunk", "all of them"),
-        "zero": Size(0, "ZeRO stage (0-3)", "1 with distributed_optimizer=True, else 0"),
-        "check_replicas_interval": Size(0, "steps between replica checks (0: only at start-up)"),
     }
     """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
@@ -290,38 +229,36 @@ class EngineConfig:
                 f"precision={self.precision!r} is not one of {tuple(DTYPES)}"
                 + closest(self.precision, DTYPES)
             )
-        if self.on_nonfinite not in ("skip", "raise"):
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} must be 'skip' or 'raise'")
-        if self.skip_on_grad_norm_above < 0 or self.comm_timeout_s <= 0:
-            raise ConfigError(
-                "skip_on_grad_norm_above must be >= 0 and comm_timeout_s > 0; "
-                f"got {self.skip_on_grad_norm_above} and {self.comm_timeout_s}"
-            )
-        if self.recompute not in GRANULARITIES:
-            raise ConfigError(f"recompute={self.recompute!r} must be 'none', 'selective' or 'full'"
-                              + closest(self.recompute, GRANULARITIES))
-        if self.recompute_num_layers is not None and self.recompute != "full":
-            raise ConfigError(
-                f"recompute_num_layers={self.recompute_num_layers} needs recompute='full' (got "
-                f"recompute={self.recompute!r}); set recompute='full' or leave it None"
-            )
-        if self.p2p not in ("auto", *P2P_MODES):
-            raise ConfigError(f"p2p={self.p2p!r} must be 'auto', 'paired' or 'eager'"
-                              + closest(self.p2p, ("auto", *P2P_MODES)))
-        check_sharding(self)
+        check_zero3_companions(self)
         self._check_experts()
         self._check_router_bias()
         self._check_router_loss()
 
+    @classmethod
+    def from_flat(cls, **values) -> EngineConfig:
+        """An EngineConfig from flat names (``flat_names``: micro_batch_size and
+        global_batch_size, which have no default, and any option); an unknown name is
+        refused with the nearest valid one."""
+        parts = split_flat(values)
+        return cls(**parts.pop(""), **{name: SECTIONS[name](**part) for name, part in parts.items()})
+
+    def replace(self, **values) -> EngineConfig:
+        """This config with some flat names (as ``from_flat`` takes them) changed; every
+        rule is checked once more on the result."""
+        parts = split_flat(values)
+        sections = {name: dataclasses.replace(getattr(self, name), **part) for name, part in parts.items()
+                    if name and part}
+        return dataclasses.replace(self, **parts[""], **sections)
+
+    def flat(self) -> dict:
+        """Flat name -> value of every name ``from_flat`` takes."""
+        return {name: getattr(getattr(self, section) if section else self, name)
+                for name, section in flat_names().items()}
+
     def _check_experts(self) -> None:
-        """The capacity factor, and what expert parallelism does not run with yet, refused
+        """What expert parallelism (and the capacity factor) does not run with yet, refused
         with the reason."""
-        ep, factor = self.parallel.ep, self.moe_capacity_factor
-        if factor is not None and not (math.isfinite(factor) and factor > 0):
-            raise ConfigError(
-                f"moe_capacity_factor={factor} must be a finite number > 0 (each expert's capacity in "
-                "multiples of an even share of the routed tokens), or None (dropless); e.g. "
-                "moe_capacity_factor=1.0")
+        ep, factor = self.parallel.ep, self.moe.moe_capacity_factor
         if factor is not None and ep == 1:
             raise ConfigError(
                 f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own experts, "
@@ -339,32 +276,27 @@ class EngineConfig:
             raise ConfigError(f"ep={ep} does not run with compile=True and dropless experts: the experts' token "
                               "counts are data-dependent shapes (dynamo recompiles for each new count); set "
                               "moe_capacity_factor (static shapes) or compile=False")
-        if self.optimizer_sharding == "layerwise" or self.decided_sharding is OptimizerSharding.LAYERWISE:
+        dp = self.data_parallel
+        if dp.optimizer_sharding == "layerwise" or dp.decided_sharding is OptimizerSharding.LAYERWISE:
             raise ConfigError(
                 f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
                 "expert-data-parallel ranks only (layer-wise sharding is asked for, or chosen for an optimizer "
                 "that steps whole parameters, such as Muon); use optimizer_sharding='elementwise'")
 
     def _check_router_loss(self) -> None:
-        """moe_router_load_balancing_type: one of LOAD_BALANCING; the global variant's
-        running average is a forward-time state, which a recompute would advance twice."""
-        kind = self.moe_router_load_balancing_type
-        if kind not in LOAD_BALANCING:
-            raise ConfigError(f"moe_router_load_balancing_type={kind!r} is not one of {LOAD_BALANCING}"
-                              + closest(kind, LOAD_BALANCING))
-        if kind == "global_aux_loss" and self.recompute != "none":
+        """The global router loss's running average is a forward-time state, which a
+        recompute would advance twice."""
+        recompute = self.recomputation.recompute
+        if self.moe.moe_router_load_balancing_type == "global_aux_loss" and recompute != "none":
             raise ConfigError(
-                f"moe_router_load_balancing_type='global_aux_loss' does not run with recompute={self.recompute!r} "
+                f"moe_router_load_balancing_type='global_aux_loss' does not run with recompute={recompute!r} "
                 "yet: the running tokens per expert would have moved on when backward recomputes a micro-batch; "
                 "use recompute='none' or 'aux_loss'")
 
     def _check_router_bias(self) -> None:
-        """moe_router_bias_update_rate: a finite rate >= 0, and a forward whose routing the
-        runtime can count (fxmeg/runtime/expert_load.py)."""
-        rate = self.moe_router_bias_update_rate
-        if not math.isfinite(rate) or rate < 0:
-            raise ConfigError(f"moe_router_bias_update_rate={rate} must be a finite number >= 0 (0: off); "
-                              "DeepSeek-V3 uses 1e-3")
+        """moe_router_bias_update_rate > 0 needs a forward whose routing the runtime can
+        count (fxmeg/runtime/expert_load.py)."""
+        rate = self.moe.moe_router_bias_update_rate
         if rate == 0:
             return
         if self.parallel.splits_backward:
@@ -418,32 +350,66 @@ class EngineConfig:
         return DTYPES[self.precision]
 
     @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage in force: ``zero``, or for None 1 with the distributed optimizer, else 0."""
-        return self.zero if self.zero is not None else int(self.distributed_optimizer)
-
-    @property
-    def sharding(self) -> OptimizerSharding:
-        """The optimizer sharding in force: ``decided_sharding``, or before ``parallelize``
-        decided it (a transform alone, ``fxmeg plan``) the default optimizer's (AdamW,
-        elementwise: 'auto' is ELEMENTWISE)."""
-        if self.decided_sharding is not None:
-            return self.decided_sharding
-        return decide_sharding(distributed=self.distributed_optimizer, requested=self.optimizer_sharding,
-                               overlap_param_gather=self.overlap_param_gather, zero=self.zero_stage)
-
-    @property
     def resolved_bucket_size(self) -> int | None:
-        """Bucket size in elements; None (one bucket per buffer) without overlap."""
-        if not self.overlap_grad_reduce:
-            return None
-        return self.bucket_size or max(40_000_000, 1_000_000 * self._dp)
+        """Bucket size in elements (``DataParallelConfig.resolved_bucket_size`` at this dp)."""
+        return self.data_parallel.resolved_bucket_size(self._dp)
 
     @property
     def num_microbatches(self) -> int:
         """m = global_batch_size / (micro_batch_size * dp), micro-batches per rank per step."""
         return self.global_batch_size // (self.micro_batch_size * self._dp)
 
+
+SECTIONS: dict[str, type] = {
+    "pipeline": PipelineConfig, "data_parallel": DataParallelConfig, "moe": MoEConfig,
+    "recomputation": RecomputeConfig, "guards": GuardsConfig, "parallel": ParallelConfig,
+}
+"""EngineConfig's sections: field name -> class, in the order of the flat names."""
+INTERNAL = frozenset({"decided_sharding"})
+"""Section fields that are not options (set by ``parallelize``): no flat name."""
+
+
+def flat_names() -> dict[str, str]:
+    """Flat name -> the EngineConfig section holding it ('' for EngineConfig's own field):
+    the one map from flags, config-file keys and ``parallelize``'s keywords to the nested
+    fields. Every field is one flat name, in order: EngineConfig's own, then each
+    section's (``SECTIONS``)."""
+    own = {f.name: "" for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS}
+    return own | {f.name: section for section, cls in SECTIONS.items()
+                  for f in dataclasses.fields(cls) if f.name not in INTERNAL}
+
+
+def split_flat(values: Mapping, *, unknown: str = "unknown option {name!r}") -> dict[str, dict]:
+    """``values`` by flat name -> {'' (EngineConfig's own) or a section: its values}, with
+    every key present; a name that is none of ``flat_names`` is refused with the nearest
+    (``unknown`` words the refusal)."""
+    names = flat_names()
+    parts: dict[str, dict] = {"": {}} | {section: {} for section in SECTIONS}
+    for name, value in values.items():
+        if name not in names:
+            raise ConfigError(unknown.format(name=name) + closest(name, names))
+        parts[names[name]][name] = value
+    return parts
+
+
+def _accept_flat_names(cls: type) -> None:
+    """``EngineConfig(2, 8, zero=1)`` as before the sections (the public API): a keyword that
+    is no field of ``cls`` is a flat name, put into its section (a section given too is
+    the base it changes); an unknown one is refused with the nearest (``split_flat``)."""
+    generated, fields = cls.__init__, {f.name for f in dataclasses.fields(cls)}
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs):
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
+        for section, part in split_flat(flat).items():
+            if section and part:
+                kwargs[section] = dataclasses.replace(kwargs.get(section) or SECTIONS[section](), **part)
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_accept_flat_names(EngineConfig)
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int, "float | None": float}
 
@@ -493,9 +459,6 @@ def batch_dim(example: Example, micro_batch_size: int | None) -> int:
     return b
 
 
-_LAYOUT = {f for f in ParallelConfig.__dataclass_fields__}
-
-
 def make_config(
     example: Example,
     *,
@@ -509,20 +472,16 @@ def make_config(
     tp_plan: dict[str, str] | None = None,
     **options,
 ) -> EngineConfig:
-    """The EngineConfig of ``parallelize(model, example, **options)``: ParallelConfig
-    fields and EngineConfig fields as keywords; an unknown name is refused with the
-    nearest valid one. ``world`` (the launched world size) fixes dp when it is None;
-    ``world=None`` (a transform without processes) takes dp=1 unless given."""
-    for name in options:
-        if name not in _LAYOUT and name not in _ENGINE_OPTIONS:
-            raise ConfigError(
-                f"unknown option {name!r}" + closest(name, sorted(_LAYOUT | _ENGINE_OPTIONS))
-            )
+    """The EngineConfig of ``parallelize(model, example, **options)``: every flat name
+    (``flat_names``) as a keyword; an unknown name is refused with the nearest valid one.
+    ``world`` (the launched world size) fixes dp when it is None; ``world=None`` (a
+    transform without processes) takes dp=1 unless given."""
+    parts = split_flat(options)
     parallel = ParallelConfig(
         tp=tp, pp=pp, dp=1 if world is None and dp is None else dp,
         split_points=tuple(split_points) if split_points is not None else None,
         tp_plan=tuple((tp_plan or {}).items()),
-        **{k: v for k, v in options.items() if k in _LAYOUT},
+        **parts.pop("parallel"),
     )
     parallel = parallel.resolve(world) if world is not None else parallel
     mbs = batch_dim(example, micro_batch_size)
@@ -530,12 +489,9 @@ def make_config(
         micro_batch_size=mbs,
         global_batch_size=mbs * parallel.dp if global_batch_size is None else global_batch_size,
         parallel=parallel,
-        **{k: v for k, v in options.items() if k not in _LAYOUT},
+        **parts.pop(""),
+        **{name: SECTIONS[name](**part) for name, part in parts.items()},
     )
-
-
-_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__} - {
-    "parallel", "micro_batch_size", "global_batch_size", "decided_sharding"}
 
 
 def cast_inputs(batch: Example, dtype: torch.dtype) -> Example:

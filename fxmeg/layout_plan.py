@@ -135,9 +135,9 @@ class Plan:
                        "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
             "ranks": self.ranks,
             "precision": cfg.precision,
-            "distributed_optimizer": cfg.distributed_optimizer,
-            "zero": cfg.zero_stage,
-            "recompute": cfg.recompute,
+            "distributed_optimizer": cfg.data_parallel.distributed_optimizer,
+            "zero": cfg.data_parallel.zero_stage,
+            "recompute": cfg.recomputation.recompute,
             "micro_batch_size": cfg.micro_batch_size,
             "global_batch_size": cfg.global_batch_size,
             "num_microbatches": cfg.num_microbatches,
@@ -154,7 +154,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
-        cfg, par = self.config, self.config.parallel
+        cfg, par, dp = self.config, self.config.parallel, self.config.data_parallel
         unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
         sp = " (sequence parallel)" if par.sequence_parallel else ""
         ep = f" ep={par.ep}" if par.ep > 1 else ""
@@ -162,8 +162,8 @@ class Plan:
         head = [
             (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} x cp={par.cp} x pp={par.pp} x "
              f"dp={par.dp} = {self.ranks} ranks; vpp={par.vpp}{ep}{sp}, {cfg.precision}, distributed optimizer "
-             f"{'on' if cfg.distributed_optimizer else 'off'}"
-             f"{f' (zero={cfg.zero_stage})' if cfg.zero_stage >= 2 else ''}, recompute {cfg.recompute}"),
+             f"{'on' if dp.distributed_optimizer else 'off'}"
+             f"{f' (zero={dp.zero_stage})' if dp.zero_stage >= 2 else ''}, recompute {cfg.recomputation.recompute}"),
             (f"  {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step; "
              f"{_si(self.flops_per_microbatch, 'G')} FLOP forward per micro-batch (whole model); pipeline "
              f"bubble: {max(s.bubble for s in self.stages):.1%} of the step (schedule {par.resolved_schedule}, "
@@ -306,15 +306,15 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     expert_grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts if lay.experts) + sum(
         s.numel * lay.dtype.itemsize for lay in layouts if not lay.experts for s in lay.slots if s.name in banks)
     par = config.parallel
-    dense_ranks, expert_ranks = (par.dp_cp, par.edp) if config.distributed_optimizer else (1, 1)
+    dense_ranks, expert_ranks = (par.dp_cp, par.edp) if config.data_parallel.distributed_optimizer else (1, 1)
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     expert_optimizer = int(states * 4 * experts / expert_ranks)
     optimizer = int(states * (4 * (elements - experts) / dense_ranks)) + expert_optimizer
     buckets = 0
-    if config.zero_stage >= 2:
+    if config.data_parallel.zero_stage >= 2:
         size = params // max(elements, 1)  # bytes per parameter element
         grads, buckets = _zero_memory(layouts, size, config, _early_read(graphs))
-        if config.zero_stage == 3:
+        if config.data_parallel.zero_stage == 3:
             params = sum(lay.numel for lay in layouts) // par.dp_cp * size
     acts = [activation_bytes(gm) for gm in graphs]
     act, largest = max(acts), graphs[acts.index(max(acts))]
@@ -343,9 +343,9 @@ def _zero_memory(layouts, size: int, config: EngineConfig, early: frozenset[str]
     grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts) // config.parallel.dp_cp
     sizes = [(b.end - b.start, bool(early & set(b.params))) for lay in layouts for b in lay.buckets]
     largest = max((n for n, tied in sizes if not tied), default=0)
-    if config.zero_stage < 3:
+    if config.data_parallel.zero_stage < 3:
         return grads, (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging
-    if config.backward_prefetch == "post":  # one bucket of each whole, and the fresh gradient
+    if config.data_parallel.backward_prefetch == "post":  # one bucket of each whole, and the fresh gradient
         whole = 2 * largest * 4 + largest * size
     else:  # gradients staged and reducing, parameters computed with and prefetched
         whole = (1 + IN_FLIGHT) * largest * 4 + 2 * largest * size
@@ -469,21 +469,21 @@ def remedies(plan: Plan, stage: StagePlan, device: int) -> list[Remedy]:
 
     Each is applied alone to the stage's total, so the savings do not add up exactly.
     """
-    cfg, par = plan.config, plan.config.parallel
+    cfg, par, dp = plan.config, plan.config.parallel, plan.config.data_parallel
     ranks, out = par.dp_cp, []
 
     def add(change: str, total: int) -> None:
         if total < stage.total:
             out.append(Remedy(change, stage.total - total, total, total <= device))
 
-    if cfg.recompute != "full" and stage.recompute_inputs:
+    if cfg.recomputation.recompute != "full" and stage.recompute_inputs:
         acts = stage.recompute_inputs * stage.microbatches_in_flight + stage.largest_block
         add("--recompute full", stage.total - stage.activations - stage.recompute_working_set + acts)
-    if ranks > 1 and not cfg.distributed_optimizer and cfg.zero_stage < 2:
+    if ranks > 1 and not dp.distributed_optimizer and dp.zero_stage < 2:
         add(f"--distributed-optimizer (optimizer state / {ranks})",
             stage.total - stage.optimizer_state + stage.optimizer_state // ranks)
-    if ranks > 1 and cfg.zero_stage < 2:
-        optimizer = stage.optimizer_state if cfg.distributed_optimizer else stage.optimizer_state // ranks
+    if ranks > 1 and dp.zero_stage < 2:
+        optimizer = stage.optimizer_state if dp.distributed_optimizer else stage.optimizer_state // ranks
         saved = stage.optimizer_state - optimizer + stage.gradient_buffers - stage.gradient_buffers // ranks
         add(f"--zero 2 (optimizer state and gradients / {ranks})", stage.total - saved)
         add(f"--zero 3 (optimizer state, gradients and parameters / {ranks})",

@@ -19,7 +19,7 @@ over the slots), in the same dtypes (rows weighted by the routing weights in the
 promoted dtype: fp32 with Mixtral's fp32 router under bf16), so the values are those of
 the model's own forward.
 
-With a capacity factor (``EngineConfig.moe_capacity_factor``; Megatron's
+With a capacity factor (``MoEConfig.moe_capacity_factor``; Megatron's
 ``--moe-expert-capacity-factor`` with drop policy "probs" and
 ``--moe-pad-expert-input-to-capacity``), each expert takes at most
 ``capacity = ceil(T * k / E * capacity_factor)`` of this rank's (token, slot) pairs: those

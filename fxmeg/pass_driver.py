@@ -8,9 +8,13 @@ captures the model, runs every pass in order, logs each one's time and node coun
 dump each pass's graph, and collects the result into the frozen, rank-free
 ``fxmeg.program.Program`` (docs/architecture.md §1, §2).
 
-A pass is ``pass(gm, *, config) -> gm``; a per-chunk pass (scope CHUNK) is
-``pass(gm, *, config, chunk) -> gm`` and the driver calls it once per chunk graph, with
-that chunk's ``fxmeg.program.ChunkInfo`` (index, pipeline rank). The driver refuses a
+A pass is ``pass(gm, *, <what it reads>) -> gm``: its parameters after the graph name
+what the driver hands it (``inputs``): a section of the EngineConfig by its field name
+(``parallel``, ``data_parallel``, ``moe``, ``recomputation``, ...: ``fxmeg.config.SECTIONS``),
+``config`` for the whole EngineConfig (a pass that reads several sections and the
+config's own fields), and for a per-chunk pass (scope CHUNK) ``chunk``: the driver calls
+it once per chunk graph, with that chunk's ``fxmeg.program.ChunkInfo`` (index, pipeline
+rank). A check is called the same way. The driver refuses a
 pass whose graph is not of its scope (listed on the wrong side of ``pipeline``) and a
 pass that returns anything but a GraphModule.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 import logging
 import os
 import time
@@ -40,7 +45,7 @@ from torch import fx, nn
 
 from fxmeg import ops
 from fxmeg.capture import LossFn, capture, on_meta, retarget
-from fxmeg.config import EngineConfig, Example, cast_inputs, example_tensors, make_config
+from fxmeg.config import SECTIONS, EngineConfig, Example, cast_inputs, example_tensors, make_config
 from fxmeg.errors import ConfigError, PassError, closest
 from fxmeg.hugging_face import warn_shifted_labels
 from fxmeg.layouts import ExpertShard
@@ -59,6 +64,7 @@ from fxmeg.passes.recompute import recompute
 from fxmeg.passes.split_backward import split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
 from fxmeg.program import (
+    ChunkInfo,
     Program,
     buffer_layouts,
     chunk_infos,
@@ -169,7 +175,8 @@ def transform(
     example = cast_inputs(example, config.dtype)
     opts = DriverOptions.from_env()
     start = time.perf_counter()
-    grouped = config.parallel.ep > 1 or config.parallel.cp > 1 or config.moe_router_bias_update_rate > 0  # readable experts
+    par = config.parallel
+    grouped = par.ep > 1 or par.cp > 1 or config.moe.moe_router_bias_update_rate > 0  # readable experts
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start, opts)
     reference = None
@@ -251,9 +258,9 @@ def check_pass(name: str, gm: fx.GraphModule, config: EngineConfig) -> None:
 def _check(p: Pass, gm: fx.GraphModule, config: EngineConfig) -> None:
     if p.scope is CHUNK:
         for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
-            p.check(chunk, config=config, chunk=info)
+            p.check(chunk, **inputs(p.check, config, info))
     else:
-        p.check(gm, config=config)
+        p.check(gm, **inputs(p.check, config))
 
 
 def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: DriverOptions) -> fx.GraphModule:
@@ -266,18 +273,29 @@ def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: Dr
     before = {n.name for n in _nodes(gm)}
     if p.scope is CHUNK:
         for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
-            out = _returned(p, p.run(chunk, config=config, chunk=info), f" for chunk {info.index}")
+            out = _returned(p, p.run(chunk, **inputs(p.run, config, info)), f" for chunk {info.index}")
             if out is not chunk:  # a new graph takes the chunk's place under the parent
                 assert out.meta.get("fxmeg", {}).get("spec") == chunk_spec(chunk), (
                     f"pass {p.name!r} returned a new graph for chunk {info.index} without its ChunkSpec")
                 setattr(gm, chunk_name(info.index), out)
     else:
-        gm = _returned(p, p.run(gm, config=config), "")
+        gm = _returned(p, p.run(gm, **inputs(p.run, config)), "")
     _tag_new_nodes(gm, before, p.name)
     _report(p.name, gm, start, opts, index)
     if opts.verify:
         _check(p, gm, config)
     return gm
+
+
+def inputs(fn: Callable, config: EngineConfig, chunk: ChunkInfo | None = None) -> dict:
+    """What pass (or check) ``fn`` reads, by the names of its parameters after the graph:
+    a section of ``config`` (``fxmeg.config.SECTIONS``), ``config`` whole, or ``chunk``."""
+    given = {"config": config, "chunk": chunk, **{name: getattr(config, name) for name in SECTIONS}}
+    wanted = [q.name for q in list(inspect.signature(fn).parameters.values())[1:]
+              if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    unknown = [name for name in wanted if name not in given]
+    assert not unknown, f"{fn.__qualname__} takes {unknown}: a pass reads only {sorted(given)}"
+    return {name: given[name] for name in wanted}
 
 
 def _returned(p: Pass, out, where: str) -> fx.GraphModule:
@@ -380,7 +398,7 @@ def _check_experts(config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_
     """The mixture-of-experts options found what they act on in the whole model (each
     chunk's pass saw only its chunk): routed experts for ep and loss-free balancing, a
     router loss for global_aux_loss. Refused by name otherwise."""
-    if config.moe_router_load_balancing_type == "global_aux_loss" and not any(
+    if config.moe.moe_router_load_balancing_type == "global_aux_loss" and not any(
             n.target is ops.global_tokens for gm in graphs for n in gm.graph.nodes):
         raise PassError(
             "moe_router_load_balancing_type='global_aux_loss', but this model computes no router loss (a Hugging "
@@ -391,7 +409,7 @@ def _check_experts(config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_
             f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
             "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
             "train a dense model with ep=1")
-    rate = config.moe_router_bias_update_rate
+    rate = config.moe.moe_router_bias_update_rate
     if rate > 0 and not any(load_marks(gm) for gm in graphs):
         raise PassError(
             f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: loss-free "

@@ -2,7 +2,7 @@
 runtime alike (a small module both may import: passes never import the runtime).
 
 The optimizer sharding depends on the user's request and on what the optimizer factory
-builds, so ``parallelize`` decides it before the passes (``EngineConfig.decided_sharding``):
+builds, so ``parallelize`` decides it before the passes (``DataParallelConfig.decided_sharding``):
 the buckets pass pads the gradient buffers for it, the runtime shards the update by it.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from fxmeg.errors import ConfigError, closest
 
 OPTIMIZER_SHARDINGS = ("auto", "elementwise", "layerwise")
-"""How the distributed optimizer splits the update (see EngineConfig.optimizer_sharding)."""
+"""How the distributed optimizer splits the update (see DataParallelConfig.optimizer_sharding)."""
 ZERO_STAGES = (0, 1, 2, 3)
 BACKWARD_PREFETCH = ("pre", "post")
-"""What ``EngineConfig.zero`` may be (docs/zero.md)."""
+"""What ``DataParallelConfig.zero`` may be (docs/zero.md)."""
 
 
 class OptimizerSharding(str, enum.Enum):
@@ -67,8 +67,9 @@ def decide_sharding(
 
 
 def check_sharding(config) -> None:
-    """``EngineConfig``'s zero stage, optimizer sharding and their companions (called by its
-    ``__post_init__``, before any process group). ``zero`` None stands for 1 with
+    """``DataParallelConfig``'s zero stage, optimizer sharding and their companions (called by
+    its ``__post_init__``, before any process group; ``check_zero3_companions`` checks zero=3
+    against the other sections). ``zero`` None stands for 1 with
     ``distributed_optimizer=True``, else 0 (``zero_stage``); ``distributed_optimizer`` is set
     when ``zero >= 1`` is given."""
     zero = config.zero
@@ -113,8 +114,7 @@ def check_sharding(config) -> None:
 
 
 def _check_zero3_options(config, zero: int) -> None:
-    """The options that only zero=3 takes, and what zero=3 does not run with."""
-    par = config.parallel
+    """The options that only zero=3 takes, and the one it does not run with in its own section."""
     if not config.reshard_after_forward and zero != 3:
         raise ConfigError(f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
                           "anyway); drop it or set zero=3")
@@ -125,22 +125,30 @@ def _check_zero3_options(config, zero: int) -> None:
     if config.backward_prefetch != "pre" and zero != 3:
         raise ConfigError(f"backward_prefetch={config.backward_prefetch!r} needs zero=3 (zero={zero} gathers no "
                           "parameters in backward); drop it or set zero=3")
-    if zero == 3:
-        refused = (
-            (config.overlap_param_gather, "overlap_param_gather=True",
-             "zero=3 gathers each bucket before its first use by itself; drop overlap_param_gather"),
-            (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
-                                            "set compile=False or zero=2"),
-            (par.splits_backward, f"schedule={par.resolved_schedule!r}",
-             "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
-             "use 1f1b or interleaved, or zero=2"),
-            (config.variable_seq_lengths, "variable_seq_lengths=True",
-             "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
-            (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
-        )
-        for flag, what, fix in refused:
-            if flag:
-                raise ConfigError(f"zero=3 does not run with {what}: {fix}")
+    if zero == 3 and config.overlap_param_gather:
+        raise ConfigError("zero=3 does not run with overlap_param_gather=True: zero=3 gathers each bucket "
+                          "before its first use by itself; drop overlap_param_gather")
+
+
+def check_zero3_companions(config) -> None:
+    """What zero=3 does not run with in the rest of an ``EngineConfig`` (called by its
+    ``__post_init__``): the options of other sections its gathers and releases cannot serve."""
+    if config.data_parallel.zero_stage != 3:
+        return
+    par = config.parallel
+    refused = (
+        (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
+                                        "set compile=False or zero=2"),
+        (par.splits_backward, f"schedule={par.resolved_schedule!r}",
+         "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
+         "use 1f1b or interleaved, or zero=2"),
+        (config.variable_seq_lengths, "variable_seq_lengths=True",
+         "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
+        (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
+    )
+    for flag, what, fix in refused:
+        if flag:
+            raise ConfigError(f"zero=3 does not run with {what}: {fix}")
 
 
 def _possible(config) -> tuple[OptimizerSharding, ...]:

@@ -1,5 +1,6 @@
 """`fxmeg train`'s options (TrainConfig) and their flat names: every scalar field of
-TrainConfig, EngineConfig and ParallelConfig is one flag and one config-file key."""
+TrainConfig, and of EngineConfig and its sections (``fxmeg.config.flat_names``), is one
+flag and one config-file key."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fxmeg.config import EngineConfig, ParallelConfig, scalar_fields
+from fxmeg.config import SECTIONS, EngineConfig, flat_names, scalar_fields
 from fxmeg.data.megatron import DataPaths, MaskRule
 from fxmeg.data.sft import LAYOUTS, SFTFormat
 from fxmeg.errors import ConfigError, closest
@@ -23,9 +24,9 @@ OPTIMIZERS = ("adamw", "muon")
 class TrainConfig:
     """Every option of `fxmeg train`: the trainer's own fields, and ``engine`` (an
     EngineConfig, which holds the ParallelConfig) for everything ``fxmeg.parallelize``
-    takes. Flags and config-file keys are flat: each scalar field of the three classes
-    is one name (--micro-batch-size 4, --tp 2; ``tp = 2`` in TOML); build one from them
-    with ``TrainConfig.from_flat`` and change one with ``replace``."""
+    takes. Flags and config-file keys are flat: each scalar field of TrainConfig, EngineConfig
+    and its sections is one name (--micro-batch-size 4, --tp 2; ``tp = 2`` in TOML); build
+    one from them with ``TrainConfig.from_flat`` and change one with ``replace``."""
 
     model: str = "models.gpt:GPT"
     """The model class, module:Class; built from model_args (kwargs or its config dataclass;
@@ -165,7 +166,7 @@ class TrainConfig:
     trace_interval: int = 1
     """Trace every this many steps (with --trace); `fxmeg plot-schedule` draws one."""
     engine: EngineConfig = _ENGINE
-    """Engine options and, in engine.parallel, the layout (flat names: see from_flat)."""
+    """Engine options, in sections (engine.parallel: the layout; flat names: see from_flat)."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "seq_len": Size(1, "sequence length (tokens per sample)"),
@@ -272,45 +273,48 @@ class TrainConfig:
     @classmethod
     def from_flat(cls, where: str = "", /, **values) -> TrainConfig:
         """A TrainConfig from flat names (the flags' and config files' keys): every
-        trainer field and every scalar field of EngineConfig and ParallelConfig; unset
-        ones keep their defaults. An unknown name is refused with the nearest valid one
+        trainer field and every scalar field of EngineConfig and its sections; unset ones
+        keep their defaults. An unknown name is refused with the nearest valid one
         (``where``, e.g. a config file, is named in that message)."""
         own, engine = _split_flat(values, where)
-        return cls(engine=_with_flat(_ENGINE, engine), **own)
+        return cls(engine=_ENGINE.replace(**engine), **own)
 
     def replace(self, **changes) -> TrainConfig:
         """This config with some flat names (as ``from_flat`` takes them) changed."""
         own, engine = _split_flat(changes)
-        return dataclasses.replace(self, engine=_with_flat(self.engine, engine), **own)
+        return dataclasses.replace(self, engine=self.engine.replace(**engine), **own)
 
     def flat(self) -> dict:
         """Flat name -> value of every name ``from_flat`` takes (the scalar fields)."""
-        owners = {TrainConfig: self, EngineConfig: self.engine, ParallelConfig: self.engine.parallel}
-        return {name: getattr(owners[cls], name) for name, (cls, _) in flat_fields().items()}
+        engine = self.engine.flat()
+        return {name: getattr(self, name) if cls is TrainConfig else engine[name]
+                for name, (cls, _) in flat_fields().items()}
 
 
 def flat_fields() -> dict[str, tuple[type, type]]:
     """Flat name -> (the class declaring it, its value type), in flag order: TrainConfig's
-    fields, then EngineConfig's scalar fields, then ParallelConfig's."""
-    return {name: (cls, kind) for cls in (TrainConfig, EngineConfig, ParallelConfig)
-            for name, kind in scalar_fields(cls).items()}
+    fields, then EngineConfig's scalar fields, then its sections' (``fxmeg.config.flat_names``)."""
+    owners = {"": EngineConfig, **SECTIONS}
+    engine = {name: (owners[section], scalar_fields(owners[section]).get(name))
+              for name, section in flat_names().items()}
+    return {name: (TrainConfig, kind) for name, kind in scalar_fields(TrainConfig).items()} | {
+        name: (cls, kind) for name, (cls, kind) in engine.items() if kind is not None}
 
 
 def flat_defaults() -> dict:
     """Flat name -> the value a TrainConfig takes when that name is not given."""
     own = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "engine"}
-    owners = {EngineConfig: _ENGINE, ParallelConfig: _ENGINE.parallel}
-    return {name: own[name] if cls is TrainConfig else getattr(owners[cls], name)
-            for name, (cls, _) in flat_fields().items()}
+    engine = _ENGINE.flat()
+    return {name: own[name] if cls is TrainConfig else engine[name] for name, (cls, _) in flat_fields().items()}
 
 
 def engine_from_flat(**values) -> EngineConfig:
-    """The EngineConfig of a TrainConfig given these flat EngineConfig / ParallelConfig
-    names (``fxmeg plan`` takes the layout flags of ``fxmeg train``)."""
+    """The EngineConfig of a TrainConfig given these flat EngineConfig names (its
+    sections' included: ``fxmeg plan`` takes the layout flags of ``fxmeg train``)."""
     own, engine = _split_flat(values)
     if own:
         raise ConfigError(f"{sorted(own)} are options of the trainer, not of the engine or the layout")
-    return _with_flat(_ENGINE, engine)
+    return _ENGINE.replace(**engine)
 
 
 MEGATRON_NAMES: dict[str, tuple[str, object]] = {
@@ -350,8 +354,8 @@ def from_megatron(values: dict) -> dict:
 
 
 def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
-    """(TrainConfig's own fields, the engine's and layout's) of flat ``values``, Megatron's
-    names read as fxmeg's; an unknown name is refused naming the nearest."""
+    """(TrainConfig's own fields, the engine's and its sections') of flat ``values``,
+    Megatron's names read as fxmeg's; an unknown name is refused naming the nearest."""
     values = from_megatron(values)
     names = flat_fields()
     for name in values:
@@ -360,14 +364,6 @@ def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
             raise ConfigError(f"unknown config key {name!r}{place}" + closest(name, names))
     own = {k: v for k, v in values.items() if names[k][0] is TrainConfig}
     return own, {k: v for k, v in values.items() if k not in own}
-
-
-def _with_flat(engine: EngineConfig, values: dict) -> EngineConfig:
-    """``engine`` with flat EngineConfig / ParallelConfig names changed (one check, at the end)."""
-    layout = scalar_fields(ParallelConfig)
-    parallel = dataclasses.replace(engine.parallel, **{k: v for k, v in values.items() if k in layout})
-    others = {k: v for k, v in values.items() if k not in layout}
-    return dataclasses.replace(engine, parallel=parallel, **others)
 
 
 def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) -> list[tuple[int, int]]:

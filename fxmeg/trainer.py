@@ -433,7 +433,8 @@ class Trainer:
         layout = " ".join(f"{name}={getattr(par, name)}" for name in ("tp", "cp", "ep", "pp", "vpp", "dp"))
         saving = (f"checkpoints to {cfg.save}" + (f" every {cfg.save_interval} steps" if cfg.save_interval
                                                    else " at the end") if cfg.save else "no checkpoints (--save)")
-        return (f"layout {layout} zero={engine.zero_stage} on {self.world} rank(s), schedule {par.resolved_schedule}, "
+        zero = engine.data_parallel.zero_stage
+        return (f"layout {layout} zero={zero} on {self.world} rank(s), schedule {par.resolved_schedule}, "
                 f"{engine.precision}; run directory {self.run_dir}; {saving}")
 
     def _resume(self) -> None:

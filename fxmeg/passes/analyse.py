@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from torch import fx
 
-from fxmeg.config import EngineConfig
 from fxmeg.passes.partition import node_flops
 from fxmeg.program import ModelFacts, PositionTable, ValueCheck
 from fxmeg.torch_private import op_schema
 
 
-def analyse(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
+def analyse(gm: fx.GraphModule) -> fx.GraphModule:
     flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
     gm.meta["fxmeg"]["facts"] = ModelFacts(flops, tuple(value_checks(gm)), tuple(position_tables(gm)))
     return gm

@@ -36,7 +36,8 @@ import math
 import torch
 from torch import fx
 
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
+from fxmeg.config_sections import DataParallelConfig
 from fxmeg.layouts import BucketSlot
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.passes.partition import find_blocks
@@ -48,12 +49,14 @@ GRAD_DTYPE = torch.float32
 BUCKET_ALIGN = 128
 
 
-def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
+def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
+            data_parallel: DataParallelConfig) -> fx.GraphModule:
     """Lay out the parameter gradients of every chunk of the pipelined ``parent`` graph
-    (``config``: dp, bucket size, whether the distributed optimizer shards the buffers)."""
+    (``parallel``: dp x cp and edp; ``data_parallel``: bucket size, ZeRO stage, whether the
+    distributed optimizer shards the buffers)."""
     placement = parent.meta["fxmeg"]["partition"].placement
-    dp, size = config.parallel.dp_cp, config.resolved_bucket_size  # gradients shard over dp x cp
-    shard = config.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
+    dp, size = parallel.dp_cp, data_parallel.resolved_bucket_size(parallel.dp)  # gradients shard over dp x cp
+    shard = data_parallel.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():
@@ -62,7 +65,7 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
     layouts_of: dict[int, tuple[BufferLayout, ...]] = {}
     for c, gm in enumerate(chunks(parent)):
         names = [n for n in _ready_order(gm) if owner[(placement[c], n)] == c]
-        block = _blocks(gm) if config.zero_stage >= 2 else {}
+        block = _blocks(gm) if data_parallel.zero_stage >= 2 else {}
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
                   if n.op == "get_attr" and val(n) is not None}  # not a region's body
         experts = {n.target for n in gm.graph.nodes if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
@@ -71,7 +74,7 @@ def buckets(parent: fx.GraphModule, *, config: EngineConfig) -> fx.GraphModule:
         layouts_of[c] = tuple(
             _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert,
                     block=block)
-            for group, ranks, is_expert in ((dense, dp, False), (routed, config.parallel.edp, True)) if group)
+            for group, ranks, is_expert in ((dense, dp, False), (routed, parallel.edp, True)) if group)
         gm.meta["fxmeg"]["buffers"] = layouts_of[c]
     for c, gm in enumerate(chunks(parent)):
         for node in gm.graph.nodes:

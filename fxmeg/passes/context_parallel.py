@@ -22,7 +22,7 @@ import math
 import torch
 from torch import fx
 
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ops import CP
@@ -43,9 +43,9 @@ fx_ops = torch.ops.fxmeg
 # this rank's tokens: only a graph output may be one.
 
 
-def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """Split ``gm``'s sequences over ``config.parallel.cp`` ranks (module docstring)."""
-    cp = config.parallel.cp
+def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
+    """Split ``gm``'s sequences over ``parallel.cp`` ranks (module docstring)."""
+    cp = parallel.cp
     if cp == 1:
         return gm
     _ContextParallel(gm, cp).run()

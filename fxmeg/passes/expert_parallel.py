@@ -9,7 +9,7 @@ Scope: one chunk graph (after the pipeline pass).
 How a block and its router's bias are recognised from the graph alone (no class or module
 name), for grouped and batched experts: docs/architecture.md §8.2.
 
-Requires: a chunk graph; ``config.parallel.ep`` divides each block's E.
+Requires: a chunk graph; ``parallel.ep`` divides each block's E.
 Ensures: right after each block's top-k index an ``expert_load(top_k_index, layer=<the
 experts module>, experts=E, bias=<the router's bias buffer FQN, or None>)`` node (it
 returns nothing; nothing else changes). At ep = 1 that is all: no node is removed or
@@ -19,7 +19,7 @@ a block it cannot read or a router without a bias buffer. At ep > 1 besides, eac
 block's nodes are replaced by one ``routed_experts`` node computing the
 same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
 grouping of rows into matmuls differs; a batched block's skipped experts, which added
-exact zeros, are not run), or with ``config.moe_capacity_factor`` the
+exact zeros, are not run), or with ``moe.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
 factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
@@ -38,7 +38,8 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
+from fxmeg.config_sections import MoEConfig
 from fxmeg.errors import PassError
 from fxmeg.layouts import ExpertShard
 from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
@@ -53,18 +54,19 @@ _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 _BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}
 
 
-def expert_parallel(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def expert_parallel(gm: fx.GraphModule, *, parallel: ParallelConfig, moe: MoEConfig,
+                    chunk: ChunkInfo) -> fx.GraphModule:
     """Mark every routed-experts block of chunk graph ``gm`` with ``expert_load`` and, at
-    ep > 1, rewrite it for ``config.parallel.ep`` ranks (module docstring)."""
-    ep, rate = config.parallel.ep, config.moe_router_bias_update_rate
+    ep > 1, rewrite it for ``parallel.ep`` ranks (module docstring)."""
+    ep, rate = parallel.ep, moe.moe_router_bias_update_rate
     blocks = routed_blocks(gm, strict=ep > 1 or rate > 0)
     if ep > 1:
         for i, block in enumerate(blocks):
-            _rewrite(gm, block, f"experts_middle_{i}", ep, config.moe_capacity_factor)
+            _rewrite(gm, block, f"experts_middle_{i}", ep, moe.moe_capacity_factor)
         _refuse_unfound_banks(gm, chunk)
     for block in blocks:
         _mark_load(gm, block, rate)
-    global_loss = config.moe_router_load_balancing_type == "global_aux_loss" and _global_router_loss(gm)
+    global_loss = moe.moe_router_load_balancing_type == "global_aux_loss" and _global_router_loss(gm)
     if blocks or ep > 1 or global_loss:
         gm.graph.lint()
         gm.recompile()

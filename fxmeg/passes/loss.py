@@ -26,7 +26,6 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.config import EngineConfig
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import (
     arg, attr, call, fake_eval, finish, full_args, inline, is_hop, val,
@@ -54,7 +53,7 @@ _TRANSPARENT = {  # unary ops that commute with "divide by the token count"
 _MEAN, _SUM = 1, 2  # ATen reduction enum
 
 
-def loss(gm: fx.GraphModule, config: EngineConfig | None = None) -> fx.GraphModule:
+def loss(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite the first output (a mean loss) into ``(loss_sum, num_tokens)``.
 
     When capture recorded a user ``loss_fn`` the outputs already are ``(loss_sum,

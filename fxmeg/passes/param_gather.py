@@ -36,11 +36,11 @@ aten = torch.ops.aten
 
 def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """The markers of the chunk graph ``gm`` (see the module docstring); ``chunk`` is not needed."""
-    if config.zero_stage >= 2 and not config.compile and not config.parallel.splits_backward:
+    if config.data_parallel.zero_stage >= 2 and not config.compile and not config.parallel.splits_backward:
         _early_reads(gm)
-    if config.zero_stage == 3:
-        return _gather_and_release(gm, release=config.reshard_after_forward)
-    if not config.overlap_param_gather:
+    if config.data_parallel.zero_stage == 3:
+        return _gather_and_release(gm, release=config.data_parallel.reshard_after_forward)
+    if not config.data_parallel.overlap_param_gather:
         return finish(gm)
     for (home, index), (user, param) in _first_uses(gm).items():
         _marker(gm, user, ops.wait_param_gather, param, {"bucket": (home, index)}, f"wait_param_gather_{home}_{index}")

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from fxmeg.capture import owning_module
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.model_checks import blocks_error
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
@@ -49,10 +49,10 @@ _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 _MATMULS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default)
 
 
-def partition(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced; under a V schedule
-    over the pipeline ranks; or at the config's ``split_points``); tag every node's chunk."""
-    par = config.parallel
+    over the pipeline ranks; or at the layout's ``split_points``); tag every node's chunk."""
+    par = parallel
     v = par.spec.placement == "v"  # a rank runs its two chunks back to back (fxmeg/schedule_registry.py)
     split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement if v else None)
     gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=par.placement)

@@ -36,16 +36,16 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
 from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 from fxmeg.program import Boundary, ChunkSpec, chunk_name, chunk_spec
 
 aten = torch.ops.aten
 
 
-def pipeline(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
+def pipeline(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     """Split the chunk-tagged graph ``gm`` into pp * vpp chunk graphs under one parent."""
-    num_chunks = config.parallel.num_chunks
+    num_chunks = parallel.num_chunks
     nodes = list(gm.graph.nodes)
     chunk_of = {n: n.meta["fxmeg"]["chunk"] for n in nodes if n.op == "call_function"}
     output = gm.graph.output_node()

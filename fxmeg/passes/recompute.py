@@ -24,7 +24,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from fxmeg import ops
-from fxmeg.config import GRANULARITIES, EngineConfig
+from fxmeg.config_sections import GRANULARITIES, RecomputeConfig
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
@@ -64,20 +64,20 @@ class Recompute(nn.Module):
         return self.region(*args)
 
 
-def recompute(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def recompute(gm: fx.GraphModule, *, recomputation: RecomputeConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """Move each region (see the module docstring) of the chunk graph ``gm`` into a
-    ``Recompute`` submodule called in its place (``config.recompute``; with "full",
-    ``config.recompute_num_layers`` counts the blocks of this chunk).
+    ``Recompute`` submodule called in its place (``recomputation.recompute``; with "full",
+    ``recomputation.recompute_num_layers`` counts the blocks of this chunk).
 
     Scope: one chunk graph (the driver runs it on each); ``chunk`` is not needed.
     Requires: a chunk graph of the pipeline pass.
     Ensures: the chunk computes the same outputs and gradients as before; every node of
     a region lives in its sub-graph; no parameter or buffer changes its name."""
-    granularity = config.recompute
-    assert granularity in GRANULARITIES, granularity  # EngineConfig checks it
+    granularity = recomputation.recompute
+    assert granularity in GRANULARITIES, granularity  # RecomputeConfig checks it
     if granularity == "none":
         return gm
-    regions = _blocks(gm, config.recompute_num_layers) if granularity == "full" else _attention_cores(gm)
+    regions = _blocks(gm, recomputation.recompute_num_layers) if granularity == "full" else _attention_cores(gm)
     for i, nodes in enumerate(regions):
         _extract(gm, nodes, f"recompute_{i}")
     gm.graph.lint()

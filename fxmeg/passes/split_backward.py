@@ -20,7 +20,7 @@ instead of saving their outputs: the same memory semantics as checkpointing.
 
 Scope: one chunk graph (the driver runs it on each).
 Requires: pipeline (a chunk graph with a ChunkSpec); recompute, buckets, param_gather may
-have run. Ensures: when the schedule runs I / W actions (``config.parallel.splits_backward``),
+have run. Ensures: when the schedule runs I / W actions (``parallel.splits_backward``),
 the chunk graph has three parameter-free submodules ``zb_forward``, ``zb_input``,
 ``zb_weight`` and ``gm.meta["fxmeg"]["split"]``, a ``fxmeg.program.SplitSpec`` (their
 calling conventions); ``zb_input`` then ``zb_weight`` compute exactly the gradients the
@@ -36,7 +36,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmeg import ops
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
@@ -45,10 +45,10 @@ from fxmeg.torch_private import (FakeTensorMode, aot_export_joint_simple, defaul
                                  min_cut_rematerialization_partition, reparametrize_module)
 
 
-def split_backward(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def split_backward(gm: fx.GraphModule, *, parallel: ParallelConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """Split the chunk graph ``gm``'s backward (see the module docstring); ``chunk``
     names it in the error."""
-    if not config.parallel.splits_backward:
+    if not parallel.splits_backward:
         return gm
     try:
         _split_chunk(gm)
@@ -57,7 +57,7 @@ def split_backward(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo
     except Exception as exc:  # AOT autograd raises many types; all mean "cannot split"
         raise PassError(
             f"cannot split chunk {chunk.index}'s backward into input- and weight-gradient graphs for "
-            f"schedule {config.parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
+            f"schedule {parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
             "Use schedule='1f1b' or 'interleaved'."
         ) from exc
     return gm

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from fxmeg.capture import owning_module
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
 from fxmeg import ops as fxmeg_ops
 from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
@@ -50,9 +50,9 @@ ROLES = ("colwise", "rowwise", "replicate", "vocab")
 # (``@rule(TP, ...)`` here and in tp_rules.py).
 
 
-def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> fx.GraphModule:
-    """Shard ``gm`` over ``config.parallel.tp`` ranks (see the module docstring)."""
-    par = config.parallel
+def tensor_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
+    """Shard ``gm`` over ``parallel.tp`` ranks (see the module docstring)."""
+    par = parallel
     if par.tp == 1:
         return gm
     _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel, ep=par.ep).run()

@@ -4,7 +4,8 @@ or node, and what does not hold.
 
 One check per pass, named like it; ``fxmeg.pass_driver.PASSES`` pairs each pass with its
 check, and the driver calls the check like the pass: on the result of a per-chunk pass
-once per chunk graph (with its ``ChunkInfo``), otherwise on the whole result.
+once per chunk graph (with its ``ChunkInfo``), otherwise on the whole result; a check,
+like a pass, names the config sections it reads as its parameters.
 """
 
 from __future__ import annotations
@@ -13,26 +14,27 @@ import torch
 from torch import fx
 
 from fxmeg import ops
-from fxmeg.config import EngineConfig
+from fxmeg.config import ParallelConfig
+from fxmeg.config_sections import DataParallelConfig, MoEConfig
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
 from fxmeg.program import ChunkInfo, buffer_layouts, chunk_spec, chunks, split_spec
 
 
-def loss(gm: fx.GraphModule, config: EngineConfig) -> None:
+def loss(gm: fx.GraphModule) -> None:
     outputs = gm.graph.output_node().args[0]
     tags = [n.meta.get("fxmeg", {}).get("loss") for n in outputs]
     assert tags == ["sum", "count"], f"loss: outputs are tagged {tags}, not ['sum', 'count']"
     assert all(val(n) is not None and val(n).dim() == 0 for n in outputs), "loss: outputs are not scalars"
 
 
-def analyse(gm: fx.GraphModule, config: EngineConfig) -> None:
+def analyse(gm: fx.GraphModule) -> None:
     facts = gm.meta["fxmeg"].get("facts")
     assert facts is not None and facts.flops_per_microbatch >= 0, "analyse: no model facts recorded"
 
 
-def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
-    cp = config.parallel.cp
+def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
+    cp = parallel.cp
     if cp == 1:
         return
     layout = gm.meta["fxmeg"]["cp"]
@@ -51,8 +53,8 @@ def context_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
             assert "val" in node.meta, f"context_parallel: {node.name} has no local value"
 
 
-def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
-    if config.parallel.tp == 1:
+def tensor_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
+    if parallel.tp == 1:
         return
     for node in gm.graph.nodes:
         if node.op == "get_attr" and getattr(gm.get_parameter(node.target) if _is_param(gm, node) else None,
@@ -64,8 +66,8 @@ def tensor_parallel(gm: fx.GraphModule, config: EngineConfig) -> None:
             assert "val" in node.meta, f"tensor_parallel: {node.name} has no local value"
 
 
-def partition(gm: fx.GraphModule, config: EngineConfig) -> None:
-    k = config.parallel.num_chunks
+def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
+    k = parallel.num_chunks
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -77,9 +79,9 @@ def partition(gm: fx.GraphModule, config: EngineConfig) -> None:
     assert len(gm.meta["fxmeg"]["partition"].placement) == k, "partition: no placement per chunk"
 
 
-def pipeline(parent: fx.GraphModule, config: EngineConfig) -> None:
+def pipeline(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
     graphs = chunks(parent)
-    assert len(graphs) == config.parallel.num_chunks, "pipeline: wrong number of chunks"
+    assert len(graphs) == parallel.num_chunks, "pipeline: wrong number of chunks"
     for c, gm in enumerate(graphs):
         spec = chunk_spec(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -92,8 +94,8 @@ def pipeline(parent: fx.GraphModule, config: EngineConfig) -> None:
         assert len(recvs) == len(spec.recv), f"pipeline: chunk {c} has {len(recvs)} recv markers"
 
 
-def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
-    ep = config.parallel.ep
+def expert_parallel(gm: fx.GraphModule, parallel: ParallelConfig, moe: MoEConfig, chunk: ChunkInfo) -> None:
+    ep = parallel.ep
     calls = [n for n in gm.graph.nodes if n.target is ops.routed_experts]
     banks = {n.target: n.meta["fxmeg"]["ep"] for n in gm.graph.nodes
              if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
@@ -106,7 +108,7 @@ def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) 
             f"expert_parallel: {m.name} marks {m.args[0].name}, not a top-k index [tokens, k]")
     assert bool(calls) == bool(banks), f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
     for call in calls:
-        assert call.kwargs["capacity_factor"] == config.moe_capacity_factor, (
+        assert call.kwargs["capacity_factor"] == moe.moe_capacity_factor, (
             f"expert_parallel: {call.name} has capacity_factor={call.kwargs['capacity_factor']}")
     for name, shard in banks.items():
         local = val(next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name))
@@ -114,15 +116,15 @@ def expert_parallel(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) 
             f"expert_parallel: {name} holds {local.shape[0]} of {shard.experts} experts at ep={ep}")
 
 
-def recompute(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+def recompute(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
     for name, module in gm.named_children():
         if isinstance(module, Recompute):
             assert not list(module.parameters()), f"recompute: chunk {chunk.index} region {name} owns parameters"
 
 
-def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
+def buckets(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
     placement = parent.meta["fxmeg"]["partition"].placement
-    dp = config.parallel.dp_cp
+    dp = parallel.dp_cp
     slots: dict[tuple[int, str], int] = {}
     for c, gm in enumerate(chunks(parent)):
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
@@ -147,10 +149,10 @@ def buckets(parent: fx.GraphModule, config: EngineConfig) -> None:
                 assert (placement[c], name) in slots, f"buckets: {name} (chunk {c}) has no slot"
 
 
-def param_gather(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
-    if config.zero_stage == 3:
-        return _zero_gather(gm, chunk, reshard=config.reshard_after_forward)
-    if not config.overlap_param_gather:
+def param_gather(gm: fx.GraphModule, data_parallel: DataParallelConfig, chunk: ChunkInfo) -> None:
+    if data_parallel.zero_stage == 3:
+        return _zero_gather(gm, chunk, reshard=data_parallel.reshard_after_forward)
+    if not data_parallel.overlap_param_gather:
         return
     waited: set[tuple[int, int]] = set()
     for node in gm.graph.nodes:
@@ -199,10 +201,10 @@ def _is_param(gm: fx.GraphModule, node: fx.Node) -> bool:
     return True
 
 
-def split_backward(gm: fx.GraphModule, config: EngineConfig, chunk: ChunkInfo) -> None:
+def split_backward(gm: fx.GraphModule, parallel: ParallelConfig, chunk: ChunkInfo) -> None:
     c, split = chunk.index, split_spec(gm)
-    if not config.parallel.splits_backward:
-        assert split is None, f"split_backward: chunk {c} split for schedule {config.parallel.schedule!r}"
+    if not parallel.splits_backward:
+        assert split is None, f"split_backward: chunk {c} split for schedule {parallel.schedule!r}"
         return
     assert split is not None, f"split_backward: chunk {c} has no split"
     for name in ("zb_forward", "zb_input", "zb_weight"):

@@ -2,7 +2,7 @@
 
 ``build_context(program, config)`` creates, in this order: the optimizer plan (which
 inner optimizer the factory gives each parameter; how the distributed optimizer shards
-was decided by ``parallelize``: ``EngineConfig.decided_sharding``); the process groups; this
+was decided by ``parallelize``: ``DataParallelConfig.decided_sharding``); the process groups; this
 rank's chunks, bound (copies of the Program's chunk graphs whose tensor-parallel
 parameters are materialised as this rank's shards, and whose symbolic group names and
 param-gather markers point at this rank's objects); the check that replicas hold the same
@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from fxmeg import program as prog
 from fxmeg.config import EngineConfig
+from fxmeg.config_sections import DataParallelConfig, PipelineConfig
 from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.layouts import ParamLayout, is_split, reduces_grad
 from fxmeg.loss_scale import LossScaler
@@ -172,38 +173,38 @@ def build_context(
     factory = optimizer or default_optimizer
     template = param_groups(_shapes(program.parameters))  # the whole model's groups, on every rank
     plan = plan_optimizers(factory, template, program.device)  # which optimizer steps which parameter
-    assert config.decided_sharding is not None, "parallelize decides the optimizer sharding"
-    sharding = config.decided_sharding
+    assert config.data_parallel.decided_sharding is not None, "parallelize decides the optimizer sharding"
+    sharding = config.data_parallel.decided_sharding
     if program.ep_specs and source is not None:  # before any process group
         raise ConfigError(
             f"ep={par.ep} does not run yet with weights= or a model built on meta (each rank would "
             "read every expert); build the model on a device and load its weights before parallelize")
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep), tied=tied,
-                          timeout_s=config.comm_timeout_s)
+                          timeout_s=config.guards.comm_timeout_s)
     wanted = _wanted(program, groups, source, _whole_names(program))
-    later = _sharded_later(program, config, groups, wanted)
+    later = _sharded_later(program, config.data_parallel, groups, wanted)
     local = _values(program, groups, source, {n: w for n, w in wanted.items() if n not in later})
     chunks = _materialise(program, groups, local, later)
     masters = _local_masters(program, groups, local, later)
     # before release (the user's full tensors are compared over tp) and before gradient
     # buffers and optimizer read the values
-    _agree_at_start(program, config, groups, chunks, masters, local, later)
+    _agree_at_start(program, config.data_parallel, groups, chunks, masters, local, later)
     whole = {n: t for n, t in local.items() if n in wanted and wanted[n].whole}
     fill, pieces = _shard_fill(program, groups, source, {n: wanted[n] for n in later})
     if model is not None:
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
-    ddp = _data_parallel(program, config, chunks, groups, tracer, fill,
+    ddp = _data_parallel(program, config.data_parallel, chunks, groups, tracer, fill,
                          shard=sharding is OptimizerSharding.ELEMENTWISE)
     recomputation = Recomputation()  # this rank's recompute regions, for all that asks whether one runs again
-    zero = (ZeroParams(ddp.buffers, recomputation=recomputation, post=config.backward_prefetch == "post")
-            if config.zero_stage == 3 else None)
+    zero = (ZeroParams(ddp.buffers, recomputation=recomputation, post=config.data_parallel.backward_prefetch == "post")
+            if config.data_parallel.zero_stage == 3 else None)
     load = _expert_load(program, config, chunks, recomputation)
     rank_experts = RankExperts(recomputation, tracer)  # its all-to-alls' spans join this rank's timeline
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
-    binding = _binding(program, config, groups, ddp, zero, load, tokens, rank_experts, recomputation)
+    binding = _binding(program, config.data_parallel, groups, ddp, zero, load, tokens, rank_experts, recomputation)
     for gm in chunks.values():
         collectives.bind(gm, binding)
     opt = Optimizer(
@@ -219,7 +220,7 @@ def build_context(
         optimizer=opt,
         scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
-        executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config, groups),
+        executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config.pipeline, groups),
         whole=whole, binding=binding, recomputation=recomputation, experts=rank_experts, load=load, global_tokens=tokens, zero=zero,
     )
 
@@ -237,13 +238,13 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
     return load
 
 
-def _binding(program: Program, config: EngineConfig, groups: Groups, ddp: DataParallel, zero: ZeroParams | None,
-             load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
+def _binding(program: Program, data_parallel: DataParallelConfig, groups: Groups, ddp: DataParallel,
+             zero: ZeroParams | None, load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
              recomputation: Recomputation) -> collectives.Binding:
     """What this rank's chunk graphs' ops are bound to (``collectives.bind``)."""
     return collectives.Binding(
         _group_names(groups), wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
-        early_linear=ddp.early_linear if config.zero_stage >= 2 else None, device=program.device,
+        early_linear=ddp.early_linear if data_parallel.zero_stage >= 2 else None, device=program.device,
         expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean,
         experts=rank_experts, recomputation=recomputation)
 
@@ -257,11 +258,11 @@ def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.Graph
               ddp: DataParallel, tracer: Tracer, zero: ZeroParams | None) -> Executor:
     specs = {c: program.specs[c] for c in chunks}
     wire = PointToPoint(specs, pp=config.parallel.pp, peer=groups.pp_peer, group=groups.pp, device=program.device,
-                        placement=program.placement, timeout_s=config.comm_timeout_s)
+                        placement=program.placement, timeout_s=config.guards.comm_timeout_s)
     hooks = ComputeHooks(
         accumulate=ddp.accumulate, on_grad_sync=ddp.start_sync,
-        on_backward=ddp.end_backward if config.zero_stage >= 2 else None,
-        wait_params=ddp.wait_for_params if config.overlap_param_gather else None,
+        on_backward=ddp.end_backward if config.data_parallel.zero_stage >= 2 else None,
+        wait_params=ddp.wait_for_params if config.data_parallel.overlap_param_gather else None,
         running=zero.running if zero is not None else None)
     return Executor(chunks, specs=specs, rank=groups.rank, device=program.device, wire=wire, hooks=hooks,
                     compile=config.compile, tracer=tracer)
@@ -367,24 +368,24 @@ def _values(program: Program, groups: Groups, source: Source | None,
                          groups.topo.tp, groups.tp_rank)
 
 
-def _sharded_later(program: Program, config: EngineConfig, groups: Groups,
+def _sharded_later(program: Program, data_parallel: DataParallelConfig, groups: Groups,
                    wanted: dict[str, _Wanted]) -> frozenset[str]:
     """At zero=3, the trained parameters ``wanted`` from a source: made bucket by bucket
     while the gradient buffers shard them (``ShardFill``), each rank making only the
     parameters its shard covers, so that no rank ever holds its whole stage."""
-    if config.zero_stage != 3:
+    if data_parallel.zero_stage != 3:
         return frozenset()
     trained = {s.name for c in program.chunks_of(groups.pp_rank) for layout in program.buffers[c]
                for s in layout.slots}
     return frozenset(n for n, w in wanted.items() if n in trained and not w.whole)
 
 
-def _agree_at_start(program: Program, config: EngineConfig, groups: Groups, chunks, masters, local,
+def _agree_at_start(program: Program, data_parallel: DataParallelConfig, groups: Groups, chunks, masters, local,
                     later: frozenset[str]) -> None:
     """The start-up replica check (collective), of everything but what is made ``later``,
     as shards: every rank makes those from the same source."""
     held = {n: h for n, h in replicas.at_start(program, chunks, masters, local).items() if n not in later}
-    replicas.agree(program, groups, held, device=program.device, broadcast=config.broadcast_params)
+    replicas.agree(program, groups, held, device=program.device, broadcast=data_parallel.broadcast_params)
 
 
 def _shard_fill(program: Program, groups: Groups, source: Source | None, wanted: dict[str, _Wanted]
@@ -500,17 +501,17 @@ def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tens
     return lambda name: gather_tp(masters[name].detach().float(), program.tp_specs[name], groups.tp)
 
 
-def _data_parallel(program: Program, config: EngineConfig, chunks, groups: Groups, tracer: Tracer,
+def _data_parallel(program: Program, options: DataParallelConfig, chunks, groups: Groups, tracer: Tracer,
                    fill: ShardFill | None = None, *, shard: bool) -> DataParallel:
     events = Events()
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     def buffer(c: int, gm: fx.GraphModule, layout) -> GradBuffer:
         common = dict(label=f"chunk{c}" + ("/experts" if layout.experts else ""),
-                      group=groups.edp if layout.experts else groups.dp_cp, overlap=config.overlap_grad_reduce,
+                      group=groups.edp if layout.experts else groups.dp_cp, overlap=options.overlap_grad_reduce,
                       events=events, deferred=deferred, tracer=tracer)
-        if config.zero_stage >= 2:
-            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=config.zero_stage, fill=fill,
-                              lean=config.backward_prefetch == "post", **common)
+        if options.zero_stage >= 2:
+            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=options.zero_stage, fill=fill,
+                              lean=options.backward_prefetch == "post", **common)
         return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
 
     buffers = {c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()}
@@ -534,9 +535,9 @@ def _aux_loss(program: Program, chunks: dict[int, fx.GraphModule]) -> AuxLoss | 
     return AuxLoss(gm.get_buffer(name), prog.token_counter(gm), program.specs[c].data_inputs)
 
 
-def _lowering(program: Program, config: EngineConfig, groups: Groups) -> schedules.Lowering:
+def _lowering(program: Program, pipeline: PipelineConfig, groups: Groups) -> schedules.Lowering:
     grad_cuts = program.grad_cuts
-    p2p = schedules.p2p_mode(config.p2p, dist.get_backend(groups.pp) if groups.pp is not None else None)
+    p2p = schedules.p2p_mode(pipeline.p2p, dist.get_backend(groups.pp) if groups.pp is not None else None)
     num_chunks, placement = program.num_chunks, program.placement
     return lambda schedule: schedules.lower(schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p,
                                             placement=placement)

@@ -10,7 +10,7 @@ sizes those counts give), which arrive ordered by (sender, expert) and are regro
 expert for the local matmuls. Combine sends the results back the same way. Both
 all-to-alls are differentiable: backward sends the gradients the reverse way.
 
-In capacity mode (``EngineConfig.moe_capacity_factor``) every rank sends exactly
+In capacity mode (``MoEConfig.moe_capacity_factor``) every rank sends exactly
 ``capacity`` rows (padded) for every expert: the split sizes are known on every rank in
 advance, so the counts all-to-all is skipped and every shape is static. In a traced
 step each all-to-all is an ``ep_a2a`` span (``ep counts``, ``ep dispatch``, ``ep combine``,

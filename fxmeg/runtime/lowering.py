@@ -5,7 +5,7 @@ vocabulary is ``fxmeg.runtime.actions``, the overview ``fxmeg.runtime.schedules`
 from __future__ import annotations
 
 from fxmeg import schedule_registry
-from fxmeg.config import P2P_MODES
+from fxmeg.config_sections import P2P_MODES
 from fxmeg.errors import ConfigError
 from fxmeg.runtime.actions import (
     BACKWARD,
@@ -59,7 +59,7 @@ def lower(
     over). DEALLOC frees sent activations at the next unit; GRAD_SYNC precedes each
     chunk's last weight gradient (its last B or W).
     """
-    assert p2p in P2P_MODES, p2p  # EngineConfig checks it
+    assert p2p in P2P_MODES, p2p  # PipelineConfig checks it
     default = round_robin(len(schedule), num_chunks)
     where = placement or default
     cuts = frozenset(c for c in range(num_chunks - 1) if where[c] != where[c + 1])
@@ -75,7 +75,7 @@ def lower(
 
 
 def p2p_mode(requested: str, backend: str | None) -> str:
-    """The posting mode ``lower`` takes for ``EngineConfig.p2p`` on a pipeline group of
+    """The posting mode ``lower`` takes for ``PipelineConfig.p2p`` on a pipeline group of
     ``backend`` (None: no pipeline group): 'auto' is paired under NCCL, eager elsewhere.
     Eager under NCCL is refused, not run: its receives go out units before the sends the
     peer waits for, and NCCL runs a rank pair's messages in order on one stream."""

@@ -132,9 +132,11 @@ class StepOptions:
     @classmethod
     def of(cls, config: EngineConfig) -> StepOptions:
         fp16 = config.precision == "fp16"
-        return cls(clip_grad=config.clip_grad, check_nonfinite=config.check_for_nan_in_grad or fp16,
-                   raise_on_nonfinite=config.on_nonfinite == "raise" and not fp16,
-                   max_grad_norm=config.skip_on_grad_norm_above, overlap_param_gather=config.overlap_param_gather)
+        guards = config.guards
+        return cls(clip_grad=config.clip_grad, check_nonfinite=guards.check_for_nan_in_grad or fp16,
+                   raise_on_nonfinite=guards.on_nonfinite == "raise" and not fp16,
+                   max_grad_norm=guards.skip_on_grad_norm_above,
+                   overlap_param_gather=config.data_parallel.overlap_param_gather)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule
     untrained state are real and whole."""
     held = _held_whole(program, chunks)
     # zero=3: views of memory freed between uses; an expert bank: this rank's experts only
-    readable = {} if program.config.zero_stage == 3 else {n: t for n, t in held.items() if n not in program.ep_specs}
+    zero3 = program.config.data_parallel.zero_stage == 3
+    readable = {} if zero3 else {n: t for n, t in held.items() if n not in program.ep_specs}
     memo: dict[int, torch.Tensor] = {}
     mine: dict[int, torch.Tensor] = {}  # the user's module's
     for gm in (*program.chunks, program.reference):  # canonical names (the parent's are chunk_<i>.<name>)
@@ -120,7 +121,7 @@ def _why(program: Program, chunks: dict[int, fx.GraphModule], name: str) -> str:
     if not {program.placement[c] for c in chunks} & set(stages):
         where = f"pipeline rank {stages[0]}" if len(stages) == 1 else f"pipeline ranks {list(stages)}"
         return f"{where} of pp={par.pp} trains it, not this one"
-    if program.config.zero_stage == 3:
+    if program.config.data_parallel.zero_stage == 3:
         return (f"zero=3 keeps only this rank's 1/{par.dp * par.cp} of it between steps, gathered while a step "
                 f"reads it (docs/zero.md)")
     if name in program.ep_specs:

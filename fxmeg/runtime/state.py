@@ -179,9 +179,9 @@ def scalars(ctx: RankContext) -> dict[str, float]:
 
 
 def layout(ctx: RankContext) -> dict:
-    par = ctx.config.parallel
+    par, dp = ctx.config.parallel, ctx.config.data_parallel
     return {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
-            "distributed_optimizer": ctx.config.distributed_optimizer, "zero": ctx.config.zero_stage,
+            "distributed_optimizer": dp.distributed_optimizer, "zero": dp.zero_stage,
             "optimizer_sharding": ctx.optimizer.sharding,
             "precision": ctx.config.precision}
 

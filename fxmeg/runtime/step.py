@@ -71,7 +71,7 @@ def train_step(
     check_determinism: bool = False, trace: bool = False, full_grads: bool = False,
 ) -> StepResult:
     """One optimizer step (see ``fxmeg.Engine.train_step``)."""
-    interval = ctx.config.check_replicas_interval
+    interval = ctx.config.data_parallel.check_replicas_interval
     if interval and ctx.steps_taken % interval == 0:
         check_replicas(program, ctx)
     ctx.steps_taken += 1
@@ -84,7 +84,7 @@ def train_step(
         ctx.experts.drops.reset()  # the step's drops are counted once
         grads = [b.reduced().clone() for b in ctx.ddp.all()]
     loss_sum, num_tokens = forward_backward(program, ctx, mbs)
-    if ctx.config.moe_capacity_factor is not None:
+    if ctx.config.moe.moe_capacity_factor is not None:
         ctx.experts.drops.log(f"train step {ctx.steps_taken}")
     if check_determinism:
         same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all()))
@@ -118,8 +118,8 @@ def _expert_load(ctx: RankContext) -> dict[str, tuple[int, ...]] | None:
     if ctx.load is None:
         return None
     counts = ctx.load.reduce(ctx.groups)
-    if ctx.config.moe_router_bias_update_rate:
-        ctx.load.update_biases(ctx.config.moe_router_bias_update_rate)
+    if ctx.config.moe.moe_router_bias_update_rate:
+        ctx.load.update_biases(ctx.config.moe.moe_router_bias_update_rate)
     return counts
 
 
@@ -145,7 +145,7 @@ def eval_step(
     mbs = microbatches(program, ctx, batch, m)
     steps = ctx.lower(forward_only(ctx.build_schedule(m)))[ctx.groups.pp_rank]
     stats = ctx.executor.run(steps, mbs, train=False)
-    if ctx.config.moe_capacity_factor is not None:
+    if ctx.config.moe.moe_capacity_factor is not None:
         ctx.experts.drops.log("eval step")
     loss_sum, num_tokens = _reduce_stats(ctx, stats)
     return EvalResult(loss=loss_sum / max(num_tokens, 1.0), num_tokens=int(num_tokens))
@@ -200,7 +200,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 def _count_skips(ctx: RankContext, outcome: StepOutcome) -> None:
     ctx.consecutive_skips = ctx.consecutive_skips + 1 if outcome.skipped else 0
-    limit = ctx.config.max_consecutive_skips
+    limit = ctx.config.guards.max_consecutive_skips
     if limit and ctx.consecutive_skips >= limit:
         raise FxmegError(
             f"{ctx.consecutive_skips} steps in a row were skipped (last: "

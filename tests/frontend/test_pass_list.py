@@ -102,3 +102,22 @@ def test_passes_that_are_not_whole_model_say_their_scope():
             assert "Scope: one chunk graph" in doc, p.name
         if p.scope.value == "parent":
             assert "Scope: the pipelined parent graph" in doc, p.name
+
+
+def test_every_pass_and_check_reads_only_what_it_names():
+    """A pass (and its check) names what it reads as its parameters after the graph: a
+    section of the EngineConfig, ``chunk`` (per-chunk scope only), or ``config`` whole; the
+    driver hands exactly those (``pass_driver.inputs``). ``config`` whole goes only to the
+    passes that read several sections and the config's own fields (param_gather), or
+    of them (param_gather)."""
+    from fxmeg.config import SECTIONS
+
+    whole = set()
+    for p in PASSES:
+        for fn in (p.run, p.check):
+            names = list(inspect.signature(fn).parameters)[1:]
+            assert set(names) <= {"config", "chunk", *SECTIONS}, (p.name, fn, names)
+            assert ("chunk" in names) <= (p.scope.value == "chunk"), (p.name, names)
+            if "config" in names:
+                whole.add(p.name)
+    assert whole == {"param_gather"}
