@@ -364,7 +364,7 @@ def test_default_ranks_take_ep_into_account():
 
 def test_docs_list_every_megatron_name():
     """docs/cli.md's table of Megatron-LM's flags is MEGATRON_NAMES, row for row."""
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")).read()
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md")).read()
     rows = re.findall(r"^\| `--([a-z0-9-]+)[^`]*` \| `--([a-z-]+) ?([^`]*)` \|$", text, re.M)
     listed = {alias.replace("-", "_"): (name.replace("-", "_"), value) for alias, name, value in rows}
     want = {alias: (name, switch if isinstance(switch, str) else "") for alias, (name, switch) in
