@@ -3,7 +3,7 @@
 A GPT whose blocks dominate (small vocabulary) split evenly over pp ranks, so the stages
 cost the same and the bubble is the schedule's, not an imbalance's. For each m, the
 median over traced steps of every rank's idle share of the step's schedule span
-(fxmeg.timelines.analyze). One JSON line.
+(fxmeg.runtime.timelines.analyze). One JSON line.
 
     python bench/bubble.py               # pp=2, m in 4 8 16, mbs 2 (the pipeline bench's)
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn  # noqa: E402
-from fxmeg import timelines  # noqa: E402
+from fxmeg.runtime import timelines  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 

@@ -46,7 +46,7 @@ def main() -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("fxmeg.pass_driver")
+    log = logging.getLogger("fxmeg.frontend.pass_driver")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     fxmeg.transform(

@@ -19,11 +19,11 @@ import time
 CASES = {
     "python": ["-c", "pass"],
     "import_torch": ["-c", "import torch"],
-    "fxmeg_help": ["-m", "fxmeg.cli", "--help"],
-    "fxmeg_train_help": ["-m", "fxmeg.cli", "train", "--help"],
+    "fxmeg_help": ["-m", "fxmeg.train.cli", "--help"],
+    "fxmeg_train_help": ["-m", "fxmeg.train.cli", "train", "--help"],
     "config_error": [
         "-m",
-        "fxmeg.cli",
+        "fxmeg.train.cli",
         "train",
         "--data",
         "x",

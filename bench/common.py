@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: spawning ranks, timing; saved-activation metering
-is fxmeg.measured_activations.SavedBytes."""
+is fxmeg.diagnostics.measured_activations.SavedBytes."""
 
 from __future__ import annotations
 

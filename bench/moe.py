@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
 from bench.memory import peak, rss  # noqa: E402
-from fxmeg import timelines  # noqa: E402
+from fxmeg.runtime import timelines  # noqa: E402
 
 RUNS = {"ep1": 1, "ep2": 2}
 

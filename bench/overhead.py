@@ -15,7 +15,7 @@ Two measurements, one JSON line:
   schedule, ``--traced-steps`` traced steps, per rank: the step's mean time split into
   chunk compute (the F / B / I / W actions), point-to-point (posting and waiting),
   optimizer and finalize, and the rest: the interpreter between actions. And the bound:
-  the schedule run in fxmeg.runtime.simulator with each (chunk, kind)'s mean measured
+  the schedule run in fxmeg.runtime.pipeline.simulator with each (chunk, kind)'s mean measured
   time and free communication (``bound_s``, ``rank_busy_s``), beside ``pipeline_s``, the
   step less optimizer and finalize: their gap is what the executor and the wire cost;
   the bound's own excess over the busiest rank's compute is the schedule's bubble.
@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed  # noqa: E402
 from bench.zero_bubble import FXMEG_VPP, TORCH_SCHEDULES, agree, torch_manual  # noqa: E402
-from fxmeg import timelines  # noqa: E402
-from fxmeg.runtime.schedules import Action  # noqa: E402
-from fxmeg.runtime.simulator import simulate  # noqa: E402
+from fxmeg.runtime import timelines  # noqa: E402
+from fxmeg.runtime.pipeline.schedules import Action  # noqa: E402
+from fxmeg.runtime.pipeline.simulator import simulate  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 EMPTY = dict(layers=4, hidden=8, seq=4, vocab=32, mbs=1)
@@ -204,7 +204,7 @@ def traced(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 def _bound(engine, ranks: list[list[tuple]], world: int, latency: float) -> dict:
-    """The schedule's makespan in the simulator (fxmeg.runtime.simulator) with each
+    """The schedule's makespan in the simulator (fxmeg.runtime.pipeline.simulator) with each
     (chunk, kind)'s mean measured time and free communication: what the step's pipeline
     part (all but optimizer and finalize) would take with no executor and no wire."""
     times = defaultdict(list)

@@ -1,4 +1,4 @@
-"""One packed message per pipeline cut vs one message per tensor (runtime/packing.py).
+"""One packed message per pipeline cut vs one message per tensor (runtime/pipeline/packing.py).
 
 Two gloo ranks ping-pong a Llama-like cut: hidden state (mbs, seq, hidden) fp32, a bool
 attention mask (mbs, 1, seq, seq) and the rotary cos / sin tables (seq, head_dim) fp32.
@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg
 from bench.common import median, parser, spawn, timed
-from fxmeg.program import Boundary
-from fxmeg.runtime.packing import Layout
+from fxmeg.ir.program import Boundary
+from fxmeg.runtime.pipeline.packing import Layout
 from models.llama import Llama, LlamaConfig
 
 

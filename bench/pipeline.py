@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import median, parser, plain_step, spawn, timed  # noqa: E402
-from fxmeg import timelines  # noqa: E402
-from fxmeg.measured_activations import SavedBytes  # noqa: E402
+from fxmeg.diagnostics.measured_activations import SavedBytes  # noqa: E402
+from fxmeg.runtime import timelines  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 

@@ -66,7 +66,7 @@ def one(kind: str, layers: int, seq: int) -> dict:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("fxmeg.pass_driver")
+    log = logging.getLogger("fxmeg.frontend.pass_driver")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     start = time.perf_counter()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from fxmeg.trainer import TrainConfig, Trainer  # noqa: E402
+from fxmeg.train.trainer import TrainConfig, Trainer  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 
 parser = argparse.ArgumentParser()

@@ -16,10 +16,10 @@ _HOMES = {
     "FxmegError": "fxmeg.errors",
     "LossScaleConfig": "fxmeg.loss_scale",
     "LRSchedule": "fxmeg.lr_schedule",
-    "materialize": "fxmeg.meta_init",
-    "Plan": "fxmeg.layout_plan", "plan": "fxmeg.layout_plan",
-    "Program": "fxmeg.program",
-    "transform": "fxmeg.pass_driver",
+    "materialize": "fxmeg.weights.meta_init",
+    "Plan": "fxmeg.diagnostics.layout_plan", "plan": "fxmeg.diagnostics.layout_plan",
+    "Program": "fxmeg.ir.program",
+    "transform": "fxmeg.frontend.pass_driver",
 }
 """Each public name and the module that defines it."""
 
@@ -46,10 +46,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from fxmeg.api import Engine, EvalResult, StepResult, VerifyResult, parallelize
     from fxmeg.config import EngineConfig, ParallelConfig
+    from fxmeg.diagnostics.layout_plan import Plan, plan
     from fxmeg.errors import FxmegError
-    from fxmeg.layout_plan import Plan, plan
+    from fxmeg.frontend.pass_driver import transform
+    from fxmeg.ir.program import Program
     from fxmeg.loss_scale import LossScaleConfig
     from fxmeg.lr_schedule import LRSchedule
-    from fxmeg.meta_init import materialize
-    from fxmeg.pass_driver import transform
-    from fxmeg.program import Program
+    from fxmeg.weights.meta_init import materialize

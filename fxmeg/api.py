@@ -14,18 +14,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxmeg.capture import LossFn
-from fxmeg.checkpoint import Checkpointer, find_complete
 from fxmeg.config import EngineConfig, Example, batch_dim, example_tensors, make_config
 from fxmeg.errors import CheckpointError, ConfigError
-from fxmeg.hf_export import hugging_face_info
-from fxmeg.meta_init import InitFn, value_source
-from fxmeg.pass_driver import transform
-from fxmeg.program import Partition, Program
+from fxmeg.frontend.capture import LossFn
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.frontend.variable_shapes import Shapes, collect, meta_twin
+from fxmeg.interop.hf_export import hugging_face_info
+from fxmeg.ir.program import Partition, Program
 from fxmeg.runtime import step
 from fxmeg.runtime.batches import UserBatch, needs_data
 from fxmeg.runtime.context import RankContext, build_context
-from fxmeg.runtime.optimizer import (
+from fxmeg.runtime.optimizer.optimizer import (
     OptimizerFactory,
     default_optimizer,
     param_groups,
@@ -36,7 +35,8 @@ from fxmeg.runtime.state import gather_full_state
 from fxmeg.runtime.step import EvalResult, StepResult
 from fxmeg.runtime.verify import ParamError, VerifyResult
 from fxmeg.runtime.verify import verify as verify_program
-from fxmeg.variable_shapes import Shapes, collect, meta_twin
+from fxmeg.weights.checkpoint import Checkpointer, find_complete
+from fxmeg.weights.meta_init import InitFn, value_source
 
 __all__ = ["Engine", "EvalResult", "ParamError", "Saving", "StepResult", "VerifyResult", "parallelize"]
 
@@ -64,8 +64,8 @@ def parallelize(
     use_cache=False).loss``; ``loss_fn(model, **batch)``), and every batch is then a dict
     with the same keys.
     ``optimizer`` is a factory receiving parameter groups (see
-    ``fxmeg.runtime.optimizer.param_groups``) and returning an optimizer, or several over
-    disjoint parameters (``fxmeg.runtime.optimizer.muon_adamw``); default AdamW.
+    ``fxmeg.runtime.optimizer.optimizer.param_groups``) and returning an optimizer, or several over
+    disjoint parameters (``fxmeg.runtime.optimizer.optimizer.muon_adamw``); default AdamW.
     ``options`` are the fields of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points, sequence_parallel,
     tp_plan) and ``EngineConfig`` (micro_batch_size, global_batch_size, precision,
     clip_grad, distributed_optimizer, optimizer_sharding, ...), checked before any
@@ -162,7 +162,7 @@ class Engine:
         """With ``variable_seq_lengths``: the Program of every input shape seen so far."""
         self._current = program
         self.hugging_face: dict | None = None
-        """A transformers model's config and tied names (``fxmeg.hf_export.hugging_face_info``),
+        """A transformers model's config and tied names (``fxmeg.interop.hf_export.hugging_face_info``),
         recorded in checkpoints for ``fxmeg export --format hf``."""
         self._checkpointer: Checkpointer | None = None
         self._placeholders: dict[str, nn.Parameter] | None = None
@@ -221,7 +221,7 @@ class Engine:
         ``check_determinism`` runs forward and backward twice on the batch (Megatron's
         rerun idea) and reports in ``rerun_mismatch`` whether loss or any reduced gradient
         differed; the step then uses the second run. ``trace`` records this step's
-        timeline in ``context.tracer.events`` (see fxmeg.timelines). ``full_grads`` gathers
+        timeline in ``context.tracer.events`` (see fxmeg.runtime.timelines). ``full_grads`` gathers
         every parameter's gradient whole into ``StepResult.grads``, before the optimizer
         clips and applies it (collective; for tests and debugging: it costs a gather of
         the model). With ``check_replicas_interval=N``, every N-th call first checks that

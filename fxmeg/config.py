@@ -210,7 +210,7 @@ class EngineConfig:
     """Batches may differ from the example in their non-batch dimensions (the sequence
     length, per global batch, as with dynamic padding): each new shape is captured and
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
-    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/variable_shapes.py).
+    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/frontend/variable_shapes.py).
     Off: a batch must have the example's shape."""
 
     SIZES: ClassVar[dict[str, Size]] = {

@@ -36,7 +36,7 @@ class ScheduleError(FxmegError):
 
 
 class LayoutError(FxmegError, ValueError):
-    """A layout (``fxmeg.layouts``) made with fields that cannot describe a tensor: an
+    """A layout (``fxmeg.ir.layouts``) made with fields that cannot describe a tensor: an
     internal error when a pass makes it, a user error when it comes from a plan."""
 
 

@@ -6,7 +6,7 @@ sit on the pipeline ranks, its rules on vpp, pp and the micro-batch count m, whe
 splits backward into input- and weight-gradient work (zero bubble), and whether 'auto'
 may pick it. Every reader takes these facts from here: ``ParallelConfig`` (the name, the
 vpp and pp rules, 'auto', the placement, ``splits_backward``), ``EngineConfig``'s batch
-check and ``fxmeg.runtime.schedules.build`` (the same refusals, written once below:
+check and ``fxmeg.runtime.pipeline.schedules.build`` (the same refusals, written once below:
 ``layout_refusal`` and ``batch_refusal``), the partition pass (a V placement) and
 docs/parallelism.md's schedule table (tests/config/test_schedule_registry.py checks it row for
 row against ``table_rows``).
@@ -14,7 +14,7 @@ row against ``table_rows``).
 Adding a schedule:
   1. one ``Spec`` in ``SPECS`` below (a new kind of rule: a field, and its line in
      ``layout_refusal`` or ``batch_refusal``);
-  2. its builder in fxmeg/runtime/schedules.py, named by the row's ``builder``: a pure
+  2. its builder in fxmeg/runtime/pipeline/schedules.py, named by the row's ``builder``: a pure
      function ``(pp, vpp, m) -> Schedule`` (tests/config/test_schedule_registry.py checks
      that every row names one);
   3. its row in docs/parallelism.md's table (the test prints the row it expects).
@@ -39,7 +39,7 @@ class Spec:
     name: str
     """As given to ``schedule=`` / ``--schedule``."""
     builder: str
-    """The function of fxmeg.runtime.schedules that builds it: ``(pp, vpp, m) -> Schedule``."""
+    """The function of fxmeg.runtime.pipeline.schedules that builds it: ``(pp, vpp, m) -> Schedule``."""
     placement: str = "loop"
     """Chunk c's pipeline rank: 'loop', c % pp (Megatron's interleaving); 'v', down the
     ranks and back up (c for c < pp, else 2 * pp - 1 - c: ZB-V, DualPipeV)."""

@@ -39,7 +39,7 @@ def decide_sharding(
 ) -> OptimizerSharding:
     """The rule: NONE without the distributed optimizer, else ``requested`` ('auto':
     LAYERWISE iff an inner optimizer needs whole parameters; ``whole`` names them, from
-    ``fxmeg.runtime.optimizer.OptimizerPlan``). Raises ConfigError when the request
+    ``fxmeg.runtime.optimizer.optimizer.OptimizerPlan``). Raises ConfigError when the request
     cannot hold (before any process group)."""
     if not distributed:
         return OptimizerSharding.NONE

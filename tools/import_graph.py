@@ -36,9 +36,23 @@ from collections import deque
 from pathlib import Path
 
 FORBIDDEN: tuple[tuple[str, str], ...] = (  # (importer prefix, imported prefix)
-    ("fxmeg.passes", "fxmeg.runtime"),
-    ("fxmeg.runtime", "fxmeg.capture"),
+    # the flow, bottom up: ir -> frontend / passes -> runtime -> weights / interop ->
+    # diagnostics -> train; api.py, at the top, may import anything
+    ("fxmeg.ir", "fxmeg.passes"),  # what the passes write knows no pass
+    ("fxmeg.ir", "fxmeg.runtime"),
+    ("fxmeg.ir", "fxmeg.train"),
+    ("fxmeg.passes", "fxmeg.runtime"),  # the passes run on CPU in one process
+    ("fxmeg.passes", "fxmeg.diagnostics"),
+    ("fxmeg.passes", "fxmeg.train"),
+    ("fxmeg.runtime", "fxmeg.frontend"),  # the runtime reads only the Program
     ("fxmeg.runtime", "fxmeg.passes"),
+    ("fxmeg.runtime", "fxmeg.train"),
+    ("fxmeg.runtime.pipeline", "fxmeg.runtime.data_parallel"),  # schedules know no DDP
+    ("fxmeg.runtime.pipeline", "fxmeg.runtime.optimizer"),
+    ("fxmeg.weights", "fxmeg.train"),
+    ("fxmeg.interop", "fxmeg.train"),
+    ("fxmeg.diagnostics", "fxmeg.train"),  # diagnostics may import anything below it
+    ("fxmeg.data", "fxmeg.runtime"),  # data reads files, tokenises: no engine
     ("fxmeg.torch_private", "fxmeg"),  # a leaf: any module (passes, runtime) may import it
 )
 

@@ -1,6 +1,6 @@
 """Graph passes, one per file, pure (no torch.distributed, no rank, no I/O); each
 docstring states what the pass requires and ensures, and ``verify.py`` checks the Ensures
-after each pass when FXMEG_VERIFY=1. ``fxmeg/pass_driver.py`` holds the order and calls
+after each pass when FXMEG_VERIFY=1. ``fxmeg/frontend/pass_driver.py`` holds the order and calls
 each as ``run(gm, **what_it_reads) -> gm`` on the graph of its scope (model, chunk, parent:
 docs/architecture.md §1); the pass's parameters after ``gm`` name the EngineConfig sections
 it reads (``parallel``, ``data_parallel``, ``recomputation`` ...; ``pass_driver.inputs``). The sharding passes read one registry of op rules,

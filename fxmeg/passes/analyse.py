@@ -3,7 +3,7 @@
 Requires: the loss pass's ``(loss_sum, num_tokens)`` outputs, on the whole (unsharded,
 unsplit) graph.
 Ensures: the graph is unchanged; ``gm.meta["fxmeg"]["facts"]`` is a
-``fxmeg.program.ModelFacts``: the forward FLOPs of one micro-batch (matmuls and
+``fxmeg.ir.program.ModelFacts``: the forward FLOPs of one micro-batch (matmuls and
 attention, for throughput and MFU), and which inputs index a loss's classes or an
 embedding's rows with their valid range (batches are checked against them before any
 communication: out of range they would fail deep in one stage's forward while the
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch import fx
 
+from fxmeg.ir.program import ModelFacts, PositionTable, ValueCheck
 from fxmeg.passes.partition import node_flops
-from fxmeg.program import ModelFacts, PositionTable, ValueCheck
 from fxmeg.torch_private import op_schema
 
 

@@ -6,12 +6,12 @@ parameter read by several chunks of one pipeline rank gets one slot on that rank
 layout of a chunk depends on the other chunks placed on its rank.
 Requires: the pipelined parent graph (pipeline pass) with the partition's placement.
 Ensures: every chunk graph's ``gm.meta["fxmeg"]["buffers"]`` holds one
-``fxmeg.program.BufferLayout`` per gradient dtype (fp32: gradients accumulate in fp32
+``fxmeg.ir.program.BufferLayout`` per gradient dtype (fp32: gradients accumulate in fp32
 whatever the parameters' precision), and a second one (``experts=True``) for the banks of
 routed experts under expert parallelism (reduced and sharded over the expert-data-parallel
 ranks, so padded to their count: each bank's bucket indices count from 0 in its own
 buffer), and every trainable parameter's
-get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.layouts.BucketSlot(chunk, dtype, index)``:
+get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.ir.layouts.BucketSlot(chunk, dtype, index)``:
   * a parameter's gradient is complete once backward has passed its *first* use in
     forward, so parameters are laid out by first use, latest first (Megatron lays out
     its buffer in reverse parameter order for the same reason);
@@ -38,10 +38,10 @@ from torch import fx
 
 from fxmeg.config import ParallelConfig
 from fxmeg.config_sections import DataParallelConfig
-from fxmeg.layouts import BucketSlot
+from fxmeg.ir.layouts import BucketSlot
+from fxmeg.ir.program import Bucket, BufferLayout, Slot, chunks
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.passes.partition import find_blocks
-from fxmeg.program import Bucket, BufferLayout, Slot, chunks
 from fxmeg.sharding_modes import OptimizerSharding
 
 PARAM_ALIGN = 64  # Megatron: parameter starts in a sharded buffer

@@ -24,16 +24,22 @@ from torch import fx
 
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
-from fxmeg.layouts import PARTIAL, CPLayout, Seq
-from fxmeg.ops import CP
-from fxmeg.passes.cp_masks import is_causal_mask, mask_inputs
-from fxmeg.passes.cp_moe import SUMS, only_counted, partial, routed_experts
+from fxmeg.ir.layouts import PARTIAL, CPLayout, Seq
+from fxmeg.ir.ops import CP
+from fxmeg.passes.cp.masks import is_causal_mask, mask_inputs
+from fxmeg.passes.cp.moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
-    call, divide_shape_arg, expand_add_matmul, finish, full_args, requires_grad_nodes, val,
+    call,
+    divide_shape_arg,
+    expand_add_matmul,
+    finish,
+    full_args,
+    requires_grad_nodes,
+    val,
 )
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.propagation import UNDECIDED, Propagation
-from fxmeg.passes.tp_placement import dim_groups, divisors
+from fxmeg.passes.tp.placement import dim_groups, divisors
 from fxmeg.torch_private import op_schema
 
 aten = torch.ops.aten

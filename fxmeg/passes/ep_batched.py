@@ -14,7 +14,7 @@ where ``scores [T, E]`` is a chain of one-operand elementwise ops (casts, Llama 
 of ``scatter(full_like(logits, fill), 1, top_k_index, values)`` and that chain maps
 ``fill`` to exactly 0 (sigmoid(-inf) = 0): outside a token's top-k experts its rows are
 zero. When the experts map a zero row to zero (no bias bank; ``middle(0) = 0``, checked
-on one row) the result is the routed computation of ``fxmeg.moe`` with the routing
+on one row) the result is the routed computation of ``fxmeg.ir.moe`` with the routing
 weights applied to each expert's input (Megatron's ``moe_apply_probs_on_input``): each
 (token, slot) pair's row ``w * hidden[t]`` through its expert, the k results summed
 unweighted. Only the grouping of the rows differs, and the sum over the k picked experts
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
+from fxmeg.frontend.capture import owning_module
 from fxmeg.passes.graph_utils import attr, users_reached, val
 from fxmeg.passes.op_rules import in_family
 

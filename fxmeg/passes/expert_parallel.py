@@ -1,7 +1,7 @@
 """Expert-parallel pass: each routed-experts block of a chunk graph becomes one
-``fxmeg.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
+``fxmeg.ir.ops.routed_experts`` node whose expert banks are split over ep ranks; the runtime
 binds it to an all-to-all token dispatcher (fxmeg/runtime/experts.py). At every ep, each
-block's top-k expert index is marked with ``fxmeg.ops.expert_load``, which the runtime
+block's top-k expert index is marked with ``fxmeg.ir.ops.expert_load``, which the runtime
 binds to its count of tokens per expert (fxmeg/runtime/expert_load.py).
 
 Scope: one chunk graph (after the pipeline pass).
@@ -17,7 +17,7 @@ rewritten, and a block fxmeg cannot read is not marked (not counted), never refu
 unless ``moe_router_bias_update_rate`` > 0, which refuses (PassError naming the module)
 a block it cannot read or a router without a bias buffer. At ep > 1 besides, each
 block's nodes are replaced by one ``routed_experts`` node computing the
-same values (``fxmeg.moe``: the same rows, matmuls, weights and sums; only the
+same values (``fxmeg.ir.moe``: the same rows, matmuls, weights and sums; only the
 grouping of rows into matmuls differs; a batched block's skipped experts, which added
 exact zeros, are not run), or with ``moe.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
@@ -37,14 +37,14 @@ import operator
 import torch
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.config import ParallelConfig
 from fxmeg.config_sections import MoEConfig
 from fxmeg.errors import PassError
-from fxmeg.layouts import ExpertShard
+from fxmeg.ir import ops
+from fxmeg.ir.layouts import ExpertShard
+from fxmeg.ir.program import CONSTANTS, ChunkInfo
 from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
 from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, requires_grad_nodes, val
-from fxmeg.program import CONSTANTS, ChunkInfo
 from fxmeg.torch_private import op_schema
 
 log = logging.getLogger(__name__)

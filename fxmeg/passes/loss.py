@@ -1,6 +1,6 @@
 """Loss pass: the model's mean loss becomes ``(loss_sum, num_tokens)``.
 
-Requires: a captured graph (``fxmeg.capture``) whose first output is the model's scalar
+Requires: a captured graph (``fxmeg.frontend.capture``) whose first output is the model's scalar
 loss, or, with a user ``loss_fn``, whose outputs are ``(loss_sum, num_tokens)``.
 Ensures: the graph returns exactly ``(loss_sum, num_tokens)``, two scalars with
 ``loss_sum / num_tokens`` equal to the original loss; ``num_tokens`` does not depend on
@@ -25,10 +25,18 @@ import operator
 import torch
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.errors import PassError
+from fxmeg.ir import ops
 from fxmeg.passes.graph_utils import (
-    arg, attr, call, fake_eval, finish, full_args, inline, is_hop, val,
+    arg,
+    attr,
+    call,
+    fake_eval,
+    finish,
+    full_args,
+    inline,
+    is_hop,
+    val,
 )
 from fxmeg.torch_private import detect_fake_mode, op_schema
 

@@ -11,7 +11,7 @@ op with no family, or a family the axis has no rule for, is refused by the pass,
 the op (``describe``). Supporting a new op on every axis is one entry here.
 
 Each rule is a method of the axis's pass object, called as ``rule(self, node)`` with the
-node whose inputs have places; it returns the node's place (``fxmeg.layouts``).
+node whose inputs have places; it returns the node's place (``fxmeg.ir.layouts``).
 ``always`` marks a rule that runs even when no input is split (a linear or an embedding
 that starts a split); every other rule runs only on nodes that read a split value.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxmeg import ops as _registers_fxmeg_ops  # noqa: F401  (torch.ops.fxmeg.* below)
+from fxmeg.ir import ops as _registers_fxmeg_ops  # noqa: F401  (torch.ops.fxmeg.* below)
 from fxmeg.passes.graph_utils import full_args
 from fxmeg.torch_private import op_schema
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.config import EngineConfig
+from fxmeg.ir import ops
+from fxmeg.ir.program import ChunkInfo
 from fxmeg.passes.graph_utils import attr, body_call, finish, val
-from fxmeg.program import ChunkInfo
 from fxmeg.torch_private import OpOverload, op_schema
 
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ Requires: the loss pass's outputs; tp-sharded shapes in ``meta["val"]`` if tp > 
 Ensures: every call_function node carries ``meta["fxmeg"]["chunk"]`` in
 [0, pp * vpp), non-decreasing in graph order, so chunks only ever read values of earlier
 chunks and the pipeline pass can cut between them; ``gm.meta["fxmeg"]["partition"]`` is
-the ``fxmeg.program.Partition`` (units, chunk starts, estimated costs, placement).
+the ``fxmeg.ir.program.Partition`` (units, chunk starts, estimated costs, placement).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from collections import Counter
 import torch
 from torch import fx
 
-from fxmeg.capture import owning_module
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import ConfigError, PassError
-from fxmeg.model_checks import blocks_error
+from fxmeg.frontend.capture import owning_module
+from fxmeg.frontend.model_checks import blocks_error
+from fxmeg.ir.program import Partition
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
-from fxmeg.program import Partition
 from fxmeg.torch_private import is_alias_of, op_schema
 
 aten = torch.ops.aten

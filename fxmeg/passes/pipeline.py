@@ -9,12 +9,12 @@ chunk graphs and whose forward chains them, computing exactly what the input com
 For chunk k:
   * placeholders are the micro-batch inputs it reads (in input order), then one per
     tensor received from chunk k-1, named like the value in the captured graph;
-  * every received tensor passes through ``fxmeg.ops.recv`` and every tensor needed by a
-    later chunk leaves through ``fxmeg.ops.send`` (to chunk k+1: a value that skips
+  * every received tensor passes through ``fxmeg.ir.ops.recv`` and every tensor needed by a
+    later chunk leaves through ``fxmeg.ir.ops.send`` (to chunk k+1: a value that skips
     chunks is relayed by each chunk in between); nodes carry peer chunk, shape, dtype,
     and ``grad``: whether a gradient flows back;
   * a sent tensor this chunk produced, that requires grad and that nothing else in the
-    chunk reads, is marked with ``fxmeg.ops.deallocate`` (the executor frees it once sent);
+    chunk reads, is marked with ``fxmeg.ir.ops.deallocate`` (the executor frees it once sent);
   * it returns its send nodes, the last chunk then ``(loss_sum, num_tokens)``;
   * a parameter or buffer read by several chunks is a get_attr in each of them (the same
     tensor object): tied weights stay tied when chunks share a rank, and are recorded as
@@ -22,10 +22,10 @@ For chunk k:
   * a higher-order op (an autocast or no-grad region) runs in one chunk, which holds its
     body under the same ``_fxmeg_hop`` name; values a no-grad region returns cross
     boundaries with ``grad`` False;
-  * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.program.ChunkSpec``;
+  * ``gm.meta["fxmeg"]["spec"]`` holds its ``fxmeg.ir.program.ChunkSpec``;
   * the parent keeps the input graph's ``gm.meta["fxmeg"]`` (capture, facts, cp, partition).
-``fxmeg.program.chunks`` lists the chunk graphs; the driver hands each to the per-chunk
-passes after this one (fxmeg/pass_driver.py).
+``fxmeg.ir.program.chunks`` lists the chunk graphs; the driver hands each to the per-chunk
+passes after this one (fxmeg/frontend/pass_driver.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import operator
 import torch
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.config import ParallelConfig
+from fxmeg.ir import ops
+from fxmeg.ir.program import Boundary, ChunkSpec, chunk_name, chunk_spec
 from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
-from fxmeg.program import Boundary, ChunkSpec, chunk_name, chunk_spec
 
 aten = torch.ops.aten
 

@@ -20,9 +20,9 @@ from typing import ClassVar
 import torch
 from torch import fx
 
-from fxmeg.capture import owning_module
 from fxmeg.errors import PassError
-from fxmeg.layouts import Places
+from fxmeg.frontend.capture import owning_module
+from fxmeg.ir.layouts import Places
 from fxmeg.passes.graph_utils import body_call, fake_eval, finish, is_hop, is_subgraph, without_grad
 from fxmeg.passes.op_rules import describe, rule_for
 from fxmeg.passes.redistribute import insert_move

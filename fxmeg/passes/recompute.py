@@ -23,13 +23,13 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from fxmeg import ops
 from fxmeg.config_sections import GRANULARITIES, RecomputeConfig
 from fxmeg.errors import PassError
+from fxmeg.ir import ops
+from fxmeg.ir.program import ChunkInfo
+from fxmeg.ir.recomputation import Recomputation
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
-from fxmeg.program import ChunkInfo
-from fxmeg.recomputation import Recomputation
 
 aten = torch.ops.aten
 _MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather, ops.zero_gather, ops.zero_release}

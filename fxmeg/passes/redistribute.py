@@ -7,7 +7,7 @@ A placement is named here by its kind: ``replicated`` (every rank holds all of i
 backward: Megatron's f), ``local`` (this rank's part of a replicated value), ``seq`` (split
 along the sequence: sp's residual stream, cp's every value), ``partial`` (each rank holds
 a part of a sum; ``partial_max`` of a maximum). The ops are ``fxmeg::`` ops on the axis's symbolic group, bound at run
-time (fxmeg/ops.py says what each does forward and backward).
+time (fxmeg/ir/ops.py says what each does forward and backward).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxmeg import ops as _registers_fxmeg_ops  # noqa: F401  (torch.ops.fxmeg.* below)
+from fxmeg.ir import ops as _registers_fxmeg_ops  # noqa: F401  (torch.ops.fxmeg.* below)
 from fxmeg.passes.graph_utils import call
 
 fx_ops = torch.ops.fxmeg

@@ -22,7 +22,7 @@ Scope: one chunk graph (the driver runs it on each).
 Requires: pipeline (a chunk graph with a ChunkSpec); recompute, buckets, param_gather may
 have run. Ensures: when the schedule runs I / W actions (``parallel.splits_backward``),
 the chunk graph has three parameter-free submodules ``zb_forward``, ``zb_input``,
-``zb_weight`` and ``gm.meta["fxmeg"]["split"]``, a ``fxmeg.program.SplitSpec`` (their
+``zb_weight`` and ``gm.meta["fxmeg"]["split"]``, a ``fxmeg.ir.program.SplitSpec`` (their
 calling conventions); ``zb_input`` then ``zb_weight`` compute exactly the gradients the
 chunk's autograd backward does. Otherwise the graphs are unchanged.
 """
@@ -35,14 +35,20 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmeg import ops
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
+from fxmeg.ir import ops
+from fxmeg.ir.program import ChunkInfo, SplitSpec, chunk_spec
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import ChunkInfo, SplitSpec, chunk_spec
-from fxmeg.torch_private import (FakeTensorMode, aot_export_joint_simple, default_partition, detect_fake_mode,
-                                 min_cut_rematerialization_partition, reparametrize_module)
+from fxmeg.torch_private import (
+    FakeTensorMode,
+    aot_export_joint_simple,
+    default_partition,
+    detect_fake_mode,
+    min_cut_rematerialization_partition,
+    reparametrize_module,
+)
 
 
 def split_backward(gm: fx.GraphModule, *, parallel: ParallelConfig, chunk: ChunkInfo) -> fx.GraphModule:

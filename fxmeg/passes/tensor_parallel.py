@@ -23,24 +23,29 @@ import re
 import torch
 from torch import fx
 
-from fxmeg.capture import owning_module
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
-from fxmeg import ops as fxmeg_ops
-from fxmeg.layouts import LOCAL, PARTIAL, Replicate, Shard
-from fxmeg.ops import TP
+from fxmeg.frontend.capture import owning_module
+from fxmeg.ir import ops as fxmeg_ops
+from fxmeg.ir.layouts import LOCAL, PARTIAL, Replicate, Shard
+from fxmeg.ir.ops import TP
 from fxmeg.passes.graph_utils import attr, call, finish, full_args, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, in_family, rule
 from fxmeg.passes.partition import find_blocks
 from fxmeg.passes.propagation import Propagation
-from fxmeg.passes.tp_heads import (check_kv_readers, kv_linear, kv_replicas, linears_from_products,
-                                    say_whole_projections)
-from fxmeg.passes.tp_moe import say_what_stays_whole, scores_features
-from fxmeg.passes.tp_placement import divisors
-from fxmeg.passes.tp_rules import PropagationRules
-from fxmeg.passes.tp_blocks import split_edges
-from fxmeg.passes.tp_channels import ChannelRules
-from fxmeg.passes.tp_rules_more import MoreRules, fused_view
+from fxmeg.passes.tp.blocks import split_edges
+from fxmeg.passes.tp.channels import ChannelRules
+from fxmeg.passes.tp.heads import (
+    check_kv_readers,
+    kv_linear,
+    kv_replicas,
+    linears_from_products,
+    say_whole_projections,
+)
+from fxmeg.passes.tp.moe import say_what_stays_whole, scores_features
+from fxmeg.passes.tp.placement import divisors
+from fxmeg.passes.tp.rules import PropagationRules
+from fxmeg.passes.tp.rules_more import MoreRules, fused_view
 from fxmeg.torch_private import detect_fake_mode
 
 aten = torch.ops.aten

@@ -2,7 +2,7 @@
 it). A failed check is an internal error: an ``AssertionError`` naming the pass, the chunk
 or node, and what does not hold.
 
-One check per pass, named like it; ``fxmeg.pass_driver.PASSES`` pairs each pass with its
+One check per pass, named like it; ``fxmeg.frontend.pass_driver.PASSES`` pairs each pass with its
 check, and the driver calls the check like the pass: on the result of a per-chunk pass
 once per chunk graph (with its ``ChunkInfo``), otherwise on the whole result; a check,
 like a pass, names the config sections it reads as its parameters.
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxmeg import ops
 from fxmeg.config import ParallelConfig
 from fxmeg.config_sections import DataParallelConfig, MoEConfig
+from fxmeg.ir import ops
+from fxmeg.ir.program import ChunkInfo, buffer_layouts, chunk_spec, chunks, split_spec
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import ChunkInfo, buffer_layouts, chunk_spec, chunks, split_spec
 
 
 def loss(gm: fx.GraphModule) -> None:

@@ -10,8 +10,8 @@ import torch
 
 from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
-from fxmeg.ops import cp_positions
-from fxmeg.program import CPLayout, Program
+from fxmeg.ir.ops import cp_positions
+from fxmeg.ir.program import CPLayout, Program
 from fxmeg.runtime.context import RankContext
 
 Batch = tuple[torch.Tensor, ...]

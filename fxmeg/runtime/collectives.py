@@ -1,4 +1,4 @@
-"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ops`` declares, and
+"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ir.ops`` declares, and
 ``bind``, which points a chunk graph's symbolic names at this rank's real objects.
 
 Importing this module registers the kernels; every runtime path that runs a
@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from fxmeg import ops
-from fxmeg.recomputation import Recomputation
+from fxmeg.ir import ops
+from fxmeg.ir.recomputation import Recomputation
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 from fxmeg.torch_private import resolve_process_group

@@ -6,7 +6,7 @@ was decided by ``parallelize``: ``DataParallelConfig.decided_sharding``); the pr
 rank's chunks, bound (copies of the Program's chunk graphs whose tensor-parallel
 parameters are materialised as this rank's shards, and whose symbolic group names and
 param-gather markers point at this rank's objects); the check that replicas hold the same
-values (``runtime/replicas.py``; with ``broadcast_params`` the first replica's values
+values (``runtime/data_parallel/replicas.py``; with ``broadcast_params`` the first replica's values
 copied first); the data-parallel gradient buffers;
 the optimizer with its fp32 masters; the loss scaler and lr scheduler; the schedule; and
 the executor. Everything a step needs is in the returned ``RankContext``; nothing is
@@ -25,24 +25,24 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from fxmeg import program as prog
 from fxmeg.config import EngineConfig
 from fxmeg.config_sections import DataParallelConfig, PipelineConfig
 from fxmeg.errors import ConfigError, FxmegError
-from fxmeg.layouts import ParamLayout, is_split, reduces_grad
+from fxmeg.ir import program as prog
+from fxmeg.ir.layouts import ParamLayout, is_split, reduces_grad
+from fxmeg.ir.program import CONSTANTS, Program
+from fxmeg.ir.recomputation import Recomputation
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
-from fxmeg.meta_init import Source
-from fxmeg.program import CONSTANTS, Program
-from fxmeg.recomputation import Recomputation
-from fxmeg.runtime import collectives, replicas, schedules
-from fxmeg.runtime.ddp import DataParallel, Events, GradBuffer
-from fxmeg.runtime.executor import ComputeHooks, Executor
+from fxmeg.runtime import collectives
+from fxmeg.runtime.data_parallel import replicas
+from fxmeg.runtime.data_parallel.ddp import DataParallel, Events, GradBuffer
+from fxmeg.runtime.data_parallel.zero import ShardFill, ZeroBuffer, ZeroParams
 from fxmeg.runtime.expert_load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
-from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.runtime.optimizer import (
+from fxmeg.runtime.optimizer.layerwise import gather_tp
+from fxmeg.runtime.optimizer.optimizer import (
     FullSource,
     MasterSource,
     MasterSources,
@@ -53,12 +53,14 @@ from fxmeg.runtime.optimizer import (
     param_groups,
     plan_optimizers,
 )
-from fxmeg.runtime.p2p import PointToPoint
+from fxmeg.runtime.pipeline import schedules
+from fxmeg.runtime.pipeline.executor import ComputeHooks, Executor
+from fxmeg.runtime.pipeline.p2p import PointToPoint
 from fxmeg.runtime.release import release
-from fxmeg.runtime.zero import ShardFill, ZeroBuffer, ZeroParams
-from fxmeg.sharding import ep_shard, tp_shard
+from fxmeg.runtime.timelines import Tracer
 from fxmeg.sharding_modes import OptimizerSharding
-from fxmeg.timelines import Tracer
+from fxmeg.weights.meta_init import Source
+from fxmeg.weights.sharding import ep_shard, tp_shard
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class RankContext:
     """Tokens per expert of the routed-experts layers (runtime/expert_load.py); None for a model
     without any, or where forward is compiled or split (compile, zero-bubble schedules)."""
     zero: ZeroParams | None = None
-    """zero=3: the parameters' gathers and releases (runtime/zero.py)."""
+    """zero=3: the parameters' gathers and releases (runtime/data_parallel/zero.py)."""
     consecutive_skips: int = 0
     steps_taken: int = 0
     """train_step calls so far (``check_replicas_interval`` counts them)."""
@@ -270,7 +272,7 @@ def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.Graph
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     """This rank's chunks of ``program``, another Program of the model ``ctx`` was built
-    for from ``first`` (another input shape: fxmeg/variable_shapes.py), holding ``ctx``'s own
+    for from ``first`` (another input shape: fxmeg/frontend/variable_shapes.py), holding ``ctx``'s own
     tensors, with an executor that runs them (``RankContext.use`` switches to it).
 
     Requires: ``program`` has ``ctx``'s pipeline cut and gradient buffer layout (a

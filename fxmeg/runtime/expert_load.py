@@ -1,4 +1,4 @@
-"""Tokens per expert: the recorder that ``fxmeg.ops.expert_load`` markers call once bound
+"""Tokens per expert: the recorder that ``fxmeg.ir.ops.expert_load`` markers call once bound
 (``collectives.bind``), the step's expert-load figures and loss-free balancing
 (runtime/step.py).
 
@@ -12,7 +12,7 @@ hold the same tokens and are not summed) and over the pipeline stages (each laye
 on one), so every rank holds every layer's counts of the global batch; ``reset`` clears
 them before the next forward.
 
-``GlobalTokens`` is what ``fxmeg.ops.global_tokens`` calls once bound (a router loss's
+``GlobalTokens`` is what ``fxmeg.ir.ops.global_tokens`` calls once bound (a router loss's
 tokens per expert averaged over the global batch's micro-batches so far: Megatron's
 ``global_aux_loss``).
 
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg.program import Program, load_marks
-from fxmeg.recomputation import Recomputation
+from fxmeg.ir.program import Program, load_marks
+from fxmeg.ir.recomputation import Recomputation
 from fxmeg.runtime.groups import Groups, all_reduce
 from fxmeg.torch_private import resolve_process_group
 

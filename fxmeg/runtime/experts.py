@@ -1,4 +1,4 @@
-"""The all-to-all behind ``fxmeg.ops.routed_experts`` once bound to an expert-parallel
+"""The all-to-all behind ``fxmeg.ir.ops.routed_experts`` once bound to an expert-parallel
 group (``collectives.bind``: ``RankExperts.routed_experts``): Megatron's dropless all-to-all
 token dispatcher.
 
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fxmeg import moe
-from fxmeg.recomputation import Recomputation
-from fxmeg.timelines import Tracer
+from fxmeg.ir import moe
+from fxmeg.ir.recomputation import Recomputation
+from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
 
 
@@ -111,6 +111,6 @@ class RankExperts:
 
     @moe.as_op
     def routed_experts(self, *args, group: str, **options) -> Tensor:
-        """``fxmeg.ops.routed_experts`` bound: this rank's experts, the others' over
+        """``fxmeg.ir.ops.routed_experts`` bound: this rank's experts, the others' over
         ``group``, the drops counted in ``drops``."""
         return moe.routed_experts(*args, exchange=self.exchange(group), drops=self.drops, **options)

@@ -21,8 +21,8 @@ import torch
 from torch import fx, nn
 
 from fxmeg.errors import ReleasedError
-from fxmeg.layouts import is_split
-from fxmeg.program import Program
+from fxmeg.ir.layouts import is_split
+from fxmeg.ir.program import Program
 from fxmeg.torch_private import DisableTorchFunctionSubclass, own_buffers, own_parameters
 
 _METADATA = frozenset({torch.Tensor.shape, torch.Tensor.dtype, torch.Tensor.device, torch.Tensor.requires_grad,

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxmeg.program import Program
+from fxmeg.ir.program import Program
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.groups import all_gather_
-from fxmeg.runtime.layerwise import gather_tp
-from fxmeg.sharding import Pieces, flat_index, flat_to_boxes, local_to_global, view
+from fxmeg.runtime.optimizer.layerwise import gather_tp
+from fxmeg.weights.sharding import Pieces, flat_index, flat_to_boxes, local_to_global, view
 
 
 def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Tensor]:

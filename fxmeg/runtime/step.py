@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 
 from fxmeg.errors import FxmegError
-from fxmeg.program import Program
-from fxmeg.runtime import replicas
+from fxmeg.ir.program import Program
 from fxmeg.runtime.batches import Batch, UserBatch, microbatches, positional
 from fxmeg.runtime.context import RankContext
-from fxmeg.runtime.ddp import finalize_model_grads
+from fxmeg.runtime.data_parallel import replicas
+from fxmeg.runtime.data_parallel.ddp import finalize_model_grads
 from fxmeg.runtime.expert_load import load_imbalance
 from fxmeg.runtime.groups import all_reduce
-from fxmeg.runtime.optimizer import StepOutcome
-from fxmeg.runtime.schedules import forward_only
+from fxmeg.runtime.optimizer.optimizer import StepOutcome
+from fxmeg.runtime.pipeline.schedules import forward_only
 from fxmeg.runtime.state import gather_full_grads
 
 

@@ -32,9 +32,9 @@ from torch import fx, nn
 
 from fxmeg.config import cast_inputs
 from fxmeg.errors import BatchError
-from fxmeg.layouts import is_split, reduces_grad
-from fxmeg.ops import AUX_SCALE
-from fxmeg.program import Program
+from fxmeg.ir.layouts import is_split, reduces_grad
+from fxmeg.ir.ops import AUX_SCALE
+from fxmeg.ir.program import Program
 from fxmeg.runtime.batches import Batch, UserBatch, check, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import gather_full_grads, gather_full_state, graph_order

@@ -10,12 +10,12 @@ import tempfile
 import pytest
 import torch
 
-from fxmeg.cli import _train_parser, config_from, main
 from fxmeg.config import INTERNAL, SECTIONS, EngineConfig, ParallelConfig, flat_names
 from fxmeg.config_sections import DataParallelConfig, GuardsConfig, MoEConfig, RecomputeConfig
 from fxmeg.errors import ConfigError
-from fxmeg.train_config import MEGATRON_NAMES
-from fxmeg.trainer import TrainConfig, batch_size_schedule, flat_fields
+from fxmeg.train.cli import _train_parser, config_from, main
+from fxmeg.train.train_config import MEGATRON_NAMES
+from fxmeg.train.trainer import TrainConfig, batch_size_schedule, flat_fields
 
 
 def test_from_flat_round_trips_through_flat():
@@ -352,7 +352,7 @@ def test_megatron_names_set_the_same_options_and_conflicts_are_refused():
 
 
 def test_default_ranks_take_ep_into_account():
-    from fxmeg.launch import default_ranks
+    from fxmeg.train.launch import default_ranks
 
     assert default_ranks(ParallelConfig(ep=2)) == 2  # dp 2, which ep=2 folds over
     assert default_ranks(ParallelConfig(tp=2, pp=2, ep=4)) == 16

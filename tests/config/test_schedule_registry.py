@@ -10,9 +10,9 @@ import pytest
 from fxmeg import schedule_registry
 from fxmeg.config import SCHEDULES, EngineConfig, ParallelConfig
 from fxmeg.errors import ConfigError, ScheduleError
-from fxmeg.runtime import schedules
-from fxmeg.runtime.schedules import Kind, build, compute_actions, lower
-from fxmeg.runtime.simulator import simulate
+from fxmeg.runtime.pipeline import schedules
+from fxmeg.runtime.pipeline.schedules import Kind, build, compute_actions, lower
+from fxmeg.runtime.pipeline.simulator import simulate
 from fxmeg.schedule_registry import SPECS, batch_refusal, layout_refusal, placement
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "parallelism.md"

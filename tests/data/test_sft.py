@@ -16,7 +16,7 @@ import torch
 from fxmeg.data.sft import ChatTemplate, SFTFormat, read_examples
 from fxmeg.data.tokenizer import HFTokenizer
 from fxmeg.errors import ConfigError, DataError
-from fxmeg.trainer import TrainConfig, train_data
+from fxmeg.train.trainer import TrainConfig, train_data
 from tests.harness import sft_data
 
 SEQ, GBS = 64, 8
@@ -360,7 +360,7 @@ def test_what_the_review_found_stays_fixed(files, tmp_path):
 
 def test_masks_need_sdpa_attention(tmp_path):
     """A 4-D boolean mask is a mask only to sdpa: eager attention would add it to the scores."""
-    from fxmeg.trainer import _check_model_takes
+    from fxmeg.train.trainer import _check_model_takes
     from tests.harness.helpers import hf_model
 
     cfg = TrainConfig.from_flat(
@@ -383,7 +383,7 @@ def test_masks_need_sdpa_attention(tmp_path):
 def test_the_passes_over_the_data_are_said_and_past_one_warned(files):
     """The trainer says at start how many passes over its rows the run makes
     (trainer.passes_report, printed by Trainer on rank 0); past one pass, SFT warns."""
-    from fxmeg.trainer import passes_report
+    from fxmeg.train.trainer import passes_report
 
     cfg = _config(files, "pairs", train_iters=100)
     data = train_data(cfg)

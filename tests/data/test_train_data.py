@@ -1,4 +1,4 @@
-"""The trainer's data (fxmeg/data/megatron.py, ``fxmeg.trainer.train_data``) against
+"""The trainer's data (fxmeg/data/megatron.py, ``fxmeg.train.trainer.train_data``) against
 megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, ...) built for the sample counts
 Megatron's pretrain_gpt.py asks from the same run settings: every train and validation
 batch the trainer reads, token by token, for one dataset over several epochs, a blend of
@@ -17,7 +17,7 @@ import torch
 from fxmeg.data.corpus import prepare
 from fxmeg.data.megatron import DataError, parse_blend, sample_counts
 from fxmeg.data.tokenizer import ByteTokenizer
-from fxmeg.trainer import TrainConfig, train_data
+from fxmeg.train.trainer import TrainConfig, train_data
 from tests.data.test_gpt_order import SEQ, _Tokenizer, _written, one_process  # noqa: F401  (a fixture)
 
 with warnings.catch_warnings():
@@ -196,7 +196,7 @@ def test_the_command_line_takes_megatrons_words(tmp_path):
     in a config file."""
     import argparse
 
-    from fxmeg.cli import _train_parser, config_from
+    from fxmeg.train.cli import _train_parser, config_from
 
     parser = argparse.ArgumentParser()
     _train_parser(parser)
@@ -215,7 +215,7 @@ def test_prepare_data_reads_json_lines_as_megatron(tmp_path):
     the file and line, and nothing is written."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
 
-    from fxmeg.cli import main
+    from fxmeg.train.cli import main
 
     docs = [f"document {i}: " + "xyz" * (i + 3) for i in range(12)]
     lines = tmp_path / "in.jsonl"
@@ -281,7 +281,7 @@ def test_the_trainer_feeds_megatrons_masks(tmp_path, one_process):  # noqa: F811
     trainer feeds a Hugging Face model (keywords) and its own models (ids, labels) carries
     megatron-core GPTDataset's loss mask (as -100 targets), position ids and attention
     mask for the same samples."""
-    from fxmeg.trainer import model_batch
+    from fxmeg.train.trainer import model_batch
 
     prefix = _eod_dataset(tmp_path)
     flags = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import fxmeg
-from fxmeg.cli import main
+from fxmeg.diagnostics.layout_plan import plan_of
 from fxmeg.errors import ConfigError
-from fxmeg.layout_plan import plan_of
-from fxmeg.layouts import Shard
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.layouts import Shard
+from fxmeg.train.cli import main
 from models.llama import Llama, LlamaConfig
 from tests.harness.helpers import MOE, make_batch, make_model, tiny_moe
 
@@ -287,7 +287,7 @@ def test_context_parallel_ranks_plan_their_share_of_the_sequence():
 
 
 def _moe_example(rows: int = 2, seq: int = 16):
-    from fxmeg.hugging_face import keyword_batch
+    from fxmeg.interop.hugging_face import keyword_batch
 
     ids = torch.zeros((rows, seq), dtype=torch.long)
     return keyword_batch(ids, ids.clone())
@@ -495,7 +495,7 @@ def test_device_memory_says_which_stages_exceed_and_what_would_make_them_fit(cap
     ],
 )
 def test_device_memory_sizes_and_presets(text, want):
-    from fxmeg.devices import device_bytes
+    from fxmeg.diagnostics.devices import device_bytes
 
     assert device_bytes(text) == want
     with pytest.raises(ConfigError, match="h100, h200, a100-40gb, a100-80gb"):
@@ -562,9 +562,9 @@ def test_activation_bytes_are_what_autograd_saves(kind, options):
     """The plan's per-micro-batch activations against what autograd really packs in a
     training step (``SavedBytes``, one process, one micro-batch). The Hugging Face model
     differs by its attention mask: the CPU kernel keeps a float copy of it per layer."""
-    from fxmeg.hugging_face import keyword_batch
-    from fxmeg.layout_plan import activation_bytes
-    from fxmeg.measured_activations import SavedBytes
+    from fxmeg.diagnostics.layout_plan import activation_bytes
+    from fxmeg.diagnostics.measured_activations import SavedBytes
+    from fxmeg.interop.hugging_face import keyword_batch
 
     batch = make_batch(4, seed=1)
     batch = keyword_batch(*batch) if kind.startswith("hf-") else batch
@@ -604,7 +604,7 @@ def test_a_llama_layer_keeps_megatrons_formula_plus_the_named_differences():
     )
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(config)
-    from fxmeg.hugging_face import keyword_batch
+    from fxmeg.interop.hugging_face import keyword_batch
 
     ids = torch.zeros((b, s), dtype=torch.long)
     stage = fxmeg.plan(

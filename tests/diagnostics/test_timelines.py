@@ -1,9 +1,9 @@
-"""fxmeg.timelines: the Chrome trace round-trips and the numbers read from it are right on
+"""fxmeg.runtime.timelines: the Chrome trace round-trips and the numbers read from it are right on
 a timeline whose answers are known."""
 
 import json
 
-from fxmeg import timelines
+from fxmeg.runtime import timelines
 
 MS = 1_000_000
 

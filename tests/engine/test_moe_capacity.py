@@ -1,4 +1,4 @@
-"""Capacity mode of the routed experts (``MoEConfig.moe_capacity_factor``; fxmeg/moe.py):
+"""Capacity mode of the routed experts (``MoEConfig.moe_capacity_factor``; fxmeg/ir/moe.py):
 Megatron's ``--moe-expert-capacity-factor`` with drop policy "probs" and
 ``--moe-pad-expert-input-to-capacity``.
 
@@ -27,10 +27,10 @@ import pytest
 import torch
 from torch import fx
 
-from fxmeg import moe
 from fxmeg.config import EngineConfig
 from fxmeg.errors import ConfigError
-from fxmeg.recomputation import Recomputation
+from fxmeg.ir import moe
+from fxmeg.ir.recomputation import Recomputation
 from tests.harness.distributed import run_world
 from tests.harness.helpers import LOSS_RTOL, reference_run
 from tests.parity.scenarios import MBS, Scenario, check_parity, train
@@ -235,7 +235,7 @@ def test_the_drop_count_is_logged_per_layer_and_cleared(caplog, drops):
     for layer in ("layers.0.experts", "layers.1.experts", "layers.0.experts"):
         _run(case, capacity_factor=1.0, layer=layer, drops=drops)
     once = int((~moe.capacity_mask(case["top_k_index"], case["top_k_weights"], 4, 1.0)).sum())
-    with caplog.at_level(logging.INFO, logger="fxmeg.moe"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.ir.moe"):
         counts = drops.log("train step 7")
     assert counts == {"layers.0.experts": 2 * once, "layers.1.experts": once} and once > 0
     assert caplog.messages == [f"train step 7: the experts' capacity dropped {3 * once} of {3 * 24} routed (token, "
@@ -283,7 +283,7 @@ def test_the_capacity_factor_is_checked():
 def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():
     import argparse
 
-    from fxmeg.cli import _train_parser, config_from
+    from fxmeg.train.cli import _train_parser, config_from
 
     parser = argparse.ArgumentParser()
     _train_parser(parser)
@@ -317,7 +317,7 @@ def train_capacity(rank: int) -> dict:
             logged.append(record.getMessage())
 
     dist.all_to_all_single = recorded
-    logger = logging.getLogger("fxmeg.moe")
+    logger = logging.getLogger("fxmeg.ir.moe")
     logger.addHandler(Drops())
     logger.setLevel(logging.INFO)
     out = {}

@@ -5,8 +5,8 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from fxmeg.capture import capture, owning_module
 from fxmeg.errors import CaptureError
+from fxmeg.frontend.capture import capture, owning_module
 from tests.harness.helpers import make_batch, make_model
 
 

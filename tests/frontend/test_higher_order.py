@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import fxmeg
-from fxmeg.capture import capture
 from fxmeg.errors import PassError
-from fxmeg.layouts import Replicate, Shard
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.capture import capture
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.layouts import Replicate, Shard
+from fxmeg.ir.program import chunk_spec
 from fxmeg.passes.graph_utils import body_call, is_hop, is_subgraph, requires_grad_nodes
 from fxmeg.passes.partition import node_cost, node_flops
-from fxmeg.program import chunk_spec
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,

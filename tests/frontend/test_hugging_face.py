@@ -10,9 +10,9 @@ import transformers as T
 from expecttest import TestCase
 
 import fxmeg
-from fxmeg.capture import capture
-from fxmeg.program import chunk_spec, chunks
-import fxmeg.hugging_face
+import fxmeg.interop.hugging_face
+from fxmeg.frontend.capture import capture
+from fxmeg.ir.program import chunk_spec, chunks
 from tests.harness.helpers import chunk_boundaries, graph_after, hf_model, make_model
 
 
@@ -39,19 +39,19 @@ class LlamaPipeline(TestCase):
             """\
 # chunk 0
 def forward(self, input_ids):
-    send_expand_2 = fxmeg_ops_send(expand_2, dst_chunk = 1, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
-    send_to_4 = fxmeg_ops_send(to_4, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
-    send_to_5 = fxmeg_ops_send(to_5, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
-    send_add_8 = fxmeg_ops_send(add_8, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
-    deallocate_add_8 = fxmeg_ops_deallocate(send_add_8);  deallocate_add_8 = None
+    send_expand_2 = fxmeg_ir_ops_send(expand_2, dst_chunk = 1, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
+    send_to_4 = fxmeg_ir_ops_send(to_4, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
+    send_to_5 = fxmeg_ir_ops_send(to_5, dst_chunk = 1, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
+    send_add_8 = fxmeg_ir_ops_send(add_8, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
+    deallocate_add_8 = fxmeg_ir_ops_deallocate(send_add_8);  deallocate_add_8 = None
     return (send_expand_2, send_to_4, send_to_5, send_add_8)
 
 # chunk 1
 def forward(self, labels, expand_2, to_4, to_5, add_8):
-    recv_expand_2 = fxmeg_ops_recv(expand_2, src_chunk = 0, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
-    recv_to_4 = fxmeg_ops_recv(to_4, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
-    recv_to_5 = fxmeg_ops_recv(to_5, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
-    recv_add_8 = fxmeg_ops_recv(add_8, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
+    recv_expand_2 = fxmeg_ir_ops_recv(expand_2, src_chunk = 0, shape = [2, 1, 16, 16], dtype = torch.bool, grad = False);  expand_2 = None
+    recv_to_4 = fxmeg_ir_ops_recv(to_4, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_4 = None
+    recv_to_5 = fxmeg_ir_ops_recv(to_5, src_chunk = 0, shape = [1, 16, 8], dtype = torch.float32, grad = False);  to_5 = None
+    recv_add_8 = fxmeg_ir_ops_recv(add_8, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_8 = None
     return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
         )
 
@@ -76,7 +76,7 @@ def test_eager_experts_are_captured_exportably_with_eager_values(caplog):
     model = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
     ids, labels = _batch()
     want = model(input_ids=ids, labels=labels, use_cache=False).loss.item()
-    with caplog.at_level(logging.INFO, logger="fxmeg.capture"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.frontend.capture"):
         engine = fxmeg.parallelize(model, (ids, labels))
     assert (
         "MixtralForCausalLM runs its experts with experts_implementation='grouped_mm', not 'eager'"
@@ -85,7 +85,7 @@ def test_eager_experts_are_captured_exportably_with_eager_values(caplog):
     assert model.config._experts_implementation == "eager"  # as the user built it
     assert abs(engine.eval_step((ids, labels)).loss - want) <= 1e-6 * want
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="fxmeg.capture"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.frontend.capture"):
         capture(hf_model("llama", n_layer=1), _batch())
     assert not caplog.records
 
@@ -138,7 +138,7 @@ def test_a_padded_dict_batch_is_passed_by_keyword(attn):
 
 
 def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp_path):
-    """engine.save, then ``fxmeg.checkpoint.export(..., format="hf")`` (what `fxmeg export
+    """engine.save, then ``fxmeg.weights.checkpoint.export(..., format="hf")`` (what `fxmeg export
     --format hf` runs): a tied Llama (lm_head tied to the embedding) loads back with
     AutoModelForCausalLM.from_pretrained with fxmeg's trained weights and gives the logits
     of those weights in the original class; one file, and sharded with an index under a
@@ -149,7 +149,7 @@ def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors import safe_open
 
-    from fxmeg.checkpoint import export
+    from fxmeg.weights.checkpoint import export
 
     config = T.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -232,7 +232,7 @@ def test_pre_shifted_labels_warn_for_a_causal_lm():
             "loss",
         )
         graph_after(make_model("gpt"), (ids, labels), "loss")  # the README's GPT: it does not shift
-        fxmeg.hugging_face.warn_shifted_labels(
+        fxmeg.interop.hugging_face.warn_shifted_labels(
             hf_model("llama", n_layer=1),
             (ids, labels),
             # the user's loss reads them

@@ -1,4 +1,4 @@
-"""fxmeg/model_checks.py: a layout the model's config cannot take is refused before capture,
+"""fxmeg/frontend/model_checks.py: a layout the model's config cannot take is refused before capture,
 in one process, naming the field, the numbers and the fix; the escapes of today pass."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg import pass_driver
 from fxmeg.config import make_config
 from fxmeg.errors import ConfigError
-from fxmeg.model_checks import check_model
+from fxmeg.frontend import pass_driver
+from fxmeg.frontend.model_checks import check_model
 from tests.harness.helpers import make_batch, make_model
 
 pytest.importorskip("transformers")
@@ -104,7 +104,7 @@ def test_experts_ep_refused_before_capture(no_capture):
     [
         # the escape the message names
         (3, 3, {"tp_plan": {"model.layers.*.self_attn.*": "replicate"}}),
-        (6, 3, {}),  # key/value heads tp does not divide: replicated (fxmeg/passes/tp_heads.py)
+        (6, 3, {}),  # key/value heads tp does not divide: replicated (fxmeg/passes/tp/heads.py)
         (4, 1, {}),  # multi-query
     ],
 )

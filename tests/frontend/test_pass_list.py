@@ -1,4 +1,4 @@
-"""The pass list is written once, as ``fxmeg.pass_driver.PASSES``; everything else that lists
+"""The pass list is written once, as ``fxmeg.frontend.pass_driver.PASSES``; everything else that lists
 the passes (their checks, fxmeg/passes/__init__.py's table, docs/architecture.md's table and flow),
 the Program's fields (docs/architecture.md §2) or the metadata keys (docs/architecture.md
 §2's table, the one list of them) is held to the code here, in order and with nothing extra."""
@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 import fxmeg.passes
-from fxmeg.pass_driver import NAMES, PASSES
+from fxmeg.frontend.pass_driver import NAMES, PASSES
+from fxmeg.ir.program import Program
 from fxmeg.passes import verify
-from fxmeg.program import Program
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()

@@ -12,9 +12,9 @@ import torch
 
 import fxmeg
 from fxmeg.errors import BatchError
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.program import PositionTable
 from fxmeg.passes.analyse import position_tables
-from fxmeg.program import PositionTable
 from tests.harness.helpers import hf_model, make_batch, make_model
 
 
@@ -52,7 +52,7 @@ def test_many_compiled_shapes_are_warned_about(caplog):
         global_batch_size=2,
         variable_seq_lengths=True,
     )
-    with caplog.at_level(logging.INFO, logger="fxmeg.variable_shapes"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.frontend.variable_shapes"):
         for seq in range(1, 16):
             engine.train_step(make_batch(2, seed=seq, seq=seq))
         engine.train_step(make_batch(2, seed=0, seq=3))  # compiled already

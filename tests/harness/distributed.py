@@ -38,7 +38,7 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "fxmeg",
-    "fxmeg.trainer",
+    "fxmeg.train.trainer",
     "tests.harness.helpers",
     "tests.harness.shared_transform",
     "transformers",

@@ -13,10 +13,10 @@ from unittest import mock
 
 import torch
 
-from fxmeg.layouts import Shard
-from fxmeg.pass_driver import transform
-from fxmeg.program import chunks
-from fxmeg.runtime.optimizer import muon_groups
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.layouts import Shard
+from fxmeg.ir.program import chunks
+from fxmeg.runtime.optimizer.optimizer import muon_groups
 from fxmeg.torch_private import own_buffers, own_parameters
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
@@ -328,7 +328,7 @@ def chunk_boundaries(parent) -> str:
     out = []
     for c, gm in enumerate(chunks(parent)):
         lines = [ln for ln in gm.code.strip().splitlines()
-                 if ln.startswith("def ") or "fxmeg_ops_" in ln or "return" in ln]
+                 if ln.startswith("def ") or "fxmeg_ir_ops_" in ln or "return" in ln]
         out.append(f"# chunk {c}\n" + "\n".join(lines))
     return "\n\n".join(out)
 

@@ -52,13 +52,13 @@ from torch.utils import _pytree as pytree
 
 import fxmeg
 import fxmeg.api
-import fxmeg.layout_plan
-import fxmeg.pass_driver as transform_module
-import fxmeg.variable_shapes
+import fxmeg.diagnostics.layout_plan
+import fxmeg.frontend.pass_driver as transform_module
+import fxmeg.frontend.variable_shapes
 
 WAIT_S = 300.0
 _ORIGINAL = transform_module.transform
-_CALLERS = (fxmeg, fxmeg.api, fxmeg.layout_plan, fxmeg.variable_shapes)
+_CALLERS = (fxmeg, fxmeg.api, fxmeg.diagnostics.layout_plan, fxmeg.frontend.variable_shapes)
 _calls = 0
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from fxmeg.errors import ConfigError
-from fxmeg.program import split_spec
+from fxmeg.ir.program import split_spec
 from tests.harness import shared_transform
 from tests.harness.helpers import hf_model, make_batch, make_model, tiny_moe
 

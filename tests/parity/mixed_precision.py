@@ -36,9 +36,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fxmeg.layouts import Shard
+from fxmeg.ir.layouts import Shard
 from fxmeg.loss_scale import LossScaleConfig
-from fxmeg.sharding import flat_index, flat_to_boxes, local_to_global, view
+from fxmeg.weights.sharding import flat_index, flat_to_boxes, local_to_global, view
 from tests.harness.helpers import OPTIMIZERS, Run, assert_grads_close, model_loss, reference_groups
 
 

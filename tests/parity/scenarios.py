@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fxmeg
-from fxmeg.layouts import Shard
+from fxmeg.ir.layouts import Shard
 from tests.harness.helpers import (
     OPTIMIZERS,
     Run,

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
-from fxmeg.metrics import read
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer
 from tests.harness.distributed import run_world
 from tests.weights.test_checkpoint import SlowWriter
 

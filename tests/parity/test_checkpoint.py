@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.checkpoint import export
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
-from fxmeg.metrics import read
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer
+from fxmeg.weights.checkpoint import export
+from models.gpt import GPT, GPTConfig
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     LOSS_RTOL,
@@ -27,7 +28,6 @@ from tests.harness.helpers import (
     optimizer,
     reference,
 )
-from models.gpt import GPT, GPTConfig
 
 SAVED = dict(tp=2, pp=2, dp=2, distributed_optimizer=True)
 LAYOUTS = {

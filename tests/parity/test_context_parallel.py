@@ -28,10 +28,10 @@ import torch.nn.functional as F
 import fxmeg
 from fxmeg.data import ByteTokenizer, prepare
 from fxmeg.data.corpus import read_documents
-from fxmeg.measured_activations import SavedBytes
-from fxmeg.metrics import read
-from fxmeg.ops import cp_positions
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.diagnostics.measured_activations import SavedBytes
+from fxmeg.ir.ops import cp_positions
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     LOSS_RTOL,

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from fxmeg import moe
-from fxmeg.checkpoint import META, Checkpointer
+from fxmeg.ir import moe
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
+from fxmeg.weights.checkpoint import META, Checkpointer
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     BATCHED_MOE,
@@ -281,15 +281,15 @@ def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(
     the checkpoint's bit for bit, its logits the checkpoint's model's, generate() keeps the
     key/value cache (use_cache true in config.json and generation_config.json), files are
     0644 under umask 022 and DCP's single-process warning stays out. A wrong expert bank
-    fails the check naming it: planted in the files (fxmeg.export_check.check), or made on
+    fails the check naming it: planted in the files (fxmeg.interop.export_check.check), or made on
     the way out (the command exits 1)."""
     import warnings
 
     from safetensors.torch import load_file, save_file
 
-    from fxmeg import checkpoint
-    from fxmeg.cli import main
-    from fxmeg.export_check import ExportMismatch, check
+    from fxmeg.interop.export_check import ExportMismatch, check
+    from fxmeg.train.cli import main
+    from fxmeg.weights import checkpoint
 
     ckpt, out = results[SAVED.world][0]["save"]["path"], str(tmp_path / "hf")
     umask = os.umask(0o022)
@@ -450,7 +450,7 @@ def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16():
-    """In process, no ranks: ``fxmeg.moe.routed_experts`` (every expert local) gives
+    """In process, no ranks: ``fxmeg.ir.moe.routed_experts`` (every expert local) gives
     Mixtral's bf16 grouped experts' output and gradients exactly; its router's top-k
     weights are fp32, so the weighted rows and their sum over the k slots are fp32 there
     (rounding them to bf16 first moved the output by 3e-3 and every gradient by 2e-3 to

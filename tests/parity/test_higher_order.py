@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fxmeg
+from tests.frontend.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     assert_losses_close,
@@ -23,7 +24,6 @@ from tests.harness.helpers import (
     optimizer,
     reference,
 )
-from tests.frontend.test_higher_order import GBS, MBS, SEQ, TwoArrivals, _model, _no_grad_mix, _xt
 
 STEPS = 3
 CASES = {

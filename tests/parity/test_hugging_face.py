@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxmeg.layouts import is_split
+from fxmeg.ir.layouts import is_split
 from tests.harness.distributed import run_worlds
 from tests.parity.scenarios import Scenario, check_parity, check_router_loss, train_each
 

@@ -81,7 +81,7 @@ def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
     import numpy as np
 
     from fxmeg.data.indexed import write_indexed
-    from fxmeg.trainer import TrainConfig, model_batch, train_data
+    from fxmeg.train.trainer import TrainConfig, model_batch, train_data
 
     prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-masks-"), "data")
     rng = np.random.default_rng(5)
@@ -118,7 +118,7 @@ def megatron_batches(*, masks: bool) -> list[dict[str, torch.Tensor]]:
 def sft_batches(layout: str) -> list[dict[str, torch.Tensor]]:
     """The trainer's batches of 40 random conversations (tests/harness/sft_data.py) in
     ``layout``."""
-    from fxmeg.trainer import TrainConfig, model_batch, train_data
+    from fxmeg.train.trainer import TrainConfig, model_batch, train_data
     from tests.harness import sft_data
 
     root = tempfile.mkdtemp(prefix="fxmeg-sft-")

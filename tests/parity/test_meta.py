@@ -17,7 +17,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg.errors import ReleasedError
-from fxmeg.weights import open_weights
+from fxmeg.weights.sources import open_weights
 from tests.harness.distributed import run_world, run_worlds
 from tests.harness.helpers import (
     assert_bitwise,

@@ -13,16 +13,15 @@ Muon's own."""
 from __future__ import annotations
 
 import dataclasses
-
 import fnmatch
 import math
 
 import pytest
 import torch
 
-from fxmeg.checkpoint import Checkpointer
-from fxmeg.runtime.layerwise import assign
-from fxmeg.runtime.optimizer import ADAMW_ONLY
+from fxmeg.runtime.optimizer.layerwise import assign
+from fxmeg.runtime.optimizer.optimizer import ADAMW_ONLY
+from fxmeg.weights.checkpoint import Checkpointer
 from tests.harness.distributed import run_world
 from tests.harness.helpers import assert_losses_close, reference
 from tests.parity.mixed_precision import (

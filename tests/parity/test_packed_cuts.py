@@ -1,5 +1,5 @@
 """A pipeline cut carrying several tensors costs one message per direction and
-micro-batch (runtime/packing.py), with both p2p modes, on real gloo ranks; and packing
+micro-batch (runtime/pipeline/packing.py), with both p2p modes, on real gloo ranks; and packing
 changes no bit of training: losses and final weights equal those of the same engine
 sending one message per tensor (``Executor.pack = False``)."""
 

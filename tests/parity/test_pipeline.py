@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import fxmeg
-from fxmeg.measured_activations import SavedBytes
+from fxmeg.diagnostics.measured_activations import SavedBytes
 from tests.harness.distributed import run_worlds
 from tests.harness.helpers import assert_bitwise, make_batch, make_model, optimizer
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fxmeg
-from fxmeg.layouts import Replicate, Shard
-
+from fxmeg.ir.layouts import Replicate, Shard
 from tests.harness.distributed import run_worlds
 from tests.harness.helpers import (
     assert_losses_close,
@@ -25,10 +24,10 @@ from tests.harness.helpers import (
     optimizer,
     reference,
 )
+from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum
 from tests.passes.test_tp_ops import KINDS, PLANS, _Heads
-from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")
 PARITY = [Scenario(m, tp=2) for m in MODELS] + [

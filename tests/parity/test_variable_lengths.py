@@ -11,7 +11,6 @@ tp2 x pp2 and at cp2 x dp2. One spawn of 4 ranks."""
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 
 import pytest

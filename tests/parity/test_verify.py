@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import fxmeg
-import fxmeg.pass_driver as driver
-from fxmeg.layouts import Shard
+import fxmeg.frontend.pass_driver as driver
+from fxmeg.ir.layouts import Shard
 from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.harness.distributed import run_world
@@ -194,7 +194,7 @@ def test_cli_verify_on_two_ranks(corpus):
         [
             sys.executable,
             "-m",
-            "fxmeg.cli",
+            "fxmeg.train.cli",
             "verify",
             "--data",
             corpus,

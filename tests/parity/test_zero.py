@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fxmeg
-from fxmeg.meta_init import Source
+from fxmeg.weights.meta_init import Source
 from models.gpt import GPT, GPTConfig
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (

@@ -23,14 +23,14 @@ relative norm: docs/megatron-semantics.md §1).
   (ignore_index=-1);
 * XGLM (fairseq-style attention: heads merged into the batch dim of ``bmm``), eager only
   (transformers has no sdpa for it);
-* key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py):
+* key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp/heads.py):
   Falcon's default config (multi-query, parallel attention, ``x @ w.T`` linears) and
   gpt_bigcode's multi-query fused ``c_attn``; bloom's per-head interleaved fused QKV with
   ALiBi through ``baddbmm``, split by whole heads. SPLIT names the parameters each must split;
 * hybrids of attention with state-space or linear-attention layers (tests.harness.helpers.HYBRID,
   one such layer then one attention layer, a pipeline cut between them): Qwen3-Next,
   Falcon-H1, Nemotron-H, Granite-4.0, OLMo-Hybrid, LFM2, Bamba, Jamba, Zamba2, Kimi-Linear,
-  their convolution, recurrence and projections split by heads (fxmeg/passes/tp_channels.py;
+  their convolution, recurrence and projections split by heads (fxmeg/passes/tp/channels.py;
   SPLIT names them), about 4 s each in the 4-rank spawn.
 
 Gemma-2 is eager only (transformers refuses sdpa for it). Screened and training at world
@@ -199,7 +199,7 @@ of the tokens its single-device twin ranks at once (a layout reported 1.2e-5 off
 loss, not reproduced here); tests/parity/test_expert_parallel.py trains them at dp2 and
 ep2. About 10 s each in the test process."""
 ZOO["x-transformers"] = (XDecoder, {}, -100)  # rotary inside autocast regions: split inside them
-# key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp_heads.py): Falcon's
+# key/value heads fewer than tp ranks, replicated over tp (fxmeg/passes/tp/heads.py): Falcon's
 # default config (multi-query, parallel attention, FalconLinear's x @ w.T) and gpt_bigcode's
 # multi-query fused c_attn; bloom's per-head interleaved query_key_value (heads merged into
 # the batch for baddbmm: KNOWN_GAPS)
@@ -226,7 +226,7 @@ ZOO["doge"] = (hf("doge"), {}, -100)
 ZOO["jetmoe"] = (hf("jetmoe", num_local_experts=4, num_experts_per_tok=2), {}, -100)
 
 # hybrids (tests.harness.helpers.HYBRID): a state-space or linear-attention layer, then an attention
-# layer; split by heads over tp (fxmeg/passes/tp_channels.py), a pipeline cut between them
+# layer; split by heads over tp (fxmeg/passes/tp/channels.py), a pipeline cut between them
 ZOO["qwen3_next"] = (qwen3_next, {}, -100)
 for _kind in ("falcon_h1", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2", "bamba", "jamba", "zamba2"):
     ZOO[_kind] = (hf(_kind, **HYBRID[_kind]), {}, -100)

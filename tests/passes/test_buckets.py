@@ -7,8 +7,8 @@ import torch
 from expecttest import TestCase
 from torch import nn
 
-from fxmeg.layouts import BucketSlot
-from fxmeg.program import buffer_layouts, chunks
+from fxmeg.ir.layouts import BucketSlot
+from fxmeg.ir.program import buffer_layouts, chunks
 from tests.harness.helpers import graph_after, make_batch, make_model
 
 

@@ -8,8 +8,8 @@ from expecttest import TestCase
 from torch import nn
 
 from fxmeg.errors import PassError
-from fxmeg.ops import cp_positions
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.ops import cp_positions
 from fxmeg.runtime.batches import context_slice
 from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from fxmeg import ops
-from fxmeg.layouts import ExpertShard
+from fxmeg.ir import ops
+from fxmeg.ir.layouts import ExpertShard
+from fxmeg.ir.program import chunks
 from fxmeg.passes.graph_utils import val
-from fxmeg.program import chunks
 from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 
@@ -190,7 +190,7 @@ def test_the_routed_experts_signature_is_written_once():
     added in one place, and a node written with a misspelt one fails at once."""
     import inspect
 
-    from fxmeg import moe
+    from fxmeg.ir import moe
     from fxmeg.runtime import experts
 
     want = [

@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 from expecttest import TestCase
 
-from fxmeg.capture import capture
 from fxmeg.errors import PassError
+from fxmeg.frontend.capture import capture
 from fxmeg.passes.loss import loss
 from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
 

@@ -7,8 +7,8 @@ import torch
 from expecttest import TestCase
 
 from fxmeg.errors import PassError
-from fxmeg.ops import CP, TP
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.ops import CP, TP
 from fxmeg.passes import context_parallel, tensor_parallel  # noqa: F401  (register their rules)
 from fxmeg.passes.op_rules import FAMILIES, family_of, rules
 from tests.harness.helpers import make_batch

@@ -1,6 +1,6 @@
 from expecttest import TestCase
 
-from fxmeg.program import chunks
+from fxmeg.ir.program import chunks
 from tests.harness.helpers import graph_after, make_batch, make_model
 
 
@@ -37,42 +37,42 @@ class ParamGather(TestCase):
     def test_one_chunk(self):
         self.assertExpectedInline(_waits(1), """\
 # chunk 0
-wait_param_gather_0_6 = fxmeg_ops_wait_param_gather(wte_weight, bucket = (0, 6))
+wait_param_gather_0_6 = fxmeg_ir_ops_wait_param_gather(wte_weight, bucket = (0, 6))
   before: embedding
-wait_param_gather_0_5 = fxmeg_ops_wait_param_gather(layers_0_attn_qkv_weight, bucket = (0, 5))
+wait_param_gather_0_5 = fxmeg_ir_ops_wait_param_gather(layers_0_attn_qkv_weight, bucket = (0, 5))
   before: linear
-wait_param_gather_0_4 = fxmeg_ops_wait_param_gather(layers_0_mlp_fc_weight, bucket = (0, 4))
+wait_param_gather_0_4 = fxmeg_ir_ops_wait_param_gather(layers_0_mlp_fc_weight, bucket = (0, 4))
   before: linear_2
-wait_param_gather_0_3 = fxmeg_ops_wait_param_gather(layers_0_mlp_proj_weight, bucket = (0, 3))
+wait_param_gather_0_3 = fxmeg_ir_ops_wait_param_gather(layers_0_mlp_proj_weight, bucket = (0, 3))
   before: linear_3
-wait_param_gather_0_2 = fxmeg_ops_wait_param_gather(layers_1_attn_qkv_weight, bucket = (0, 2))
+wait_param_gather_0_2 = fxmeg_ir_ops_wait_param_gather(layers_1_attn_qkv_weight, bucket = (0, 2))
   before: linear_4
-wait_param_gather_0_1 = fxmeg_ops_wait_param_gather(layers_1_mlp_fc_weight, bucket = (0, 1))
+wait_param_gather_0_1 = fxmeg_ir_ops_wait_param_gather(layers_1_mlp_fc_weight, bucket = (0, 1))
   before: linear_6
-wait_param_gather_0_0 = fxmeg_ops_wait_param_gather(layers_1_mlp_proj_weight, bucket = (0, 0))
+wait_param_gather_0_0 = fxmeg_ir_ops_wait_param_gather(layers_1_mlp_proj_weight, bucket = (0, 0))
   before: linear_7""")
 
     def test_two_chunks(self):
         self.assertExpectedInline(_waits(2), """\
 # chunk 0
-wait_param_gather_0_3 = fxmeg_ops_wait_param_gather(wte_weight, bucket = (0, 3))
+wait_param_gather_0_3 = fxmeg_ir_ops_wait_param_gather(wte_weight, bucket = (0, 3))
   before: embedding
-wait_param_gather_0_2 = fxmeg_ops_wait_param_gather(layers_0_attn_qkv_weight, bucket = (0, 2))
+wait_param_gather_0_2 = fxmeg_ir_ops_wait_param_gather(layers_0_attn_qkv_weight, bucket = (0, 2))
   before: linear
-wait_param_gather_0_1 = fxmeg_ops_wait_param_gather(layers_0_mlp_fc_weight, bucket = (0, 1))
+wait_param_gather_0_1 = fxmeg_ir_ops_wait_param_gather(layers_0_mlp_fc_weight, bucket = (0, 1))
   before: linear_2
-wait_param_gather_0_0 = fxmeg_ops_wait_param_gather(layers_0_mlp_proj_weight, bucket = (0, 0))
+wait_param_gather_0_0 = fxmeg_ir_ops_wait_param_gather(layers_0_mlp_proj_weight, bucket = (0, 0))
   before: linear_3
 # chunk 1
-wait_param_gather_1_4 = fxmeg_ops_wait_param_gather(layers_1_ln_1_weight, bucket = (1, 4))
+wait_param_gather_1_4 = fxmeg_ir_ops_wait_param_gather(layers_1_ln_1_weight, bucket = (1, 4))
   before: layer_norm_2
-wait_param_gather_1_3 = fxmeg_ops_wait_param_gather(layers_1_attn_qkv_weight, bucket = (1, 3))
+wait_param_gather_1_3 = fxmeg_ir_ops_wait_param_gather(layers_1_attn_qkv_weight, bucket = (1, 3))
   before: linear_4
-wait_param_gather_1_2 = fxmeg_ops_wait_param_gather(layers_1_mlp_fc_weight, bucket = (1, 2))
+wait_param_gather_1_2 = fxmeg_ir_ops_wait_param_gather(layers_1_mlp_fc_weight, bucket = (1, 2))
   before: linear_6
-wait_param_gather_1_1 = fxmeg_ops_wait_param_gather(layers_1_mlp_proj_weight, bucket = (1, 1))
+wait_param_gather_1_1 = fxmeg_ir_ops_wait_param_gather(layers_1_mlp_proj_weight, bucket = (1, 1))
   before: linear_7
-wait_param_gather_1_0 = fxmeg_ops_wait_param_gather(wte_weight, bucket = (1, 0))
+wait_param_gather_1_0 = fxmeg_ir_ops_wait_param_gather(wte_weight, bucket = (1, 0))
   before: linear_8""")
 
 
@@ -96,21 +96,21 @@ class Zero3(TestCase):
         """The tied embedding (wte, read again by the head, whose read becomes
         ``early_linear``) stays whole to the end of forward."""
         self.assertExpectedInline(_zero3(make_model("gpt", n_layer=2)), """\
-zero_gather_0_3 = fxmeg_ops_zero_gather(wte_weight, bucket = (0, 3), prefetch = (0, 2))
+zero_gather_0_3 = fxmeg_ir_ops_zero_gather(wte_weight, bucket = (0, 3), prefetch = (0, 2))
   before: embedding
-zero_gather_0_2 = fxmeg_ops_zero_gather(layers_0_ln_1_weight, bucket = (0, 2), prefetch = (0, 1))
+zero_gather_0_2 = fxmeg_ir_ops_zero_gather(layers_0_ln_1_weight, bucket = (0, 2), prefetch = (0, 1))
   before: layer_norm
-zero_release_0_2 = fxmeg_ops_zero_release(layers_0_ln_1_weight, bucket = (0, 2))
+zero_release_0_2 = fxmeg_ir_ops_zero_release(layers_0_ln_1_weight, bucket = (0, 2))
   after: linear_3
-zero_gather_0_1 = fxmeg_ops_zero_gather(layers_1_ln_1_weight, bucket = (0, 1), prefetch = (0, 0))
+zero_gather_0_1 = fxmeg_ir_ops_zero_gather(layers_1_ln_1_weight, bucket = (0, 1), prefetch = (0, 0))
   before: layer_norm_2
-zero_release_0_1 = fxmeg_ops_zero_release(layers_1_ln_1_weight, bucket = (0, 1))
+zero_release_0_1 = fxmeg_ir_ops_zero_release(layers_1_ln_1_weight, bucket = (0, 1))
   after: linear_7
-zero_gather_0_0 = fxmeg_ops_zero_gather(ln_f_weight, bucket = (0, 0), prefetch = None)
+zero_gather_0_0 = fxmeg_ir_ops_zero_gather(ln_f_weight, bucket = (0, 0), prefetch = None)
   before: layer_norm_4
-zero_release_0_0 = fxmeg_ops_zero_release(ln_f_weight, bucket = (0, 0))
+zero_release_0_0 = fxmeg_ir_ops_zero_release(ln_f_weight, bucket = (0, 0))
   after: layer_norm_4
-zero_release_0_3 = fxmeg_ops_zero_release(wte_weight, bucket = (0, 3))
+zero_release_0_3 = fxmeg_ir_ops_zero_release(wte_weight, bucket = (0, 3))
   after: early_linear""")
 
     def test_a_release_follows_the_last_reader_of_a_view(self):
@@ -118,23 +118,23 @@ zero_release_0_3 = fxmeg_ops_zero_release(wte_weight, bucket = (0, 3))
         from tests.parity.test_zero import _view_model
 
         self.assertExpectedInline(_zero3(_view_model()), """\
-zero_gather_0_4 = fxmeg_ops_zero_gather(emb_weight, bucket = (0, 4), prefetch = (0, 3))
+zero_gather_0_4 = fxmeg_ir_ops_zero_gather(emb_weight, bucket = (0, 4), prefetch = (0, 3))
   before: embedding
-zero_release_0_4 = fxmeg_ops_zero_release(emb_weight, bucket = (0, 4))
+zero_release_0_4 = fxmeg_ir_ops_zero_release(emb_weight, bucket = (0, 4))
   after: embedding
-zero_gather_0_3 = fxmeg_ops_zero_gather(layers_0_w, bucket = (0, 3), prefetch = (0, 2))
+zero_gather_0_3 = fxmeg_ir_ops_zero_gather(layers_0_w, bucket = (0, 3), prefetch = (0, 2))
   before: t
-zero_release_0_3 = fxmeg_ops_zero_release(layers_0_w, bucket = (0, 3))
+zero_release_0_3 = fxmeg_ir_ops_zero_release(layers_0_w, bucket = (0, 3))
   after: mul
-zero_gather_0_2 = fxmeg_ops_zero_gather(layers_1_w, bucket = (0, 2), prefetch = (0, 1))
+zero_gather_0_2 = fxmeg_ir_ops_zero_gather(layers_1_w, bucket = (0, 2), prefetch = (0, 1))
   before: t_1
-zero_release_0_2 = fxmeg_ops_zero_release(layers_1_w, bucket = (0, 2))
+zero_release_0_2 = fxmeg_ir_ops_zero_release(layers_1_w, bucket = (0, 2))
   after: mul_1
-zero_gather_0_1 = fxmeg_ops_zero_gather(layers_2_w, bucket = (0, 1), prefetch = (0, 0))
+zero_gather_0_1 = fxmeg_ir_ops_zero_gather(layers_2_w, bucket = (0, 1), prefetch = (0, 0))
   before: t_2
-zero_release_0_1 = fxmeg_ops_zero_release(layers_2_w, bucket = (0, 1))
+zero_release_0_1 = fxmeg_ir_ops_zero_release(layers_2_w, bucket = (0, 1))
   after: mul_2
-zero_gather_0_0 = fxmeg_ops_zero_gather(head_weight, bucket = (0, 0), prefetch = None)
+zero_gather_0_0 = fxmeg_ir_ops_zero_gather(head_weight, bucket = (0, 0), prefetch = None)
   before: linear
-zero_release_0_0 = fxmeg_ops_zero_release(head_weight, bucket = (0, 0))
+zero_release_0_0 = fxmeg_ir_ops_zero_release(head_weight, bucket = (0, 0))
   after: linear""")

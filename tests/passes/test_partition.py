@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from fxmeg.capture import capture, owning_module
-from fxmeg.errors import ConfigError
 from fxmeg.config import EngineConfig, ParallelConfig
-from fxmeg.passes.partition import BLOCK_SLACK, cut, node_cost, partition
+from fxmeg.errors import ConfigError
+from fxmeg.frontend.capture import capture, owning_module
 from fxmeg.passes.loss import loss
+from fxmeg.passes.partition import BLOCK_SLACK, cut, node_cost, partition
 from tests.harness.helpers import make_batch, make_model
 
 

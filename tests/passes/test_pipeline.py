@@ -4,7 +4,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from fxmeg.program import chunk_spec, chunks
+from fxmeg.ir.program import chunk_spec, chunks
 from tests.harness.helpers import chunk_boundaries, graph_after, make_batch, make_model
 
 
@@ -25,13 +25,13 @@ class ChunkBoundaries(TestCase):
             """\
 # chunk 0
 def forward(self, input_ids):
-    send_add_2 = fxmeg_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
-    deallocate_add_2 = fxmeg_ops_deallocate(send_add_2);  deallocate_add_2 = None
+    send_add_2 = fxmeg_ir_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
+    deallocate_add_2 = fxmeg_ir_ops_deallocate(send_add_2);  deallocate_add_2 = None
     return (send_add_2,)
 
 # chunk 1
 def forward(self, labels, add_2):
-    recv_add_2 = fxmeg_ops_recv(add_2, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
+    recv_add_2 = fxmeg_ir_ops_recv(add_2, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
     return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
         )
 
@@ -42,17 +42,17 @@ def forward(self, labels, add_2):
             """\
 # chunk 0
 def forward(self, input_ids):
-    send_slice_1 = fxmeg_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    send_slice_2 = fxmeg_ops_send(slice_2, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    send_add_5 = fxmeg_ops_send(add_5, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
-    deallocate_add_5 = fxmeg_ops_deallocate(send_add_5);  deallocate_add_5 = None
+    send_slice_1 = fxmeg_ir_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    send_slice_2 = fxmeg_ir_ops_send(slice_2, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    send_add_5 = fxmeg_ir_ops_send(add_5, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
+    deallocate_add_5 = fxmeg_ir_ops_deallocate(send_add_5);  deallocate_add_5 = None
     return (send_slice_1, send_slice_2, send_add_5)
 
 # chunk 1
 def forward(self, labels, slice_1, slice_2, add_5):
-    recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    recv_add_5 = fxmeg_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
+    recv_slice_1 = fxmeg_ir_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    recv_slice_2 = fxmeg_ir_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    recv_add_5 = fxmeg_ir_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
     return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
         )
 
@@ -63,27 +63,27 @@ def forward(self, labels, slice_1, slice_2, add_5):
             """\
 # chunk 0
 def forward(self, input_ids):
-    send_add_2 = fxmeg_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
-    deallocate_add_2 = fxmeg_ops_deallocate(send_add_2);  deallocate_add_2 = None
+    send_add_2 = fxmeg_ir_ops_send(add_2, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
+    deallocate_add_2 = fxmeg_ir_ops_deallocate(send_add_2);  deallocate_add_2 = None
     return (send_add_2,)
 
 # chunk 1
 def forward(self, add_2):
-    recv_add_2 = fxmeg_ops_recv(add_2, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
-    send_add_4 = fxmeg_ops_send(add_4, dst_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_4 = None
-    deallocate_add_4 = fxmeg_ops_deallocate(send_add_4);  deallocate_add_4 = None
+    recv_add_2 = fxmeg_ir_ops_recv(add_2, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_2 = None
+    send_add_4 = fxmeg_ir_ops_send(add_4, dst_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_4 = None
+    deallocate_add_4 = fxmeg_ir_ops_deallocate(send_add_4);  deallocate_add_4 = None
     return (send_add_4,)
 
 # chunk 2
 def forward(self, add_4):
-    recv_add_4 = fxmeg_ops_recv(add_4, src_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_4 = None
-    send_add_6 = fxmeg_ops_send(add_6, dst_chunk = 3, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_6 = None
-    deallocate_add_6 = fxmeg_ops_deallocate(send_add_6);  deallocate_add_6 = None
+    recv_add_4 = fxmeg_ir_ops_recv(add_4, src_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_4 = None
+    send_add_6 = fxmeg_ir_ops_send(add_6, dst_chunk = 3, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_6 = None
+    deallocate_add_6 = fxmeg_ir_ops_deallocate(send_add_6);  deallocate_add_6 = None
     return (send_add_6,)
 
 # chunk 3
 def forward(self, labels, add_6):
-    recv_add_6 = fxmeg_ops_recv(add_6, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_6 = None
+    recv_add_6 = fxmeg_ir_ops_recv(add_6, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_6 = None
     return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
         )
 
@@ -94,39 +94,39 @@ def forward(self, labels, add_6):
             """\
 # chunk 0
 def forward(self, input_ids):
-    send_slice_1 = fxmeg_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    send_slice_2 = fxmeg_ops_send(slice_2, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    send_add_5 = fxmeg_ops_send(add_5, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
-    deallocate_add_5 = fxmeg_ops_deallocate(send_add_5);  deallocate_add_5 = None
+    send_slice_1 = fxmeg_ir_ops_send(slice_1, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    send_slice_2 = fxmeg_ir_ops_send(slice_2, dst_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    send_add_5 = fxmeg_ir_ops_send(add_5, dst_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
+    deallocate_add_5 = fxmeg_ir_ops_deallocate(send_add_5);  deallocate_add_5 = None
     return (send_slice_1, send_slice_2, send_add_5)
 
 # chunk 1
 def forward(self, slice_1, slice_2, add_5):
-    recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    recv_add_5 = fxmeg_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
-    send_slice_1 = fxmeg_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_1 = None
-    send_slice_2 = fxmeg_ops_send(recv_slice_2, dst_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_2 = None
-    send_add_11 = fxmeg_ops_send(add_11, dst_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_11 = None
-    deallocate_add_11 = fxmeg_ops_deallocate(send_add_11);  deallocate_add_11 = None
+    recv_slice_1 = fxmeg_ir_ops_recv(slice_1, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    recv_slice_2 = fxmeg_ir_ops_recv(slice_2, src_chunk = 0, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    recv_add_5 = fxmeg_ir_ops_recv(add_5, src_chunk = 0, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_5 = None
+    send_slice_1 = fxmeg_ir_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_1 = None
+    send_slice_2 = fxmeg_ir_ops_send(recv_slice_2, dst_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_2 = None
+    send_add_11 = fxmeg_ir_ops_send(add_11, dst_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_11 = None
+    deallocate_add_11 = fxmeg_ir_ops_deallocate(send_add_11);  deallocate_add_11 = None
     return (send_slice_1, send_slice_2, send_add_11)
 
 # chunk 2
 def forward(self, slice_1, slice_2, add_11):
-    recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    recv_add_11 = fxmeg_ops_recv(add_11, src_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_11 = None
-    send_slice_1 = fxmeg_ops_send(recv_slice_1, dst_chunk = 3, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_1 = None
-    send_slice_2 = fxmeg_ops_send(recv_slice_2, dst_chunk = 3, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_2 = None
-    send_add_17 = fxmeg_ops_send(add_17, dst_chunk = 3, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_17 = None
-    deallocate_add_17 = fxmeg_ops_deallocate(send_add_17);  deallocate_add_17 = None
+    recv_slice_1 = fxmeg_ir_ops_recv(slice_1, src_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    recv_slice_2 = fxmeg_ir_ops_recv(slice_2, src_chunk = 1, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    recv_add_11 = fxmeg_ir_ops_recv(add_11, src_chunk = 1, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_11 = None
+    send_slice_1 = fxmeg_ir_ops_send(recv_slice_1, dst_chunk = 3, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_1 = None
+    send_slice_2 = fxmeg_ir_ops_send(recv_slice_2, dst_chunk = 3, shape = [16, 8], dtype = torch.float32, grad = False);  recv_slice_2 = None
+    send_add_17 = fxmeg_ir_ops_send(add_17, dst_chunk = 3, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_17 = None
+    deallocate_add_17 = fxmeg_ir_ops_deallocate(send_add_17);  deallocate_add_17 = None
     return (send_slice_1, send_slice_2, send_add_17)
 
 # chunk 3
 def forward(self, labels, slice_1, slice_2, add_17):
-    recv_slice_1 = fxmeg_ops_recv(slice_1, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
-    recv_slice_2 = fxmeg_ops_recv(slice_2, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
-    recv_add_17 = fxmeg_ops_recv(add_17, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_17 = None
+    recv_slice_1 = fxmeg_ir_ops_recv(slice_1, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_1 = None
+    recv_slice_2 = fxmeg_ir_ops_recv(slice_2, src_chunk = 2, shape = [16, 8], dtype = torch.float32, grad = False);  slice_2 = None
+    recv_add_17 = fxmeg_ir_ops_recv(add_17, src_chunk = 2, shape = [2, 16, 32], dtype = torch.float32, grad = True);  add_17 = None
     return (cross_entropy_loss, num_tokens)""",  # noqa: E501 (expected text, compared whole)
         )
 
@@ -154,7 +154,7 @@ def test_boundaries_carry_several_tensors_and_relay_them():
     assert specs[-1].is_last and not any(s.is_last for s in specs[:-1])
     middle = chunks(parent)[1].code
     assert (
-        "send_slice_1 = fxmeg_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = "
+        "send_slice_1 = fxmeg_ir_ops_send(recv_slice_1, dst_chunk = 2, shape = [16, 8], dtype = "
         "torch.float32, grad = False)" in middle
     )
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fxmeg
+from fxmeg.diagnostics.layout_plan import activation_bytes
+from fxmeg.diagnostics.measured_activations import SavedBytes
 from fxmeg.errors import ConfigError
-from fxmeg.layout_plan import activation_bytes
-from fxmeg.measured_activations import SavedBytes
 from fxmeg.passes.recompute import Recompute
 from tests.harness.helpers import (
     assert_losses_close,

@@ -12,8 +12,8 @@ from expecttest import assert_expected_inline
 from torch import nn
 
 from fxmeg.errors import PassError
-from fxmeg.pass_driver import transform
-from fxmeg.program import split_spec
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.program import split_spec
 from tests.harness.helpers import make_batch, make_model
 from tests.passes.test_tp_dropout import Block
 

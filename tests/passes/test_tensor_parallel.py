@@ -7,10 +7,10 @@ import torch
 from expecttest import TestCase
 from torch import nn
 
-from fxmeg import pass_driver
 from fxmeg.errors import ConfigError, PassError
-from fxmeg.layouts import Replicate, Shard
-from fxmeg.pass_driver import transform
+from fxmeg.frontend import pass_driver
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.layouts import Replicate, Shard
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
 from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
@@ -209,7 +209,7 @@ def test_plan_overrides_the_automatic_choice():
 
 def test_tp_not_dividing_heads(monkeypatch):
     """The pass's own refusal, for a model whose config says nothing (GPT's says n_head=4,
-    which fxmeg.model_checks refuses at tp=3 before capture: switched off here)."""
+    which fxmeg.frontend.model_checks refuses at tp=3 before capture: switched off here)."""
     model = make_model("gpt", n_layer=1, n_embd=48, n_head=4, vocab_size=126)
     with pytest.raises(ConfigError, match=r"GPTConfig.n_head=4\): .*choose tp in \[1, 2, 4\]"):
         _tp(model, tp=3)

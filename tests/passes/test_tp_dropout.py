@@ -1,11 +1,11 @@
 """Dropout under tensor parallelism, on the graph (one process): which random nodes the
-tensor-parallel pass routes through the per-tp-rank stream (``fxmeg.ops.tp_rng_fork`` /
+tensor-parallel pass routes through the per-tp-rank stream (``fxmeg.ir.ops.tp_rng_fork`` /
 ``tp_rng_join``, Megatron's model-parallel RNG tracker) and which keep the default stream."""
 
 import torch
 from torch import nn
 
-from fxmeg import ops
+from fxmeg.ir import ops
 from tests.harness.helpers import graph_after, make_batch
 
 aten = torch.ops.aten

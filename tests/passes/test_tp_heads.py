@@ -1,4 +1,4 @@
-"""Attention layouts of fxmeg/passes/tp_heads.py through the tensor-parallel pass, in one
+"""Attention layouts of fxmeg/passes/tp/heads.py through the tensor-parallel pass, in one
 process: key/value heads fewer than tp ranks (Falcon's and gpt_bigcode's multi-query
 fused projections, Hugging Face llama with one key/value head) are replicated while the
 query heads split; Falcon's ``x @ w.T`` linears split; a per-head interleaved fused
@@ -13,7 +13,7 @@ from torch import nn
 
 import fxmeg
 from fxmeg.errors import PassError
-from fxmeg.layouts import Replicate, Shard
+from fxmeg.ir.layouts import Replicate, Shard
 from tests.harness.helpers import graph_after, make_batch
 from tests.parity.test_zoo import hf
 

@@ -1,4 +1,4 @@
-"""Mixtures of experts through the tensor-parallel pass (fxmeg/passes/tp_moe.py), in one
+"""Mixtures of experts through the tensor-parallel pass (fxmeg/passes/tp/moe.py), in one
 process: a router (a linear softmaxed or ranked over its output features) and a
 one-feature gate stay whole, whatever their module is called; the attention and dense
 projections (a shared expert's too) are split; the expert banks stay whole and the pass
@@ -12,7 +12,7 @@ import pytest
 from torch import nn
 
 from fxmeg.errors import PassError
-from fxmeg.layouts import Replicate, Shard
+from fxmeg.ir.layouts import Replicate, Shard
 from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fxmeg.layouts import LOCAL, Replicate, Shard  # noqa: F401
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.layouts import LOCAL, Replicate, Shard  # noqa: F401
 from tests.harness.helpers import graph_after, make_batch
 
 aten, fx_ops = torch.ops.aten, torch.ops.fxmeg
@@ -186,7 +186,7 @@ def test_a_sequence_parallel_split_is_not_merged_into_the_batch():
     """(batch, seq / tp, hidden) -> (batch * seq, hidden) would interleave every rank's
     tokens of each sequence: sequence-parallel all-gathers act on one dim, so it is refused
     (GPT-2's Conv1D under sp: test_zoo_axes' known gap), while heads merge (blocks)."""
-    from fxmeg.passes.tp_placement import reshape_shard
+    from fxmeg.passes.tp.placement import reshape_shard
 
     seq = reshape_shard(Shard(1, (16,), seq=True), (2, 16, 64), (32, 64), 2)
     assert (

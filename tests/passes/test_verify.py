@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import fxmeg
-import fxmeg.pass_driver as driver
+import fxmeg.frontend.pass_driver as driver
 from fxmeg.errors import ConfigError
-from fxmeg.pass_driver import NAMES, check_pass
+from fxmeg.frontend.pass_driver import NAMES, check_pass
+from fxmeg.ir.program import chunks
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import chunks
 from tests.harness.helpers import graph_after, make_batch, make_model
 
 OPTIONS = dict(
@@ -46,7 +46,7 @@ def _after(name):
 
 
 def test_every_pass_runs_and_verifies(caplog):
-    with caplog.at_level(logging.INFO, logger="fxmeg.pass_driver"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.frontend.pass_driver"):
         program = fxmeg.transform(make_model("gpt", n_layer=2), make_batch(2, seed=0), _config())
     logged = [r.getMessage().split()[0] for r in caplog.records]
     assert logged == ["capture", *NAMES]
@@ -80,7 +80,7 @@ def _later_chunk(gm):
 
 def _lose_recv(parent):
     gm = chunks(parent)[1]
-    recv = next(n for n in gm.graph.nodes if n.target is fxmeg.ops.recv)
+    recv = next(n for n in gm.graph.nodes if n.target is fxmeg.ir.ops.recv)
     recv.replace_all_uses_with(recv.args[0])
     gm.graph.erase_node(recv)
 
@@ -95,7 +95,7 @@ def _overlap_slots(parent):
 
 def _drop_wait(parent):
     gm = chunks(parent)[0]
-    wait = next(n for n in gm.graph.nodes if n.target is fxmeg.ops.wait_param_gather)
+    wait = next(n for n in gm.graph.nodes if n.target is fxmeg.ir.ops.wait_param_gather)
     gm.graph.erase_node(wait)
 
 
@@ -126,7 +126,7 @@ def test_stop_after_names_a_pass():
 
 def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
     monkeypatch.setenv("FXMEG_SKIP_PASSES", "recompute, param_gather")
-    with caplog.at_level(logging.INFO, logger="fxmeg.pass_driver"):
+    with caplog.at_level(logging.INFO, logger="fxmeg.frontend.pass_driver"):
         program = fxmeg.transform(
             make_model("gpt", n_layer=2), make_batch(2, seed=0), _config(recompute="full")
         )
@@ -136,7 +136,7 @@ def test_skip_passes_switches_passes_off_by_name(monkeypatch, caplog):
     assert "recompute, param_gather" in warning
     for gm in program.chunks:
         assert not any(isinstance(m, Recompute) for m in gm.modules())
-        assert not any(n.target is fxmeg.ops.wait_param_gather for n in gm.graph.nodes)
+        assert not any(n.target is fxmeg.ir.ops.wait_param_gather for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize(

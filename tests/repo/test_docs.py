@@ -168,7 +168,7 @@ def workdir(tmp_path_factory):
     bin_dir.mkdir()
     for name, run in {
         "python": "",
-        "fxmeg": "-m fxmeg.cli",
+        "fxmeg": "-m fxmeg.train.cli",
         "torchrun": "-m torch.distributed.run",
     }.items():
         (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" {run} "$@"\n')

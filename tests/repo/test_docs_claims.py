@@ -34,7 +34,7 @@ SOURCES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 
 TOP = ("fxmeg", "docs", "tests", "bench", "tools", "examples", "models")
 PATH = re.compile(rf"(?<![\w/.-])((?:{'|'.join(TOP)})/[\w./-]*)")
 """A repository path: a top-level folder, then anything path-like (a folder ends in /)."""
-PACKAGE_PATH = re.compile(r"(?<![\w/.-])((?:runtime|passes|data)/[\w/-]+\.py)\b")
+PACKAGE_PATH = re.compile(r"(?<![\w/.-])((?:runtime|passes|data|frontend|ir|weights|interop|train|diagnostics)/[\w/-]+\.py)\b")
 """A module named relative to fxmeg/ (``runtime/step.py``), as the docs and docstrings do."""
 FOREIGN = {"tools/preprocess_data.py": "Megatron-LM's, named where fxmeg reads what it writes"}
 """Paths of other projects that look like this repository's, and whose they are."""
@@ -266,7 +266,7 @@ def test_module_docstrings_are_short():
 def test_prepare_data_takes_megatrons_tokenizer_flag():
     import argparse
 
-    from fxmeg.cli import _prepare_parser
+    from fxmeg.train.cli import _prepare_parser
 
     parser = argparse.ArgumentParser()
     _prepare_parser(parser)

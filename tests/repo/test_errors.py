@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 import fxmeg
-from fxmeg.checkpoint import Checkpointer, export
-from fxmeg.cli import _train_parser, config_from
-from fxmeg.metrics import run_directory
-from fxmeg.runtime.optimizer import muon_adamw
-from fxmeg.train_config import TrainConfig
+from fxmeg.runtime.optimizer.optimizer import muon_adamw
+from fxmeg.train.cli import _train_parser, config_from
+from fxmeg.train.metrics import run_directory
+from fxmeg.train.train_config import TrainConfig
+from fxmeg.weights.checkpoint import Checkpointer, export
 from tests.harness.distributed import run_world
 from tests.harness.helpers import make_batch, make_model
 from tests.passes.test_expert_parallel import BatchedExperts
@@ -182,7 +182,7 @@ def _half_meta():
 
 def _hugging_face(**args):
     """What `fxmeg train --model transformers:LlamaForCausalLM --seq-len 32` builds (on meta)."""
-    from fxmeg.build import build_model
+    from fxmeg.train.build import build_model
 
     small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -234,7 +234,7 @@ class _Bank(nn.Module):
 # row id -> (set-up returning the failing call, or the failing call itself; message)
 def _data(**kw):
     """The trainer's data (``train_data``) of ``_config(**kw)``."""
-    from fxmeg.trainer import train_data
+    from fxmeg.train.trainer import train_data
 
     return train_data(_config(**kw))
 
@@ -245,7 +245,7 @@ def _config(*, truncated: bool = False, vocab: int | None = 300, split: str = "9
     import numpy as np
 
     from fxmeg.data.indexed import write_indexed
-    from fxmeg.trainer import TrainConfig
+    from fxmeg.train.trainer import TrainConfig
 
     prefix = os.path.join(tempfile.mkdtemp(prefix="fxmeg-errors-data-"), "data")
     write_indexed(prefix, (np.arange(40, dtype=np.uint16) % 250 + k for k in range(30)), np.uint16)
@@ -263,7 +263,7 @@ def _config(*, truncated: bool = False, vocab: int | None = 300, split: str = "9
 def _sft(lines: list[str], **flags):
     """The trainer's --sft data of a JSON-lines file holding ``lines``
     (tests/harness/sft_data.py's tokenizer)."""
-    from fxmeg.trainer import TrainConfig, train_data
+    from fxmeg.train.trainer import TrainConfig, train_data
     from tests.harness import sft_data
 
     root = tempfile.mkdtemp(prefix="fxmeg-errors-data-")
@@ -286,7 +286,7 @@ def _sft(lines: list[str], **flags):
 
 
 def _trainer(**kw):
-    from fxmeg.trainer import Trainer
+    from fxmeg.train.trainer import Trainer
 
     return Trainer(_config(**kw))
 

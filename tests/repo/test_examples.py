@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fxmeg.metrics import read
+from fxmeg.train.metrics import read
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3

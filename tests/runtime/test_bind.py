@@ -4,7 +4,7 @@
 import torch
 from torch import fx
 
-from fxmeg import ops
+from fxmeg.ir import ops
 from fxmeg.runtime import collectives
 
 

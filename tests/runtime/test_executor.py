@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from fxmeg.errors import ScheduleError
-from fxmeg.program import chunk_spec, chunks
-from fxmeg.runtime import schedules
-from fxmeg.runtime.executor import ComputeHooks, Executor
-from fxmeg.runtime.p2p import PointToPoint
-from fxmeg.runtime.schedules import Action, Kind, fmt
-from fxmeg.timelines import Tracer
+from fxmeg.ir.program import chunk_spec, chunks
+from fxmeg.runtime.pipeline import schedules
+from fxmeg.runtime.pipeline.executor import ComputeHooks, Executor
+from fxmeg.runtime.pipeline.p2p import PointToPoint
+from fxmeg.runtime.pipeline.schedules import Action, Kind, fmt
+from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import run_backward
 from tests.harness.helpers import graph_after, make_batch, make_model
 
@@ -212,7 +212,7 @@ def test_a_sent_output_is_kept_only_when_its_node_saved_it():
     """DEALLOC frees a sent activation unless backward reads it: exp and relu save their
     result; layer norm saves its mean and rstd (outputs 1 and 2), not the normed output
     that crosses a cut before the head, which is freed; its backward still agrees."""
-    from fxmeg.runtime.executor import _saves_its_result
+    from fxmeg.runtime.pipeline.executor import _saves_its_result
 
     x = torch.randn(4, 8, requires_grad=True)
     assert _saves_its_result(x.exp(), {}) and _saves_its_result(torch.relu(x), {})

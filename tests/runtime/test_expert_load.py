@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 import fxmeg
-from fxmeg.checkpoint import Checkpointer
 from fxmeg.config import make_config
 from fxmeg.errors import ConfigError, PassError
-from fxmeg.metrics import plot, read
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
+from fxmeg.ir.program import chunks, load_marks
 from fxmeg.passes.recompute import Recompute
-from fxmeg.program import chunks, load_marks
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.train.metrics import plot, read
+from fxmeg.train.trainer import TrainConfig, Trainer
+from fxmeg.weights.checkpoint import Checkpointer
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
@@ -80,7 +80,7 @@ def test_the_pass_only_marks_each_block_at_ep1():
         for i in range(2)
     ]
     assert all(m.prev is m.args[0] and m.args[0].target is operator.getitem for m in marks)
-    kept = [ln for ln in after.code.splitlines() if "fxmeg_ops_expert_load" not in ln]
+    kept = [ln for ln in after.code.splitlines() if "fxmeg_ir_ops_expert_load" not in ln]
     assert kept == before.splitlines()
 
 

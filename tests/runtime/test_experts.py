@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fxmeg.runtime import experts
-from fxmeg.timelines import Tracer
+from fxmeg.runtime.timelines import Tracer
 from tests.harness.distributed import run_world
 
 E = 4  # experts, 2 per rank

@@ -13,18 +13,18 @@ import torch
 import fxmeg
 from fxmeg.config_sections import DataParallelConfig
 from fxmeg.errors import ConfigError
-from fxmeg.layouts import Shard
+from fxmeg.ir.layouts import Shard
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.runtime.layerwise import assign
-from fxmeg.runtime.optimizer import (
+from fxmeg.runtime.optimizer.layerwise import assign
+from fxmeg.runtime.optimizer.optimizer import (
     is_elementwise,
     muon_adamw,
     muon_groups,
     param_groups,
     plan_optimizers,
 )
-from fxmeg.sharding import tp_assemble, tp_shard
 from fxmeg.sharding_modes import OptimizerSharding
+from fxmeg.weights.sharding import tp_assemble, tp_shard
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,

@@ -9,7 +9,7 @@ import fxmeg
 from fxmeg.errors import ConfigError
 from fxmeg.loss_scale import LossScaleConfig, LossScaler
 from fxmeg.lr_schedule import LRSchedule, ParamScheduler
-from fxmeg.runtime.optimizer import param_groups
+from fxmeg.runtime.optimizer.optimizer import param_groups
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,

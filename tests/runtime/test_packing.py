@@ -5,8 +5,8 @@ the views serve as autograd leaves whose gradients pack the same way."""
 import pytest
 import torch
 
-from fxmeg.program import Boundary
-from fxmeg.runtime.packing import ALIGN, Layout
+from fxmeg.ir.program import Boundary
+from fxmeg.runtime.pipeline.packing import ALIGN, Layout
 
 
 def _boundary(shape, dtype, grad=False) -> Boundary:

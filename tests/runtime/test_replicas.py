@@ -1,9 +1,9 @@
-"""The parameter hash that replica checks compare (fxmeg/runtime/replicas.py)."""
+"""The parameter hash that replica checks compare (fxmeg/runtime/data_parallel/replicas.py)."""
 
 import pytest
 import torch
 
-from fxmeg.runtime.replicas import BLOCK, PATTERN, hash_pattern, tensor_hash
+from fxmeg.runtime.data_parallel.replicas import BLOCK, PATTERN, hash_pattern, tensor_hash
 
 
 def _reference(t: torch.Tensor) -> tuple[int, int]:

@@ -6,7 +6,7 @@ import pytest
 from expecttest import TestCase
 
 from fxmeg.errors import ScheduleError
-from fxmeg.runtime.schedules import (
+from fxmeg.runtime.pipeline.schedules import (
     Action,
     Kind,
     build,
@@ -15,7 +15,7 @@ from fxmeg.runtime.schedules import (
     lower,
     table,
 )
-from fxmeg.runtime.simulator import simulate
+from fxmeg.runtime.pipeline.simulator import simulate
 
 
 def _name(pp: int, vpp: int) -> str:

@@ -8,8 +8,8 @@ from expecttest import TestCase
 
 from fxmeg.config import placement
 from fxmeg.errors import ConfigError, ScheduleError
-from fxmeg.runtime.lowering import EAGER_AHEAD, p2p_mode
-from fxmeg.runtime.schedules import (
+from fxmeg.runtime.pipeline.lowering import EAGER_AHEAD, p2p_mode
+from fxmeg.runtime.pipeline.schedules import (
     COMPUTE,
     Action,
     Kind,
@@ -20,7 +20,7 @@ from fxmeg.runtime.schedules import (
     lower,
     table,
 )
-from fxmeg.runtime.simulator import simulate
+from fxmeg.runtime.pipeline.simulator import simulate
 
 ZERO_BUBBLE = {"zbh1": 1, "zbv": 2, "dualpipev": 2}  # name -> vpp
 UNIT = {"f_cost": 1, "b_cost": 2, "i_cost": 1, "w_cost": 1}

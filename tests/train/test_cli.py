@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from fxmeg.metrics import read
+from fxmeg.train.metrics import read
 
 FIELDS = {
     "iteration",
@@ -37,7 +37,7 @@ MODEL = '{"n_layer": 4, "n_embd": 64, "n_head": 4}'
 
 def fxmeg(*args, **kw):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fxmeg.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fxmeg.train.cli", *args], env=env, capture_output=True,
                           text=True, timeout=300, **kw)
 
 
@@ -144,7 +144,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(corpus, tmp_path):
     run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fxmeg.cli", "train", "--data", corpus, "--model-args", MODEL,
+        [sys.executable, "-m", "fxmeg.train.cli", "train", "--data", corpus, "--model-args", MODEL,
          "--dp", "2", "--seq-len", "64", "--global-batch-size", "16", "--train-iters", "100000",
          "--log-interval", "1", "--run-dir", run, "--save", ckpt, "--no-progress"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -220,7 +220,7 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
     run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fxmeg.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
+        [sys.executable, "-m", "fxmeg.train.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -265,7 +265,7 @@ def _two_nodes(*args: str) -> None:
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
-         "-m", "fxmeg.cli", "train", *args],
+         "-m", "fxmeg.train.cli", "train", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         outs = [node.communicate(timeout=300) for node in nodes]
@@ -355,7 +355,7 @@ def _short_documents(directory: str) -> str:
     the 32-byte windows of 4 steps held none of them."""
     from pydoc_data.topics import topics
 
-    from fxmeg.cli import main
+    from fxmeg.train.cli import main
 
     text = " ".join(topics[k] for k in sorted(topics)).replace("\n", " ")
     sentences = [s.strip() for s in text.split(". ") if 10 <= len(s.strip()) <= 60][:400]
@@ -398,7 +398,7 @@ def _plain_hugging_face(corpus: str):
     the first global batch of the validation split, the trained model)."""
     import transformers
 
-    from fxmeg.trainer import TrainConfig, train_data
+    from fxmeg.train.trainer import TrainConfig, train_data
     from tests.harness.helpers import reference_groups
 
     cfg = TrainConfig.from_flat(data=corpus, **HF_RUN)
@@ -453,7 +453,7 @@ def test_a_hugging_face_class_trains_at_tp2_pp2_as_plain_hugging_face_and_resume
     checkpoint repeats steps 3-4 and the evaluation bitwise."""
     import transformers
 
-    from fxmeg.cli import main
+    from fxmeg.train.cli import main
     from tests.harness.helpers import assert_losses_close, assert_weights_close
 
     corpus = _short_documents(str(tmp_path))
@@ -562,7 +562,7 @@ def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("fxmeg: error: "), out.stderr[-3000:]
-    # from the model's config, before capture (fxmeg/model_checks.py), not from a traced view node
+    # from the model's config, before capture (fxmeg/frontend/model_checks.py), not from a traced view node
     assert (
         "tp=2 does not divide 3, the number of heads" in lines[0]
         and "num_attention_heads=3" in lines[0]
@@ -573,7 +573,7 @@ def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
 def test_help_imports_no_torch_and_a_config_error_no_compiler():
     """`fxmeg --help` answers from the argument table alone (bench/cli_startup.py times it)."""
     code = (
-        "import sys, contextlib, io\nfrom fxmeg.cli import console\n"
+        "import sys, contextlib, io\nfrom fxmeg.train.cli import console\n"
         "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
         "    console(['--help'])\n"
         "assert 'plan' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n"
@@ -582,7 +582,7 @@ def test_help_imports_no_torch_and_a_config_error_no_compiler():
     assert out.returncode == 0, out.stderr[-2000:]
     # a config error: no compiler stack either
     code = (
-        "import sys\nfrom fxmeg.cli import console\n"
+        "import sys\nfrom fxmeg.train.cli import console\n"
         "assert console(['train', '--data', 'x', '--train-iters', '1', '--schedule', '1f1d']) == "
         "1\n"
         "assert not {'torch._dynamo', 'torch._functorch.aot_autograd'} & set(sys.modules)\n"

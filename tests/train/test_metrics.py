@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 
-from fxmeg.metrics import read
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
 

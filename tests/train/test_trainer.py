@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fxmeg.cli import _train_parser, config_from
+from fxmeg.diagnostics.layout_plan import memory_report
 from fxmeg.errors import CheckpointError, ConfigError
-from fxmeg.layout_plan import memory_report
 from fxmeg.lr_schedule import LRSchedule
-from fxmeg.metrics import read
-from fxmeg.trainer import TrainConfig, Trainer, batch_size_schedule
+from fxmeg.train.cli import _train_parser, config_from
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer, batch_size_schedule
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
 
@@ -190,7 +190,7 @@ def test_exit_duration_stops_after_the_step_in_progress(corpus, tmp_path):
 
 
 class _Clock:
-    """fxmeg.trainer's clock in a test: it moves only by the seconds the wrapped calls take."""
+    """fxmeg.train.trainer's clock in a test: it moves only by the seconds the wrapped calls take."""
 
     def __init__(self):
         self.now = 0.0
@@ -212,7 +212,7 @@ def test_throughput_excludes_evaluation_and_saving(corpus, tmp_path, monkeypatch
                   save=str(tmp_path / "ckpt"), save_interval=6)
     t = Trainer(cfg)
     clock = _Clock()  # fake: on a shared CPU the real step time varies 100x
-    monkeypatch.setattr("fxmeg.trainer.time", SimpleNamespace(perf_counter=clock, monotonic=clock))
+    monkeypatch.setattr("fxmeg.train.trainer.time", SimpleNamespace(perf_counter=clock, monotonic=clock))
     monkeypatch.setattr(t.engine, "train_step", clock.taking(0.01, t.engine.train_step))
     monkeypatch.setattr(t.engine, "eval_step", clock.taking(1.0, t.engine.eval_step))
     monkeypatch.setattr(t.checkpointer, "save", clock.taking(2.0, t.checkpointer.save))
@@ -255,8 +255,8 @@ def test_a_hugging_face_class_learns_the_next_token_of_each_window_and_resumes_e
     `fxmeg verify` and `fxmeg plan` take the same model."""
     import transformers as T
 
-    from fxmeg.cli import main
-    from fxmeg.hugging_face import keyword_batch
+    from fxmeg.interop.hugging_face import keyword_batch
+    from fxmeg.train.cli import main
 
     hf = {"model": HF, "model_args": json.dumps(HF_ARGS), "lr_decay_samples": 200, "train_iters": 4}
     t = Trainer(_config(corpus, tmp_path / "a", **hf))
@@ -422,7 +422,7 @@ def test_the_wsd_anneal_is_set_by_its_flags(corpus, tmp_path):
 
 def test_a_model_arg_the_config_dataclass_lacks_is_refused():
     """A typo such as n_layr was dropped, and the default depth trained without a word."""
-    from fxmeg.build import build_model
+    from fxmeg.train.build import build_model
 
     with pytest.raises(
         ConfigError,
@@ -441,7 +441,7 @@ def test_a_model_arg_the_config_dataclass_lacks_is_refused():
 
 
 def test_each_run_takes_its_own_directory_by_default(tmp_path, monkeypatch):
-    from fxmeg.metrics import run_directory
+    from fxmeg.train.metrics import run_directory
 
     monkeypatch.chdir(tmp_path)
     assert run_directory("", resuming=False) == "runs/run"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fxmeg.checkpoint import CheckpointError, check_complete, find_complete
-from fxmeg.cli import main as fxmeg_main
-from fxmeg.metrics import read
-from fxmeg.trainer import TrainConfig, Trainer
+from fxmeg.train.cli import main as fxmeg_main
+from fxmeg.train.metrics import read
+from fxmeg.train.trainer import TrainConfig, Trainer
+from fxmeg.weights.checkpoint import CheckpointError, check_complete, find_complete
 
 MODEL = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 4})
 

@@ -12,7 +12,7 @@ import torch
 
 import fxmeg
 from fxmeg.errors import InitError
-from fxmeg.pass_driver import transform
+from fxmeg.frontend.pass_driver import transform
 from tests.harness.helpers import assert_bitwise, hf_model, make_batch, make_model, seeded_init
 
 

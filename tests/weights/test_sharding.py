@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from fxmeg.layouts import Shard
-from fxmeg.sharding import flat_to_boxes, local_to_global, view
+from fxmeg.ir.layouts import Shard
+from fxmeg.weights.sharding import flat_to_boxes, local_to_global, view
 
 
 @pytest.mark.parametrize("shape", [(10,), (4, 6), (3, 4, 5), (2, 1, 3, 4)])

@@ -11,8 +11,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fxmeg.errors import WeightsError
-from fxmeg.sharding import Pieces, dcp_save
-from fxmeg.weights import DcpWeights, SafetensorsWeights, check, open_weights
+from fxmeg.weights.sharding import Pieces, dcp_save
+from fxmeg.weights.sources import DcpWeights, SafetensorsWeights, check, open_weights
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -44,7 +44,7 @@ def _safetensors_file(tmp_path, tensors):
 
 
 def _fxmeg_checkpoint(tmp_path, tensors):
-    """The layout fxmeg.checkpoint writes: DIR/iter_N/ (DCP files, meta.json), DIR/latest;
+    """The layout fxmeg.weights.checkpoint writes: DIR/iter_N/ (DCP files, meta.json), DIR/latest;
     qkv.weight stored as two row chunks, as two tensor-parallel ranks save it."""
     root, name = tmp_path / "ckpt", "iter_0000003"
     state = {f"model/{k}": v for k, v in tensors.items()} | {"trainer": {"consumed": 7}}

@@ -1,0 +1,527 @@
+"""The `fxmeg` command: train, verify, plan, prepare-data, export, plot, plot-schedule.
+
+    fxmeg prepare-data --input pydoc:topics --input /path/to/texts --output runs/corpus
+    fxmeg train --data runs/corpus --model models.gpt:GPT --model-args '{"n_layer": 4}' \\
+                --tp 2 --pp 2 --train-iters 100          # or --config run.toml
+    fxmeg train --data runs/corpus --model transformers:LlamaForCausalLM \\
+                --model-args '{"hidden_size": 256, "num_hidden_layers": 4, ...}' --tp 2 --pp 2 ...
+                                                           # a Hugging Face class: keyword batches
+    fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
+                                                           # one global batch: parallel vs single device
+    fxmeg export runs/ckpt --to model.pt                   # plain state_dict
+    fxmeg export runs/ckpt --to runs/hf --format hf        # from_pretrained("runs/hf")
+    fxmeg plot runs/run
+    fxmeg train ... --trace runs/trace --trace-interval 50
+    fxmeg plot-schedule runs/trace/step_50.json           # rank x time PNG, bubble, waits
+    fxmeg plan --model models.llama:Llama --model-args '{"n_layer": 80, ...}' --tp 8 --pp 8 \\
+               --vpp 2 --seq-len 4096 --precision bf16     # per-stage memory, FLOPs, bubble
+    fxmeg plan --hf-config LlamaConfig num_hidden_layers=80 hidden_size=8192 ... --tp 8 --json
+
+`fxmeg train` and `fxmeg verify` start their own ranks with torch's elastic launcher
+(--nproc, default tp * cp * pp * dp, dp at least what --ep needs) unless they already run
+under torchrun. An error of the user's is one line (`fxmeg: error: ...`); --debug shows its
+traceback.
+`fxmeg verify` takes the flags (or --config) of `fxmeg train`, runs the first global batch
+of the training data (or the one at the --load checkpoint) through the parallel program and
+the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch; with
+--verify-steps N it checks N batches, training a step on each after its check.
+`fxmeg plan` takes the model and layout flags of `fxmeg train` (or its --config file) and
+prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/diagnostics/layout_plan.py); the model is
+built on the meta device, so no memory is allocated and no process is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+DEBUG = "show the whole traceback of an error (also FXMEG_DEBUG=1)"
+
+
+class Command(NamedTuple):
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _commands() -> dict[str, Command]:
+    return {
+        "train": Command("train a model", _train_parser, _train),
+        "verify": Command("check a layout against single-device execution, batch by batch (the flags "
+                          "of train)", _verify_parser, _verify),
+        "plan": Command("per-stage memory, FLOPs and bubble of a layout, with no process and no real "
+                        "tensor", _plan_parser, _plan),
+        "prepare-data": Command("tokenise text into a corpus", _prepare_parser, _prepare),
+        "export": Command("write a checkpoint's model for one device: a plain state_dict, or a Hugging "
+                          "Face directory", _export_parser, _export),
+        "plot": Command("draw loss / lr / throughput (and expert load) curves of a run to PNG",
+                        _plot_parser, _plot),
+        "plot-schedule": Command("draw a traced step (--trace) as a rank x time chart",
+                                 _plot_schedule_parser, _plot_schedule),
+    }
+
+
+def console(argv: list[str] | None = None) -> int:
+    """The `fxmeg` command line: ``main``, with an error of the user's (``FxmegError``)
+    shown as one line, ``fxmeg: error: ...``, and exit status 1; with --debug (or
+    FXMEG_DEBUG=1) the traceback too."""
+    from fxmeg.errors import FxmegError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return main(argv)
+    except FxmegError as exc:
+        if _debug(argv):
+            raise
+        print(f"fxmeg: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one `fxmeg` command; errors propagate (``console`` is the command line's entry).
+    Only the named command's flags are built, so `fxmeg --help` imports no torch."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name, parser, rest = _command_parser(argv)
+    return _commands()[name].run(parser.parse_args(rest))
+
+
+def _command_parser(argv: list[str]) -> tuple[str, argparse.ArgumentParser, list[str]]:
+    """(the command, its own parser, the words it parses): a bad flag is answered with the
+    command's usage line, not the top level's."""
+    commands = _commands()
+    top = argparse.ArgumentParser(prog="fxmeg", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--debug", action="store_true", help=DEBUG)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in commands.items():
+        sub.add_parser(name, help=command.help, add_help=False)
+    at = next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
+    if at is None or argv[at] not in commands:
+        top.parse_args(argv)  # the help, or the error naming the commands: exits
+        raise AssertionError(f"argparse accepted {argv}")
+    name = argv[at]
+    usage = f"fxmeg {name} [--FLAG VALUE ...]  (fxmeg {name} --help lists them)" if name in FLAGGED else None
+    parser = _Parser(prog=f"fxmeg {name}", description=commands[name].help, usage=usage)
+    parser.add_argument("--debug", action="store_true", help=DEBUG)
+    commands[name].arguments(parser)
+    return name, parser, argv[:at] + argv[at + 1:]
+
+
+FLAGGED = ("train", "verify", "plan")
+"""Commands with a flag per option: their usage line is short, their --help lists them."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An unrecognised flag is answered with the nearest one."""
+
+    def error(self, message: str):
+        from fxmeg.errors import closest
+
+        if message.startswith("unrecognized arguments:"):
+            flags = [f for action in self._actions for f in action.option_strings]
+            words = message.split(":", 1)[1].split()
+            message += "".join(closest(w.split("=")[0], flags) for w in words if w.startswith("--"))
+        super().error(message)
+
+
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("FXMEG_DEBUG") == "1"
+
+
+def _verify_parser(p: argparse.ArgumentParser) -> None:
+    _train_parser(p)
+    p.add_argument("--verify-steps", type=int, default=1, metavar="N",
+                   help="check N global batches, training one step on each after its check (a gradient "
+                        "path dead at initialisation comes alive once the weights move); stops at the "
+                        "first mismatch")
+
+
+def _prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", action="append", required=True,
+                   help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
+    p.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
+    # Megatron's tools/preprocess_data.py and `fxmeg train` both say --tokenizer-model;
+    # --tokenizer, this command's first name for it, stays an alias.
+    p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default="bytes", metavar="PATH",
+                   help="'bytes' (the default), or a tokenizers JSON file (a tokenizer.json, or the "
+                        "directory holding it), as fxmeg train --tokenizer-model; --tokenizer is an alias")
+    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                   help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
+                        "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")
+
+
+def _export_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
+    p.add_argument("--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)")
+    p.add_argument("--format", default="pt", choices=["pt", "hf", "safetensors"],
+                   help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
+                        "config.json, for from_pretrained (a transformers model); safetensors: the "
+                        "weight files alone (any model)")
+    p.add_argument("--max-shard-size", default="50GB",
+                   help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
+                        "model.safetensors.index.json (default 50GB, as save_pretrained)")
+    p.add_argument("--check", action="store_true",
+                   help="hf: load the export with from_pretrained and compare its tensors and logits with "
+                        "the checkpoint's model; exit 1 naming the first difference")
+
+
+def _export(args) -> int:
+    from fxmeg.errors import ConfigError
+    from fxmeg.weights.checkpoint import export
+
+    if args.check and args.format != "hf":
+        raise ConfigError(f"export --check loads the export with from_pretrained: it needs --format hf, "
+                          f"not {args.format}")
+    done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
+    for note in done.notes:
+        print(f"  {note}")
+    if not args.check:
+        return 0
+    from fxmeg.interop.export_check import ExportMismatch, check
+
+    try:
+        lines = check(done.checkpoint, args.to)
+    except ExportMismatch as exc:
+        print(f"fxmeg export --check: {exc}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(f"check: {line}")
+    return 0
+
+
+def _plot_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+
+
+def _plot(args) -> int:
+    from fxmeg.train.metrics import plot as draw
+
+    print(draw(args.run_dir, args.out))
+    return 0
+
+
+def _plot_schedule_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a step_N.json written with --trace DIR")
+    p.add_argument("--out", default=None, help="PNG path (default: the trace's, .png)")
+
+
+# ---------------------------------------------------------------- prepare-data / plot
+
+
+def _plot_schedule(args) -> int:
+    from fxmeg.runtime import timelines
+
+    per_rank = timelines.load(args.trace)
+    out = args.out or os.path.splitext(args.trace)[0] + ".png"
+    timelines.plot(per_rank, out, title=os.path.basename(args.trace))
+    summary = timelines.analyze(per_rank)
+    for r in summary["ranks"]:
+        hidden = "-" if r["dp_hidden"] is None else f"{r['dp_hidden']:.0%}"
+        a2a = f", expert all-to-all {r['a2a_s'] * 1e3:.1f} ms" if r["a2a_s"] else ""
+        print(f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} ms{a2a}, "
+              f"DP reduction hidden {hidden}")
+    print(out)
+    return 0
+
+
+def _prepare(args) -> int:
+    from fxmeg.data import load_tokenizer, prepare
+    from fxmeg.data.corpus import read_documents, read_json_lines
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    jobs = [(read_documents(args.input), args.output)]
+    if args.json_keys:  # one dataset per key, named as Megatron's preprocess_data.py names them
+        jobs = [(read_json_lines(args.input, key), f"{args.output}_{key}_document") for key in args.json_keys]
+    for documents, prefix in jobs:
+        meta = prepare(documents, prefix, tokenizer)
+        print(f"wrote {prefix}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} documents, "
+              f"vocabulary {meta['vocab_size']} ({meta['tokenizer']})")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+PLAN_MODEL = ("model", "model_args", "seq_len")
+"""The trainer's own flat names `fxmeg plan` reads (the rest: engine and layout names)."""
+PLAN_MICRO_BATCH = 1
+"""`fxmeg plan`'s micro-batch size when neither the flag nor --config gives one: Megatron's
+default, and what long sequences train with (train's default of 4 at seq 8192 planned 4x
+the activations anyone runs)."""
+
+
+def _plan_parser(p: argparse.ArgumentParser) -> None:
+    from fxmeg.train.train_config import TrainConfig, flat_fields
+
+    p.add_argument("--config", help="a `fxmeg train` TOML or YAML file: its model and layout keys are "
+                                    "read, the trainer's other keys ignored (flags override it)")
+    p.add_argument("--hf-config", nargs="+", metavar="NAME_OR_JSON",
+                   help="a Hugging Face causal LM instead of --model: a config.json file, a transformers "
+                        "config class (LlamaConfig) or model type (llama), then KEY=VALUE overrides "
+                        "(values read as JSON), e.g. LlamaConfig num_hidden_layers=80 hidden_size=8192")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--device-memory", metavar="SIZE_OR_DEVICE",
+                   help="one rank's device memory: a size (80GB = 80e9 bytes, 80GiB, 79.6GiB) or a device "
+                        "(h100: 79.6 GiB, h200: 140.4 GiB, a100-40gb: 40 GiB, a100-80gb: 80 GiB, as "
+                        "nvidia-smi reports them); says per stage 'fits' or 'exceeds by', and what would "
+                        "make a stage that exceeds fit")
+    p.add_argument("--split-points", nargs="+", metavar="UNIT",
+                   help="pin the pipeline cuts: the first unit of every chunk but the first, pp * vpp - 1 "
+                        "of them, e.g. model.layers.20 model.layers.40 model.layers.60 (default: balanced "
+                        "at block boundaries)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _flags(p, [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
+           defaults={"micro_batch_size": f"{PLAN_MICRO_BATCH}, Megatron's --micro-batch-size default; "
+                                         "`fxmeg train`'s is 4"})
+
+
+def _plan(args) -> int:
+    """`fxmeg plan`: build the model on the meta device, print its Plan."""
+    import json
+
+    import torch
+
+    from fxmeg.diagnostics.devices import device_bytes
+    from fxmeg.diagnostics.layout_plan import plan, stderr_progress
+    from fxmeg.interop.hugging_face import is_hugging_face, keyword_batch
+    from fxmeg.train.build import build_model
+    from fxmeg.train.train_config import engine_from_flat, flat_defaults
+
+    device = device_bytes(args.device_memory) if args.device_memory else None
+    values = _plan_values(args)
+    model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}
+    engine = engine_from_flat(**values)
+    if args.split_points:
+        import dataclasses
+
+        engine = dataclasses.replace(engine, parallel=dataclasses.replace(
+            engine.parallel, split_points=tuple(args.split_points)))
+    with torch.device("meta"):
+        if args.hf_config:
+            import transformers
+
+            net = transformers.AutoModelForCausalLM.from_config(hf_config(args.hf_config))
+        else:
+            extra = model["model_args"]
+            extra = extra if isinstance(extra, dict) else json.loads(extra)
+            net = build_model(model["model"], {"seq_len": model["seq_len"]} | extra)
+    shape = (engine.micro_batch_size, model["seq_len"])
+    ids, labels = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
+    # a Hugging Face model takes the trainer's keyword batch (positionally, labels would
+    # land on its second parameter, attention_mask)
+    example = keyword_batch(ids, labels) if is_hugging_face(net) else (ids, labels)
+    result = plan(net, example, config=engine, device_memory=device,
+                  progress=None if args.quiet else stderr_progress())
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def _plan_values(args) -> dict:
+    """Flat names from --config (the trainer's own keys but the model's dropped), then
+    the flags given."""
+    from fxmeg.errors import ConfigError, closest
+    from fxmeg.train.train_config import MEGATRON_NAMES, TrainConfig, flat_fields, from_megatron
+
+    names, values = flat_fields(), {}
+    read = from_megatron({key.replace("-", "_"): value for key, value in
+                          (_read_config(args.config) if args.config else {}).items()})
+    for key, value in read.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(key, names))
+        if names[key][0] is not TrainConfig or key in PLAN_MODEL:
+            values[key] = value
+    given = {k: v for k, v in vars(args).items() if (k in names or k in MEGATRON_NAMES) and v is not None}
+    values |= from_megatron(given)  # a flag overrides the file
+    values.setdefault("micro_batch_size", PLAN_MICRO_BATCH)
+    return values
+
+
+def hf_config(spec: list[str]):
+    """A transformers config from ``[NAME_OR_JSON, KEY=VALUE, ...]``: a config.json file
+    (its ``model_type`` picks the class), a config class name (``LlamaConfig``) or a
+    model type (``llama``); each override's value is read as JSON, else kept as text.
+    Nothing is downloaded."""
+    import json
+
+    import transformers
+
+    from fxmeg.errors import ConfigError
+
+    source, *pairs = spec
+    overrides = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    if source.endswith(".json") or os.path.isfile(source):
+        with open(source) as f:
+            values = json.load(f)
+        if "model_type" not in values:
+            raise ConfigError(f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config")
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **(values | overrides))
+    cls = getattr(transformers, source, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
+        return cls(**overrides)
+    try:
+        return transformers.AutoConfig.for_model(source, **overrides)
+    except ValueError:
+        raise ConfigError(f"--hf-config {source!r} is neither a JSON file, a transformers config class "
+                          "(LlamaConfig) nor a model type (llama)") from None
+
+
+# ---------------------------------------------------------------- train
+
+
+def _train_parser(p: argparse.ArgumentParser) -> None:
+    """One flag per flat name of TrainConfig (its own fields, then the scalar fields of
+    EngineConfig and its sections), its help the field's docstring."""
+    from fxmeg.train.train_config import flat_fields
+
+    p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to launch (default tp * cp * pp * dp; without --dp, the least dp --ep needs)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every rank this often after one fails; with --load set to the "
+                        "--save directory the run resumes from its latest complete checkpoint")
+    _flags(p, flat_fields())
+
+
+WORDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+"""Options given as several words (flags with nargs='+'), kept as one space-separated string."""
+
+
+def _flags(p: argparse.ArgumentParser, names, defaults: dict[str, str] | None = None) -> None:
+    """One flag per flat name (default None: not given), its help the field's docstring and
+    the default (as ``defaults`` says it where the command's own differs)."""
+    from fxmeg.train.train_config import flat_defaults, flat_fields
+
+    fields_default, fields = flat_defaults(), flat_fields()
+    docs = {cls: _field_docs(cls) for cls, _ in fields.values()}
+    for name in names:
+        (cls, kind), flag = fields[name], "--" + name.replace("_", "-")
+        doc = docs[cls].get(name, "")
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif name in WORDS:  # --data-path 0.3 A 0.7 B, as Megatron's
+            p.add_argument(flag, nargs="+", default=None, metavar="WORD", help=doc)
+        else:
+            said = (defaults or {}).get(name, repr(fields_default[name]))
+            p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {said})")
+    _megatron_flags(p, names)
+
+
+def _megatron_flags(p: argparse.ArgumentParser, names) -> None:
+    """Megatron-LM's flag for each of ``names`` that has one (train_config.MEGATRON_NAMES),
+    setting the same option: --tensor-model-parallel-size 2 is --tp 2, --bf16 is
+    --precision bf16."""
+    from fxmeg.train.train_config import MEGATRON_NAMES, flat_fields
+
+    group = p.add_argument_group("Megatron-LM's names (each sets the fxmeg option named)")
+    fields = flat_fields()
+    for alias, (name, switch) in MEGATRON_NAMES.items():
+        if name not in names:
+            continue
+        flag, target = "--" + alias.replace("_", "-"), "--" + name.replace("_", "-")
+        if switch is None:
+            group.add_argument(flag, dest=alias, type=fields[name][1], default=None, metavar="VALUE",
+                               help=f"{target}")
+        else:
+            group.add_argument(flag, dest=alias, action="store_const", const=True, default=None,
+                               help=f"{target} {switch}" if switch is not True else target)
+
+
+def config_from(args: argparse.Namespace):
+    """TrainConfig from a config file, then the flags given on the command line (flat
+    names both, Megatron's too: TrainConfig.from_flat)."""
+    from fxmeg.train.train_config import MEGATRON_NAMES, TrainConfig, flat_fields, from_megatron
+
+    values = from_megatron({key.replace("-", "_"): value for key, value in
+                            (_read_config(args.config) if args.config else {}).items()})
+    given = {name: getattr(args, name) for name in [*flat_fields(), *MEGATRON_NAMES]
+             if getattr(args, name, None) is not None}
+    values |= from_megatron(given)  # a flag overrides the file
+    for name in WORDS:  # words of the command line, or a list in the config file
+        if isinstance(values.get(name), list):
+            values[name] = " ".join(str(w) for w in values[name])
+    if isinstance(values.get("model_args"), dict):
+        import json
+
+        values["model_args"] = json.dumps(values["model_args"])
+    return TrainConfig.from_flat(args.config or "", **values)
+
+
+def _read_config(path: str) -> dict:
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _train(args) -> int:
+    from fxmeg.train.launch import _launch, _worker, default_ranks
+
+    cfg = config_from(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun already
+        _worker(cfg)
+        return 0
+    nproc = args.nproc or default_ranks(cfg.engine.parallel)
+    if nproc == 1:
+        _worker(cfg)
+        return 0
+    return _launch(cfg, nproc, args.max_restarts, debug=_debug(sys.argv) or args.debug)
+
+
+def _verify(args) -> int:
+    """`fxmeg verify`: the train command's configuration (train_iters / train_samples may
+    be left out), its launcher; exit 0 when the layout matches single-device execution on
+    each of ``--verify-steps`` batches."""
+    from fxmeg.errors import ConfigError
+    from fxmeg.train.launch import _launch, _worker, default_ranks
+
+    if args.verify_steps < 1:
+        raise ConfigError(f"--verify-steps {args.verify_steps}: check at least one batch (1 or more)")
+    if args.train_iters is None and args.train_samples is None:
+        values = _read_config(args.config) if args.config else {}
+        if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
+            args.train_iters = 1  # required by TrainConfig, unused here
+    cfg = config_from(args)
+    steps = args.verify_steps
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return 0 if _worker(cfg, verify=steps) else 1
+    nproc = args.nproc or default_ranks(cfg.engine.parallel)
+    if nproc == 1:
+        return 0 if _worker(cfg, verify=steps) else 1
+    return _launch(cfg, nproc, verify=steps, debug=_debug(sys.argv) or args.debug)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The one-line docstrings under each dataclass field."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
+    return docs
+
+
+if __name__ == "__main__":
+    sys.exit(console())
