@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
+from fxmeg.data.corpus import prepare, read_documents
+from fxmeg.data.tokenizer import ByteTokenizer
 from tests.harness import durations
 
 os.environ["FXMEG_VERIFY"] = "1"

@@ -230,8 +230,8 @@ def _plot_schedule(args) -> int:
 
 
 def _prepare(args) -> int:
-    from fxmeg.data import load_tokenizer, prepare
-    from fxmeg.data.corpus import read_documents, read_json_lines
+    from fxmeg.data.corpus import prepare, read_documents, read_json_lines
+    from fxmeg.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     jobs = [(read_documents(args.input), args.output)]

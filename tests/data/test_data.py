@@ -2,7 +2,8 @@
 
 import pytest
 
-from fxmeg.data import ByteTokenizer, Corpus, prepare
+from fxmeg.data.corpus import Corpus, prepare
+from fxmeg.data.tokenizer import ByteTokenizer
 
 
 @pytest.fixture

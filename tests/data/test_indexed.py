@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import Corpus, read_documents
+from fxmeg.data.corpus import Corpus, prepare, read_documents
 from fxmeg.data.indexed import IndexedDataError, IndexedDataset, is_indexed
+from fxmeg.data.tokenizer import ByteTokenizer
 
 with warnings.catch_warnings():  # megatron-core warns that transformer-engine and apex are missing
     warnings.simplefilter("ignore")

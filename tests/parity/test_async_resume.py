@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
+from fxmeg.data.corpus import prepare, read_documents
+from fxmeg.data.tokenizer import ByteTokenizer
 from fxmeg.train.metrics import read
 from fxmeg.train.trainer import TrainConfig, Trainer
 from tests.harness.distributed import run_world

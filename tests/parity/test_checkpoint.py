@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fxmeg
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
+from fxmeg.data.corpus import prepare, read_documents
+from fxmeg.data.tokenizer import ByteTokenizer
 from fxmeg.train.metrics import read
 from fxmeg.train.trainer import TrainConfig, Trainer
 from fxmeg.weights.checkpoint import export

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxmeg
-from fxmeg.data import ByteTokenizer, prepare
-from fxmeg.data.corpus import read_documents
+from fxmeg.data.corpus import prepare, read_documents
+from fxmeg.data.tokenizer import ByteTokenizer
 from fxmeg.diagnostics.measured_activations import SavedBytes
 from fxmeg.ir.ops import cp_positions
 from fxmeg.train.metrics import read

@@ -157,8 +157,8 @@ def shrink(text: str, used: set[int]) -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """The shared working directory: links to models/ and examples/, a corpus, a bin/ on PATH."""
-    from fxmeg.data import ByteTokenizer, prepare
-    from fxmeg.data.corpus import read_documents
+    from fxmeg.data.corpus import prepare, read_documents
+    from fxmeg.data.tokenizer import ByteTokenizer
 
     work = tmp_path_factory.mktemp("docs")
     for name in ("models", "examples"):

@@ -186,3 +186,20 @@ def test_script_exit_status(tmp_path, capsys):
     assert "pkg.a -> pkg.b -> pkg.a" in capsys.readouterr().out
     assert ig.main(["--dot", cyclic]) == 0
     assert '"pkg.a" -> "pkg.b" [color=red];' in capsys.readouterr().out
+
+
+def test_package_inits_hold_only_a_docstring():
+    """Package ``__init__`` files stay empty (a docstring at most): importing a package runs
+    nothing and every name is found in the module that defines it. fxmeg/__init__.py, the
+    lazy public API (``fxmeg.parallelize`` ...), is the one exception."""
+    import ast
+
+    root = REPO / "fxmeg"
+    busy = []
+    for init in sorted(root.rglob("__init__.py")):
+        if init.parent == root:
+            continue
+        body = ast.parse(init.read_text()).body
+        if any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in body):
+            busy.append(str(init.relative_to(root.parent)))
+    assert not busy, f"package inits with code (move it into a module): {busy}"
