@@ -35,6 +35,7 @@ from fxmeg.config import Example
 from fxmeg.errors import CaptureError
 from fxmeg.interop.hugging_face import exportable_experts, is_hugging_face
 from fxmeg.ir.program import CONSTANTS, CaptureInfo, InputSpec
+from fxmeg.ir.tags import set_tags, tag
 from fxmeg.torch_private import HigherOrderOperator, op_schema
 from fxmeg.weights.meta_init import on_meta
 
@@ -139,9 +140,9 @@ def capture(
     gm, input_names = _unlift(ep, model, prefix, placeholders)
     aliases = _aliases(model)
     inputs = tuple(InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(names or input_names, example))
-    gm.meta["fxmeg"] = {"capture": CaptureInfo(
+    set_tags(gm, {"capture": CaptureInfo(
         inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None,
-        keywords=names is not None)}
+        keywords=names is not None)})
     return Captured(gm, input_names, aliases, explicit_loss=loss_fn is not None)
 
 
@@ -180,7 +181,7 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
 
 def owning_module(node: fx.Node) -> str:
     """FQN of the innermost module that created ``node`` ('' for top-level code)."""
-    return node.meta.get("fxmeg", {}).get("module", "")
+    return tag(node, "module", "")
 
 
 def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
@@ -251,7 +252,7 @@ def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str, nam
             env[node].meta = dict(node.meta)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
-        env[node].meta["fxmeg"] = {"module": _module_of(node, prefix)}
+        set_tags(env[node], {"module": _module_of(node, prefix)})
     graph.output(tuple(env[n] for n in user_outputs))
     for getter in getters.values():
         if not getter.users:
@@ -309,7 +310,7 @@ def _body(module: fx.GraphModule, prefix: str, caller: str) -> fx.GraphModule:
             attrs[node.target] = _body(value, prefix, caller)
         env[node] = graph.node_copy(node, lambda n: env[n])
         if node.op != "output":
-            env[node].meta["fxmeg"] = {"module": _module_of(node, prefix) or caller}
+            set_tags(env[node], {"module": _module_of(node, prefix) or caller})
     return fx.GraphModule(attrs, graph)
 
 

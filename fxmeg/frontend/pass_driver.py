@@ -61,6 +61,7 @@ from fxmeg.ir.program import (
     chunks,
     load_marks,
 )
+from fxmeg.ir.tags import has_tag, set_tag, tag
 from fxmeg.passes import verify
 from fxmeg.passes.analyse import analyse
 from fxmeg.passes.buckets import buckets
@@ -275,7 +276,7 @@ def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: Dr
         for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
             out = _returned(p, p.run(chunk, **inputs(p.run, config, info)), f" for chunk {info.index}")
             if out is not chunk:  # a new graph takes the chunk's place under the parent
-                assert out.meta.get("fxmeg", {}).get("spec") == chunk_spec(chunk), (
+                assert tag(out, "spec") == chunk_spec(chunk), (
                     f"pass {p.name!r} returned a new graph for chunk {info.index} without its ChunkSpec")
                 setattr(gm, chunk_name(info.index), out)
     else:
@@ -318,7 +319,7 @@ def _tag_new_nodes(gm: fx.GraphModule, before: set[str], name: str) -> None:
     dict: passes copy each other's metadata dicts, so no other node changes."""
     for n in _nodes(gm):
         if n.name not in before:
-            n.meta["fxmeg"] = {**n.meta.get("fxmeg", {}), "pass": name}
+            set_tag(n, "pass", name)
 
 
 def _share_tensors_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -341,8 +342,7 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, masters: dict,
              device: torch.device, reference: fx.GraphModule | None, dtypes: dict) -> Program:
-    meta = parent.meta["fxmeg"]
-    info, facts, split = meta["capture"], meta["facts"], meta["partition"]
+    info, facts, split = tag(parent, "capture"), tag(parent, "facts"), tag(parent, "partition")
     graphs = tuple(chunks(parent))
     holders: dict[str, set[int]] = {}
     parameters: dict[str, nn.Parameter] = {}
@@ -354,10 +354,10 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
                 holders.setdefault(name, set()).add(split.placement[c])
                 parameters.setdefault(name, p)
         for node in gm.graph.nodes:
-            if node.op == "get_attr" and "tp" in node.meta.get("fxmeg", {}):
-                tp_specs[node.target] = node.meta["fxmeg"]["tp"]
-            if node.op == "get_attr" and "ep" in node.meta.get("fxmeg", {}):
-                ep_specs[node.target] = node.meta["fxmeg"]["ep"]
+            if node.op == "get_attr" and has_tag(node, "tp"):
+                tp_specs[node.target] = tag(node, "tp")
+            if node.op == "get_attr" and has_tag(node, "ep"):
+                ep_specs[node.target] = tag(node, "ep")
     _check_experts(config, graphs, ep_specs)
     state = model.state_dict(keep_vars=True)
     canonical = {alias: name for name, names in info.aliases.items() for alias in names}
@@ -380,8 +380,8 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         full_shapes={k: (t.shape, t.dtype) for k, t in state.items()},
         inputs=info.inputs,
         keywords=info.keywords,
-        cp_layout=meta.get("cp"),
-        tp_whole=meta.get("tp_whole", ()),
+        cp_layout=tag(parent, "cp"),
+        tp_whole=tag(parent, "tp_whole", ()),
         value_checks=facts.value_checks,
         position_tables=facts.position_tables,
         flops_per_microbatch=facts.flops_per_microbatch,

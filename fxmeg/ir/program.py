@@ -2,11 +2,8 @@
 (docs/architecture.md §2). It holds no rank: the same Program on every rank, from which
 ``fxmeg.runtime.context.build_context`` makes this rank's objects.
 
-Metadata convention (written by the passes, read only through this module):
-  node.meta["fxmeg"]  per-node tags: module, pass, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
-  gm.meta["fxmeg"]    per-graph record: on the captured graph "capture" (CaptureInfo),
-                      "facts" (ModelFacts), "partition" (Partition); on a chunk graph
-                      "spec" (ChunkSpec) and "buffers" (BufferLayout per gradient dtype)
+Metadata the passes write on nodes and graphs: fxmeg/ir/tags.py, its only accessors
+(each key and its type; docs/architecture.md §2's table says who writes and reads it).
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.ir.layouts import CPLayout, ExpertShard, ParamLayout  # noqa: F401  (CPLayout: Program.cp_layout)
+from fxmeg.ir.tags import has_tag, tag
 
 if TYPE_CHECKING:
     from fxmeg.config import EngineConfig
@@ -82,12 +80,12 @@ class SplitSpec:
 
 def split_spec(gm: fx.GraphModule) -> SplitSpec | None:
     """The split the split_backward pass stored on a chunk graph, if any."""
-    return gm.meta["fxmeg"].get("split")
+    return tag(gm, "split")
 
 
 def chunk_spec(gm: fx.GraphModule) -> ChunkSpec:
     """The calling convention the pipeline pass stored on a chunk graph."""
-    return gm.meta["fxmeg"]["spec"]
+    return tag(gm, "spec")
 
 
 def chunk_name(index: int) -> str:
@@ -101,7 +99,7 @@ def chunks(parent: fx.GraphModule) -> list[fx.GraphModule]:
     carry a ChunkSpec. Empty for a graph the pipeline pass has not split (a user module
     may be called ``chunk_0`` there)."""
     found = {chunk_spec(m).index: m for m in parent.children()
-             if isinstance(m, fx.GraphModule) and "spec" in m.meta.get("fxmeg", {})}
+             if isinstance(m, fx.GraphModule) and has_tag(m, "spec")}
     return [found[i] for i in range(len(found))]
 
 
@@ -120,7 +118,7 @@ class ChunkInfo:
 
 def chunk_infos(parent: fx.GraphModule) -> tuple[ChunkInfo, ...]:
     """One ChunkInfo per chunk of a pipelined parent graph, from its partition's placement."""
-    placement = parent.meta["fxmeg"]["partition"].placement
+    placement = tag(parent, "partition").placement
     return tuple(ChunkInfo(c, rank, len(placement)) for c, rank in enumerate(placement))
 
 
@@ -164,7 +162,7 @@ class BufferLayout:
 
 def buffer_layouts(gm: fx.GraphModule) -> tuple[BufferLayout, ...]:
     """The gradient buffers the bucket pass laid out for a chunk graph."""
-    return gm.meta["fxmeg"].get("buffers", ())
+    return tag(gm, "buffers", ())
 
 
 def load_marks(gm: fx.GraphModule) -> list[fx.Node]:

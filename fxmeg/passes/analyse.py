@@ -17,13 +17,14 @@ from __future__ import annotations
 from torch import fx
 
 from fxmeg.ir.program import ModelFacts, PositionTable, ValueCheck
+from fxmeg.ir.tags import set_tag, tag
 from fxmeg.passes.partition import node_flops
 from fxmeg.torch_private import op_schema
 
 
 def analyse(gm: fx.GraphModule) -> fx.GraphModule:
     flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
-    gm.meta["fxmeg"]["facts"] = ModelFacts(flops, tuple(value_checks(gm)), tuple(position_tables(gm)))
+    set_tag(gm, "facts", ModelFacts(flops, tuple(value_checks(gm)), tuple(position_tables(gm))))
     return gm
 
 
@@ -51,7 +52,7 @@ def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
             source = _source(node.args[1], inputs)
             if source is not None:
                 rows = node.args[0].meta["val"].shape[0]
-                module = node.meta.get("fxmeg", {}).get("module", "")
+                module = tag(node, "module", "")
                 out.append(ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})"))
     return out
 
@@ -79,7 +80,7 @@ def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
         if name == "aten::embedding":
             end = _arange_end(node.args[1])
             if end is not None:
-                module = node.meta.get("fxmeg", {}).get("module", "")
+                module = tag(node, "module", "")
                 found.append((f"position embedding {module!r}", node.args[0].meta["val"].shape[0], end))
         elif name == "aten::slice" and node.args[0].op == "get_attr" and len(node.args) > 3:
             dim, start, end = node.args[1], node.args[2], node.args[3]

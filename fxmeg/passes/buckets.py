@@ -40,6 +40,7 @@ from fxmeg.config import ParallelConfig
 from fxmeg.config_sections import DataParallelConfig
 from fxmeg.ir.layouts import BucketSlot
 from fxmeg.ir.program import Bucket, BufferLayout, Slot, chunks
+from fxmeg.ir.tags import has_tag, set_tag, tag
 from fxmeg.passes.graph_utils import attr, val
 from fxmeg.passes.partition import find_blocks
 from fxmeg.sharding_modes import OptimizerSharding
@@ -54,7 +55,7 @@ def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
     """Lay out the parameter gradients of every chunk of the pipelined ``parent`` graph
     (``parallel``: dp x cp and edp; ``data_parallel``: bucket size, ZeRO stage, whether the
     distributed optimizer shards the buffers)."""
-    placement = parent.meta["fxmeg"]["partition"].placement
+    placement = tag(parent, "partition").placement
     dp, size = parallel.dp_cp, data_parallel.resolved_bucket_size(parallel.dp)  # gradients shard over dp x cp
     shard = data_parallel.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
@@ -68,20 +69,20 @@ def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
         block = _blocks(gm) if data_parallel.zero_stage >= 2 else {}
         shapes = {n.target: val(n).shape for n in gm.graph.nodes
                   if n.op == "get_attr" and val(n) is not None}  # not a region's body
-        experts = {n.target for n in gm.graph.nodes if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
+        experts = {n.target for n in gm.graph.nodes if n.op == "get_attr" and has_tag(n, "ep")}
         dense = [n for n in names if n not in experts]
         routed = [n for n in names if n in experts]
         layouts_of[c] = tuple(
             _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert,
                     block=block)
             for group, ranks, is_expert in ((dense, dp, False), (routed, parallel.edp, True)) if group)
-        gm.meta["fxmeg"]["buffers"] = layouts_of[c]
+        set_tag(gm, "buffers", layouts_of[c])
     for c, gm in enumerate(chunks(parent)):
         for node in gm.graph.nodes:
             if node.op == "get_attr" and getattr(attr(gm, node.target), "requires_grad", False):
                 home = owner[(placement[c], node.target)]
                 layout = next(lay for lay in layouts_of[home] if any(s.name == node.target for s in lay.slots))
-                node.meta["fxmeg"]["bucket"] = BucketSlot(home, layout.dtype, layout.slot(node.target).bucket)
+                set_tag(node, "bucket", BucketSlot(home, layout.dtype, layout.slot(node.target).bucket))
     return parent
 
 

@@ -26,6 +26,7 @@ from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
 from fxmeg.ir.layouts import PARTIAL, CPLayout, Seq
 from fxmeg.ir.ops import CP
+from fxmeg.ir.tags import set_tag
 from fxmeg.passes.cp.masks import is_causal_mask, mask_inputs
 from fxmeg.passes.cp.moe import SUMS, only_counted, partial, routed_experts
 from fxmeg.passes.graph_utils import (
@@ -91,7 +92,7 @@ class _ContextParallel(Propagation):
             if split:
                 self.place[n] = Seq(1)
         shifts = tuple(self._shift(n) if d is not None else None for n, d in zip(inputs, dims))
-        gm.meta["fxmeg"]["cp"] = CPLayout(self.seq, cp, tuple(dims), shifts)
+        set_tag(gm, "cp", CPLayout(self.seq, cp, tuple(dims), shifts))
 
     def _shift(self, x: fx.Node) -> float | None:
         """An input whose only use is a shift left by one position along the sequence

@@ -43,6 +43,7 @@ from fxmeg.errors import PassError
 from fxmeg.ir import ops
 from fxmeg.ir.layouts import ExpertShard
 from fxmeg.ir.program import CONSTANTS, ChunkInfo
+from fxmeg.ir.tags import has_tag, set_tag, set_tags, tag, tags
 from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
 from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, requires_grad_nodes, val
 from fxmeg.torch_private import op_schema
@@ -134,7 +135,8 @@ def _mark_load(gm: fx.GraphModule, b: _Block, rate: float) -> None:
     with gm.graph.inserting_after(b.top_k_index):
         mark = gm.graph.call_function(ops.expert_load, (b.top_k_index,),
                                       {"layer": b.module, "experts": b.experts, "bias": bias})
-    mark.meta = {"fxmeg": dict(b.top_k_index.meta.get("fxmeg", {}))}  # its module: its block's region
+    mark.meta = {}
+    set_tags(mark, tags(b.top_k_index))  # its module: its block's region
 
 
 _MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
@@ -208,7 +210,7 @@ def _is_grouped_mm(node: fx.Node) -> bool:
 
 
 def _module(node: fx.Node) -> str:
-    return node.meta.get("fxmeg", {}).get("module", "")
+    return tag(node, "module", "")
 
 
 def _source(node: fx.Node, through: set) -> fx.Node:
@@ -371,7 +373,8 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
             body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down,
             **kwargs | ({"probs_on_input": True} if on_input else {})))
     routed.meta = {**b.result.meta, "val": val(b.result)}
-    body.meta = {"fxmeg": dict(b.result.meta.get("fxmeg", {}))}
+    body.meta = {}
+    set_tags(body, tags(b.result))
     old = b.inner()
     b.result.replace_all_uses_with(routed)
     for n in reversed(list(graph.nodes)):  # in-place ops too: they wrote only the block's temporaries
@@ -379,7 +382,7 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
             graph.erase_node(n)
     shard = ExpertShard(b.experts, origin=b.module)
     for bank in b.banks:
-        bank.meta["fxmeg"] = {**bank.meta.get("fxmeg", {}), "ep": shard}
+        set_tag(bank, "ep", shard)
         full = val(bank)
         bank.meta["val"] = full.new_empty(shard.local_shape(full.shape, ep))
     for view in (b.w_up, b.w_down):  # the banks' transposes / casts: local shapes too
@@ -415,7 +418,7 @@ def _per_row(body: fx.GraphModule, rows: int) -> None:
 def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
     """A bank of experts (a trainable parameter of 3 or more dims) no block reads."""
     for n in gm.graph.nodes:
-        if n.op != "get_attr" or "ep" in n.meta.get("fxmeg", {}):
+        if n.op != "get_attr" or has_tag(n, "ep"):
             continue
         t = attr(gm, n.target)
         if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.dim() >= 3:

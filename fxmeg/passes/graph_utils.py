@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxmeg.ir.tags import set_tags, tags
 from fxmeg.torch_private import HigherOrderOperator, detect_fake_mode, op_schema
 
 # Higher-order ops that call their body on the arguments that follow it (export's
@@ -87,7 +88,7 @@ def call(
     The new node inherits the fxmeg metadata (owning module) of ``like``.
     """
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
-    node.meta["fxmeg"] = dict(like.meta.get("fxmeg", {}))
+    set_tags(node, tags(like))
     node.meta["val"] = fake_eval(node)
     return node
 
@@ -169,7 +170,7 @@ def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     """``graph.node_copy`` with its own ``meta["fxmeg"]`` dict: FX copies meta shallowly,
     and a tag added to one copy must not appear on the original or on other copies."""
     new = graph.node_copy(node, arg_transform)
-    new.meta["fxmeg"] = dict(node.meta.get("fxmeg", {}))
+    set_tags(new, tags(node))
     return new
 
 

@@ -27,6 +27,7 @@ from torch import fx
 
 from fxmeg.errors import PassError
 from fxmeg.ir import ops
+from fxmeg.ir.tags import set_tag, tag
 from fxmeg.passes.graph_utils import (
     arg,
     attr,
@@ -69,7 +70,7 @@ def loss(gm: fx.GraphModule) -> fx.GraphModule:
     """
     out = gm.graph.output_node()
     outputs = out.args[0]
-    if gm.meta["fxmeg"]["capture"].explicit_loss:
+    if tag(gm, "capture").explicit_loss:
         if len(outputs) != 2 or not all(_is_scalar(n) for n in outputs):
             raise PassError(
                 "loss_fn must return (loss_sum, num_tokens), two scalar tensors; got "
@@ -85,8 +86,8 @@ def loss(gm: fx.GraphModule) -> fx.GraphModule:
             f"num_tokens (node {num_tokens.name!r}) depends on parameters; the token "
             "count must come from the inputs (labels or a mask)"
         )
-    loss_sum.meta["fxmeg"]["loss"] = "sum"
-    num_tokens.meta["fxmeg"]["loss"] = "count"
+    set_tag(loss_sum, "loss", "sum")
+    set_tag(num_tokens, "loss", "count")
     old = outputs[0]
     out.args = ((loss_sum, num_tokens),)
     if old not in (loss_sum, num_tokens) and not old.users:

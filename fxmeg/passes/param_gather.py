@@ -28,6 +28,7 @@ from torch import fx
 from fxmeg.config import EngineConfig
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo
+from fxmeg.ir.tags import set_tags, tag, tags
 from fxmeg.passes.graph_utils import attr, body_call, finish, val
 from fxmeg.torch_private import OpOverload, op_schema
 
@@ -58,7 +59,8 @@ def _early_reads(gm: fx.GraphModule) -> None:
             if at > start and _bias_free_linear(node, param) and _other_since(seen, key, start):
                 with gm.graph.inserting_before(node):
                     early = gm.graph.call_function(ops.early_linear, (node.args[0], param), {"name": param.target})
-                early.meta = {**node.meta, "fxmeg": {**node.meta.get("fxmeg", {})}}
+                early.meta = dict(node.meta)
+                set_tags(early, tags(node))
                 node.replace_all_uses_with(early)
                 gm.graph.erase_node(node)
             seen.append((at, key))
@@ -84,7 +86,7 @@ def _other_since(seen: list[tuple[int, tuple[int, int]]], key: tuple[int, int], 
 
 
 def _bucket(node: fx.Node):
-    return node.meta.get("fxmeg", {}).get("bucket") if node.op == "get_attr" else None
+    return tag(node, "bucket") if node.op == "get_attr" else None
 
 
 def _first_uses(gm: fx.GraphModule) -> dict[tuple[int, int], tuple[fx.Node, fx.Node]]:
@@ -92,9 +94,9 @@ def _first_uses(gm: fx.GraphModule) -> dict[tuple[int, int], tuple[fx.Node, fx.N
     first_use: dict[tuple, tuple[fx.Node, fx.Node]] = {}
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
-            tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
-            if tag is not None:
-                first_use.setdefault(tag.gather_key, (node, arg))
+            slot = tag(arg, "bucket") if arg.op == "get_attr" else None
+            if slot is not None:
+                first_use.setdefault(slot.gather_key, (node, arg))
     return first_use
 
 
@@ -102,7 +104,7 @@ def _marker(gm: fx.GraphModule, where: fx.Node, target, param: fx.Node, kwargs: 
             *, after: bool = False) -> fx.Node:
     with (gm.graph.inserting_after(where) if after else gm.graph.inserting_before(where)):
         node = gm.graph.create_node("call_function", target, (param,), kwargs, name=name)
-    node.meta["fxmeg"] = {"module": ""}
+    set_tags(node, {"module": ""})
     return node
 
 
@@ -111,11 +113,11 @@ def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last: dict[tuple[int, int], fx.Node] = {}
     for node in gm.graph.nodes:
-        tag = node.meta.get("fxmeg", {}).get("bucket") if node.op == "get_attr" else None
-        if tag is not None:
+        slot = tag(node, "bucket") if node.op == "get_attr" else None
+        if slot is not None:
             for reader in _readers(node, gm):
-                if tag.gather_key not in last or order[reader] > order[last[tag.gather_key]]:
-                    last[tag.gather_key] = reader
+                if slot.gather_key not in last or order[reader] > order[last[slot.gather_key]]:
+                    last[slot.gather_key] = reader
     keys = list(first)
     for i, key in enumerate(keys):
         user, param = first[key]

@@ -36,6 +36,7 @@ from fxmeg.errors import ConfigError, PassError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.frontend.model_checks import blocks_error
 from fxmeg.ir.program import Partition
+from fxmeg.ir.tags import set_tag
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
 from fxmeg.torch_private import is_alias_of, op_schema
 
@@ -55,7 +56,7 @@ def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     par = parallel
     v = par.spec.placement == "v"  # a rank runs its two chunks back to back (fxmeg/schedule_registry.py)
     split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement if v else None)
-    gm.meta["fxmeg"]["partition"] = dataclasses.replace(split, placement=par.placement)
+    set_tag(gm, "partition", dataclasses.replace(split, placement=par.placement))
     return gm
 
 
@@ -89,7 +90,7 @@ def cut(
         for unit in range(start, len(unit_costs)):
             chunk_of_unit[unit] = chunk
     for node in nodes:
-        node.meta["fxmeg"]["chunk"] = chunk_of_unit[unit_of[node]]
+        set_tag(node, "chunk", chunk_of_unit[unit_of[node]])
     costs = [0.0] * num_chunks
     for unit, cost in enumerate(unit_costs):
         costs[chunk_of_unit[unit]] += cost

@@ -38,6 +38,7 @@ from torch import fx
 from fxmeg.config import ParallelConfig
 from fxmeg.ir import ops
 from fxmeg.ir.program import Boundary, ChunkSpec, chunk_name, chunk_spec
+from fxmeg.ir.tags import set_tags, tag, tags
 from fxmeg.passes.graph_utils import attr, copy_node, finish, requires_grad_nodes, val
 
 aten = torch.ops.aten
@@ -47,7 +48,7 @@ def pipeline(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     """Split the chunk-tagged graph ``gm`` into pp * vpp chunk graphs under one parent."""
     num_chunks = parallel.num_chunks
     nodes = list(gm.graph.nodes)
-    chunk_of = {n: n.meta["fxmeg"]["chunk"] for n in nodes if n.op == "call_function"}
+    chunk_of = {n: tag(n, "chunk") for n in nodes if n.op == "call_function"}
     output = gm.graph.output_node()
     last_use = {n: max((_user_chunk(u, chunk_of, num_chunks) for u in n.users), default=-1) for n in chunk_of}
     grads = requires_grad_nodes(gm)
@@ -72,7 +73,7 @@ def pipeline(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
             loss=output.args[0] if k == num_chunks - 1 else None,
         )
     parent = _parent(children, inputs, boundaries)
-    parent.meta["fxmeg"] = dict(gm.meta.get("fxmeg", {}))
+    set_tags(parent, tags(gm))
     return finish(parent)
 
 
@@ -101,7 +102,8 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
             assert n.op == "get_attr", f"chunk {k} reads {n.name} from a later chunk"
             attrs[n.target] = attr(gm, n.target)
             env[n] = graph.get_attr(n.target)
-            env[n].meta = {**n.meta, "fxmeg": dict(n.meta.get("fxmeg", {}))}
+            env[n].meta = dict(n.meta)
+            set_tags(env[n], tags(n))
         return env[n]
 
     for n in body:
@@ -119,14 +121,14 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
         outputs.extend(env[n] for n in loss)
     graph.output(tuple(outputs))
     chunk = fx.GraphModule(attrs, graph)
-    chunk.meta["fxmeg"] = {"spec": ChunkSpec(
+    set_tags(chunk, {"spec": ChunkSpec(
         index=k,
         data_inputs=tuple(i for i, _ in used_inputs),
         recv=recv,
         send=send,
         deallocate=tuple(deallocate),
         is_last=loss is not None,
-    )}
+    )})
     return finish(chunk)
 
 

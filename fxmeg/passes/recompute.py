@@ -28,6 +28,7 @@ from fxmeg.errors import PassError
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo
 from fxmeg.ir.recomputation import Recomputation
+from fxmeg.ir.tags import set_tags, tags
 from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
 
@@ -188,7 +189,7 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-    call.meta["fxmeg"] = dict(nodes[0].meta.get("fxmeg", {}))
+    set_tags(call, tags(nodes[0]))
     anchor = call
     for k, out in enumerate(outputs):
         with gm.graph.inserting_after(anchor):

@@ -39,6 +39,7 @@ from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo, SplitSpec, chunk_spec
+from fxmeg.ir.tags import set_tag
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
 from fxmeg.torch_private import (
@@ -117,11 +118,11 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     gm.add_submodule("zb_forward", forward)
     gm.add_submodule("zb_input", inputs_graph)
     gm.add_submodule("zb_weight", weights_graph)
-    gm.meta["fxmeg"]["split"] = SplitSpec(
+    set_tag(gm, "split", SplitSpec(
         state=tuple(names), saved=saved, tangents=len(tangents), outputs=outputs,
         weights=tuple(params[i] for i in weight_grads), carry=carry,
         tangent_of=tangent_of,
-    )
+    ))
 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:

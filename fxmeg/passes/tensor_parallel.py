@@ -29,6 +29,7 @@ from fxmeg.frontend.capture import owning_module
 from fxmeg.ir import ops as fxmeg_ops
 from fxmeg.ir.layouts import LOCAL, PARTIAL, Replicate, Shard
 from fxmeg.ir.ops import TP
+from fxmeg.ir.tags import set_tag, tag
 from fxmeg.passes.graph_utils import attr, call, finish, full_args, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, in_family, rule
 from fxmeg.passes.partition import find_blocks
@@ -102,7 +103,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self._tag_parameters()
         say_whole_projections(self)  # never silent: tp_heads
         say_what_stays_whole(self.tp, self.routers, {  # never silent: tp_moe
-            n.target: val(n) for n in self.g.nodes if isinstance(n.meta.get("fxmeg", {}).get("tp"), Replicate)},
+            n.target: val(n) for n in self.g.nodes if isinstance(tag(n, "tp"), Replicate)},
             ep=self.ep)
         self.refresh()
 
@@ -382,7 +383,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
                         (logits, target, args[4], TP), like=node)
             per_token = call(self.g, operator.getitem, (both, 0), like=node)
             loss_sum = call(self.g, aten.sum.default, (per_token,), like=node)
-        loss_sum.meta["fxmeg"]["loss"] = node.meta["fxmeg"].get("loss", "sum")
+        set_tag(loss_sum, "loss", tag(node, "loss", "sum"))
         node.replace_all_uses_with(loss_sum)
         return None
 
@@ -426,10 +427,10 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
                 continue
             if node.target in self.specs:
                 split = self.specs[node.target]
-                node.meta["fxmeg"]["tp"] = split
+                set_tag(node, "tp", split)
                 node.meta["val"] = _local_fake(val(node), split, self.tp)
             elif getattr(attr(self.gm, node.target), "requires_grad", False):
-                node.meta["fxmeg"]["tp"] = Replicate(self._touches_split(node))
+                set_tag(node, "tp", Replicate(self._touches_split(node)))
 
     def _touches_split(self, param: fx.Node) -> bool:
         """True when the parameter's gradient differs per tp rank: it reaches a split or

@@ -17,19 +17,20 @@ from fxmeg.config import ParallelConfig
 from fxmeg.config_sections import DataParallelConfig, MoEConfig
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo, buffer_layouts, chunk_spec, chunks, split_spec
+from fxmeg.ir.tags import has_tag, tag
 from fxmeg.passes.graph_utils import val
 from fxmeg.passes.recompute import Recompute
 
 
 def loss(gm: fx.GraphModule) -> None:
     outputs = gm.graph.output_node().args[0]
-    tags = [n.meta.get("fxmeg", {}).get("loss") for n in outputs]
+    tags = [tag(n, "loss") for n in outputs]
     assert tags == ["sum", "count"], f"loss: outputs are tagged {tags}, not ['sum', 'count']"
     assert all(val(n) is not None and val(n).dim() == 0 for n in outputs), "loss: outputs are not scalars"
 
 
 def analyse(gm: fx.GraphModule) -> None:
-    facts = gm.meta["fxmeg"].get("facts")
+    facts = tag(gm, "facts")
     assert facts is not None and facts.flops_per_microbatch >= 0, "analyse: no model facts recorded"
 
 
@@ -37,7 +38,7 @@ def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     cp = parallel.cp
     if cp == 1:
         return
-    layout = gm.meta["fxmeg"]["cp"]
+    layout = tag(gm, "cp")
     assert layout.seq % (2 * cp) == 0, f"context_parallel: sequence {layout.seq} is not in 2 * cp chunks"
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, dim in zip(inputs, layout.dims):
@@ -59,7 +60,7 @@ def tensor_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     for node in gm.graph.nodes:
         if node.op == "get_attr" and getattr(gm.get_parameter(node.target) if _is_param(gm, node) else None,
                                              "requires_grad", False):
-            assert "tp" in node.meta["fxmeg"], f"tensor_parallel: parameter {node.target!r} has no tp tag"
+            assert has_tag(node, "tp"), f"tensor_parallel: parameter {node.target!r} has no tp tag"
         if node.target in ops.COLLECTIVES:
             assert ops.TP in node.args or ops.CP in node.args, f"tensor_parallel: {node.name} is on no symbolic group"
         if node.op == "call_function":
@@ -71,12 +72,12 @@ def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        c = node.meta["fxmeg"].get("chunk")
+        c = tag(node, "chunk")
         assert c is not None and 0 <= c < k, f"partition: {node.name} has chunk {c}"
         for i in node.all_input_nodes:
-            ci = i.meta.get("fxmeg", {}).get("chunk", 0)
+            ci = tag(i, "chunk", 0)
             assert ci <= c, f"partition: {node.name} (chunk {c}) reads {i.name} of later chunk {ci}"
-    assert len(gm.meta["fxmeg"]["partition"].placement) == k, "partition: no placement per chunk"
+    assert len(tag(gm, "partition").placement) == k, "partition: no placement per chunk"
 
 
 def pipeline(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
@@ -97,8 +98,8 @@ def pipeline(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
 def expert_parallel(gm: fx.GraphModule, parallel: ParallelConfig, moe: MoEConfig, chunk: ChunkInfo) -> None:
     ep = parallel.ep
     calls = [n for n in gm.graph.nodes if n.target is ops.routed_experts]
-    banks = {n.target: n.meta["fxmeg"]["ep"] for n in gm.graph.nodes
-             if n.op == "get_attr" and "ep" in n.meta.get("fxmeg", {})}
+    banks = {n.target: tag(n, "ep") for n in gm.graph.nodes
+             if n.op == "get_attr" and has_tag(n, "ep")}
     assert ep > 1 or not calls, f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
     marks = [n for n in gm.graph.nodes if n.target is ops.expert_load]
     assert ep == 1 or len(marks) == len(calls), f"expert_parallel: chunk {chunk.index}: {len(marks)} expert_load marks"
@@ -123,7 +124,7 @@ def recompute(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
 
 
 def buckets(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
-    placement = parent.meta["fxmeg"]["partition"].placement
+    placement = tag(parent, "partition").placement
     dp = parallel.dp_cp
     slots: dict[tuple[int, str], int] = {}
     for c, gm in enumerate(chunks(parent)):
@@ -160,9 +161,9 @@ def param_gather(gm: fx.GraphModule, data_parallel: DataParallelConfig, chunk: C
             waited.add(node.kwargs["bucket"])
             continue
         for arg in node.all_input_nodes:
-            tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
-            if tag is not None:
-                assert tag.gather_key in waited, (
+            slot = tag(arg, "bucket") if arg.op == "get_attr" else None
+            if slot is not None:
+                assert slot.gather_key in waited, (
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} unwaited")
 
 
@@ -183,9 +184,9 @@ def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo, *, reshard: bool) -> None
             released.add(key)
             continue
         for arg in node.all_input_nodes:
-            tag = arg.meta.get("fxmeg", {}).get("bucket") if arg.op == "get_attr" else None
-            if tag is not None:
-                assert tag.gather_key in gathered and tag.gather_key not in released, (
+            slot = tag(arg, "bucket") if arg.op == "get_attr" else None
+            if slot is not None:
+                assert slot.gather_key in gathered and slot.gather_key not in released, (
                     f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its gather")
     want = set(gathered) if reshard else set()
     assert released == want, f"param_gather: chunk {chunk.index} releases {released}, not {want}"

@@ -35,6 +35,7 @@ from fxmeg.errors import BatchError
 from fxmeg.ir.layouts import is_split, reduces_grad
 from fxmeg.ir.ops import AUX_SCALE
 from fxmeg.ir.program import Program
+from fxmeg.ir.tags import tag
 from fxmeg.runtime.batches import Batch, UserBatch, check, microbatches, positional
 from fxmeg.runtime.context import RankContext
 from fxmeg.runtime.state import gather_full_grads, gather_full_state, graph_order
@@ -236,9 +237,8 @@ def _compare(program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol,
 
 
 def _describe(name: str, chunk: int, node: fx.Node, err: float, norm: float) -> ParamError:
-    meta = node.meta.get("fxmeg", {})
-    readers = tuple((u.name, str(u.target), u.meta.get("fxmeg", {}).get("pass", "capture")) for u in node.users)
-    tp = meta.get("tp")
+    readers = tuple((u.name, str(u.target), tag(u, "pass", "capture")) for u in node.users)
+    tp = tag(node, "tp")
     rewritten = [p for _, _, p in readers if p != "capture"]
     split = is_split(tp) or reduces_grad(tp)
     pass_ = "tensor_parallel" if split else (rewritten[0] if rewritten else "capture")

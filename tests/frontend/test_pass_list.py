@@ -71,28 +71,55 @@ def test_design_lists_every_program_field():
 
 
 _WRITES = (
-    re.compile(r"""\["fxmeg"\]\["(\w+)"\] = """),  # meta["fxmeg"]["loss"] = ...
-    re.compile(r"""\["fxmeg"\] = \{(?:\*\*.*?\), )?"(\w+)":"""),  # meta["fxmeg"] = {"spec": ...}
-    re.compile(r""""fxmeg": \{"(\w+)":"""),  # node.meta = {..., "fxmeg": {"module": ""}}
+    re.compile(r"""set_tag\([^,]+, "(\w+)", """),  # set_tag(node, "loss", "sum")
+    re.compile(r"""set_tags\([^,]+, \{"(\w+)":"""),  # set_tags(chunk, {"spec": ChunkSpec(...)})
 )
+_RAW = re.compile(r"""meta(\["fxmeg"\]|\.get\("fxmeg"|\.setdefault\("fxmeg")""")
+
+
+def _code_lines(path: Path):
+    """(line number, line) of the code of ``path``: docstrings and comments left out."""
+    import ast
+
+    text = path.read_text()
+    prose = {n for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Expr)
+             and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+             for n in range(node.lineno, node.end_lineno + 1)}
+    for i, line in enumerate(text.splitlines(), 1):
+        if i not in prose:
+            yield i, line.split("#")[0]
 
 
 def _written_keys() -> set[str]:
-    """Every key the package's code writes under a ``meta["fxmeg"]`` dict."""
+    """Every key the package's code writes (``fxmeg.ir.tags.set_tag`` / ``set_tags``)."""
     found = set()
     for path in (ROOT / "fxmeg").rglob("*.py"):
-        text = path.read_text()
-        for pattern in _WRITES:
-            found.update(pattern.findall(text))
+        for _, line in _code_lines(path):
+            for pattern in _WRITES:
+                found.update(pattern.findall(line))
     return found
 
 
 def test_metadata_keys_are_the_ones_the_code_writes():
+    """architecture.md §2's table, the typed tags of fxmeg/ir/tags.py and the keys the code
+    writes are the same keys."""
+    from fxmeg.ir.tags import GRAPH_TAGS, NODE_TAGS
+
     rows = _table(ARCHITECTURE, "| Key | On | Written by | Read by |")
     node_doc = [m for r in rows for m in re.findall(r'^`node\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
     graph_doc = [m for r in rows for m in re.findall(r'^`gm\.meta\["fxmeg"\]\["(\w+)"\]`$', r[0])]
     assert len(node_doc) + len(graph_doc) == len(rows), "a row of the key table names no key"
+    assert (set(node_doc), set(graph_doc)) == (set(NODE_TAGS), set(GRAPH_TAGS))
     assert set(node_doc) | set(graph_doc) == _written_keys()
+
+
+def test_only_the_tags_module_touches_the_fxmeg_metadata():
+    """``node.meta["fxmeg"]`` and ``gm.meta["fxmeg"]`` are read and written through
+    fxmeg/ir/tags.py alone (``tag``, ``set_tag`` ...), which checks each key."""
+    raw = [f"{path.relative_to(ROOT)}:{i}" for path in sorted((ROOT / "fxmeg").rglob("*.py"))
+           if path != ROOT / "fxmeg" / "ir" / "tags.py"
+           for i, line in _code_lines(path) if _RAW.search(line)]
+    assert not raw, "raw meta['fxmeg'] outside fxmeg/ir/tags.py:\n" + "\n".join(raw)
 
 
 def test_passes_that_are_not_whole_model_say_their_scope():
@@ -108,8 +135,7 @@ def test_every_pass_and_check_reads_only_what_it_names():
     """A pass (and its check) names what it reads as its parameters after the graph: a
     section of the EngineConfig, ``chunk`` (per-chunk scope only), or ``config`` whole; the
     driver hands exactly those (``pass_driver.inputs``). ``config`` whole goes only to the
-    passes that read several sections and the config's own fields (param_gather), or
-    of them (param_gather)."""
+    passes that read several sections and the config's own fields (param_gather)."""
     from fxmeg.config import SECTIONS
 
     whole = set()

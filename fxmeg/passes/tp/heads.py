@@ -19,6 +19,7 @@ from torch import fx
 from fxmeg.errors import PassError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.ir.layouts import LOCAL, Replicate, Shard
+from fxmeg.ir.tags import set_tag, tag
 from fxmeg.passes.graph_utils import attr, call, full_args, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, dim_argument, in_family
 from fxmeg.passes.tp.moe import layer_glob
@@ -329,8 +330,8 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
     experts = {n.target.rpartition(".")[0] for n in params if val(n).dim() >= 3}  # said by tp_moe
     out: dict[str, str] = {}
     for n in params:
-        tag = n.meta.get("fxmeg", {}).get("tp")
-        if not isinstance(tag, Replicate) or val(n).dim() != 2:
+        layout = tag(n, "tp")
+        if not isinstance(layout, Replicate) or val(n).dim() != 2:
             continue
         module = n.target.rpartition(".")[0]
         glob = layer_glob(module)
@@ -353,7 +354,7 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
 def say_whole_projections(tpass) -> None:
     """Warn about ``whole_projections`` and record them in ``gm.meta["fxmeg"]["tp_whole"]``."""
     whole = whole_projections(tpass)
-    tpass.gm.meta.setdefault("fxmeg", {})["tp_whole"] = tuple(whole)
+    set_tag(tpass.gm, "tp_whole", tuple(whole))
     if whole:
         log.warning("tp=%d leaves the weights of %d block projections whole on every tp rank (each rank holds "
                     "and computes them in full): %s", tpass.tp, len(whole),
