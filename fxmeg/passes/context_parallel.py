@@ -63,7 +63,6 @@ class _ContextParallel(Propagation):
     """The driver configured for cp: values split along the sequence are ``Seq`` s."""
 
     axis, title, split_kinds, split_phrase = CP, "context-parallel", (Seq,), "along the sequence"
-    enters_regions = False
 
     def __init__(self, gm: fx.GraphModule, cp: int) -> None:
         super().__init__(gm, cp)
@@ -392,9 +391,9 @@ class _ContextParallel(Propagation):
             raise self.mixes(node, "it normalises over the sequence dim")
         return s
 
-    @rule(CP, "split", "slice", "index", "repeat", "scatter", "softmax", "cumulative", "rank")
+    @rule(CP, "split", "slice", "index", "unbind", "repeat", "scatter", "softmax", "cumulative", "rank")
     def _along(self, node: fx.Node):
-        """Ops along one dim (softmax, cumsum, split, slice, select, repeat, a router's
+        """Ops along one dim (softmax, cumsum, split, slice, select, unbind, repeat, a router's
         top-k or sort, or its scatter of the top-k scores into a row): fine along another
         dim than the sequence; along it they mix positions (a slice of all of it is the
         value itself)."""
@@ -405,10 +404,11 @@ class _ContextParallel(Propagation):
                 return s  # a softmax over all keys
             raise self.mixes(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
-            if node.target == aten.select.int:
+            if node.target in (aten.select.int, aten.unbind.int):  # the dim goes
                 if s.full is not None:
                     raise self.mixes(node, "it selects from attention scores")
-                return Seq(s.dim - (dim < s.dim), s.merged)
+                kept = Seq(s.dim - (dim < s.dim), s.merged)
+                return kept if node.target == aten.select.int else [kept] * len(node.meta["val"])
             if in_family(node.target, "split") or isinstance(node.meta["val"], (tuple, list)):
                 return [s] * len(node.meta["val"])  # every piece / (values, indices)
             return s

@@ -42,8 +42,6 @@ class Propagation:
     """Placements that are split on this axis (a list of them: an unpacked value)."""
     split_phrase: ClassVar[str]
     """How a split value is split, in messages ("over tp ranks")."""
-    enters_regions: ClassVar[bool] = True
-    """Whether a higher-order region reading a split value is entered (else refused)."""
 
     def __init__(self, gm: fx.GraphModule, size: int) -> None:
         self.gm, self.g, self.root, self.size = gm, gm.graph, gm, size
@@ -136,13 +134,13 @@ class Propagation:
         """Enter region ``node`` (an autocast, no-grad or wrap region reading a split
         value): its placeholders take their operands' placements, the rules run over its
         body (``inside``), and its outputs' placements are the body's results', a list its
-        ``getitem`` users pick from. A body another region also calls, a region of another
-        kind (``cond``, ``map``) and any region on an axis that enters none are refused."""
+        ``getitem`` users pick from. A body another region also calls and a region of
+        another kind (``cond``, ``map``: their bodies run on other arguments) are refused."""
         split, found = self.first_split(node), body_call(node)
-        if found is None or not self.enters_regions:
-            only = ", and only wrap-style regions (autocast, no-grad, wrap) are split inside"
+        if found is None:
             raise self.refuse(node, f"it is a higher-order op ({node.target.name()}) that reads a value split "
-                                    f"{self.split_phrase}{only if self.enters_regions else ''}", split)
+                                    f"{self.split_phrase}, and only wrap-style regions (autocast, no-grad, "
+                                    "wrap) are split inside", split)
         body, operands = found
         getter = next(a for a in node.args if isinstance(a, fx.Node) and is_subgraph(a))
         callers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == getter.target]

@@ -47,7 +47,7 @@ from tests.harness.helpers import (
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_keyword_batches import PAD, padded
 from tests.passes.test_context_parallel import MeanSquared, _Encoder, _Window, regression_batches
-from tests.passes.test_op_rules import ZerosLike
+from tests.passes.test_op_rules import Unbind, ZerosLike
 
 MODELS = ("gpt", "llama")
 DIST_OPT = (("distributed_optimizer", True),)
@@ -283,6 +283,7 @@ def run(rank: int, scenarios: list[Scenario], root: str | None = None) -> dict:
         out["window"] = window(rank)
         out["encoder"] = window(rank, _Encoder)
         out["zeros_like"] = window(rank, ZerosLike)
+        out["unbind"] = window(rank, Unbind)
         out["regression"] = regression(rank)
     return out
 
@@ -330,7 +331,8 @@ def test_activations_per_rank_shrink_with_cp(results):
 
 
 @pytest.mark.parametrize(
-    "name,model", [("window", _Window), ("encoder", _Encoder), ("zeros_like", ZerosLike)]
+    "name,model",
+    [("window", _Window), ("encoder", _Encoder), ("zeros_like", ZerosLike), ("unbind", Unbind)],
 )
 def test_a_sliding_window_no_mask_or_zeros_like_matches_single_device(results, name, model):
     torch.manual_seed(0)

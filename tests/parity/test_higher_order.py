@@ -3,6 +3,7 @@ ranks vs plain single-device PyTorch: pipelined (the no-grad values cross the st
 boundary without a gradient), recomputed, tensor-parallel with regions whose operands are
 whole and with a region split inside ("gelu": it reads the column-parallel output), and
 a parameter that meets split values only under ``torch.no_grad()`` ("no-grad-mix");
+context-parallel, every region reading the sequence-split hidden value split inside;
 x-transformers' rotary decoder pipelined (at tp: tests/parity/test_zoo.py), a skip when
 x-transformers is missing. One spawn for all cases; every rank reports 3 steps and the
 full state dict."""
@@ -33,6 +34,12 @@ CASES = {
     "gelu-tp2": ("gelu", dict(tp=2)),
     "no-grad-mix-tp2": ("no-grad-mix", dict(tp=2)),
     "two-arrivals-tp2": ("two-arrivals", dict(tp=2)),
+    # cp enters regions through the same driver: every hidden value is split along the
+    # sequence, so each region reading one is split inside (body on local shapes)
+    "own-cp2": ("own", dict(cp=2)),
+    "gelu-cp2": ("gelu", dict(cp=2)),
+    "no-grad-mix-cp2": ("no-grad-mix", dict(cp=2)),
+    "two-arrivals-cp2": ("two-arrivals", dict(cp=2)),
     "xt-pp2": ("xt", dict(pp=2)),
 }
 HAS_XT = importlib.util.find_spec("x_transformers") is not None

@@ -40,7 +40,7 @@ permute          tp _permute             cp _permute       permute.default, t.de
 split            tp _split               cp _along         chunk.default, split.Tensor, split_with_sizes.default
 slice            tp _slice               cp _along         slice.Tensor
 index            tp _select              cp _along         index_select.default, select.int
-unbind           tp _unbind              cp -              unbind.int
+unbind           tp _unbind              cp _along         unbind.int
 advanced_index   tp _advanced_index      cp -              index.Tensor
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
 tile             tp _tile                cp -              repeat.default
@@ -129,6 +129,23 @@ def test_one_family_entry_gives_an_op_a_rule_on_every_axis(axis, local):
     gm = transform(ZerosLike(), make_batch(2, seed=0), stop_after="tensor_parallel", **{axis: 2})
     (node,) = [n for n in gm.graph.nodes if n.target == aten.zeros_like.default]
     assert tuple(node.meta["val"].shape) == local
+
+
+class Unbind(_UpDown):
+    """The split hidden value and its tanh stacked along a new leading dim, then unbound
+    there again (as a fused q / k pair unpacks): each piece keeps the split, moved past the
+    removed dim. cp had no rule for ``unbind`` until it joined ``_along``."""
+
+    def inner(self, h):
+        a, b = torch.stack((h, h.tanh()), 0).unbind(0)
+        return a * b
+
+
+@pytest.mark.parametrize("axis,local", [("tp", (2, 16, 16)), ("cp", (2, 8, 32))])
+def test_unbind_keeps_the_split_on_every_axis(axis, local):
+    gm = transform(Unbind(), make_batch(2, seed=0), stop_after="tensor_parallel", **{axis: 2})
+    (node,) = [n for n in gm.graph.nodes if n.target == aten.unbind.int]
+    assert [tuple(v.shape) for v in node.meta["val"]] == [local, local]
 
 
 class ComplexRotary(_UpDown):
