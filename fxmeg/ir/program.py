@@ -3,8 +3,8 @@
 ``fxmeg.runtime.context.build_context`` makes this rank's objects.
 
 Metadata convention (written by the passes, read only through this module):
-  node.meta["fxmeg"]  per-node tags: module, pass, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
-  gm.meta["fxmeg"]    per-graph record: on the captured graph "capture" (CaptureInfo),
+  node.meta["fxmeg"] per-node tags: module, pass, loss, tp, chunk, bucket (fxmeg/passes/__init__.py)
+  gm.meta["fxmeg"] per-graph record: on the captured graph "capture" (CaptureInfo),
                       "facts" (ModelFacts), "partition" (Partition); on a chunk graph
                       "spec" (ChunkSpec) and "buffers" (BufferLayout per gradient dtype)
 """
@@ -41,7 +41,8 @@ class Boundary:
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    """The calling convention of one chunk graph: ``gm(*data, *recv) -> (*send[, loss_sum, num_tokens])``."""
+    """The calling convention of one chunk graph:
+    ``gm(*data, *recv) -> (*send[, loss_sum, num_tokens])``."""
 
     index: int
     data_inputs: tuple[int, ...]
@@ -381,7 +382,9 @@ class Program:
     def grad_cuts(self) -> frozenset[int]:
         """Cuts c (between chunks c and c + 1) across which a gradient flows back: what
         the schedule's lowering sends and receives in backward."""
-        return frozenset(c for c, spec in enumerate(self.specs[1:]) if any(b.grad for b in spec.recv))
+        return frozenset(
+            c for c, spec in enumerate(self.specs[1:]) if any(b.grad for b in spec.recv)
+        )
 
     def __str__(self) -> str:
         par = self.config.parallel
