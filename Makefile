@@ -3,6 +3,7 @@
 #               (tp=2 x pp=2 x dp=2), printing progress and the validation loss
 #   make test   runs the whole test suite
 #   make bench  prints the benchmarks' JSON lines (bench/)
+#   make lint   ruff over the whole repository (pyproject's [tool.ruff.lint]); CI runs it first
 #   make durations  runs the whole suite as make test does and records each module's seconds
 #               in tests/durations.json (the slow-first order; docs/contributing.md)
 # Override the torch requirement on a CUDA machine: make demo TORCH=torch
@@ -13,7 +14,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test durations bench setup clean
+.PHONY: demo test lint durations bench setup clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +36,10 @@ demo: setup
 PYTEST_SUITE := $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(PYTEST_SUITE)
+
+# The rules are pyproject's [tool.ruff.lint]; `$(BIN)/ruff check --fix .` sorts imports
+lint: setup
+	$(BIN)/ruff check .
 
 # The same run, rewriting tests/durations.json if every test ran: commit it when the order
 # it gives has moved (docs/contributing.md)

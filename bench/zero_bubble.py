@@ -130,7 +130,7 @@ def agree(fn, world: int):
     (None, "<Type>: <first line>") of the first rank that failed, the same on every rank."""
     try:
         out, err = fn(), None
-    except Exception as e:  # noqa: BLE001: a failing variant is a result, not a crash
+    except Exception as e:  # noqa: BLE001 (a failing variant is a result, not a crash)
         lines = str(e).strip().splitlines()
         out, err = None, f"{type(e).__name__}: {lines[0] if lines else ''}"
     errs = [None] * world

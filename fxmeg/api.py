@@ -38,7 +38,15 @@ from fxmeg.runtime.verify import verify as verify_program
 from fxmeg.weights.checkpoint import Checkpointer, find_complete
 from fxmeg.weights.meta_init import InitFn, value_source
 
-__all__ = ["Engine", "EvalResult", "ParamError", "Saving", "StepResult", "VerifyResult", "parallelize"]
+__all__ = [
+    "Engine",
+    "EvalResult",
+    "ParamError",
+    "Saving",
+    "StepResult",
+    "VerifyResult",
+    "parallelize",
+]
 
 
 def parallelize(
@@ -66,12 +74,11 @@ def parallelize(
     ``optimizer`` is a factory receiving parameter groups (see
     ``fxmeg.runtime.optimizer.optimizer.param_groups``) and returning an optimizer, or several over
     disjoint parameters (``fxmeg.runtime.optimizer.optimizer.muon_adamw``); default AdamW.
-    ``options`` are the fields of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points, sequence_parallel,
-    tp_plan) and ``EngineConfig`` (micro_batch_size, global_batch_size, precision,
-    clip_grad, distributed_optimizer, optimizer_sharding, ...), checked before any
-    process-group work.
-    Or pass a whole ``config`` (an EngineConfig) instead of options: it is resolved
-    against the world size (``EngineConfig.resolve``: dp=None becomes world // (tp * pp))
+    ``options`` are the fields of ``ParallelConfig`` (tp, pp, vpp, dp, schedule, split_points,
+    sequence_parallel, tp_plan) and ``EngineConfig`` (micro_batch_size, global_batch_size,
+    precision, clip_grad, distributed_optimizer, optimizer_sharding, ...), checked before any
+    process-group work. Or pass a whole ``config`` (an EngineConfig) instead of options: it is
+    resolved against the world size (``EngineConfig.resolve``: dp=None becomes world // (tp * pp))
     and used as is.
 
     With ``precision`` "bf16" or "fp16" the model's parameters and floating buffers are
@@ -99,13 +106,21 @@ def parallelize(
     """
     factory = optimizer or default_optimizer
     config = _configure(example_inputs, config, options)
-    config = _decide_sharding(config, factory, model, _stand_in_device(model, example_inputs, device))
-    twin = meta_twin(model) if config.variable_seq_lengths else None  # before transform casts the model
+    config = _decide_sharding(
+        config, factory, model, _stand_in_device(model, example_inputs, device)
+    )
+    # before transform casts the model
+    twin = meta_twin(model) if config.variable_seq_lengths else None
     hf = hugging_face_info(model)
     program = transform(model, example_inputs, config, loss_fn=loss_fn, device=device)
-    source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)  # checked here, before any collective
+    # checked here, before any collective
+    source = value_source(model, program, weights=weights, init_fn=init_fn, seed=seed)
     context = build_context(program, optimizer=factory, source=source, model=model)
-    engine = Engine(program, context, Shapes.start(twin, loss_fn, program, context) if twin is not None else None)
+    engine = Engine(
+        program,
+        context,
+        Shapes.start(twin, loss_fn, program, context) if twin is not None else None,
+    )
     engine.hugging_face = hf
     return engine
 
@@ -134,10 +149,14 @@ def _decide_sharding(config: EngineConfig, factory: OptimizerFactory, model: nn.
     dp = config.data_parallel
     decided = plan.sharding(dp.distributed_optimizer, dp.optimizer_sharding,
                             overlap_param_gather=dp.overlap_param_gather, zero=dp.zero_stage)
-    return dataclasses.replace(config, data_parallel=dataclasses.replace(dp, decided_sharding=decided))
+    return dataclasses.replace(
+        config, data_parallel=dataclasses.replace(dp, decided_sharding=decided)
+    )
 
 
-def _stand_in_device(model: nn.Module, example_inputs: Example, device: torch.device | str | None) -> torch.device:
+def _stand_in_device(
+    model: nn.Module, example_inputs: Example, device: torch.device | str | None
+) -> torch.device:
     """Where ``_decide_sharding``'s parameter stand-ins live (they hold no memory): where
     the optimizers will step, as far as it is known before capture (the model's device,
     else ``device``, else the example's, else the CPU), so that a factory that asks for a
@@ -145,7 +164,9 @@ def _stand_in_device(model: nn.Module, example_inputs: Example, device: torch.de
     real = next((p.device for p in model.parameters() if not p.is_meta), None)
     if real is None and device is not None:
         real = torch.device(device)
-    return real or next((t.device for t in example_tensors(example_inputs) if not t.is_meta), torch.device("cpu"))
+    return real or next(
+        (t.device for t in example_tensors(example_inputs) if not t.is_meta), torch.device("cpu")
+    )
 
 
 class Engine:
@@ -153,17 +174,20 @@ class Engine:
 
     Public surface: ``train_step``, ``eval_step``, ``verify``, ``full_state_dict``,
     ``params_norm``, ``save``, ``load``, ``set_global_batch_size``; ``config``,
-    ``named_parameters``, ``partition``, ``needs_data``, ``model_flops_per_step``; and ``program`` (the rank-free Program) and
-    ``context`` (this rank's RankContext) for tools that need more."""
+    ``named_parameters``, ``partition``, ``needs_data``, ``model_flops_per_step``; and ``program``
+    (the rank-free Program) and ``context`` (this rank's RankContext) for tools that need more."""
 
-    def __init__(self, program: Program, context: RankContext, shapes: Shapes | None = None) -> None:
+    def __init__(
+        self, program: Program, context: RankContext, shapes: Shapes | None = None
+    ) -> None:
         self.program, self.context = program, context
         self.shapes = shapes
         """With ``variable_seq_lengths``: the Program of every input shape seen so far."""
         self._current = program
         self.hugging_face: dict | None = None
-        """A transformers model's config and tied names (``fxmeg.interop.hf_export.hugging_face_info``),
-        recorded in checkpoints for ``fxmeg export --format hf``."""
+        """A transformers model's config and tied names
+        (``fxmeg.interop.hf_export.hugging_face_info``), recorded in checkpoints for ``fxmeg export
+        --format hf``."""
         self._checkpointer: Checkpointer | None = None
         self._placeholders: dict[str, nn.Parameter] | None = None
 
@@ -191,7 +215,9 @@ class Engine:
             return self.context.named_parameters
         if self._placeholders is None:
             why = "zero=3 allocates its memory only while a step reads it (docs/zero.md)"
-            self._placeholders = {n: Released(p, n, why) for n, p in self.context.named_parameters.items()}
+            self._placeholders = {
+                n: Released(p, n, why) for n, p in self.context.named_parameters.items()
+            }
         return self._placeholders
 
     @property
@@ -212,7 +238,11 @@ class Engine:
         return 3.0 * self._current.flops_per_microbatch * cfg.num_microbatches * cfg.parallel.dp
 
     def train_step(
-        self, batch: UserBatch | Iterator[UserBatch] | None, *, check_determinism: bool = False, trace: bool = False,
+        self,
+        batch: UserBatch | Iterator[UserBatch] | None,
+        *,
+        check_determinism: bool = False,
+        trace: bool = False,
         full_grads: bool = False,
     ) -> StepResult:
         """One optimizer step on a global batch (tensors shaped [global_batch_size, ...],
@@ -227,8 +257,14 @@ class Engine:
         the model). With ``check_replicas_interval=N``, every N-th call first checks that
         replicas still hold the same parameters (``ReplicaError`` on every rank if not)."""
         program, batch = self._select(batch, self.config.num_microbatches)
-        return step.train_step(program, self.context, batch, check_determinism=check_determinism, trace=trace,
-                               full_grads=full_grads)
+        return step.train_step(
+            program,
+            self.context,
+            batch,
+            check_determinism=check_determinism,
+            trace=trace,
+            full_grads=full_grads,
+        )
 
     def eval_step(self, batch: UserBatch | Iterator[UserBatch] | None, *,
                   num_microbatches: int | None = None) -> EvalResult:
@@ -247,13 +283,15 @@ class Engine:
         tolerance with its chunk, node and pass, the worst one, every error); identical on
         every rank. The engine's state is left as it was: parameters, optimizer state,
         loss scale and lr schedule untouched, gradient buffers zeroed, RNG states
-        restored. Checks the example's input shape. Tolerances default by precision (fxmeg.runtime.verify.TOLERANCES).
-        Collective: call it on every rank, with the global batch (a tuple, or a dict
-        for a dict example) on rank 0 and on every rank whose chunks read data (others
-        may pass None)."""
+        restored. Checks the example's input shape. Tolerances default by precision
+        (fxmeg.runtime.verify.TOLERANCES). Collective: call it on every rank, with the global batch
+        (a tuple, or a dict for a dict example) on rank 0 and on every rank whose chunks read data
+        (others may pass None)."""
         if self.shapes is not None:  # on the example's shape (batches.check refuses another)
             self.shapes.use_example(self.context)
-        return verify_program(self.program, self.context, batch, loss_rtol=loss_rtol, grad_rtol=grad_rtol)
+        return verify_program(
+            self.program, self.context, batch, loss_rtol=loss_rtol, grad_rtol=grad_rtol
+        )
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Train the next steps on global batches of this size (a batch-size schedule)."""
@@ -270,7 +308,9 @@ class Engine:
         rank."""
         return gather_full_state(self.program, self.context)
 
-    def save(self, directory: str, *, async_save: bool = False, state: dict | None = None) -> Saving:
+    def save(
+        self, directory: str, *, async_save: bool = False, state: dict | None = None
+    ) -> Saving:
         """Checkpoint this engine into ``directory`` (``iter_<N>/``, N the train steps
         taken; ``latest`` names it once complete): parameters, optimizer state, lr
         schedule, loss scaler and RNG, as the trainer's ``--save`` writes them, so that
@@ -290,8 +330,10 @@ class Engine:
         ``save`` (empty for the trainer's). A directory with no checkpoint is a
         CheckpointError. Collective: call it on every rank."""
         if find_complete(directory) is None:  # before the checkpointer's process group
-            raise CheckpointError(f"engine.load({directory!r}): no checkpoint there (no iter_* directory); "
-                                  f"pass the directory engine.save or --save wrote")
+            raise CheckpointError(
+                f"engine.load({directory!r}): no checkpoint there (no iter_* directory); "
+                f"pass the directory engine.save or --save wrote"
+            )
         checkpointer = self._checkpointer_for(False)
         restored = checkpointer.load(directory)
         self.context.steps_taken = restored["iteration"]
@@ -302,7 +344,9 @@ class Engine:
         saving in the background or not as this call asks; a background save still
         running is waited for first."""
         if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self.program, self.context, hugging_face=self.hugging_face)
+            self._checkpointer = Checkpointer(
+                self.program, self.context, hugging_face=self.hugging_face
+            )
         self._checkpointer.wait()
         self._checkpointer.async_save = async_save
         return self._checkpointer

@@ -89,7 +89,8 @@ class ParallelConfig:
             object.__setattr__(self, "tp_plan", tuple(self.tp_plan.items()))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1")
-        refusal = layout_refusal(self.schedule, pp=self.pp, vpp=self.vpp)  # fxmeg/schedule_registry.py
+        # fxmeg/schedule_registry.py
+        refusal = layout_refusal(self.schedule, pp=self.pp, vpp=self.vpp)
         if refusal:
             raise ConfigError(refusal)
         if self.split_points is not None:
@@ -104,10 +105,12 @@ class ParallelConfig:
             sizes = f"{self.dp} * {self.cp} = {self.dp_cp}" if self.cp > 1 else f"{self.dp}"
             raise ConfigError(
                 f"ep={self.ep} does not divide {names} = {sizes}: experts are split over ep ranks "
-                f"carved out of the data-parallel{' x context-parallel' if self.cp > 1 else ''} ranks; "
-                f"choose ep among {[d for d in range(1, self.dp_cp + 1) if self.dp_cp % d == 0]} "
-                f"or launch more ranks (`fxmeg train --dp` / --nproc, torchrun --nproc-per-node): "
-                f"ep={self.ep} needs dp * cp to be a multiple of {self.ep}")
+                f"carved out of the data-parallel{' x context-parallel' if self.cp > 1 else ''} "
+                "ranks; choose ep among "
+                f"{[d for d in range(1, self.dp_cp + 1) if self.dp_cp % d == 0]} or launch more "
+                f"ranks (`fxmeg train --dp` / --nproc, torchrun --nproc-per-node): ep={self.ep} "
+                f"needs dp * cp to be a multiple of {self.ep}"
+            )
 
     @property
     def edp(self) -> int:
@@ -130,7 +133,9 @@ class ParallelConfig:
         dp must make tp * cp * pp * dp = world."""
         tp, cp, pp, dp = self.tp, self.cp, self.pp, self.dp
         # the messages name cp only where it is set
-        names, sizes = ("tp * cp * pp", f"{tp} * {cp} * {pp}") if cp > 1 else ("tp * pp", f"{tp} * {pp}")
+        names, sizes = (
+            ("tp * cp * pp", f"{tp} * {cp} * {pp}") if cp > 1 else ("tp * pp", f"{tp} * {pp}")
+        )
         if dp is None:
             if world % (tp * cp * pp):
                 raise ConfigError(
@@ -210,8 +215,8 @@ class EngineConfig:
     """Batches may differ from the example in their non-batch dimensions (the sequence
     length, per global batch, as with dynamic padding): each new shape is captured and
     transformed once, on shapes alone, with the example's pipeline cut, and its chunks
-    share this rank's parameters (Megatron's ``--variable-seq-lengths``; fxmeg/frontend/variable_shapes.py).
-    Off: a batch must have the example's shape."""
+    share this rank's parameters (Megatron's ``--variable-seq-lengths``;
+    fxmeg/frontend/variable_shapes.py). Off: a batch must have the example's shape."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "micro_batch_size": Size(1, "micro-batch size (samples on one rank)"),
@@ -240,14 +245,19 @@ class EngineConfig:
         global_batch_size, which have no default, and any option); an unknown name is
         refused with the nearest valid one."""
         parts = split_flat(values)
-        return cls(**parts.pop(""), **{name: SECTIONS[name](**part) for name, part in parts.items()})
+        return cls(
+            **parts.pop(""), **{name: SECTIONS[name](**part) for name, part in parts.items()}
+        )
 
     def replace(self, **values) -> EngineConfig:
         """This config with some flat names (as ``from_flat`` takes them) changed; every
         rule is checked once more on the result."""
         parts = split_flat(values)
-        sections = {name: dataclasses.replace(getattr(self, name), **part) for name, part in parts.items()
-                    if name and part}
+        sections = {
+            name: dataclasses.replace(getattr(self, name), **part)
+            for name, part in parts.items()
+            if name and part
+        }
         return dataclasses.replace(self, **parts[""], **sections)
 
     def flat(self) -> dict:
@@ -261,27 +271,38 @@ class EngineConfig:
         ep, factor = self.parallel.ep, self.moe.moe_capacity_factor
         if factor is not None and ep == 1:
             raise ConfigError(
-                f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own experts, "
-                "dropless; set ep >= 2 or leave moe_capacity_factor=None")
+                f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own "
+                "experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"
+            )
         if ep == 1:
             return
-        untested = "; moe_capacity_factor makes them static, but that is not tested yet" if factor else ""
+        untested = (
+            "; moe_capacity_factor makes them static, but that is not tested yet" if factor else ""
+        )
         if self.parallel.splits_backward:
             raise ConfigError(
-                f"ep={ep} does not run with schedule={self.parallel.resolved_schedule!r}: a zero-bubble "
-                "schedule splits backward into input- and weight-gradient passes, and the experts' "
-                "all-to-all exchanges tokens whose counts are known only at run time (data-dependent "
-                f"shapes{untested}); use schedule='1f1b' or 'interleaved'")
+                f"ep={ep} does not run with schedule={self.parallel.resolved_schedule!r}: a "
+                "zero-bubble schedule splits backward into input- and weight-gradient passes, and "
+                "the experts' all-to-all exchanges tokens whose counts are known only at run time "
+                f"(data-dependent shapes{untested}); use schedule='1f1b' or 'interleaved'"
+            )
         if self.compile and not factor:
-            raise ConfigError(f"ep={ep} does not run with compile=True and dropless experts: the experts' token "
-                              "counts are data-dependent shapes (dynamo recompiles for each new count); set "
-                              "moe_capacity_factor (static shapes) or compile=False")
-        dp = self.data_parallel
-        if dp.optimizer_sharding == "layerwise" or dp.decided_sharding is OptimizerSharding.LAYERWISE:
             raise ConfigError(
-                f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are sharded over the "
-                "expert-data-parallel ranks only (layer-wise sharding is asked for, or chosen for an optimizer "
-                "that steps whole parameters, such as Muon); use optimizer_sharding='elementwise'")
+                f"ep={ep} does not run with compile=True and dropless experts: the experts' token "
+                "counts are data-dependent shapes (dynamo recompiles for each new count); set "
+                "moe_capacity_factor (static shapes) or compile=False"
+            )
+        dp = self.data_parallel
+        if (
+            dp.optimizer_sharding == "layerwise"
+            or dp.decided_sharding is OptimizerSharding.LAYERWISE
+        ):
+            raise ConfigError(
+                f"ep={ep} does not run with optimizer_sharding='layerwise' yet: experts are "
+                "sharded over the expert-data-parallel ranks only (layer-wise sharding is asked "
+                "for, or chosen for an optimizer that steps whole parameters, such as Muon); use "
+                "optimizer_sharding='elementwise'"
+            )
 
     def _check_router_loss(self) -> None:
         """The global router loss's running average is a forward-time state, which a
@@ -289,9 +310,10 @@ class EngineConfig:
         recompute = self.recomputation.recompute
         if self.moe.moe_router_load_balancing_type == "global_aux_loss" and recompute != "none":
             raise ConfigError(
-                f"moe_router_load_balancing_type='global_aux_loss' does not run with recompute={recompute!r} "
-                "yet: the running tokens per expert would have moved on when backward recomputes a micro-batch; "
-                "use recompute='none' or 'aux_loss'")
+                "moe_router_load_balancing_type='global_aux_loss' does not run with "
+                f"recompute={recompute!r} yet: the running tokens per expert would have moved on "
+                "when backward recomputes a micro-batch; use recompute='none' or 'aux_loss'"
+            )
 
     def _check_router_bias(self) -> None:
         """moe_router_bias_update_rate > 0 needs a forward whose routing the runtime can
@@ -301,12 +323,16 @@ class EngineConfig:
             return
         if self.parallel.splits_backward:
             raise ConfigError(
-                f"moe_router_bias_update_rate={rate} does not run with schedule="
-                f"{self.parallel.resolved_schedule!r}: a zero-bubble schedule runs forward as a traced graph "
-                "that does not count the tokens per expert; use schedule='1f1b' or 'interleaved'")
+                f"moe_router_bias_update_rate={rate} does not run with "
+                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule runs "
+                "forward as a traced graph that does not count the tokens per expert; use "
+                "schedule='1f1b' or 'interleaved'"
+            )
         if self.compile:
-            raise ConfigError(f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens per "
-                              "expert are counted outside the compiled graphs; set compile=False")
+            raise ConfigError(
+                f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens "
+                "per expert are counted outside the compiled graphs; set compile=False"
+            )
 
     def _check_batch(self) -> None:
         """global_batch_size against micro_batch_size * dp and the micro-batch count
@@ -327,8 +353,12 @@ class EngineConfig:
         if dp is None:
             return
         origin = f" (global_batch_size={self.global_batch_size} / (micro_batch_size * dp))"
-        refusal = batch_refusal(self.parallel.resolved_schedule, pp=self.parallel.pp, m=self.num_microbatches,
-                                origin=origin)
+        refusal = batch_refusal(
+            self.parallel.resolved_schedule,
+            pp=self.parallel.pp,
+            m=self.num_microbatches,
+            origin=origin,
+        )
         if refusal:
             raise ConfigError(refusal)
 
@@ -403,7 +433,9 @@ def _accept_flat_names(cls: type) -> None:
         flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
         for section, part in split_flat(flat).items():
             if section and part:
-                kwargs[section] = dataclasses.replace(kwargs.get(section) or SECTIONS[section](), **part)
+                kwargs[section] = dataclasses.replace(
+                    kwargs.get(section) or SECTIONS[section](), **part
+                )
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -411,7 +443,14 @@ def _accept_flat_names(cls: type) -> None:
 
 _accept_flat_names(EngineConfig)
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int, "float | None": float}
+_FLAG_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "int | None": int,
+    "float | None": float,
+}
 
 
 def scalar_fields(cls: type) -> dict[str, type]:
@@ -428,9 +467,13 @@ tensors passed by keyword (a Hugging Face batch: input_ids, attention_mask, labe
 def example_tensors(example: Example) -> tuple[torch.Tensor, ...]:
     """The example's tensors in order (a dict's in its key order); refuses anything else."""
     if isinstance(example, Mapping):
-        if example and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in example.items()):
+        if example and all(
+            isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in example.items()
+        ):
             return tuple(example.values())
-    elif isinstance(example, tuple) and example and all(isinstance(t, torch.Tensor) for t in example):
+    elif (
+        isinstance(example, tuple) and example and all(isinstance(t, torch.Tensor) for t in example)
+    ):
         return example
     raise ConfigError(
         "example_inputs must be one micro-batch: a non-empty tuple of tensors (passed to forward "

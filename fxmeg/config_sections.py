@@ -101,7 +101,8 @@ class DataParallelConfig:
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage in force: ``zero``, or for None 1 with the distributed optimizer, else 0."""
+        """The ZeRO stage in force: ``zero``, or for None 1 with the distributed optimizer, else 0.
+        """
         return self.zero if self.zero is not None else int(self.distributed_optimizer)
 
     @property
@@ -111,8 +112,12 @@ class DataParallelConfig:
         elementwise: 'auto' is ELEMENTWISE)."""
         if self.decided_sharding is not None:
             return self.decided_sharding
-        return decide_sharding(distributed=self.distributed_optimizer, requested=self.optimizer_sharding,
-                               overlap_param_gather=self.overlap_param_gather, zero=self.zero_stage)
+        return decide_sharding(
+            distributed=self.distributed_optimizer,
+            requested=self.optimizer_sharding,
+            overlap_param_gather=self.overlap_param_gather,
+            zero=self.zero_stage,
+        )
 
     def resolved_bucket_size(self, dp: int) -> int | None:
         """Bucket size in elements at data-parallel size ``dp``; None (one bucket per
@@ -149,15 +154,20 @@ class MoEConfig:
                               self.moe_router_load_balancing_type)
         if factor is not None and not (math.isfinite(factor) and factor > 0):
             raise ConfigError(
-                f"moe_capacity_factor={factor} must be a finite number > 0 (each expert's capacity in "
-                "multiples of an even share of the routed tokens), or None (dropless); e.g. "
-                "moe_capacity_factor=1.0")
+                f"moe_capacity_factor={factor} must be a finite number > 0 (each expert's capacity "
+                "in multiples of an even share of the routed tokens), or None (dropless); e.g. "
+                "moe_capacity_factor=1.0"
+            )
         if not math.isfinite(rate) or rate < 0:
-            raise ConfigError(f"moe_router_bias_update_rate={rate} must be a finite number >= 0 (0: off); "
-                              "DeepSeek-V3 uses 1e-3")
+            raise ConfigError(
+                f"moe_router_bias_update_rate={rate} must be a finite number >= 0 (0: off); "
+                "DeepSeek-V3 uses 1e-3"
+            )
         if kind not in LOAD_BALANCING:
-            raise ConfigError(f"moe_router_load_balancing_type={kind!r} is not one of {LOAD_BALANCING}"
-                              + closest(kind, LOAD_BALANCING))
+            raise ConfigError(
+                f"moe_router_load_balancing_type={kind!r} is not one of {LOAD_BALANCING}"
+                + closest(kind, LOAD_BALANCING)
+            )
 
 
 @dataclass(frozen=True)

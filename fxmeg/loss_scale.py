@@ -87,4 +87,8 @@ class LossScaler:
         return {"scale": self.scale, "growth": self._growth, "hysteresis": self._hysteresis}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self._growth, self._hysteresis = state["scale"], state["growth"], state["hysteresis"]
+        self.scale, self._growth, self._hysteresis = (
+            state["scale"],
+            state["growth"],
+            state["hysteresis"],
+        )

@@ -65,25 +65,35 @@ class LRSchedule:
         if self.style not in LR_STYLES:
             raise ConfigError(f"lr_schedule.style={self.style!r} is not one of {LR_STYLES}")
         if self.wsd_style not in WSD_STYLES:
-            raise ConfigError(f"lr_schedule.wsd_style={self.wsd_style!r} is not one of {WSD_STYLES}")
+            raise ConfigError(
+                f"lr_schedule.wsd_style={self.wsd_style!r} is not one of {WSD_STYLES}"
+            )
         if self.wd_style not in WD_STYLES:
             raise ConfigError(f"lr_schedule.wd_style={self.wd_style!r} is not one of {WD_STYLES}")
         if not 0.0 <= self.min_lr <= self.max_lr:
-            raise ConfigError(f"lr_schedule needs 0 <= min_lr <= max_lr; got {self.min_lr}, {self.max_lr}")
+            raise ConfigError(
+                f"lr_schedule needs 0 <= min_lr <= max_lr; got {self.min_lr}, {self.max_lr}"
+            )
         if self.style != "constant":
             if self.decay_samples is None or self.decay_samples <= self.warmup_samples:
                 raise ConfigError(
                     f"lr_schedule.style={self.style!r} needs decay_samples > warmup_samples "
                     f"= {self.warmup_samples}; got {self.decay_samples}"
                 )
-        if self.style == "WSD" and not (0 < (self.wsd_decay_samples or 0) <= self.decay_samples - self.warmup_samples):
+        if self.style == "WSD" and not (
+            0 < (self.wsd_decay_samples or 0) <= self.decay_samples - self.warmup_samples
+        ):
             raise ConfigError(
                 f"lr_schedule.style='WSD' needs 0 < wsd_decay_samples <= decay_samples - "
                 f"warmup_samples; got {self.wsd_decay_samples}"
             )
         if (self.start_wd is None) != (self.end_wd is None):
             raise ConfigError("lr_schedule.start_wd and end_wd go together")
-        if self.wd_style != "constant" and self.start_wd is not None and not (self.wd_incr_samples or self.decay_samples):
+        if (
+            self.wd_style != "constant"
+            and self.start_wd is not None
+            and not (self.wd_incr_samples or self.decay_samples)
+        ):
             raise ConfigError(
                 f"wd_style={self.wd_style!r} moves weight decay over wd_incr_samples (default "
                 "decay_samples), but neither is set: set wd_incr_samples"
@@ -133,7 +143,9 @@ class LRSchedule:
         if samples > incr or self.wd_style == "constant":
             return self.end_wd
         ratio = samples / incr
-        coeff = ratio if self.wd_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        coeff = (
+            ratio if self.wd_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        )
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
 

@@ -39,7 +39,8 @@ class Spec:
     name: str
     """As given to ``schedule=`` / ``--schedule``."""
     builder: str
-    """The function of fxmeg.runtime.pipeline.schedules that builds it: ``(pp, vpp, m) -> Schedule``."""
+    """The function of fxmeg.runtime.pipeline.schedules that builds it: ``(pp, vpp, m) ->
+    Schedule``."""
     placement: str = "loop"
     """Chunk c's pipeline rank: 'loop', c % pp (Megatron's interleaving); 'v', down the
     ranks and back up (c for c < pp, else 2 * pp - 1 - c: ZB-V, DualPipeV)."""
@@ -59,18 +60,29 @@ class Spec:
     """'auto' picks the first such schedule whose vpp and pp rules the layout meets."""
 
 
-SPECS: dict[str, Spec] = {s.name: s for s in (
-    Spec("none", "_none", pp="1", auto=True),
-    Spec("gpipe", "_gpipe"),
-    Spec("1f1b", "_one_f_one_b", auto=True),
-    # Megatron's interleaved schedule runs micro-batches in groups of pp per chunk
-    Spec("interleaved", "_interleaved", vpp=">1", pp=">1", m_multiple_of_pp=True, auto=True),
-    Spec("zbh1", "_zbh1", pp=">1", splits_backward=True),
-    Spec("zbv", "_zbv", placement="v", vpp="2", pp=">1", splits_backward=True),
-    # DeepSeek's DualPipe: at least one micro-batch per chunk (2 * pp) fills its V
-    Spec("dualpipev", "_dualpipev", placement="v", vpp="2", pp=">1", m_min_per_pp=2, m_fallback="zbv",
-         splits_backward=True),
-)}
+SPECS: dict[str, Spec] = {
+    s.name: s
+    for s in (
+        Spec("none", "_none", pp="1", auto=True),
+        Spec("gpipe", "_gpipe"),
+        Spec("1f1b", "_one_f_one_b", auto=True),
+        # Megatron's interleaved schedule runs micro-batches in groups of pp per chunk
+        Spec("interleaved", "_interleaved", vpp=">1", pp=">1", m_multiple_of_pp=True, auto=True),
+        Spec("zbh1", "_zbh1", pp=">1", splits_backward=True),
+        Spec("zbv", "_zbv", placement="v", vpp="2", pp=">1", splits_backward=True),
+        # DeepSeek's DualPipe: at least one micro-batch per chunk (2 * pp) fills its V
+        Spec(
+            "dualpipev",
+            "_dualpipev",
+            placement="v",
+            vpp="2",
+            pp=">1",
+            m_min_per_pp=2,
+            m_fallback="zbv",
+            splits_backward=True,
+        ),
+    )
+}
 """The schedules by name, in the order the docs and messages list them."""
 
 SCHEDULES = ("auto", *SPECS)
@@ -90,7 +102,9 @@ def resolve(name: str, *, pp: int, vpp: int) -> str:
     vpp and pp rules hold (none at pp=1, 1f1b at vpp=1, else interleaved)."""
     if name != "auto":
         return name
-    return next(s.name for s in SPECS.values() if s.auto and _holds(s.vpp, vpp) and _holds(s.pp, pp))
+    return next(
+        s.name for s in SPECS.values() if s.auto and _holds(s.vpp, vpp) and _holds(s.pp, pp)
+    )
 
 
 def placement(name: str, *, pp: int, vpp: int) -> tuple[int, ...]:
@@ -123,18 +137,24 @@ def layout_refusal(name: str, *, pp: int, vpp: int) -> str | None:
     spec = SPECS[name]
     if spec.vpp == "2" and not (vpp == 2 and _holds(spec.pp, pp)):
         shape = " in a V" if spec.placement == "v" else ""
-        return (f"schedule={name!r} runs two chunks per pipeline rank{shape}: it needs vpp=2 and pp > 1; "
-                f"got vpp={vpp}, pp={pp}. Set vpp=2 (and pp >= 2)")
+        return (
+            f"schedule={name!r} runs two chunks per pipeline rank{shape}: it needs vpp=2 and pp > "
+            f"1; got vpp={vpp}, pp={pp}. Set vpp=2 (and pp >= 2)"
+        )
     if spec.vpp == "1" and vpp > 1:
         takers = [n for n, s in SPECS.items() if s.vpp != "1"]
-        return (f"vpp={vpp} runs only with schedule={_either(takers)} (got {name!r}); set vpp=1 or change "
-                "the schedule")
+        return (
+            f"vpp={vpp} runs only with schedule={_either(takers)} (got {name!r}); set vpp=1 or "
+            "change the schedule"
+        )
     if spec.vpp == ">1" and vpp == 1:
         return f"schedule={name!r} needs vpp > 1; set vpp=2 or use '1f1b'"
     if spec.pp == ">1" and pp == 1:
         return f"schedule={name!r} needs pp > 1; set pp >= 2 or schedule='none'"
     if spec.pp == "1" and pp > 1:
-        return f"schedule={name!r} runs without a pipeline; got pp={pp}. Set pp=1, or schedule='auto'"
+        return (
+            f"schedule={name!r} runs without a pipeline; got pp={pp}. Set pp=1, or schedule='auto'"
+        )
     return None
 
 
@@ -144,13 +164,18 @@ def batch_refusal(name: str, *, pp: int, m: int, origin: str = "") -> str | None
     (micro_batch_size * dp))'."""
     spec = SPECS[name]
     if spec.m_multiple_of_pp and (m < pp or m % pp):
-        return (f"the {name} schedule needs the micro-batch count m to be a multiple of pp={pp}; got m={m}"
-                f"{origin}. Choose global_batch_size so that m is one of {[pp * i for i in (1, 2, 3)]}")
+        return (
+            f"the {name} schedule needs the micro-batch count m to be a multiple of pp={pp}; got "
+            f"m={m}{origin}. Choose global_batch_size so that m is one of "
+            f"{[pp * i for i in (1, 2, 3)]}"
+        )
     least = spec.m_min_per_pp * pp
     if m < least:
         instead = f", or schedule={spec.m_fallback!r}" if spec.m_fallback else ""
-        return (f"the {name} schedule needs at least {spec.m_min_per_pp} * pp = {least} micro-batches; got "
-                f"m={m}{origin}. Choose global_batch_size so that m >= {least}{instead}")
+        return (
+            f"the {name} schedule needs at least {spec.m_min_per_pp} * pp = {least} micro-batches; "
+            f"got m={m}{origin}. Choose global_batch_size so that m >= {least}{instead}"
+        )
     return None
 
 
@@ -163,7 +188,22 @@ def table_rows() -> list[tuple[str, ...]]:
     placement, vpp, pp, micro-batches m, backward, picked by 'auto'."""
     rows = []
     for s in SPECS.values():
-        m = "a multiple of pp" if s.m_multiple_of_pp else f">= {s.m_min_per_pp} * pp" if s.m_min_per_pp else "any"
-        rows.append((f"`{s.name}`", "V" if s.placement == "v" else "round robin", _rule_text(s.vpp),
-                     _rule_text(s.pp), m, "I + W" if s.splits_backward else "whole", "yes" if s.auto else ""))
+        m = (
+            "a multiple of pp"
+            if s.m_multiple_of_pp
+            else f">= {s.m_min_per_pp} * pp"
+            if s.m_min_per_pp
+            else "any"
+        )
+        rows.append(
+            (
+                f"`{s.name}`",
+                "V" if s.placement == "v" else "round robin",
+                _rule_text(s.vpp),
+                _rule_text(s.pp),
+                m,
+                "I + W" if s.splits_backward else "whole",
+                "yes" if s.auto else "",
+            )
+        )
     return rows

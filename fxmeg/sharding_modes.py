@@ -34,7 +34,11 @@ class OptimizerSharding(str, enum.Enum):
 
 
 def decide_sharding(
-    *, distributed: bool, requested: str, whole: Sequence[str] = (), overlap_param_gather: bool = False,
+    *,
+    distributed: bool,
+    requested: str,
+    whole: Sequence[str] = (),
+    overlap_param_gather: bool = False,
     zero: int = 1,
 ) -> OptimizerSharding:
     """The rule: NONE without the distributed optimizer, else ``requested`` ('auto':
@@ -43,7 +47,9 @@ def decide_sharding(
     cannot hold (before any process group)."""
     if not distributed:
         return OptimizerSharding.NONE
-    chosen = OptimizerSharding(requested if requested != "auto" else "layerwise" if whole else "elementwise")
+    chosen = OptimizerSharding(
+        requested if requested != "auto" else "layerwise" if whole else "elementwise"
+    )
     if chosen is OptimizerSharding.ELEMENTWISE and whole:
         raise ConfigError(
             f"optimizer_sharding='elementwise' hands each data-parallel rank flat slices of the "
@@ -52,14 +58,16 @@ def decide_sharding(
         )
     if chosen is OptimizerSharding.LAYERWISE and zero >= 2:
         raise ConfigError(
-            f"zero={zero} keeps each data-parallel rank's flat slice of every gradient bucket"
-            f"{' and parameter' if zero == 3 else ''}, but the distributed optimizer runs layer-wise "
-            f"here ({', '.join(whole) + ' needs' if whole else 'optimizer_sharding=layerwise asks for'} "
-            "whole parameters); use zero=1 for a layer-wise optimizer, or an elementwise one (AdamW)"
+            f"zero={zero} keeps each data-parallel rank's flat slice of every gradient "
+            f"bucket{' and parameter' if zero == 3 else ''}, but the distributed optimizer runs "
+            "layer-wise here "
+            f"({', '.join(whole) + ' needs' if whole else 'optimizer_sharding=layerwise asks for'} "
+            "whole parameters); use zero=1 for a layer-wise optimizer, or an elementwise one "
+            "(AdamW)"
         )
     if chosen is OptimizerSharding.LAYERWISE and overlap_param_gather:
         raise ConfigError(
-            f"overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
+            "overlap_param_gather=True needs optimizer_sharding='elementwise', but the distributed "
             f"optimizer runs layer-wise here ({', '.join(whole) or 'requested'} needs whole "
             "parameters); set overlap_param_gather=False"
         )
@@ -76,23 +84,29 @@ def check_sharding(config) -> None:
     if zero is None:
         zero = 1 if config.distributed_optimizer else 0
     if zero not in ZERO_STAGES or isinstance(zero, bool):
-        raise ConfigError(f"zero={zero!r} must be one of {ZERO_STAGES} (0: nothing sharded, 1: optimizer "
-                          "state, 2: and gradients, 3: and parameters)")
+        raise ConfigError(
+            f"zero={zero!r} must be one of {ZERO_STAGES} (0: nothing sharded, 1: optimizer "
+            "state, 2: and gradients, 3: and parameters)"
+        )
     if config.distributed_optimizer and zero == 0:
         raise ConfigError("distributed_optimizer=True is zero=1, but zero=0 was given: drop "
                           "distributed_optimizer, or set zero to 1, 2 or 3")
     object.__setattr__(config, "distributed_optimizer", zero >= 1)
     _check_zero3_options(config, zero)
     if zero >= 2 and config.optimizer_sharding == "layerwise":
-        raise ConfigError(f"zero={zero} does not run with optimizer_sharding='layerwise' (it shards every "
-                          "gradient bucket flat, a layer-wise optimizer steps whole parameters); use zero=1")
+        raise ConfigError(
+            f"zero={zero} does not run with optimizer_sharding='layerwise' (it shards every "
+            "gradient bucket flat, a layer-wise optimizer steps whole parameters); use zero=1"
+        )
     if config.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-        raise ConfigError(f"optimizer_sharding={config.optimizer_sharding!r} is not one of "
-                          f"{OPTIMIZER_SHARDINGS}" + closest(config.optimizer_sharding, OPTIMIZER_SHARDINGS))
+        raise ConfigError(
+            f"optimizer_sharding={config.optimizer_sharding!r} is not one of "
+            f"{OPTIMIZER_SHARDINGS}" + closest(config.optimizer_sharding, OPTIMIZER_SHARDINGS)
+        )
     if config.optimizer_sharding != "auto" and not config.distributed_optimizer:
         raise ConfigError(
-            f"optimizer_sharding={config.optimizer_sharding!r} needs distributed_optimizer=True (zero >= 1; "
-            "without it every data-parallel rank updates every whole parameter)"
+            f"optimizer_sharding={config.optimizer_sharding!r} needs distributed_optimizer=True "
+            "(zero >= 1; without it every data-parallel rank updates every whole parameter)"
         )
     if config.overlap_param_gather and config.optimizer_sharding == "layerwise":
         raise ConfigError(
@@ -107,27 +121,36 @@ def check_sharding(config) -> None:
     decided = config.decided_sharding
     if decided is not None and decided not in _possible(config):
         raise ConfigError(
-            f"decided_sharding={decided.value!r} contradicts distributed_optimizer={config.distributed_optimizer} "
-            f"(zero={zero}), optimizer_sharding="
-            f"{config.optimizer_sharding!r}: leave decided_sharding to parallelize (it is not an option)"
+            f"decided_sharding={decided.value!r} contradicts "
+            f"distributed_optimizer={config.distributed_optimizer} (zero={zero}), "
+            f"optimizer_sharding={config.optimizer_sharding!r}: leave decided_sharding to "
+            "parallelize (it is not an option)"
         )
 
 
 def _check_zero3_options(config, zero: int) -> None:
     """The options that only zero=3 takes, and the one it does not run with in its own section."""
     if not config.reshard_after_forward and zero != 3:
-        raise ConfigError(f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
-                          "anyway); drop it or set zero=3")
+        raise ConfigError(
+            f"reshard_after_forward=False needs zero=3 (zero={zero} keeps whole parameters "
+            "anyway); drop it or set zero=3"
+        )
     if config.backward_prefetch not in BACKWARD_PREFETCH:
-        raise ConfigError(f"backward_prefetch={config.backward_prefetch!r} is not one of {BACKWARD_PREFETCH} "
-                          "('pre': more overlap, 'post': less memory)"
-                          + closest(config.backward_prefetch, BACKWARD_PREFETCH))
+        raise ConfigError(
+            f"backward_prefetch={config.backward_prefetch!r} is not one of {BACKWARD_PREFETCH} "
+            "('pre': more overlap, 'post': less memory)"
+            + closest(config.backward_prefetch, BACKWARD_PREFETCH)
+        )
     if config.backward_prefetch != "pre" and zero != 3:
-        raise ConfigError(f"backward_prefetch={config.backward_prefetch!r} needs zero=3 (zero={zero} gathers no "
-                          "parameters in backward); drop it or set zero=3")
+        raise ConfigError(
+            f"backward_prefetch={config.backward_prefetch!r} needs zero=3 (zero={zero} gathers no "
+            "parameters in backward); drop it or set zero=3"
+        )
     if zero == 3 and config.overlap_param_gather:
-        raise ConfigError("zero=3 does not run with overlap_param_gather=True: zero=3 gathers each bucket "
-                          "before its first use by itself; drop overlap_param_gather")
+        raise ConfigError(
+            "zero=3 does not run with overlap_param_gather=True: zero=3 gathers each bucket "
+            "before its first use by itself; drop overlap_param_gather"
+        )
 
 
 def check_zero3_companions(config) -> None:
@@ -137,14 +160,28 @@ def check_zero3_companions(config) -> None:
         return
     par = config.parallel
     refused = (
-        (config.compile, "compile=True", "its gathers and releases are not traced by torch.compile yet; "
-                                        "set compile=False or zero=2"),
-        (par.splits_backward, f"schedule={par.resolved_schedule!r}",
-         "a zero-bubble weight-gradient action runs outside the backward that regathers parameters; "
-         "use 1f1b or interleaved, or zero=2"),
-        (config.variable_seq_lengths, "variable_seq_lengths=True",
-         "the Programs of other shapes are not checked at zero=3 yet; use zero=2"),
-        (par.ep > 1, f"ep={par.ep}", "the expert banks' own buffers are not gathered yet; use zero=2"),
+        (
+            config.compile,
+            "compile=True",
+            "its gathers and releases are not traced by torch.compile yet; "
+            "set compile=False or zero=2",
+        ),
+        (
+            par.splits_backward,
+            f"schedule={par.resolved_schedule!r}",
+            "a zero-bubble weight-gradient action runs outside the backward that regathers "
+            "parameters; use 1f1b or interleaved, or zero=2",
+        ),
+        (
+            config.variable_seq_lengths,
+            "variable_seq_lengths=True",
+            "the Programs of other shapes are not checked at zero=3 yet; use zero=2",
+        ),
+        (
+            par.ep > 1,
+            f"ep={par.ep}",
+            "the expert banks' own buffers are not gathered yet; use zero=2",
+        ),
     )
     for flag, what, fix in refused:
         if flag:

@@ -39,9 +39,10 @@ def _private(where: str) -> Any:
             obj = getattr(obj, name)
     except (ImportError, AttributeError) as exc:
         raise ImportError(
-            f"fxmeg uses torch's private {module}.{attrs}, which torch {torch.__version__} does not have "
-            f"({exc}); fxmeg/torch_private.py was checked on torch {CHECKED_ON}. Install torch {CHECKED_ON}, "
-            "or find where the name moved and update its entry (docs/contributing.md, 'Private torch APIs')"
+            f"fxmeg uses torch's private {module}.{attrs}, which torch {torch.__version__} does "
+            f"not have ({exc}); fxmeg/torch_private.py was checked on torch {CHECKED_ON}. Install "
+            f"torch {CHECKED_ON}, or find where the name moved and update its entry "
+            "(docs/contributing.md, 'Private torch APIs')"
         ) from exc
     return obj
 
@@ -94,7 +95,9 @@ def min_cut_rematerialization_partition(joint, args, **kwargs):
     """The min-cut partitioner: as default_partition, but recomputes nodes tagged
     MUST_RECOMPUTE in backward instead of saving them; split_backward also passes
     ``compiler="aot_eager"`` (2.13 keywords). Resolved on call (as above)."""
-    return _private("torch._functorch.partitioners:min_cut_rematerialization_partition")(joint, args, **kwargs)
+    return _private("torch._functorch.partitioners:min_cut_rematerialization_partition")(
+        joint, args, **kwargs
+    )
 
 
 # Swap a module's parameters / buffers for the given tensors within a ``with`` (the public
@@ -154,4 +157,4 @@ foreach_norm = _private("torch:_foreach_norm")
 # Multiply each tensor of a list in place by one scalar (gradient clipping).
 foreach_mul_ = _private("torch:_foreach_mul_")
 
-# --- pytree: fxmeg uses none (tests/harness/shared_transform.py uses torch.utils._pytree directly) ---
+# --- pytree: fxmeg uses none (tests/harness/shared_transform.py uses torch.utils._pytree) ---

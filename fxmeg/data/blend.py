@@ -31,7 +31,8 @@ SURPLUS = 0.005
 
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset of each blend sample, its sample index in that dataset) for ``size`` samples."""
-    w = [float(x) for x in weights]  # Python floats: the same doubles as Megatron's C++, without numpy's per-call cost
+    # Python floats: the same doubles as Megatron's C++, without numpy's per-call cost
+    w = [float(x) for x in weights]
     taken = [0] * len(w)
     dataset, within = [0] * size, [0] * size
     others = range(1, len(w))
@@ -74,7 +75,8 @@ class Blended:
 
 def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split: str,
                 sizes: Sequence[int | None], *, seq_len: int, seed: int,
-                open: Callable[[str], IndexedDataset] = IndexedDataset, cache_path: str = "") -> list[Blended | None]:
+                open: Callable[[str], IndexedDataset] = IndexedDataset,
+                cache_path: str = "") -> list[Blended | None]:
     """Each split (train, valid, test) of the blend of ``prefixes`` (None where the split
     has weight 0 or is asked 0 samples: not built), asked ``sizes`` samples each; ``open``
     reads a prefix; the indices go through the cache in ``cache_path`` (fxmeg/data/cache.py)."""
@@ -92,25 +94,32 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
                 raise ValueError("a blend with weights needs the number of samples of each split")
             asked = [math.ceil(size * w) for w in weights]
             built = [int(math.ceil(a * (1 + SURPLUS))) for a in asked]
-            parts = [_part(d, r[i], seq_len, n, seed, cache_path) for d, r, n in zip(datas, ranges, built)]
+            parts = [_part(d, r[i], seq_len, n, seed, cache_path) for d, r, n in zip(datas, ranges,
+                                                                                     built)]
             share, count = normalise(weights), sum(asked)  # Megatron normalises them twice
         else:
             parts = [_part(d, r[i], seq_len, None, seed, cache_path) for d, r in zip(datas, ranges)]
             lengths = [len(p.order) for p in parts]
             empty = [prefixes[d] for d, n in enumerate(lengths) if n == 0]
             if empty:
-                raise ValueError(f"{empty[0]!r} holds no sample of {seq_len + 1} tokens in split {i} of {split!r}: a "
-                                 "blend of prefixes alone weighs each by its samples; give the split more weight")
+                raise ValueError(
+                    f"{empty[0]!r} holds no sample of {seq_len + 1} tokens in split {i} of "
+                    f"{split!r}: a "
+                                 "blend of prefixes alone weighs each by its samples; give the "
+                                 "split more weight")
             if size is None:
-                raise ValueError("fxmeg reads a blend of prefixes only for a given number of samples")
+                raise ValueError(
+                    "fxmeg reads a blend of prefixes only for a given number of samples")
             count = min(size, sum(lengths))
             share = normalise(lengths)
-        dataset, within = cache.cached(cache_path, "Blend", {"weights": share, "samples": count}, cache.BLEND,
+        dataset, within = cache.cached(cache_path, "Blend", {"weights": share, "samples": count},
+                                       cache.BLEND,
                                        lambda: blending_indices(share, count))
         for d, part in enumerate(parts):
             needed = int(np.sum(dataset == d))
             if needed > len(part.order):
-                raise ValueError(f"the blend takes {needed} samples from {prefixes[d]!r}, which holds "
+                raise ValueError(
+                    f"the blend takes {needed} samples from {prefixes[d]!r}, which holds "
                                  f"{len(part.order)} for this split")
         out.append(Blended(parts, dataset, within, seq_len))
     return out
@@ -118,4 +127,9 @@ def build_blend(prefixes: Sequence[str], weights: Sequence[float] | None, split:
 
 def _part(data: IndexedDataset, documents: tuple[int, int], seq_len: int, num_samples: int | None,
           seed: int, cache_path: str) -> Part:
-    return Part(data, cache.order(cache_path, data, documents, seq_len=seq_len, num_samples=num_samples, seed=seed))
+    return Part(
+        data,
+        cache.order(
+            cache_path, data, documents, seq_len=seq_len, num_samples=num_samples, seed=seed
+        ),
+    )

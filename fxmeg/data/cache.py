@@ -57,14 +57,20 @@ def cached(directory: str, kind: str, description: dict, names: tuple[str, ...],
             _write(f"{base}-{name}.npy", lambda f, a=array: np.save(f, a))
         _write(f"{base}-description.txt", lambda f: f.write(text.encode()))
     except OSError as e:
-        raise DataError(f"--data-cache-path {directory}: cannot write the index cache there ({e}); give a "
-                        "writable directory, or none") from e
+        raise DataError(
+            f"--data-cache-path {directory}: cannot write the index cache there ({e}); give a "
+            "writable directory, or none"
+        ) from e
     return arrays
 
 
 def _write(path: str, fill: Callable) -> None:
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
-                                         suffix=".tmp")  # unique across ranks and machines sharing the directory
+    handle, temporary = tempfile.mkstemp(
+        dir=os.path.dirname(path),
+        prefix=os.path.basename(path) + ".",
+        # unique across ranks and machines sharing the directory
+        suffix=".tmp",
+    )
     try:
         with os.fdopen(handle, "wb") as f:
             fill(f)
@@ -74,15 +80,27 @@ def _write(path: str, fill: Callable) -> None:
             os.remove(temporary)
 
 
-def order(directory: str, data, documents: tuple[int, int], *, seq_len: int, num_samples: int | None,
-          seed: int) -> GPTOrder:
+def order(
+    directory: str,
+    data,
+    documents: tuple[int, int],
+    *,
+    seq_len: int,
+    num_samples: int | None,
+    seed: int,
+) -> GPTOrder:
     """``gpt_order.build_order`` of the documents [begin, end) of ``data`` (an indexed
     dataset: ``prefix``, ``lengths``, ``num_documents``), through the cache in ``directory``."""
-    description = {"dataset": os.path.realpath(data.prefix), "documents_in_dataset": int(data.num_documents),
-                   "tokens_in_dataset": int(np.sum(data.lengths, dtype=np.int64)),
-                   "lengths_md5": hashlib.md5(np.ascontiguousarray(data.lengths).tobytes()).hexdigest(),
-                   "documents": list(documents),
-                   "seq_len": seq_len, "num_samples": num_samples, "seed": seed}
+    description = {
+        "dataset": os.path.realpath(data.prefix),
+        "documents_in_dataset": int(data.num_documents),
+        "tokens_in_dataset": int(np.sum(data.lengths, dtype=np.int64)),
+        "lengths_md5": hashlib.md5(np.ascontiguousarray(data.lengths).tobytes()).hexdigest(),
+        "documents": list(documents),
+        "seq_len": seq_len,
+        "num_samples": num_samples,
+        "seed": seed,
+    }
 
     def build():
         ids = np.arange(*documents, dtype=np.int32)

@@ -47,7 +47,9 @@ def prepare(documents: Iterable[str], prefix: str, tokenizer: Tokenizer) -> dict
     """Tokenise ``documents`` into the corpus at ``prefix`` (Megatron's indexed format, each
     document followed by the end-of-document token); returns its metadata. When reading
     the documents fails, nothing at ``prefix`` changes (``write_indexed``)."""
-    eos = tokenizer.require_eos("prepare-data", "it ends every document with it; use a tokenizer that has one")
+    eos = tokenizer.require_eos(
+        "prepare-data", "it ends every document with it; use a tokenizer that has one"
+    )
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     encoded = (tokenizer.encode(text) for text in documents)
@@ -89,7 +91,8 @@ def read_documents(inputs: Iterable[str]) -> Iterator[str]:
             yield _read(spec)
         else:
             raise FileNotFoundError(
-                f"prepare-data input {spec!r} is neither a file, a directory, pydoc:topics nor stdlib:PKG"
+                f"prepare-data input {spec!r} is neither a file, a directory, pydoc:topics nor "
+                "stdlib:PKG"
             )
 
 
@@ -104,13 +107,17 @@ def read_json_lines(inputs: Iterable[str], key: str) -> Iterator[str]:
             paths = sorted(os.path.join(root, n) for root, _, files in os.walk(spec) for n in files
                            if n.endswith((".jsonl", ".json")))
         elif not os.path.isfile(spec):
-            raise FileNotFoundError(f"prepare-data input {spec!r} is neither a JSON-lines file nor a directory")
+            raise FileNotFoundError(
+                f"prepare-data input {spec!r} is neither a JSON-lines file nor a directory"
+            )
         for path in paths:
             for number, record in json_records(path, "--json-keys reads"):
                 value = record.get(key)
                 if not isinstance(value, str):
-                    raise DataError(f"{path}:{number} has no text field {key!r} (it has {sorted(record)}); pass "
-                                    "--json-keys with the field that holds the text")
+                    raise DataError(
+                        f"{path}:{number} has no text field {key!r} (it has {sorted(record)}); "
+                        "pass --json-keys with the field that holds the text"
+                    )
                 yield value
 
 
@@ -125,11 +132,15 @@ def json_records(path: str, reader: str) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number} is not a JSON line ({e.msg}); {reader} one JSON object "
-                                "per line") from None
+                raise DataError(
+                    f"{path}:{number} is not a JSON line ({e.msg}); {reader} one JSON object "
+                    "per line"
+                ) from None
             if not isinstance(record, dict):
-                raise DataError(f"{path}:{number} is a JSON {type(record).__name__}, not an object; {reader} "
-                                "one JSON object per line")
+                raise DataError(
+                    f"{path}:{number} is a JSON {type(record).__name__}, not an object; {reader} "
+                    "one JSON object per line"
+                )
             yield number, record
 
 

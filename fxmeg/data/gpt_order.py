@@ -47,15 +47,25 @@ class GPTOrder:
         return len(self.shuffle_index)
 
 
-def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num_samples: int | None, seed: int,
-                extra: int = 1, drop_last: bool = True) -> GPTOrder:
+def build_order(
+    lengths: np.ndarray,
+    documents: np.ndarray,
+    *,
+    seq_len: int,
+    num_samples: int | None,
+    seed: int,
+    extra: int = 1,
+    drop_last: bool = True,
+) -> GPTOrder:
     """The order of ``num_samples`` samples (None: one epoch's) of ``seq_len + extra``
     tokens over ``documents`` (ids into ``lengths``, the sequences' token counts); ``drop_last``
     False keeps a last partial sample (Megatron's validation default drops it too)."""
     tokens_per_epoch = int(np.sum(lengths[documents], dtype=np.int64))
     if tokens_per_epoch <= extra:  # Megatron's builder loops forever here
-        raise ValueError(f"{len(documents)} documents of {tokens_per_epoch} tokens hold no sample of "
-                         f"{seq_len + extra} tokens; give that split more weight or more data")
+        raise ValueError(
+            f"{len(documents)} documents of {tokens_per_epoch} tokens hold no sample of "
+            f"{seq_len + extra} tokens; give that split more weight or more data"
+        )
     epochs = 1
     if num_samples is not None:
         needed = num_samples * seq_len + extra
@@ -67,7 +77,9 @@ def build_order(lengths: np.ndarray, documents: np.ndarray, *, seq_len: int, num
         separate = num_samples - before_last < int(LAST_EPOCH_THRESHOLD * per_epoch)
     rng = np.random.RandomState(seed)
     document_index = _document_index(documents, epochs, rng, separate)
-    sample_index = _sample_index(lengths, document_index, seq_len, epochs * tokens_per_epoch, extra, drop_last)
+    sample_index = _sample_index(
+        lengths, document_index, seq_len, epochs * tokens_per_epoch, extra, drop_last
+    )
     total = len(sample_index) - 1
     first = before_last if separate else total
     return GPTOrder(document_index, sample_index, _shuffle_index(first, total, rng), epochs)
@@ -87,8 +99,10 @@ def split_documents(split: str, count: int) -> list[tuple[int, int] | None]:
     documents."""
     weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
     if len(weights) > 3 or not weights or sum(weights) <= 0:
-        raise ValueError(f"split {split!r} must give one to three non-negative weights of train, valid and test "
-                         "with a positive sum, e.g. '969,30,1'")
+        raise ValueError(
+            f"split {split!r} must give one to three non-negative weights of train, valid and test "
+            "with a positive sum, e.g. '969,30,1'"
+        )
     weights = normalise(weights + [0.0] * (3 - len(weights)))
     edges = [0.0]
     for w in weights:
@@ -97,7 +111,9 @@ def split_documents(split: str, count: int) -> list[tuple[int, int] | None]:
             for lo, hi in zip(edges[:-1], edges[1:])]
 
 
-def _document_index(documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate: bool) -> np.ndarray:
+def _document_index(
+    documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate: bool
+) -> np.ndarray:
     if separate:
         return np.concatenate([_document_index(documents, epochs - 1, rng, False),
                                _document_index(documents, 1, rng, False)])
@@ -106,8 +122,14 @@ def _document_index(documents: np.ndarray, epochs: int, rng: np.random.RandomSta
     return index
 
 
-def _sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_len: int, tokens: int, extra: int,
-                  drop_last: bool) -> np.ndarray:
+def _sample_index(
+    lengths: np.ndarray,
+    document_index: np.ndarray,
+    seq_len: int,
+    tokens: int,
+    extra: int,
+    drop_last: bool,
+) -> np.ndarray:
     """Sample k starts at token k * seq_len of the documents end to end: in the document
     whose span [start, end) holds it (an empty document holds nothing), at that offset. A
     kept partial last sample ends at the last document's end less ``extra``."""
@@ -116,7 +138,11 @@ def _sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_len: int,
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     positions = np.minimum(np.arange(count + 1, dtype=np.int64) * seq_len, tokens - extra)
     where = np.searchsorted(starts, positions, side="right") - 1
-    dtype = np.int32 if len(document_index) < np.iinfo(np.int32).max and tokens < np.iinfo(np.int32).max else np.int64
+    dtype = (
+        np.int32
+        if len(document_index) < np.iinfo(np.int32).max and tokens < np.iinfo(np.int32).max
+        else np.int64
+    )
     return np.stack([where, positions - starts[where]], axis=1).astype(dtype)
 
 
@@ -131,7 +157,9 @@ def _shuffle_index(first: int, total: int, rng: np.random.RandomState) -> np.nda
     return np.concatenate([head, tail])
 
 
-def sample(tokens_of, order: GPTOrder, i: int, *, seq_len: int, extra: int = 1, pad: int = 0) -> np.ndarray:
+def sample(
+    tokens_of, order: GPTOrder, i: int, *, seq_len: int, extra: int = 1, pad: int = 0
+) -> np.ndarray:
     """The ``seq_len + extra`` tokens of the ``i``-th sample read (``tokens_of(doc)``: a
     document's tokens), padded with ``pad`` when a kept partial sample is short."""
     k = int(order.shuffle_index[i])

@@ -29,8 +29,16 @@ import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-               8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 
@@ -56,13 +64,16 @@ class IndexedDataset:
         with open(idx, "rb") as f:
             head = f.read(_HEADER)
         if len(head) < _HEADER or head[: len(MAGIC)] != MAGIC:
-            raise IndexedDataError(f"{idx} is not Megatron's indexed format: it does not start with the "
-                                   f"magic {MAGIC!r} (write it with fxmeg prepare-data or Megatron's "
-                                   "tools/preprocess_data.py)")
+            raise IndexedDataError(
+                f"{idx} is not Megatron's indexed format: it does not start with the "
+                f"magic {MAGIC!r} (write it with fxmeg prepare-data or Megatron's "
+                "tools/preprocess_data.py)"
+            )
         version, code, count, documents = struct.unpack("<QBQQ", head[len(MAGIC) :])
         if version != VERSION:
-            raise IndexedDataError(f"{idx} is version {version} of the indexed format; fxmeg reads version "
-                                   f"{VERSION}")
+            raise IndexedDataError(
+                f"{idx} is version {version} of the indexed format; fxmeg reads version {VERSION}"
+            )
         if code not in DTYPE_CODES:
             raise IndexedDataError(f"{idx} names token dtype code {code}, not one of "
                                    f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
@@ -70,21 +81,29 @@ class IndexedDataset:
         size = os.path.getsize(idx)
         arrays = _HEADER + count * (4 + 8) + documents * 8
         if size not in (arrays, arrays + count):
-            raise IndexedDataError(f"{idx} holds {size} bytes, but its header ({count} sequences, {documents} "
-                                   f"document index entries) needs {arrays} (or {arrays + count} with modes): "
-                                   "it is truncated or was written by another program")
+            raise IndexedDataError(
+                f"{idx} holds {size} bytes, but its header ({count} sequences, {documents} "
+                f"document index entries) needs {arrays} (or {arrays + count} with modes): "
+                "it is truncated or was written by another program"
+            )
         index = np.memmap(idx, mode="r", dtype=np.uint8)
         self.lengths = index[_HEADER:][: count * 4].view(np.int32)
         self.pointers = index[_HEADER + count * 4 :][: count * 8].view(np.int64)
         self.document_index = index[_HEADER + count * 12 :][: documents * 8].view(np.int64)
         self.modes = index[arrays:].view(np.int8) if size > arrays else None
-        expected = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if count else 0
+        expected = (
+            int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if count else 0
+        )
         actual = os.path.getsize(bin_)
         if actual != expected:
-            raise IndexedDataError(f"{bin_} holds {actual} bytes, but {idx} says its sequences end at byte "
-                                   f"{expected}: the .bin is {'truncated' if actual < expected else 'longer'} "
-                                   "or from another run")
-        self.tokens = np.memmap(bin_, mode="r", dtype=self.dtype) if actual else np.zeros(0, self.dtype)
+            raise IndexedDataError(
+                f"{bin_} holds {actual} bytes, but {idx} says its sequences end at byte "
+                f"{expected}: the .bin is {'truncated' if actual < expected else 'longer'} "
+                "or from another run"
+            )
+        self.tokens = (
+            np.memmap(bin_, mode="r", dtype=self.dtype) if actual else np.zeros(0, self.dtype)
+        )
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -120,8 +139,10 @@ def write_indexed(prefix: str, documents: Iterable[np.ndarray], dtype) -> tuple[
                 if arr.size and dtype.kind in "iu":
                     info = np.iinfo(dtype)
                     if arr.min() < info.min or arr.max() > info.max:
-                        raise IndexedDataError(f"document {len(lengths)} holds token ids {arr.min()}..{arr.max()}, "
-                                               f"which {dtype.name} cannot hold")
+                        raise IndexedDataError(
+                            f"document {len(lengths)} holds token ids {arr.min()}..{arr.max()}, "
+                            f"which {dtype.name} cannot hold"
+                        )
                 arr.astype(dtype, copy=False).tofile(out)
                 lengths.append(arr.size)
     except BaseException:
@@ -131,7 +152,9 @@ def write_indexed(prefix: str, documents: Iterable[np.ndarray], dtype) -> tuple[
     pointers = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths_[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
     with open(prefix + ".idx.tmp", "wb") as f:
-        f.write(MAGIC + struct.pack("<QBQQ", VERSION, _CODE_OF[dtype], len(lengths), len(lengths) + 1))
+        f.write(
+            MAGIC + struct.pack("<QBQQ", VERSION, _CODE_OF[dtype], len(lengths), len(lengths) + 1)
+        )
         f.write(lengths_.tobytes())
         f.write(pointers.tobytes())
         f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())

@@ -32,7 +32,8 @@ def gpt_fields(text: np.ndarray, *, eod: int, pad: int, eod_mask_loss: bool = Fa
         loss_mask[ends] = 0.0
     # each position's document: the number of end-of-document tokens strictly before it
     document = np.concatenate([[0], np.cumsum(ends)[:-1]])
-    first = np.concatenate([[0], np.flatnonzero(ends) + 1])[document]  # where each position's document starts
+    # where each position's document starts
+    first = np.concatenate([[0], np.flatnonzero(ends) + 1])[document]
     position_ids = np.arange(s, dtype=np.int64) - (first if reset_position_ids else 0)
     loss_mask[labels == pad] = 0.0
     tokens[tokens == pad] = 0

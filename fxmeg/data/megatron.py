@@ -47,7 +47,9 @@ def parse_blend(words: Sequence[str]) -> tuple[list[str], list[float] | None]:
         except ValueError:
             return words, None
         if sum(weights) <= 0 or min(weights) < 0:
-            raise DataError(f"--data-path weights {words[::2]} must be non-negative with a positive sum")
+            raise DataError(
+                f"--data-path weights {words[::2]} must be non-negative with a positive sum"
+            )
         return words[1::2], weights
     return words, None
 
@@ -66,9 +68,11 @@ class DataPaths:
             raise DataError("give either --data-path (cut by --split) or the per-split paths "
                             "(--train-data-path, --valid-data-path, --test-data-path), not both")
         if not self.blend and not self.per_split[0]:
-            raise DataError("no training data: give --data-path PREFIX (or 'W1 P1 W2 P2 ...'; --data PREFIX "
-                            "is the one-prefix case) or --train-data-path, prefixes of `fxmeg prepare-data` "
-                            "or Megatron's tools/preprocess_data.py output")
+            raise DataError(
+                "no training data: give --data-path PREFIX (or 'W1 P1 W2 P2 ...'; --data PREFIX "
+                "is the one-prefix case) or --train-data-path, prefixes of `fxmeg prepare-data` "
+                "or Megatron's tools/preprocess_data.py output"
+            )
         for words in (self.blend, *self.per_split):
             if words:
                 parse_blend(words)
@@ -81,7 +85,9 @@ class DataPaths:
 
     @property
     def prefixes(self) -> list[str]:
-        return [p for words in (self.blend, *self.per_split) if words for p in parse_blend(words)[0]]
+        return [
+            p for words in (self.blend, *self.per_split) if words for p in parse_blend(words)[0]
+        ]
 
 
 def sample_counts(train_samples: int, global_batch_size: int, eval_interval: int, eval_iters: int,
@@ -90,7 +96,11 @@ def sample_counts(train_samples: int, global_batch_size: int, eval_interval: int
     eval_iters batches at each evaluation (every eval_interval steps, and one at the end);
     eval_iters batches for the test."""
     evaluations = (train_iters // eval_interval if eval_interval else 0) + 1
-    return train_samples, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size
+    return (
+        train_samples,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
 
 
 class _Single:
@@ -141,7 +151,11 @@ def build_splits(paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int,
     out: list[_Single | Blended | None] = []
     for i, words in enumerate(paths.per_split):
         whole = ",".join("1" if k == i else "0" for k in range(3))  # every document in split i
-        out.append(_build(words, whole, sizes, seq_len, seed, cache_path)[i] if words and sizes[i] else None)
+        out.append(
+            _build(words, whole, sizes, seq_len, seed, cache_path)[i]
+            if words and sizes[i]
+            else None
+        )
     return out
 
 
@@ -155,11 +169,21 @@ def _build(words, split: str, sizes, seq_len: int, seed: int, cache_path: str) -
                 if documents is None or sizes[i] == 0:
                     out.append(None)
                     continue
-                order = cache.order(cache_path, data, documents, seq_len=seq_len, num_samples=sizes[i], seed=seed)
+                order = cache.order(
+                    cache_path, data, documents, seq_len=seq_len, num_samples=sizes[i], seed=seed
+                )
                 out.append(_Single(data, order, seq_len))
             return out
-        return build_blend(prefixes, weights, split, sizes, seq_len=seq_len, seed=seed, open=open_dataset,
-                           cache_path=cache_path)
+        return build_blend(
+            prefixes,
+            weights,
+            split,
+            sizes,
+            seq_len=seq_len,
+            seed=seed,
+            open=open_dataset,
+            cache_path=cache_path,
+        )
     except ConfigError:
         raise
     except ValueError as e:
@@ -175,7 +199,9 @@ class Vocabulary:
     eod: int | None
 
 
-def vocabulary(prefixes: Sequence[str], *, size: int = 0, eod: int = -1, tokenizer: str = "") -> Vocabulary:
+def vocabulary(
+    prefixes: Sequence[str], *, size: int = 0, eod: int = -1, tokenizer: str = ""
+) -> Vocabulary:
     """Each of the two from, first to last: the flag (``size`` > 0, ``eod`` >= 0), the
     tokenizer named (``tokenizer``: a tokenizer.json, or a directory holding one, as
     Megatron's --tokenizer-model names it), the ``PREFIX.json`` files `fxmeg prepare-data`
@@ -189,9 +215,12 @@ def vocabulary(prefixes: Sequence[str], *, size: int = 0, eod: int = -1, tokeniz
     if not size:
         missing = [p for p, m in zip(prefixes, metas) if m is None]
         if missing:
-            raise DataError(f"{missing[0]}.idx / .bin do not say the vocabulary size and {missing[0]}.json does "
-                            "not exist (Megatron's preprocess_data.py writes none): pass --tokenizer-model PATH "
-                            "(the tokenizer.json the data was made with) or --vocab-size N")
+            raise DataError(
+                f"{missing[0]}.idx / .bin do not say the vocabulary size and {missing[0]}.json "
+                "does not exist (Megatron's preprocess_data.py writes none): pass "
+                "--tokenizer-model PATH (the tokenizer.json the data was made with) or "
+                "--vocab-size N"
+            )
         size = max(int(m["vocab_size"]) for m in metas)
     if eod < 0:
         ids = {m.get("eos_id") for m in metas if m is not None}
@@ -226,43 +255,71 @@ class TrainData:
     """A run's train and valid splits, its vocabulary (``batch`` checks every token id
     against it) and its masks."""
 
-    def __init__(self, paths: DataPaths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
-                 vocab: Vocabulary | None = None, masks: MaskRule = MaskRule(), cache_path: str = "") -> None:
+    def __init__(
+        self,
+        paths: DataPaths,
+        sizes: tuple[int, int, int],
+        *,
+        seq_len: int,
+        seed: int,
+        vocab: Vocabulary | None = None,
+        masks: MaskRule = MaskRule(),
+        cache_path: str = "",
+    ) -> None:
         self.vocab = vocab or vocabulary(paths.prefixes)
         if masks and self.vocab.eod is None:
-            raise DataError(f"{' '.join(masks.flags())} needs the end-of-document id, which the data does not "
-                            "say: pass --tokenizer-model PATH (the tokenizer.json the data was made with) or "
-                            "--eod-id N")
+            raise DataError(
+                f"{' '.join(masks.flags())} needs the end-of-document id, which the data does not "
+                "say: pass --tokenizer-model PATH (the tokenizer.json the data was made with) or "
+                "--eod-id N"
+            )
         # the test split is not built: nothing in fxmeg reads it (Megatron builds it, and
         # loops forever when the split leaves it no document)
         self.train, self.valid, _ = build_splits(paths, (*sizes[:2], 0), seq_len=seq_len, seed=seed,
                                                  cache_path=cache_path)
         if self.valid is None or len(self.valid) == 0:
-            raise DataError(f"split {paths.split!r} leaves no validation data, which evaluation reads: give the "
-                            "valid split a weight (e.g. '98,2,0') or --valid-data-path")
+            raise DataError(
+                f"split {paths.split!r} leaves no validation data, which evaluation reads: give "
+                "the valid split a weight (e.g. '98,2,0') or --valid-data-path"
+            )
         if len(self.train) < sizes[0]:
-            raise DataError(f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
-                            f"than the {sizes[0]} the run trains on")
+            raise DataError(
+                f"the training data holds {len(self.train)} samples of {seq_len + 1} tokens, fewer "
+                f"than the {sizes[0]} the run trains on"
+            )
         self.vocab_size, self.masks, self.seq_len = self.vocab.size, masks, seq_len
-        self.epochs = max(p.order.epochs for p in self.train.parts) if isinstance(self.train, Blended) \
+        self.epochs = (
+            max(p.order.epochs for p in self.train.parts)
+            if isinstance(self.train, Blended)
             else self.train.order.epochs
+        )
         """Megatron's num_epochs of the train split's sample index (a blend: its datasets' most)."""
-        self.passes = None if isinstance(self.train, Blended) else sizes[0] * self.epochs / len(self.train)
-        """The passes over the train split the run's samples make (one dataset; None for a blend)."""
-        self.summary = (f"data: {len(self.train)} train and {len(self.valid)} valid samples of {seq_len + 1} tokens"
-                        + (f"; {' '.join(masks.flags())}" if masks else ""))
+        self.passes = (
+            None if isinstance(self.train, Blended) else sizes[0] * self.epochs / len(self.train)
+        )
+        """The passes over the train split the run's samples make (one dataset; None for a blend).
+        """
+        self.summary = (
+            f"data: {len(self.train)} train and {len(self.valid)} valid samples of {seq_len + 1} "
+            "tokens"
+            + (f"; {' '.join(masks.flags())}" if masks else "")
+        )
 
     def rows(self, split: str, positions: Sequence[int]) -> np.ndarray:
         """The seq_len + 1 tokens of stream positions ``positions``: sample p of the train
         split; of the valid split, p modulo its samples (evaluation reads one stream)."""
         data = self.train if split == "train" else self.valid
         wrap = split != "train"
-        rows = np.stack([data.tokens(p % len(data) if wrap else p) for p in positions]).astype(np.int64)
+        rows = np.stack([data.tokens(p % len(data) if wrap else p) for p in positions]).astype(
+            np.int64
+        )
         top = int(rows.max())
         if top >= self.vocab_size:
-            raise DataError(f"the {split} data holds token id {top} (stream positions {positions[0]}..."
-                            f"{positions[-1]}), which a vocabulary of {self.vocab_size} cannot hold: the data "
-                            "was made with another tokenizer, or --vocab-size is too small")
+            raise DataError(
+                f"the {split} data holds token id {top} (stream positions {positions[0]}..."
+                f"{positions[-1]}), which a vocabulary of {self.vocab_size} cannot hold: the data "
+                "was made with another tokenizer, or --vocab-size is too small"
+            )
         return rows
 
     def batch(self, split: str, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +339,8 @@ class TrainData:
         made = [gpt_fields(row, eod=self.vocab.eod, pad=-1, eod_mask_loss=rule.eod_mask_loss,
                            reset_position_ids=rule.reset_position_ids,
                            reset_attention_mask=rule.reset_attention_mask,
-                           create_attention_mask=rule.reset_attention_mask)  # else the causal mask: the model's own
+                           # else the causal mask: the model's own
+                           create_attention_mask=rule.reset_attention_mask)
                 for row in self.rows(split, positions)]
         f = {k: torch.from_numpy(np.stack([m[k] for m in made])) for k in made[0]}
         out = {"tokens": f["tokens"], "labels": f["labels"].masked_fill(f["loss_mask"] == 0, -100)}

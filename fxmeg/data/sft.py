@@ -73,8 +73,9 @@ class ChatTemplate:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         eos = tokenizer.token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-        specials = {"bos_token": "", "eos_token": eos} | _specials(os.path.join(os.path.dirname(tokenizer.file),
-                                                                                "tokenizer_config.json"))
+        specials = {"bos_token": "", "eos_token": eos} | _specials(
+            os.path.join(os.path.dirname(tokenizer.file), "tokenizer_config.json")
+        )
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if path.endswith(".json"):
@@ -92,7 +93,10 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[loopcontrols, _generation_extension()])
         env.filters["tojson"] = _tojson
-        env.globals |= {"raise_exception": fail, "strftime_now": lambda f: datetime.datetime.now().strftime(f)}
+        env.globals |= {
+            "raise_exception": fail,
+            "strftime_now": lambda f: datetime.datetime.now().strftime(f),
+        }
         self.path, self._specials, self._errors = path, specials, TemplateError
         try:
             self._template = env.from_string(text)
@@ -101,10 +105,13 @@ class ChatTemplate:
 
     def __call__(self, messages: list, add_generation_prompt: bool = False) -> str:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._specials)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+            )
         except (self._errors, TypeError, KeyError) as e:
-            raise DataError(f"chat template {self.path} failed to render: {type(e).__name__}: {e}") from e
+            raise DataError(
+                f"chat template {self.path} failed to render: {type(e).__name__}: {e}"
+            ) from e
 
 
 def _specials(config_path: str) -> dict[str, str]:
@@ -117,8 +124,12 @@ def _specials(config_path: str) -> dict[str, str]:
     return {k: v["content"] if isinstance(v, dict) else str(v) for k, v in found.items() if v}
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _generation_extension():
@@ -149,8 +160,11 @@ def read_examples(path: str, tokenizer: HFTokenizer, fmt: SFTFormat) -> list[Exa
     examples = []
     for number, record in json_records(path, "--sft reads"):
         where = f"{path}:{number}"
-        examples.append(_conversation(record, tokenizer, template, fmt.messages_key, where) if template
-                        else _pair(record, tokenizer, fmt, where))
+        examples.append(
+            _conversation(record, tokenizer, template, fmt.messages_key, where)
+            if template
+            else _pair(record, tokenizer, fmt, where)
+        )
     if not examples:
         raise DataError(f"--sft data {path} holds no example")
     return examples
@@ -159,36 +173,51 @@ def read_examples(path: str, tokenizer: HFTokenizer, fmt: SFTFormat) -> list[Exa
 def _pair(record: dict, tokenizer: HFTokenizer, fmt: SFTFormat, where: str) -> Example:
     texts = [record.get(fmt.prompt_key), record.get(fmt.response_key)]
     if not all(isinstance(t, str) for t in texts):
-        raise DataError(f"{where} has no string fields {fmt.prompt_key!r} and {fmt.response_key!r} (it has "
-                        f"{sorted(record)}); name them with --sft-prompt-key and --sft-response-key, or give "
-                        "--chat-template for conversations")
+        raise DataError(
+            f"{where} has no string fields {fmt.prompt_key!r} and {fmt.response_key!r} (it has "
+            f"{sorted(record)}); name them with --sft-prompt-key and --sft-response-key, or give "
+            "--chat-template for conversations"
+        )
     prompt = tokenizer.encode(texts[0])
     response = tokenizer.encode(texts[1], add_special_tokens=False) + [tokenizer.eos_id]
     return Example(np.array(prompt + response, dtype=np.int64),
                    np.array([False] * len(prompt) + [True] * len(response)))
 
 
-def _conversation(record: dict, tokenizer: HFTokenizer, template: ChatTemplate, key: str, where: str) -> Example:
+def _conversation(
+    record: dict, tokenizer: HFTokenizer, template: ChatTemplate, key: str, where: str
+) -> Example:
     messages = record.get(key)
     if not (isinstance(messages, list) and messages
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-        raise DataError(f"{where} has no conversation {key!r} (a list of messages with a 'role'; the line has "
-                        f"{sorted(record)}); name it with --sft-messages-key")
+        raise DataError(
+            f"{where} has no conversation {key!r} (a list of messages with a 'role'; the line has "
+            f"{sorted(record)}); name it with --sft-messages-key"
+        )
     text = template(messages)
     chars = np.zeros(len(text) + 1, dtype=bool)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, upto = template(messages[:i], add_generation_prompt=True), template(messages[: i + 1])
+        before, upto = (
+            template(messages[:i], add_generation_prompt=True),
+            template(messages[: i + 1]),
+        )
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise DataError(f"{where}: chat template {template.path} does not render this conversation prefix "
-                            f"by prefix (message {i}), so its assistant turns cannot be told apart")
+            raise DataError(
+                f"{where}: chat template {template.path} does not render this conversation prefix "
+                f"by prefix (message {i}), so its assistant turns cannot be told apart"
+            )
         chars[len(before):len(upto)] = True
     if not chars.any():
-        raise DataError(f"{where} has no assistant message to learn (roles {[m['role'] for m in messages]})")
+        raise DataError(
+            f"{where} has no assistant message to learn (roles {[m['role'] for m in messages]})"
+        )
     ids, offsets = tokenizer.encode_offsets(text)
-    return Example(np.array(ids, dtype=np.int64),
-                   np.array([end > start and bool(chars[start]) for start, end in offsets], dtype=bool))
+    return Example(
+        np.array(ids, dtype=np.int64),
+        np.array([end > start and bool(chars[start]) for start, end in offsets], dtype=bool),
+    )
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad: int) -> dict[str, np.ndarray]:
@@ -236,7 +265,9 @@ class _Split:
 
     def __init__(self, samples: int, needed: int, seed: int) -> None:
         epochs = max(1, -(-needed // samples))
-        self.order = np.concatenate([np.random.RandomState(seed + e).permutation(samples) for e in range(epochs)])
+        self.order = np.concatenate(
+            [np.random.RandomState(seed + e).permutation(samples) for e in range(epochs)]
+        )
 
     def __len__(self) -> int:
         return len(self.order)
@@ -245,10 +276,12 @@ class _Split:
 class SFTData:
     """A run's SFT splits (the trainer's data when --sft): ``fields`` as TrainData's."""
 
-    def __init__(self, paths, sizes: tuple[int, int, int], *, seq_len: int, seed: int, tokenizer: HFTokenizer,
+    def __init__(self, paths, sizes: tuple[int, int, int], *, seq_len: int, seed: int,
+                 tokenizer: HFTokenizer,
                  fmt: SFTFormat) -> None:
         files = _split_files(paths)
-        self.pad = tokenizer.require_eos("--sft", "it ends each response with it: name it with --eod-id N")
+        self.pad = tokenizer.require_eos("--sft",
+                                         "it ends each response with it: name it with --eod-id N")
         self.vocab_size, self.seq_len, self.fmt = tokenizer.vocab_size, seq_len, fmt
         if len(files) == 1:
             examples = read_examples(files[0], tokenizer, fmt)
@@ -257,26 +290,33 @@ class SFTData:
         else:
             parts = [read_examples(f, tokenizer, fmt) for f in files]
         (parts[0], skipped), (parts[1], skipped_valid) = (_learnable(p, seq_len) for p in parts)
-        for part, name, fix in ((parts[0], "training", "--train-data-path"), (parts[1], "validation",
+        for part, name, fix in ((parts[0], "training", "--train-data-path"), (parts[1],
+                                                                              "validation",
                                                                              "--valid-data-path")):
             if not part:
-                raise DataError(f"split {paths.split!r} leaves no {name} example with a target within seq_len "
+                raise DataError(
+                    f"split {paths.split!r} leaves no {name} example with a target within seq_len "
                                 f"{seq_len}: give that split a weight (e.g. '98,2,0') or {fix}")
         self.examples = parts
-        self.windows = [pack(p, seq_len, self.pad) for p in parts] if fmt.layout == "packed" else None
-        counts = [len(w["tokens"]) for w in self.windows] if self.windows else [len(p) for p in parts]
+        self.windows = [pack(p, seq_len,
+                             self.pad) for p in parts] if fmt.layout == "packed" else None
+        counts = [len(w["tokens"]) for w in self.windows] if self.windows else [len(p)
+                                                                                for p in parts]
         self.train, self.valid = (_Split(n, sizes[i], seed) for i, n in enumerate(counts))
         self.passes = sizes[0] / counts[0]
         """The passes over the train split the run's samples make (each pass a new permutation)."""
-        self.rows = f"{counts[0]} packed windows ({len(parts[0])} examples)" if self.windows else f"{counts[0]} examples"
+        self.rows = (f"{counts[0]} packed windows ({len(parts[0])} examples)" if self.windows
+                     else f"{counts[0]} examples")
         """What one pass reads: the train split's rows."""
         cut = sum(len(x) - 1 > seq_len for p in parts for x, _ in p)
         skipped += skipped_valid
         self.summary = (f"sft: {len(parts[0])} train and {len(parts[1])} valid examples"
-                        + (f" packed into {counts[0]} and {counts[1]} windows of {seq_len} tokens" if self.windows
+                        + (f" packed into {counts[0]} and {counts[1]} windows of {seq_len} tokens"
+                           if self.windows
                            else f", one per row, padded to at most {seq_len} tokens")
                         + (f"; {cut} longer than {seq_len} tokens cut to it" if cut else "")
-                        + (f"; {skipped} with no response token in their first {seq_len} left out" if skipped else ""))
+                        + (f"; {skipped} with no response token in their first {seq_len} left out"
+                           if skipped else ""))
 
     def fields(self, split: str, positions: Sequence[int]) -> dict[str, torch.Tensor]:
         """The samples at stream ``positions`` (of the valid split: modulo its length):
@@ -314,6 +354,8 @@ def _split_files(paths) -> list[str]:
         return list(paths.blend)
     files = [paths.per_split[0], paths.per_split[1]]
     if any(len(f) != 1 for f in files):
-        raise DataError("--sft reads one JSON-lines file per split: give --train-data-path FILE and "
-                        "--valid-data-path FILE")
+        raise DataError(
+            "--sft reads one JSON-lines file per split: give --train-data-path FILE and "
+            "--valid-data-path FILE"
+        )
     return [f[0] for f in files]

@@ -47,20 +47,27 @@ class HFTokenizer:
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise DataError(f"tokenizer {path!r}: {file} does not exist (give a tokenizer.json or its directory)")
+            raise DataError(
+                f"tokenizer {path!r}: {file} does not exist (give a tokenizer.json or its "
+                "directory)"
+            )
         self._tok = _Tokenizer.from_file(file)
         self.name = path
         self.vocab_size = self._tok.get_vocab_size()
         names = [eos] if eos else list(self.EOS_NAMES)
         ids = [self._tok.token_to_id(c) for c in names]
-        self.eos_id = eos_id if eos_id is not None else next((i for i in ids if i is not None), None)
+        self.eos_id = (
+            eos_id if eos_id is not None else next((i for i in ids if i is not None), None)
+        )
         self.file, self._eos_names = file, names
 
     def require_eos(self, who: str, fix: str) -> int:
         """The end-of-document id, which ``who`` needs; without one, refused naming ``fix``."""
         if self.eos_id is None:
-            raise DataError(f"{who} needs the end-of-document id, and tokenizer {self.file} has none of the tokens "
-                            f"{self._eos_names}: {fix}")
+            raise DataError(
+                f"{who} needs the end-of-document id, and tokenizer {self.file} has none of the "
+                f"tokens {self._eos_names}: {fix}"
+            )
         return self.eos_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

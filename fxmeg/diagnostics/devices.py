@@ -26,6 +26,8 @@ def device_bytes(text: str) -> int:
         return DEVICES[key]
     match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?", key)
     if not match:
-        raise ConfigError(f"--device-memory {text!r} is neither a size (80GB, 80GiB, 79.6GiB) nor a device "
-                          f"({', '.join(DEVICES)})")
+        raise ConfigError(
+            f"--device-memory {text!r} is neither a size (80GB, 80GiB, 79.6GiB) nor a device "
+            f"({', '.join(DEVICES)})"
+        )
     return int(float(match[1]) * _UNITS[match[2] or ""])

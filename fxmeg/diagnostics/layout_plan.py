@@ -136,8 +136,16 @@ class Plan:
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
         return {
-            "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "ep": par.ep,
-                       "schedule": par.resolved_schedule, "sequence_parallel": par.sequence_parallel},
+            "layout": {
+                "tp": par.tp,
+                "cp": par.cp,
+                "pp": par.pp,
+                "vpp": par.vpp,
+                "dp": par.dp,
+                "ep": par.ep,
+                "schedule": par.resolved_schedule,
+                "sequence_parallel": par.sequence_parallel,
+            },
             "ranks": self.ranks,
             "precision": cfg.precision,
             "distributed_optimizer": cfg.data_parallel.distributed_optimizer,
@@ -160,35 +168,41 @@ class Plan:
 
     def __str__(self) -> str:
         cfg, par, dp = self.config, self.config.parallel, self.config.data_parallel
-        unit, scale = ("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30 else ("MiB", 2**20)
+        unit, scale = (("GiB", 2**30) if max(s.total for s in self.stages) >= 2**30
+                       else ("MiB", 2**20))
         sp = " (sequence parallel)" if par.sequence_parallel else ""
         ep = f" ep={par.ep}" if par.ep > 1 else ""
-        experts = any(s.expert_parameter_elements for s in self.stages)  # a column only for a mixture of experts
+        # a column only for a mixture of experts
+        experts = any(s.expert_parameter_elements for s in self.stages)
         head = [
-            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} x cp={par.cp} x pp={par.pp} x "
-             f"dp={par.dp} = {self.ranks} ranks; vpp={par.vpp}{ep}{sp}, {cfg.precision}, distributed optimizer "
-             f"{'on' if dp.distributed_optimizer else 'off'}"
-             f"{f' (zero={dp.zero_stage})' if dp.zero_stage >= 2 else ''}, recompute {cfg.recomputation.recompute}"),
+            (f"Plan: {_si(self.total_parameters)} parameters; tp={par.tp} x cp={par.cp} x "
+             f"pp={par.pp} x dp={par.dp} = {self.ranks} ranks; vpp={par.vpp}{ep}{sp}, "
+             f"{cfg.precision}, distributed optimizer {'on' if dp.distributed_optimizer else 'off'}"
+             f"{f' (zero={dp.zero_stage})' if dp.zero_stage >= 2 else ''}, "
+             f"recompute {cfg.recomputation.recompute}"),
             (f"  {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step; "
-             f"{_si(self.flops_per_microbatch, 'G')} FLOP forward per micro-batch (whole model); pipeline "
-             f"bubble: {max(s.bubble for s in self.stages):.1%} of the step (schedule {par.resolved_schedule}, "
-             f"{cfg.num_microbatches} micro-batches; a backward costs {B_COST / F_COST:g} forwards)"),
+             f"{_si(self.flops_per_microbatch, 'G')} FLOP forward per micro-batch (whole model); "
+             f"pipeline bubble: {max(s.bubble for s in self.stages):.1%} of the step (schedule "
+             f"{par.resolved_schedule}, {cfg.num_microbatches} micro-batches; a backward costs "
+             f"{B_COST / F_COST:g} forwards)"),
             f"  per tensor-parallel rank (all alike), in {unit}; Adam-like optimizer",
         ]
-        columns = ("stage", "units", "params", *(("experts",) if experts else ()), "weights", "grads", "optim",
-                   "act/mb", "in flight", "acts", "total", "FLOP/mb", "bubble")
+        columns = ("stage", "units", "params", *(("experts",) if experts else ()), "weights",
+                   "grads", "optim", "act/mb", "in flight", "acts", "total", "FLOP/mb", "bubble")
         rows = [columns] + [(
             str(s.stage), s.units, _si(s.parameter_elements),
             *((_si(s.expert_parameter_elements),) if experts else ()),
             *(f"{n / scale:,.2f}" for n in (s.parameters, s.gradient_buffers, s.optimizer_state,
                                             s.activations_per_microbatch)),
-            str(s.microbatches_in_flight), f"{s.activations / scale:,.2f}", f"{s.total / scale:,.2f}",
+            str(s.microbatches_in_flight), f"{s.activations / scale:,.2f}",
+            f"{s.total / scale:,.2f}",
             _si(s.flops_per_microbatch, "G"), f"{s.bubble:.1%}",
         ) for s in self.stages]
         widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
         lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # units read left-aligned
                            for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-        whole = [f"  tp={par.tp} leaves whole on every tp rank: {m} ({why})" for m, why in self.tp_whole]
+        whole = [f"  tp={par.tp} leaves whole on every tp rank: {m} ({why})" for m,
+                 why in self.tp_whole]
         device = verdict_lines(self, self.device_memory) if self.device_memory is not None else []
         return "\n".join(head + lines + whole + _breakdown_lines(self.stages[0]) + device)
 
@@ -204,14 +218,19 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
     ``device_memory`` (bytes of one rank's device) adds the verdict (``Plan.verdict``);
     ``progress`` is called with a short line at each step (capture, each pass, each stage)."""
     if isinstance(example, Mapping) and all(isinstance(t, torch.Tensor) for t in example.values()):
-        example = {k: t.to("meta") for k, t in example.items()}  # passed by keyword, as parallelize does
+        # passed by keyword, as parallelize does
+        example = {k: t.to("meta") for k, t in example.items()}
     elif isinstance(example, tuple) and all(isinstance(t, torch.Tensor) for t in example):
         example = tuple(t.to("meta") for t in example)
     else:
-        raise ConfigError("example must be a tuple or a dict of tensors (one micro-batch; shapes and dtypes "
-                          "are what counts)")
+        raise ConfigError(
+            "example must be a tuple or a dict of tensors (one micro-batch; shapes and dtypes "
+            "are what counts)"
+        )
     if config is not None and options:
-        raise ConfigError(f"pass either config= or options, not both; got config and {sorted(options)}")
+        raise ConfigError(
+            f"pass either config= or options, not both; got config and {sorted(options)}"
+        )
     if config is not None:
         batch_dim(example, config.micro_batch_size)
         par = config.parallel
@@ -223,7 +242,8 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
 
 
 class _Progress(logging.Handler):
-    """Passes the pass driver's per-step records (fxmeg.frontend.pass_driver at INFO) on as lines."""
+    """Passes the pass driver's per-step records (fxmeg.frontend.pass_driver at INFO) on as lines.
+    """
 
     def __init__(self, say: Callable[[str], None]) -> None:
         super().__init__(logging.INFO)
@@ -258,8 +278,9 @@ class _pass_progress:
 def stderr_progress() -> Callable[[str], None]:
     """``progress`` lines on stderr, each with the seconds since the first."""
     start = time.perf_counter()
-    return lambda line: print(f"fxmeg plan [{time.perf_counter() - start:5.1f} s] {line}", file=sys.stderr,
-                              flush=True)
+    return lambda line: print(
+        f"fxmeg plan [{time.perf_counter() - start:5.1f} s] {line}", file=sys.stderr, flush=True
+    )
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -269,7 +290,11 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in memo:
             empty = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+            memo[id(t)] = (
+                nn.Parameter(empty, requires_grad=t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else empty
+            )
     return copy.deepcopy(model, memo)
 
 
@@ -279,11 +304,20 @@ def plan_of(program: Program, config: EngineConfig | None = None, *,
     runtime may change only the global batch size)."""
     config = config or program.config
     par = config.parallel
-    schedule = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches)
+    schedule = schedules.build(
+        par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches
+    )
     # the in-flight count follows each rank's compute order alone, which p2p does not change
-    lowered = schedules.lower(schedule, num_chunks=program.num_chunks, grad_cuts=program.grad_cuts, p2p="eager",
-                              placement=program.placement)
-    sim = simulator.simulate(lowered, pp=par.pp, placement=program.placement, f_cost=F_COST, b_cost=B_COST)
+    lowered = schedules.lower(
+        schedule,
+        num_chunks=program.num_chunks,
+        grad_cuts=program.grad_cuts,
+        p2p="eager",
+        placement=program.placement,
+    )
+    sim = simulator.simulate(
+        lowered, pp=par.pp, placement=program.placement, f_cost=F_COST, b_cost=B_COST
+    )
     stages = []
     for stage in range(par.pp):
         if progress is not None:
@@ -294,13 +328,15 @@ def plan_of(program: Program, config: EngineConfig | None = None, *,
                 program.partition.blocks)
 
 
-def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Simulation) -> StagePlan:
+def _stage(program: Program, config: EngineConfig, stage: int,
+           sim: simulator.Simulation) -> StagePlan:
     mine = program.chunks_of(stage)
     graphs = [program.chunks[c] for c in mine]
     local = {}  # name -> the local (shard) value recorded on its get_attr node
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.op == "get_attr" and node.target in program.parameters and val(node) is not None:
+            if node.op == "get_attr" and node.target in program.parameters and val(
+                node) is not None:
                 local[node.target] = val(node)
     banks = expert_banks(program)
     elements = sum(v.numel() for v in local.values())
@@ -309,9 +345,11 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     layouts = [lay for c in mine for lay in program.buffers[c]]
     grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts)
     expert_grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts if lay.experts) + sum(
-        s.numel * lay.dtype.itemsize for lay in layouts if not lay.experts for s in lay.slots if s.name in banks)
+        s.numel * lay.dtype.itemsize for lay in layouts if not lay.experts for s in lay.slots
+        if s.name in banks)
     par = config.parallel
-    dense_ranks, expert_ranks = (par.dp_cp, par.edp) if config.data_parallel.distributed_optimizer else (1, 1)
+    dense_ranks, expert_ranks = (par.dp_cp,
+                                 par.edp) if config.data_parallel.distributed_optimizer else (1, 1)
     states = ADAM_STATES + (1 if config.precision != "fp32" else 0)  # + the fp32 master
     expert_optimizer = int(states * 4 * experts / expert_ranks)
     optimizer = int(states * (4 * (elements - experts) / dense_ranks)) + expert_optimizer
@@ -328,20 +366,24 @@ def _stage(program: Program, config: EngineConfig, stage: int, sim: simulator.Si
     layers, parts = breakdown(largest)
     peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
     return StagePlan(
-        stage=stage, chunks=tuple(mine), units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
+        stage=stage, chunks=tuple(mine),
+        units=", ".join(_span(program.partition.chunk_units(c)) for c in mine),
         parameter_elements=elements, expert_parameter_elements=experts, parameters=params,
         gradient_buffers=grads, expert_gradient_buffers=expert_grads,
         optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
         activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
         total=params + grads + optimizer + act * peak + buckets + working,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
-        buckets_in_flight=buckets, recompute_working_set=working, recompute_inputs=outside + entering,
+        buckets_in_flight=buckets, recompute_working_set=working,
+        recompute_inputs=outside + entering,
         largest_block=max(inside.values(), default=0), layers=layers,
         activation_breakdown=dict(sorted(parts.items(), key=lambda kv: -kv[1])),
     )
 
 
-def _zero_memory(layouts, size: int, config: EngineConfig, early: frozenset[str]) -> tuple[int, int]:
+def _zero_memory(
+    layouts, size: int, config: EngineConfig, early: frozenset[str]
+) -> tuple[int, int]:
     """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once). A
     bucket holding a weight that ``ops.early_linear`` reads (a tied embedding) is whole
     alone (at the head and the embedding), so the others set the working set."""
@@ -350,7 +392,8 @@ def _zero_memory(layouts, size: int, config: EngineConfig, early: frozenset[str]
     largest = max((n for n, tied in sizes if not tied), default=0)
     if config.data_parallel.zero_stage < 3:
         return grads, (1 + IN_FLIGHT) * largest * 4  # fp32 gradient staging
-    if config.data_parallel.backward_prefetch == "post":  # one bucket of each whole, and the fresh gradient
+    # one bucket of each whole, and the fresh gradient
+    if config.data_parallel.backward_prefetch == "post":
         whole = 2 * largest * 4 + largest * size
     else:  # gradients staged and reducing, parameters computed with and prefetched
         whole = (1 + IN_FLIGHT) * largest * 4 + 2 * largest * size
@@ -359,7 +402,9 @@ def _zero_memory(layouts, size: int, config: EngineConfig, early: frozenset[str]
 
 def _early_read(graphs) -> frozenset[str]:
     """The parameters that ``ops.early_linear`` nodes read as their weight."""
-    return frozenset(n.args[1].target for gm in graphs for n in gm.graph.nodes if n.target is ops.early_linear)
+    return frozenset(
+        n.args[1].target for gm in graphs for n in gm.graph.nodes if n.target is ops.early_linear
+    )
 
 
 def expert_banks(program: Program) -> frozenset[str]:
@@ -483,13 +528,22 @@ def remedies(plan: Plan, stage: StagePlan, device: int) -> list[Remedy]:
 
     if cfg.recomputation.recompute != "full" and stage.recompute_inputs:
         acts = stage.recompute_inputs * stage.microbatches_in_flight + stage.largest_block
-        add("--recompute full", stage.total - stage.activations - stage.recompute_working_set + acts)
+        add(
+            "--recompute full", stage.total - stage.activations - stage.recompute_working_set + acts
+        )
     if ranks > 1 and not dp.distributed_optimizer and dp.zero_stage < 2:
         add(f"--distributed-optimizer (optimizer state / {ranks})",
             stage.total - stage.optimizer_state + stage.optimizer_state // ranks)
     if ranks > 1 and dp.zero_stage < 2:
-        optimizer = stage.optimizer_state if dp.distributed_optimizer else stage.optimizer_state // ranks
-        saved = stage.optimizer_state - optimizer + stage.gradient_buffers - stage.gradient_buffers // ranks
+        optimizer = (
+            stage.optimizer_state if dp.distributed_optimizer else stage.optimizer_state // ranks
+        )
+        saved = (
+            stage.optimizer_state
+            - optimizer
+            + stage.gradient_buffers
+            - stage.gradient_buffers // ranks
+        )
         add(f"--zero 2 (optimizer state and gradients / {ranks})", stage.total - saved)
         add(f"--zero 3 (optimizer state, gradients and parameters / {ranks})",
             stage.total - saved - stage.parameters + stage.parameters // ranks)
@@ -497,8 +551,13 @@ def remedies(plan: Plan, stage: StagePlan, device: int) -> list[Remedy]:
     if blocks >= 2 * par.pp * par.vpp:
         weights = stage.parameters + stage.gradient_buffers + stage.optimizer_state
         flight = min(2 * stage.microbatches_in_flight, cfg.num_microbatches)
-        add(f"--pp {2 * par.pp} (half the blocks per stage)",
-            stage.total - weights // 2 - stage.activations + stage.activations_per_microbatch // 2 * flight)
+        add(
+            f"--pp {2 * par.pp} (half the blocks per stage)",
+            stage.total
+            - weights // 2
+            - stage.activations
+            + stage.activations_per_microbatch // 2 * flight,
+        )
     if cfg.micro_batch_size > 1:
         add(f"--micro-batch-size 1 (activations / {cfg.micro_batch_size})",
             stage.total - stage.activations + stage.activations // cfg.micro_batch_size)
@@ -509,7 +568,12 @@ def verdict(plan: Plan, device: int) -> list[dict]:
     """Per stage: free bytes or the excess, and when it exceeds, the remedies."""
     rows = []
     for s in plan.stages:
-        row = {"stage": s.stage, "total": s.total, "fits": s.total <= device, "free": device - s.total}
+        row = {
+            "stage": s.stage,
+            "total": s.total,
+            "fits": s.total <= device,
+            "free": device - s.total,
+        }
         if s.total > device:
             row["remedies"] = [r.__dict__ for r in remedies(plan, s, device)]
         rows.append(row)

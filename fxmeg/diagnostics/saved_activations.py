@@ -11,8 +11,8 @@ A recompute region keeps its inputs, and while backward runs it again, its own s
 tensors (the largest region's, once). An op the table does not know counts its output
 when that requires grad (an upper bound), named in the breakdown as such.
 
-Measured against ``fxmeg.diagnostics.measured_activations.SavedBytes`` (what autograd really packs) in
-tests/diagnostics/test_plan.py. Megatron's formula and its differences: docs/cli.md.
+Measured against ``fxmeg.diagnostics.measured_activations.SavedBytes`` (what autograd really packs)
+in tests/diagnostics/test_plan.py. Megatron's formula and its differences: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -30,16 +30,87 @@ from fxmeg.passes.graph_utils import _grad_flow, attr, body_call, is_hop, requir
 from fxmeg.passes.partition import _is_view, find_blocks
 
 aten = torch.ops.aten
-_SAVE_INPUT = {"pow", "silu", "gelu", "softplus", "log", "sin", "cos", "erf", "abs", "log1p", "leaky_relu"}
-_SAVE_RESULT = {"rsqrt", "sqrt", "exp", "tanh", "sigmoid", "relu", "_softmax", "softmax", "_safe_softmax",
-                "_log_softmax", "log_softmax"}
+_SAVE_INPUT = {
+    "pow",
+    "silu",
+    "gelu",
+    "softplus",
+    "log",
+    "sin",
+    "cos",
+    "erf",
+    "abs",
+    "log1p",
+    "leaky_relu",
+}
+_SAVE_RESULT = {
+    "rsqrt",
+    "sqrt",
+    "exp",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "_softmax",
+    "softmax",
+    "_safe_softmax",
+    "_log_softmax",
+    "log_softmax",
+}
 _SAVE_NOTHING = {
-    "add", "sub", "neg", "cat", "stack", "clone", "to", "_to_copy", "contiguous", "expand", "view", "reshape",
-    "_unsafe_view", "transpose", "permute", "t", "slice", "select", "split", "split_with_sizes", "chunk",
-    "unsqueeze", "squeeze", "flatten", "unflatten", "alias", "detach", "repeat", "mean", "sum", "zeros_like",
-    "ones_like", "repeat_interleave", "new_zeros", "new_ones", "empty_like", "full_like", "lift_fresh_copy", "type_as", "fill",
-    "sp_gather", "sp_scatter", "tp_copy", "tp_reduce", "tp_slice", "tp_pad", "cp_slice", "cp_unslice",
-    "cp_gather", "cp_reduce_scatter", "cp_all_reduce", "recv", "send", "deallocate",
+    "add",
+    "sub",
+    "neg",
+    "cat",
+    "stack",
+    "clone",
+    "to",
+    "_to_copy",
+    "contiguous",
+    "expand",
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "transpose",
+    "permute",
+    "t",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "alias",
+    "detach",
+    "repeat",
+    "mean",
+    "sum",
+    "zeros_like",
+    "ones_like",
+    "repeat_interleave",
+    "new_zeros",
+    "new_ones",
+    "empty_like",
+    "full_like",
+    "lift_fresh_copy",
+    "type_as",
+    "fill",
+    "sp_gather",
+    "sp_scatter",
+    "tp_copy",
+    "tp_reduce",
+    "tp_slice",
+    "tp_pad",
+    "cp_slice",
+    "cp_unslice",
+    "cp_gather",
+    "cp_reduce_scatter",
+    "cp_all_reduce",
+    "recv",
+    "send",
+    "deallocate",
 }
 
 
@@ -96,7 +167,13 @@ def _region_saved(gm: fx.GraphModule, node: fx.Node) -> list[Saved]:
     return list(seen.values())
 
 
-def _walk(gm: fx.GraphModule, grads: set[fx.Node], alias: dict, seen: dict, skip: frozenset | set = frozenset()):
+def _walk(
+    gm: fx.GraphModule,
+    grads: set[fx.Node],
+    alias: dict,
+    seen: dict,
+    skip: frozenset | set = frozenset(),
+):
     """Add to ``seen`` (root -> Saved) what each node of ``gm`` keeps; ``alias`` maps a
     body's placeholders to the operands of the call, ``skip`` roots counted elsewhere."""
     for node in gm.graph.nodes:
@@ -147,7 +224,12 @@ def _root(node, alias: dict):
     return node
 
 
-_RELAYOUTS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.contiguous.default)
+_RELAYOUTS = (
+    aten.reshape.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.contiguous.default,
+)
 
 
 def _attention_layout(node: fx.Node) -> bool:
@@ -168,7 +250,8 @@ def _attention_layout(node: fx.Node) -> bool:
 def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]:
     """(tensor or byte count, what it is) of what ``node``'s backward reads."""
     target, args = node.target, node.args
-    name = getattr(getattr(target, "overloadpacket", None), "__name__", getattr(target, "__name__", ""))
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", getattr(target, "__name__",
+                                                                                ""))
     tensors = [a for a in args if isinstance(a, fx.Node)]
     if target is operator.getitem or name in _SAVE_NOTHING:
         return []
@@ -189,13 +272,15 @@ def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]
     if name == "scaled_dot_product_attention":
         q = val(args[0])
         lse = q.shape[:-1].numel() * 4  # fp32 per query row and head
-        mask = [(args[3], "attention mask")] if len(args) > 3 and isinstance(args[3], fx.Node) else []
+        mask = [(args[3], "attention mask")] if len(args) > 3 and isinstance(args[3],
+                                                                             fx.Node) else []
         return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v"),
                 (node, "attention output"), (lse, "attention log-sum-exp"), *mask]
     if name == "cp_attention":
         return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v")]
     if name in ("embedding", "index_select", "gather", "index", "masked_fill", "where"):
-        index = {"embedding": 1, "index_select": 2, "gather": 2, "index": 1, "masked_fill": 1, "where": 0}[name]
+        index = {"embedding": 1, "index_select": 2, "gather": 2, "index": 1, "masked_fill": 1,
+                 "where": 0}[name]
         kept = args[index] if name != "index" else [a for a in args[1] if isinstance(a, fx.Node)]
         return [(k, "index / mask") for k in (kept if isinstance(kept, list) else [kept])]
     if name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"):
@@ -205,11 +290,13 @@ def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]
         return [(val(args[0]).numel(), "dropout mask")]
     if name == "cross_entropy_loss":  # log_softmax keeps its result, nll_loss the target
         logits = val(args[0])
-        return [(logits.numel() * logits.element_size() + 4, "log-softmax of the logits"),  # + nll's total weight
+        # + nll's total weight
+        return [(logits.numel() * logits.element_size() + 4, "log-softmax of the logits"),
                 (args[1], "index / mask")]
     if name == "vocab_parallel_cross_entropy":
         softmax, local = node.meta["val"][1:3]
-        return [(softmax.numel() * 4 + local.numel() * local.element_size(), "softmax of the logits"),
+        return [(softmax.numel() * 4 + local.numel() * local.element_size(),
+                 "softmax of the logits"),
                 (args[1], "index / mask")]
     if target is ops.routed_experts:
 
@@ -244,8 +331,15 @@ def routed_experts_bytes(node: fx.Node) -> int:
     routing balanced (a rank computes as many (token, slot) rows as it routes: T * k): the
     gathered rows, the first matmul's output, the activation's values (the middle
     sub-graph's nodes) and the second matmul's weighted output."""
-    middle, hidden, index = attr(node.graph.owning_module, node.args[0].target), val(node.args[1]), val(node.args[2])
+    middle, hidden, index = (
+        attr(node.graph.owning_module, node.args[0].target),
+        val(node.args[1]),
+        val(node.args[2]),
+    )
     rows = index.numel()
     inner = [val(n) for n in middle.graph.nodes if n.op in ("placeholder", "call_function")]
     size = hidden.element_size()
-    return (3 * rows * hidden.shape[-1] + sum(v.numel() for v in inner if v is not None and v.is_floating_point())) * size
+    return (
+        3 * rows * hidden.shape[-1]
+        + sum(v.numel() for v in inner if v is not None and v.is_floating_point())
+    ) * size

@@ -78,7 +78,9 @@ class _WithLossFn(nn.Module):
     """Runs ``loss_fn(model, *inputs)`` (a dict example: ``loss_fn(model, **batch)``) so
     that export sees the user's loss."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, names: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, names: tuple[str, ...] | None = None
+    ) -> None:
         super().__init__()
         self.model, self.loss_fn, self.names = model, loss_fn, names
 
@@ -139,7 +141,9 @@ def capture(
     placeholders = names or (("input_ids", "labels") if isinstance(root, _HuggingFace) else None)
     gm, input_names = _unlift(ep, model, prefix, placeholders)
     aliases = _aliases(model)
-    inputs = tuple(InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(names or input_names, example))
+    inputs = tuple(
+        InputSpec(n, tuple(t.shape), t.dtype) for n, t in zip(names or input_names, example)
+    )
     set_tags(gm, {"capture": CaptureInfo(
         inputs, {k: tuple(v) for k, v in aliases.items()}, explicit_loss=loss_fn is not None,
         keywords=names is not None)})
@@ -212,7 +216,9 @@ def _failing_module(model: nn.Module, exc: BaseException) -> str:
     return found
 
 
-def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str, names: tuple[str, ...] | None):
+def _unlift(
+    ep: torch.export.ExportedProgram, model: nn.Module, prefix: str, names: tuple[str, ...] | None
+):
     """Turn lifted parameter/buffer placeholders into get_attr nodes with user FQNs; the
     user inputs' placeholders are named ``names`` when given (a wrapper's ``*inputs``
     would otherwise name them ``inputs_0`` ..)."""
@@ -227,7 +233,9 @@ def _unlift(ep: torch.export.ExportedProgram, model: nn.Module, prefix: str, nam
     getters: dict[str, fx.Node] = {}
     users = [n for n in placeholders if n.name in sig.user_inputs]
     for i, node in enumerate(users):  # user inputs first: they are the graph's signature
-        env[node] = graph.placeholder(names[i]) if names else graph.node_copy(node, lambda n: env[n])
+        env[node] = (
+            graph.placeholder(names[i]) if names else graph.node_copy(node, lambda n: env[n])
+        )
         env[node].meta = {**node.meta, "fxmeg": {"module": ""}}
         input_names.append(env[node].name)
     for node in placeholders:
@@ -366,8 +374,8 @@ def _lifted_tensor(ep, name: str, model: nn.Module, prefix: str):
         const = sig.inputs_to_lifted_tensor_constants[name]
         if ep.constants[const].is_meta:
             raise CaptureError(
-                f"forward creates a tensor constant ({const!r}) on the meta device, so its values are "
-                "lost when the model is captured on meta; create it from Python values without "
+                f"forward creates a tensor constant ({const!r}) on the meta device, so its values "
+                "are lost when the model is captured on meta; create it from Python values without "
                 "device=<input>.device, or register it as a buffer the init_fn fills"
             )
         return f"{CONSTANTS}{const}", ep.constants[const]

@@ -83,7 +83,8 @@ def _field(cfg: object, names: tuple[str, ...]) -> tuple[str, int] | None:
     for name in names:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            own = getattr(cfg, "attribute_map", {}).get(name, name)  # GPT-2: num_attention_heads is n_head
+            # GPT-2: num_attention_heads is n_head
+            own = getattr(cfg, "attribute_map", {}).get(name, name)
             return f"{type(cfg).__name__}.{own}", value
     return None
 
@@ -97,7 +98,9 @@ def attention_modules(model: nn.Module) -> list[str]:
     Hugging Face decoder's, fxmeg's models')."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if "Attention" in type(module).__name__ and not any(name.startswith(f + ".") for f in found):
+        if "Attention" in type(module).__name__ and not any(
+            name.startswith(f + ".") for f in found
+        ):
             found.append(name)
     return found
 
@@ -107,15 +110,21 @@ def _check_heads(model: nn.Module, cfg: object, tp: int, plan: dict[str, str]) -
     attention = attention_modules(model)
     if heads is None or heads[1] % tp == 0 or not attention:
         return
-    inside = [n for n, _ in model.named_modules() if any(n == a or n.startswith(a + ".") for a in attention)]
+    inside = [
+        n
+        for n, _ in model.named_modules()
+        if any(n == a or n.startswith(a + ".") for a in attention)
+    ]
     if any(role == "replicate" and fnmatch.filter(inside, glob) for glob, role in plan.items()):
         return  # the user's plan keeps (part of) the attention whole: the pass judges it
     field, n = heads
     glob = re.sub(r"\.\d+\.", ".*.", attention[0] + ".") + "*"
     raise ConfigError(
-        f"tp={tp} does not divide {n}, the number of heads of {type(model).__name__}'s attention ({field}={n}): "
-        f"tensor parallelism gives each tp rank whole heads; choose tp in {_divisors(n)}, or keep the attention "
-        f"whole on every tp rank with tp_plan={{{glob!r}: 'replicate'}}")
+        f"tp={tp} does not divide {n}, the number of heads of {type(model).__name__}'s attention "
+        f"({field}={n}): tensor parallelism gives each tp rank whole heads; choose tp in "
+        f"{_divisors(n)}, or keep the attention whole on every tp rank with tp_plan={{{glob!r}: "
+        "'replicate'}"
+    )
 
 
 def _check_experts(model: nn.Module, cfg: object, ep: int) -> None:
@@ -124,8 +133,10 @@ def _check_experts(model: nn.Module, cfg: object, ep: int) -> None:
         return
     field, n = experts
     raise ConfigError(
-        f"ep={ep} does not divide the {n} experts of {type(model).__name__} ({field}={n}): expert parallelism "
-        f"gives each ep rank {n} / ep whole experts of every layer; choose ep among {_divisors(n)}")
+        f"ep={ep} does not divide the {n} experts of {type(model).__name__} ({field}={n}): expert "
+        f"parallelism gives each ep rank {n} / ep whole experts of every layer; choose ep among "
+        f"{_divisors(n)}"
+    )
 
 
 def module_blocks(model: nn.Module) -> list[str]:
@@ -150,8 +161,11 @@ def blocks_error(num_chunks: int, blocks: list[str]) -> ConfigError | None:
         return None
     if not blocks:
         return ConfigError(
-            f"pp * vpp = {num_chunks} chunks, but no repeated blocks were found in the model (module lists such "
-            "as 'layers.0', 'layers.1'); fxmeg cuts pipelines at block boundaries")
+            f"pp * vpp = {num_chunks} chunks, but no repeated blocks were found in the model "
+            "(module lists such as 'layers.0', 'layers.1'); fxmeg cuts pipelines at block "
+            "boundaries"
+        )
     return ConfigError(
-        f"pp * vpp = {num_chunks} chunks, but the model has only {len(blocks)} blocks ({blocks[0]} .. "
-        f"{blocks[-1]}); choose pp * vpp <= {len(blocks)}")
+        f"pp * vpp = {num_chunks} chunks, but the model has only {len(blocks)} blocks ({blocks[0]} "
+        f".. {blocks[-1]}); choose pp * vpp <= {len(blocks)}"
+    )

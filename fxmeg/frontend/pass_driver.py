@@ -167,7 +167,8 @@ def transform(
         raise TypeError(f"pass either config or options, not both: {sorted(options)}")
     if stop_after is not None and stop_after not in NAMES:
         raise ValueError(f"stop_after={stop_after!r} is not one of {NAMES}")
-    check_model(model, config)  # what the model's config states, before a capture that may take minutes
+    # what the model's config states, before a capture that may take minutes
+    check_model(model, config)
     warn_shifted_labels(model, example, loss_fn=loss_fn)
     meta = on_meta(model)
     target = _device(model, example, device, meta)
@@ -177,7 +178,8 @@ def transform(
     opts = DriverOptions.from_env()
     start = time.perf_counter()
     par = config.parallel
-    grouped = par.ep > 1 or par.cp > 1 or config.moe.moe_router_bias_update_rate > 0  # readable experts
+    # readable experts
+    grouped = par.ep > 1 or par.cp > 1 or config.moe.moe_router_bias_update_rate > 0
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start, opts)
     reference = None
@@ -209,7 +211,9 @@ def _device(model: nn.Module, example: Example, device, meta: bool) -> torch.dev
         return torch.device(device)
     if not example[0].is_meta:
         return example[0].device
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
     return accelerator if accelerator is not None else torch.device("cpu")
 
 
@@ -228,8 +232,11 @@ class DriverOptions:
     @classmethod
     def from_env(cls) -> DriverOptions:
         env = os.environ
-        return cls(skip=skipped_passes(env.get("FXMEG_SKIP_PASSES", "")), verify=bool(env.get("FXMEG_VERIFY")),
-                   dump_graphs=env.get("FXMEG_DUMP_GRAPHS") or None)
+        return cls(
+            skip=skipped_passes(env.get("FXMEG_SKIP_PASSES", "")),
+            verify=bool(env.get("FXMEG_VERIFY")),
+            dump_graphs=env.get("FXMEG_DUMP_GRAPHS") or None,
+        )
 
 
 def skipped_passes(raw: str) -> frozenset[str]:
@@ -238,15 +245,22 @@ def skipped_passes(raw: str) -> frozenset[str]:
     names = [n.strip() for n in raw.split(",") if n.strip()]
     for name in names:
         if name not in _BY_NAME:
-            raise ConfigError(f"FXMEG_SKIP_PASSES={raw!r} names {name!r}, which is not a pass{closest(name, NAMES)}; "
-                              f"the passes are {', '.join(NAMES)}")
+            raise ConfigError(
+                f"FXMEG_SKIP_PASSES={raw!r} names {name!r}, which is not a "
+                f"pass{closest(name, NAMES)}; the passes are {', '.join(NAMES)}"
+            )
         if not _BY_NAME[name].skippable:
             skippable = [p.name for p in PASSES if p.skippable]
-            raise ConfigError(f"FXMEG_SKIP_PASSES={raw!r}: pass {name!r} cannot be skipped, the Program is built "
-                              f"from what it records; passes that can be: {', '.join(skippable)}")
+            raise ConfigError(
+                f"FXMEG_SKIP_PASSES={raw!r}: pass {name!r} cannot be skipped, the Program is built "
+                f"from what it records; passes that can be: {', '.join(skippable)}"
+            )
     if names:
-        log.warning("FXMEG_SKIP_PASSES: not running pass(es) %s; the Program differs from the one fxmeg "
-                    "builds (for debugging only)", ", ".join(names))
+        log.warning(
+            "FXMEG_SKIP_PASSES: not running pass(es) %s; the Program differs from the one fxmeg "
+            "builds (for debugging only)",
+            ", ".join(names),
+        )
     return frozenset(names)
 
 
@@ -264,20 +278,29 @@ def _check(p: Pass, gm: fx.GraphModule, config: EngineConfig) -> None:
         p.check(gm, **inputs(p.check, config))
 
 
-def _run(p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: DriverOptions) -> fx.GraphModule:
-    """Pass ``p`` on ``gm`` at its scope, its new nodes tagged, reported and (FXMEG_VERIFY) checked."""
+def _run(
+    p: Pass, gm: fx.GraphModule, config: EngineConfig, index: int, opts: DriverOptions
+) -> fx.GraphModule:
+    """Pass ``p`` on ``gm`` at its scope, its new nodes tagged, reported and (FXMEG_VERIFY) checked.
+    """
     pipelined = bool(chunks(gm))
     assert pipelined == (p.scope is not MODEL), (
         f"pass {p.name!r} takes the {p.scope.value} graph, but it got a graph that is "
-        f"{'' if pipelined else 'not '}split into chunks: is it listed on the wrong side of 'pipeline' in PASSES?")
+        f"{'' if pipelined else 'not '}split into chunks: is it listed on the wrong side of "
+        "'pipeline' in PASSES?"
+    )
     start = time.perf_counter()
     before = {n.name for n in _nodes(gm)}
     if p.scope is CHUNK:
         for info, chunk in zip(chunk_infos(gm), chunks(gm), strict=True):
-            out = _returned(p, p.run(chunk, **inputs(p.run, config, info)), f" for chunk {info.index}")
+            out = _returned(
+                p, p.run(chunk, **inputs(p.run, config, info)), f" for chunk {info.index}"
+            )
             if out is not chunk:  # a new graph takes the chunk's place under the parent
                 assert tag(out, "spec") == chunk_spec(chunk), (
-                    f"pass {p.name!r} returned a new graph for chunk {info.index} without its ChunkSpec")
+                    f"pass {p.name!r} returned a new graph for chunk {info.index} without its "
+                    "ChunkSpec"
+                )
                 setattr(gm, chunk_name(info.index), out)
     else:
         gm = _returned(p, p.run(gm, **inputs(p.run, config)), "")
@@ -301,8 +324,10 @@ def inputs(fn: Callable, config: EngineConfig, chunk: ChunkInfo | None = None) -
 
 def _returned(p: Pass, out, where: str) -> fx.GraphModule:
     if not isinstance(out, fx.GraphModule):
-        raise TypeError(f"pass {p.name!r} returned {type(out).__name__}{where}, not an fx.GraphModule "
-                        "(a pass returns the graph it was given, or a new one)")
+        raise TypeError(
+            f"pass {p.name!r} returned {type(out).__name__}{where}, not an fx.GraphModule "
+            "(a pass returns the graph it was given, or a new one)"
+        )
     return out
 
 
@@ -389,35 +414,45 @@ def _program(model: nn.Module, parent: fx.GraphModule, config: EngineConfig, mas
         device=device,
         reference=reference,
         init_dtypes=dtypes,
-        unread=tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in holders),
+        unread=tuple(
+            n for n, p in model.named_parameters() if p.requires_grad and n not in holders
+        ),
     )
 
 
 
-def _check_experts(config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_specs: dict) -> None:
+def _check_experts(
+    config: EngineConfig, graphs: tuple[fx.GraphModule, ...], ep_specs: dict
+) -> None:
     """The mixture-of-experts options found what they act on in the whole model (each
     chunk's pass saw only its chunk): routed experts for ep and loss-free balancing, a
     router loss for global_aux_loss. Refused by name otherwise."""
     if config.moe.moe_router_load_balancing_type == "global_aux_loss" and not any(
             n.target is ops.global_tokens for gm in graphs for n in gm.graph.nodes):
         raise PassError(
-            "moe_router_load_balancing_type='global_aux_loss', but this model computes no router loss (a Hugging "
-            "Face mixture of experts computes it with output_router_logits=True in its config); set that, or "
-            "leave moe_router_load_balancing_type='aux_loss'")
+            "moe_router_load_balancing_type='global_aux_loss', but this model computes no router "
+            "loss (a Hugging Face mixture of experts computes it with output_router_logits=True in "
+            "its config); set that, or leave moe_router_load_balancing_type='aux_loss'"
+        )
     if config.parallel.ep > 1 and not ep_specs:
         raise PassError(
-            f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert parallelism "
-            "splits the 3-D expert banks of Hugging Face grouped-experts blocks (fxmeg/passes/expert_parallel.py); "
-            "train a dense model with ep=1")
+            f"ep={config.parallel.ep}, but fxmeg finds no routed experts in this model: expert "
+            "parallelism splits the 3-D expert banks of Hugging Face grouped-experts blocks "
+            "(fxmeg/passes/expert_parallel.py); train a dense model with ep=1"
+        )
     rate = config.moe.moe_router_bias_update_rate
     if rate > 0 and not any(load_marks(gm) for gm in graphs):
         raise PassError(
-            f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: loss-free "
-            "balancing updates the expert bias of the routers of Hugging Face grouped-experts blocks "
-            "(fxmeg/passes/expert_parallel.py); train this model with moe_router_bias_update_rate=0")
+            f"moe_router_bias_update_rate={rate}, but fxmeg finds no routed experts in this model: "
+            "loss-free balancing updates the expert bias of the routers of Hugging Face "
+            "grouped-experts blocks (fxmeg/passes/expert_parallel.py); train this model with "
+            "moe_router_bias_update_rate=0"
+        )
 
 
-def _report(name: str, gm: fx.GraphModule, start: float, opts: DriverOptions, index: int = -1) -> None:
+def _report(
+    name: str, gm: fx.GraphModule, start: float, opts: DriverOptions, index: int = -1
+) -> None:
     graphs = [(n, m) for n, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
     nodes = sum(len(g.graph.nodes) for _, g in graphs)
     seconds = time.perf_counter() - start

@@ -13,8 +13,8 @@ the ``fxmeg.frontend.variable_shapes`` logger and in ``Shapes.compiled``.
 
 Pipeline ranks must run the same shape in a step, and a middle stage reads no data: at
 the start of each step the stages (and the tp and cp peers of each) agree on it with a
-small all-reduce over each of those groups (Megatron's ``variable_seq_lengths`` exchanges every message's shape
-instead; here one exchange per step fixes the shapes of all of them).
+small all-reduce over each of those groups (Megatron's ``variable_seq_lengths`` exchanges every
+message's shape instead; here one exchange per step fixes the shapes of all of them).
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def meta_twin(model: nn.Module) -> nn.Module:
     memo: dict[int, torch.Tensor] = {}
     for t in (*model.parameters(), *model.buffers()):
         empty = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        memo[id(t)] = (
+            nn.Parameter(empty, requires_grad=t.requires_grad)
+            if isinstance(t, nn.Parameter)
+            else empty
+        )
     return copy.deepcopy(model, memo)
 
 
@@ -67,8 +71,15 @@ class Shapes:
     """(shape, seconds) of each shape compiled after the example's, in order."""
 
     @classmethod
-    def start(cls, twin: nn.Module, loss_fn: LossFn | None, program: Program, ctx: RankContext) -> Shapes:
-        return cls(twin, loss_fn, program, {key_of(program): Bound(program, ctx.chunks, ctx.executor, ctx.aux)})
+    def start(
+        cls, twin: nn.Module, loss_fn: LossFn | None, program: Program, ctx: RankContext
+    ) -> Shapes:
+        return cls(
+            twin,
+            loss_fn,
+            program,
+            {key_of(program): Bound(program, ctx.chunks, ctx.executor, ctx.aux)},
+        )
 
     def select(self, batch: UserBatch | list | None, ctx: RankContext) -> Program:
         """Switch ``ctx`` to the Program of ``batch``'s shape (a global batch, a list of
@@ -92,19 +103,36 @@ class Shapes:
     def _key(self, batch) -> Key | None:
         if batch is None:
             return None
-        tensors = positional(self.first, batch[0] if isinstance(batch, list) else batch, what="batch")
+        tensors = positional(
+            self.first, batch[0] if isinstance(batch, list) else batch, what="batch"
+        )
         inputs = self.first.inputs
-        if (not isinstance(tensors, tuple) or len(tensors) != len(inputs)
-                or any(not isinstance(t, torch.Tensor) or t.dim() != len(i.shape) for t, i in zip(tensors, inputs))):
-            raise BatchError(f"a batch must hold {len(inputs)} tensors like the example's "
-                             f"({', '.join(f'{i.name!r}: {len(i.shape)} dims' for i in inputs)}); got "
-                             f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]}")
+        if (
+            not isinstance(tensors, tuple)
+            or len(tensors) != len(inputs)
+            or any(
+                not isinstance(t, torch.Tensor) or t.dim() != len(i.shape)
+                for t, i in zip(tensors, inputs)
+            )
+        ):
+            got = [
+                tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors
+            ]
+            raise BatchError(
+                f"a batch must hold {len(inputs)} tensors like the example's "
+                f"({', '.join(f'{i.name!r}: {len(i.shape)} dims' for i in inputs)}); got {got}"
+            )
         key = tuple(tuple(t.shape[1:]) for t in tensors)
         for mb in batch if isinstance(batch, list) else ():
-            other = tuple(tuple(t.shape[1:]) for t in positional(self.first, mb, what="micro-batch"))
+            other = tuple(
+                tuple(t.shape[1:]) for t in positional(self.first, mb, what="micro-batch")
+            )
             if other != key:
-                raise BatchError(f"the micro-batches of one step must have one shape (the sequence length may "
-                                 f"change per global batch only); got {_shape_text(key)} and {_shape_text(other)}")
+                raise BatchError(
+                    "the micro-batches of one step must have one shape (the sequence length may "
+                    f"change per global batch only); got {_shape_text(key)} and "
+                    f"{_shape_text(other)}"
+                )
         return key
 
     def _agree(self, key: Key | None, ctx: RankContext, failed: BatchError | None = None) -> Key:
@@ -125,18 +153,24 @@ class Shapes:
         # ranks with data, and whether any stage refused its batch
         mine = flat + [-d for d in flat] if flat is not None else [-1] * n + [-(2**62)] * n
         t = torch.tensor([*mine, int(failed is not None)], dtype=torch.int64, device=ctx.device)
-        for group in groups:  # after the last, every rank of the (pp x tp x cp) block holds its extremes
+        # after the last, every rank of the (pp x tp x cp) block holds its extremes
+        for group in groups:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if failed is not None:
             raise failed
         if t[-1] > 0:
-            raise BatchError("another pipeline stage refused its batch of this step (its error says why); "
-                             "this stage stops with it")
+            raise BatchError(
+                "another pipeline stage refused its batch of this step (its error says why); "
+                "this stage stops with it"
+            )
         high, low = t[:n].tolist(), [-d for d in t[n:2 * n].tolist()]
         if high != low:
-            raise BatchError(f"ranks that compute one step together (pipeline stages, tp and cp peers) received "
-                             f"batches of different shapes ({_shape_text(_unflat(low, widths))} "
-                             f"and {_shape_text(_unflat(high, widths))}): every stage that reads data must get the same global batch")
+            raise BatchError(
+                "ranks that compute one step together (pipeline stages, tp and cp peers) received "
+                f"batches of different shapes ({_shape_text(_unflat(low, widths))} and "
+                f"{_shape_text(_unflat(high, widths))}): every stage that reads data must get the "
+                "same global batch"
+            )
         return _unflat(high, widths)
 
     def _compile(self, key: Key, ctx: RankContext) -> Bound:
@@ -148,7 +182,10 @@ class Shapes:
         check_positions(first, key)
         start = time.perf_counter()
         mbs = ctx.config.micro_batch_size
-        example = tuple(torch.empty((mbs, *shape), dtype=i.dtype, device="meta") for i, shape in zip(first.inputs, key))
+        example = tuple(
+            torch.empty((mbs, *shape), dtype=i.dtype, device="meta")
+            for i, shape in zip(first.inputs, key)
+        )
         if first.keywords:
             example = dict(zip((i.name for i in first.inputs), example))
         par = first.config.parallel
@@ -156,18 +193,24 @@ class Shapes:
         pinned = dataclasses.replace(par, split_points=tuple(units[s] for s in starts[1:]) or None)
         config = dataclasses.replace(first.config, parallel=pinned)
         try:
-            program = transform(self.twin, example, config, loss_fn=self.loss_fn, device=first.device)
+            program = transform(
+                self.twin, example, config, loss_fn=self.loss_fn, device=first.device
+            )
         except BatchError:
             raise
         except Exception as e:
             hint = ""
             if "DeviceMismatch" in str(e) and "meta" in str(e):
-                hint = ("A new shape is captured on shapes alone (the meta device), where a tensor the forward "
-                        "makes from Python values (torch.tensor(a_list)) cannot meet the activations: register "
-                        "such a table as a buffer (slice it to the length in forward), or pad every batch to "
-                        "the example's length. ")
-            raise BatchError(f"the model could not be captured for inputs of shape {_shape_text(key)} (the "
-                             f"example's: {_shape_text(key_of(first))}): {hint}{type(e).__name__}: {e}") from e
+                hint = (
+                    "A new shape is captured on shapes alone (the meta device), where a tensor the "
+                    "forward makes from Python values (torch.tensor(a_list)) cannot meet the "
+                    "activations: register such a table as a buffer (slice it to the length in "
+                    "forward), or pad every batch to the example's length. "
+                )
+            raise BatchError(
+                f"the model could not be captured for inputs of shape {_shape_text(key)} (the "
+                f"example's: {_shape_text(key_of(first))}): {hint}{type(e).__name__}: {e}"
+            ) from e
         bound = bind(program, first, ctx)
         seconds = time.perf_counter() - start
         self.compiled.append((key, seconds))
@@ -175,9 +218,12 @@ class Shapes:
         log.info("compiled the Program for input shape %s in %.2f s (%d shapes so far)",
                  _shape_text(key), seconds, count)
         if count >= MANY_SHAPES and count & (count - 1) == 0:  # 16, 32, 64, ...
-            log.warning("%d input shapes compiled (%.1f s in all): pad batches to a few lengths (a multiple of "
-                        "64, a tokenizer's pad_to_multiple_of) to compile less", count,
-                        sum(t for _, t in self.compiled))
+            log.warning(
+                "%d input shapes compiled (%.1f s in all): pad batches to a few lengths (a "
+                "multiple of 64, a tokenizer's pad_to_multiple_of) to compile less",
+                count,
+                sum(t for _, t in self.compiled),
+            )
         return bound
 
 
@@ -189,9 +235,9 @@ def check_positions(program: Program, key: Key) -> None:
         if length > table.rows:
             name = program.inputs[table.index].name
             raise BatchError(
-                f"input {name!r} has sequence length {length} (dimension {table.dim}), but the model's "
-                f"{table.what} has {table.rows} rows: the model takes sequences of at most {table.rows}; "
-                "truncate the batch or build the model with longer position tables"
+                f"input {name!r} has sequence length {length} (dimension {table.dim}), but the "
+                f"model's {table.what} has {table.rows} rows: the model takes sequences of at most "
+                f"{table.rows}; truncate the batch or build the model with longer position tables"
             )
 
 

@@ -41,7 +41,9 @@ def check(checkpoint: str, directory: str) -> list[str]:
     import transformers
 
     path, meta, state = read_model(checkpoint)
-    exported, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, output_loading_info=True
+    )
     exported.eval()
     where = f"export check of {directory} against {path}"
     again = f"export again with fxmeg export {path} --to {directory} --format hf"
@@ -50,8 +52,16 @@ def check(checkpoint: str, directory: str) -> list[str]:
     ids = _sequences(meta, exported.config)
     with torch.no_grad():
         want, got = reference(input_ids=ids).logits, exported(input_ids=ids).logits
-        lines.append(_compare(got, want, LOGITS_RTOL, f"logits of {SEQUENCES} sequences x {ids.shape[1]} tokens",
-                              where, fix="the export's config.json differs from the trained model's"))
+        lines.append(
+            _compare(
+                got,
+                want,
+                LOGITS_RTOL,
+                f"logits of {SEQUENCES} sequences x {ids.shape[1]} tokens",
+                where,
+                fix="the export's config.json differs from the trained model's",
+            )
+        )
     lines.append(_generation(exported, ids[:, : LENGTH // 2], where))
     return lines
 
@@ -60,14 +70,18 @@ def _tensors(exported, info: dict, state: dict[str, torch.Tensor], where: str, a
     """Every tensor of the export equal to the checkpoint's; the line that says so."""
     missing = sorted(set(info.get("missing_keys") or ()) | set(info.get("mismatched_keys") or ()))
     if missing:
-        raise ExportMismatch(f"{where}: from_pretrained found no usable tensor for {missing[0]!r} "
-                             f"({len(missing)} in all: {', '.join(map(str, missing[:3]))}) and initialised it at "
-                             f"random; {again}")
+        raise ExportMismatch(
+            f"{where}: from_pretrained found no usable tensor for {missing[0]!r} "
+            f"({len(missing)} in all: {', '.join(map(str, missing[:3]))}) and initialised it at "
+            f"random; {again}"
+        )
     own = exported.state_dict()
     extra = sorted(set(own) - set(state)) + sorted(set(info.get("unexpected_keys") or ()))
     if extra:
-        raise ExportMismatch(f"{where}: the export has {extra[0]!r}, which the checkpoint's model does not "
-                             f"({len(extra)} such); {again}")
+        raise ExportMismatch(
+            f"{where}: the export has {extra[0]!r}, which the checkpoint's model does not "
+            f"({len(extra)} such); {again}"
+        )
     for name, got in own.items():
         want = state[name]
         if got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
@@ -85,8 +99,10 @@ def _reference(meta: dict, state: dict[str, torch.Tensor], exported, where: str)
     name = config["architectures"][0]
     cls = getattr(transformers, name, None)
     if cls is None:
-        raise ExportMismatch(f"{where}: the checkpoint's model class {name!r} is not in transformers "
-                             f"{transformers.__version__}; check with the transformers that trained it")
+        raise ExportMismatch(
+            f"{where}: the checkpoint's model class {name!r} is not in transformers "
+            f"{transformers.__version__}; check with the transformers that trained it"
+        )
     model = cls._from_config(cls.config_class.from_dict(config),
                              attn_implementation=exported.config._attn_implementation)
     model.load_state_dict(state, strict=True)
@@ -104,25 +120,45 @@ def _sequences(meta: dict, config) -> torch.Tensor:
 def _generation(model, prompt: torch.Tensor, where: str) -> str:
     """generate() keeps a key/value cache and its logits are the whole forward's."""
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True)
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
         # transformers 5 names the cache `cache` (earlier `past_key_values`)
         if out.get("cache" if "cache" in out else "past_key_values") is None:
-            raise ExportMismatch(f"{where}: generate() kept no key/value cache; set use_cache true in "
-                                 f"{model.name_or_path}/generation_config.json and config.json")
+            raise ExportMismatch(
+                f"{where}: generate() kept no key/value cache; set use_cache true in "
+                f"{model.name_or_path}/generation_config.json and config.json"
+            )
         steps = torch.stack(out.logits, dim=1)  # (rows, new tokens, vocab): before suppress_tokens
         whole = model(input_ids=out.sequences[:, :-1]).logits[:, prompt.shape[1] - 1 :]
-    return _compare(steps, whole, CACHE_RTOL, f"generate() over the key/value cache ({steps.shape[1]} tokens)",
-                    where, fix="generate() would not give the model's tokens; report it")
+    return _compare(
+        steps,
+        whole,
+        CACHE_RTOL,
+        f"generate() over the key/value cache ({steps.shape[1]} tokens)",
+        where,
+        fix="generate() would not give the model's tokens; report it",
+    )
 
 
-def _compare(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str, where: str, *, fix: str) -> str:
+def _compare(
+    got: torch.Tensor, want: torch.Tensor, rtol: float, what: str, where: str, *, fix: str
+) -> str:
     scale = want.abs().max().item()
     worst = (got.double() - want.double()).abs().max().item()
     if not worst <= rtol * max(scale, 1.0):
-        raise ExportMismatch(f"{where}: {what} differ ({_difference(got, want)}; tolerance {rtol:g} of the "
-                             f"largest |logit| {scale:.4g}): {fix}")
-    return f"{what}: max abs diff {worst:.3g} (largest |logit| {scale:.4g}, tolerance {rtol:g} of it)"
+        raise ExportMismatch(
+            f"{where}: {what} differ ({_difference(got, want)}; tolerance {rtol:g} of the "
+            f"largest |logit| {scale:.4g}): {fix}"
+        )
+    return (
+        f"{what}: max abs diff {worst:.3g} (largest |logit| {scale:.4g}, tolerance {rtol:g} of it)"
+    )
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:

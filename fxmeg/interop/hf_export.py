@@ -66,24 +66,38 @@ def for_generation(config: dict, data: dict | None) -> tuple[dict, dict, list[st
     eod = (data or {}).get("eod")
     eos = config.get("eos_token_id")
     if eod is not None:
-        notes.append(f"eos_token_id {eod}: the data's end of document" + (f" (the model config said {eos})"
-                                                                          if eos != eod else ""))
+        notes.append(
+            f"eos_token_id {eod}: the data's end of document"
+            + (f" (the model config said {eos})" if eos != eod else "")
+        )
         eos = config["eos_token_id"] = eod
     else:
-        notes.append(f"eos_token_id {eos} kept from the model config: the checkpoint records no data "
-                     f"end-of-document id (saved without the trainer); set it in config.json")
-    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos,
-                  "pad_token_id": config.get("pad_token_id") if config.get("pad_token_id") is not None else eos,
-                  "use_cache": True}
+        notes.append(
+            f"eos_token_id {eos} kept from the model config: the checkpoint records no data "
+            f"end-of-document id (saved without the trainer); set it in config.json"
+        )
+    generation = {
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": config.get("pad_token_id")
+        if config.get("pad_token_id") is not None
+        else eos,
+        "use_cache": True,
+    }
     rows, ids = config.get("vocab_size"), (data or {}).get("vocab_size")
     if rows is not None and ids is not None and rows > ids:
         generation["suppress_tokens"] = list(range(ids, rows))
         config["fxmeg_vocabulary"] = {  # says why config.json's vocab_size is above the tokenizer's
-            "trained_vocab_size": rows, "tokenizer_vocab_size": ids,
-            "padding": f"ids {ids}..{rows - 1} pad the vocabulary for training; generate() suppresses them "
-                       "(generation_config.json)"}
-        notes.append(f"vocabulary {rows} rows as trained (tokenizer {ids}, padded for training as Megatron's "
-                     f"--make-vocab-size-divisible-by); generate() suppresses ids {ids}..{rows - 1}")
+            "trained_vocab_size": rows,
+            "tokenizer_vocab_size": ids,
+            "padding": f"ids {ids}..{rows - 1} pad the vocabulary for training; generate() "
+            "suppresses them (generation_config.json)",
+        }
+        notes.append(
+            f"vocabulary {rows} rows as trained (tokenizer {ids}, padded for training as "
+            "Megatron's --make-vocab-size-divisible-by); generate() suppresses ids "
+            f"{ids}..{rows - 1}"
+        )
     return config, {k: v for k, v in generation.items() if v is not None}, notes
 
 
@@ -94,8 +108,10 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
     if match is None or float(match[1]) <= 0:
-        raise CheckpointError(f"max_shard_size={size!r} is not a size; pass bytes (an int) or a string "
-                              f"such as '5GB', '200MB' or '10KiB'")
+        raise CheckpointError(
+            f"max_shard_size={size!r} is not a size; pass bytes (an int) or a string "
+            f"such as '5GB', '200MB' or '10KiB'"
+        )
     return int(float(match[1]) * _UNITS[match[2]])
 
 
@@ -104,8 +120,10 @@ def check_target(directory: str, max_shard_size: int | str) -> None:
     existing file) and ``max_shard_size`` is a size."""
     parse_size(max_shard_size)
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"export to {directory}: it is a file, and this format writes a directory "
-                              f"(model.safetensors, config.json); pass a directory path")
+        raise CheckpointError(
+            f"export to {directory}: it is a file, and this format writes a directory "
+            f"(model.safetensors, config.json); pass a directory path"
+        )
 
 
 def hugging_face_names(state: dict[str, torch.Tensor], aliases: dict[str, list[str]],
@@ -141,8 +159,14 @@ def shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     return files + ([current] if current else [])
 
 
-def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None = None,
-          generation: dict | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> list[str]:
+def write(
+    state: dict[str, torch.Tensor],
+    directory: str,
+    *,
+    config: dict | None = None,
+    generation: dict | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+) -> list[str]:
     """Write ``state`` (one name per tensor) into ``directory`` as ``save_pretrained``
     does; the files written.
 
@@ -164,18 +188,30 @@ def write(state: dict[str, torch.Tensor], directory: str, *, config: dict | None
     names = [SINGLE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                 for i in range(len(groups))]
     for file, group in zip(names, groups):
-        save_file({k: state[k].contiguous() for k in group}, os.path.join(directory, file), metadata={"format": "pt"})
+        save_file(
+            {k: state[k].contiguous() for k in group},
+            os.path.join(directory, file),
+            metadata={"format": "pt"},
+        )
         _as_opened(os.path.join(directory, file))
     written = list(names)
     if len(groups) > 1:
-        index = {"metadata": {"total_parameters": sum(t.numel() for t in state.values()),
-                              "total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": {k: f for f, group in zip(names, groups) for k in group}}
+        index = {
+            "metadata": {
+                "total_parameters": sum(t.numel() for t in state.values()),
+                "total_size": sum(t.numel() * t.element_size() for t in state.values()),
+            },
+            "weight_map": {k: f for f, group in zip(names, groups) for k in group},
+        }
         _write_json(os.path.join(directory, INDEX), index)
         written.append(INDEX)
     if config is not None:
         floating = {t.dtype for t in state.values() if t.is_floating_point()}
-        dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else config.get("dtype")
+        dtype = (
+            str(floating.pop()).removeprefix("torch.")
+            if len(floating) == 1
+            else config.get("dtype")
+        )
         _write_json(os.path.join(directory, "config.json"), config | {"dtype": dtype})
         written.append("config.json")
     if generation is not None:

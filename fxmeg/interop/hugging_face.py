@@ -37,7 +37,8 @@ from fxmeg.errors import ConfigError, closest
 
 log = logging.getLogger("fxmeg.frontend.capture")
 ATTENTION = ("sdpa", "eager")
-"""The attention implementations whose graphs fxmeg captures and splits (tests/frontend/test_hugging_face.py)."""
+"""The attention implementations whose graphs fxmeg captures and splits
+(tests/frontend/test_hugging_face.py)."""
 EXPORTABLE_EXPERTS = ("grouped_mm", "batched_mm")
 """The experts implementations fxmeg captures an "eager" mixture of experts with, in order of
 preference: grouped_mm is transformers' own default (each expert multiplies its tokens, as
@@ -82,15 +83,21 @@ def build(cls: type, args: dict) -> nn.Module:
                 f"{cls.__name__})" + closest(key, names)
             )
     positions = config_cls.attribute_map.get("max_position_embeddings", "max_position_embeddings")
-    if seq_len is not None and positions in names and not {"max_position_embeddings", positions} & set(args):
+    if (
+        seq_len is not None
+        and positions in names
+        and not {"max_position_embeddings", positions} & set(args)
+    ):
         args[positions] = seq_len
     if "use_cache" in names:
         args.setdefault("use_cache", False)
     try:
         config = config_cls(**args)
     except _config_errors() as exc:
-        raise ConfigError(f"--model-args rejected by {config_cls.__name__} (the config of {cls.__name__}): "
-                          f"{' '.join(str(exc).split())}") from None
+        raise ConfigError(
+            f"--model-args rejected by {config_cls.__name__} (the config of {cls.__name__}): "
+            f"{' '.join(str(exc).split())}"
+        ) from None
     table = getattr(config, "max_position_embeddings", None)
     if seq_len is not None and table is not None and table < seq_len:
         raise ConfigError(
@@ -118,8 +125,13 @@ def _config_errors() -> tuple[type[Exception], ...]:
     return (TypeError, ValueError, StrictDataclassError)
 
 
-def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                  attend: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def keyword_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attend: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """The keyword batch of a window batch (the module docstring says why these keys).
 
     Requires: ``labels`` is ``input_ids`` shifted by one, -100 where no loss counts
@@ -128,10 +140,21 @@ def keyword_batch(input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids
     query may attend to a key, or (rows, seq_len) a padding mask (1: a token, 0: padding).
     Ensures: passed to a Hugging Face causal LM by keyword, position t is scored against
     labels[t]; with ``position_ids`` the model's positions are those; with ``attend`` its
-    attention mask is that padding mask, or that 4-D mask (transformers uses a 4-D mask as given: it is the
-    whole mask, causality included)."""
-    mask = torch.ones_like(input_ids) if attend is None else attend if attend.dim() == 2 else attend[:, None]
-    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids, "shift_labels": labels}
+    attention mask is that padding mask, or that 4-D mask (transformers uses a 4-D mask as given: it
+    is the whole mask, causality included)."""
+    mask = (
+        torch.ones_like(input_ids)
+        if attend is None
+        else attend
+        if attend.dim() == 2
+        else attend[:, None]
+    )
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": input_ids,
+        "shift_labels": labels,
+    }
     return batch if position_ids is None else batch | {"position_ids": position_ids}
 
 
@@ -160,21 +183,31 @@ def warn_shifted_labels(model: nn.Module, example, *, loss_fn=None) -> None:
         ids, labels = example.get("input_ids"), example.get("labels")
     else:
         ids, labels = (*example, None, None)[:2] if isinstance(example, tuple) else (None, None)
-    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or ids.is_meta or labels.is_meta:
+    if (
+        not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor))
+        or ids.is_meta
+        or labels.is_meta
+    ):
         return
     if ids.shape != labels.shape or ids.dim() != 2 or ids.shape[1] < 2:
         return
     if _matches(labels[:, :-1], ids[:, 1:]) and not _matches(labels, ids):
         warnings.warn(
-            f"{type(model).__name__} got labels equal to its input_ids shifted by one (labels[:, :-1] == "
-            "input_ids[:, 1:] on every row of the example), so it would learn the token two ahead: Hugging Face "
-            "causal LMs shift labels themselves: pass labels=input_ids (-100 where no loss counts), or targets "
-            "already shifted as shift_labels; see docs/hugging-face.md", UserWarning, stacklevel=3)
+            f"{type(model).__name__} got labels equal to its input_ids shifted by one (labels[:, "
+            ":-1] == input_ids[:, 1:] on every row of the example), so it would learn the token "
+            "two ahead: Hugging Face causal LMs shift labels themselves: pass labels=input_ids "
+            "(-100 where no loss counts), or targets already shifted as shift_labels; see "
+            "docs/hugging-face.md",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _shifts_labels(model: nn.Module) -> bool:
     """Whether the model's own loss shifts ``labels`` (transformers' causal-LM loss)."""
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith(
+        "ForCausalLM"
+    )
 
 
 def _matches(labels: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -205,13 +238,24 @@ def exportable_experts(model: nn.Module, *, grouped: bool = False) -> Iterator[N
             replaced = ("eager", "batched_mm") if grouped else ("eager",)
             if before is None or not set(replaced) & set(before.values()):
                 continue
-            chosen = _switch_experts(module, before, replaced, EXPORTABLE_EXPERTS[:1] if grouped else EXPORTABLE_EXPERTS)
+            chosen = _switch_experts(
+                module, before, replaced, EXPORTABLE_EXPERTS[:1] if grouped else EXPORTABLE_EXPERTS
+            )
             switched.append((module, before))
             was = next(v for v in before.values() if v in replaced)
-            why = ("expert and context parallelism take experts grouped by expert" if was == "batched_mm"
-                   else "the eager loop over routed experts cannot be exported")
-            log.info("%s runs its experts with experts_implementation=%r, not %r, while fxmeg captures it "
-                     "(%s; the values are the same)", type(module).__name__, chosen, was, why)
+            why = (
+                "expert and context parallelism take experts grouped by expert"
+                if was == "batched_mm"
+                else "the eager loop over routed experts cannot be exported"
+            )
+            log.info(
+                "%s runs its experts with experts_implementation=%r, not %r, while fxmeg captures "
+                "it (%s; the values are the same)",
+                type(module).__name__,
+                chosen,
+                was,
+                why,
+            )
         yield
     finally:
         for module, before in reversed(switched):
@@ -229,12 +273,16 @@ def _experts_implementation(module: nn.Module) -> dict | None:
     return module.get_experts_implementation()
 
 
-def _switch_experts(module: nn.Module, before: dict, replaced: tuple[str, ...], choices: tuple[str, ...]) -> str:
+def _switch_experts(
+    module: nn.Module, before: dict, replaced: tuple[str, ...], choices: tuple[str, ...]
+) -> str:
     """Run ``module``'s experts of an implementation in ``replaced`` with the first of
     ``choices`` it accepts."""
     for chosen in choices:
         try:
-            module.set_experts_implementation({k: chosen if v in replaced else v for k, v in before.items()})
+            module.set_experts_implementation(
+                {k: chosen if v in replaced else v for k, v in before.items()}
+            )
             return chosen
         except (ValueError, ImportError, KeyError):
             continue

@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 def _check_dim(owner: str, name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise LayoutError(f"{owner}.{name} must be a non-negative int (a dim of the value), got {value!r}")
+        raise LayoutError(
+            f"{owner}.{name} must be a non-negative int (a dim of the value), got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class Shard:
         parts = tuple(self.parts) if isinstance(self.parts, (list, tuple)) else self.parts
         if not isinstance(parts, tuple) or not parts or not all(
                 isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts):
-            raise LayoutError(f"Shard.parts must be a non-empty tuple of positive block sizes, got {self.parts!r}")
+            raise LayoutError(
+                f"Shard.parts must be a non-empty tuple of positive block sizes, got {self.parts!r}"
+            )
         object.__setattr__(self, "parts", parts)
 
     def moved(self, dim: int, parts: tuple[int, ...] | None = None) -> Shard:
@@ -160,7 +164,9 @@ class CPLayout:
 
     def __post_init__(self) -> None:
         if self.seq % (2 * self.cp):
-            raise LayoutError(f"CPLayout: sequence {self.seq} is not 2 * cp = {2 * self.cp} equal chunks")
+            raise LayoutError(
+                f"CPLayout: sequence {self.seq} is not 2 * cp = {2 * self.cp} equal chunks"
+            )
         for d in self.dims:
             if d is not None:
                 _check_dim("CPLayout", "dims[i]", d)

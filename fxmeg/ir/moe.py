@@ -67,21 +67,45 @@ class Exchange(Protocol):
         """``dispatch``'s inverse on the experts' results: rows back in the sender's order."""
 
 
-def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                   w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None, b_down: Tensor | None = None, *,
-                   num_experts: int, exchange: Exchange | None = None, capacity_factor: float | None = None,
-                   layer: str = "", probs_on_input: bool = False, drops: DropCounts | None = None) -> Tensor:
+def routed_experts(
+    middle: fx.GraphModule,
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    b_up: Tensor | None = None,
+    b_down: Tensor | None = None,
+    *,
+    num_experts: int,
+    exchange: Exchange | None = None,
+    capacity_factor: float | None = None,
+    layer: str = "",
+    probs_on_input: bool = False,
+    drops: DropCounts | None = None,
+) -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
     this rank's ``E_l = num_experts / exchange.size`` experts (all of them without an
     exchange). With ``capacity_factor``: capacity mode (module docstring), its drops
     counted under ``layer`` in ``drops`` (None: not counted). With ``probs_on_input`` each
-    pair's weight scales its row before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed unweighted: Llama
-    4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result."""
+    pair's weight scales its row before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed
+    unweighted: Llama 4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result.
+    """
     if capacity_factor is not None:
-        return _with_capacity(middle, hidden, top_k_index, top_k_weights, (w_up, w_down, b_up, b_down),
-                              num_experts=num_experts, exchange=exchange, capacity_factor=capacity_factor,
-                              layer=layer, probs_on_input=probs_on_input, drops=drops)
+        return _with_capacity(
+            middle,
+            hidden,
+            top_k_index,
+            top_k_weights,
+            (w_up, w_down, b_up, b_down),
+            num_experts=num_experts,
+            exchange=exchange,
+            capacity_factor=capacity_factor,
+            layer=layer,
+            probs_on_input=probs_on_input,
+            drops=drops,
+        )
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden[perm // k]
@@ -94,7 +118,8 @@ def routed_experts(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down)
     if exchange is not None:
         out = exchange.combine(out, state)
-    weighted = out if probs_on_input else out * weights  # promoted as Hugging Face's: fp32 router weights, fp32 sums
+    # promoted as Hugging Face's: fp32 router weights, fp32 sums
+    weighted = out if probs_on_input else out * weights
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
@@ -110,9 +135,15 @@ def as_op(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     ``fxmeg.ir.ops.routed_experts`` and its runtime binding (fxmeg/runtime/experts.py) take what
     ``routed_experts`` takes, written once, here, but for the rank's ``drops`` (bound).
     ``signature(fn).bind`` then checks a call (``fxmeg.ir.ops.routed_experts_call``)."""
-    params = [p.replace(name="group", annotation="str", default=inspect.Parameter.empty) if p.name == "exchange"
-              else p for p in inspect.signature(routed_experts).parameters.values() if p.name not in _BOUND]
-    if "self" in inspect.signature(fn).parameters:  # a method: the rank's experts (runtime/experts.py)
+    params = [
+        p.replace(name="group", annotation="str", default=inspect.Parameter.empty)
+        if p.name == "exchange"
+        else p
+        for p in inspect.signature(routed_experts).parameters.values()
+        if p.name not in _BOUND
+    ]
+    # a method: the rank's experts (runtime/experts.py)
+    if "self" in inspect.signature(fn).parameters:
         params.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
     fn.__signature__ = inspect.Signature(params, return_annotation="Tensor")
     return fn
@@ -124,7 +155,9 @@ def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: floa
     return math.ceil(tokens * k / num_experts * capacity_factor)
 
 
-def capacity_mask(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, capacity_factor: float) -> Tensor:
+def capacity_mask(
+    top_k_index: Tensor, top_k_weights: Tensor, num_experts: int, capacity_factor: float
+) -> Tensor:
     """Which (token, slot) pairs ``[T, k]`` their experts keep under the capacity
     (``expert_capacity``): of the pairs routed to an expert, the ``capacity`` with the
     highest weight (Megatron's drop policy "probs"); among equal weights the earlier
@@ -139,17 +172,31 @@ def _rank_in_expert(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int
     descending, then (token, slot) order (two stable sorts; static shapes)."""
     ids = top_k_index.reshape(-1)
     by_weight = torch.sort(top_k_weights.detach().reshape(-1), descending=True, stable=True).indices
-    order = by_weight[torch.sort(ids[by_weight], stable=True).indices]  # by expert, then weight, then position
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    # by expert, then weight, then position
+    order = by_weight[torch.sort(ids[by_weight], stable=True).indices]
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids)
+    )
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(ids)
     rank[order] = torch.arange(ids.numel(), device=ids.device) - starts[ids[order]]
     return rank
 
 
-def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                   banks: tuple, *, num_experts: int, exchange: Exchange | None, capacity_factor: float,
-                   layer: str, probs_on_input: bool, drops: DropCounts | None) -> Tensor:
+def _with_capacity(
+    middle: fx.GraphModule,
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    banks: tuple,
+    *,
+    num_experts: int,
+    exchange: Exchange | None,
+    capacity_factor: float,
+    layer: str,
+    probs_on_input: bool,
+    drops: DropCounts | None,
+) -> Tensor:
     """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
     tokens, k = top_k_index.shape
     capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
@@ -158,11 +205,15 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     keep = rank < capacity
     if drops is not None:
         drops.count(layer, keep)
-    pad = num_experts * capacity  # one row past the buffer: the dropped pairs' place, and the pads' source
-    slot = torch.where(keep, ids * capacity + rank, pad)  # each pair's row in the [E * capacity] buffer
+    # one row past the buffer: the dropped pairs' place, and the pads' source
+    pad = num_experts * capacity
+    # each pair's row in the [E * capacity] buffer
+    slot = torch.where(keep, ids * capacity + rank, pad)
     pair = torch.full((pad + 1,), ids.numel(), dtype=torch.long, device=ids.device)
-    pair = pair.scatter(0, slot, torch.arange(ids.numel(), device=ids.device))[:pad]  # pads: pair T * k
-    rows = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[-1]))])[pair // k]  # pads: zero rows
+    # pads: pair T * k
+    pair = pair.scatter(0, slot, torch.arange(ids.numel(), device=ids.device))[:pad]
+    # pads: zero rows
+    rows = torch.cat([hidden, hidden.new_zeros((1, hidden.shape[-1]))])[pair // k]
     if probs_on_input:
         flat = top_k_weights.reshape(-1)
         rows = rows * torch.cat([flat, flat.new_zeros(1)])[pair].unsqueeze(-1)
@@ -174,7 +225,8 @@ def _with_capacity(middle: fx.GraphModule, hidden: Tensor, top_k_index: Tensor, 
     if exchange is not None:
         out = exchange.combine(out, state)
     per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
-    weighted = per_pair if probs_on_input else per_pair * top_k_weights.reshape(-1, 1)  # as in the dropless path
+    # as in the dropless path
+    weighted = per_pair if probs_on_input else per_pair * top_k_weights.reshape(-1, 1)
     return weighted.view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
@@ -223,8 +275,14 @@ class DropCounts:
         counts = {layer: n for layer, (n, _) in counted.items()}
         routed = sum(r for _, r in counted.values())
         each = ", ".join(f"{layer or 'routed experts'} {n}" for layer, n in counts.items())
-        log.info("%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank (%s)",
-                 when, sum(counts.values()), routed, each)
+        log.info(
+            "%s: the experts' capacity dropped %d of %d routed (token, slot) pairs on this rank "
+            "(%s)",
+            when,
+            sum(counts.values()),
+            routed,
+            each,
+        )
         return counts
 
 

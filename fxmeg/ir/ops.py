@@ -42,7 +42,9 @@ def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
 
 
 @has_side_effect
-def zero_gather(param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None) -> None:
+def zero_gather(
+    param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None
+) -> None:
     """zero=3: ``bucket`` (chunk, index), which holds ``param``, must be whole from here
     on; start gathering ``prefetch``, the bucket forward reads next. A no-op until bound."""
 
@@ -64,7 +66,9 @@ def early_linear(x: torch.Tensor, weight: torch.Tensor, *, name: str) -> torch.T
 
 
 @has_side_effect
-def expert_load(top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
+def expert_load(
+    top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None
+) -> None:
     """The experts ``top_k_index [T, k]`` routes each of T tokens to, in the block of
     ``experts`` experts of module ``layer``; ``bias``: the FQN of the buffer its router
     adds to the scores before the top-k (DeepSeek-V3's ``e_score_correction_bias``), if
@@ -120,8 +124,20 @@ def routed_experts_call(*args, **kwargs) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
-for _fn in (recv, send, deallocate, wait_param_gather, zero_gather, zero_release, early_linear, expert_load,
-            tp_rng_fork, tp_rng_join, routed_experts, global_tokens):
+for _fn in (
+    recv,
+    send,
+    deallocate,
+    wait_param_gather,
+    zero_gather,
+    zero_release,
+    early_linear,
+    expert_load,
+    tp_rng_fork,
+    tp_rng_join,
+    routed_experts,
+    global_tokens,
+):
     _fn.__module__ = "fxmeg.ir.ops"  # printed graphs read fxmeg_ir_ops_recv(...)
 
 
@@ -169,16 +185,18 @@ _SCHEMAS = {
     "tp_pad": "(Tensor x, int dim, int size, str group) -> Tensor",
     "vocab_shard_ids": "(Tensor ids, int rows, str group) -> (Tensor, Tensor)",
     # (per-token loss, softmax of the local logits, target index in the local rows or -1)
-    "vocab_parallel_cross_entropy": "(Tensor logits, Tensor target, int ignore_index, str group) -> (Tensor, Tensor, Tensor)",
+    "vocab_parallel_cross_entropy": "(Tensor logits, Tensor target, int ignore_index, str group) "
+    "-> (Tensor, Tensor, Tensor)",
     "cp_slice": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_unslice": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_reduce_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
     "cp_causal_mask": "(Tensor q, int dim, int size, str group) -> Tensor",
     "cp_all_reduce": "(Tensor x, str group) -> Tensor",
-    "cp_attention": "(Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, str group) -> Tensor",
-    "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, "
-                             "str group) -> (Tensor, Tensor, Tensor)",
+    "cp_attention": "(Tensor q, Tensor k, Tensor v, float? scale, bool enable_gqa, int size, "
+    "str group) -> Tensor",
+    "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, "
+    "bool enable_gqa, int size, str group) -> (Tensor, Tensor, Tensor)",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -198,17 +216,32 @@ torch.library.register_fake("fxmeg::tp_reduce", lambda x, group: torch.empty_lik
 torch.library.register_fake("fxmeg::tp_max", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::sp_gather", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::tp_pad", lambda x, dim, size, group: _resized(x, dim, size))
-torch.library.register_fake("fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
-torch.library.register_fake("fxmeg::tp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size))
-torch.library.register_fake("fxmeg::cp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake(
+    "fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size)
+)
+torch.library.register_fake(
+    "fxmeg::tp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size)
+)
+torch.library.register_fake(
+    "fxmeg::cp_slice", lambda x, dim, size, group: _resized(x, dim, 1 / size)
+)
 torch.library.register_fake("fxmeg::cp_unslice", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::cp_gather", lambda x, dim, size, group: _resized(x, dim, size))
-torch.library.register_fake("fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size))
+torch.library.register_fake(
+    "fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size)
+)
 torch.library.register_fake("fxmeg::cp_all_reduce", lambda x, group: torch.empty_like(x))
-torch.library.register_fake("fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q))
-torch.library.register_fake(  # contiguous, as the kernel's products and reduce-scatters are (not q's strides)
+torch.library.register_fake(
+    "fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q)
+)
+# contiguous, as the kernel's products and reduce-scatters are (not q's strides)
+torch.library.register_fake(
     "fxmeg::cp_attention_backward",
-    lambda grad, q, k, v, scale, gqa, size, group: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)),
+    lambda grad, q, k, v, scale, gqa, size, group: (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    ),
 )
 torch.library.register_fake(
     "fxmeg::cp_causal_mask",
@@ -275,7 +308,9 @@ def _cp_attention_grad(ctx, grad):
     return (*fx_ops.cp_attention_backward(grad, q, k, v, *ctx.args), None, None, None, None)
 
 
-torch.library.register_autograd("fxmeg::cp_attention", _cp_attention_grad, setup_context=_cp_attention_setup)
+torch.library.register_autograd(
+    "fxmeg::cp_attention", _cp_attention_grad, setup_context=_cp_attention_setup
+)
 
 CP = "cp"
 """Symbolic context-parallel group name in graphs before binding."""
@@ -304,7 +339,9 @@ def _vpce_backward(ctx, grad_loss, _grad_softmax, _grad_local):
     g = grad_loss.masked_fill(target == ctx.ignore_index, 0.0).unsqueeze(-1)
     grad = softmax * g
     mine = (local >= 0).unsqueeze(-1)
-    grad = grad.scatter_add(-1, local.clamp_min(0).unsqueeze(-1), torch.where(mine, -g, torch.zeros_like(g)))
+    grad = grad.scatter_add(
+        -1, local.clamp_min(0).unsqueeze(-1), torch.where(mine, -g, torch.zeros_like(g))
+    )
     return grad.to(ctx.dtype), None, None, None
 
 

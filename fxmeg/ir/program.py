@@ -39,7 +39,8 @@ class Boundary:
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    """The calling convention of one chunk graph: ``gm(*data, *recv) -> (*send[, loss_sum, num_tokens])``."""
+    """The calling convention of one chunk graph:
+    ``gm(*data, *recv) -> (*send[, loss_sum, num_tokens])``."""
 
     index: int
     data_inputs: tuple[int, ...]
@@ -379,7 +380,9 @@ class Program:
     def grad_cuts(self) -> frozenset[int]:
         """Cuts c (between chunks c and c + 1) across which a gradient flows back: what
         the schedule's lowering sends and receives in backward."""
-        return frozenset(c for c, spec in enumerate(self.specs[1:]) if any(b.grad for b in spec.recv))
+        return frozenset(
+            c for c, spec in enumerate(self.specs[1:]) if any(b.grad for b in spec.recv)
+        )
 
     def __str__(self) -> str:
         par = self.config.parallel

@@ -22,7 +22,9 @@ class Recomputation:
         """Recomputations running (reentrant: a second backward may run a region again)."""
         self._prepare: list[Callable] = []
 
-    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    def contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """torch.utils.checkpoint's ``context_fn`` of a recompute region: nothing around
         forward, ``recomputing()`` True around the recomputation."""
         return contextlib.nullcontext(), self._again()

@@ -46,7 +46,9 @@ def _table(owner) -> dict[str, str]:
 def _known(owner, key: str) -> None:
     if key not in _table(owner):
         kind = "node" if isinstance(owner, fx.Node) else "graph"
-        raise KeyError(f"{key!r} is no {kind} tag of fxmeg (fxmeg/ir/tags.py: {sorted(_table(owner))})")
+        raise KeyError(
+            f"{key!r} is no {kind} tag of fxmeg (fxmeg/ir/tags.py: {sorted(_table(owner))})"
+        )
 
 
 def tag(owner: fx.Node | fx.GraphModule, key: str, default=None):

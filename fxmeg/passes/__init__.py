@@ -3,8 +3,8 @@ docstring states what the pass requires and ensures, and ``verify.py`` checks th
 after each pass when FXMEG_VERIFY=1. ``fxmeg/frontend/pass_driver.py`` holds the order and calls
 each as ``run(gm, **what_it_reads) -> gm`` on the graph of its scope (model, chunk, parent:
 docs/architecture.md §1); the pass's parameters after ``gm`` name the EngineConfig sections
-it reads (``parallel``, ``data_parallel``, ``recomputation`` ...; ``pass_driver.inputs``). The sharding passes read one registry of op rules,
-``passes/op_rules.py``.
+it reads (``parallel``, ``data_parallel``, ``recomputation`` ...; ``pass_driver.inputs``). The
+sharding passes read one registry of op rules, ``passes/op_rules.py``.
 tests/frontend/test_pass_list.py holds this table to ``PASSES``:
 
   loss             model   mean loss -> (loss_sum, num_tokens)                  passes/loss.py
@@ -21,5 +21,6 @@ tests/frontend/test_pass_list.py holds this table to ``PASSES``:
 
 The metadata the passes write under ``node.meta["fxmeg"]`` and ``gm.meta["fxmeg"]``, who
 writes and who reads each key: docs/architecture.md §2 (held to the code by
-tests/frontend/test_pass_list.py). Higher-order ops (regions) in the passes: docs/architecture.md §8.9.
-"""
+tests/frontend/test_pass_list.py). Higher-order ops (regions) in the passes:
+docs/architecture.md §8.9.
+"""  # noqa: E501 (the pass table: rows read whole by tests/frontend/test_pass_list.py)

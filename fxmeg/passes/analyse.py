@@ -46,14 +46,18 @@ def value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
             source = _source(node.args[1], inputs)
             ignore = node.args[4] if len(node.args) > 4 else -100
             if source is not None:
-                classes = node.args[0].meta["val"].shape[1 if node.args[0].meta["val"].dim() > 1 else 0]
+                classes = (
+                    node.args[0].meta["val"].shape[1 if node.args[0].meta["val"].dim() > 1 else 0]
+                )
                 out.append(ValueCheck(source, classes, ignore, "labels (classes of the loss)"))
         elif name == "aten::embedding":
             source = _source(node.args[1], inputs)
             if source is not None:
                 rows = node.args[0].meta["val"].shape[0]
                 module = tag(node, "module", "")
-                out.append(ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})"))
+                out.append(
+                    ValueCheck(source, rows, None, f"token ids (rows of embedding {module!r})")
+                )
     return out
 
 
@@ -81,7 +85,9 @@ def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
             end = _arange_end(node.args[1])
             if end is not None:
                 module = tag(node, "module", "")
-                found.append((f"position embedding {module!r}", node.args[0].meta["val"].shape[0], end))
+                found.append(
+                    (f"position embedding {module!r}", node.args[0].meta["val"].shape[0], end)
+                )
         elif name == "aten::slice" and node.args[0].op == "get_attr" and len(node.args) > 3:
             dim, start, end = node.args[1], node.args[2], node.args[3]
             if start == 0 and isinstance(end, int):
@@ -89,7 +95,15 @@ def position_tables(gm: fx.GraphModule) -> list[PositionTable]:
                 found.append((f"table {node.args[0].target!r} (dimension {dim})", rows, end))
     out = []
     for what, rows, end in found:
-        where = next(((i, d) for i, shape in enumerate(shapes) for d in range(1, len(shape)) if shape[d] == end), None)
+        where = next(
+            (
+                (i, d)
+                for i, shape in enumerate(shapes)
+                for d in range(1, len(shape))
+                if shape[d] == end
+            ),
+            None,
+        )
         if where is not None:
             out.append(PositionTable(what, rows, *where))
     return out
@@ -108,7 +122,12 @@ def _arange_end(node) -> int | None:
             if bounds[0] == 0 and isinstance(bounds[1], int) and len(args) <= 2:
                 return bounds[1] + offset
             return None
-        if base == "add" and len(node.args) == 2 and isinstance(node.args[1], int) and not node.kwargs:
+        if (
+            base == "add"
+            and len(node.args) == 2
+            and isinstance(node.args[1], int)
+            and not node.kwargs
+        ):
             offset += node.args[1]
         elif base not in _PASS_THROUGH:
             return None

@@ -11,7 +11,8 @@ whatever the parameters' precision), and a second one (``experts=True``) for the
 routed experts under expert parallelism (reduced and sharded over the expert-data-parallel
 ranks, so padded to their count: each bank's bucket indices count from 0 in its own
 buffer), and every trainable parameter's
-get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.ir.layouts.BucketSlot(chunk, dtype, index)``:
+get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.ir.layouts.BucketSlot(chunk, dtype,
+index)``:
   * a parameter's gradient is complete once backward has passed its *first* use in
     forward, so parameters are laid out by first use, latest first (Megatron lays out
     its buffer in reverse parameter order for the same reason);
@@ -56,7 +57,10 @@ def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
     (``parallel``: dp x cp and edp; ``data_parallel``: bucket size, ZeRO stage, whether the
     distributed optimizer shards the buffers)."""
     placement = tag(parent, "partition").placement
-    dp, size = parallel.dp_cp, data_parallel.resolved_bucket_size(parallel.dp)  # gradients shard over dp x cp
+    dp, size = (
+        parallel.dp_cp,
+        data_parallel.resolved_bucket_size(parallel.dp),
+    )  # gradients shard over dp x cp
     shard = data_parallel.sharding is OptimizerSharding.ELEMENTWISE  # flat shards
     owner: dict[tuple[int, str], int] = {}  # (pipeline rank, name) -> owning chunk
     for c, gm in enumerate(chunks(parent)):
@@ -73,16 +77,30 @@ def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
         dense = [n for n in names if n not in experts]
         routed = [n for n in names if n in experts]
         layouts_of[c] = tuple(
-            _layout(group, shapes, GRAD_DTYPE, dp=ranks, bucket_size=size, shard=shard, experts=is_expert,
-                    block=block)
-            for group, ranks, is_expert in ((dense, dp, False), (routed, parallel.edp, True)) if group)
+            _layout(
+                group,
+                shapes,
+                GRAD_DTYPE,
+                dp=ranks,
+                bucket_size=size,
+                shard=shard,
+                experts=is_expert,
+                block=block,
+            )
+            for group, ranks, is_expert in ((dense, dp, False), (routed, parallel.edp, True))
+            if group
+        )
         set_tag(gm, "buffers", layouts_of[c])
     for c, gm in enumerate(chunks(parent)):
         for node in gm.graph.nodes:
             if node.op == "get_attr" and getattr(attr(gm, node.target), "requires_grad", False):
                 home = owner[(placement[c], node.target)]
-                layout = next(lay for lay in layouts_of[home] if any(s.name == node.target for s in lay.slots))
-                set_tag(node, "bucket", BucketSlot(home, layout.dtype, layout.slot(node.target).bucket))
+                layout = next(
+                    lay for lay in layouts_of[home] if any(s.name == node.target for s in lay.slots)
+                )
+                set_tag(
+                    node, "bucket", BucketSlot(home, layout.dtype, layout.slot(node.target).bucket)
+                )
     return parent
 
 

@@ -72,17 +72,25 @@ class _ContextParallel(Propagation):
         inputs = [n for n in self.g.nodes if n.op == "placeholder"]
         first = next((n for n in inputs if val(n) is not None and val(n).dim() >= 2), None)
         if first is None:
-            raise PassError(f"cp={cp} needs a (batch, seq, ...) input to split along the sequence; the "
-                            f"inputs are {[(n.name, tuple(val(n).shape)) for n in inputs if val(n) is not None]}")
+            raise PassError(
+                f"cp={cp} needs a (batch, seq, ...) input to split along the sequence; the inputs "
+                f"are {[(n.name, tuple(val(n).shape)) for n in inputs if val(n) is not None]}"
+            )
         self.seq = val(first).shape[1]
         if self.seq % (2 * cp):
             fits = [c for c in divisors(self.seq // 2) if c > 1] or [1]
             raise PassError(
-                f"sequence length {self.seq} (dim 1 of input {first.name!r}) is not divisible by 2 * cp = "
-                f"{2 * cp}: context parallelism cuts every sequence into 2 * cp equal chunks (rank r holds "
-                f"chunks r and {2 * cp - 1} - r); pad the sequences to a multiple of {2 * cp} (e.g. "
-                f"{-(-self.seq // (2 * cp)) * 2 * cp}) or choose cp in {fits}")
-        along = [n for n in inputs if val(n) is not None and val(n).dim() >= 2 and val(n).shape[1] == self.seq]
+                f"sequence length {self.seq} (dim 1 of input {first.name!r}) is not divisible by 2 "
+                f"* cp = {2 * cp}: context parallelism cuts every sequence into 2 * cp equal "
+                f"chunks (rank r holds chunks r and {2 * cp - 1} - r); pad the sequences to a "
+                f"multiple of {2 * cp} (e.g. {-(-self.seq // (2 * cp)) * 2 * cp}) or choose cp in "
+                f"{fits}"
+            )
+        along = [
+            n
+            for n in inputs
+            if val(n) is not None and val(n).dim() >= 2 and val(n).shape[1] == self.seq
+        ]
         self.masks = mask_inputs(self.g, along, self.seq)  # padding masks stay whole
         dims = []
         for n in inputs:
@@ -100,7 +108,10 @@ class _ContextParallel(Propagation):
         before the cut (as Megatron's data loader does) and the graph reads the input
         directly. Returns the fill value, or None."""
         users = list(x.users)
-        if len(users) != 1 or users[0].target not in (aten.pad.default, aten.constant_pad_nd.default):
+        if len(users) != 1 or users[0].target not in (
+            aten.pad.default,
+            aten.constant_pad_nd.default,
+        ):
             return None
         pad = users[0]
         args = full_args(pad)
@@ -145,8 +156,11 @@ class _ContextParallel(Propagation):
 
     def mixes(self, node: fx.Node, why: str, fix: str | None = None) -> PassError:
         """The refusal of an op that mixes positions outside attention."""
-        return self.refuse(node, f"it mixes positions outside attention: {why}",
-                           fix=fix or "compute it per position, move it into the attention, or use cp=1")
+        return self.refuse(
+            node,
+            f"it mixes positions outside attention: {why}",
+            fix=fix or "compute it per position, move it into the attention, or use cp=1",
+        )
 
     # ------------------------------------------------------------------ rules
 
@@ -165,7 +179,9 @@ class _ContextParallel(Propagation):
         found = {s.shifted(out_dim - val(a).dim())
                  for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
         if len(found) != 1:
-            raise self.mixes(node, f"its operands hold the sequence in different dims {sorted(found, key=str)}")
+            raise self.mixes(
+                node, f"its operands hold the sequence in different dims {sorted(found, key=str)}"
+            )
         (s,) = found
         for a in node.all_input_nodes:
             if isinstance(self.place.get(a), Seq) or val(a) is None:
@@ -174,8 +190,11 @@ class _ContextParallel(Propagation):
             if j < 0 or val(a).shape[j] == 1:
                 continue
             if s.merged or val(a).shape[j] != self.seq:
-                raise self.mixes(node, f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
-                                         f"meets the sequence but is not a per-position table of length {self.seq}")
+                raise self.mixes(
+                    node,
+                    f"operand {a.name!r} {tuple(val(a).shape)} spans dim {j}, which "
+                    f"meets the sequence but is not a per-position table of length {self.seq}",
+                )
             node.replace_input_with(a, self._cut(a, j, node))
         return s
 
@@ -205,7 +224,8 @@ class _ContextParallel(Propagation):
                 divide_shape_arg(node, len(b) - 2, self.cp)
             return Seq(len(b) - 2, full=len(b) - 1)
         if len(b) == 1 and b[0] == math.prod(a) and only_counted(node):
-            return Seq(0, merged=True)  # flattened to be counted (a router loss's expert ids): order is moot
+            # flattened to be counted (a router loss's expert ids): order is moot
+            return Seq(0, merged=True)
         moved = self._moved(node, s, a, b)
         if node.target in SHAPE_ARGUMENT:
             divide_shape_arg(node, moved.dim, self.cp)
@@ -228,8 +248,11 @@ class _ContextParallel(Propagation):
             if len(ins) == 1 and s.merged and b[outs[-1]] == self.seq:
                 return Seq(outs[-1])  # (b * s) -> (b, s)
             break
-        raise self.mixes(node, f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
-                                 "with dims other than the batch dims before it")
+        raise self.mixes(
+            node,
+            f"it reshapes {a} -> {b}, which cuts or merges the sequence dim {s.dim} "
+            "with dims other than the batch dims before it",
+        )
 
     @rule(CP, "permute")
     def _permute(self, node: fx.Node) -> Seq:
@@ -272,9 +295,14 @@ class _ContextParallel(Propagation):
         if node.target in (aten.matmul.default, aten.bmm.default) and all(
                 isinstance(self.place.get(a), Seq) for a in node.args[:2]):
             return self._attention_product(node)
-        if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(self.place.get(x), Seq):
-            raise self.mixes(node, "it multiplies a value along the sequence with one that is not its "
-                                     "weight in a way fxmeg does not split")
+        if any(isinstance(self.place.get(a), Seq) for a in others) or not isinstance(
+            self.place.get(x), Seq
+        ):
+            raise self.mixes(
+                node,
+                "it multiplies a value along the sequence with one that is not its "
+                "weight in a way fxmeg does not split",
+            )
         s, n = self._seq(node, x), val(x).dim()
         if s.dim == n - 1 or s.full is not None:
             raise self.mixes(node, "it contracts the sequence dim")
@@ -294,11 +322,14 @@ class _ContextParallel(Propagation):
         """Refused: each position needs its neighbours on the rank before. In a state-space
         or linear-attention layer (Mamba, Gated DeltaNet) a short causal convolution over
         time comes before the recurrence, which would need the state passed between ranks."""
-        raise self.mixes(node, "a convolution over a value split along the sequence mixes neighbouring "
-                                 "positions across ranks (in a state-space or linear-attention layer it "
-                                 "precedes a recurrence over time, whose state fxmeg does not pass between "
-                                 "cp ranks)",
-                          fix="use cp=1 for this model (tp and pp split such layers by heads and by layers)")
+        raise self.mixes(
+            node,
+            "a convolution over a value split along the sequence mixes neighbouring "
+            "positions across ranks (in a state-space or linear-attention layer it "
+            "precedes a recurrence over time, whose state fxmeg does not pass between "
+            "cp ranks)",
+            fix="use cp=1 for this model (tp and pp split such layers by heads and by layers)",
+        )
 
     @rule(CP, "pad", "triangle")
     def _pad_or_triangle(self, node: fx.Node) -> Seq:
@@ -320,7 +351,12 @@ class _ContextParallel(Propagation):
         """``x.new_empty(sizes)`` and kin: sized like ``x`` along the sequence, it is split
         there too; otherwise it holds no positions of ``x`` (replicated)."""
         s, sizes, x = self._seq(node, node.args[0]), list(node.args[1]), val(node.args[0])
-        if s.merged or s.full is not None or len(sizes) != x.dim() or sizes[s.dim] != x.shape[s.dim]:
+        if (
+            s.merged
+            or s.full is not None
+            or len(sizes) != x.dim()
+            or sizes[s.dim] != x.shape[s.dim]
+        ):
             return None
         sizes[s.dim] //= self.cp
         node.args = (node.args[0], sizes, *node.args[2:])
@@ -331,9 +367,16 @@ class _ContextParallel(Propagation):
         """``copy_(dst, src)`` in place: both split alike along the sequence."""
         (dst, src), lead = node.args[:2], val(node).dim() - val(node.args[1]).dim()
         d, s = self.place.get(dst), self.place.get(src)
-        spans = not isinstance(s, Seq) and isinstance(d, Seq) and d.dim >= lead and val(src).shape[d.dim - lead] != 1
+        spans = (
+            not isinstance(s, Seq)
+            and isinstance(d, Seq)
+            and d.dim >= lead
+            and val(src).shape[d.dim - lead] != 1
+        )
         if not isinstance(d, Seq) or spans or (isinstance(s, Seq) and s.shifted(lead) != d):
-            raise self.refuse(node, "it writes a value into one split differently along the sequence")
+            raise self.refuse(
+                node, "it writes a value into one split differently along the sequence"
+            )
         return d
 
     def _attention_product(self, node: fx.Node) -> Seq:
@@ -348,14 +391,19 @@ class _ContextParallel(Propagation):
         sa, sb = self.place[a], self.place[b]
         na, nb = val(a).dim(), val(b).dim()
         if sa.merged or sb.merged or sa.dim != na - 2:
-            raise self.mixes(node, "it multiplies two values along the sequence other than as attention")
+            raise self.mixes(
+                node, "it multiplies two values along the sequence other than as attention"
+            )
         if sa.full is None and sb.full is None and sb.dim == nb - 1:  # scores = q @ k^T
             gathered, out = (b, nb - 1), Seq(val(node).dim() - 2, full=val(node).dim() - 1)
         elif sa.full == na - 1 and sb.full is None and sb.dim == nb - 2:  # out = probs @ v
             gathered, out = (b, nb - 2), Seq(val(node).dim() - 2)
         else:
-            raise self.mixes(node, "it multiplies two values along the sequence other than as attention "
-                                     "(q @ k^T, then probabilities @ v)")
+            raise self.mixes(
+                node,
+                "it multiplies two values along the sequence other than as attention "
+                "(q @ k^T, then probabilities @ v)",
+            )
         full = self.move(gathered[0], "seq", "replicated", dim=gathered[1], at=node)
         node.replace_input_with(b, full)
         return out
@@ -376,7 +424,9 @@ class _ContextParallel(Propagation):
             return self.place[target]
         if reduction == 2:
             return PARTIAL
-        raise self.mixes(node, "it takes a mean over part of the sequence (the loss pass writes sums)")
+        raise self.mixes(
+            node, "it takes a mean over part of the sequence (the loss pass writes sums)"
+        )
 
     @rule(CP, "histogram")
     def _histogram(self, node: fx.Node):
@@ -391,7 +441,18 @@ class _ContextParallel(Propagation):
             raise self.mixes(node, "it normalises over the sequence dim")
         return s
 
-    @rule(CP, "split", "slice", "index", "unbind", "repeat", "scatter", "softmax", "cumulative", "rank")
+    @rule(
+        CP,
+        "split",
+        "slice",
+        "index",
+        "unbind",
+        "repeat",
+        "scatter",
+        "softmax",
+        "cumulative",
+        "rank",
+    )
     def _along(self, node: fx.Node):
         """Ops along one dim (softmax, cumsum, split, slice, select, unbind, repeat, a router's
         top-k or sort, or its scatter of the top-k scores into a row): fine along another
@@ -412,11 +473,16 @@ class _ContextParallel(Propagation):
             if in_family(node.target, "split") or isinstance(node.meta["val"], (tuple, list)):
                 return [s] * len(node.meta["val"])  # every piece / (values, indices)
             return s
-        if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(val(node.args[0]).shape):
+        if node.target == aten.slice.Tensor and tuple(val(node).shape) == tuple(
+            val(node.args[0]).shape
+        ):
             return s
         op = getattr(node.target, "__name__", str(node.target))
-        raise self.mixes(node, f"it computes along dim {dim}, the sequence ({op}: every position would "
-                                 "need positions another rank holds)")
+        raise self.mixes(
+            node,
+            f"it computes along dim {dim}, the sequence ({op}: every position would "
+            "need positions another rank holds)",
+        )
 
     @rule(CP, "concat")
     def _cat(self, node: fx.Node) -> Seq:
@@ -448,15 +514,18 @@ class _ContextParallel(Propagation):
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
         if s.dim not in dims:
             keepdim = val(node).dim() == n
-            if s.full is not None and s.full in dims:  # over all keys (a softmax written out): exact
+            # over all keys (a softmax written out): exact
+            if s.full is not None and s.full in dims:
                 s = Seq(s.dim, s.merged)
             elif s.full is not None:
                 raise self.mixes(node, "it reduces attention scores over a dim other than the keys")
             return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
         if node.target in SUMS:
             return PARTIAL  # a token count or a summed loss; check_outputs refuses other uses
-        raise self.mixes(node, f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic "
-                                 "over positions)")
+        raise self.mixes(
+            node,
+            f"it reduces over dim {s.dim}, the sequence (a pooling or a statistic over positions)",
+        )
 
     @rule(CP, "attention")
     def _attention(self, node: fx.Node) -> Seq:
@@ -469,22 +538,36 @@ class _ContextParallel(Propagation):
         encoder's: every query sees every key). A mask that depends on a split input is
         refused."""
         q, k, v, mask, dropout, causal, scale, gqa = full_args(node)
-        if mask is not None and not causal and is_causal_mask(mask, self.gm, val(q).shape[-2], val(k).shape[-2]):
-            mask, causal = None, True  # Hugging Face's sdpa path: the causal mask built from positions
+        if (
+            mask is not None
+            and not causal
+            and is_causal_mask(mask, self.gm, val(q).shape[-2], val(k).shape[-2])
+        ):
+            # Hugging Face's sdpa path: the causal mask built from positions
+            mask, causal = None, True
         if mask is not None and not self._sliceable_mask(mask):
             split = isinstance(self.place.get(mask), (Seq, list))
-            raise self.refuse(node, self.masks.unsliceable(mask, split, self.seq), fix=(
-                "pass the padding mask as an input of its own that feeds attention masks alone (Hugging "
-                "Face's attention_mask): every cp rank reads it whole; or cp=1" if split else
-                f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"))
+            raise self.refuse(
+                node,
+                self.masks.unsliceable(mask, split, self.seq),
+                fix=(
+                    "pass the padding mask as an input of its own that feeds attention masks alone "
+                    "(Hugging Face's attention_mask): every cp rank reads it whole; or cp=1"
+                    if split
+                    else f"give the mask the shape (..., 1 or {self.seq}, {self.seq}), or cp=1"
+                ),
+            )
         if dropout:
             raise self.refuse(node, f"it is an attention with dropout_p={dropout}",
                                fix="set the attention dropout to 0, or cp=1")
         seqs = {self.place.get(a) for a in (q, k, v)}
         dim = val(q).dim() - 2  # a Seq with ``full`` (scores) never equals Seq(dim)
         if seqs != {Seq(dim)}:
-            raise self.refuse(node, f"its q, k and v are not all split along the sequence dim {dim} "
-                                     f"(places {sorted(map(str, seqs))})")
+            raise self.refuse(
+                node,
+                f"its q, k and v are not all split along the sequence dim {dim} "
+                f"(places {sorted(map(str, seqs))})",
+            )
         if mask is not None or not causal:
             keys = self.move(k, "seq", "replicated", dim=dim, at=node)
             values = self.move(v, "seq", "replicated", dim=dim, at=node)
@@ -495,7 +578,9 @@ class _ContextParallel(Propagation):
             node.kwargs = {"scale": scale, "enable_gqa": gqa}
             return Seq(dim)
         with self.g.inserting_before(node):
-            core = call(self.g, fx_ops.cp_attention.default, (q, k, v, scale, gqa, self.cp, CP), like=node)
+            core = call(
+                self.g, fx_ops.cp_attention.default, (q, k, v, scale, gqa, self.cp, CP), like=node
+            )
         node.replace_all_uses_with(core)
         self.g.erase_node(node)
         self.place[core] = Seq(dim)
@@ -518,24 +603,33 @@ class _ContextParallel(Propagation):
         for a in node.all_input_nodes:
             place = self.place.get(a)
             if isinstance(place, (Seq, list)):
-                raise self.refuse(a, "the model returns it split along the sequence (a loss must be "
-                                      "a sum over tokens)")
+                raise self.refuse(
+                    a,
+                    "the model returns it split along the sequence (a loss must be "
+                    "a sum over tokens)",
+                )
             if place is not None:
                 continue
             whole = sorted(x.name for x in self.masks.deps.get(a, ()) if x in self.masks.whole)
             if whole:
-                raise self.refuse(a, f"the model returns it computed from input(s) {whole} alone, which "
-                                      "every cp rank reads whole (a padding mask): summed over the cp ranks "
-                                      f"it would count {self.cp} times",
-                                   fix="count tokens from the labels (ignore_index), or cp=1")
+                raise self.refuse(
+                    a,
+                    f"the model returns it computed from input(s) {whole} alone, which "
+                    "every cp rank reads whole (a padding mask): summed over the cp ranks "
+                    f"it would count {self.cp} times",
+                    fix="count tokens from the labels (ignore_index), or cp=1",
+                )
             if a.target == aten.scalar_tensor.default and a.name.startswith("num_tokens"):
                 a.args = (a.args[0] / self.cp, *a.args[1:])  # a mean's count: each rank holds 1/cp
                 continue
-            raise self.refuse(a, "the model returns it computed from no sequence input (a constant "
-                                  "count such as labels.numel() or ones(b, s).sum()): every cp rank would "
-                                  f"return the whole value, and summed over the cp ranks it would count {self.cp} "
-                                  "times",
-                               fix="count the tokens from the labels (e.g. (labels != -100).sum()), or cp=1")
+            raise self.refuse(
+                a,
+                "the model returns it computed from no sequence input (a constant "
+                "count such as labels.numel() or ones(b, s).sum()): every cp rank would "
+                f"return the whole value, and summed over the cp ranks it would count {self.cp} "
+                "times",
+                fix="count the tokens from the labels (e.g. (labels != -100).sum()), or cp=1",
+            )
 
     def local_input(self, node: fx.Node):
         """A split input's local fake value (1/cp of the sequence, dim 1)."""

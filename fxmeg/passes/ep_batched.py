@@ -74,7 +74,10 @@ def batched_experts(gm: fx.GraphModule, up: fx.Node) -> BatchedExperts | None:
         return None
     experts = val(bank).shape[0]
     weighted = _source(up.args[0], _VIEWS)
-    repeat = next((a for a in weighted.args if isinstance(a, fx.Node) and a.target is aten.repeat.default), None)
+    repeat = next(
+        (a for a in weighted.args if isinstance(a, fx.Node) and a.target is aten.repeat.default),
+        None,
+    )
     column = next((a for a in weighted.args if a is not repeat), None)
     if weighted.target is not aten.mul.Tensor or repeat is None or not isinstance(column, fx.Node):
         return None  # not rows of tokens scaled per row
@@ -83,9 +86,11 @@ def batched_experts(gm: fx.GraphModule, up: fx.Node) -> BatchedExperts | None:
     tokens = val(hidden).shape[0]
     if val(hidden).dim() != 2 or list(repeat.args[1]) != [experts, 1] or \
             tuple(val(up.args[0]).shape) != (experts, tokens, val(hidden).shape[1]):
-        raise PassError(f"expert_parallel: the batched experts' rows ({where}) are not the {experts} experts' "
-                        f"slots [{experts}, tokens, hidden] of the tokens {list(val(hidden).shape)} repeated "
-                        "once per expert; fxmeg cannot tell which rows are which expert's" + _FIX)
+        raise PassError(
+            f"expert_parallel: the batched experts' rows ({where}) are not the {experts} experts' "
+            f"slots [{experts}, tokens, hidden] of the tokens {list(val(hidden).shape)} repeated "
+            "once per expert; fxmeg cannot tell which rows are which expert's" + _FIX
+        )
     scores = _scores(column, tokens, experts, where)
     top_k_index = _top_k_index(scores, where)
     down = _second_matmul(gm, up, experts, where)
@@ -118,9 +123,11 @@ def _scores(column: fx.Node, tokens: int, experts: int, where: str) -> fx.Node:
         flipped.target in (aten.t.default, aten.transpose.int) or
         (flipped.target is aten.permute.default and list(flipped.args[1]) == [1, 0]))
     if not ok or tuple(val(flipped.args[0]).shape) != (tokens, experts):
-        raise PassError(f"expert_parallel: the batched experts' rows ({where}) are scaled by {column.name!r}, "
-                        f"which is not the routing scores [{tokens}, {experts}] transposed and flattened "
-                        "(expert-major, as the rows are)" + _FIX)
+        raise PassError(
+            f"expert_parallel: the batched experts' rows ({where}) are scaled by {column.name!r}, "
+            f"which is not the routing scores [{tokens}, {experts}] transposed and flattened "
+            "(expert-major, as the rows are)" + _FIX
+        )
     return flipped.args[0]
 
 
@@ -131,20 +138,30 @@ def _top_k_index(scores: fx.Node, where: str) -> fx.Node:
             and in_family(n.target, "copy", "pointwise"):
         chain.append(n)
         n = n.all_input_nodes[0]
-    fail = (f"expert_parallel: fxmeg cannot show that the routing scores {scores.name!r} ({where}) are zero "
-            "outside each token's top-k experts (a chain of elementwise ops of scatter(full(fill), 1, "
-            "top-k index, values) that maps fill to 0), so it cannot run only the experts each token picked" + _FIX)
+    fail = (
+        f"expert_parallel: fxmeg cannot show that the routing scores {scores.name!r} ({where}) are "
+        "zero outside each token's top-k experts (a chain of elementwise ops of "
+        "scatter(full(fill), 1, top-k index, values) that maps fill to 0), so it cannot run only "
+        "the experts each token picked"
+        + _FIX
+    )
     if n.target not in _SCATTERS or n.args[1] % 2 != 1 or n.args[0].target not in _FULLS:
         raise PassError(fail)
     index = _source(n.args[2], _VIEWS)
-    if index.target is not operator.getitem or index.args[1] != 1 or index.args[0].target is not aten.topk.default:
+    if (
+        index.target is not operator.getitem
+        or index.args[1] != 1
+        or index.args[0].target is not aten.topk.default
+    ):
         raise PassError(fail)
     value = torch.tensor(float(n.args[0].args[1]))
     for c in reversed(chain):
         if in_family(c.target, "copy"):
             value = value.to(val(c).dtype)
         else:
-            value = c.target(*[value if a is c.all_input_nodes[0] else a for a in c.args], **c.kwargs)
+            value = c.target(
+                *[value if a is c.all_input_nodes[0] else a for a in c.args], **c.kwargs
+            )
     if bool(value.any()):
         raise PassError(fail)
     return index
@@ -156,8 +173,11 @@ def _second_matmul(gm: fx.GraphModule, up: fx.Node, experts: int, where: str) ->
              if u.target is aten.bmm.default]
     banks = [_source(d.args[1], _BANK_VIEWS) for d in downs]
     if len(downs) != 1 or banks[0].op != "get_attr" or val(banks[0]).shape[0] != experts:
-        raise PassError(f"expert_parallel: the batched experts' first matmul ({where}) is not followed by one "
-                        f"second matmul over a bank of {experts} experts (found {[d.name for d in downs]})" + _FIX)
+        raise PassError(
+            f"expert_parallel: the batched experts' first matmul ({where}) is not followed by one "
+            f"second matmul over a bank of {experts} experts (found {[d.name for d in downs]})"
+            + _FIX
+        )
     return downs[0]
 
 
@@ -171,5 +191,7 @@ def _result(down: fx.Node, shape: tuple[int, int, int], where: str) -> fx.Node:
             return n
         if n.target not in _VIEWS:
             break
-    raise PassError(f"expert_parallel: the batched experts' output {down.name!r} ({where}) is not summed over "
-                    f"the experts (its [{shape[0]}, tokens, hidden] view, summed over dim 0)" + _FIX)
+    raise PassError(
+        f"expert_parallel: the batched experts' output {down.name!r} ({where}) is not summed over "
+        f"the experts (its [{shape[0]}, tokens, hidden] view, summed over dim 0)" + _FIX
+    )

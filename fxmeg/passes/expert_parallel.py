@@ -67,7 +67,9 @@ def expert_parallel(gm: fx.GraphModule, *, parallel: ParallelConfig, moe: MoECon
         _refuse_unfound_banks(gm, chunk)
     for block in blocks:
         _mark_load(gm, block, rate)
-    global_loss = moe.moe_router_load_balancing_type == "global_aux_loss" and _global_router_loss(gm)
+    global_loss = moe.moe_router_load_balancing_type == "global_aux_loss" and _global_router_loss(
+        gm
+    )
     if blocks or ep > 1 or global_loss:
         gm.graph.lint()
         gm.recompile()
@@ -80,14 +82,20 @@ def _global_router_loss(gm: fx.GraphModule) -> bool:
     probabilities that no gradient flows through (the tokens per expert: Switch's f, next
     to the probabilities' P) is wrapped in ``ops.global_tokens``. Returns whether this
     chunk has such a loss; one whose product fxmeg cannot find is refused by name."""
-    aux = next((n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.scale_aux_loss.default), None)
+    aux = next(
+        (n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.scale_aux_loss.default), None
+    )
     if aux is None:
         return False
     grads = requires_grad_nodes(gm)
     n = aux.args[1]
     while n.op == "call_function":
         operands = [a for a in n.args if isinstance(a, fx.Node)]
-        if n.target == aten.mul.Tensor and len(operands) == 2 and sum(a in grads for a in operands) == 1:
+        if (
+            n.target == aten.mul.Tensor
+            and len(operands) == 2
+            and sum(a in grads for a in operands) == 1
+        ):
             counts = next(a for a in operands if a not in grads)
             with gm.graph.inserting_after(counts):
                 mean = gm.graph.call_function(ops.global_tokens, (counts,), {"group": ops.DP})
@@ -98,9 +106,11 @@ def _global_router_loss(gm: fx.GraphModule) -> bool:
             break
         n = operands[0]
     raise PassError(
-        f"moe_router_load_balancing_type='global_aux_loss', but the router loss {aux.args[1].name!r} (module "
-        f"{_module(aux.args[1])!r}) is not a product of tokens per expert (no gradient) and routing "
-        "probabilities that fxmeg can find; use moe_router_load_balancing_type='aux_loss'")
+        "moe_router_load_balancing_type='global_aux_loss', but the router loss "
+        f"{aux.args[1].name!r} (module {_module(aux.args[1])!r}) is not a product of tokens per "
+        "expert (no gradient) and routing probabilities that fxmeg can find; use "
+        "moe_router_load_balancing_type='aux_loss'"
+    )
 
 
 def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:
@@ -115,8 +125,12 @@ def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:
         except Exception as exc:  # at ep = 1 a block is only counted: never fail for it
             if strict:
                 raise
-            log.info("expert_parallel: %s (module %r) is not counted in the expert load: %s", up.name,
-                     _module(up), exc)
+            log.info(
+                "expert_parallel: %s (module %r) is not counted in the expert load: %s",
+                up.name,
+                _module(up),
+                exc,
+            )
             continue
         if block is not None:
             blocks.append(block)
@@ -128,10 +142,12 @@ def _mark_load(gm: fx.GraphModule, b: _Block, rate: float) -> None:
     bias = _router_bias(gm, b.top_k_index, b.experts)
     if rate > 0 and bias is None:
         raise PassError(
-            f"moe_router_bias_update_rate={rate} updates each router's expert bias (loss-free balancing), but "
-            f"the router of the experts {b.module!r} adds no 1-D buffer of {b.experts} values (one per expert, "
-            f"as DeepSeek-V3's e_score_correction_bias) to the scores its top-k ranks; train this model with "
-            "moe_router_bias_update_rate=0 (or give its router such a buffer)")
+            f"moe_router_bias_update_rate={rate} updates each router's expert bias (loss-free "
+            f"balancing), but the router of the experts {b.module!r} adds no 1-D buffer of "
+            f"{b.experts} values (one per expert, as DeepSeek-V3's e_score_correction_bias) to the "
+            "scores its top-k ranks; train this model with moe_router_bias_update_rate=0 (or give "
+            "its router such a buffer)"
+        )
     with gm.graph.inserting_after(b.top_k_index):
         mark = gm.graph.call_function(ops.expert_load, (b.top_k_index,),
                                       {"layer": b.module, "experts": b.experts, "bias": bias})
@@ -139,9 +155,20 @@ def _mark_load(gm: fx.GraphModule, b: _Block, rate: float) -> None:
     set_tags(mark, tags(b.top_k_index))  # its module: its block's region
 
 
-_MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
-_INDEX_VIEWS = _CASTS | {operator.getitem, aten.view.default, aten.reshape.default, aten.clone.default,
-                         aten.contiguous.default}
+_MATMULS = {
+    aten.linear.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.matmul.default,
+}
+_INDEX_VIEWS = _CASTS | {
+    operator.getitem,
+    aten.view.default,
+    aten.reshape.default,
+    aten.clone.default,
+    aten.contiguous.default,
+}
 
 
 def _router_bias(gm: fx.GraphModule, top_k_index: fx.Node, experts: int) -> str | None:
@@ -154,8 +181,14 @@ def _router_bias(gm: fx.GraphModule, top_k_index: fx.Node, experts: int) -> str 
     while todo:
         n = todo.pop()
         v = val(n)
-        if n in seen or n.op != "call_function" or n.target in _MATMULS or v is None or v.dim() == 0 \
-                or v.shape[-1] != experts:
+        if (
+            n in seen
+            or n.op != "call_function"
+            or n.target in _MATMULS
+            or v is None
+            or v.dim() == 0
+            or v.shape[-1] != experts
+        ):
             continue
         seen.add(n)
         if n.target in (aten.add.Tensor, aten.add_.Tensor):
@@ -172,7 +205,11 @@ def _buffer(gm: fx.GraphModule, node, experts: int) -> str | None:
     if node.op != "get_attr" or node.target.startswith(CONSTANTS):
         return None
     t = attr(gm, node.target)
-    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and tuple(t.shape) == (experts,):
+    if (
+        isinstance(t, torch.Tensor)
+        and not isinstance(t, torch.nn.Parameter)
+        and tuple(t.shape) == (experts,)
+    ):
         return node.target
     return None
 
@@ -184,8 +221,20 @@ class _Block:
         self.__dict__.update(fields)
 
     def inputs(self) -> set[fx.Node]:
-        return {n for n in (self.hidden, self.top_k_index, self.top_k_weights, self.scores, self.w_up,
-                            self.w_down, self.b_up, self.b_down) if n is not None}
+        return {
+            n
+            for n in (
+                self.hidden,
+                self.top_k_index,
+                self.top_k_weights,
+                self.scores,
+                self.w_up,
+                self.w_down,
+                self.b_up,
+                self.b_down,
+            )
+            if n is not None
+        }
 
     def inner(self) -> set[fx.Node]:
         """The nodes between the block's inputs and its result (the result included)."""
@@ -224,32 +273,39 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
     """The block whose first (up) grouped matmul is ``up``, or None when ``up`` is the
     second one of a block or not part of one."""
     offsets = _offsets(up)
-    downs = [u for u in offsets.users if _is_grouped_mm(u) and u is not up and _offsets(u) is offsets]
+    downs = [u for u in offsets.users if _is_grouped_mm(u) and u is not up
+             and _offsets(u) is offsets]
     if len(downs) != 1 or not _before(up, downs[0]):
         return None
     down = downs[0]
     where = f"module {_module(up)!r}"
     histc = _source(offsets, {aten.cumsum.default})
     if histc.target is not aten.histc.default:
-        raise PassError(f"expert_parallel: the grouped matmuls {up.name!r} and {down.name!r} ({where}) take "
-                        f"offsets {offsets.name!r} that are not cumsum(histc(expert ids)); fxmeg cannot "
-                        "tell which rows go to which expert")
+        raise PassError(
+            f"expert_parallel: the grouped matmuls {up.name!r} and {down.name!r} ({where}) take "
+                        f"offsets {offsets.name!r} that are not cumsum(histc(expert ids)); fxmeg "
+                        "cannot tell which rows go to which expert")
     experts = int(histc.args[1])
     sorted_ids = _source(histc.args[0], _CASTS)
     sort = sorted_ids.args[0] if sorted_ids.target is operator.getitem else None
     if sort is None or sort.target not in (aten.sort.default, aten.sort.stable):
-        raise PassError(f"expert_parallel: the expert ids of {up.name!r} ({where}) are not sorted by torch.sort")
+        raise PassError(
+            f"expert_parallel: the expert ids of {up.name!r} ({where}) are not sorted by "
+            "torch.sort")
     flat_index = sort.args[0]
     perm = next((u for u in sort.users if u.args[1] == 1), None)
     rows = _source(up.args[0], _CASTS)
     if rows.target is not aten.index.Tensor or perm is None:
-        raise PassError(f"expert_parallel: the rows of {up.name!r} ({where}) are not gathered from the tokens "
+        raise PassError(
+            f"expert_parallel: the rows of {up.name!r} ({where}) are not gathered from the tokens "
                         "by the sorted order")
     hidden = rows.args[0]
     top_k_index = flat_index.args[0]
-    weights_g = next((u for u in perm.users if u.target is aten.index.Tensor and u.args[1] == [perm]), None)
+    weights_g = next((u for u in perm.users if u.target is aten.index.Tensor
+                      and u.args[1] == [perm]), None)
     if weights_g is None or top_k_index is None or val(top_k_index).dim() != 2:
-        raise PassError(f"expert_parallel: no top-k weights are gathered by the sorted order at {up.name!r} "
+        raise PassError(
+            f"expert_parallel: no top-k weights are gathered by the sorted order at {up.name!r} "
                         f"({where})")
     top_k_weights = weights_g.args[0].args[0]
     up_out, b_up = _bias(up, sorted_ids)
@@ -258,12 +314,15 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
     middle = _between(up_out, mid_in_cast)
     result = _result(down_out, val(hidden).shape)
     if result is None:
-        raise PassError(f"expert_parallel: no value shaped like the tokens {list(val(hidden).shape)} follows "
+        raise PassError(
+            f"expert_parallel: no value shaped like the tokens {list(val(hidden).shape)} follows "
                         f"{down.name!r} ({where}); fxmeg cannot find the block's result")
     banks = [_bank(up.args[1], experts, where), _bank(down.args[1], experts, where)]
     return _Block(up=up, down=down, experts=experts, hidden=hidden, top_k_index=top_k_index,
-                  top_k_weights=top_k_weights, scores=None, w_up=up.args[1], w_down=down.args[1], b_up=b_up,
-                  b_down=b_down, up_out=up_out, middle=middle, middle_out=mid_in_cast, result=result, where=where,
+                  top_k_weights=top_k_weights, scores=None, w_up=up.args[1], w_down=down.args[1],
+                  b_up=b_up,
+                  b_down=b_down, up_out=up_out, middle=middle, middle_out=mid_in_cast,
+                  result=result, where=where,
                   banks=banks + [b for b in (b_up, b_down) if b is not None], module=_module(up))
 
 
@@ -279,15 +338,37 @@ def _batched(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
     middle = _between(up, found.down.args[0])
     features, out_features = val(up).shape[-1], val(found.down.args[0]).shape[-1]
     if not maps_zero_to_zero(_subgraph(gm, up, middle, found.down.args[0]), features, out_features):
-        raise PassError(f"expert_parallel: the batched experts' activation between {up.name!r} and "
-                        f"{found.down.name!r} ({where}) does not run per row, or maps a zero row to a nonzero one: "
-                        "the experts a token's routing skipped would not add zeros, so fxmeg cannot run only "
-                        "those it picked. Fix: train this model with ep=1 (every rank computes every expert)")
-    banks = [_bank(up.args[1], found.experts, where), _bank(found.down.args[1], found.experts, where)]
-    return _Block(up=up, down=found.down, experts=found.experts, hidden=found.hidden,
-                  top_k_index=found.top_k_index, top_k_weights=None, scores=found.scores, w_up=up.args[1],
-                  w_down=found.down.args[1], b_up=None, b_down=None, up_out=up, middle=middle,
-                  middle_out=found.down.args[0], result=found.result, where=where, banks=banks, module=_module(up))
+        raise PassError(
+            f"expert_parallel: the batched experts' activation between {up.name!r} and "
+            f"{found.down.name!r} ({where}) does not run per row, or maps a zero row to a nonzero "
+            "one: the experts a token's routing skipped would not add zeros, so fxmeg cannot run "
+            "only those it picked. Fix: train this model with ep=1 (every rank computes every "
+            "expert)"
+        )
+    banks = [
+        _bank(up.args[1], found.experts, where),
+        _bank(found.down.args[1], found.experts, where),
+    ]
+    return _Block(
+        up=up,
+        down=found.down,
+        experts=found.experts,
+        hidden=found.hidden,
+        top_k_index=found.top_k_index,
+        top_k_weights=None,
+        scores=found.scores,
+        w_up=up.args[1],
+        w_down=found.down.args[1],
+        b_up=None,
+        b_down=None,
+        up_out=up,
+        middle=middle,
+        middle_out=found.down.args[0],
+        result=found.result,
+        where=where,
+        banks=banks,
+        module=_module(up),
+    )
 
 
 def _offsets(mm: fx.Node) -> fx.Node:
@@ -308,7 +389,11 @@ def _bias(mm: fx.Node, ids: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     users = list(mm.users)
     if len(users) == 1 and users[0].target in (aten.add.Tensor, aten.add_.Tensor):
         other = next(a for a in users[0].args if a is not mm)
-        if isinstance(other, fx.Node) and other.target is aten.index.Tensor and other.args[1] == [ids]:
+        if (
+            isinstance(other, fx.Node)
+            and other.target is aten.index.Tensor
+            and other.args[1] == [ids]
+        ):
             return users[0], other.args[0]
     return mm, None
 
@@ -328,9 +413,11 @@ def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
         strays = [i for i in n.all_input_nodes if i is not start and i not in inside]
         if strays or n.op != "call_function":
             raise PassError(
-                f"expert_parallel: the experts' activation reads {strays[0].name if strays else n.name!r} besides "
-                f"the first matmul's rows (node {n.name!r}, module {_module(n)!r}); fxmeg runs it per row and "
-                "cannot tell what that value is per expert")
+                "expert_parallel: the experts' activation reads "
+                f"{strays[0].name if strays else n.name!r} besides the first matmul's rows (node "
+                f"{n.name!r}, module {_module(n)!r}); fxmeg runs it per row and cannot tell what "
+                "that value is per expert"
+            )
     return nodes
 
 
@@ -348,19 +435,26 @@ def _result(start: fx.Node, shape) -> fx.Node | None:
 def _bank(node: fx.Node, experts: int, where: str) -> fx.Node:
     bank = _source(node, _BANK_VIEWS)
     if bank.op != "get_attr" or val(bank) is None or val(bank).shape[0] != experts:
-        raise PassError(f"expert_parallel: the grouped matmul's weights {node.name!r} ({where}) are not a "
-                        f"parameter of {experts} experts on dim 0")
+        raise PassError(
+            f"expert_parallel: the grouped matmul's weights {node.name!r} ({where}) are not a "
+            f"parameter of {experts} experts on dim 0"
+        )
     return bank
 
 
-def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor: float | None) -> None:
+def _rewrite(
+    gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor: float | None
+) -> None:
     if b.experts % ep:
-        raise PassError(f"ep={ep} does not divide the {b.experts} experts of module {b.module!r}; choose ep "
-                        f"among {[d for d in range(1, b.experts + 1) if b.experts % d == 0]}")
+        raise PassError(
+            f"ep={ep} does not divide the {b.experts} experts of module {b.module!r}; choose ep "
+            f"among {[d for d in range(1, b.experts + 1) if b.experts % d == 0]}"
+        )
     graph = gm.graph
     weights, on_input = b.top_k_weights, b.scores is not None
     body_gm = _subgraph(gm, b.up_out, b.middle, b.middle_out)
-    if on_input:  # the activation ran on [E, T, N]: give its values the routed rows' shapes [T * k, N]
+    # the activation ran on [E, T, N]: give its values the routed rows' shapes [T * k, N]
+    if on_input:
         _per_row(body_gm, val(b.top_k_index).numel())
     gm.add_submodule(name, body_gm)
     if on_input:  # batched experts: the scores at the top-k index, [T, k]
@@ -368,7 +462,12 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
             weights = call(graph, aten.gather.default, (b.scores, 1, b.top_k_index), like=b.result)
     with graph.inserting_before(b.result):
         body = graph.get_attr(name)
-        kwargs = {"num_experts": b.experts, "group": ops.EP, "capacity_factor": capacity_factor, "layer": b.module}
+        kwargs = {
+            "num_experts": b.experts,
+            "group": ops.EP,
+            "capacity_factor": capacity_factor,
+            "layer": b.module,
+        }
         routed = graph.call_function(ops.routed_experts, *ops.routed_experts_call(
             body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down,
             **kwargs | ({"probs_on_input": True} if on_input else {})))
@@ -377,7 +476,8 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
     set_tags(body, tags(b.result))
     old = b.inner()
     b.result.replace_all_uses_with(routed)
-    for n in reversed(list(graph.nodes)):  # in-place ops too: they wrote only the block's temporaries
+    # in-place ops too: they wrote only the block's temporaries
+    for n in reversed(list(graph.nodes)):
         if n in old and not n.users:
             graph.erase_node(n)
     shard = ExpertShard(b.experts, origin=b.module)
@@ -395,7 +495,9 @@ def _rewrite(gm: fx.GraphModule, b: _Block, name: str, ep: int, capacity_factor:
     log.debug("expert_parallel: %s: %d experts over ep=%d", b.module, b.experts, ep)
 
 
-def _subgraph(gm: fx.GraphModule, start: fx.Node, middle: list[fx.Node], end: fx.Node) -> fx.GraphModule:
+def _subgraph(
+    gm: fx.GraphModule, start: fx.Node, middle: list[fx.Node], end: fx.Node
+) -> fx.GraphModule:
     """The activation ``middle`` (``start`` -> ``end``) as a graph of its own, run on rows."""
     sub = fx.Graph()
     env = {start: sub.placeholder("rows")}
@@ -424,8 +526,10 @@ def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
         if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.dim() >= 3:
             raise PassError(
                 f"ep > 1, but fxmeg cannot find the routed experts that read {n.target!r} (shape "
-                f"{list(t.shape)}, module {_module(n) or n.target.rpartition('.')[0]!r}, chunk {chunk.index}): "
-                "expert parallelism recognises a Hugging Face grouped-experts block (two grouped matmuls "
-                "over a bank of experts, fed by top-k routing; fxmeg/passes/expert_parallel.py) and Llama 4's "
-                "batched experts (fxmeg/passes/ep_batched.py). Build the model with "
-                "experts_implementation='grouped_mm' or train it with ep=1")
+                f"{list(t.shape)}, module {_module(n) or n.target.rpartition('.')[0]!r}, chunk "
+                f"{chunk.index}): expert parallelism recognises a Hugging Face grouped-experts "
+                "block (two grouped matmuls over a bank of experts, fed by top-k routing; "
+                "fxmeg/passes/expert_parallel.py) and Llama 4's batched experts "
+                "(fxmeg/passes/ep_batched.py). Build the model with "
+                "experts_implementation='grouped_mm' or train it with ep=1"
+            )

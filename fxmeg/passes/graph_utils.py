@@ -81,7 +81,13 @@ def bound(x) -> float:
 
 
 def call(
-    graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like: fx.Node, name: str | None = None
+    graph: fx.Graph,
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    like: fx.Node,
+    name: str | None = None,
 ):
     """Insert ``target(*args)`` with ``meta['val']`` computed on fake tensors.
 
@@ -98,7 +104,9 @@ def fake_eval(node: fx.Node) -> Any:
     runs its body on them."""
     vals = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
     if not vals:  # a constant: borrow the mode of any value in the graph
-        vals = [n.meta["val"] for n in node.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        vals = [
+            n.meta["val"] for n in node.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+        ]
     mode = detect_fake_mode(vals)
     assert mode is not None, f"node {node.name} has no fake inputs"
     owner = node.graph.owning_module

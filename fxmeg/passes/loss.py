@@ -153,7 +153,9 @@ def _split_aux(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
         return node, None
     for main, aux in (node.args, node.args[::-1]):
         core = main
-        while isinstance(core, fx.Node) and core.op == "call_function" and core.target in _TRANSPARENT:
+        while (
+            isinstance(core, fx.Node) and core.op == "call_function" and core.target in _TRANSPARENT
+        ):
             core = core.args[0]
         if isinstance(core, fx.Node) and isinstance(aux, fx.Node) and _is_scalar(aux) and (
             core.target in _CLASS_LOSSES or core.target == aten.mean.default
@@ -192,7 +194,9 @@ def _class_loss(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     args[red_idx] = _SUM
     if val(args[0]).dtype in (torch.bfloat16, torch.float16):
         with graph.inserting_before(node):
-            args[0] = call(graph, aten._to_copy.default, (args[0],), {"dtype": torch.float32}, like=node)
+            args[0] = call(
+                graph, aten._to_copy.default, (args[0],), {"dtype": torch.float32}, like=node
+            )
     node.args, node.kwargs = tuple(args), {}
     node.meta["val"] = fake_eval(node)
     keep = call(graph, aten.ne.Scalar, (target, ignore_index), like=node)

@@ -54,66 +54,185 @@ def _ops(*names: str, ns=aten) -> frozenset:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("copy", "shaped like their input: a cast, copy or alias of it, or constants like it",
-           _ops("to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "alias.default",
-                "contiguous.default", "type_as.default", "detach.default", "clone.default",
-                "zeros_like.default", "ones_like.default", "empty_like.default", "full_like.default")),
-    Family("random", "draw random values shaped like their input (their stream matters)",
-           _ops("dropout.default", "native_dropout.default", "bernoulli.default", "bernoulli.p",
-                "rand_like.default", "randn_like.default")),
-    Family("pointwise", "elementwise over broadcast operands (masking ops and complex constructors are not tagged)",
-           _ops("masked_fill.Tensor", "where.ScalarOther", "where.ScalarSelf", "polar.default", "complex.default"),
-           torch.Tag.pointwise),
-    Family("view", "reshapes and views that keep the elements' order",
-           _ops("view.default", "reshape.default", "_unsafe_view.default", "flatten.using_ints",
-                "unsqueeze.default", "squeeze.dim", "squeeze.default", "unflatten.int", "expand.default")),
-    Family("complex", "pairs along the last dim read as complex numbers (view_as_complex) or spelled out as "
-           "pairs again (view_as_real): every other dim stays where it is",
-           _ops("view_as_complex.default", "view_as_real.default")),
+    Family(
+        "copy",
+        "shaped like their input: a cast, copy or alias of it, or constants like it",
+        _ops(
+            "to.dtype",
+            "to.dtype_layout",
+            "to.device",
+            "_to_copy.default",
+            "alias.default",
+            "contiguous.default",
+            "type_as.default",
+            "detach.default",
+            "clone.default",
+            "zeros_like.default",
+            "ones_like.default",
+            "empty_like.default",
+            "full_like.default",
+        ),
+    ),
+    Family(
+        "random",
+        "draw random values shaped like their input (their stream matters)",
+        _ops(
+            "dropout.default",
+            "native_dropout.default",
+            "bernoulli.default",
+            "bernoulli.p",
+            "rand_like.default",
+            "randn_like.default",
+        ),
+    ),
+    Family(
+        "pointwise",
+        "elementwise over broadcast operands (masking ops and complex constructors are not tagged)",
+        _ops(
+            "masked_fill.Tensor",
+            "where.ScalarOther",
+            "where.ScalarSelf",
+            "polar.default",
+            "complex.default",
+        ),
+        torch.Tag.pointwise,
+    ),
+    Family(
+        "view",
+        "reshapes and views that keep the elements' order",
+        _ops(
+            "view.default",
+            "reshape.default",
+            "_unsafe_view.default",
+            "flatten.using_ints",
+            "unsqueeze.default",
+            "squeeze.dim",
+            "squeeze.default",
+            "unflatten.int",
+            "expand.default",
+        ),
+    ),
+    Family(
+        "complex",
+        "pairs along the last dim read as complex numbers (view_as_complex) or spelled out as "
+        "pairs again (view_as_real): every other dim stays where it is",
+        _ops("view_as_complex.default", "view_as_real.default"),
+    ),
     Family("permute", "reorder dims", _ops("transpose.int", "permute.default", "t.default")),
-    Family("split", "pieces along their dim argument",
-           _ops("split.Tensor", "split_with_sizes.default", "chunk.default")),
+    Family(
+        "split",
+        "pieces along their dim argument",
+        _ops("split.Tensor", "split_with_sizes.default", "chunk.default"),
+    ),
     Family("slice", "a range along their dim argument", _ops("slice.Tensor")),
-    Family("index", "pick entries along their dim argument", _ops("select.int", "index_select.default")),
+    Family(
+        "index", "pick entries along their dim argument", _ops("select.int", "index_select.default")
+    ),
     Family("unbind", "every entry along their dim argument, that dim removed", _ops("unbind.int")),
-    Family("advanced_index", "index by tensors, one per leading dim (None: all of it)", _ops("index.Tensor")),
+    Family(
+        "advanced_index",
+        "index by tensors, one per leading dim (None: all of it)",
+        _ops("index.Tensor"),
+    ),
     Family("repeat", "repeat entries along their dim argument", _ops("repeat_interleave.self_int")),
-    Family("tile", "the whole tensor repeated along each dim (Tensor.repeat)", _ops("repeat.default")),
-    Family("scatter", "write values at indices along their dim argument (a router's top-k scores into a row)",
-           _ops("scatter.src", "scatter_.src", "scatter.value", "scatter_.value")),
-    Family("concat", "join operands along a dim (new for stack)", _ops("cat.default", "stack.default")),
-    Family("softmax", "normalise along their dim argument",
-           _ops("_softmax.default", "softmax.int", "_safe_softmax.default", "_log_softmax.default",
-                "log_softmax.int")),
-    Family("cumulative", "running sums or products along their dim argument",
-           _ops("cumsum.default", "cumprod.default", "logcumsumexp.default")),
-    Family("rank", "order entries along their dim argument (values and indices: a router's top-k)",
-           _ops("topk.default", "sort.default", "sort.stable", "argsort.default", "argsort.stable")),
-    Family("reduction", "reduce over their dim argument (all dims when none)", tag=torch.Tag.reduction),
-    Family("histogram", "count values into bins (a router's tokens per expert)", _ops("histc.default", "bincount.default")),
-    Family("linear", "a product with a weight operand and an optional bias (LINEAR_SLOTS)",
-           _ops("linear.default", "addmm.default")),
-    Family("matmul", "products of two operands, read as einsum",
-           _ops("mm.default", "matmul.default", "bmm.default", "einsum.default")),
-    Family("add_matmul", "a batched product added to a third operand (baddbmm)", _ops("baddbmm.default")),
-    Family("attention", "attention of queries over keys and values, heads in dim -3 (SDPA; fxmeg's cp_attention)",
-           _ops("scaled_dot_product_attention.default") | _ops("cp_attention.default", ns=fx_ops)),
+    Family(
+        "tile", "the whole tensor repeated along each dim (Tensor.repeat)", _ops("repeat.default")
+    ),
+    Family(
+        "scatter",
+        "write values at indices along their dim argument (a router's top-k scores into a row)",
+        _ops("scatter.src", "scatter_.src", "scatter.value", "scatter_.value"),
+    ),
+    Family(
+        "concat", "join operands along a dim (new for stack)", _ops("cat.default", "stack.default")
+    ),
+    Family(
+        "softmax",
+        "normalise along their dim argument",
+        _ops(
+            "_softmax.default",
+            "softmax.int",
+            "_safe_softmax.default",
+            "_log_softmax.default",
+            "log_softmax.int",
+        ),
+    ),
+    Family(
+        "cumulative",
+        "running sums or products along their dim argument",
+        _ops("cumsum.default", "cumprod.default", "logcumsumexp.default"),
+    ),
+    Family(
+        "rank",
+        "order entries along their dim argument (values and indices: a router's top-k)",
+        _ops("topk.default", "sort.default", "sort.stable", "argsort.default", "argsort.stable"),
+    ),
+    Family(
+        "reduction", "reduce over their dim argument (all dims when none)", tag=torch.Tag.reduction
+    ),
+    Family(
+        "histogram",
+        "count values into bins (a router's tokens per expert)",
+        _ops("histc.default", "bincount.default"),
+    ),
+    Family(
+        "linear",
+        "a product with a weight operand and an optional bias (LINEAR_SLOTS)",
+        _ops("linear.default", "addmm.default"),
+    ),
+    Family(
+        "matmul",
+        "products of two operands, read as einsum",
+        _ops("mm.default", "matmul.default", "bmm.default", "einsum.default"),
+    ),
+    Family(
+        "add_matmul",
+        "a batched product added to a third operand (baddbmm)",
+        _ops("baddbmm.default"),
+    ),
+    Family(
+        "attention",
+        "attention of queries over keys and values, heads in dim -3 (SDPA; fxmeg's cp_attention)",
+        _ops("scaled_dot_product_attention.default") | _ops("cp_attention.default", ns=fx_ops),
+    ),
     Family("norm", "layer norm over the last dims", _ops("layer_norm.default")),
     Family("embedding", "rows of a table by index", _ops("embedding.default")),
-    Family("loss", "per-class losses over (tokens, classes) inputs",
-           _ops("cross_entropy_loss.default", "nll_loss_nd.default", "nll_loss.default")),
-    Family("pad", "pad dims with a constant (pad widths from the last dim back)",
-           _ops("pad.default", "constant_pad_nd.default")),
-    Family("triangle", "keep a triangle of the last two dims", _ops("tril.default", "triu.default")),
+    Family(
+        "loss",
+        "per-class losses over (tokens, classes) inputs",
+        _ops("cross_entropy_loss.default", "nll_loss_nd.default", "nll_loss.default"),
+    ),
+    Family(
+        "pad",
+        "pad dims with a constant (pad widths from the last dim back)",
+        _ops("pad.default", "constant_pad_nd.default"),
+    ),
+    Family(
+        "triangle", "keep a triangle of the last two dims", _ops("tril.default", "triu.default")
+    ),
     Family("write", "copy a value into (a view of) another in place", _ops("copy_.default")),
-    Family("new", "a new tensor of the sizes given, with its input's dtype and device",
-           _ops("new_empty.default", "new_zeros.default", "new_ones.default", "new_full.default")),
-    Family("convolution", "mix neighbouring positions",
-           _ops("convolution.default", "conv1d.default", "conv2d.default")),
-    Family("exchange", "collectives of one axis along their dim argument (cp's cut, gather, scatter of the "
-           "sequence): every other dim passes through", _ops("cp_slice.default", "cp_unslice.default",
-                                                            "cp_gather.default", "cp_reduce_scatter.default",
-                                                            ns=fx_ops)),
+    Family(
+        "new",
+        "a new tensor of the sizes given, with its input's dtype and device",
+        _ops("new_empty.default", "new_zeros.default", "new_ones.default", "new_full.default"),
+    ),
+    Family(
+        "convolution",
+        "mix neighbouring positions",
+        _ops("convolution.default", "conv1d.default", "conv2d.default"),
+    ),
+    Family(
+        "exchange",
+        "collectives of one axis along their dim argument (cp's cut, gather, scatter of the "
+        "sequence): every other dim passes through",
+        _ops(
+            "cp_slice.default",
+            "cp_unslice.default",
+            "cp_gather.default",
+            "cp_reduce_scatter.default",
+            ns=fx_ops,
+        ),
+    ),
 )
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 _EXPLICIT: dict = {op: f for f in FAMILIES for op in f.ops}

@@ -13,11 +13,11 @@ parameter of another bucket is read between that parameter's first read and it. 
 chunk graph, for every bucket whose parameters the chunk reads, one
 wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)``, comes before the
 first node that uses any parameter of that bucket; every use of those parameters follows
-it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node that reads one of its
-parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem`` ..., or a
-region whose body returns a view of its input), and each gather names as ``prefetch``
-the bucket gathered next (None for the last). Forward reads the last buckets first
-(buckets are laid out in backward order), so the keys come in descending bucket order.
+it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node
+that reads one of its parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem``
+..., or a region whose body returns a view of its input), and each gather names as ``prefetch`` the
+bucket gathered next (None for the last). Forward reads the last buckets first (buckets are laid out
+in backward order), so the keys come in descending bucket order.
 """
 
 from __future__ import annotations
@@ -37,14 +37,25 @@ aten = torch.ops.aten
 
 def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) -> fx.GraphModule:
     """The markers of the chunk graph ``gm`` (see the module docstring); ``chunk`` is not needed."""
-    if config.data_parallel.zero_stage >= 2 and not config.compile and not config.parallel.splits_backward:
+    if (
+        config.data_parallel.zero_stage >= 2
+        and not config.compile
+        and not config.parallel.splits_backward
+    ):
         _early_reads(gm)
     if config.data_parallel.zero_stage == 3:
         return _gather_and_release(gm, release=config.data_parallel.reshard_after_forward)
     if not config.data_parallel.overlap_param_gather:
         return finish(gm)
     for (home, index), (user, param) in _first_uses(gm).items():
-        _marker(gm, user, ops.wait_param_gather, param, {"bucket": (home, index)}, f"wait_param_gather_{home}_{index}")
+        _marker(
+            gm,
+            user,
+            ops.wait_param_gather,
+            param,
+            {"bucket": (home, index)},
+            f"wait_param_gather_{home}_{index}",
+        )
     return finish(gm)
 
 
@@ -58,7 +69,9 @@ def _early_reads(gm: fx.GraphModule) -> None:
             start = first.setdefault(param.target, at)
             if at > start and _bias_free_linear(node, param) and _other_since(seen, key, start):
                 with gm.graph.inserting_before(node):
-                    early = gm.graph.call_function(ops.early_linear, (node.args[0], param), {"name": param.target})
+                    early = gm.graph.call_function(
+                        ops.early_linear, (node.args[0], param), {"name": param.target}
+                    )
                 early.meta = dict(node.meta)
                 set_tags(early, tags(node))
                 node.replace_all_uses_with(early)
@@ -72,7 +85,13 @@ def _bias_free_linear(node: fx.Node, weight: fx.Node) -> bool:
         return False
     x, w, *bias = node.args
     x_val = val(x) if isinstance(x, fx.Node) else None
-    return w is weight and x is not weight and bias in ([], [None]) and x_val is not None and x_val.dim() >= 2
+    return (
+        w is weight
+        and x is not weight
+        and bias in ([], [None])
+        and x_val is not None
+        and x_val.dim() >= 2
+    )
 
 
 def _other_since(seen: list[tuple[int, tuple[int, int]]], key: tuple[int, int], start: int) -> bool:
@@ -123,10 +142,24 @@ def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
         user, param = first[key]
         prefetch = keys[i + 1] if i + 1 < len(keys) else None
         home, index = key
-        _marker(gm, user, ops.zero_gather, param, {"bucket": key, "prefetch": prefetch}, f"zero_gather_{home}_{index}")
+        _marker(
+            gm,
+            user,
+            ops.zero_gather,
+            param,
+            {"bucket": key, "prefetch": prefetch},
+            f"zero_gather_{home}_{index}",
+        )
         if release:
-            _marker(gm, last[key], ops.zero_release, param, {"bucket": key}, f"zero_release_{home}_{index}",
-                    after=True)
+            _marker(
+                gm,
+                last[key],
+                ops.zero_release,
+                param,
+                {"bucket": key},
+                f"zero_release_{home}_{index}",
+                after=True,
+            )
     return finish(gm)
 
 

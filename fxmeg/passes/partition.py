@@ -54,8 +54,15 @@ def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     """Cut ``gm`` into pp * vpp chunks at unit boundaries (balanced; under a V schedule
     over the pipeline ranks; or at the layout's ``split_points``); tag every node's chunk."""
     par = parallel
-    v = par.spec.placement == "v"  # a rank runs its two chunks back to back (fxmeg/schedule_registry.py)
-    split = cut(gm, num_chunks=par.num_chunks, split_points=par.split_points, placement=par.placement if v else None)
+    v = (
+        par.spec.placement == "v"
+    )  # a rank runs its two chunks back to back (fxmeg/schedule_registry.py)
+    split = cut(
+        gm,
+        num_chunks=par.num_chunks,
+        split_points=par.split_points,
+        placement=par.placement if v else None,
+    )
     set_tag(gm, "partition", dataclasses.replace(split, placement=par.placement))
     return gm
 
@@ -73,7 +80,8 @@ def cut(
     schedules)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     blocks, units, unit_of = _units(nodes)
-    error = blocks_error(num_chunks, blocks)  # model_checks refused most before capture; the graph may hold fewer
+    # model_checks refused most before capture; the graph may hold fewer
+    error = blocks_error(num_chunks, blocks)
     if error is not None:
         raise error
     starts = (0,)
@@ -112,13 +120,19 @@ def _flops(node: fx.Node):
     ins = [val(n) for n in node.all_input_nodes]
     if node.target == aten.linear.default:
         return 2.0 * out.numel() * ins[0].shape[-1]
-    # by argument position: a node read twice (self-attention on one tensor, x @ x) is one input node
+    # by argument position: a node read twice (self-attention on one tensor, x @ x) is one
+    # input node
     if node.target in _MATMULS:
-        return 2.0 * out.numel() * val(node.args[1 if node.target == aten.addmm.default else 0]).shape[-1]
+        return (
+            2.0
+            * out.numel()
+            * val(node.args[1 if node.target == aten.addmm.default else 0]).shape[-1]
+        )
     if node.target == aten.scaled_dot_product_attention.default:
         q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
-    if node.target == torch.ops.fxmeg.cp_attention.default:  # local queries against all cp ranks' keys
+    # local queries against all cp ranks' keys
+    if node.target == torch.ops.fxmeg.cp_attention.default:
         q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * node.args[5] * q.shape[-1]
     return 0.0
@@ -149,7 +163,9 @@ def _is_view(node: fx.Node) -> bool:
         return False
 
     def tensors(v) -> list[torch.Tensor]:  # a split's val is a list of them
-        return [t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)]
+        return [
+            t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)
+        ]
 
     outs = tensors(node.meta.get("val"))
     srcs = [t for n in node.all_input_nodes for t in tensors(n.meta.get("val"))]
@@ -213,7 +229,11 @@ def _units(nodes: list[fx.Node]) -> tuple[list[str], list[str], dict[fx.Node, in
               and _part(prev, block_of) != _part(node, block_of) and live[p] <= entering):
             part = _part(node, block_of)
             outside = part.startswith("~")
-            name = (part[1:] or f"{blocks[-1]}:after") if outside else f"{blocks[block_index[node]]}:{part or 'residual'}"
+            name = (
+                (part[1:] or f"{blocks[-1]}:after")
+                if outside
+                else f"{blocks[block_index[node]]}:{part or 'residual'}"
+            )
             units.append(name)
         unit_of[node] = len(units) - 1
         if node.target.__name__ == "getitem":
@@ -314,7 +334,9 @@ SEARCH_BUDGET = 200_000
 """Cuts ``_rank_balanced`` may visit (about 0.3 s); the best found by then is kept."""
 
 
-def _rank_balanced(starts: tuple[int, ...], costs: list[float], placement: tuple[int, ...]) -> tuple[int, ...]:
+def _rank_balanced(
+    starts: tuple[int, ...], costs: list[float], placement: tuple[int, ...]
+) -> tuple[int, ...]:
     """The cut whose busiest pipeline rank (the sum of the costs of the chunks
     ``placement`` puts on it) costs least, ties to the smaller largest chunk; starting
     from the chunk-balanced ``starts``, never worse. In a V (chunks 0 and 2pp-1 on rank 0,
@@ -367,7 +389,9 @@ def _rank_balanced(starts: tuple[int, ...], costs: list[float], placement: tuple
     return best_cut
 
 
-def _pinned_starts(blocks: list[str], units: list[str], split_points: tuple[str, ...], k: int) -> tuple[int, ...]:
+def _pinned_starts(
+    blocks: list[str], units: list[str], split_points: tuple[str, ...], k: int
+) -> tuple[int, ...]:
     if len(split_points) != k - 1:
         raise ConfigError(
             f"split_points has {len(split_points)} entries, but pp * vpp = {k} chunks need "

@@ -50,7 +50,10 @@ def pipeline(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     chunk_of = {n: tag(n, "chunk") for n in nodes if n.op == "call_function"}
     output = gm.graph.output_node()
-    last_use = {n: max((_user_chunk(u, chunk_of, num_chunks) for u in n.users), default=-1) for n in chunk_of}
+    last_use = {
+        n: max((_user_chunk(u, chunk_of, num_chunks) for u in n.users), default=-1)
+        for n in chunk_of
+    }
     grads = requires_grad_nodes(gm)
     # cuts[k]: values produced in chunks <= k and read after k, in graph order
     cuts = [
@@ -94,8 +97,14 @@ def _chunk_graph(gm, k, body, inputs, recv, recv_nodes, send, send_nodes, loss):
     received = [graph.placeholder(n.name) for n in recv_nodes]
     for b, n, ph in zip(recv, recv_nodes, received):
         ph.meta = {"val": val(n), "fxmeg": {"module": ""}}
-        env[n] = _marker(graph, ops.recv, (ph,), dict(
-            src_chunk=k - 1, shape=list(b.shape), dtype=b.dtype, grad=b.grad), f"recv_{n.name}", ph.meta)
+        env[n] = _marker(
+            graph,
+            ops.recv,
+            (ph,),
+            dict(src_chunk=k - 1, shape=list(b.shape), dtype=b.dtype, grad=b.grad),
+            f"recv_{n.name}",
+            ph.meta,
+        )
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env:  # a parameter, buffer or constant: this chunk reads it itself
@@ -147,7 +156,10 @@ def _parent(children: dict, inputs: list[fx.Node], boundaries) -> fx.GraphModule
         spec = chunk_spec(chunk)
         args = [env[inputs[i]] for i in spec.data_inputs] + carried
         out = graph.call_module(name, tuple(args))
-        results = [graph.call_function(operator.getitem, (out, i)) for i in range(len(spec.send) + 2 * spec.is_last)]
+        results = [
+            graph.call_function(operator.getitem, (out, i))
+            for i in range(len(spec.send) + 2 * spec.is_last)
+        ]
         carried = results[: len(spec.send)]
     graph.output(tuple(results[-2:]))
     return fx.GraphModule(children, graph)

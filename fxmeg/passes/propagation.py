@@ -6,9 +6,9 @@ An axis names itself (``axis``, the key of its rules in ``op_rules``), says whic
 placements are split on it (``split_kinds``) and registers one rule per op family. The
 driver visits every node once, in order, regions' bodies included; a rule receives a node
 whose operands have placements and returns the node's ``Placement``, asking
-``move`` (fxmeg/passes/redistribute.py) for every collective or local cut it needs; a node that reads no split
-value stays replicated unless its rule starts a split. ``refuse`` builds every refusal
-(node, op, module, axis, fix); ``refresh`` re-evaluates every value on local shapes.
+``move`` (fxmeg/passes/redistribute.py) for every collective or local cut it needs; a node that
+reads no split value stays replicated unless its rule starts a split. ``refuse`` builds every
+refusal (node, op, module, axis, fix); ``refresh`` re-evaluates every value on local shapes.
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ class Propagation:
             parts = self.place[node.args[0]]
             return parts[node.args[1]] if isinstance(parts, list) else parts
         if found is None:
-            raise self.refuse(node, f"fxmeg has no {self.title} rule for it ({describe(node.target)})",
-                              self.first_split(node))
+            raise self.refuse(
+                node,
+                f"fxmeg has no {self.title} rule for it ({describe(node.target)})",
+                self.first_split(node),
+            )
         return found.fn(self, node)
 
     def is_split(self, place: Places) -> bool:
@@ -88,8 +91,18 @@ class Propagation:
     def move(self, value: fx.Node, src: str, dst: str, *, at: fx.Node, dim: int | None = None,
              after: bool = False, like: fx.Node | None = None) -> fx.Node:
         """``insert_move`` on this axis, in the graph being walked."""
-        return insert_move(self.g, self.axis, value, src, dst, size=self.size, dim=dim, at=at, after=after,
-                            like=like)
+        return insert_move(
+            self.g,
+            self.axis,
+            value,
+            src,
+            dst,
+            size=self.size,
+            dim=dim,
+            at=at,
+            after=after,
+            like=like,
+        )
 
     # ------------------------------------------------------------------ hooks
 
@@ -121,8 +134,10 @@ class Propagation:
         """The one refusal: the node, its op and module, the axis and its size, why, and a fix."""
         op = getattr(node.target, "__name__", str(node.target))
         return PassError(
-            f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) {self.phrase}"
-            f"{self.where(split)}: {why}{self.hint(node)}. Fix: {fix or self.default_fix(node, split)}")
+            f"cannot split node {node.name!r} ({op}, module {owning_module(node)!r}) "
+            f"{self.phrase}{self.where(split)}: {why}{self.hint(node)}. Fix: "
+            f"{fix or self.default_fix(node, split)}"
+        )
 
     @property
     def phrase(self) -> str:
@@ -138,9 +153,13 @@ class Propagation:
         another kind (``cond``, ``map``: their bodies run on other arguments) are refused."""
         split, found = self.first_split(node), body_call(node)
         if found is None:
-            raise self.refuse(node, f"it is a higher-order op ({node.target.name()}) that reads a value split "
-                                    f"{self.split_phrase}, and only wrap-style regions (autocast, no-grad, "
-                                    "wrap) are split inside", split)
+            raise self.refuse(
+                node,
+                f"it is a higher-order op ({node.target.name()}) that reads a value split "
+                f"{self.split_phrase}, and only wrap-style regions (autocast, no-grad, "
+                "wrap) are split inside",
+                split,
+            )
         body, operands = found
         getter = next(a for a in node.args if isinstance(a, fx.Node) and is_subgraph(a))
         callers = [n for n in self.g.nodes if n.op == "get_attr" and n.target == getter.target]
@@ -211,8 +230,10 @@ class Propagation:
                 except PassError:
                     raise
                 except Exception as exc:
-                    raise PassError(f"after {self.title} rewriting, node {node.name!r} (module "
-                                    f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}") from exc
+                    raise PassError(
+                        f"after {self.title} rewriting, node {node.name!r} (module "
+                        f"{owning_module(node)!r}, {node.target}) no longer type-checks: {exc}"
+                    ) from exc
 
     def _refresh_region(self, node: fx.Node) -> bool:
         """Re-evaluate the body of entered region ``node`` on its operands' local values
@@ -231,7 +252,9 @@ class Propagation:
 
 
 def _holds_tensor(v) -> bool:
-    return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v))
+    return isinstance(v, torch.Tensor) or (
+        isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v)
+    )
 
 
 def results(body: fx.GraphModule) -> tuple:

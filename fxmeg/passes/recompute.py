@@ -33,7 +33,14 @@ from fxmeg.passes.graph_utils import attr, is_subgraph
 from fxmeg.passes.partition import find_blocks
 
 aten = torch.ops.aten
-_MARKERS = {ops.recv, ops.send, ops.deallocate, ops.wait_param_gather, ops.zero_gather, ops.zero_release}
+_MARKERS = {
+    ops.recv,
+    ops.send,
+    ops.deallocate,
+    ops.wait_param_gather,
+    ops.zero_gather,
+    ops.zero_release,
+}
 _SCORES = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _BETWEEN_SCORES = {  # elementwise steps between q @ k^T and the softmax (scale, mask)
@@ -58,14 +65,18 @@ class Recompute(nn.Module):
             return self.region(*args)
         if torch.compiler.is_compiling():  # dynamo takes no plain context_fn (nothing counts there)
             return checkpoint(self.region, *args, use_reentrant=False)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self.recomputation.contexts)
+        return checkpoint(
+            self._run, *args, use_reentrant=False, context_fn=self.recomputation.contexts
+        )
 
     def _run(self, *args):
         self.recomputation.prepare(args)  # zero=3: its parameters whole again when backward runs it
         return self.region(*args)
 
 
-def recompute(gm: fx.GraphModule, *, recomputation: RecomputeConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def recompute(
+    gm: fx.GraphModule, *, recomputation: RecomputeConfig, chunk: ChunkInfo
+) -> fx.GraphModule:
     """Move each region (see the module docstring) of the chunk graph ``gm`` into a
     ``Recompute`` submodule called in its place (``recomputation.recompute``; with "full",
     ``recomputation.recompute_num_layers`` counts the blocks of this chunk).
@@ -78,7 +89,11 @@ def recompute(gm: fx.GraphModule, *, recomputation: RecomputeConfig, chunk: Chun
     assert granularity in GRANULARITIES, granularity  # RecomputeConfig checks it
     if granularity == "none":
         return gm
-    regions = _blocks(gm, recomputation.recompute_num_layers) if granularity == "full" else _attention_cores(gm)
+    regions = (
+        _blocks(gm, recomputation.recompute_num_layers)
+        if granularity == "full"
+        else _attention_cores(gm)
+    )
     for i, nodes in enumerate(regions):
         _extract(gm, nodes, f"recompute_{i}")
     gm.graph.lint()
@@ -99,7 +114,10 @@ def _blocks(gm: fx.GraphModule, num_layers: int | None) -> list[list[fx.Node]]:
 def _attention_cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
     regions = []
     for node in gm.graph.nodes:
-        if node.target in (aten.scaled_dot_product_attention.default, torch.ops.fxmeg.cp_attention.default):
+        if node.target in (
+            aten.scaled_dot_product_attention.default,
+            torch.ops.fxmeg.cp_attention.default,
+        ):
             regions.append([node])
         elif node.target in _SOFTMAX:
             region = _eager_core(node)
@@ -123,7 +141,11 @@ def _eager_core(softmax: fx.Node) -> list[fx.Node] | None:
                 if user.target in _SCORES:
                     end = user
                     break
-                if user.op == "call_function" and user.target not in _MARKERS and user.target not in _SOFTMAX:
+                if (
+                    user.op == "call_function"
+                    and user.target not in _MARKERS
+                    and user.target not in _SOFTMAX
+                ):
                     nxt.append(user)
             if end is not None:
                 break
@@ -169,8 +191,9 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
         if early:
             raise PassError(
                 f"recompute: {early[0].name!r} reads {out.name!r} in the middle of region "
-                f"{nodes[0].name}..{last.name} (module {nodes[0].meta.get('fxmeg', {}).get('module')!r}); "
-                "this block's nodes are not contiguous, so it cannot be recomputed as one region"
+                f"{nodes[0].name}..{last.name} (module "
+                f"{nodes[0].meta.get('fxmeg', {}).get('module')!r}); this block's nodes are not "
+                "contiguous, so it cannot be recomputed as one region"
             )
     bodies = [i for i in inputs if is_subgraph(i)]  # a higher-order op's body: not a value
     inputs = [i for i in inputs if i not in bodies]

@@ -6,8 +6,8 @@ A placement is named here by its kind: ``replicated`` (every rank holds all of i
 ``synced`` (replicated, read by split values: each rank's gradient is a part, summed in
 backward: Megatron's f), ``local`` (this rank's part of a replicated value), ``seq`` (split
 along the sequence: sp's residual stream, cp's every value), ``partial`` (each rank holds
-a part of a sum; ``partial_max`` of a maximum). The ops are ``fxmeg::`` ops on the axis's symbolic group, bound at run
-time (fxmeg/ir/ops.py says what each does forward and backward).
+a part of a sum; ``partial_max`` of a maximum). The ops are ``fxmeg::`` ops on the axis's symbolic
+group, bound at run time (fxmeg/ir/ops.py says what each does forward and backward).
 """
 
 from __future__ import annotations

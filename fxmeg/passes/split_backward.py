@@ -52,7 +52,9 @@ from fxmeg.torch_private import (
 )
 
 
-def split_backward(gm: fx.GraphModule, *, parallel: ParallelConfig, chunk: ChunkInfo) -> fx.GraphModule:
+def split_backward(
+    gm: fx.GraphModule, *, parallel: ParallelConfig, chunk: ChunkInfo
+) -> fx.GraphModule:
     """Split the chunk graph ``gm``'s backward (see the module docstring); ``chunk``
     names it in the error."""
     if not parallel.splits_backward:
@@ -63,9 +65,9 @@ def split_backward(gm: fx.GraphModule, *, parallel: ParallelConfig, chunk: Chunk
         raise
     except Exception as exc:  # AOT autograd raises many types; all mean "cannot split"
         raise PassError(
-            f"cannot split chunk {chunk.index}'s backward into input- and weight-gradient graphs for "
-            f"schedule {parallel.schedule!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
-            "Use schedule='1f1b' or 'interleaved'."
+            f"cannot split chunk {chunk.index}'s backward into input- and weight-gradient graphs "
+            f"for schedule {parallel.schedule!r}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}. Use schedule='1f1b' or 'interleaved'."
         ) from exc
     return gm
 
@@ -75,7 +77,8 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     rng = [n.name for m in gm.modules() if isinstance(m, fx.GraphModule)
            for n in m.graph.nodes if n.target in ops.RNG_MARKERS]
     if rng:
-        raise PassError(f"node {rng[0]!r} draws random numbers per tensor-parallel rank (dropout under tp), "
+        raise PassError(
+            f"node {rng[0]!r} draws random numbers per tensor-parallel rank (dropout under tp), "
                         "which the split graphs cannot keep")
     params = [n for n, _ in gm.named_parameters()]
     buffers = [n for n, _ in gm.named_buffers()]
@@ -95,8 +98,10 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     local = {n.target: val(n) for n in gm.graph.nodes if n.op == "get_attr" and val(n) is not None}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:  # parameters in their local (tensor-parallel shard) shapes
-        args = [_fake(local.get(n, tensors[n]), tensors[n].requires_grad and n in params) for n in names]
-        args += [_fake(val(p), i >= num_data and spec.recv[i - num_data].grad) for i, p in enumerate(placeholders)]
+        args = [_fake(local.get(n, tensors[n]),
+                      tensors[n].requires_grad and n in params) for n in names]
+        args += [_fake(val(p), i >= num_data and spec.recv[i - num_data].grad) for i,
+                 p in enumerate(placeholders)]
     with fx.traceback.preserve_node_meta():
         joint = aot_export_joint_simple(chunk_fn, args, trace_joint=True)
     outputs = len(spec.send) + (2 if spec.is_last else 0)
@@ -112,9 +117,12 @@ def _split_chunk(gm: fx.GraphModule) -> None:
                                                [grads[i] for i in weight_grads])
     saved = len(forward.graph.output_node().args[0]) - outputs
     tangents = [n.name for n in backward.graph.nodes if n.op == "placeholder"][saved:]
-    tangent_of = tuple(i for i, b in enumerate(spec.send) if b.grad) + ((len(spec.send),) if spec.is_last else ())
+    tangent_of = tuple(i for i, b in enumerate(spec.send) if b.grad) + ((len(spec.send),
+                                                                         ) if spec.is_last else ())
     if len(tangent_of) != len(tangents):
-        raise PassError(f"the joint graph has {len(tangents)} tangents for {len(tangent_of)} outputs with a gradient")
+        raise PassError(
+            f"the joint graph has {len(tangents)} tangents for {len(tangent_of)} outputs with a "
+            "gradient")
     gm.add_submodule("zb_forward", forward)
     gm.add_submodule("zb_input", inputs_graph)
     gm.add_submodule("zb_weight", weights_graph)
@@ -134,7 +142,11 @@ def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     """A copy of ``gm`` with every ``Recompute`` region's nodes inlined, tagged
     MUST_RECOMPUTE (one ``ac_graph_id`` per region), and whether there were any."""
-    regions = {n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recompute)}
+    regions = {
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recompute)
+    }
     if not regions:
         return fx.GraphModule(gm, copy.deepcopy(gm.graph)), False
     graph = fx.Graph()
@@ -167,7 +179,9 @@ def _own_outputs(gm: fx.GraphModule) -> None:
     output = gm.graph.output_node()
     for value in output.args[0]:
         source, viewed = value, False
-        while source.op == "call_function" and (source.target in (ops.send, ops.recv) or _is_view(source)):
+        while source.op == "call_function" and (
+            source.target in (ops.send, ops.recv) or _is_view(source)
+        ):
             viewed |= _is_view(source)
             source = source.args[0]
         if source.op in ("placeholder", "get_attr") or viewed or _folds_back(source):
@@ -207,7 +221,9 @@ def _split(backward: fx.GraphModule, input_grads: list, weight_grads: list):
     ``weight_grads`` from those values. Returns (I graph, W graph, number of carried values)."""
     need_i = _ancestors([g for g in input_grads if isinstance(g, fx.Node)])
     need_w = _ancestors([g for g in weight_grads if isinstance(g, fx.Node)])
-    only_w = [n for n in backward.graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"]
+    only_w = [
+        n for n in backward.graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"
+    ]
     carried = [n for n in backward.graph.nodes
                if (n in need_i or n.op == "placeholder") and any(u in only_w for u in n.users)]
     i_graph = fx.Graph()

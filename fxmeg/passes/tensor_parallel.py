@@ -176,16 +176,26 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         if node in self.heads:  # a key/value replica or the query block of a fused projection
             return kv_linear(self, node)
         slots = LINEAR_SLOTS.get(node.target)
-        if slots is not None and isinstance(w := node.args[slots.weight], fx.Node) and w.op == "get_attr":
+        if (
+            slots is not None
+            and isinstance(w := node.args[slots.weight], fx.Node)
+            and w.op == "get_attr"
+        ):
             return self._linear(node)
         if not any(isinstance(self.place.get(a), (Shard, list)) for a in node.all_input_nodes):
             return None
         if slots is not None and self._computed_weight(node, slots):
-            bias = node.args[slots.bias] if slots.bias is not None and len(node.args) > slots.bias else None
+            bias = (
+                node.args[slots.bias]
+                if slots.bias is not None and len(node.args) > slots.bias
+                else None
+            )
             self._slice_weight(node, slots)
             return self._reduce(node, bias=bias)
         if not in_family(node.target, "matmul"):
-            split = next((p for p in map(self.place.get, node.all_input_nodes) if isinstance(p, Shard)), None)
+            split = next(
+                (p for p in map(self.place.get, node.all_input_nodes) if isinstance(p, Shard)), None
+            )
             inside = " (in a region's body, as here, a parameter is an operand of the region)"
             raise self.refuse(node, "a linear whose weight is not a parameter reads a split value"
                                           + (inside if self.g in self.regions else ""), split)
@@ -218,7 +228,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         role, px = self._role(node), self.place.get(x)
         if role == "replicate":
             if isinstance(px, Shard) and not px.seq:
-                raise self.refuse(node, "a replicated linear reads a value split over its features", px)
+                raise self.refuse(
+                    node, "a replicated linear reads a value split over its features", px
+                )
             self._whole(w, node)
             return px  # per token: a sequence shard stays one
         args = list(node.args)
@@ -232,9 +244,13 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
             self._spec(w, out_dim, parts, node)
             if b is not None:
                 self._spec(b, 0, parts, node)
-            return Shard(val(node).dim() - 1, parts, vocab=role == "vocab", origin=owning_module(node))
+            return Shard(
+                val(node).dim() - 1, parts, vocab=role == "vocab", origin=owning_module(node)
+            )
         if not (isinstance(px, Shard) and px.dim == val(x).dim() - 1 and not px.seq):
-            raise self.refuse(node, "a row-parallel linear needs its input split on its last dim", px)
+            raise self.refuse(
+                node, "a row-parallel linear needs its input split on its last dim", px
+            )
         self._spec(w, 1 - out_dim, px.parts, node)
         if node.target == aten.addmm.default:  # the bias goes after the reduction
             node.target, node.args = aten.mm.default, (x, w)
@@ -278,8 +294,11 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         users = list(node.users)
         if self.sp:
             red = self.move(node, "partial", "seq", dim=self.seq_dim, at=node, after=True)
-            place = Shard(self.seq_dim, (val(node).shape[self.seq_dim],), seq=True, origin=owning_module(node))
-        else:  # Megatron's g; summed backward too where only split values read it (_check_statistics)
+            place = Shard(
+                self.seq_dim, (val(node).shape[self.seq_dim],), seq=True, origin=owning_module(node)
+            )
+        # Megatron's g; summed backward too where only split values read it (_check_statistics)
+        else:
             red, place = self.move(node, "partial", "replicated", at=node, after=True), None
             self.reductions.append((red, node))
         self.place[red] = place
@@ -304,7 +323,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
                 in_family(x.target, "pointwise") and len(x.all_input_nodes) == 1)):
             x = x.args[0]  # through casts and pointwise ops of the logits alone (softcapping)
         vocab = val(loss.args[0]).shape[1]
-        return vocab, (x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None)
+        return vocab, (
+            x if x.target == aten.linear.default and val(x.args[1]).shape[0] == vocab else None
+        )
 
     @rule(TP, "embedding", always=True)
     def _embedding(self, node: fx.Node):
@@ -313,15 +334,27 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         role = self._embedding_role(node, rows)
         if role == "replicate":
             return None
-        self._check_divides(node, rows, "vocabulary rows of the embedding",
-                            f"pad the vocabulary to a multiple of {self.tp} (e.g. {-(-rows // self.tp) * self.tp})")
+        self._check_divides(
+            node,
+            rows,
+            "vocabulary rows of the embedding",
+            f"pad the vocabulary to a multiple of {self.tp} (e.g. {-(-rows // self.tp) * self.tp})",
+        )
         self._spec(w, 0, (rows,), node)
         _, _, padding_idx, by_freq, sparse = full_args(node)[:5]
         if by_freq or sparse:
-            raise self.refuse(node, "scale_grad_by_freq or sparse gradients over a split vocabulary "
-                                          "are not implemented")
+            raise self.refuse(
+                node,
+                "scale_grad_by_freq or sparse gradients over a split vocabulary "
+                "are not implemented",
+            )
         with self.g.inserting_before(node):
-            both = call(self.g, torch.ops.fxmeg.vocab_shard_ids.default, (ids, rows // self.tp, TP), like=node)
+            both = call(
+                self.g,
+                torch.ops.fxmeg.vocab_shard_ids.default,
+                (ids, rows // self.tp, TP),
+                like=node,
+            )
             local = call(self.g, operator.getitem, (both, 0), like=node)
             outside = call(self.g, operator.getitem, (both, 1), like=node)
         node.args = (w, local)  # padding_idx is a global row: it is handled below
@@ -336,7 +369,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
             user.replace_input_with(node, zeroed)
         self.seq_dim = val(ids).dim() - 1
         if self.sp:
-            self._check_divides(node, val(node).shape[self.seq_dim], "sequence length (sequence parallelism)")
+            self._check_divides(
+                node, val(node).shape[self.seq_dim], "sequence length (sequence parallelism)"
+            )
         self.place[zeroed] = PARTIAL
         self._reduce(zeroed, bias=None)
         return None
@@ -366,7 +401,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
     def _loss(self, node: fx.Node):
         """Cross-entropy over vocabulary-split logits is vocabulary-parallel; no other
         loss reads a split value."""
-        if node.target == aten.cross_entropy_loss.default and isinstance(self.place.get(node.args[0]), Shard):
+        if node.target == aten.cross_entropy_loss.default and isinstance(
+            self.place.get(node.args[0]), Shard
+        ):
             return self._vocab_loss(node)
         raise self.refuse(node, "a loss reads a value split over tp ranks (only cross_entropy over "
                                       "vocabulary-split logits is split)")
@@ -377,7 +414,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         if args[5] != 0.0:
             raise self.refuse(node, "label smoothing over a split vocabulary is not implemented")
         if val(logits).dim() != 2 or self.place[logits].dim != 1:
-            raise self.refuse(node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits")
+            raise self.refuse(
+                node, "the vocabulary-parallel loss needs (tokens, vocabulary) logits"
+            )
         with self.g.inserting_before(node):
             both = call(self.g, torch.ops.fxmeg.vocab_parallel_cross_entropy.default,
                         (logits, target, args[4], TP), like=node)
@@ -398,11 +437,11 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
     def _tied(self, w: fx.Node, split: Shard) -> None:
         whole = self.whole[w.target]
         raise PassError(
-            f"parameter {w.target!r} is split along dim {split.dim} in blocks {split.parts} for one "
-            f"use but read whole by node {whole.name!r} (module {owning_module(whole)!r}), a "
-            f"replicated linear (the LM head is found only when the loss reads its output "
-            f"through views, casts and pointwise ops); set tp_plan for "
-            f"{owning_module(whole)!r} to 'vocab' or 'colwise', or tp=1"
+            f"parameter {w.target!r} is split along dim {split.dim} in blocks {split.parts} for "
+            f"one use but read whole by node {whole.name!r} (module {owning_module(whole)!r}), a "
+            "replicated linear (the LM head is found only when the loss reads its output through "
+            f"views, casts and pointwise ops); set tp_plan for {owning_module(whole)!r} to 'vocab' "
+            "or 'colwise', or tp=1"
         )
 
     def _spec(self, w: fx.Node, dim: int, parts: tuple[int, ...], node: fx.Node) -> None:
@@ -448,7 +487,11 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
             )
 
     def where(self, split) -> str:
-        return f" (split along dim {split.dim} by module {split.origin!r})" if isinstance(split, Shard) else ""
+        return (
+            f" (split along dim {split.dim} by module {split.origin!r})"
+            if isinstance(split, Shard)
+            else ""
+        )
 
     def default_fix(self, node: fx.Node, split) -> str:
         """Keep whole the module that split the value (its parent, when the op is the
@@ -458,8 +501,10 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         module = owning_module(node)
         if module and split.origin.startswith(module + "."):
             block = re.sub(r"\.\d+(\.|$)", r".*\1", module)
-            return (f"keep module {block!r} whole with tp_plan={{{block + '.*'!r}: 'replicate'}} (its other "
-                    "linears compute with the same split values), or use tp=1")
+            return (
+                f"keep module {block!r} whole with tp_plan={{{block + '.*'!r}: 'replicate'}} (its "
+                "other linears compute with the same split values), or use tp=1"
+            )
         glob = re.sub(r"\.\d+\.", ".*.", split.origin)
         return f"keep that module whole with tp_plan={{{glob!r}: 'replicate'}}, or use tp=1"
 

@@ -26,7 +26,9 @@ def loss(gm: fx.GraphModule) -> None:
     outputs = gm.graph.output_node().args[0]
     tags = [tag(n, "loss") for n in outputs]
     assert tags == ["sum", "count"], f"loss: outputs are tagged {tags}, not ['sum', 'count']"
-    assert all(val(n) is not None and val(n).dim() == 0 for n in outputs), "loss: outputs are not scalars"
+    assert all(val(n) is not None and val(n).dim() == 0 for n in outputs), (
+        "loss: outputs are not scalars"
+    )
 
 
 def analyse(gm: fx.GraphModule) -> None:
@@ -39,17 +41,24 @@ def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     if cp == 1:
         return
     layout = tag(gm, "cp")
-    assert layout.seq % (2 * cp) == 0, f"context_parallel: sequence {layout.seq} is not in 2 * cp chunks"
+    assert layout.seq % (2 * cp) == 0, (
+        f"context_parallel: sequence {layout.seq} is not in 2 * cp chunks"
+    )
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, dim in zip(inputs, layout.dims):
         if dim is not None:
-            assert val(node).shape[dim] == layout.seq // cp, f"context_parallel: input {node.name} is not local"
+            assert val(node).shape[dim] == layout.seq // cp, (
+                f"context_parallel: input {node.name} is not local"
+            )
     for node in gm.graph.nodes:
-        if node.target == torch.ops.aten.scaled_dot_product_attention.default:  # under a sliced mask
+        # under a sliced mask
+        if node.target == torch.ops.aten.scaled_dot_product_attention.default:
             assert all(a.target == torch.ops.fxmeg.cp_gather.default for a in node.args[1:3]), (
                 f"context_parallel: attention {node.name} does not read every key")
         if node.target == torch.ops.fxmeg.cp_attention.default:
-            assert node.args[5] == cp and node.args[6] == ops.CP, f"context_parallel: {node.name} is not over cp"
+            assert node.args[5] == cp and node.args[6] == ops.CP, (
+                f"context_parallel: {node.name} is not over cp"
+            )
         if node.op == "call_function":
             assert "val" in node.meta, f"context_parallel: {node.name} has no local value"
 
@@ -58,11 +67,14 @@ def tensor_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     if parallel.tp == 1:
         return
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and getattr(gm.get_parameter(node.target) if _is_param(gm, node) else None,
-                                             "requires_grad", False):
+        if node.op == "get_attr" and getattr(
+            gm.get_parameter(node.target) if _is_param(gm, node) else None, "requires_grad", False
+        ):
             assert has_tag(node, "tp"), f"tensor_parallel: parameter {node.target!r} has no tp tag"
         if node.target in ops.COLLECTIVES:
-            assert ops.TP in node.args or ops.CP in node.args, f"tensor_parallel: {node.name} is on no symbolic group"
+            assert ops.TP in node.args or ops.CP in node.args, (
+                f"tensor_parallel: {node.name} is on no symbolic group"
+            )
         if node.op == "call_function":
             assert "val" in node.meta, f"tensor_parallel: {node.name} has no local value"
 
@@ -86,28 +98,40 @@ def pipeline(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
     for c, gm in enumerate(graphs):
         spec = chunk_spec(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        assert len(placeholders) == len(spec.data_inputs) + len(spec.recv), f"pipeline: chunk {c} inputs"
+        assert len(placeholders) == len(spec.data_inputs) + len(spec.recv), (
+            f"pipeline: chunk {c} inputs"
+        )
         outputs = gm.graph.output_node().args[0]
         assert len(outputs) == len(spec.send) + 2 * spec.is_last, f"pipeline: chunk {c} outputs"
         for b, out in zip(spec.send, outputs):
-            assert out.target is ops.send and tuple(val(out).shape) == b.shape, f"pipeline: chunk {c} sends {out}"
+            assert out.target is ops.send and tuple(val(out).shape) == b.shape, (
+                f"pipeline: chunk {c} sends {out}"
+            )
         recvs = [n for n in gm.graph.nodes if n.target is ops.recv]
         assert len(recvs) == len(spec.recv), f"pipeline: chunk {c} has {len(recvs)} recv markers"
 
 
-def expert_parallel(gm: fx.GraphModule, parallel: ParallelConfig, moe: MoEConfig, chunk: ChunkInfo) -> None:
+def expert_parallel(
+    gm: fx.GraphModule, parallel: ParallelConfig, moe: MoEConfig, chunk: ChunkInfo
+) -> None:
     ep = parallel.ep
     calls = [n for n in gm.graph.nodes if n.target is ops.routed_experts]
     banks = {n.target: tag(n, "ep") for n in gm.graph.nodes
              if n.op == "get_attr" and has_tag(n, "ep")}
-    assert ep > 1 or not calls, f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
+    assert ep > 1 or not calls, (
+        f"expert_parallel: chunk {chunk.index} has routed_experts nodes at ep=1"
+    )
     marks = [n for n in gm.graph.nodes if n.target is ops.expert_load]
-    assert ep == 1 or len(marks) == len(calls), f"expert_parallel: chunk {chunk.index}: {len(marks)} expert_load marks"
+    assert ep == 1 or len(marks) == len(calls), (
+        f"expert_parallel: chunk {chunk.index}: {len(marks)} expert_load marks"
+    )
     for m in marks:
         index = val(m.args[0])
         assert index is not None and index.dim() == 2 and not index.is_floating_point(), (
             f"expert_parallel: {m.name} marks {m.args[0].name}, not a top-k index [tokens, k]")
-    assert bool(calls) == bool(banks), f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
+    assert bool(calls) == bool(banks), (
+        f"expert_parallel: chunk {chunk.index}: {len(calls)} blocks, banks {banks}"
+    )
     for call in calls:
         assert call.kwargs["capacity_factor"] == moe.moe_capacity_factor, (
             f"expert_parallel: {call.name} has capacity_factor={call.kwargs['capacity_factor']}")
@@ -120,7 +144,9 @@ def expert_parallel(gm: fx.GraphModule, parallel: ParallelConfig, moe: MoEConfig
 def recompute(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
     for name, module in gm.named_children():
         if isinstance(module, Recompute):
-            assert not list(module.parameters()), f"recompute: chunk {chunk.index} region {name} owns parameters"
+            assert not list(module.parameters()), (
+                f"recompute: chunk {chunk.index} region {name} owns parameters"
+            )
 
 
 def buckets(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
@@ -134,15 +160,23 @@ def buckets(parent: fx.GraphModule, parallel: ParallelConfig) -> None:
             assert layout.dtype == torch.float32, f"buckets: chunk {c} buffer is {layout.dtype}"
             end = 0
             for b in layout.buckets:
-                assert b.start == end and (b.end - b.start) % dp == 0, f"buckets: chunk {c} bucket {b.index}"
+                assert b.start == end and (b.end - b.start) % dp == 0, (
+                    f"buckets: chunk {c} bucket {b.index}"
+                )
                 end = b.end
             assert end == layout.numel, f"buckets: chunk {c} buckets do not cover the buffer"
             for s in layout.slots:
                 bucket = layout.buckets[s.bucket]
-                assert bucket.start <= s.offset and s.offset + s.numel <= bucket.end, f"buckets: {s.name}"
-                assert s.numel == shapes[s.name].numel(), f"buckets: {s.name} slot is not its local size"
+                assert bucket.start <= s.offset and s.offset + s.numel <= bucket.end, (
+                    f"buckets: {s.name}"
+                )
+                assert s.numel == shapes[s.name].numel(), (
+                    f"buckets: {s.name} slot is not its local size"
+                )
                 key = (placement[c], s.name)
-                assert key not in slots, f"buckets: {s.name} has two slots on pipeline rank {placement[c]}"
+                assert key not in slots, (
+                    f"buckets: {s.name} has two slots on pipeline rank {placement[c]}"
+                )
                 slots[key] = c
     for c, gm in enumerate(chunks(parent)):
         for name, p in gm.named_parameters():
@@ -174,20 +208,26 @@ def _zero_gather(gm: fx.GraphModule, chunk: ChunkInfo, *, reshard: bool) -> None
     gathered, released, prefetched = [], set(), []
     for node in gm.graph.nodes:
         if node.target is ops.zero_gather:
-            assert node.kwargs["bucket"] not in gathered, f"param_gather: {node.kwargs['bucket']} gathered twice"
+            assert node.kwargs["bucket"] not in gathered, (
+                f"param_gather: {node.kwargs['bucket']} gathered twice"
+            )
             gathered.append(node.kwargs["bucket"])
             prefetched.append(node.kwargs["prefetch"])
             continue
         if node.target is ops.zero_release:
             key = node.kwargs["bucket"]
-            assert key in gathered and key not in released, f"param_gather: {key} released twice or ungathered"
+            assert key in gathered and key not in released, (
+                f"param_gather: {key} released twice or ungathered"
+            )
             released.add(key)
             continue
         for arg in node.all_input_nodes:
             slot = tag(arg, "bucket") if arg.op == "get_attr" else None
             if slot is not None:
                 assert slot.gather_key in gathered and slot.gather_key not in released, (
-                    f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its gather")
+                    f"param_gather: chunk {chunk.index} {node.name} reads {arg.target} outside its "
+                    "gather"
+                )
     want = set(gathered) if reshard else set()
     assert released == want, f"param_gather: chunk {chunk.index} releases {released}, not {want}"
     assert prefetched == [*gathered[1:], None], (
@@ -210,8 +250,14 @@ def split_backward(gm: fx.GraphModule, parallel: ParallelConfig, chunk: ChunkInf
     assert split is not None, f"split_backward: chunk {c} has no split"
     for name in ("zb_forward", "zb_input", "zb_weight"):
         sub = getattr(gm, name)
-        assert not list(sub.parameters()) and not list(sub.buffers()), f"split_backward: {name} holds tensors"
+        assert not list(sub.parameters()) and not list(sub.buffers()), (
+            f"split_backward: {name} holds tensors"
+        )
     inputs = [n for n in gm.zb_weight.graph.nodes if n.op == "placeholder"]
-    assert len(inputs) == split.carry, f"split_backward: chunk {c}'s W takes {len(inputs)} values, I carries {split.carry}"
+    assert len(inputs) == split.carry, (
+        f"split_backward: chunk {c}'s W takes {len(inputs)} values, I carries {split.carry}"
+    )
     outputs = gm.zb_weight.graph.output_node().args[0]
-    assert len(outputs) == len(split.weights), f"split_backward: chunk {c}'s W returns {len(outputs)} gradients"
+    assert len(outputs) == len(split.weights), (
+        f"split_backward: chunk {c}'s W returns {len(outputs)} gradients"
+    )

@@ -50,7 +50,9 @@ def microbatches(program: Program, ctx: RankContext, batch: UserBatch | Iterator
     if program.cp_layout is not None:
         out = [context_slice(program.cp_layout, mb, ctx.groups.cp_rank) for mb in out]
     dtype = ctx.config.dtype
-    return [cast_inputs(tuple(t.to(ctx.device, non_blocking=True) for t in mb), dtype) for mb in out]
+    return [
+        cast_inputs(tuple(t.to(ctx.device, non_blocking=True) for t in mb), dtype) for mb in out
+    ]
 
 
 def context_slice(layout: CPLayout, mb: Batch, cp_rank: int) -> Batch:
@@ -64,7 +66,10 @@ def context_slice(layout: CPLayout, mb: Batch, cp_rank: int) -> Batch:
     for i, (t, dim) in enumerate(zip(mb, layout.dims)):
         fill = layout.shifts[i] if layout.shifts else None
         if fill is not None:  # the model's own label shift, on the whole sequence
-            t = torch.cat([t.narrow(dim, 1, t.shape[dim] - 1), t.narrow(dim, 0, 1).clone().fill_(fill)], dim=dim)
+            t = torch.cat(
+                [t.narrow(dim, 1, t.shape[dim] - 1), t.narrow(dim, 0, 1).clone().fill_(fill)],
+                dim=dim,
+            )
         if dim is not None:
             t = t.index_select(dim, torch.tensor(positions, device=t.device))
         out.append(t)
@@ -92,7 +97,9 @@ def positional(program: Program, batch: UserBatch, *, what: str) -> Batch:
     missing = [n for n in names if n not in batch]
     extra = [k for k in batch if k not in names]
     if missing or extra:
-        wrong = [f"missing {_keys(missing)}"] * bool(missing) + [f"unknown {_keys(extra)}"] * bool(extra)
+        wrong = [f"missing {_keys(missing)}"] * bool(missing) + [f"unknown {_keys(extra)}"] * bool(
+            extra
+        )
         raise BatchError(
             f"a {what} has keys {_keys(batch)} ({'; '.join(wrong)}); the example micro-batch has "
             f"{_keys(names)}: every batch must have the same keys (pad to the same fields, or "
@@ -122,8 +129,12 @@ def check(program: Program, batch: Batch, *, rows: int, what: str) -> None:
                 f"{what} input {ex.name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
                 f"expected {want} and {ex.dtype} (the example micro-batch's shape with "
                 f"{rows} rows = micro_batch_size x dp x micro-batches"
-                + ("; for sequences whose length changes from batch to batch, pass "
-                   "variable_seq_lengths=True)" if tuple(t.shape[1:]) != want[1:] and t.dim() == len(want) else ")")
+                + (
+                    "; for sequences whose length changes from batch to batch, pass "
+                    "variable_seq_lengths=True)"
+                    if tuple(t.shape[1:]) != want[1:] and t.dim() == len(want)
+                    else ")"
+                )
             )
     for c in program.value_checks:
         t = batch[c.index]

@@ -1,5 +1,5 @@
-"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ir.ops`` declares, and
-``bind``, which points a chunk graph's symbolic names at this rank's real objects.
+"""torch.distributed kernels of the tensor- and context-parallel ops that ``fxmeg.ir.ops`` declares,
+and ``bind``, which points a chunk graph's symbolic names at this rank's real objects.
 
 Importing this module registers the kernels; every runtime path that runs a
 tensor-parallel graph imports it (``fxmeg.runtime.context``).
@@ -120,7 +120,9 @@ def _vocab_parallel_cross_entropy(
 def _rank_major(seq: int, size: int, device: torch.device) -> Tensor:
     """The global position of every row of an all-gather of the ranks' parts (rank 0's
     rows, then rank 1's ...)."""
-    return torch.tensor([p for r in range(size) for p in ops.cp_positions(seq, size, r)], device=device)
+    return torch.tensor(
+        [p for r in range(size) for p in ops.cp_positions(seq, size, r)], device=device
+    )
 
 
 def _cp_slice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
@@ -173,11 +175,21 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, enable_g
     dim = q.dim() - 2  # (..., heads, seq, head_dim)
     keys, values = _cp_gather(k, dim, size, group), _cp_gather(v, dim, size, group)
     mask = _cp_causal_mask(q, dim, size, group)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
 
 
-def _cp_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
-                           enable_gqa: bool, size: int, group: str) -> tuple[Tensor, Tensor, Tensor]:
+def _cp_attention_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float | None,
+    enable_gqa: bool,
+    size: int,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Attention's backward from the probabilities recomputed in fp32 (FlashAttention's
     backward: dS = P * (dP - rowsum(dP * P))), K and V gathered again, dK and dV
     reduce-scattered back to the ranks that hold those positions."""
@@ -185,7 +197,9 @@ def _cp_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale:
     keys, values = _cp_gather(k, dim, size, group), _cp_gather(v, dim, size, group)
     mask = _cp_causal_mask(q, dim, size, group)
     rep = q.shape[-3] // k.shape[-3] if enable_gqa else 1
-    kf, vf = (t.repeat_interleave(rep, dim=-3).float() if rep > 1 else t.float() for t in (keys, values))
+    kf, vf = (
+        t.repeat_interleave(rep, dim=-3).float() if rep > 1 else t.float() for t in (keys, values)
+    )
     qf, g = q.float(), grad.float()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (qf @ kf.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
@@ -203,8 +217,16 @@ def _cp_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale:
 
 
 # plain functions first: the attention kernels call the gather, mask and scatter ones
-for _name in ('cp_slice', 'cp_unslice', 'cp_gather', 'cp_reduce_scatter', 'cp_all_reduce', 'cp_causal_mask',
-              'cp_attention', 'cp_attention_backward'):
+for _name in (
+    "cp_slice",
+    "cp_unslice",
+    "cp_gather",
+    "cp_reduce_scatter",
+    "cp_all_reduce",
+    "cp_causal_mask",
+    "cp_attention",
+    "cp_attention_backward",
+):
     _kernel(_name)(globals()[f"_{_name}"])
 
 
@@ -305,7 +327,8 @@ def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
     node.target = b.experts.routed_experts
     node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
-        b.experts.drops.track(node.kwargs.get("layer", ""), b.device)  # before any (compiled) forward
+        # before any (compiled) forward
+        b.experts.drops.track(node.kwargs.get("layer", ""), b.device)
 
 
 def _bind_zero(node: fx.Node, b: Binding) -> None:
@@ -350,11 +373,14 @@ def bind(gm: fx.GraphModule, binding: Binding) -> None:
     rank's objects (``binding``), each op by its entry of ``BINDERS``: symbolic group names
     (``"tp"``) become the real process groups' names, ``ops.tp_rng_fork`` / ``tp_rng_join``
     switch to this rank's random stream, the markers call this rank's functions, the
-    recompute regions share this rank's ``Recomputation``, and a routed experts layer with a capacity factor gets its dropped-pairs counter on
-    ``binding.device``. Only arguments and call targets change; the graph's structure
-    does not."""
+    recompute regions share this rank's ``Recomputation``, and a routed experts layer with a
+    capacity factor gets its dropped-pairs counter on ``binding.device``. Only arguments and call
+    targets change; the graph's structure does not."""
     for module in gm.modules():
-        if isinstance(getattr(module, "recomputation", None), Recomputation) and binding.recomputation is not None:
+        if (
+            isinstance(getattr(module, "recomputation", None), Recomputation)
+            and binding.recomputation is not None
+        ):
             module.recomputation = binding.recomputation  # a recompute region (passes/recompute.py)
         if not isinstance(module, fx.GraphModule):
             continue

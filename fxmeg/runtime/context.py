@@ -161,10 +161,9 @@ class RankContext:
         return schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=m)
 
 
-def build_context(
-    program: Program, config: EngineConfig | None = None, *, optimizer: OptimizerFactory | None = None,
-    source: Source | None = None, model: nn.Module | None = None,
-) -> RankContext:
+def build_context(program: Program, config: EngineConfig | None = None, *,
+                  optimizer: OptimizerFactory | None = None, source: Source | None = None,
+                  model: nn.Module | None = None) -> RankContext:
     """This rank's runtime for ``program`` (collective: every rank calls it). Tensors come
     from ``source`` (weights, or the initialisation of a model built on meta) where it
     has them, else from the Program's own (the user's) tensors. With ``model`` (the
@@ -174,23 +173,24 @@ def build_context(
     par = config.parallel
     factory = optimizer or default_optimizer
     template = param_groups(_shapes(program.parameters))  # the whole model's groups, on every rank
-    plan = plan_optimizers(factory, template, program.device)  # which optimizer steps which parameter
-    assert config.data_parallel.decided_sharding is not None, "parallelize decides the optimizer sharding"
+    plan = plan_optimizers(factory, template, program.device)  # the optimizer of each parameter
+    assert config.data_parallel.decided_sharding is not None, \
+        "parallelize decides the optimizer sharding"
     sharding = config.data_parallel.decided_sharding
     if program.ep_specs and source is not None:  # before any process group
         raise ConfigError(
             f"ep={par.ep} does not run yet with weights= or a model built on meta (each rank would "
-            "read every expert); build the model on a device and load its weights before parallelize")
+            "read every expert); build the model on a device and load its weights before "
+            "parallelize")
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
-    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep), tied=tied,
-                          timeout_s=config.guards.comm_timeout_s)
+    groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep),
+                          tied=tied, timeout_s=config.guards.comm_timeout_s)
     wanted = _wanted(program, groups, source, _whole_names(program))
     later = _sharded_later(program, config.data_parallel, groups, wanted)
     local = _values(program, groups, source, {n: w for n, w in wanted.items() if n not in later})
     chunks = _materialise(program, groups, local, later)
     masters = _local_masters(program, groups, local, later)
-    # before release (the user's full tensors are compared over tp) and before gradient
-    # buffers and optimizer read the values
+    # before release (the user's full tensors are compared over tp) and buffers/optimizer read
     _agree_at_start(program, config.data_parallel, groups, chunks, masters, local, later)
     whole = {n: t for n, t in local.items() if n in wanted and wanted[n].whole}
     fill, pieces = _shard_fill(program, groups, source, {n: wanted[n] for n in later})
@@ -200,31 +200,32 @@ def build_context(
     tracer = Tracer()
     ddp = _data_parallel(program, config.data_parallel, chunks, groups, tracer, fill,
                          shard=sharding is OptimizerSharding.ELEMENTWISE)
-    recomputation = Recomputation()  # this rank's recompute regions, for all that asks whether one runs again
-    zero = (ZeroParams(ddp.buffers, recomputation=recomputation, post=config.data_parallel.backward_prefetch == "post")
+    recomputation = Recomputation()  # this rank's recompute regions, for all that asks about one
+    zero = (ZeroParams(ddp.buffers, recomputation=recomputation,
+                       post=config.data_parallel.backward_prefetch == "post")
             if config.data_parallel.zero_stage == 3 else None)
     load = _expert_load(program, config, chunks, recomputation)
-    rank_experts = RankExperts(recomputation, tracer)  # its all-to-alls' spans join this rank's timeline
+    rank_experts = RankExperts(recomputation, tracer)  # its all-to-alls join this rank's timeline
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
-    binding = _binding(program, config.data_parallel, groups, ddp, zero, load, tokens, rank_experts, recomputation)
+    binding = _binding(program, config.data_parallel, groups, ddp, zero, load, tokens,
+                       rank_experts, recomputation)
     for gm in chunks.values():
         collectives.bind(gm, binding)
-    opt = Optimizer(
-        named, ddp, factory, groups=groups, holders=program.holders, template=template, plan=plan,
-        sharding=sharding, options=StepOptions.of(config), tp_specs=program.tp_specs,
-        experts=frozenset(program.ep_specs),
-        sources=MasterSources(_master_source(masters, pieces), _full_source(program, groups, masters)),
-    )
+    opt = Optimizer(named, ddp, factory, groups=groups, holders=program.holders,
+                    template=template, plan=plan, sharding=sharding, options=StepOptions.of(config),
+                    tp_specs=program.tp_specs, experts=frozenset(program.ep_specs),
+                    sources=MasterSources(_master_source(masters, pieces),
+                                          _full_source(program, groups, masters)))
     executor = _executor(program, config, chunks, groups, ddp, tracer, zero)
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,
         tracer=tracer, ddp=ddp, grad_reductions=_grad_reductions(program, named, groups),
-        optimizer=opt,
-        scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
+        optimizer=opt, scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
-        executor=executor, aux=_aux_loss(program, chunks), lower=_lowering(program, config.pipeline, groups),
-        whole=whole, binding=binding, recomputation=recomputation, experts=rank_experts, load=load, global_tokens=tokens, zero=zero,
-    )
+        executor=executor, aux=_aux_loss(program, chunks),
+        lower=_lowering(program, config.pipeline, groups), whole=whole, binding=binding,
+        recomputation=recomputation, experts=rank_experts, load=load, global_tokens=tokens,
+        zero=zero)
 
 
 def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule],
@@ -240,15 +241,29 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
     return load
 
 
-def _binding(program: Program, data_parallel: DataParallelConfig, groups: Groups, ddp: DataParallel,
-             zero: ZeroParams | None, load: ExpertLoad | None, tokens: GlobalTokens, rank_experts: RankExperts,
-             recomputation: Recomputation) -> collectives.Binding:
+def _binding(
+    program: Program,
+    data_parallel: DataParallelConfig,
+    groups: Groups,
+    ddp: DataParallel,
+    zero: ZeroParams | None,
+    load: ExpertLoad | None,
+    tokens: GlobalTokens,
+    rank_experts: RankExperts,
+    recomputation: Recomputation,
+) -> collectives.Binding:
     """What this rank's chunk graphs' ops are bound to (``collectives.bind``)."""
     return collectives.Binding(
-        _group_names(groups), wait_param_gather=ddp.wait_param_gather, zero=_zero_markers(zero),
-        early_linear=ddp.early_linear if data_parallel.zero_stage >= 2 else None, device=program.device,
-        expert_load=load.record if load is not None else None, global_tokens=tokens.running_mean,
-        experts=rank_experts, recomputation=recomputation)
+        _group_names(groups),
+        wait_param_gather=ddp.wait_param_gather,
+        zero=_zero_markers(zero),
+        early_linear=ddp.early_linear if data_parallel.zero_stage >= 2 else None,
+        device=program.device,
+        expert_load=load.record if load is not None else None,
+        global_tokens=tokens.running_mean,
+        experts=rank_experts,
+        recomputation=recomputation,
+    )
 
 
 def _zero_markers(zero: ZeroParams | None):
@@ -256,24 +271,46 @@ def _zero_markers(zero: ZeroParams | None):
     return (zero.gather, zero.release) if zero is not None else None
 
 
-def _executor(program: Program, config: EngineConfig, chunks: dict[int, fx.GraphModule], groups: Groups,
-              ddp: DataParallel, tracer: Tracer, zero: ZeroParams | None) -> Executor:
+def _executor(
+    program: Program,
+    config: EngineConfig,
+    chunks: dict[int, fx.GraphModule],
+    groups: Groups,
+    ddp: DataParallel,
+    tracer: Tracer,
+    zero: ZeroParams | None,
+) -> Executor:
     specs = {c: program.specs[c] for c in chunks}
-    wire = PointToPoint(specs, pp=config.parallel.pp, peer=groups.pp_peer, group=groups.pp, device=program.device,
-                        placement=program.placement, timeout_s=config.guards.comm_timeout_s)
+    wire = PointToPoint(
+        specs,
+        pp=config.parallel.pp,
+        peer=groups.pp_peer,
+        group=groups.pp,
+        device=program.device,
+        placement=program.placement,
+        timeout_s=config.guards.comm_timeout_s,
+    )
     hooks = ComputeHooks(
         accumulate=ddp.accumulate, on_grad_sync=ddp.start_sync,
         on_backward=ddp.end_backward if config.data_parallel.zero_stage >= 2 else None,
         wait_params=ddp.wait_for_params if config.data_parallel.overlap_param_gather else None,
         running=zero.running if zero is not None else None)
-    return Executor(chunks, specs=specs, rank=groups.rank, device=program.device, wire=wire, hooks=hooks,
-                    compile=config.compile, tracer=tracer)
+    return Executor(
+        chunks,
+        specs=specs,
+        rank=groups.rank,
+        device=program.device,
+        wire=wire,
+        hooks=hooks,
+        compile=config.compile,
+        tracer=tracer,
+    )
 
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     """This rank's chunks of ``program``, another Program of the model ``ctx`` was built
-    for from ``first`` (another input shape: fxmeg/frontend/variable_shapes.py), holding ``ctx``'s own
-    tensors, with an executor that runs them (``RankContext.use`` switches to it).
+    for from ``first`` (another input shape: fxmeg/frontend/variable_shapes.py), holding ``ctx``'s
+    own tensors, with an executor that runs them (``RankContext.use`` switches to it).
 
     Requires: ``program`` has ``ctx``'s pipeline cut and gradient buffer layout (a
     mismatch raises: its gradients would land in other parameters' slots).
@@ -293,14 +330,19 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
     for c in program.chunks_of(ctx.groups.pp_rank):
         for name, t in (*program.chunks[c].named_parameters(remove_duplicate=False),
                         *program.chunks[c].named_buffers(remove_duplicate=False)):
-            if name.startswith(CONSTANTS):  # this capture's own values (they may depend on the shape)
+            # this capture's own values (they may depend on the shape)
+            if name.startswith(CONSTANTS):
                 memo[id(t)] = t.to(program.device)
             elif name in live:
                 memo[id(t)] = live[name]
             elif t.is_meta:
-                raise FxmegError(f"the Program of a new input shape reads {name!r}, which no chunk of this "
-                                 "rank holds")
-    chunks = {c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)}
+                raise FxmegError(
+                    f"the Program of a new input shape reads {name!r}, which no chunk of this "
+                    "rank holds"
+                )
+    chunks = {
+        c: copy.deepcopy(program.chunks[c], memo) for c in program.chunks_of(ctx.groups.pp_rank)
+    }
     for gm in chunks.values():
         collectives.bind(gm, ctx.binding)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
@@ -308,7 +350,8 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
 
 
 def _group_names(groups: Groups) -> dict[str, str]:
-    """The symbolic groups a chunk graph names ('tp', 'cp', 'ep', 'dp') -> this rank's process groups."""
+    """The symbolic groups a chunk graph names ('tp', 'cp', 'ep', 'dp') -> this rank's process
+    groups."""
     pairs = (("tp", groups.tp), ("cp", groups.cp), ("ep", groups.ep), ("dp", groups.dp))
     return {n: g.group_name for n, g in pairs if g is not None}
 
@@ -316,14 +359,21 @@ def _group_names(groups: Groups) -> dict[str, str]:
 def _shapes(parameters) -> list[tuple[str, torch.Tensor]]:
     """(name, a meta tensor like the parameter): what the optimizer's group template
     needs, holding no reference to the user's tensors."""
-    return [(n, torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)) for n, p in parameters.items()]
+    return [
+        (n, torch.empty_like(p, device="meta").requires_grad_(p.requires_grad))
+        for n, p in parameters.items()
+    ]
 
 
 def _whole_names(program: Program) -> set[str]:
     """What every rank holds whole: buffers (the reference graph reads them all) and state
     no chunk trains, by first name."""
     canonical = {a: n for n, names in program.aliases.items() for a in names}
-    names = {n for n, _ in program.reference.named_buffers()} if program.reference is not None else set()
+    names = (
+        {n for n, _ in program.reference.named_buffers()}
+        if program.reference is not None
+        else set()
+    )
     return names | {canonical.get(k, k) for k in program.untrained}
 
 
@@ -335,7 +385,9 @@ class _Wanted(NamedTuple):
     """A buffer or untrained tensor every rank holds whole."""
 
 
-def _wanted(program: Program, groups: Groups, source: Source | None, whole_names: set[str]) -> dict[str, _Wanted]:
+def _wanted(
+    program: Program, groups: Groups, source: Source | None, whole_names: set[str]
+) -> dict[str, _Wanted]:
     """What ``source`` provides of this rank's tensors (nothing without a source): every
     tensor of its chunks (parameters as their tensor-parallel shards) and, when the model
     was built on meta, the whole buffers and untrained state; in the dtype the user built
@@ -356,8 +408,11 @@ def _wanted(program: Program, groups: Groups, source: Source | None, whole_names
     for name, (t, is_param) in tensors.items():
         if t.is_meta or source.has(name):
             spec = program.tp_specs.get(name) if is_param else None
-            wanted[name] = _Wanted(spec if is_split(spec) else None, program.init_dtypes.get(name, t.dtype),
-                                   name in whole_names)
+            wanted[name] = _Wanted(
+                spec if is_split(spec) else None,
+                program.init_dtypes.get(name, t.dtype),
+                name in whole_names,
+            )
     return wanted
 
 
@@ -382,12 +437,25 @@ def _sharded_later(program: Program, data_parallel: DataParallelConfig, groups: 
     return frozenset(n for n, w in wanted.items() if n in trained and not w.whole)
 
 
-def _agree_at_start(program: Program, data_parallel: DataParallelConfig, groups: Groups, chunks, masters, local,
-                    later: frozenset[str]) -> None:
+def _agree_at_start(
+    program: Program,
+    data_parallel: DataParallelConfig,
+    groups: Groups,
+    chunks,
+    masters,
+    local,
+    later: frozenset[str],
+) -> None:
     """The start-up replica check (collective), of everything but what is made ``later``,
     as shards: every rank makes those from the same source."""
-    held = {n: h for n, h in replicas.at_start(program, chunks, masters, local).items() if n not in later}
-    replicas.agree(program, groups, held, device=program.device, broadcast=data_parallel.broadcast_params)
+    held = {
+        n: h
+        for n, h in replicas.at_start(program, chunks, masters, local).items()
+        if n not in later
+    }
+    replicas.agree(
+        program, groups, held, device=program.device, broadcast=data_parallel.broadcast_params
+    )
 
 
 def _shard_fill(program: Program, groups: Groups, source: Source | None, wanted: dict[str, _Wanted]
@@ -444,7 +512,9 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
     return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
 
 
-def _no_memory(t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device) -> torch.Tensor:
+def _no_memory(
+    t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device
+) -> torch.Tensor:
     """A tensor of this rank's shape of ``t`` (full-size, or its tensor-parallel shard)
     whose storage holds no memory."""
     shape = spec.local_shape(list(t.shape), tp) if is_split(spec) else t.shape
@@ -472,7 +542,9 @@ def _local_masters(program: Program, groups: Groups, local: dict[str, torch.Tens
                 spec = program.tp_specs.get(name)
                 full = program.master_values[name]
                 out[name] = tp_shard(full, spec, tp, rank) if is_split(spec) else full
-                out[name] = ep_shard(out[name], program.ep_specs.get(name), groups.topo.ep, groups.ep_rank)
+                out[name] = ep_shard(
+                    out[name], program.ep_specs.get(name), groups.topo.ep, groups.ep_rank
+                )
     return out
 
 
@@ -487,14 +559,18 @@ def _master_source(masters: dict[str, torch.Tensor],
     def master(name: str, lo: int, hi: int) -> torch.Tensor:
         if name in pieces:
             at, values = pieces.pop(name)
-            assert (at, at + values.numel()) == (lo, hi), f"{name}: master [{lo}, {hi}) of a piece made for {at}"
+            assert (at, at + values.numel()) == (lo, hi), (
+                f"{name}: master [{lo}, {hi}) of a piece made for {at}"
+            )
             return values
         return masters[name].detach().reshape(-1)[lo:hi].float().clone()
 
     return master
 
 
-def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tensor]) -> FullSource | None:
+def _full_source(
+    program: Program, groups: Groups, masters: dict[str, torch.Tensor]
+) -> FullSource | None:
     """Half precision: a tensor-parallel parameter's full fp32 master (a full matrix
     stepped by an optimizer that needs the whole shape), gathered from the tp ranks'
     fp32 shards. Collective over the tp group."""
@@ -503,26 +579,51 @@ def _full_source(program: Program, groups: Groups, masters: dict[str, torch.Tens
     return lambda name: gather_tp(masters[name].detach().float(), program.tp_specs[name], groups.tp)
 
 
-def _data_parallel(program: Program, options: DataParallelConfig, chunks, groups: Groups, tracer: Tracer,
-                   fill: ShardFill | None = None, *, shard: bool) -> DataParallel:
+def _data_parallel(
+    program: Program,
+    options: DataParallelConfig,
+    chunks,
+    groups: Groups,
+    tracer: Tracer,
+    fill: ShardFill | None = None,
+    *,
+    shard: bool,
+) -> DataParallel:
     events = Events()
     deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
     def buffer(c: int, gm: fx.GraphModule, layout) -> GradBuffer:
-        common = dict(label=f"chunk{c}" + ("/experts" if layout.experts else ""),
-                      group=groups.edp if layout.experts else groups.dp_cp, overlap=options.overlap_grad_reduce,
-                      events=events, deferred=deferred, tracer=tracer)
+        common = dict(
+            label=f"chunk{c}" + ("/experts" if layout.experts else ""),
+            group=groups.edp if layout.experts else groups.dp_cp,
+            overlap=options.overlap_grad_reduce,
+            events=events,
+            deferred=deferred,
+            tracer=tracer,
+        )
         if options.zero_stage >= 2:
-            return ZeroBuffer(layout, dict(gm.named_parameters()), stage=options.zero_stage, fill=fill,
-                              lean=options.backward_prefetch == "post", **common)
+            return ZeroBuffer(
+                layout,
+                dict(gm.named_parameters()),
+                stage=options.zero_stage,
+                fill=fill,
+                lean=options.backward_prefetch == "post",
+                **common,
+            )
         return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
 
-    buffers = {c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()}
+    buffers = {
+        c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()
+    }
     return DataParallel(buffers, events)
 
 
 def _grad_reductions(program: Program, named: dict[str, nn.Parameter], groups: Groups) -> list:
     names = sorted(named)  # every holder issues these all-reduces in the same order
-    tied = [(named[n], groups.tied[frozenset(program.holders[n])]) for n in names if len(program.holders[n]) > 1]
+    tied = [
+        (named[n], groups.tied[frozenset(program.holders[n])])
+        for n in names
+        if len(program.holders[n]) > 1
+    ]
     replicated = [(named[n], groups.tp) for n in names if reduces_grad(program.tp_specs.get(n))]
     return tied + replicated
 
@@ -539,7 +640,10 @@ def _aux_loss(program: Program, chunks: dict[int, fx.GraphModule]) -> AuxLoss | 
 
 def _lowering(program: Program, pipeline: PipelineConfig, groups: Groups) -> schedules.Lowering:
     grad_cuts = program.grad_cuts
-    p2p = schedules.p2p_mode(pipeline.p2p, dist.get_backend(groups.pp) if groups.pp is not None else None)
+    p2p = schedules.p2p_mode(
+        pipeline.p2p, dist.get_backend(groups.pp) if groups.pp is not None else None
+    )
     num_chunks, placement = program.num_chunks, program.placement
-    return lambda schedule: schedules.lower(schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p,
-                                            placement=placement)
+    return lambda schedule: schedules.lower(
+        schedule, num_chunks=num_chunks, grad_cuts=grad_cuts, p2p=p2p, placement=placement
+    )

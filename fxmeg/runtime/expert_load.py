@@ -55,7 +55,9 @@ class ExpertLoad:
     @classmethod
     def of(cls, program: Program, recomputation: Recomputation | None = None) -> ExpertLoad | None:
         """The recorder of ``program``'s marked layers, or None when it has none."""
-        layers = {n.kwargs["layer"]: n.kwargs["experts"] for gm in program.chunks for n in load_marks(gm)}
+        layers = {
+            n.kwargs["layer"]: n.kwargs["experts"] for gm in program.chunks for n in load_marks(gm)
+        }
         return cls(layers, program.device, recomputation) if layers else None
 
     def hold(self, program: Program, chunks: dict[int, fx.GraphModule]) -> None:
@@ -66,14 +68,18 @@ class ExpertLoad:
                 if mark.kwargs.get("bias"):
                     self.biases[mark.kwargs["layer"]] = gm.get_buffer(mark.kwargs["bias"])
 
-    def record(self, top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None) -> None:
+    def record(
+        self, top_k_index: torch.Tensor, *, layer: str, experts: int, bias: str | None = None
+    ) -> None:
         """``ops.expert_load`` bound: add this micro-batch's tokens per expert of ``layer``
         (a training forward only, and once: not again when backward recomputes it)."""
         again = self.recomputation is not None and self.recomputation.recomputing()
         if not torch.is_grad_enabled() or again:
             return
         start = self.offsets[layer]
-        self.counts[start:start + experts] += torch.bincount(top_k_index.detach().reshape(-1), minlength=experts)
+        self.counts[start : start + experts] += torch.bincount(
+            top_k_index.detach().reshape(-1), minlength=experts
+        )
 
     def reset(self) -> None:
         self.counts.zero_()
@@ -84,7 +90,10 @@ class ExpertLoad:
         all_reduce(self.counts, groups.dp_cp)
         all_reduce(self.counts, groups.pp)
         flat = self.counts.tolist()
-        return {name: tuple(flat[self.offsets[name]:self.offsets[name] + e]) for name, e in self.layers.items()}
+        return {
+            name: tuple(flat[self.offsets[name] : self.offsets[name] + e])
+            for name, e in self.layers.items()
+        }
 
     @torch.no_grad()
     def update_biases(self, rate: float) -> None:

@@ -35,7 +35,9 @@ class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` in ``send`` runs to each rank; ``recv`` runs arrive from each."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, recv: list[int], send: list[int], exchange: AllToAllExchange, name: str) -> Tensor:
+    def forward(
+        ctx, x: Tensor, recv: list[int], send: list[int], exchange: AllToAllExchange, name: str
+    ) -> Tensor:
         ctx.recv, ctx.send, ctx.exchange, ctx.name = recv, send, exchange, name
         out = x.new_empty((sum(recv), *x.shape[1:]))
         exchange.all_to_all(name, out, x.contiguous(), recv, send)
@@ -43,7 +45,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        back = _AllToAll.apply(grad.contiguous(), ctx.send, ctx.recv, ctx.exchange, f"{ctx.name} grad")
+        back = _AllToAll.apply(
+            grad.contiguous(), ctx.send, ctx.recv, ctx.exchange, f"{ctx.name} grad"
+        )
         return back, None, None, None, None
 
 
@@ -72,7 +76,9 @@ class AllToAllExchange:
         send, recv = table.sum(1).tolist(), got.sum(1).tolist()
         arrived = _AllToAll.apply(rows, recv, send, self, "dispatch")  # ordered (sender, expert)
         local = got.size(1)
-        expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(self.size), got.reshape(-1))
+        expert = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(self.size), got.reshape(-1)
+        )
         order = torch.argsort(expert, stable=True)  # by expert, senders in order within it
         per_expert = got.sum(0)
         return arrived[order], per_expert, (order, send, recv)
@@ -80,7 +86,8 @@ class AllToAllExchange:
     def dispatch_padded(self, rows: Tensor, capacity: int) -> tuple[Tensor, object]:
         local = rows.shape[0] // (capacity * self.size)  # experts per rank
         send = recv = [local * capacity] * self.size
-        arrived = _AllToAll.apply(rows, recv, send, self, "dispatch")  # ordered (sender, expert), capacity rows each
+        # ordered (sender, expert), capacity rows each
+        arrived = _AllToAll.apply(rows, recv, send, self, "dispatch")
         grid = torch.arange(rows.shape[0], device=rows.device).view(self.size, local, capacity)
         order = grid.transpose(0, 1).reshape(-1)  # by expert, senders in order within it
         return arrived[order], (order, send, recv)
@@ -96,7 +103,9 @@ class RankExperts:
     """This rank's routed experts, owned by its RankContext (``experts``): one exchange per
     expert-parallel group, made on first use, and the capacity mode's drop counts."""
 
-    def __init__(self, recomputation: Recomputation | None = None, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self, recomputation: Recomputation | None = None, tracer: Tracer | None = None
+    ) -> None:
         self.exchanges: dict[str, AllToAllExchange] = {}
         self.drops = moe.DropCounts(recomputation)
         self.tracer = tracer

@@ -80,7 +80,9 @@ class Topology:
     def ep_groups(self) -> list[list[int]]:
         """Ranks that split the experts among them (all-to-all of routed tokens): runs of
         ``ep`` consecutive dp x cp ranks of one (tp, pp) coordinate."""
-        return [run[i:i + self.ep] for run in self.dp_cp_groups() for i in range(0, len(run), self.ep)]
+        return [
+            run[i : i + self.ep] for run in self.dp_cp_groups() for i in range(0, len(run), self.ep)
+        ]
 
     def edp_groups(self) -> list[list[int]]:
         """Ranks holding the same experts (expert gradients are reduced and the
@@ -161,7 +163,9 @@ class Groups:
         return self.topo.rank(tp=tp, cp=self.cp_rank, dp=dp, pp=pp_rank)
 
 
-def build_groups(topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None) -> Groups:
+def build_groups(
+    topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None
+) -> Groups:
     """Create every group in the same order on every rank (new_group is collective);
     their collectives fail after ``timeout_s`` instead of waiting forever."""
     if topo.world_size == 1:
@@ -228,7 +232,9 @@ def shard_of(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return flat[dist.get_rank(group) * size :][:size]
 
 
-def reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | Works | None:
+def reduce_scatter_(
+    flat: torch.Tensor, group: dist.ProcessGroup | None
+) -> dist.Work | Works | None:
     """Sum ``flat`` over the group into this rank's shard of it, in place, asynchronously.
     The rest of ``flat`` is scratch afterwards (gloo's reduce writes into it)."""
     if group is None:
@@ -239,7 +245,9 @@ def reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist
     return _reduce_scatter(shard_of(flat, group), flat, group=group, async_op=True)
 
 
-def gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+def gather_into(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+) -> dist.Work | None:
     """Fill ``out`` with every rank's ``shard`` in rank order, asynchronously (``shard`` is
     this rank's part; for a group of one, a copy)."""
     if group is None:

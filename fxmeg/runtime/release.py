@@ -25,10 +25,22 @@ from fxmeg.ir.layouts import is_split
 from fxmeg.ir.program import Program
 from fxmeg.torch_private import DisableTorchFunctionSubclass, own_buffers, own_parameters
 
-_METADATA = frozenset({torch.Tensor.shape, torch.Tensor.dtype, torch.Tensor.device, torch.Tensor.requires_grad,
-                       torch.Tensor.grad, torch.Tensor.is_meta, torch.Tensor.ndim, torch.Tensor.is_leaf,
-                       torch.Tensor.layout, torch.Tensor.is_cuda, torch.Tensor.is_sparse,
-                       torch.Tensor.is_quantized})
+_METADATA = frozenset(
+    {
+        torch.Tensor.shape,
+        torch.Tensor.dtype,
+        torch.Tensor.device,
+        torch.Tensor.requires_grad,
+        torch.Tensor.grad,
+        torch.Tensor.is_meta,
+        torch.Tensor.ndim,
+        torch.Tensor.is_leaf,
+        torch.Tensor.layout,
+        torch.Tensor.is_cuda,
+        torch.Tensor.is_sparse,
+        torch.Tensor.is_quantized,
+    }
+)
 """Tensor properties a placeholder answers (its getters reach ``__torch_function__``)."""
 _METHODS = frozenset({"numel", "nelement", "dim", "size", "element_size", "__len__"})
 """... and methods: what counting parameters and shapes reads."""
@@ -49,14 +61,19 @@ class Released(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__self__", None) in _METADATA or getattr(func, "__name__", "") in _METHODS:
+        if (
+            getattr(func, "__self__", None) in _METADATA
+            or getattr(func, "__name__", "") in _METHODS
+        ):
             with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         held = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Released))
         raise ReleasedError(
-            f"parameter {held.fxmeg_name} of the model passed to parallelize is not readable on this rank: "
-            f"{held.fxmeg_why}. Read the trained model with engine.full_state_dict() (collective: call it on "
-            f"every rank); this rank's own tensors are engine.named_parameters")
+            f"parameter {held.fxmeg_name} of the model passed to parallelize is not readable on "
+            f"this rank: {held.fxmeg_why}. Read the trained model with engine.full_state_dict() "
+            "(collective: call it on every rank); this rank's own tensors are "
+            "engine.named_parameters"
+        )
 
 
 def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule],
@@ -76,14 +93,20 @@ def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule
     readable = {} if zero3 else {n: t for n, t in held.items() if n not in program.ep_specs}
     memo: dict[int, torch.Tensor] = {}
     mine: dict[int, torch.Tensor] = {}  # the user's module's
-    for gm in (*program.chunks, program.reference):  # canonical names (the parent's are chunk_<i>.<name>)
+    # canonical names (the parent's are chunk_<i>.<name>)
+    for gm in (*program.chunks, program.reference):
         if gm is None:
             continue
         for name, t in gm.named_parameters():
             if id(t) not in memo:
                 memo[id(t)] = held[name] if name in held else _meta(t)
-                mine[id(t)] = readable[name] if name in readable else Released(t, name, _why(program, chunks, name),
-                                                                                program.aliases.get(name, ()))
+                mine[id(t)] = (
+                    readable[name]
+                    if name in readable
+                    else Released(
+                        t, name, _why(program, chunks, name), program.aliases.get(name, ())
+                    )
+                )
         for name, t in gm.named_buffers():
             memo.setdefault(id(t), whole.get(name, t))
     canonical = {a: n for n, names in program.aliases.items() for a in names}
@@ -119,11 +142,15 @@ def _why(program: Program, chunks: dict[int, fx.GraphModule], name: str) -> str:
     par = program.config.parallel
     stages = program.holders.get(name, ())
     if not {program.placement[c] for c in chunks} & set(stages):
-        where = f"pipeline rank {stages[0]}" if len(stages) == 1 else f"pipeline ranks {list(stages)}"
+        where = (
+            f"pipeline rank {stages[0]}" if len(stages) == 1 else f"pipeline ranks {list(stages)}"
+        )
         return f"{where} of pp={par.pp} trains it, not this one"
     if program.config.data_parallel.zero_stage == 3:
-        return (f"zero=3 keeps only this rank's 1/{par.dp * par.cp} of it between steps, gathered while a step "
-                f"reads it (docs/zero.md)")
+        return (
+            f"zero=3 keeps only this rank's 1/{par.dp * par.cp} of it between steps, gathered "
+            "while a step reads it (docs/zero.md)"
+        )
     if name in program.ep_specs:
         return f"this rank holds its experts' rows of it (ep={par.ep})"
     return f"this rank holds its tensor-parallel shard of it (tp={par.tp})"
@@ -133,7 +160,9 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     if t.is_meta:
         return t
     empty = torch.empty_like(t, device="meta")
-    return nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return (
+        nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    )
 
 
 def _swap(root: nn.Module, memo: dict[int, torch.Tensor]) -> None:

@@ -33,8 +33,13 @@ def gather_full_state(program: Program, ctx: RankContext) -> dict[str, torch.Ten
                 out[key] = program.untrained[key].clone()
                 continue
             local = ctx.named_parameters.get(name)
-            out[key] = gather_full(program, ctx, name, local.detach() if local is not None else None,
-                                   program.full_shapes[key][1])
+            out[key] = gather_full(
+                program,
+                ctx,
+                name,
+                local.detach() if local is not None else None,
+                program.full_shapes[key][1],
+            )
     return out
 
 
@@ -56,8 +61,12 @@ def gather_full_grads(program: Program, ctx: RankContext) -> dict[str, torch.Ten
                     work.wait()
         for s in buf.layout.slots:
             local[s.name] = data[s.offset : s.offset + s.numel].view(buf.params[s.name].shape)
-    return {name: gather_full(program, ctx, name, local[name].float() if name in local else None, torch.float32)
-            for name, _, _ in graph_order(program)}
+    return {
+        name: gather_full(
+            program, ctx, name, local[name].float() if name in local else None, torch.float32
+        )
+        for name, _, _ in graph_order(program)
+    }
 
 
 def graph_order(program: Program) -> list[tuple[str, int, fx.Node]]:
@@ -65,7 +74,11 @@ def graph_order(program: Program) -> list[tuple[str, int, fx.Node]]:
     seen, out = set(), []
     for c, gm in enumerate(program.chunks):
         for node in gm.graph.nodes:
-            if node.op == "get_attr" and node.target in program.parameters and node.target not in seen:
+            if (
+                node.op == "get_attr"
+                and node.target in program.parameters
+                and node.target not in seen
+            ):
                 seen.add(node.target)
                 out.append((node.target, c, node))
     return out
@@ -119,7 +132,10 @@ def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
         local = ((0,) * p.dim(), tuple(p.shape))
         spec = program.tp_specs.get(name)
         shift = _expert_offset(program, ctx, name)
-        parts = [(_moved(g[0], shift), view(p.detach(), l)) for g, l in local_to_global(local, spec, tp, rank)]
+        parts = [
+            (_moved(g[0], shift), view(p.detach(), l))
+            for g, l in local_to_global(local, spec, tp, rank)
+        ]
         out[f"model/{name}"] = Pieces(_full_shape(program, name), parts)
     for name in program.aliases:
         if name not in program.holders and name in program.untrained:
@@ -128,7 +144,9 @@ def model_entries(program: Program, ctx: RankContext) -> dict[str, Pieces]:
     return out
 
 
-def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None = None) -> dict[str, Pieces]:
+def optimizer_entries(
+    program: Program, ctx: RankContext, saved: set[str] | None = None
+) -> dict[str, Pieces]:
     """``optim/<state>/<fqn>`` for the elements this rank's optimizer updates. ``saved``
     (on load: the checkpoint's ``optim/<state>/<fqn>`` entries) says which states each
     parameter has; they are created as zeros where missing (several inner optimizers keep
@@ -146,7 +164,11 @@ def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None
         for key in keys:
             if key != "master" and key not in state:
                 state[key] = torch.zeros_like(piece.master)
-        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == piece.master.numel() and v.dim() > 0}
+        tensors = {
+            k: v
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.numel() == piece.master.numel() and v.dim() > 0
+        }
         if piece.param.dtype != torch.float32:  # half precision: the fp32 master is state too
             tensors["master"] = piece.master
         if saved is not None:
@@ -157,7 +179,9 @@ def optimizer_entries(program: Program, ctx: RankContext, saved: set[str] | None
         shift = _expert_offset(program, ctx, piece.name)
         for key, t in tensors.items():
             flat = t.detach().reshape(-1)
-            entry = out.setdefault(f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), []))
+            entry = out.setdefault(
+                f"optim/{key}/{piece.name}", Pieces(_full_shape(program, piece.name), [])
+            )
             for box in flat_to_boxes(shape, piece.lo, piece.hi):
                 start = flat_index(shape, box[0]) - piece.lo
                 box_view = flat[start : start + math.prod(box[1])].view(box[1])

@@ -87,10 +87,13 @@ def train_step(
     if ctx.config.moe.moe_capacity_factor is not None:
         ctx.experts.drops.log(f"train step {ctx.steps_taken}")
     if check_determinism:
-        same = (loss_sum, num_tokens) == first and all(torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all()))
+        same = (loss_sum, num_tokens) == first and all(
+            torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all())
+        )
         mismatch = _any_rank(not same, ctx.device)
     grads = None
-    if full_grads:  # before the optimizer clips them (in place, and only in the pieces it updates here)
+    # before the optimizer clips them (in place, and only in the pieces it updates here)
+    if full_grads:
         grads = {alias: g for name, g in gather_full_grads(program, ctx).items()
                  for alias in program.aliases.get(name, (name,))}
     lr = float(ctx.optimizer.param_groups[0]["lr"])
@@ -156,7 +159,8 @@ def forward_backward(program: Program, ctx: RankContext, mbs: list[Batch]) -> tu
     global (loss_sum, num_tokens)."""
     ctx.ddp.zero_grad_buffer()
     if ctx.load is not None:
-        ctx.load.reset()  # each forward_backward counts its micro-batches afresh (check_determinism runs two)
+        # each forward_backward counts its micro-batches afresh (check_determinism runs two)
+        ctx.load.reset()
     if ctx.global_tokens is not None:
         ctx.global_tokens.reset()  # global_aux_loss: a running mean over this step's micro-batches
     if ctx.aux is not None:

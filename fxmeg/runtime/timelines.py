@@ -55,8 +55,18 @@ def chrome(per_rank: list[list[tuple]], labels: list[str] | None = None) -> dict
     events = []
     for rank, spans in enumerate(per_rank):
         name = labels[rank] if labels else f"rank {rank}"
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": name}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": rank,
+                "tid": 0,
+                "args": {"sort_index": rank},
+            }
+        )
         for label, cat, start, end in spans:
             events.append({"name": label, "cat": cat, "ph": "X", "pid": rank, "tid": 0,
                            "ts": start / 1e3, "dur": max(end - start, 0) / 1e3})
@@ -88,7 +98,10 @@ def analyze(per_rank: list[list[tuple]]) -> dict:
     share of data-parallel reduction time hidden behind backward (1 - the wait left for
     the reductions after backward / the time from the first bucket issued to the
     reductions done)."""
-    sched = [[s for s in spans if s[1] in (*COMPUTE, "p2p", "dealloc", "grad_sync")] for spans in per_rank]
+    sched = [
+        [s for s in spans if s[1] in (*COMPUTE, "p2p", "dealloc", "grad_sync")]
+        for spans in per_rank
+    ]
     start = min(s[2] for spans in sched for s in spans)
     end = max(s[3] for spans in sched for s in spans)
     makespan = end - start
@@ -116,27 +129,32 @@ def plot(per_rank: list[list[tuple]], out: str, title: str = "") -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"forward": "#4c72b0", "backward": "#dd8452", "input_grad": "#e3a33b", "weight_grad": "#64b5cd",
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "input_grad": "#e3a33b",
+              "weight_grad": "#64b5cd",
               "p2p": "#c0c0c0", "dealloc": "#8c8c8c", "ep_a2a": "#da8bc3",
               "grad_sync": "#55a868", "dp_wait": "#c44e52", "dp_issue": "#c44e52",
               "optimizer": "#8172b3", "finalize": "#937860"}
     t0 = min(s[2] for spans in per_rank for s in spans)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.2))
     for rank, spans in enumerate(per_rank):
-        for name, cat, a, b in sorted(spans, key=lambda s: s[1] == "ep_a2a"):  # all-to-alls over their compute
+        # all-to-alls over their compute
+        for name, cat, a, b in sorted(spans, key=lambda s: s[1] == "ep_a2a"):
             if cat == "step":
                 continue
             ax.broken_barh([((a - t0) / 1e6, max((b - a) / 1e6, 0.02))], (rank - 0.4, 0.8),
                            color=colors.get(cat, "#cccccc"))
             if cat in COMPUTE and (b - a) / 1e6 > 0.02 * ((max(s[3] for s in spans) - t0) / 1e6):
-                ax.text((a + b) / 2e6 - t0 / 1e6, rank, name, ha="center", va="center", fontsize=6, color="white")
+                ax.text((a + b) / 2e6 - t0 / 1e6, rank, name, ha="center", va="center", fontsize=6,
+                        color="white")
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title or "schedule")
     shown = [c for c in (*COMPUTE, "p2p", "dp_wait", "finalize", "optimizer", "ep_a2a")
-             if c not in ("input_grad", "weight_grad", "ep_a2a") or any(s[1] == c for spans in per_rank for s in spans)]
-    labels = {"input_grad": "input grad (I)", "weight_grad": "weight grad (W)", "p2p": "send / recv",
+             if c not in ("input_grad", "weight_grad",
+                          "ep_a2a") or any(s[1] == c for spans in per_rank for s in spans)]
+    labels = {"input_grad": "input grad (I)", "weight_grad": "weight grad (W)",
+              "p2p": "send / recv",
               "ep_a2a": "expert all-to-all",
               "dp_wait": "DP wait", "finalize": "finalize grads"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in shown]

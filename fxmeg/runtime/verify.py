@@ -73,8 +73,10 @@ class ParamError:
 
     def describe(self) -> str:
         if self.chunk is None:
-            return (f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
-                    "read by no chunk graph")
+            return (
+                f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
+                "read by no chunk graph"
+            )
         readers = ", ".join(f"{n} ({op}, {p})" for n, op, p in self.readers)
         tp = f"; tensor_parallel spec {self.tp}" if self.tp is not None else ""
         return (f"{self.name}: relative error {self.error:.3e} (reference norm {self.norm:.3e}); "
@@ -112,14 +114,18 @@ class VerifyResult:
         return tuple(e.name for e in self.errors if e.chunk is None)
 
     def report(self) -> str:
-        lines = [f"fxmeg verify: {'OK' if self.ok else 'MISMATCH'}",
-                 f"  loss {self.loss:.8g} vs reference {self.reference_loss:.8g}: relative error "
-                 f"{self.loss_error:.3e} (tolerance {self.loss_rtol:.0e}); tokens {self.num_tokens} vs "
-                 f"{self.reference_num_tokens}",
-                 f"  {len(self.errors)} parameter gradients compared (tolerance {self.grad_rtol:.0e})"]
+        lines = [
+            f"fxmeg verify: {'OK' if self.ok else 'MISMATCH'}",
+            f"  loss {self.loss:.8g} vs reference {self.reference_loss:.8g}: relative error "
+            f"{self.loss_error:.3e} (tolerance {self.loss_rtol:.0e}); tokens {self.num_tokens} vs "
+            f"{self.reference_num_tokens}",
+            f"  {len(self.errors)} parameter gradients compared (tolerance {self.grad_rtol:.0e})",
+        ]
         if self.unread:
-            lines.append(f"  {len(self.unread)} trainable parameter(s) read by no chunk graph (no gradient, "
-                         f"not trained): {', '.join(self.unread)}")
+            lines.append(
+                f"  {len(self.unread)} trainable parameter(s) read by no chunk graph (no gradient, "
+                f"not trained): {', '.join(self.unread)}"
+            )
         if self.worst is not None:
             lines.append(f"  worst: {self.worst.name} {self.worst.error:.3e}")
         if self.first_failure is not None:
@@ -130,11 +136,19 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def verify(program: Program, ctx: RankContext, batch: UserBatch | None, *, loss_rtol: float | None = None,
-           grad_rtol: float | None = None) -> VerifyResult:
+def verify(
+    program: Program,
+    ctx: RankContext,
+    batch: UserBatch | None,
+    *,
+    loss_rtol: float | None = None,
+    grad_rtol: float | None = None,
+) -> VerifyResult:
     """See ``fxmeg.Engine.verify``. Collective."""
     if program.reference is None:
-        raise BatchError("this Program has no reference graph (built by an older fxmeg): transform again")
+        raise BatchError(
+            "this Program has no reference graph (built by an older fxmeg): transform again"
+        )
     rank0 = ctx.groups.rank == 0
     m = ctx.config.num_microbatches
     refused = ordered = None
@@ -142,9 +156,12 @@ def verify(program: Program, ctx: RankContext, batch: UserBatch | None, *, loss_
         ordered = positional(program, batch, what="global batch") if batch is not None else None
     except BatchError as err:
         refused = err
-    if _any_rank(refused is not None or (rank0 and not isinstance(ordered, tuple)), ctx.device):  # every rank raises
-        raise refused or BatchError("verify needs the global batch (a tuple or dict of tensors, like the example) "
-                                    "on rank 0, which runs the reference, and a valid one on every rank that passes one")
+    # every rank raises
+    if _any_rank(refused is not None or (rank0 and not isinstance(ordered, tuple)), ctx.device):
+        raise refused or BatchError(
+            "verify needs the global batch (a tuple or dict of tensors, like the example) "
+            "on rank 0, which runs the reference, and a valid one on every rank that passes one"
+        )
     rng = _rng_state()
     ctx.ddp.wait_for_params()
     try:
@@ -178,7 +195,8 @@ def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, nu
         value = state.get(name)
         if value is None:
             value = next(state[k] for k, c in names.items() if c == name and k in state)
-        memo[id(p)] = nn.Parameter(value.detach(), requires_grad=p.requires_grad)  # a gathered copy already
+        # a gathered copy already
+        memo[id(p)] = nn.Parameter(value.detach(), requires_grad=p.requires_grad)
     for b in ref.buffers():
         memo.setdefault(id(b), b)
     aux = getattr(ref, AUX_SCALE, None)
@@ -186,14 +204,17 @@ def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, nu
         memo[id(aux)] = aux.clone()
     gm = copy.deepcopy(ref, memo)
     mbs, dp, m = ctx.config.micro_batch_size, ctx.config.parallel.dp, ctx.config.num_microbatches
-    if aux is not None:  # each micro-batch's aux loss weighs 1 / (m * dp) of the global tokens (step.weigh_aux_loss)
+    # each micro-batch's aux loss weighs 1 / (m * dp) of the global tokens (step.weigh_aux_loss)
+    if aux is not None:
         getattr(gm, AUX_SCALE).fill_(max(num_tokens, 1.0) / (m * dp))
     check(program, batch, rows=m * mbs * dp, what="global batch")
     params = {n: p for n, p in gm.named_parameters() if p.requires_grad}
     acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
     loss_sum = tokens = 0.0
     for i in range(m * dp):
-        mb = cast_inputs(tuple(t[i * mbs : (i + 1) * mbs].to(ctx.device) for t in batch), ctx.config.dtype)
+        mb = cast_inputs(
+            tuple(t[i * mbs : (i + 1) * mbs].to(ctx.device) for t in batch), ctx.config.dtype
+        )
         out = gm(*mb)
         ls, nt = out[0], out[1]
         ls.backward()
@@ -207,7 +228,9 @@ def _reference(program: Program, ctx: RankContext, batch: Batch, state: dict, nu
     return loss_sum, tokens, grads
 
 
-def _compare(program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol, grad_rtol) -> VerifyResult:
+def _compare(
+    program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol, grad_rtol
+) -> VerifyResult:
     ref_sum, ref_tokens, ref_grads = _reference(program, ctx, batch, state, num_tokens)
     loss, ref_loss = loss_sum / max(num_tokens, 1.0), ref_sum / max(ref_tokens, 1.0)
     loss_error = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
@@ -224,8 +247,18 @@ def _compare(program, ctx, batch, state, grads, loss_sum, num_tokens, loss_rtol,
     for name in program.unread:  # no chunk graph reads it: its parallel gradient is zero
         r = ref_grads.get(name)
         norm = float(r.norm()) if r is not None else 0.0
-        errors.append(ParamError(name=name, error=0.0 if norm == 0 else math.inf, norm=norm, chunk=None,
-                                 node="", readers=(), tp=None, pass_="capture"))
+        errors.append(
+            ParamError(
+                name=name,
+                error=0.0 if norm == 0 else math.inf,
+                norm=norm,
+                chunk=None,
+                node="",
+                readers=(),
+                tp=None,
+                pass_="capture",
+            )
+        )
     bad = [e for e in errors if not e.error <= grad_rtol]
     ok = loss_error <= loss_rtol and int(num_tokens) == int(ref_tokens) and not bad
     return VerifyResult(
@@ -247,7 +280,11 @@ def _describe(name: str, chunk: int, node: fx.Node, err: float, norm: float) -> 
 
 
 def _rng_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = (
+        torch.cuda.get_rng_state_all()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
     return torch.get_rng_state(), cuda
 
 

@@ -32,7 +32,10 @@ def build_model(spec: str, args: dict) -> nn.Module:
         known = [f.name for f in dataclasses.fields(config_cls)]
         unknown = [k for k in args if k not in known and k not in INJECTED]
         if unknown:
-            raise ConfigError(f"--model-args {unknown[0]!r} is not a field of {config_cls.__name__} (the config of "
-                              f"{name})" + closest(unknown[0], known))
+            raise ConfigError(
+                f"--model-args {unknown[0]!r} is not a field of {config_cls.__name__} (the config "
+                "of "
+                f"{name})" + closest(unknown[0], known)
+            )
         return cls(config_cls(**{k: v for k, v in args.items() if k in known}))
     return cls(**args)

@@ -7,7 +7,7 @@
                 --model-args '{"hidden_size": 256, "num_hidden_layers": 4, ...}' --tp 2 --pp 2 ...
                                                            # a Hugging Face class: keyword batches
     fxmeg verify --data runs/corpus --model-args '{"n_layer": 4}' --tp 2 --pp 2
-                                                           # one global batch: parallel vs single device
+                                                           # one global batch: parallel vs 1 device
     fxmeg export runs/ckpt --to model.pt                   # plain state_dict
     fxmeg export runs/ckpt --to runs/hf --format hf        # from_pretrained("runs/hf")
     fxmeg plot runs/run
@@ -26,8 +26,8 @@ of the training data (or the one at the --load checkpoint) through the parallel 
 the single-device graph, prints the comparison on rank 0 and exits 1 on a mismatch; with
 --verify-steps N it checks N batches, training a step on each after its check.
 `fxmeg plan` takes the model and layout flags of `fxmeg train` (or its --config file) and
-prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/diagnostics/layout_plan.py); the model is
-built on the meta device, so no memory is allocated and no process is started.
+prints each pipeline stage's memory, forward FLOPs and bubble (fxmeg/diagnostics/layout_plan.py);
+the model is built on the meta device, so no memory is allocated and no process is started.
 """
 
 from __future__ import annotations
@@ -50,17 +50,33 @@ class Command(NamedTuple):
 def _commands() -> dict[str, Command]:
     return {
         "train": Command("train a model", _train_parser, _train),
-        "verify": Command("check a layout against single-device execution, batch by batch (the flags "
-                          "of train)", _verify_parser, _verify),
-        "plan": Command("per-stage memory, FLOPs and bubble of a layout, with no process and no real "
-                        "tensor", _plan_parser, _plan),
+        "verify": Command(
+            "check a layout against single-device execution, batch by batch (the flags of train)",
+            _verify_parser,
+            _verify,
+        ),
+        "plan": Command(
+            "per-stage memory, FLOPs and bubble of a layout, with no process and no real tensor",
+            _plan_parser,
+            _plan,
+        ),
         "prepare-data": Command("tokenise text into a corpus", _prepare_parser, _prepare),
-        "export": Command("write a checkpoint's model for one device: a plain state_dict, or a Hugging "
-                          "Face directory", _export_parser, _export),
-        "plot": Command("draw loss / lr / throughput (and expert load) curves of a run to PNG",
-                        _plot_parser, _plot),
-        "plot-schedule": Command("draw a traced step (--trace) as a rank x time chart",
-                                 _plot_schedule_parser, _plot_schedule),
+        "export": Command(
+            "write a checkpoint's model for one device: a plain state_dict, or a Hugging "
+            "Face directory",
+            _export_parser,
+            _export,
+        ),
+        "plot": Command(
+            "draw loss / lr / throughput (and expert load) curves of a run to PNG",
+            _plot_parser,
+            _plot,
+        ),
+        "plot-schedule": Command(
+            "draw a traced step (--trace) as a rank x time chart",
+            _plot_schedule_parser,
+            _plot_schedule,
+        ),
     }
 
 
@@ -103,7 +119,11 @@ def _command_parser(argv: list[str]) -> tuple[str, argparse.ArgumentParser, list
         top.parse_args(argv)  # the help, or the error naming the commands: exits
         raise AssertionError(f"argparse accepted {argv}")
     name = argv[at]
-    usage = f"fxmeg {name} [--FLAG VALUE ...]  (fxmeg {name} --help lists them)" if name in FLAGGED else None
+    usage = (
+        f"fxmeg {name} [--FLAG VALUE ...]  (fxmeg {name} --help lists them)"
+        if name in FLAGGED
+        else None
+    )
     parser = _Parser(prog=f"fxmeg {name}", description=commands[name].help, usage=usage)
     parser.add_argument("--debug", action="store_true", help=DEBUG)
     commands[name].arguments(parser)
@@ -133,39 +153,68 @@ def _debug(argv: list[str]) -> bool:
 
 def _verify_parser(p: argparse.ArgumentParser) -> None:
     _train_parser(p)
-    p.add_argument("--verify-steps", type=int, default=1, metavar="N",
-                   help="check N global batches, training one step on each after its check (a gradient "
-                        "path dead at initialisation comes alive once the weights move); stops at the "
-                        "first mismatch")
+    p.add_argument(
+        "--verify-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="check N global batches, training one step on each after its check (a gradient "
+        "path dead at initialisation comes alive once the weights move); stops at the "
+        "first mismatch",
+    )
 
 
 def _prepare_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", action="append", required=True,
-                   help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG")
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        help="a text file, a directory (.txt/.md/.rst/.py files), pydoc:topics or stdlib:PKG",
+    )
     p.add_argument("--output", required=True, help="corpus prefix: writes PREFIX.bin/.idx/.json")
     # Megatron's tools/preprocess_data.py and `fxmeg train` both say --tokenizer-model;
     # --tokenizer, this command's first name for it, stays an alias.
-    p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default="bytes", metavar="PATH",
-                   help="'bytes' (the default), or a tokenizers JSON file (a tokenizer.json, or the "
-                        "directory holding it), as fxmeg train --tokenizer-model; --tokenizer is an alias")
-    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
-                   help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
-                        "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron")
+    p.add_argument(
+        "--tokenizer-model",
+        "--tokenizer",
+        dest="tokenizer",
+        default="bytes",
+        metavar="PATH",
+        help="'bytes' (the default), or a tokenizers JSON file (a tokenizer.json, or the "
+        "directory holding it), as fxmeg train --tokenizer-model; --tokenizer is an alias",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="read the inputs as JSON lines (Megatron's preprocess_data.py): each line's KEY "
+        "field is a document; writes PREFIX_KEY_document.bin/.idx/.json per key, as Megatron",
+    )
 
 
 def _export_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory (its latest) or one iteration's")
-    p.add_argument("--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)")
-    p.add_argument("--format", default="pt", choices=["pt", "hf", "safetensors"],
-                   help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
-                        "config.json, for from_pretrained (a transformers model); safetensors: the "
-                        "weight files alone (any model)")
+    p.add_argument(
+        "--to", required=True, help="output .pt file (--format pt), or directory (hf, safetensors)"
+    )
+    p.add_argument(
+        "--format",
+        default="pt",
+        choices=["pt", "hf", "safetensors"],
+        help="pt: a torch.save state_dict, for model.load_state_dict; hf: safetensors and "
+        "config.json, for from_pretrained (a transformers model); safetensors: the "
+        "weight files alone (any model)",
+    )
     p.add_argument("--max-shard-size", default="50GB",
                    help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
                         "model.safetensors.index.json (default 50GB, as save_pretrained)")
-    p.add_argument("--check", action="store_true",
-                   help="hf: load the export with from_pretrained and compare its tensors and logits with "
-                        "the checkpoint's model; exit 1 naming the first difference")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="hf: load the export with from_pretrained and compare its tensors and logits with "
+        "the checkpoint's model; exit 1 naming the first difference",
+    )
 
 
 def _export(args) -> int:
@@ -173,8 +222,10 @@ def _export(args) -> int:
     from fxmeg.weights.checkpoint import export
 
     if args.check and args.format != "hf":
-        raise ConfigError(f"export --check loads the export with from_pretrained: it needs --format hf, "
-                          f"not {args.format}")
+        raise ConfigError(
+            f"export --check loads the export with from_pretrained: it needs --format hf, "
+            f"not {args.format}"
+        )
     done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
     print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
     for note in done.notes:
@@ -223,8 +274,10 @@ def _plot_schedule(args) -> int:
     for r in summary["ranks"]:
         hidden = "-" if r["dp_hidden"] is None else f"{r['dp_hidden']:.0%}"
         a2a = f", expert all-to-all {r['a2a_s'] * 1e3:.1f} ms" if r["a2a_s"] else ""
-        print(f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} ms{a2a}, "
-              f"DP reduction hidden {hidden}")
+        print(
+            f"rank {r['rank']}: bubble {r['bubble']:.1%}, send/recv {r['p2p_s'] * 1e3:.1f} "
+            f"ms{a2a}, DP reduction hidden {hidden}"
+        )
     print(out)
     return 0
 
@@ -236,11 +289,16 @@ def _prepare(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     jobs = [(read_documents(args.input), args.output)]
     if args.json_keys:  # one dataset per key, named as Megatron's preprocess_data.py names them
-        jobs = [(read_json_lines(args.input, key), f"{args.output}_{key}_document") for key in args.json_keys]
+        jobs = [
+            (read_json_lines(args.input, key), f"{args.output}_{key}_document")
+            for key in args.json_keys
+        ]
     for documents, prefix in jobs:
         meta = prepare(documents, prefix, tokenizer)
-        print(f"wrote {prefix}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} documents, "
-              f"vocabulary {meta['vocab_size']} ({meta['tokenizer']})")
+        print(
+            f"wrote {prefix}.bin: {meta['num_tokens']:,} tokens in {meta['num_documents']} "
+            f"documents, vocabulary {meta['vocab_size']} ({meta['tokenizer']})"
+        )
     return 0
 
 
@@ -257,26 +315,45 @@ the activations anyone runs)."""
 def _plan_parser(p: argparse.ArgumentParser) -> None:
     from fxmeg.train.train_config import TrainConfig, flat_fields
 
-    p.add_argument("--config", help="a `fxmeg train` TOML or YAML file: its model and layout keys are "
-                                    "read, the trainer's other keys ignored (flags override it)")
-    p.add_argument("--hf-config", nargs="+", metavar="NAME_OR_JSON",
-                   help="a Hugging Face causal LM instead of --model: a config.json file, a transformers "
-                        "config class (LlamaConfig) or model type (llama), then KEY=VALUE overrides "
-                        "(values read as JSON), e.g. LlamaConfig num_hidden_layers=80 hidden_size=8192")
+    p.add_argument(
+        "--config",
+        help="a `fxmeg train` TOML or YAML file: its model and layout keys are "
+        "read, the trainer's other keys ignored (flags override it)",
+    )
+    p.add_argument(
+        "--hf-config",
+        nargs="+",
+        metavar="NAME_OR_JSON",
+        help="a Hugging Face causal LM instead of --model: a config.json file, a transformers "
+        "config class (LlamaConfig) or model type (llama), then KEY=VALUE overrides "
+        "(values read as JSON), e.g. LlamaConfig num_hidden_layers=80 hidden_size=8192",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--device-memory", metavar="SIZE_OR_DEVICE",
-                   help="one rank's device memory: a size (80GB = 80e9 bytes, 80GiB, 79.6GiB) or a device "
-                        "(h100: 79.6 GiB, h200: 140.4 GiB, a100-40gb: 40 GiB, a100-80gb: 80 GiB, as "
-                        "nvidia-smi reports them); says per stage 'fits' or 'exceeds by', and what would "
-                        "make a stage that exceeds fit")
-    p.add_argument("--split-points", nargs="+", metavar="UNIT",
-                   help="pin the pipeline cuts: the first unit of every chunk but the first, pp * vpp - 1 "
-                        "of them, e.g. model.layers.20 model.layers.40 model.layers.60 (default: balanced "
-                        "at block boundaries)")
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE_OR_DEVICE",
+        help="one rank's device memory: a size (80GB = 80e9 bytes, 80GiB, 79.6GiB) or a device "
+        "(h100: 79.6 GiB, h200: 140.4 GiB, a100-40gb: 40 GiB, a100-80gb: 80 GiB, as "
+        "nvidia-smi reports them); says per stage 'fits' or 'exceeds by', and what would "
+        "make a stage that exceeds fit",
+    )
+    p.add_argument(
+        "--split-points",
+        nargs="+",
+        metavar="UNIT",
+        help="pin the pipeline cuts: the first unit of every chunk but the first, pp * vpp - 1 "
+        "of them, e.g. model.layers.20 model.layers.40 model.layers.60 (default: balanced "
+        "at block boundaries)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    _flags(p, [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
-           defaults={"micro_batch_size": f"{PLAN_MICRO_BATCH}, Megatron's --micro-batch-size default; "
-                                         "`fxmeg train`'s is 4"})
+    _flags(
+        p,
+        [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
+        defaults={
+            "micro_batch_size": f"{PLAN_MICRO_BATCH}, Megatron's --micro-batch-size default; "
+            "`fxmeg train`'s is 4"
+        },
+    )
 
 
 def _plan(args) -> int:
@@ -334,7 +411,9 @@ def _plan_values(args) -> dict:
             raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(key, names))
         if names[key][0] is not TrainConfig or key in PLAN_MODEL:
             values[key] = value
-    given = {k: v for k, v in vars(args).items() if (k in names or k in MEGATRON_NAMES) and v is not None}
+    given = {
+        k: v for k, v in vars(args).items() if (k in names or k in MEGATRON_NAMES) and v is not None
+    }
     values |= from_megatron(given)  # a flag overrides the file
     values.setdefault("micro_batch_size", PLAN_MICRO_BATCH)
     return values
@@ -356,7 +435,9 @@ def hf_config(spec: list[str]):
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)")
+            raise ConfigError(
+                f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)"
+            )
         try:
             overrides[key] = json.loads(text)
         except json.JSONDecodeError:
@@ -365,7 +446,9 @@ def hf_config(spec: list[str]):
         with open(source) as f:
             values = json.load(f)
         if "model_type" not in values:
-            raise ConfigError(f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config")
+            raise ConfigError(
+                f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config"
+            )
         return transformers.AutoConfig.for_model(values.pop("model_type"), **(values | overrides))
     cls = getattr(transformers, source, None)
     if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
@@ -373,8 +456,10 @@ def hf_config(spec: list[str]):
     try:
         return transformers.AutoConfig.for_model(source, **overrides)
     except ValueError:
-        raise ConfigError(f"--hf-config {source!r} is neither a JSON file, a transformers config class "
-                          "(LlamaConfig) nor a model type (llama)") from None
+        raise ConfigError(
+            f"--hf-config {source!r} is neither a JSON file, a transformers config class "
+            "(LlamaConfig) nor a model type (llama)"
+        ) from None
 
 
 # ---------------------------------------------------------------- train
@@ -386,8 +471,12 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     from fxmeg.train.train_config import flat_fields
 
     p.add_argument("--config", help="TOML or YAML file of options (flags override it)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch (default tp * cp * pp * dp; without --dp, the least dp --ep needs)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to launch (default tp * cp * pp * dp; without --dp, the least dp --ep needs)",
+    )
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
@@ -431,8 +520,14 @@ def _megatron_flags(p: argparse.ArgumentParser, names) -> None:
             continue
         flag, target = "--" + alias.replace("_", "-"), "--" + name.replace("_", "-")
         if switch is None:
-            group.add_argument(flag, dest=alias, type=fields[name][1], default=None, metavar="VALUE",
-                               help=f"{target}")
+            group.add_argument(
+                flag,
+                dest=alias,
+                type=fields[name][1],
+                default=None,
+                metavar="VALUE",
+                help=f"{target}",
+            )
         else:
             group.add_argument(flag, dest=alias, action="store_const", const=True, default=None,
                                help=f"{target} {switch}" if switch is not True else target)
@@ -494,7 +589,9 @@ def _verify(args) -> int:
     from fxmeg.train.launch import _launch, _worker, default_ranks
 
     if args.verify_steps < 1:
-        raise ConfigError(f"--verify-steps {args.verify_steps}: check at least one batch (1 or more)")
+        raise ConfigError(
+            f"--verify-steps {args.verify_steps}: check at least one batch (1 or more)"
+        )
     if args.train_iters is None and args.train_samples is None:
         values = _read_config(args.config) if args.config else {}
         if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
@@ -518,7 +615,11 @@ def _field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+        ):
             docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
     return docs
 

@@ -47,7 +47,9 @@ def _launch(cfg, nproc: int, max_restarts: int = 0, *, verify: int = 0, debug: b
         monitor_interval=0.1, start_method="forkserver",
     )
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fxmeg.train.trainer"])
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    loggers = [
+        logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")
+    ]
     levels = [log.level for log in loggers]
     with tempfile.TemporaryDirectory(prefix="fxmeg-errors-") as errors:
         for log in loggers if not debug else ():  # the agent's report of the ranks it stops
@@ -79,7 +81,9 @@ def _raise_rank_error(directory: str) -> None:
 
     from fxmeg.errors import FxmegError
 
-    names = sorted((f for f in os.listdir(directory) if f.startswith("rank")), key=lambda f: int(f[4:]))
+    names = sorted(
+        (f for f in os.listdir(directory) if f.startswith("rank")), key=lambda f: int(f[4:])
+    )
     if names:
         with open(os.path.join(directory, names[0]), "rb") as f:
             kind, text, data = pickle.load(f)
@@ -108,7 +112,9 @@ def _worker(cfg, verify: int = 0, errors: str | None = None) -> bool | None:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
+            dist.init_process_group(
+                backend, store=_attempt_store(rank, world), rank=rank, world_size=world
+            )
         if verify:
             return _verify_worker(cfg, verify)
         Trainer(cfg).run()
@@ -140,9 +146,12 @@ def _verify_worker(cfg, steps: int) -> bool:
         engine = trainer.engine
         if trainer.rank == 0:
             par = engine.config.parallel
-            print(f"layout tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} vpp={par.vpp} dp={par.dp}, "
-                  f"precision {engine.config.precision}, global batch {engine.config.global_batch_size} from "
-                  f"{trainer.consumed} consumed samples, {steps} step(s)")
+            print(
+                f"layout tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} "
+                f"vpp={par.vpp} dp={par.dp}, precision {engine.config.precision}, global batch "
+                f"{engine.config.global_batch_size} from {trainer.consumed} consumed samples, "
+                f"{steps} step(s)"
+            )
         gbs = engine.config.global_batch_size
         for step in range(steps):
             start = trainer.consumed + step * gbs
@@ -168,4 +177,6 @@ def _attempt_store(rank: int, world: int):
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world, is_master=not agent and rank == 0)
-    return dist.PrefixStore(f"fxmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(
+        f"fxmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+    )

@@ -14,7 +14,9 @@ import time
 class Metrics:
     """Rank 0's sinks; every method is a no-op on other ranks."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, total: int | None, progress: bool, tensorboard: bool):
+    def __init__(
+        self, run_dir: str, *, enabled: bool, total: int | None, progress: bool, tensorboard: bool
+    ):
         self.enabled, self.total = enabled, total
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.progress = progress and enabled
@@ -39,7 +41,9 @@ class Metrics:
                 elif isinstance(value, dict):  # per layer (load_imbalance): kind/key/layer
                     for part, number in value.items():
                         if isinstance(number, (int, float)):
-                            self._writer.add_scalar(f"{kind}/{key}/{part}", number, values["iteration"])
+                            self._writer.add_scalar(
+                                f"{kind}/{key}/{part}", number, values["iteration"]
+                            )
             self._writer.flush()
 
     def rewind(self, iteration: int) -> None:
@@ -48,8 +52,11 @@ class Metrics:
         if not self.enabled or not os.path.exists(self.path):
             return
         with self._lock:
-            kept = [r for r in read(os.path.dirname(self.path)) if r.get("iteration", 0) <= iteration
-                    or r["kind"] not in ("train", "eval")]
+            kept = [
+                r
+                for r in read(os.path.dirname(self.path))
+                if r.get("iteration", 0) <= iteration or r["kind"] not in ("train", "eval")
+            ]
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(self.path + ".tmp", self.path)
@@ -62,7 +69,10 @@ class Metrics:
         bar = ""
         if iteration is not None and self.total:
             done = int(30 * min(iteration, self.total) / self.total)
-            bar = f"[{'=' * done}{'>' if done < 30 else ''}{' ' * (29 - done)}] {iteration}/{self.total} "
+            bar = (
+                f"[{'=' * done}{'>' if done < 30 else ''}{' ' * (29 - done)}] "
+                f"{iteration}/{self.total} "
+            )
         if self._tty and not final:
             sys.stdout.write("\r" + bar + text + "\033[K")
         else:
@@ -98,8 +108,9 @@ def run_directory(given: str, *, resuming: bool, resumed: str | None = None) -> 
     if not resuming and os.path.exists(os.path.join(given, "metrics.jsonl")):
         raise ConfigError(
             f"--run-dir {given} holds the metrics of an earlier run, and this run resumes none (no "
-            f"checkpoint loaded): give a new --run-dir (or leave it out: each run takes its own), delete "
-            f"{given}, or --load that run's checkpoints to continue it")
+            "checkpoint loaded): give a new --run-dir (or leave it out: each run takes its own), "
+            f"delete {given}, or --load that run's checkpoints to continue it"
+        )
     return given
 
 
@@ -131,7 +142,9 @@ def plot(run_dir: str, out: str | None = None) -> str:
     fig, axes = plt.subplots(1, 4 if experts else 3, figsize=(20 if experts else 15, 4))
     axes[0].plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
-        axes[0].plot([r["iteration"] for r in evals], [r["valid_loss"] for r in evals], "o-", label="valid")
+        axes[0].plot(
+            [r["iteration"] for r in evals], [r["valid_loss"] for r in evals], "o-", label="valid"
+        )
     axes[0].set(title="loss", xlabel="iteration")
     axes[0].legend()
     axes[1].plot([r["consumed_samples"] for r in train], [r["lr"] for r in train])

@@ -46,7 +46,8 @@ class TrainConfig:
     valid_data_path: str = ""
     """With train_data_path: the validation split's own blend."""
     test_data_path: str = ""
-    """With train_data_path: the test split's own blend (fxmeg trains and evaluates; nothing reads it)."""
+    """With train_data_path: the test split's own blend (fxmeg trains and evaluates; nothing reads
+    it)."""
     data_cache_path: str = ""
     """Megatron's --data-cache-path: a directory for the sample-order indices; later runs with
     the same data and settings read them instead of building them (fxmeg/data/cache.py)."""
@@ -75,7 +76,8 @@ class TrainConfig:
     'padded' (one example per row, each global batch padded to its length bucket; needs
     variable_seq_lengths)."""
     sft_pad_multiple: int = 8
-    """With sft_layout='padded': a global batch is padded to a multiple of this (at most seq_len)."""
+    """With sft_layout='padded': a global batch is padded to a multiple of this (at most seq_len).
+    """
     sft_prompt_key: str = "prompt"
     """With sft: the field of a line holding the prompt."""
     sft_response_key: str = "response"
@@ -123,7 +125,8 @@ class TrainConfig:
     optimizer: str = "adamw"
     """'adamw', or 'muon': Muon on the hidden layers' matrices and AdamW on the rest
     (embeddings, head, biases, norms), one lr and weight decay for both
-    (fxmeg.runtime.optimizer.optimizer.muon_adamw; with the distributed optimizer it shards layer-wise)."""
+    (fxmeg.runtime.optimizer.optimizer.muon_adamw; with the distributed optimizer it shards
+    layer-wise)."""
     weight_decay: float = 0.01
     """Weight decay (not applied to biases and norms)."""
     adam_beta1: float = 0.9
@@ -197,14 +200,18 @@ class TrainConfig:
         if (self.train_iters > 0) == (self.train_samples > 0):
             raise ConfigError("set exactly one of train_iters and train_samples (> 0)")
         if self.data and (self.data_path or self.train_data_path):
-            raise ConfigError("data is the one-prefix spelling of data_path: give one of data, data_path and "
-                              "the per-split paths (train_data_path ...)")
+            raise ConfigError(
+                "data is the one-prefix spelling of data_path: give one of data, data_path and "
+                "the per-split paths (train_data_path ...)"
+            )
         self.data_paths().check()
         self._check_lr_units()
         self._check_sft()
         if self.engine.lr_schedule is not None:
-            raise ConfigError("engine.lr_schedule must stay None: the trainer builds the schedule "
-                              "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style")
+            raise ConfigError(
+                "engine.lr_schedule must stay None: the trainer builds the schedule "
+                "from lr, min_lr, lr_warmup_samples, lr_decay_samples and lr_decay_style"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r} is not one of {OPTIMIZERS}"
                               + closest(self.optimizer, OPTIMIZERS))
@@ -216,24 +223,39 @@ class TrainConfig:
         for what in ("warmup", "decay", "wsd_decay"):
             iters, samples = getattr(self, f"lr_{what}_iters"), getattr(self, f"lr_{what}_samples")
             if iters and samples:
-                raise ConfigError(f"lr_{what}_iters={iters} and lr_{what}_samples={samples} both set: "
-                                  f"give the {what.replace('_', ' ')} length once, in steps or in samples")
+                raise ConfigError(
+                    f"lr_{what}_iters={iters} and lr_{what}_samples={samples} both set: "
+                    f"give the {what.replace('_', ' ')} length once, in steps or in samples"
+                )
             if iters and not self.train_iters:
-                raise ConfigError(f"lr_{what}_iters={iters} counts steps, but the run is given in samples "
-                                  f"(train_samples={self.train_samples}): use lr_{what}_samples, or train_iters")
+                raise ConfigError(
+                    f"lr_{what}_iters={iters} counts steps, but the run is given in samples "
+                    f"(train_samples={self.train_samples}): use lr_{what}_samples, or train_iters"
+                )
 
     def lr_samples(self, global_batch_size: int) -> tuple[int, int, int]:
         """(warmup, decay, WSD anneal) lengths in samples, steps converted at
         ``global_batch_size`` (the final one, as Megatron's ``args.global_batch_size``); 0
         where not set."""
-        return tuple(getattr(self, f"lr_{w}_samples") or getattr(self, f"lr_{w}_iters") * global_batch_size
-                     for w in ("warmup", "decay", "wsd_decay"))
+        return tuple(
+            getattr(self, f"lr_{w}_samples") or getattr(self, f"lr_{w}_iters") * global_batch_size
+            for w in ("warmup", "decay", "wsd_decay")
+        )
 
     def _check_sft(self) -> None:
         if not self.sft:
-            given = [f for f in ("sft_layout", "sft_pad_multiple", "sft_prompt_key", "sft_response_key",
-                                 "sft_messages_key", "chat_template")
-                     if getattr(self, f) != getattr(TrainConfig, f)]
+            given = [
+                f
+                for f in (
+                    "sft_layout",
+                    "sft_pad_multiple",
+                    "sft_prompt_key",
+                    "sft_response_key",
+                    "sft_messages_key",
+                    "chat_template",
+                )
+                if getattr(self, f) != getattr(TrainConfig, f)
+            ]
             if given:
                 raise ConfigError(f"{', '.join(given)} read SFT data: add --sft, or drop them")
             return
@@ -241,24 +263,39 @@ class TrainConfig:
             raise ConfigError(f"sft_layout={self.sft_layout!r} is not one of {LAYOUTS}"
                               + closest(self.sft_layout, LAYOUTS))
         if not self.tokenizer_model:
-            raise ConfigError("--sft tokenises its JSON lines with the model's tokenizer: pass --tokenizer-model "
-                              "PATH (a tokenizer.json, or the directory holding it)")
+            raise ConfigError(
+                "--sft tokenises its JSON lines with the model's tokenizer: pass --tokenizer-model "
+                "PATH (a tokenizer.json, or the directory holding it)"
+            )
         if self.data_cache_path:
-            raise ConfigError("--data-cache-path caches the sample order of indexed (.bin / .idx) data; --sft "
-                              "reads JSON lines and orders them at start-up: drop --data-cache-path")
+            raise ConfigError(
+                "--data-cache-path caches the sample order of indexed (.bin / .idx) data; --sft "
+                "reads JSON lines and orders them at start-up: drop --data-cache-path"
+            )
         if self.masks():
-            raise ConfigError(f"--sft lays out its own masks (--sft-layout); {' '.join(self.masks().flags())} "
-                              "are for pretraining data")
+            raise ConfigError(
+                f"--sft lays out its own masks (--sft-layout); {' '.join(self.masks().flags())} "
+                "are for pretraining data"
+            )
         if self.sft_layout == "padded" and self.seq_len % self.sft_pad_multiple:
-            raise ConfigError(f"--sft-layout padded pads to multiples of sft_pad_multiple={self.sft_pad_multiple}, "
-                              f"up to seq_len={self.seq_len}, which is not one: make seq_len a multiple of it")
+            raise ConfigError(
+                "--sft-layout padded pads to multiples of "
+                f"sft_pad_multiple={self.sft_pad_multiple}, up to seq_len={self.seq_len}, which is "
+                "not one: make seq_len a multiple of it"
+            )
         if self.sft_layout == "padded" and not self.engine.variable_seq_lengths:
             raise ConfigError("--sft-layout padded pads each global batch to its own length: add "
                               "--variable-seq-lengths (or use --sft-layout packed)")
 
     def sft_format(self) -> SFTFormat:
-        return SFTFormat(self.sft_prompt_key, self.sft_response_key, self.sft_messages_key, self.chat_template,
-                         self.sft_layout, self.sft_pad_multiple)
+        return SFTFormat(
+            self.sft_prompt_key,
+            self.sft_response_key,
+            self.sft_messages_key,
+            self.chat_template,
+            self.sft_layout,
+            self.sft_pad_multiple,
+        )
 
     def masks(self) -> MaskRule:
         """Megatron's three mask switches (``fxmeg.data.megatron.MaskRule``)."""
@@ -266,9 +303,14 @@ class TrainConfig:
 
     def data_paths(self) -> DataPaths:
         """Where the data is (``fxmeg.data.megatron``)."""
-        return DataPaths(blend=tuple((self.data_path or self.data).split()), split=self.split,
-                         per_split=tuple(tuple(p.split()) for p in (self.train_data_path, self.valid_data_path,
-                                                                    self.test_data_path)))
+        return DataPaths(
+            blend=tuple((self.data_path or self.data).split()),
+            split=self.split,
+            per_split=tuple(
+                tuple(p.split())
+                for p in (self.train_data_path, self.valid_data_path, self.test_data_path)
+            ),
+        )
 
     @classmethod
     def from_flat(cls, where: str = "", /, **values) -> TrainConfig:
@@ -305,7 +347,10 @@ def flat_defaults() -> dict:
     """Flat name -> the value a TrainConfig takes when that name is not given."""
     own = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "engine"}
     engine = _ENGINE.flat()
-    return {name: own[name] if cls is TrainConfig else engine[name] for name, (cls, _) in flat_fields().items()}
+    return {
+        name: own[name] if cls is TrainConfig else engine[name]
+        for name, (cls, _) in flat_fields().items()
+    }
 
 
 def engine_from_flat(**values) -> EngineConfig:
@@ -313,7 +358,9 @@ def engine_from_flat(**values) -> EngineConfig:
     sections' included: ``fxmeg plan`` takes the layout flags of ``fxmeg train``)."""
     own, engine = _split_flat(values)
     if own:
-        raise ConfigError(f"{sorted(own)} are options of the trainer, not of the engine or the layout")
+        raise ConfigError(
+            f"{sorted(own)} are options of the trainer, not of the engine or the layout"
+        )
     return _ENGINE.replace(**engine)
 
 
@@ -347,8 +394,10 @@ def from_megatron(values: dict) -> dict:
         if value is None:
             continue
         if name in out and out[name] != value:
-            raise ConfigError(f"{alias}={values[alias]!r} (Megatron's name) and {name}={out[name]!r} "
-                              f"disagree: give one of them")
+            raise ConfigError(
+                f"{alias}={values[alias]!r} (Megatron's name) and {name}={out[name]!r} "
+                f"disagree: give one of them"
+            )
         out[name] = value
     return out
 
@@ -366,7 +415,9 @@ def _split_flat(values: dict, where: str = "") -> tuple[dict, dict]:
     return own, {k: v for k, v in values.items() if k not in own}
 
 
-def batch_size_schedule(cfg: TrainConfig, engine: EngineConfig | None = None) -> list[tuple[int, int]]:
+def batch_size_schedule(
+    cfg: TrainConfig, engine: EngineConfig | None = None
+) -> list[tuple[int, int]]:
     """(threshold in consumed samples, global batch size) from 0 on, ascending. The
     micro-batch count may only grow (docs/design.md §8.3.3): a shrinking size is refused.
     Each size is checked as EngineConfig checks global_batch_size, against ``engine``

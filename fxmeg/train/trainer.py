@@ -52,14 +52,32 @@ def train_data(cfg: TrainConfig) -> TrainData | SFTData:
     at each evaluation. With --sft, the JSON lines as fxmeg/data/sft.py lays them out."""
     final = batch_size_schedule(cfg)[-1][1]
     iters = cfg.train_iters or cfg.train_samples // final
-    sizes = sample_counts(cfg.train_samples or iters * final, final, cfg.eval_interval, cfg.eval_iters, iters)
+    sizes = sample_counts(
+        cfg.train_samples or iters * final, final, cfg.eval_interval, cfg.eval_iters, iters
+    )
     paths = cfg.data_paths()
     if cfg.sft:
         tokenizer = HFTokenizer(cfg.tokenizer_model, eos_id=cfg.eod_id if cfg.eod_id >= 0 else None)
-        return SFTData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer, fmt=cfg.sft_format())
-    vocab = vocabulary(paths.prefixes, size=cfg.vocab_size, eod=cfg.eod_id, tokenizer=cfg.tokenizer_model)
-    return TrainData(paths, sizes, seq_len=cfg.seq_len, seed=cfg.seed, vocab=vocab, masks=cfg.masks(),
-                     cache_path=cfg.data_cache_path)
+        return SFTData(
+            paths,
+            sizes,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            tokenizer=tokenizer,
+            fmt=cfg.sft_format(),
+        )
+    vocab = vocabulary(
+        paths.prefixes, size=cfg.vocab_size, eod=cfg.eod_id, tokenizer=cfg.tokenizer_model
+    )
+    return TrainData(
+        paths,
+        sizes,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        vocab=vocab,
+        masks=cfg.masks(),
+        cache_path=cfg.data_cache_path,
+    )
 
 
 def passes_report(cfg: TrainConfig, data: TrainData | SFTData, final: int) -> str:
@@ -75,8 +93,11 @@ def passes_report(cfg: TrainConfig, data: TrainData | SFTData, final: int) -> st
         if data.passes <= 1:
             return line
         one = max(1, round(samples / data.passes) // final)  # the steps of one pass
-        return (f"WARNING: {line}: each example is trained on about {data.passes:.0f} times; for one pass, "
-                f"--train-iters {one}, or give more examples (each pass reads them in a new order)")
+        return (
+            f"WARNING: {line}: each example is trained on about {data.passes:.0f} times; for one "
+            f"pass, --train-iters {one}, or give more examples (each pass reads them in a new "
+            "order)"
+        )
     epochs = f"Megatron's sample index: {data.epochs} epoch{'s' * (data.epochs > 1)}"
     if data.passes is None:
         return f"pretraining: {run}; {epochs} (the most of the blend's datasets)"
@@ -88,8 +109,12 @@ def model_batch(fields: dict[str, torch.Tensor], *, keywords: bool):
     the masks' position_ids and attend) as the model takes it: (input_ids, labels), or for
     a Hugging Face model the keyword batch (``hugging_face.keyword_batch``)."""
     if keywords:
-        return hugging_face.keyword_batch(fields["tokens"], fields["labels"], position_ids=fields.get("position_ids"),
-                                          attend=fields.get("attend"))
+        return hugging_face.keyword_batch(
+            fields["tokens"],
+            fields["labels"],
+            position_ids=fields.get("position_ids"),
+            attend=fields.get("attend"),
+        )
     return fields["tokens"], fields["labels"]
 
 
@@ -102,17 +127,23 @@ def _check_model_takes(cfg: TrainConfig, model: nn.Module, *, keywords: bool) ->
     resets = [f for f in cfg.masks().flags() if f != "--eod-mask-loss"]
     resets += ["--sft-layout packed"] if cfg.sft and cfg.sft_layout == "packed" else []
     if resets and not keywords:
-        raise ConfigError(f"{' and '.join(resets)}: {name} takes only token ids and labels; a model that takes "
-                          "position_ids and attention_mask by keyword (a Hugging Face one, e.g. --model "
-                          "transformers:LlamaForCausalLM) can use them")
+        raise ConfigError(
+            f"{' and '.join(resets)}: {name} takes only token ids and labels; a model that takes "
+            "position_ids and attention_mask by keyword (a Hugging Face one, e.g. --model "
+            "transformers:LlamaForCausalLM) can use them"
+        )
     attention = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
     if resets and attention != "sdpa":
-        raise ConfigError(f"{' and '.join(resets)}: {name} runs {attention!r} attention, which does not take a "
-                          "boolean 4-D attention mask as given; use --model-args attn_implementation=sdpa")
+        raise ConfigError(
+            f"{' and '.join(resets)}: {name} runs {attention!r} attention, which does not take a "
+            "boolean 4-D attention mask as given; use --model-args attn_implementation=sdpa"
+        )
     masked = ["--eod-mask-loss"] * cfg.eod_mask_loss + ["--sft"] * cfg.sft
     if masked and keywords and not hugging_face.takes_shift_labels(model):
-        raise ConfigError(f"{' and '.join(masked)}: {name}'s loss ignores shift_labels, where the -100 targets "
-                          "are; it would train on every position")
+        raise ConfigError(
+            f"{' and '.join(masked)}: {name}'s loss ignores shift_labels, where the -100 targets "
+            "are; it would train on every position"
+        )
 
 
 def _vocabulary(data: TrainData | SFTData) -> dict:
@@ -128,7 +159,8 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        engine = cfg.engine.resolve(world)  # dp=None: world // (tp * cp * pp); every batch rule with dp
+        # dp=None: world // (tp * cp * pp); every batch rule with dp
+        engine = cfg.engine.resolve(world)
         self.world, self.dp = world, engine.parallel.dp
         self.sizes = batch_size_schedule(cfg, engine)
         self.engine_config = dataclasses.replace(
@@ -144,12 +176,16 @@ class Trainer:
             with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
                 model = build_model(cfg.model, args)
         self.keywords = hugging_face.is_hugging_face(model)
-        """Batches are keyword dicts (a Hugging Face model: fxmeg.interop.hugging_face), else tuples."""
+        """Batches are keyword dicts (a Hugging Face model: fxmeg.interop.hugging_face), else
+        tuples."""
         _check_model_takes(cfg, model, keywords=self.keywords)
         self.run_dir = self._run_dir()  # before the capture: a refused directory costs none
         self.engine = self._engine(model)
         self.checkpointer = checkpoint.Checkpointer(
-            self.engine.program, self.engine.context, keep=cfg.keep_last or None, async_save=cfg.async_save,
+            self.engine.program,
+            self.engine.context,
+            keep=cfg.keep_last or None,
+            async_save=cfg.async_save,
             hugging_face=self.engine.hugging_face,  # config.json for `fxmeg export --format hf`
             data=_vocabulary(self.data),  # and its eos
         )
@@ -161,8 +197,10 @@ class Trainer:
         self.metrics.say(self.data.summary)
         self.metrics.say(passes_report(cfg, self.data, self.sizes[-1][1]))
         if self.keywords and not hugging_face.takes_shift_labels(model):
-            self.metrics.say(f"{type(model).__name__}'s loss ignores shift_labels: it shifts labels "
-                             "itself, so the last token of each window is never a target")
+            self.metrics.say(
+                f"{type(model).__name__}'s loss ignores shift_labels: it shifts labels "
+                "itself, so the last token of each window is never a target"
+            )
         self.iteration = self.consumed = self.valid_consumed = self.skipped = 0
         self._saved: tuple[int, int] | None = None
         """(iteration, validation samples consumed) of the last checkpoint."""
@@ -191,8 +229,12 @@ class Trainer:
         example = self.batch("train", range(self.engine_config.micro_batch_size))
         betas, eps, wd = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.weight_decay
         return fxmeg.parallelize(
-            model, example, config=self.engine_config, weights=cfg.init_from or None,
-            optimizer=muon_adamw(lr=cfg.lr, weight_decay=wd, betas=betas, eps=eps) if cfg.optimizer == "muon"
+            model,
+            example,
+            config=self.engine_config,
+            weights=cfg.init_from or None,
+            optimizer=muon_adamw(lr=cfg.lr, weight_decay=wd, betas=betas, eps=eps)
+            if cfg.optimizer == "muon"
             else lambda groups: adamw(groups, betas=betas, eps=eps, weight_decay=wd),
         )
 
@@ -211,8 +253,9 @@ class Trainer:
                 size = self.engine.config.global_batch_size
                 traced = bool(cfg.trace) and (self.iteration + 1) % cfg.trace_interval == 0
                 tick = time.perf_counter()
-                result = self.engine.train_step(self._train_batch(size), check_determinism=cfg.check_determinism,
-                                                trace=traced)
+                result = self.engine.train_step(
+                    self._train_batch(size), check_determinism=cfg.check_determinism, trace=traced
+                )
                 # throughput counts the steps alone: evaluation, saving, logging, traces and
                 # the exit vote stay out (Megatron stops 'interval-time' around eval and save)
                 seconds = time.perf_counter() - tick
@@ -241,8 +284,10 @@ class Trainer:
             self.checkpointer.wait()
             self.metrics.record("event", {"iteration": self.iteration, "exit": reason,
                                           "consumed_samples": self.consumed})
-            self.metrics.say(f"exit ({reason}) at iteration {self.iteration}, {self.consumed} samples; "
-                             f"validation loss {self.last_eval['valid_loss']:.4f}")
+            self.metrics.say(
+                f"exit ({reason}) at iteration {self.iteration}, {self.consumed} samples; "
+                f"validation loss {self.last_eval['valid_loss']:.4f}"
+            )
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -253,20 +298,30 @@ class Trainer:
     def _report_step(self, result) -> None:
         """Events worth a line of their own: skipped and non-deterministic steps."""
         if result.skipped:
-            self.metrics.record("event", {"iteration": self.iteration, "skipped": result.skip_reason,
-                                          "grad_norm": result.grad_norm})
+            self.metrics.record(
+                "event",
+                {
+                    "iteration": self.iteration,
+                    "skipped": result.skip_reason,
+                    "grad_norm": result.grad_norm,
+                },
+            )
             self.metrics.say(f"step {self.iteration} skipped ({result.skip_reason})")
         if result.rerun_mismatch:
             self.metrics.record("event", {"iteration": self.iteration, "nondeterministic": True})
-            self.metrics.say(f"step {self.iteration} is not deterministic: its rerun gave a different "
-                             "loss or gradients (same batch, same parameters)")
+            self.metrics.say(
+                f"step {self.iteration} is not deterministic: its rerun gave a different "
+                "loss or gradients (same batch, same parameters)"
+            )
 
     def _write_trace(self) -> None:
         """All ranks' spans of the step just taken, as DIR/step_N.json (rank 0 writes)."""
         groups = self.engine.context.groups
         tp, dp, pp = groups.topo.coords(groups.rank)
         cp = f" cp {groups.cp_rank}" if groups.topo.cp > 1 else ""
-        gathered = timelines.gather(self.engine.context.tracer.events, f"pp {pp} dp {dp}{cp} tp {tp}")
+        gathered = timelines.gather(
+            self.engine.context.tracer.events, f"pp {pp} dp {dp}{cp} tp {tp}"
+        )
         if gathered is not None:
             os.makedirs(self.cfg.trace, exist_ok=True)
             path = os.path.join(self.cfg.trace, f"step_{self.iteration}.json")
@@ -283,7 +338,9 @@ class Trainer:
     def _exit_reason(self, start: float) -> str:
         """Why to stop now, decided by all ranks together."""
         cfg = self.cfg
-        local = self._signal or (cfg.exit_duration_in_mins and time.monotonic() - start > 60 * cfg.exit_duration_in_mins)
+        local = self._signal or (
+            cfg.exit_duration_in_mins and time.monotonic() - start > 60 * cfg.exit_duration_in_mins
+        )
         flags = torch.tensor([1 if self._signal else 0, 1 if local else 0])
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -311,8 +368,14 @@ class Trainer:
         if self.cfg.save:
             self.save()  # docs/megatron-semantics.md §2.3.3: a checkpoint just before the switch
         self.engine.set_global_batch_size(size)
-        self.metrics.record("event", {"iteration": self.iteration, "consumed_samples": self.consumed,
-                                      "batch_size_switch": [old, size]})
+        self.metrics.record(
+            "event",
+            {
+                "iteration": self.iteration,
+                "consumed_samples": self.consumed,
+                "batch_size_switch": [old, size],
+            },
+        )
         self.metrics.say(f"global batch size {old} -> {size} at {self.consumed} samples")
 
     def _train_batch(self, size: int):
@@ -320,7 +383,9 @@ class Trainer:
             return None  # a middle pipeline stage reads no data
         return self.batch("train", range(self.consumed, self.consumed + size))
 
-    def batch(self, split: str, positions) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+    def batch(
+        self, split: str, positions
+    ) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         """The samples at stream ``positions`` of the "train" or "valid" split as the model
         takes them (``model_batch``)."""
         return model_batch(self.data.fields(split, positions), keywords=self.keywords)
@@ -347,7 +412,10 @@ class Trainer:
                "eval_time": time.perf_counter() - tick}
         self.last_eval = out
         self.metrics.record("eval", out)
-        self.metrics.say(f"validation at iteration {self.iteration}: loss {loss:.4f}, perplexity {out['valid_ppl']:.2f}")
+        self.metrics.say(
+            f"validation at iteration {self.iteration}: loss {loss:.4f}, perplexity "
+            f"{out['valid_ppl']:.2f}"
+        )
         return out
 
     def _log(self, window: list) -> dict:
@@ -381,16 +449,22 @@ class Trainer:
             for s in report:
                 self.metrics.say(
                     f"memory, pipeline stage {s['stage']}: parameters {_mib(s['parameters'])}, "
-                    f"gradients {_mib(s['gradient_buffers'])}, optimizer {_mib(s['optimizer_state'])}, "
-                    f"activations {_mib(s['activations'])} ({s['microbatches_in_flight']} micro-batches "
-                    f"in flight), total {_mib(s['total'])}"
+                    f"gradients {_mib(s['gradient_buffers'])}, optimizer "
+                    f"{_mib(s['optimizer_state'])}, activations {_mib(s['activations'])} "
+                    f"({s['microbatches_in_flight']} micro-batches in flight), total "
+                    f"{_mib(s['total'])}"
                 )
         self.last_train = values
         self.metrics.record("train", values)
         self.metrics.show(
             f"loss {values['loss']:.4f} lr {values['lr']:.2e} grad_norm {values['grad_norm']:.3f} "
-            f"{values['tokens_per_s']:,.0f} tok/s {values['tflops_per_rank'] * 1e3:.2f} GFLOP/s/rank"
-            + (f" load imbalance {values['load_imbalance_max']:.2f}" if "load_imbalance_max" in values else ""),
+            f"{values['tokens_per_s']:,.0f} tok/s {values['tflops_per_rank'] * 1e3:.2f} "
+            "GFLOP/s/rank"
+            + (
+                f" load imbalance {values['load_imbalance_max']:.2f}"
+                if "load_imbalance_max" in values
+                else ""
+            ),
             iteration=self.iteration,
         )
         return values
@@ -400,8 +474,13 @@ class Trainer:
         seconds the loop waited, as save_time: the whole save, or with async_save the wait
         for the previous one and the snapshot."""
         tick = time.perf_counter()
-        state = {"consumed_samples": self.consumed, "valid_consumed": self.valid_consumed,
-                 "skipped": self.skipped, "config": dataclasses.asdict(self.cfg), "run_dir": self.run_dir}
+        state = {
+            "consumed_samples": self.consumed,
+            "valid_consumed": self.valid_consumed,
+            "skipped": self.skipped,
+            "config": dataclasses.asdict(self.cfg),
+            "run_dir": self.run_dir,
+        }
         path = self.checkpointer.save(self.cfg.save, self.iteration, state)
         self._saved = (self.iteration, self.valid_consumed)
         self.metrics.record("event", {"iteration": self.iteration, "save_started": path,
@@ -432,12 +511,20 @@ class Trainer:
     def _start_line(self) -> str:
         """The resolved layout, the run directory and where checkpoints go."""
         cfg, par, engine = self.cfg, self.engine.config.parallel, self.engine.config
-        layout = " ".join(f"{name}={getattr(par, name)}" for name in ("tp", "cp", "ep", "pp", "vpp", "dp"))
-        saving = (f"checkpoints to {cfg.save}" + (f" every {cfg.save_interval} steps" if cfg.save_interval
-                                                   else " at the end") if cfg.save else "no checkpoints (--save)")
+        layout = " ".join(
+            f"{name}={getattr(par, name)}" for name in ("tp", "cp", "ep", "pp", "vpp", "dp")
+        )
+        saving = (
+            f"checkpoints to {cfg.save}"
+            + (f" every {cfg.save_interval} steps" if cfg.save_interval else " at the end")
+            if cfg.save
+            else "no checkpoints (--save)"
+        )
         zero = engine.data_parallel.zero_stage
-        return (f"layout {layout} zero={zero} on {self.world} rank(s), schedule {par.resolved_schedule}, "
-                f"{engine.precision}; run directory {self.run_dir}; {saving}")
+        return (
+            f"layout {layout} zero={zero} on {self.world} rank(s), schedule "
+            f"{par.resolved_schedule}, {engine.precision}; run directory {self.run_dir}; {saving}"
+        )
 
     def _resume(self) -> None:
         state = self.checkpointer.load(self.cfg.load)
@@ -446,13 +533,17 @@ class Trainer:
             return
         if "consumed_samples" not in state:  # engine.save's: the caller fed its own batches
             raise CheckpointError(
-                f"--load {self.cfg.load}: its checkpoint was saved by engine.save (the Python API), which "
-                "records no position in the trainer's data (consumed samples), so the trainer cannot resume "
-                f"from it; start from its weights with --init-from {self.cfg.load} (fresh optimizer and steps)")
+                f"--load {self.cfg.load}: its checkpoint was saved by engine.save (the Python "
+                "API), which records no position in the trainer's data (consumed samples), so the "
+                "trainer cannot resume from it; start from its weights with --init-from "
+                f"{self.cfg.load} (fresh optimizer and steps)"
+            )
         self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
         self.valid_consumed, self.skipped = state["valid_consumed"], state["skipped"]
         self.metrics.rewind(self.iteration)
-        self.metrics.say(f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples")
+        self.metrics.say(
+            f"resumed from {self.cfg.load} at iteration {self.iteration}, {self.consumed} samples"
+        )
 
 
 def _expert_load(results: list) -> dict:

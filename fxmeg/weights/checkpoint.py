@@ -59,7 +59,11 @@ def _rank() -> int:
 
 
 def _rng() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -85,8 +89,14 @@ class Checkpointer:
     """Storage writer class; tests substitute a slow one."""
 
     def __init__(
-        self, program: Program, context: RankContext, *, keep: int | None = None, async_save: bool = False,
-        hugging_face: dict | None = None, data: dict | None = None,
+        self,
+        program: Program,
+        context: RankContext,
+        *,
+        keep: int | None = None,
+        async_save: bool = False,
+        hugging_face: dict | None = None,
+        data: dict | None = None,
     ) -> None:
         self.program, self.context, self.keep, self.async_save = program, context, keep, async_save
         self.hugging_face = hugging_face
@@ -127,7 +137,9 @@ class Checkpointer:
         path = os.path.join(directory, f"iter_{iteration:07d}")
         if self.async_save:
             state = {k: v.snapshot() if isinstance(v, Pieces) else v for k, v in state.items()}
-            self._thread = threading.Thread(target=self._write, args=(state, path, directory, meta), daemon=True)
+            self._thread = threading.Thread(
+                target=self._write, args=(state, path, directory, meta), daemon=True
+            )
             self._thread.start()
         else:
             self._write(state, path, directory, meta)
@@ -189,13 +201,19 @@ class Checkpointer:
         entries = {k for k in saved if k.startswith("optim/") and k.count("/") == 2}
         keys = {k.split("/")[1] for k in entries}
         if ctx.config.precision != "fp32" and "master" not in keys:
-            raise CheckpointError(f"{path} has no fp32 masters (saved in fp32); load it with precision='fp32'")
+            raise CheckpointError(
+                f"{path} has no fp32 masters (saved in fp32); load it with precision='fp32'"
+            )
         objects = ["optim/scalars", "scaler", "scheduler", "trainer", f"rng/{_rank()}"]
         with ctx.unsharded(write=True):  # zero=3: loaded into whole parameters, kept in the shards
-            state: dict[str, Any] = {**model_entries(program, ctx), **optimizer_entries(program, ctx, entries)}
+            state: dict[str, Any] = {
+                **model_entries(program, ctx),
+                **optimizer_entries(program, ctx, entries),
+            }
             state |= {k: None for k in objects if k in saved}
             dcp_load(state, path, group=self.group)
-        ctx.optimizer.reload()  # parameters follow loaded masters (or full-matrix masters the parameters)
+        # parameters follow loaded masters (or full-matrix masters the parameters)
+        ctx.optimizer.reload()
         for piece in ctx.optimizer.pieces:
             inner = ctx.optimizer.inner.state[piece.master]
             for key, value in (state.get("optim/scalars") or {}).items():
@@ -215,8 +233,12 @@ class Checkpointer:
 def _check_model(meta: dict, program: Program, path: str) -> None:
     mine = model_signature(program)
     if meta["model"] != mine:
-        diff = sorted(k for k in set(meta["model"]) | set(mine) if meta["model"].get(k) != mine.get(k))
-        shown = ", ".join(f"{k}: checkpoint {meta['model'].get(k)} vs model {mine.get(k)}" for k in diff[:3])
+        diff = sorted(
+            k for k in set(meta["model"]) | set(mine) if meta["model"].get(k) != mine.get(k)
+        )
+        shown = ", ".join(
+            f"{k}: checkpoint {meta['model'].get(k)} vs model {mine.get(k)}" for k in diff[:3]
+        )
         raise CheckpointError(
             f"checkpoint {path} is from an incompatible model ({len(diff)} parameters differ: "
             f"{shown}); load it into the model it was saved from"
@@ -230,14 +252,20 @@ def check_complete(path: str) -> None:
         with open(meta) as f:
             json.load(f)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{meta} is missing or unreadable: the save did not finish ({exc})") from exc
+        raise CheckpointError(
+            f"{meta} is missing or unreadable: the save did not finish ({exc})"
+        ) from exc
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"{os.path.join(path, '.metadata')} is missing or unreadable: {exc}") from exc
+        raise CheckpointError(
+            f"{os.path.join(path, '.metadata')} is missing or unreadable: {exc}"
+        ) from exc
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         file = os.path.join(path, name)
         have = os.path.getsize(file) if os.path.exists(file) else -1
@@ -279,7 +307,10 @@ def find_complete(directory: str) -> str | None:
             problems.append(str(exc))
             continue
         if problems:
-            warnings.warn(f"skipping incomplete checkpoints, loading {path}: " + "; ".join(problems), stacklevel=2)
+            warnings.warn(
+                f"skipping incomplete checkpoints, loading {path}: " + "; ".join(problems),
+                stacklevel=2,
+            )
         return path
     if problems:
         raise CheckpointError(f"no complete checkpoint in {directory}: " + "; ".join(problems))
@@ -295,7 +326,8 @@ class Exported:
     names: list[str]
     """The tensor names written."""
     notes: list[str]
-    """For the user: what an "hf" export set for inference (``fxmeg.interop.hf_export.for_generation``)."""
+    """For the user: what an "hf" export set for inference
+    (``fxmeg.interop.hf_export.for_generation``)."""
 
 
 def read_model(path: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
@@ -329,7 +361,9 @@ def _model_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
             if canonical in full for alias in names}
 
 
-def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Exported:
+def export(
+    path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE
+) -> Exported:
     """Write the model of checkpoint ``path`` (a checkpoint or its directory) for a single
     device, under the user model's names.
 
@@ -340,16 +374,19 @@ def export(path: str, out: str, *, format: str = "pt", max_shard_size: int | str
     tied names once); only for a checkpoint of a transformers model. "safetensors": the
     same weight files alone, for any model."""
     if format not in FORMATS:
-        raise CheckpointError(f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}")
+        raise CheckpointError(
+            f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}"
+        )
     if format != "pt":
         check_target(out, max_shard_size)  # before reading anything
     path, meta = _iteration(path)
     info = meta.get("hugging_face")
     if format == "hf" and info is None:
         raise CheckpointError(
-            f"export {path} with format 'hf': the checkpoint records no Hugging Face config (its model is "
-            f"not a transformers model, or an older fxmeg saved it) to write as config.json; use format "
-            f"'safetensors' for the weights alone, or 'pt'")
+            f"export {path} with format 'hf': the checkpoint records no Hugging Face config (its "
+            "model is not a transformers model, or an older fxmeg saved it) to write as "
+            "config.json; use format 'safetensors' for the weights alone, or 'pt'"
+        )
     state = _model_tensors(path, meta)
     if format == "pt":
         torch.save(state, out)

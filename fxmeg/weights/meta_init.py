@@ -15,8 +15,9 @@ from one of two sources:
 Non-persistent buffers (rotary tables, masks) are never in a checkpoint: their modules
 are initialised even when the parameters come from weights. ``init_fn`` defaults to
 ``module.reset_parameters()``, or for the modules of a Hugging Face model (also one wrapped
-in the user's loss module) to its ``_init_weights`` (which also recomputes rotary tables). A tensor ``init_fn`` leaves unwritten is an error
-naming it: found by recording which storages the call writes.
+in the user's loss module) to its ``_init_weights`` (which also recomputes rotary tables). A tensor
+``init_fn`` leaves unwritten is an error naming it: found by recording which storages the call
+writes.
 """
 
 from __future__ import annotations
@@ -110,13 +111,21 @@ class _Writes(TorchDispatchMode):
         schema = op_schema(func).arguments
         values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
         for spec, value in zip(schema, values):
-            if spec.alias_info is not None and spec.alias_info.is_write and isinstance(value, torch.Tensor):
+            if (
+                spec.alias_info is not None
+                and spec.alias_info.is_write
+                and isinstance(value, torch.Tensor)
+            ):
                 self.storages.add(storage_key(value))
         return func(*args, **kwargs)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: t for k, t in (*own_parameters(module).items(), *own_buffers(module).items()) if t is not None}
+    return {
+        k: t
+        for k, t in (*own_parameters(module).items(), *own_buffers(module).items())
+        if t is not None
+    }
 
 
 def _run_init(module: nn.Module, name: str, init_fn: InitFn, seed: int) -> dict[str, torch.Tensor]:
@@ -143,8 +152,8 @@ def _run_init(module: nn.Module, name: str, init_fn: InitFn, seed: int) -> dict[
 
 def _no_init(module: nn.Module, name: str, why: str) -> str:
     return (
-        f"cannot initialise module {name or '<root>'!r} ({type(module).__name__}) of a model built on "
-        f"meta: {why}. Pass init_fn=fn, where fn(module) fills every parameter and buffer that "
+        f"cannot initialise module {name or '<root>'!r} ({type(module).__name__}) of a model built "
+        f"on meta: {why}. Pass init_fn=fn, where fn(module) fills every parameter and buffer that "
         "module registers itself (nn.init.* on module.weight, buffers recomputed), or load them "
         "with weights=PATH"
     )
@@ -197,8 +206,12 @@ def check_init(model: nn.Module, modules: Iterable[str], init_fn: InitFn) -> Non
         except (NotImplementedError, RuntimeError):
             pass  # no meta kernel: checked when it runs on the device
     if failed:
-        more = f" ({len(failed) - 1} more module(s) too: {', '.join(e.module for e in failed[1:4])}" + (
-            ", ...)" if len(failed) > 4 else ")") if len(failed) > 1 else ""
+        more = (
+            f" ({len(failed) - 1} more module(s) too: {', '.join(e.module for e in failed[1:4])}"
+            + (", ...)" if len(failed) > 4 else ")")
+            if len(failed) > 1
+            else ""
+        )
         raise InitError(str(failed[0]) + more)
 
 
@@ -219,7 +232,9 @@ class Source:
         """Whether the weights hold tensor ``name``."""
         return self.names is not None and name in self.names
 
-    def values(self, wanted: Mapping[str, tuple], device: torch.device, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    def values(
+        self, wanted: Mapping[str, tuple], device: torch.device, tp: int, rank: int
+    ) -> dict[str, torch.Tensor]:
         """``wanted``: tensor -> (tp spec or None, dtype). This rank's local tensor of each:
         the tensor-parallel shard for rank ``rank`` of ``tp`` (the whole tensor when the
         spec is None), in that dtype, on ``device``."""
@@ -229,7 +244,9 @@ class Source:
         if from_weights:
             requests = []
             for name, (spec, dtype) in from_weights.items():
-                local = list(_tensors(self.model.get_submodule(where[name].module))[where[name].attr].shape)
+                local = list(
+                    _tensors(self.model.get_submodule(where[name].module))[where[name].attr].shape
+                )
                 if is_split(spec):
                     local = list(spec.local_shape(local, tp))
                 out[name] = torch.empty(local, dtype=dtype, device=device)
@@ -242,8 +259,14 @@ class Source:
                 by_module.setdefault(where[name].module, []).append(name)
         for module, names in by_module.items():
             attrs = {where[n].attr: n for n in names}
-            full = init_module(self.model.get_submodule(module), module, self.init_fn, self.seed, device,
-                               {where[n].attr: wanted[n][1] for n in names})
+            full = init_module(
+                self.model.get_submodule(module),
+                module,
+                self.init_fn,
+                self.seed,
+                device,
+                {where[n].attr: wanted[n][1] for n in names},
+            )
             for attr, name in attrs.items():
                 out[name] = tp_shard(full[attr], wanted[name][0], tp, rank).to(wanted[name][1])
         return out
@@ -287,10 +310,10 @@ def on_meta(model: nn.Module) -> bool:
     if meta and len(meta) < len(tensors):
         real = next(n for n, t in tensors.items() if not t.is_meta)
         raise CaptureError(
-            f"{type(model).__name__} has {len(meta)} tensor(s) on the meta device (e.g. {meta[0]!r}) and "
-            f"{len(tensors) - len(meta)} real one(s) (e.g. {real!r}); build the whole model under "
-            "`with torch.device('meta'):` (fxmeg then materialises each rank's part from weights= or "
-            "init_fn=) or entirely with real tensors"
+            f"{type(model).__name__} has {len(meta)} tensor(s) on the meta device (e.g. "
+            f"{meta[0]!r}) and {len(tensors) - len(meta)} real one(s) (e.g. {real!r}); build the "
+            "whole model under `with torch.device('meta'):` (fxmeg then materialises each rank's "
+            "part from weights= or init_fn=) or entirely with real tensors"
         )
     return bool(meta)
 
@@ -307,8 +330,10 @@ def value_source(model: nn.Module, program, *, weights=None, init_fn: InitFn | N
     meta = on_meta(model)
     if weights is None and not meta:
         if init_fn is not None:
-            raise ConfigError("init_fn= initialises a model built on the meta device, but this model "
-                              "has real tensors: build it under `with torch.device('meta'):`, or drop init_fn")
+            raise ConfigError(
+                "init_fn= initialises a model built on the meta device, but this model "
+                "has real tensors: build it under `with torch.device('meta'):`, or drop init_fn"
+            )
         return None
     init_fn = init_fn or default_init(model)
     opened = names = None
@@ -319,7 +344,9 @@ def value_source(model: nn.Module, program, *, weights=None, init_fn: InitFn | N
         names = check(opened, _persistent(program))
     where = owners(model)
     tensors = {n: _tensors(model.get_submodule(o.module))[o.attr] for n, o in where.items()}
-    modules = dict.fromkeys(where[n].module for n, t in tensors.items() if t.is_meta and n not in (names or {}))
+    modules = dict.fromkeys(
+        where[n].module for n, t in tensors.items() if t.is_meta and n not in (names or {})
+    )
     check_init(model, modules, init_fn)
     return Source(model, init_fn, seed, opened, names)
 

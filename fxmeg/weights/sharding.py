@@ -44,7 +44,9 @@ def flat_to_boxes(shape: Sequence[int], lo: int, hi: int) -> list[Box]:
         boxes = []
         row_lo = first if lo % inner == 0 else first + 1
         if lo % inner:  # the partial first row
-            boxes += _prefix(first, flat_to_boxes(shape[1:], lo % inner, min(inner, hi - first * inner)))
+            boxes += _prefix(
+                first, flat_to_boxes(shape[1:], lo % inner, min(inner, hi - first * inner))
+            )
             if first == last:
                 return boxes
         row_hi = last + 1 if hi % inner == 0 else last
@@ -60,7 +62,9 @@ def _prefix(row: int, boxes: list[Box]) -> list[Box]:
     return [((row,) + off, (1,) + size) for off, size in boxes]
 
 
-def local_to_global(box: Box, spec: ParamLayout | None, tp: int, rank: int) -> list[tuple[Box, Box]]:
+def local_to_global(
+    box: Box, spec: ParamLayout | None, tp: int, rank: int
+) -> list[tuple[Box, Box]]:
     """(global box, local box) pairs for a box of this rank's local tensor: along a split
     dim, local index i falls in block j and sits at block start + rank * (part / tp) + i
     - (local start of block j); a box crossing blocks is cut at their edges."""
@@ -74,7 +78,10 @@ def local_to_global(box: Box, spec: ParamLayout | None, tp: int, rank: int) -> l
         a, b = max(offsets[dim], local_start), min(offsets[dim] + sizes[dim], local_start + step)
         if a < b:
             g = global_start + rank * step + (a - local_start)
-            local = (offsets[:dim] + (a,) + offsets[dim + 1 :], sizes[:dim] + (b - a,) + sizes[dim + 1 :])
+            local = (
+                offsets[:dim] + (a,) + offsets[dim + 1 :],
+                sizes[:dim] + (b - a,) + sizes[dim + 1 :],
+            )
             glob = (offsets[:dim] + (g,) + offsets[dim + 1 :], local[1])
             out.append((glob, local))
         local_start, global_start = local_start + step, global_start + p
@@ -147,7 +154,9 @@ class Pieces:
     view)]: what torch.distributed.checkpoint writes from and reads into (its
     _Checkpointable protocol: write items, chunk list, shard lookup)."""
 
-    def __init__(self, size: Sequence[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    def __init__(
+        self, size: Sequence[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]
+    ) -> None:
         self._size = torch.Size(size)
         self.parts = [(tuple(o), t) for o, t in parts if t.numel() > 0]
 
@@ -170,7 +179,9 @@ class Pieces:
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.size()) for off, t in self.parts]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.size()) for off, t in self.parts
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for off, t in self.parts:
@@ -192,7 +203,11 @@ class SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict.get(index.fqn)
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_object(index)
+        return (
+            obj.__get_tensor_shard__(index)
+            if isinstance(obj, Pieces)
+            else super().lookup_object(index)
+        )
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -209,7 +224,11 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+        return (
+            obj.__get_tensor_shard__(index)
+            if isinstance(obj, Pieces)
+            else super().lookup_tensor(index)
+        )
 
 
 # DCP warns on every single-process call ("torch.distributed is disabled, unavailable or
@@ -222,14 +241,25 @@ def dcp_save(state: dict, writer, *, group=None) -> None:
     ``group``, or in this process alone when ``group`` is None (DCP's warning that it
     assumed so left out: fxmeg asked for it)."""
     with _single_process(group is None):
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=group is None)
+        dcp.save(
+            state,
+            storage_writer=writer,
+            planner=SavePlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
 
 
 def dcp_load(state: dict, path: str, *, group=None) -> None:
     """``dcp.load`` of checkpoint ``path`` into ``state``, as ``dcp_save`` writes."""
     with _single_process(group is None):
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(), process_group=group,
-                 no_dist=group is None)
+        dcp.load(
+            state,
+            storage_reader=FileSystemReader(path),
+            planner=LoadPlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
 
 
 @contextlib.contextmanager

@@ -22,7 +22,11 @@ def test_from_flat_round_trips_through_flat():
     cfg = TrainConfig.from_flat(data="x", train_iters=3, micro_batch_size=2, global_batch_size=8,
                                 tp=2, pp=2, vpp=2, sequence_parallel=True, precision="bf16",
                                 recompute="full", recompute_num_layers=1, lr=0.1)
-    assert (cfg.engine.micro_batch_size, cfg.engine.parallel.tp, cfg.engine.parallel.vpp) == (2, 2, 2)
+    assert (cfg.engine.micro_batch_size, cfg.engine.parallel.tp, cfg.engine.parallel.vpp) == (
+        2,
+        2,
+        2,
+    )
     assert cfg.engine.parallel.dp is None and cfg.lr == 0.1
     assert TrainConfig.from_flat(**cfg.flat()) == cfg
     assert set(cfg.flat()) == set(flat_fields())
@@ -31,7 +35,9 @@ def test_from_flat_round_trips_through_flat():
 
 
 def test_unknown_flat_name_is_refused_naming_the_nearest():
-    with pytest.raises(ConfigError, match="unknown config key 'micro_bach_size'.*did you mean 'micro_batch_size'"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'micro_bach_size'.*did you mean 'micro_batch_size'"
+    ):
         TrainConfig.from_flat(data="x", train_iters=1, micro_bach_size=4)
     with pytest.raises(ConfigError, match="unknown config key 'sequence_paralel' in run.toml"):
         TrainConfig.from_flat("run.toml", data="x", train_iters=1, sequence_paralel=True)
@@ -45,10 +51,15 @@ def test_dp_none_resolves_from_the_world_and_a_mismatch_is_refused():
     assert par.dp is None and par.resolve(8).dp == 2
     with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp \* pp = 2 \* 2"):
         par.resolve(6)
-    with pytest.raises(ConfigError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 does not match the world size 8"):
+    with pytest.raises(
+        ConfigError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 does not match the world size 8"
+    ):
         dataclasses.replace(par, dp=1).resolve(8)
-    with pytest.raises(ConfigError, match=r"dp=0: data-parallel size must be a positive integer \(got 0\); "
-                                          r"pass dp=1 or more, or None \(world size // \(tp \* cp \* pp\)\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dp=0: data-parallel size must be a positive integer \(got 0\); "
+        r"pass dp=1 or more, or None \(world size // \(tp \* cp \* pp\)\)",
+    ):
         ParallelConfig(dp=0)
 
 
@@ -56,21 +67,40 @@ def test_global_batch_rules_run_in_full_when_dp_resolves():
     engine = EngineConfig(micro_batch_size=2, global_batch_size=6, parallel=ParallelConfig())
     with pytest.raises(ConfigError, match="dp is not resolved yet"):
         engine.num_microbatches
-    with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by micro_batch_size \* dp = 2 \* 2 = 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size=6 is not divisible by micro_batch_size \* dp = 2 \* 2 = 4",
+    ):
         engine.resolve(2)
-    with pytest.raises(ConfigError, match="global_batch_size=7 is not divisible by micro_batch_size = 2"):
+    with pytest.raises(
+        ConfigError, match="global_batch_size=7 is not divisible by micro_batch_size = 2"
+    ):
         EngineConfig(micro_batch_size=2, global_batch_size=7)
-    interleaved = EngineConfig(micro_batch_size=2, global_batch_size=12, parallel=ParallelConfig(pp=2, vpp=2))
+    interleaved = EngineConfig(
+        micro_batch_size=2, global_batch_size=12, parallel=ParallelConfig(pp=2, vpp=2)
+    )
     assert interleaved.resolve(2).num_microbatches == 6  # dp = 1
-    with pytest.raises(ConfigError, match="needs the micro-batch count m to be a multiple of pp=2; got m=3"):
+    with pytest.raises(
+        ConfigError, match="needs the micro-batch count m to be a multiple of pp=2; got m=3"
+    ):
         interleaved.resolve(4)  # dp = 2
 
 
 def test_batch_size_schedule_entries_are_checked_with_the_resolved_dp():
-    cfg = TrainConfig.from_flat(data="x", train_iters=1, micro_batch_size=2, global_batch_size=4, pp=2, vpp=2,
-                                step_batch_size_schedule="100:6")
-    assert batch_size_schedule(cfg) == [(0, 4), (100, 6)]  # dp unknown: multiples of micro_batch_size
-    with pytest.raises(ConfigError, match="step_batch_size_schedule, global batch 6 from 100 samples: .*got m=3"):
+    cfg = TrainConfig.from_flat(
+        data="x",
+        train_iters=1,
+        micro_batch_size=2,
+        global_batch_size=4,
+        pp=2,
+        vpp=2,
+        step_batch_size_schedule="100:6",
+    )
+    # dp unknown: multiples of micro_batch_size
+    assert batch_size_schedule(cfg) == [(0, 4), (100, 6)]
+    with pytest.raises(
+        ConfigError, match="step_batch_size_schedule, global batch 6 from 100 samples: .*got m=3"
+    ):
         batch_size_schedule(cfg, cfg.engine.resolve(2))
 
 
@@ -86,8 +116,17 @@ def test_every_cli_flag_maps_to_a_field():
     for name, (cls, _) in flat_fields().items():
         assert name in {f.name for f in dataclasses.fields(cls)}
         assert "--" + name.replace("_", "-") in flags[name]
-    assert {"tp", "pp", "dp", "micro_batch_size", "recompute_num_layers", "lr", "trace", "broadcast_params",
-            "check_replicas_interval"} <= set(flags)
+    assert {
+        "tp",
+        "pp",
+        "dp",
+        "micro_batch_size",
+        "recompute_num_layers",
+        "lr",
+        "trace",
+        "broadcast_params",
+        "check_replicas_interval",
+    } <= set(flags)
 
 
 def test_train_config_redeclares_no_engine_or_layout_field():
@@ -102,17 +141,35 @@ def test_the_sections_partition_the_flat_names():
     name: the map goes both ways, and from_flat / flat round-trip through it."""
     names = flat_names()
     fields = [("", f.name) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
-    fields += [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-               if f.name not in INTERNAL]
+    fields += [
+        (section, f.name)
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if f.name not in INTERNAL
+    ]
     assert sorted(fields) == sorted((section, name) for name, section in names.items())
     assert len({name for _, name in fields}) == len(fields)  # no name in two places
     assert INTERNAL == {"decided_sharding"}
-    config = EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, tp=2, zero=2, recompute="full",
-                                    moe_router_bias_update_rate=0.1, p2p="paired", on_nonfinite="raise",
-                                    precision="bf16")
-    assert (config.parallel.tp, config.data_parallel.zero, config.recomputation.recompute, config.pipeline.p2p,
-            config.moe.moe_router_bias_update_rate, config.guards.on_nonfinite, config.precision) == (
-        2, 2, "full", "paired", 0.1, "raise", "bf16")
+    config = EngineConfig.from_flat(
+        micro_batch_size=2,
+        global_batch_size=8,
+        tp=2,
+        zero=2,
+        recompute="full",
+        moe_router_bias_update_rate=0.1,
+        p2p="paired",
+        on_nonfinite="raise",
+        precision="bf16",
+    )
+    assert (
+        config.parallel.tp,
+        config.data_parallel.zero,
+        config.recomputation.recompute,
+        config.pipeline.p2p,
+        config.moe.moe_router_bias_update_rate,
+        config.guards.on_nonfinite,
+        config.precision,
+    ) == (2, 2, "full", "paired", 0.1, "raise", "bf16")
     assert EngineConfig.from_flat(**config.flat()) == config and set(config.flat()) == set(names)
     changed = config.replace(zero=3, tp=1, clip_grad=0.5)
     assert (changed.data_parallel.zero, changed.parallel.tp, changed.clip_grad, changed.guards) == (
@@ -124,14 +181,24 @@ def test_a_misspelt_flat_name_is_refused_with_the_nearest():
 
     example = (torch.zeros(2, 4, dtype=torch.long),)
     for build, message in [
-        (lambda: EngineConfig.from_flat(micro_batch_size=2, global_batch_size=2, recompute_num_layer=1),
-         "unknown option 'recompute_num_layer' (did you mean 'recompute_num_layers'?)"),
-        (lambda: EngineConfig(2, 2).replace(overlap_grad_reduse=False),
-         "unknown option 'overlap_grad_reduse' (did you mean 'overlap_grad_reduce'?)"),
-        (lambda: make_config(example, world=None, moe_capacity_factr=1.0),
-         "unknown option 'moe_capacity_factr' (did you mean 'moe_capacity_factor'?)"),
-        (lambda: TrainConfig.from_flat("run.toml", data="x", train_iters=1, comm_timeout=5.0),
-         "unknown config key 'comm_timeout' in run.toml (did you mean 'comm_timeout_s'?)"),
+        (
+            lambda: EngineConfig.from_flat(
+                micro_batch_size=2, global_batch_size=2, recompute_num_layer=1
+            ),
+            "unknown option 'recompute_num_layer' (did you mean 'recompute_num_layers'?)",
+        ),
+        (
+            lambda: EngineConfig(2, 2).replace(overlap_grad_reduse=False),
+            "unknown option 'overlap_grad_reduse' (did you mean 'overlap_grad_reduce'?)",
+        ),
+        (
+            lambda: make_config(example, world=None, moe_capacity_factr=1.0),
+            "unknown option 'moe_capacity_factr' (did you mean 'moe_capacity_factor'?)",
+        ),
+        (
+            lambda: TrainConfig.from_flat("run.toml", data="x", train_iters=1, comm_timeout=5.0),
+            "unknown config key 'comm_timeout' in run.toml (did you mean 'comm_timeout_s'?)",
+        ),
     ]:
         with pytest.raises(ConfigError) as err:
             build()
@@ -155,21 +222,37 @@ def test_zero_bubble_schedules_check_vpp_and_micro_batches():
     assert ParallelConfig(pp=2, schedule="zbh1").placement == (0, 1)
     assert ParallelConfig(pp=3, vpp=2, schedule="zbv").placement == (0, 1, 2, 2, 1, 0)
     assert ParallelConfig(pp=2, vpp=2).placement == (0, 1, 0, 1)  # round robin
-    with pytest.raises(ConfigError, match="schedule='zbv' runs two chunks per pipeline rank in a V: it needs "
-                                          "vpp=2 and pp > 1; got vpp=1, pp=2. Set vpp=2"):
+    with pytest.raises(
+        ConfigError,
+        match="schedule='zbv' runs two chunks per pipeline rank in a V: it needs "
+        "vpp=2 and pp > 1; got vpp=1, pp=2. Set vpp=2",
+    ):
         ParallelConfig(pp=2, schedule="zbv")
     with pytest.raises(ConfigError, match="got vpp=4, pp=2"):
         ParallelConfig(pp=2, vpp=4, schedule="dualpipev")
-    with pytest.raises(ConfigError, match=r"vpp=2 runs only with schedule='interleaved', 'zbv' or 'dualpipev' "
-                                          r"\(got 'zbh1'\); set vpp=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"vpp=2 runs only with schedule='interleaved', 'zbv' or 'dualpipev' "
+        r"\(got 'zbh1'\); set vpp=1",
+    ):
         ParallelConfig(pp=2, vpp=2, schedule="zbh1")
     with pytest.raises(ConfigError, match="schedule='zbh1' needs pp > 1"):
         ParallelConfig(schedule="zbh1")
-    dual = EngineConfig(micro_batch_size=1, global_batch_size=8, parallel=ParallelConfig(pp=4, vpp=2, schedule="dualpipev"))
+    dual = EngineConfig(
+        micro_batch_size=1,
+        global_batch_size=8,
+        parallel=ParallelConfig(pp=4, vpp=2, schedule="dualpipev"),
+    )
     assert dual.resolve(4).num_microbatches == 8
-    with pytest.raises(ConfigError, match=r"dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=4"):
+    with pytest.raises(
+        ConfigError, match=r"dualpipev schedule needs at least 2 \* pp = 8 micro-batches; got m=4"
+    ):
         dual.resolve(8)  # dp = 2
-    EngineConfig(micro_batch_size=1, global_batch_size=3, parallel=ParallelConfig(pp=4, vpp=2, schedule="zbv")).resolve(4)
+    EngineConfig(
+        micro_batch_size=1,
+        global_batch_size=3,
+        parallel=ParallelConfig(pp=4, vpp=2, schedule="zbv"),
+    ).resolve(4)
 
 
 
@@ -182,13 +265,23 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
     from fxmeg.config import make_config
     from fxmeg.sharding_modes import OptimizerSharding
 
-    assert (ParallelConfig(dp=4, ep=2).edp, ParallelConfig(dp=2, cp=2, ep=4).edp, ParallelConfig(dp=3).edp) == (2, 1, 3)
+    assert (
+        ParallelConfig(dp=4, ep=2).edp,
+        ParallelConfig(dp=2, cp=2, ep=4).edp,
+        ParallelConfig(dp=3).edp,
+    ) == (2, 1, 3)
     assert ParallelConfig(ep=4).resolve(8).edp == 2
-    with pytest.raises(ConfigError, match=r"^ep=2 does not divide dp = 3: experts are split over ep ranks carved out "
-                                          r"of the data-parallel ranks; choose ep among \[1, 3\] or launch more ranks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^ep=2 does not divide dp = 3: experts are split over ep ranks carved out "
+        r"of the data-parallel ranks; choose ep among \[1, 3\] or launch more ranks",
+    ):
         ParallelConfig(dp=3, ep=2)
-    with pytest.raises(ConfigError, match=r"^ep=4 does not divide dp \* cp = 3 \* 2 = 6: .* carved out of the "
-                                          r"data-parallel x context-parallel ranks; choose ep among \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^ep=4 does not divide dp \* cp = 3 \* 2 = 6: .* carved out of the "
+        r"data-parallel x context-parallel ranks; choose ep among \[1, 2, 3, 6\]",
+    ):
         ParallelConfig(dp=3, cp=2, ep=4)
     par = ParallelConfig(ep=4)  # dp=None: nothing to check until the world is known
     with pytest.raises(ConfigError, match=r"^ep=4 does not divide dp = 6"):
@@ -203,42 +296,81 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
         return EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, ep=2, **options)
 
     for schedule, vpp in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):
-        with pytest.raises(ConfigError, match=rf"^ep=2 does not run with schedule='{schedule}': a zero-bubble "
-                                              r"schedule splits backward .* use schedule='1f1b' or 'interleaved'"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^ep=2 does not run with schedule='{schedule}': a zero-bubble "
+            r"schedule splits backward .* use schedule='1f1b' or 'interleaved'",
+        ):
             engine(pp=2, vpp=vpp, schedule=schedule)  # dp=None: refused before the world is known
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         make_config(example, world=4, pp=2, ep=2, schedule="zbh1")
-    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and dropless experts: the experts' "
-                                          r"token counts are data-dependent shapes \(dynamo recompiles for each new "
-                                          r"count\); set moe_capacity_factor \(static shapes\) or compile=False"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^ep=2 does not run with compile=True and dropless experts: the experts' "
+        r"token counts are data-dependent shapes \(dynamo recompiles for each new "
+        r"count\); set moe_capacity_factor \(static shapes\) or compile=False",
+    ):
         engine(compile=True)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True"):
         make_config(example, world=2, ep=2, compile=True)
-    layerwise = r"^ep=2 does not run with optimizer_sharding='layerwise' yet: .* use optimizer_sharding='elementwise'"
+    layerwise = (
+        r"^ep=2 does not run with optimizer_sharding='layerwise' yet: "
+        r".* use optimizer_sharding='elementwise'"
+    )
     with pytest.raises(ConfigError, match=layerwise):
         engine(distributed_optimizer=True, optimizer_sharding="layerwise")
-    with pytest.raises(ConfigError, match=layerwise):  # 'auto' decided layer-wise (an optimizer such as Muon)
+    # 'auto' decided layer-wise (an optimizer such as Muon)
+    with pytest.raises(ConfigError, match=layerwise):
         dataclasses.replace(engine(), data_parallel=DataParallelConfig(distributed_optimizer=True,
                                                                        decided_sharding=OptimizerSharding.LAYERWISE))
     with pytest.raises(ConfigError, match=layerwise):
-        make_config(example, world=2, ep=2, distributed_optimizer=True, optimizer_sharding="layerwise")
-    for ok in (engine(pp=2, schedule="1f1b"), engine(pp=2, vpp=2), engine(distributed_optimizer=True),
-               engine(distributed_optimizer=True, optimizer_sharding="elementwise"), engine(dp=2)):
+        make_config(
+            example, world=2, ep=2, distributed_optimizer=True, optimizer_sharding="layerwise"
+        )
+    for ok in (
+        engine(pp=2, schedule="1f1b"),
+        engine(pp=2, vpp=2),
+        engine(distributed_optimizer=True),
+        engine(distributed_optimizer=True, optimizer_sharding="elementwise"),
+        engine(dp=2),
+    ):
         assert ok.parallel.ep == 2
     assert make_config(example, world=8, cp=2, ep=4).parallel.edp == 2  # dp = 4, dp * cp = 8
 
 
 # ---------------------------------------------------------------- sizes and numbers
 
-CLASSES = (ParallelConfig, EngineConfig, DataParallelConfig, MoEConfig, RecomputeConfig, GuardsConfig, TrainConfig)
+CLASSES = (
+    ParallelConfig,
+    EngineConfig,
+    DataParallelConfig,
+    MoEConfig,
+    RecomputeConfig,
+    GuardsConfig,
+    TrainConfig,
+)
 REQUIRED = {EngineConfig: {"micro_batch_size": 2, "global_batch_size": 4},
             TrainConfig: {"data": "x", "train_iters": 1}}
 """The fields each class cannot be built without."""
-CONTEXT = {"train_iters": {"train_samples": 8}, "recompute_num_layers": {"recompute": "full"},
-           "global_batch_size": {"micro_batch_size": 1}, "sft_pad_multiple": {"sft": True, "tokenizer_model": "t"}}
+CONTEXT = {
+    "train_iters": {"train_samples": 8},
+    "recompute_num_layers": {"recompute": "full"},
+    "global_batch_size": {"micro_batch_size": 1},
+    "sft_pad_multiple": {"sft": True, "tokenizer_model": "t"},
+}
 """Other fields that a field's least value needs to pass the cross-field rules."""
-INTS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("int", "int | None")}
-FLOATS = {f.name: cls for cls in CLASSES for f in dataclasses.fields(cls) if f.type in ("float", "float | None")}
+INTS = {
+    f.name: cls
+    for cls in CLASSES
+    for f in dataclasses.fields(cls)
+    if f.type in ("int", "int | None")
+}
+FLOATS = {
+    f.name: cls
+    for cls in CLASSES
+    for f in dataclasses.fields(cls)
+    if f.type in ("float", "float | None")
+}
 
 
 def _build(cls, **values):
@@ -270,13 +402,30 @@ def test_an_integer_field_refuses_a_wrong_type_or_a_too_small_value(name):
     size, optional = cls.SIZES[name], cls.__dataclass_fields__[name].type == "int | None"
     least, none = size.minimum, f", or None ({size.none})" if optional else ""
     rule = "a positive integer" if least == 1 else f"an integer >= {least}"
-    _refused(cls, name, least - 1, f"{name}={least - 1}: {size.what} must be {rule} (got {least - 1}); "
-                                   f"pass {name}={least} or more{none}")
+    _refused(
+        cls,
+        name,
+        least - 1,
+        f"{name}={least - 1}: {size.what} must be {rule} (got {least - 1}); "
+        f"pass {name}={least} or more{none}",
+    )
     good = least + 1
-    _refused(cls, name, str(good), f"{name}='{good}': {size.what} must be an int, got str '{good}'; pass {name}={good}")
-    _refused(cls, name, float(good), f"{name}={float(good)}: {size.what} must be an int, got float {float(good)}; "
-                                     f"pass {name}={good}")
-    _refused(cls, name, True, f"{name}=True: {size.what} must be an int, got bool True; pass {name}=")
+    _refused(
+        cls,
+        name,
+        str(good),
+        f"{name}='{good}': {size.what} must be an int, got str '{good}'; pass {name}={good}",
+    )
+    _refused(
+        cls,
+        name,
+        float(good),
+        f"{name}={float(good)}: {size.what} must be an int, got float {float(good)}; "
+        f"pass {name}={good}",
+    )
+    _refused(
+        cls, name, True, f"{name}=True: {size.what} must be an int, got bool True; pass {name}="
+    )
     if not optional:
         _refused(cls, name, None, f"{name}=None: {size.what} must be an int, got NoneType None")
     for value in (least, None) if optional else (least,):
@@ -290,7 +439,9 @@ def test_a_float_field_refuses_a_string_or_a_bool(name):
     cls = FLOATS[name]
     _refused(cls, name, "0.5", f"{name}='0.5' must be a number, got str '0.5'; pass {name}=0.5")
     default = cls.__dataclass_fields__[name].default
-    _refused(cls, name, False, f"{name}=False must be a number, got bool False; pass {name}={default}")
+    _refused(
+        cls, name, False, f"{name}=False must be a number, got bool False; pass {name}={default}"
+    )
 
 
 def test_parallelize_refuses_sizes_before_capture():
@@ -299,14 +450,23 @@ def test_parallelize_refuses_sizes_before_capture():
 
     model, example = make_model("gpt", n_layer=1), make_batch(2, seed=0)
     for options, message in [
-        ({"pp": 0}, "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"),
+        (
+            {"pp": 0},
+            "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more",
+        ),
         ({"tp": "2"}, "tp='2': tensor-parallel size must be an int, got str '2'; pass tp=2"),
         ({"dp": 0}, "dp=0: data-parallel size must be a positive integer (got 0)"),
-        ({"micro_batch_size": -1},
-         "micro_batch_size=-1: micro-batch size (samples on one rank) must be a positive integer (got -1)"),
+        (
+            {"micro_batch_size": -1},
+            "micro_batch_size=-1: micro-batch size (samples on one rank) must be a positive "
+            "integer (got -1)",
+        ),
         ({"global_batch_size": 0}, "global_batch_size=0: global batch size"),
-        ({"bucket_size": 2.5},
-         "bucket_size=2.5: gradient bucket size (elements) must be an int, got float 2.5; pass bucket_size=1, or None"),
+        (
+            {"bucket_size": 2.5},
+            "bucket_size=2.5: gradient bucket size (elements) must be an int, got float 2.5; pass "
+            "bucket_size=1, or None",
+        ),
     ]:
         for call in (fxmeg.parallelize, fxmeg.transform):
             with pytest.raises(ConfigError, match="^" + re.escape(message)):
@@ -318,7 +478,9 @@ def test_fxmeg_train_reports_the_same_size_error(source):
     args = ["train", "--data", "x", "--train-iters", "1"]
     if source == "flag":
         args += ["--pp", "0"]
-        message = "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"
+        message = (
+            "pp=0: pipeline-parallel size must be a positive integer (got 0); pass pp=1 or more"
+        )
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
             f.write('tp = "2"\n')
@@ -336,14 +498,37 @@ def test_megatron_names_set_the_same_options_and_conflicts_are_refused():
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--bf16",
         "--use-distributed-optimizer", "--recompute-granularity", "full", "--seq-length", "64",
         "--lr-warmup-iters", "3", "--lr-decay-iters", "9"]))
-    ours = config_from(parser.parse_args(common + [
-        "--tp", "2", "--pp", "2", "--precision", "bf16", "--distributed-optimizer", "--recompute", "full",
-        "--seq-len", "64", "--lr-warmup-iters", "3", "--lr-decay-iters", "9"]))
+    ours = config_from(
+        parser.parse_args(
+            common
+            + [
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--precision",
+                "bf16",
+                "--distributed-optimizer",
+                "--recompute",
+                "full",
+                "--seq-len",
+                "64",
+                "--lr-warmup-iters",
+                "3",
+                "--lr-decay-iters",
+                "9",
+            ]
+        )
+    )
     assert megatron == ours
     assert ours.lr_samples(8) == (24, 72, 0)  # Megatron: iterations x the global batch size
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 .Megatron's name. and tp=4 disagree"):
+    with pytest.raises(
+        ConfigError, match="tensor_model_parallel_size=2 .Megatron's name. and tp=4 disagree"
+    ):
         config_from(parser.parse_args(common + ["--tensor-model-parallel-size", "2", "--tp", "4"]))
-    with pytest.raises(ConfigError, match="lr_warmup_iters=3 counts steps, but the run is given in samples"):
+    with pytest.raises(
+        ConfigError, match="lr_warmup_iters=3 counts steps, but the run is given in samples"
+    ):
         TrainConfig.from_flat(data="x", train_samples=80, lr_warmup_iters=3)
     with pytest.raises(ConfigError, match="lr_decay_iters=3 and lr_decay_samples=8 both set"):
         TrainConfig.from_flat(data="x", train_iters=8, lr_decay_iters=3, lr_decay_samples=8)
@@ -366,7 +551,9 @@ def test_docs_list_every_megatron_name():
     """docs/cli.md's table of Megatron-LM's flags is MEGATRON_NAMES, row for row."""
     text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md")).read()
     rows = re.findall(r"^\| `--([a-z0-9-]+)[^`]*` \| `--([a-z-]+) ?([^`]*)` \|$", text, re.M)
-    listed = {alias.replace("-", "_"): (name.replace("-", "_"), value) for alias, name, value in rows}
+    listed = {
+        alias.replace("-", "_"): (name.replace("-", "_"), value) for alias, name, value in rows
+    }
     want = {alias: (name, switch if isinstance(switch, str) else "") for alias, (name, switch) in
             MEGATRON_NAMES.items()}
     assert {a: n for a, (n, _) in listed.items()} == {a: n for a, (n, _) in want.items()}

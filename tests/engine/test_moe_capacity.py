@@ -62,15 +62,18 @@ def test_the_lowest_weights_routed_to_a_full_expert_are_dropped():
     keep = moe.capacity_mask(index, weights, 4, 1.0)
     expected = torch.tensor([[True, True], [False, True], [True, True], [False, True],
                              [True, True], [True, True], [True, True], [True, True]])
-    assert keep.dtype == torch.bool and torch.equal(keep, expected)  # tokens 1 and 3 (0.30, 0.20) lose expert 0
+    # tokens 1 and 3 (0.30, 0.20) lose expert 0
+    assert keep.dtype == torch.bool and torch.equal(keep, expected)
 
 
 def test_equal_weights_keep_the_earlier_pairs():
     """Ties are broken by (token, slot) order: of equal weights, the earlier pair stays."""
-    index = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0], [0, 1], [0, 1]])  # expert 0: 6 pairs, expert 1: 6
+    # expert 0: 6 pairs, expert 1: 6
+    index = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0], [0, 1], [0, 1]])
     weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.4, 0.6], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]])
     keep = moe.capacity_mask(index, weights, 4, 1.0)  # capacity ceil(6 * 2 / 4) = 3
-    expected = torch.tensor([[True, True], [True, True], [False, True],  # expert 0: 0.5 x 5 first, then 0.4
+    # expert 0: 0.5 x 5 first, then 0.4
+    expected = torch.tensor([[True, True], [True, True], [False, True],
                              [False, True], [False, False], [False, False]])
     assert torch.equal(keep, expected)  # expert 1: 0.6 (token 2), then 0.5 at tokens 0 and 1
 
@@ -81,18 +84,28 @@ def test_the_written_out_rule_is_megatron_cores(factor):
     Megatron-Core's apply_router_token_dropping (drop policy "probs", padded to capacity;
     megatron-core, a test dependency) on routings without ties: the same (token, expert)
     pairs kept, the same weights on them, and the padding it adds has weight zero."""
-    with warnings.catch_warnings():  # megatron-core warns that transformer-engine and apex are missing
+    # megatron-core warns that transformer-engine and apex are missing
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
     for seed in range(3):
         index, weights = _routing(tokens=24, experts=4, k=2, seed=seed, skew=2.0)
         probs = torch.zeros(24, 4).scatter(1, index, weights)
-        got, mask = apply_router_token_dropping(probs, probs > 0, router_topk=2, capacity_factor=factor,
-                                                drop_policy="probs", pad_to_capacity=True)
+        got, mask = apply_router_token_dropping(
+            probs,
+            probs > 0,
+            router_topk=2,
+            capacity_factor=factor,
+            drop_policy="probs",
+            pad_to_capacity=True,
+        )
         want = torch.zeros(24, 4, dtype=torch.bool)
         for t, j in _kept(index, weights, 4, factor):
             want[t, index[t, j]] = True
-        assert torch.equal(mask & (probs > 0), want) and torch.equal(got, probs * want), (seed, factor)
+        assert torch.equal(mask & (probs > 0), want) and torch.equal(got, probs * want), (
+            seed,
+            factor,
+        )
         assert not want.all() or factor > 1  # something is dropped
 
 
@@ -117,8 +130,17 @@ def _silu() -> fx.GraphModule:
     return fx.symbolic_trace(torch.nn.SiLU())
 
 
-def _case(seed: int = 0, *, tokens: int = 10, hidden: int = 6, inner: int = 5, experts: int = 4, k: int = 2,
-          bias: bool = True, skew: float = 0.0) -> dict:
+def _case(
+    seed: int = 0,
+    *,
+    tokens: int = 10,
+    hidden: int = 6,
+    inner: int = 5,
+    experts: int = 4,
+    k: int = 2,
+    bias: bool = True,
+    skew: float = 0.0,
+) -> dict:
     g = torch.Generator().manual_seed(seed)
     index, weights = _routing(tokens, experts, k, seed, skew)
     tensors = dict(hidden=torch.randn(tokens, hidden, generator=g), top_k_weights=weights,
@@ -126,21 +148,38 @@ def _case(seed: int = 0, *, tokens: int = 10, hidden: int = 6, inner: int = 5, e
                    w_down=torch.randn(experts, inner, hidden, generator=g),
                    b_up=torch.randn(experts, inner, generator=g) if bias else None,
                    b_down=torch.randn(experts, hidden, generator=g) if bias else None)
-    return dict(top_k_index=index, **{n: t.requires_grad_() if t is not None else None for n, t in tensors.items()})
+    return dict(
+        top_k_index=index,
+        **{n: t.requires_grad_() if t is not None else None for n, t in tensors.items()},
+    )
 
 
 def _run(case: dict, **kw) -> torch.Tensor:
-    return moe.routed_experts(_silu(), case["hidden"], case["top_k_index"], case["top_k_weights"], case["w_up"],
-                              case["w_down"], case["b_up"], case["b_down"], num_experts=case["w_up"].shape[0], **kw)
+    return moe.routed_experts(
+        _silu(),
+        case["hidden"],
+        case["top_k_index"],
+        case["top_k_weights"],
+        case["w_up"],
+        case["w_down"],
+        case["b_up"],
+        case["b_down"],
+        num_experts=case["w_up"].shape[0],
+        **kw,
+    )
 
 
 def _grads(case: dict, out: torch.Tensor) -> dict:
     leaves = {n: t for n, t in case.items() if t is not None and t.requires_grad}
-    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), list(leaves.values()))
+    grads = torch.autograd.grad(
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), list(leaves.values())
+    )
     return dict(zip(leaves, grads))
 
 
-def _kept(index: torch.Tensor, weights: torch.Tensor, experts: int, capacity_factor: float) -> set[tuple[int, int]]:
+def _kept(
+    index: torch.Tensor, weights: torch.Tensor, experts: int, capacity_factor: float
+) -> set[tuple[int, int]]:
     """The (token, slot) pairs kept under Megatron-Core's capacity with drop policy
     "probs" (moe_utils.topk_softmax_with_capacity), written out: capacity =
     ceil(T * k / E * factor) of the T tokens given (get_capacity of T * k), and of the
@@ -181,12 +220,16 @@ def _reference(case: dict, capacity_factor: float, probs_on_input: bool = False)
 
 
 @pytest.mark.parametrize("bias,probs_on_input", [(True, False), (False, False), (False, True)])
-def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(bias, probs_on_input, drops):
+def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradients(
+    bias, probs_on_input, drops
+):
     case = _case(bias=bias)
     dropless = _run(case, probs_on_input=probs_on_input)
     capped = _run(case, capacity_factor=4.0, probs_on_input=probs_on_input, drops=drops)
     if probs_on_input:  # and they are the experts written out, the weights on their input
-        torch.testing.assert_close(dropless, _reference(case, 4.0, probs_on_input=True), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            dropless, _reference(case, 4.0, probs_on_input=True), rtol=1e-5, atol=1e-5
+        )
     torch.testing.assert_close(capped, dropless, rtol=1e-6, atol=1e-6)
     want = _grads(case, dropless)
     for name, grad in _grads(case, capped).items():
@@ -195,11 +238,19 @@ def test_a_capacity_that_holds_every_pair_computes_the_dropless_values_and_gradi
 
 
 @pytest.mark.parametrize("factor,probs_on_input", [(0.5, False), (1.0, False), (1.0, True)])
-def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(factor, probs_on_input, drops):
+def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_pairs(
+    factor, probs_on_input, drops
+):
     case = _case(seed=3, tokens=12, skew=2.0)  # expert 0 is over its capacity
     keep = moe.capacity_mask(case["top_k_index"], case["top_k_weights"], 4, factor)
     assert not bool(keep.all())
-    out = _run(case, capacity_factor=factor, layer="layers.0.experts", probs_on_input=probs_on_input, drops=drops)
+    out = _run(
+        case,
+        capacity_factor=factor,
+        layer="layers.0.experts",
+        probs_on_input=probs_on_input,
+        drops=drops,
+    )
     ref = _reference(case, factor, probs_on_input)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     got, want = _grads(case, out), _grads(case, ref)
@@ -208,7 +259,8 @@ def test_dropped_pairs_add_nothing_values_and_gradients_as_a_loop_over_the_kept_
     dropped = int((~keep).sum())
     assert drops.counts["layers.0.experts"][0].item() == dropped
     assert set(drops.log("test")) == {"layers.0.experts"}
-    assert not drops.counts["layers.0.experts"].any()  # zeroed in place: a compiled forward holds it
+    # zeroed in place: a compiled forward holds it
+    assert not drops.counts["layers.0.experts"].any()
 
 
 def test_the_expert_matmuls_see_capacity_rows_each_whatever_the_routing(monkeypatch):
@@ -238,16 +290,22 @@ def test_the_drop_count_is_logged_per_layer_and_cleared(caplog, drops):
     with caplog.at_level(logging.INFO, logger="fxmeg.ir.moe"):
         counts = drops.log("train step 7")
     assert counts == {"layers.0.experts": 2 * once, "layers.1.experts": once} and once > 0
-    assert caplog.messages == [f"train step 7: the experts' capacity dropped {3 * once} of {3 * 24} routed (token, "
-                               f"slot) pairs on this rank (layers.0.experts {2 * once}, layers.1.experts {once})"]
+    assert caplog.messages == [
+        f"train step 7: the experts' capacity dropped {3 * once} of {3 * 24} routed (token, "
+        f"slot) pairs on this rank (layers.0.experts {2 * once}, layers.1.experts {once})"
+    ]
     assert drops.log("train step 8") == {}
 
 
 def test_a_recomputed_forward_is_not_counted_again(drops):
     case = _case(seed=3, tokens=12, skew=2.0)
     out = torch.utils.checkpoint.checkpoint(
-        lambda h: _run({**case, "hidden": h}, capacity_factor=1.0, layer="l", drops=drops), case["hidden"],
-        use_reentrant=False, context_fn=drops.recomputation.contexts)  # as passes/recompute.py runs it
+        lambda h: _run({**case, "hidden": h}, capacity_factor=1.0, layer="l", drops=drops),
+        case["hidden"],
+        # as passes/recompute.py runs it
+        use_reentrant=False,
+        context_fn=drops.recomputation.contexts,
+    )
     forward = drops.counts["l"][0].item()
     out.sum().backward()  # recomputes the forward
     assert drops.counts["l"][1] == 12 * 2  # routed pairs: one forward's
@@ -259,22 +317,38 @@ def test_a_recomputed_forward_is_not_counted_again(drops):
 
 def test_the_capacity_factor_is_checked():
     def config(factor, **parallel):
-        return EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=factor,
-                                      **{"ep": 2, **parallel})
+        return EngineConfig.from_flat(
+            micro_batch_size=2,
+            global_batch_size=8,
+            moe_capacity_factor=factor,
+            **{"ep": 2, **parallel},
+        )
 
-    assert config(1.0).moe.moe_capacity_factor == 1.0 and config(None).moe.moe_capacity_factor is None
+    assert (
+        config(1.0).moe.moe_capacity_factor == 1.0 and config(None).moe.moe_capacity_factor is None
+    )
     assert config(2).moe.moe_capacity_factor == 2  # an int is a number
     for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ConfigError, match=rf"^moe_capacity_factor={bad} must be a finite number > 0 .* or None "
-                                              r"\(dropless\); e.g. moe_capacity_factor=1.0"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^moe_capacity_factor={bad} must be a finite number > 0 .* or None "
+            r"\(dropless\); e.g. moe_capacity_factor=1.0",
+        ):
             config(bad)
-    with pytest.raises(ConfigError, match=r"^moe_capacity_factor=1.0 needs ep > 1: at ep=1 fxmeg runs the model's "
-                                          r"own experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe_capacity_factor=1.0 needs ep > 1: at ep=1 fxmeg runs the model's "
+        r"own experts, dropless; set ep >= 2 or leave moe_capacity_factor=None",
+    ):
         config(1.0, ep=1)
-    assert EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True,
-                                  ep=2).compile  # static shapes: compiled (the spawn below)
-    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and dropless experts: .*; set "
-                                          r"moe_capacity_factor \(static shapes\) or compile=False"):
+    assert EngineConfig.from_flat(
+        micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True, ep=2
+    ).compile  # static shapes: compiled (the spawn below)
+    with pytest.raises(
+        ConfigError,
+        match=r"^ep=2 does not run with compile=True and dropless experts: .*; set "
+        r"moe_capacity_factor \(static shapes\) or compile=False",
+    ):
         EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, compile=True, ep=2)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         config(1.0, pp=2, schedule="zbh1")
@@ -287,7 +361,9 @@ def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():
 
     parser = argparse.ArgumentParser()
     _train_parser(parser)
-    args = parser.parse_args(["--data", "x", "--train-iters", "1", "--ep", "2", "--moe-capacity-factor", "1.5"])
+    args = parser.parse_args(
+        ["--data", "x", "--train-iters", "1", "--ep", "2", "--moe-capacity-factor", "1.5"]
+    )
     assert config_from(args).engine.moe.moe_capacity_factor == 1.5
     args = parser.parse_args(["--data", "x", "--train-iters", "1"])
     assert config_from(args).engine.moe.moe_capacity_factor is None
@@ -297,7 +373,9 @@ def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():
 
 NO_DROPS = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0)))
 DROPS = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 1.0)))
-COMPILED = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0), ("compile", True)))
+COMPILED = Scenario(
+    "moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0), ("compile", True))
+)
 
 
 def train_capacity(rank: int) -> dict:
@@ -326,7 +404,8 @@ def train_capacity(rank: int) -> dict:
         logged.clear()
         out[sc.id] = train(rank, sc, lambda r, e: dict(splits=list(splits), logged=list(logged)))
     dist.all_to_all_single = original  # not traced into the compiled graphs
-    torch._dynamo.config.error_on_recompile = True  # a guard on Python state would recompile a micro-batch
+    # a guard on Python state would recompile a micro-batch
+    torch._dynamo.config.error_on_recompile = True
     logged.clear()
     out[COMPILED.id] = train(rank, COMPILED, lambda r, e: dict(logged=list(logged)))
     return out
@@ -359,7 +438,9 @@ def test_every_expert_all_to_all_has_the_same_static_splits(results, sc):
     capacity = math.ceil(32 * 2 / 4 * dict(sc.options)["moe_capacity_factor"])
     for r in results:
         splits = r[sc.id]["splits"]
-        assert splits and all(s == ([2 * capacity] * 2, [2 * capacity] * 2) for s in splits), splits[:4]
+        assert splits and all(s == ([2 * capacity] * 2, [2 * capacity] * 2) for s in splits), (
+            splits[:4]
+        )
         # 4 layers x 4 micro-batches x 5 steps: dispatch and combine forward, and both in backward
         assert len(splits) == 4 * 4 * 5 * 4
 
@@ -405,8 +486,13 @@ def test_ep2_with_drops_trains_as_megatrons_capacity_on_one_device(results):
     factor = dict(DROPS.options)["moe_capacity_factor"]
     model = capped(DROPS.make_model(), tokens=MBS * DROPS.batches()[0][0].shape[1], factor=factor)
     check_parity([r[DROPS.id] for r in results], DROPS, model=model)
-    dropped, dropless = reference_run(model, DROPS.batches()), reference_run(DROPS.make_model(), DROPS.batches())
-    assert any(abs(a - b) > LOSS_RTOL * b for a, b in zip(dropped.losses, dropless.losses)), dropped.losses
+    dropped, dropless = (
+        reference_run(model, DROPS.batches()),
+        reference_run(DROPS.make_model(), DROPS.batches()),
+    )
+    assert any(abs(a - b) > LOSS_RTOL * b for a, b in zip(dropped.losses, dropless.losses)), (
+        dropped.losses
+    )
     assert any(abs(a - b) > 1e-4 * b for a, b in zip(dropped.norms, dropless.norms)), dropped.norms
 
 
@@ -417,11 +503,16 @@ def test_drops_are_counted_and_logged_per_step_and_layer(results):
             logged = r[sc.id]["logged"]
             assert len(logged) == 5, logged  # one line a step
             # 4 micro-batches x 4 layers x 32 tokens x top-2
-            assert all(f" of {4 * 4 * 32 * 2} routed (token, slot) pairs on this rank (" in line for line in logged)
+            assert all(
+                f" of {4 * 4 * 32 * 2} routed (token, slot) pairs on this rank (" in line
+                for line in logged
+            )
             counts = [int(line.split(" dropped ")[1].split()[0]) for line in logged]
             assert any(counts) == any_dropped, logged
             assert logged[0].startswith("train step 1: the experts' capacity dropped ")
-            per_layer = [part.rsplit(" ", 1) for part in logged[0].split(" (")[-1].rstrip(")").split(", ")]
+            per_layer = [
+                part.rsplit(" ", 1) for part in logged[0].split(" (")[-1].rstrip(")").split(", ")
+            ]
             assert ", ".join(name for name, _ in per_layer) == layers
             assert sum(int(n) for _, n in per_layer) == counts[0]
     for sc in (NO_DROPS, DROPS):

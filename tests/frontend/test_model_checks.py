@@ -1,5 +1,5 @@
-"""fxmeg/frontend/model_checks.py: a layout the model's config cannot take is refused before capture,
-in one process, naming the field, the numbers and the fix; the escapes of today pass."""
+"""fxmeg/frontend/model_checks.py: a layout the model's config cannot take is refused before
+capture, in one process, naming the field, the numbers and the fix; the escapes of today pass."""
 
 from __future__ import annotations
 

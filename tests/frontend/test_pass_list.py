@@ -1,6 +1,6 @@
-"""The pass list is written once, as ``fxmeg.frontend.pass_driver.PASSES``; everything else that lists
-the passes (their checks, fxmeg/passes/__init__.py's table, docs/architecture.md's table and flow),
-the Program's fields (docs/architecture.md §2) or the metadata keys (docs/architecture.md
+"""The pass list is written once, as ``fxmeg.frontend.pass_driver.PASSES``; everything else that
+lists the passes (their checks, fxmeg/passes/__init__.py's table, docs/architecture.md's table and
+flow), the Program's fields (docs/architecture.md §2) or the metadata keys (docs/architecture.md
 §2's table, the one list of them) is held to the code here, in order and with nothing extra."""
 
 from __future__ import annotations
@@ -43,9 +43,15 @@ def test_every_pass_is_its_own_file_and_has_its_check():
     checks = {name for name, f in inspect.getmembers(verify, inspect.isfunction)
               if f.__module__ == verify.__name__ and not name.startswith("_")}
     assert checks == set(NAMES), "verify.py checks a pass that is not in PASSES"
-    own = {f.stem for f in (ROOT / "fxmeg" / "passes").glob("*.py")
-           if not f.stem.startswith("_") and hasattr(importlib.import_module(f"fxmeg.passes.{f.stem}"), f.stem)}
-    assert own - {"verify"} == set(NAMES), "a file in fxmeg/passes/ defines its pass but PASSES misses it"
+    own = {
+        f.stem
+        for f in (ROOT / "fxmeg" / "passes").glob("*.py")
+        if not f.stem.startswith("_")
+        and hasattr(importlib.import_module(f"fxmeg.passes.{f.stem}"), f.stem)
+    }
+    assert own - {"verify"} == set(NAMES), (
+        "a file in fxmeg/passes/ defines its pass but PASSES misses it"
+    )
 
 
 def test_package_docstring_lists_the_passes_in_order():
@@ -60,7 +66,9 @@ def test_design_table_lists_the_passes_in_order():
 
 def test_design_flow_lists_the_passes_in_order():
     flow = _section(ARCHITECTURE, "## 1. The flow", "▼ Program")
-    chain = " ".join(line.strip(" │▼").split(":")[-1] for line in flow.splitlines() if " -> " in line)
+    chain = " ".join(
+        line.strip(" │▼").split(":")[-1] for line in flow.splitlines() if " -> " in line
+    )
     assert re.split(r"\s*->\s*", chain.strip(" ->")) == list(NAMES)
 
 
@@ -71,8 +79,8 @@ def test_design_lists_every_program_field():
 
 
 _WRITES = (
-    re.compile(r"""set_tag\([^,]+, "(\w+)", """),  # set_tag(node, "loss", "sum")
-    re.compile(r"""set_tags\([^,]+, \{"(\w+)":"""),  # set_tags(chunk, {"spec": ChunkSpec(...)})
+    re.compile(r"""set_tag\(\s*[^,()]+,\s*"(\w+)","""),  # set_tag(node, "loss", "sum")
+    re.compile(r"""set_tags\(\s*[^,()]+,\s*\{\s*"(\w+)":"""),  # set_tags(chunk, {"spec": ...})
 )
 _RAW = re.compile(r"""meta(\["fxmeg"\]|\.get\("fxmeg"|\.setdefault\("fxmeg")""")
 
@@ -94,9 +102,9 @@ def _written_keys() -> set[str]:
     """Every key the package's code writes (``fxmeg.ir.tags.set_tag`` / ``set_tags``)."""
     found = set()
     for path in (ROOT / "fxmeg").rglob("*.py"):
-        for _, line in _code_lines(path):
-            for pattern in _WRITES:
-                found.update(pattern.findall(line))
+        code = "\n".join(line for _, line in _code_lines(path))
+        for pattern in _WRITES:
+            found.update(pattern.findall(code))
     return found
 
 
@@ -124,7 +132,8 @@ def test_only_the_tags_module_touches_the_fxmeg_metadata():
 
 def test_passes_that_are_not_whole_model_say_their_scope():
     for p in PASSES:
-        doc = f"{inspect.getmodule(p.run).__doc__} {p.run.__doc__}"  # the module's or the function's
+        # the module's or the function's
+        doc = f"{inspect.getmodule(p.run).__doc__} {p.run.__doc__}"
         if p.scope.value == "chunk":
             assert "Scope: one chunk graph" in doc, p.name
         if p.scope.value == "parent":

@@ -1,13 +1,14 @@
 """The model zoo: unmodified third-party decoders trained for 3 steps at tp=2 x pp=2 (4 gloo
 ranks, one spawn for the whole zoo; the cases issue 15 named also at plain tp=2, one 2-rank
 spawn; world size 1 for those whose eager attention repeats an earlier type's: CASES)
-against single-device training of the same model (loss 1e-5 relative per step, grad norm 1e-4, weights 5e-5
-relative norm: docs/megatron-semantics.md §1).
+against single-device training of the same model (loss 1e-5 relative per step, grad norm 1e-4,
+weights 5e-5 relative norm: docs/megatron-semantics.md §1).
 
 * Hugging Face causal LMs from tiny configs (the recipe of issue 15 with 2 layers, one per
   pipeline stage, instead of 4: vocabulary 96, hidden 32, intermediate 48, 4 heads, 2
-  key-value heads, head_dim 8, pad token 0, no dropout; random init, no download), with sdpa and eager attention (at tp2 x pp2,
-  eager only for each distinct eager attention function: EAGER_REPEATS);
+  key-value heads, head_dim 8, pad token 0, no dropout; random init, no download), with sdpa and
+  eager attention (at tp2 x pp2, eager only for each distinct eager attention function:
+  EAGER_REPEATS);
 * Hugging Face mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS: 4
   experts, top-2; Mixtral also with experts_implementation="eager"; Llama 4, whose
   experts run batched over every token and whose rotary embedding is complex
@@ -84,10 +85,23 @@ def hf(kind: str, attn: str = "sdpa", **extra):
     def build(layers: int = LAYERS) -> nn.Module:
         import transformers as T
 
-        options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
-                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2)  # ids within the vocabulary
-        cfg = T.AutoConfig.for_model(kind, **{k: v for k, v in (options | extra).items() if v is not None})
+        options = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            pad_token_id=0,
+            # ids within the vocabulary
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cfg = T.AutoConfig.for_model(
+            kind, **{k: v for k, v in (options | extra).items() if v is not None}
+        )
         for key, value in cfg.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(cfg, key, 0.0)
@@ -129,8 +143,11 @@ class XDecoder(nn.Module):
         super().__init__()
         import x_transformers as xt
 
-        self.net = xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=32,
-                                         attn_layers=xt.Decoder(dim=32, depth=4, heads=4, rotary_pos_emb=True))
+        self.net = xt.TransformerWrapper(
+            num_tokens=VOCAB,
+            max_seq_len=32,
+            attn_layers=xt.Decoder(dim=32, depth=4, heads=4, rotary_pos_emb=True),
+        )
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(self.net(ids).flatten(0, 1), labels.flatten())
@@ -143,8 +160,17 @@ class NanoGPTLoss(nn.Module):
         super().__init__()
         from tests.zoo import nanogpt
 
-        self.model = nanogpt.GPT(nanogpt.GPTConfig(block_size=32, vocab_size=VOCAB, n_layer=4, n_head=4,
-                                                   n_embd=32, dropout=0.0, bias=True))
+        self.model = nanogpt.GPT(
+            nanogpt.GPTConfig(
+                block_size=32,
+                vocab_size=VOCAB,
+                n_layer=4,
+                n_head=4,
+                n_embd=32,
+                dropout=0.0,
+                bias=True,
+            )
+        )
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model(ids, labels)[1]
@@ -158,16 +184,40 @@ class Llama2cLoss(nn.Module):
         super().__init__()
         from tests.zoo import llama2c
 
-        self.model = llama2c.Transformer(llama2c.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
-                                                            vocab_size=VOCAB, hidden_dim=48, max_seq_len=32))
+        self.model = llama2c.Transformer(
+            llama2c.ModelArgs(
+                dim=32,
+                n_layers=4,
+                n_heads=4,
+                n_kv_heads=2,
+                vocab_size=VOCAB,
+                hidden_dim=48,
+                max_seq_len=32,
+            )
+        )
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self.model(ids, labels)
         return self.model.last_loss
 
 
-HF_KINDS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "stablelm",
-            "gpt_neox", "gpt2", "starcoder2", "cohere", "phi", "granite")
+HF_KINDS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "stablelm",
+    "gpt_neox",
+    "gpt2",
+    "starcoder2",
+    "cohere",
+    "phi",
+    "granite",
+)
 """Also build, capture and train at world size 1 (left out to keep the zoo's spawn short):
 olmo, glm, smollm3, helium, ministral, arcee."""
 ZOO: dict[str, tuple] = {}
@@ -175,14 +225,29 @@ ZOO: dict[str, tuple] = {}
 for _kind in HF_KINDS:
     ZOO[_kind] = (hf(_kind), {}, -100)
     ZOO[f"{_kind}-eager"] = (hf(_kind, "eager"), {}, -100)
-ZOO["gemma2-eager"] = (hf("gemma2", "eager", query_pre_attn_scalar=8), {}, -100)  # softcapping; no sdpa
+# softcapping; no sdpa
+ZOO["gemma2-eager"] = (hf("gemma2", "eager", query_pre_attn_scalar=8), {}, -100)
 for _kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
     ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
-ZOO["gpt_oss-eager"] = (hf("gpt_oss", "eager", **MOE["gpt_oss"]), {}, -100)  # sinks, biased experts; no sdpa
-ZOO["mixtral-eager-experts"] = (hf("mixtral", experts_implementation="eager", **MOE["mixtral"]), {}, -100)
-# Llama 4: complex rotary (view_as_complex of the head-split q and k), chunked attention, batched experts
+# sinks, biased experts; no sdpa
+ZOO["gpt_oss-eager"] = (hf("gpt_oss", "eager", **MOE["gpt_oss"]), {}, -100)
+ZOO["mixtral-eager-experts"] = (
+    hf("mixtral", experts_implementation="eager", **MOE["mixtral"]),
+    {},
+    -100,
+)
+# Llama 4: complex rotary (view_as_complex of the head-split q and k), chunked attention,
+# batched experts
 ZOO["llama4_text"] = (hf("llama4_text", **BATCHED_MOE["llama4_text"]), {}, -100)
-MOE_ZOO = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss-eager", "mixtral-eager-experts", "llama4_text")
+MOE_ZOO = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss-eager",
+    "mixtral-eager-experts",
+    "llama4_text",
+)
 """Mixtures of experts (tests.harness.helpers.MOE: 4 experts, top-2) as transformers builds them
 (grouped_mm experts), and Mixtral with experts_implementation="eager", which fxmeg captures
 as grouped_mm (its single-device reference runs eager). At tp the router stays whole and
@@ -207,11 +272,19 @@ ZOO["falcon"] = (hf("falcon", head_dim=None, num_key_value_heads=None), {}, -100
 ZOO["gpt_bigcode-mqa"] = (hf("gpt_bigcode", multi_query=True), {}, -100)
 ZOO["bloom-eager"] = (hf("bloom", "eager"), {}, -100)  # no sdpa in transformers
 SPLIT = {
-    "falcon": ("transformer.h.0.mlp.dense_h_to_4h.weight", "transformer.h.0.mlp.dense_4h_to_h.weight",
-               "transformer.h.0.self_attention.dense.weight"),
+    "falcon": (
+        "transformer.h.0.mlp.dense_h_to_4h.weight",
+        "transformer.h.0.mlp.dense_4h_to_h.weight",
+        "transformer.h.0.self_attention.dense.weight",
+    ),
     "gpt_bigcode-mqa": ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.attn.c_proj.weight"),
-    "bloom-eager": ("transformer.h.0.self_attention.query_key_value.weight", "transformer.h.0.mlp.dense_h_to_4h.weight"),
-    "x-transformers": tuple(f"net.attn_layers.layers.0.1.{p}.weight" for p in ("to_q", "to_k", "to_v")),
+    "bloom-eager": (
+        "transformer.h.0.self_attention.query_key_value.weight",
+        "transformer.h.0.mlp.dense_h_to_4h.weight",
+    ),
+    "x-transformers": tuple(
+        f"net.attn_layers.layers.0.1.{p}.weight" for p in ("to_q", "to_k", "to_v")
+    ),
 }
 """Parameters tensor parallelism must split (asserted at every tp layout)."""
 ZOO["nanogpt"] = (NanoGPTLoss, {}, -1)
@@ -228,24 +301,70 @@ ZOO["jetmoe"] = (hf("jetmoe", num_local_experts=4, num_experts_per_tok=2), {}, -
 # hybrids (tests.harness.helpers.HYBRID): a state-space or linear-attention layer, then an attention
 # layer; split by heads over tp (fxmeg/passes/tp/channels.py), a pipeline cut between them
 ZOO["qwen3_next"] = (qwen3_next, {}, -100)
-for _kind in ("falcon_h1", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "lfm2", "bamba", "jamba", "zamba2"):
+for _kind in (
+    "falcon_h1",
+    "nemotron_h",
+    "granitemoehybrid",
+    "olmo_hybrid",
+    "lfm2",
+    "bamba",
+    "jamba",
+    "zamba2",
+):
     ZOO[_kind] = (hf(_kind, **HYBRID[_kind]), {}, -100)
 # its latent attention (MLA) needs kv_a_proj_with_mqa whole (refused by name without this plan)
-ZOO["kimi_linear"] = (hf("kimi_linear", **HYBRID["kimi_linear"]),
-                      {"tp_plan": {"model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}}, -100)
+ZOO["kimi_linear"] = (
+    hf("kimi_linear", **HYBRID["kimi_linear"]),
+    {"tp_plan": {"model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}},
+    -100,
+)
 SPLIT |= {
-    "qwen3_next": tuple(f"model.layers.0.linear_attn.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight",
-                                                                    "conv1d.weight", "A_log", "out_proj.weight")),
-    "kimi_linear": tuple(f"model.layers.0.self_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "o_proj.weight")),
-    "olmo_hybrid": tuple(f"model.layers.0.linear_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "A_log")),
-    "lfm2": ("model.layers.0.conv.in_proj.weight", "model.layers.0.conv.conv.weight", "model.layers.0.conv.out_proj.weight"),
-    "jamba": tuple(f"model.layers.0.mamba.{p}" for p in ("in_proj.weight", "conv1d.weight", "x_proj.weight",
-                                                         "dt_proj.weight", "A_log", "out_proj.weight")),
+    "qwen3_next": tuple(
+        f"model.layers.0.linear_attn.{p}"
+        for p in (
+            "in_proj_qkvz.weight",
+            "in_proj_ba.weight",
+            "conv1d.weight",
+            "A_log",
+            "out_proj.weight",
+        )
+    ),
+    "kimi_linear": tuple(
+        f"model.layers.0.self_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "o_proj.weight")
+    ),
+    "olmo_hybrid": tuple(
+        f"model.layers.0.linear_attn.{p}" for p in ("q_proj.weight", "conv1d.weight", "A_log")
+    ),
+    "lfm2": (
+        "model.layers.0.conv.in_proj.weight",
+        "model.layers.0.conv.conv.weight",
+        "model.layers.0.conv.out_proj.weight",
+    ),
+    "jamba": tuple(
+        f"model.layers.0.mamba.{p}"
+        for p in (
+            "in_proj.weight",
+            "conv1d.weight",
+            "x_proj.weight",
+            "dt_proj.weight",
+            "A_log",
+            "out_proj.weight",
+        )
+    ),
 }
-SPLIT |= {kind: tuple(f"model.layers.0.{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias",
-                                                              "A_log", "D", "out_proj.weight"))
-          for kind, mixer in (("falcon_h1", "mamba"), ("nemotron_h", "mixer"), ("granitemoehybrid", "mamba"),
-                              ("bamba", "mamba"), ("zamba2", "mamba"))}
+SPLIT |= {
+    kind: tuple(
+        f"model.layers.0.{mixer}.{p}"
+        for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "out_proj.weight")
+    )
+    for kind, mixer in (
+        ("falcon_h1", "mamba"),
+        ("nemotron_h", "mixer"),
+        ("granitemoehybrid", "mamba"),
+        ("bamba", "mamba"),
+        ("zamba2", "mamba"),
+    )
+}
 
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
@@ -329,8 +448,13 @@ def train(name: str, layout: str, rank: int = 0):
     try:
         data = batches(name)
         options = dict(LAYOUTS[layout]) | (ZOO[name][1] if "tp" in LAYOUTS[layout] else {})
-        engine = fxmeg.parallelize(make(name), tuple(t[:MBS] for t in data[0]), global_batch_size=GBS,
-                                   optimizer=optimizer, **options)
+        engine = fxmeg.parallelize(
+            make(name),
+            tuple(t[:MBS] for t in data[0]),
+            global_batch_size=GBS,
+            optimizer=optimizer,
+            **options,
+        )
         return trained(engine, data, rank)
     except Exception as e:  # noqa: BLE001 (reported, compared with KNOWN_GAPS)
         return f"{type(e).__name__}: {e}"
@@ -352,7 +476,9 @@ def outcome(result, name: str, layers: int | None = None) -> str | None:
     if isinstance(result, str):
         return result
     try:
-        assert_run_close(result, single_device(name, layers), lambda: single_device(name, layers, torch.float64))
+        assert_run_close(
+            result, single_device(name, layers), lambda: single_device(name, layers, torch.float64)
+        )
     except AssertionError as e:
         return f"AssertionError: {e}"
     return None
@@ -377,7 +503,9 @@ def _result(request, name: str, layout: str):
     return first_failure(request.getfixturevalue("spawned")[layout][name])
 
 
-@pytest.mark.parametrize("name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}")
+@pytest.mark.parametrize(
+    "name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}"
+)
 def test_zoo(request, name, layout):
     result = _result(request, name, layout)
     failure = outcome(result, name)
@@ -387,9 +515,13 @@ def test_zoo(request, name, layout):
         print(f"{name}: {len(sharded)} parameters split over tp")
         assert sharded, f"{name}: no parameter split over tp"
         for rank, r in enumerate(request.getfixturevalue("spawned")[layout][name]):
-            assert r["held"] < r["whole"], f"{name}: rank {rank} holds all {r['whole']} elements of its parameters"
+            assert r["held"] < r["whole"], (
+                f"{name}: rank {rank} holds all {r['whole']} elements of its parameters"
+            )
     if name in SPLIT and "tp" in LAYOUTS[layout]:
-        assert set(SPLIT[name]) <= set(result["sharded"]), f"{name}: {sorted(set(SPLIT[name]) - set(result['sharded']))} not split"
+        assert set(SPLIT[name]) <= set(result["sharded"]), (
+            f"{name}: {sorted(set(SPLIT[name]) - set(result['sharded']))} not split"
+        )
     if name in MOE_ZOO and "tp" in LAYOUTS[layout]:  # attention split; routers and experts whole
         assert "model.layers.0.self_attn.q_proj.weight" in result["sharded"]
         assert not [n for n in result["sharded"]
@@ -399,7 +531,9 @@ def test_zoo(request, name, layout):
 @pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
 def test_known_gap_still_fails(request, name, layout):
     failure = outcome(_result(request, name, layout), name)
-    assert failure is not None, f"{name} at {layout} now trains: move it from KNOWN_GAPS into the zoo"
+    assert failure is not None, (
+        f"{name} at {layout} now trains: move it from KNOWN_GAPS into the zoo"
+    )
     assert re.search(KNOWN_GAPS[(name, layout)], failure), failure
 
 
@@ -446,9 +580,15 @@ def test_the_docs_list_every_tested_type_with_its_layouts():
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "hugging-face.md")
     with open(path) as f:
-        table = next(b for b in f.read().split("### The tested zoo")[1].split("\n\n") if b.startswith("|"))
+        table = next(
+            b for b in f.read().split("### The tested zoo")[1].split("\n\n") if b.startswith("|")
+        )
     documented = {m[0]: {x.strip() for x in m[1].split(";")}
                   for m in re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", table, flags=re.MULTILINE)}
     for base, layouts in tested_layouts().items():
-        assert base in documented, f"docs/hugging-face.md's zoo table lacks {base!r} ({sorted(layouts)})"
-        assert layouts <= documented[base], f"{base}: {sorted(layouts - documented[base])} not documented"
+        assert base in documented, (
+            f"docs/hugging-face.md's zoo table lacks {base!r} ({sorted(layouts)})"
+        )
+        assert layouts <= documented[base], (
+            f"{base}: {sorted(layouts - documented[base])} not documented"
+        )

@@ -22,7 +22,10 @@ def _table() -> str:
     for f in FAMILIES:
         names = sorted(str(op).removeprefix("aten.") for op in f.ops)
         names += [f"tag {f.tag.name}"] if f.tag is not None else []
-        rule = [r.fn.__name__ + ("*" if r.always else "") if r else "-" for r in (tp.get(f.name), cp.get(f.name))]
+        rule = [
+            r.fn.__name__ + ("*" if r.always else "") if r else "-"
+            for r in (tp.get(f.name), cp.get(f.name))
+        ]
         rows.append(f"{f.name:<16} tp {rule[0]:<20} cp {rule[1]:<14} {', '.join(names)}")
     return "\n".join(rows)
 
@@ -63,7 +66,7 @@ triangle         tp _triangle            cp _pad_or_triangle tril.default, triu.
 write            tp _write               cp _write         copy_.default
 new              tp _new                 cp _new           new_empty.default, new_full.default, new_ones.default, new_zeros.default
 convolution      tp _convolution         cp _convolution   conv1d.default, conv2d.default, convolution.default
-exchange         tp _exchange            cp -              fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")
+exchange         tp _exchange            cp -              fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")  # noqa: E501 (expected text, compared whole)
 
 
 def test_each_explicit_op_is_in_one_family():
@@ -109,8 +112,11 @@ class _Roll(_UpDown):
 def test_an_op_with_no_rule_is_refused_by_name_on_every_axis(axis):
     """One refusal path for every axis: the same words, the axis named."""
     title = {"tp": "tensor", "cp": "context"}[axis]
-    with pytest.raises(PassError, match=rf"cannot split node 'roll' \(roll.default.*over {axis}=2 ranks.*"
-                                        rf"fxmeg has no {title}-parallel rule for it"):
+    with pytest.raises(
+        PassError,
+        match=rf"cannot split node 'roll' \(roll.default.*over {axis}=2 ranks.*"
+        rf"fxmeg has no {title}-parallel rule for it",
+    ):
         transform(_Roll(), make_batch(2, seed=0), **{axis: 2})
 
 
@@ -161,7 +167,8 @@ class ComplexRotary(_UpDown):
         self.pairs_split, self.from_input = pairs_split, from_input
         self.register_buffer("freqs", torch.tensor([1.0, 0.3, 0.1, 0.03]), persistent=False)
         angles = torch.arange(16.0)[:, None] * self.freqs
-        self.register_buffer("table", torch.polar(torch.ones(16, 4), angles), persistent=False)  # (seq, pairs)
+        # (seq, pairs)
+        self.register_buffer("table", torch.polar(torch.ones(16, 4), angles), persistent=False)
 
     def forward(self, ids, labels):
         x = self.emb(ids)
@@ -171,8 +178,13 @@ class ComplexRotary(_UpDown):
     def rotate(self, h, ids):
         b, s, _ = h.shape
         if self.pairs_split:
-            pairs = h.view(b, s, 2, 16).transpose(2, 3).contiguous()  # (b, s, 16, 2): the pair dim split
-            return torch.view_as_real(torch.view_as_complex(pairs) * self.table[:s, :1]).transpose(2, 3).reshape(b, s, 32)
+            # (b, s, 16, 2): the pair dim split
+            pairs = h.view(b, s, 2, 16).transpose(2, 3).contiguous()
+            return (
+                torch.view_as_real(torch.view_as_complex(pairs) * self.table[:s, :1])
+                .transpose(2, 3)
+                .reshape(b, s, 32)
+            )
         if self.from_input:
             angles = (ids % 7).float()[..., None] * self.freqs  # (b, s, pairs)
             table = torch.polar(torch.ones_like(angles), angles)[:, :, None, :]
@@ -188,15 +200,24 @@ def test_a_complex_rotary_keeps_the_split_of_heads_or_positions(axis, from_input
     """tp=2 splits the heads (4 -> 2 a rank) through view_as_complex and back; cp=2 the
     sequence, a complex table of every position cut to this rank's (``cp_slice``), one
     made by ``polar`` from split angles split with them."""
-    gm = transform(ComplexRotary(from_input=from_input), make_batch(2, seed=0), stop_after="tensor_parallel",
-                   **{axis: 2})
+    gm = transform(
+        ComplexRotary(from_input=from_input),
+        make_batch(2, seed=0),
+        stop_after="tensor_parallel",
+        **{axis: 2},
+    )
     (real,) = [n for n in gm.graph.nodes if n.target == aten.view_as_real.default]
     assert tuple(real.meta["val"].shape) == local
     cut = [n for n in gm.graph.nodes if n.target == torch.ops.fxmeg.cp_slice.default]
-    assert [n.meta["val"].dtype for n in cut] == ([torch.complex64] if axis == "cp" and not from_input else [])
+    assert [n.meta["val"].dtype for n in cut] == (
+        [torch.complex64] if axis == "cp" and not from_input else []
+    )
 
 
 def test_a_complex_view_of_the_split_features_as_pairs_is_refused():
-    with pytest.raises(PassError, match=r"cannot split node 'view_as_complex' .* it reads the split dim 3 as "
-                                        r"\(real, imaginary\) pairs"):
+    with pytest.raises(
+        PassError,
+        match=r"cannot split node 'view_as_complex' .* it reads the split dim 3 as "
+        r"\(real, imaginary\) pairs",
+    ):
         transform(ComplexRotary(pairs_split=True), make_batch(2, seed=0), tp=2)

@@ -26,12 +26,18 @@ def test_balanced_cut_is_optimal_and_keeps_ends_in_place(name, k):
     # every block starts a unit; inside each, the residual point before the MLP's norm
     norm = "ln_2" if name == "gpt" else "post_attention_layernorm"
     inner = [f"layers.{i}:{norm}" for i in range(6)]
-    assert [u for u in p.units if u.startswith("layers.")] == [x for i in range(6) for x in (f"layers.{i}", inner[i])]
+    assert [u for u in p.units if u.startswith("layers.")] == [
+        x for i in range(6) for x in (f"layers.{i}", inner[i])
+    ]
     # brute force over every way to cut the units into k runs, and the blocks
     best, on_blocks = _best(p, lambda cuts: max(map(sum, _runs(units, cuts))), k)
-    assert max(p.costs) == pytest.approx(on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best)
+    assert max(p.costs) == pytest.approx(
+        on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best
+    )
     assert sum(p.costs) == pytest.approx(sum(units))
-    assert {n.meta["fxmeg"]["chunk"] for n in gm.graph.nodes if n.op == "call_function"} == set(range(k))
+    assert {n.meta["fxmeg"]["chunk"] for n in gm.graph.nodes if n.op == "call_function"} == set(
+        range(k)
+    )
     embedding = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.embedding.default)
     ce = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default)
     assert embedding.meta["fxmeg"]["chunk"] == 0 and ce.meta["fxmeg"]["chunk"] == k - 1
@@ -59,7 +65,11 @@ def _runs(costs, cuts):
 def test_split_points_pin_the_cuts():
     gm = _graph("llama")
     p = cut(gm, num_chunks=2, split_points=("layers.1",))
-    assert p.chunk_blocks(0) == ("layers.0",) and p.chunk_blocks(1) == ("layers.1", "layers.2", "layers.3")
+    assert p.chunk_blocks(0) == ("layers.0",) and p.chunk_blocks(1) == (
+        "layers.1",
+        "layers.2",
+        "layers.3",
+    )
     q = next(n for n in gm.graph.nodes if owning_module(n) == "layers.1.self_attn.q_proj")
     assert q.meta["fxmeg"]["chunk"] == 1
 
@@ -74,14 +84,21 @@ def test_linear_cost_counts_flops_and_bytes():
 
 
 def test_too_many_chunks_names_both_numbers():
-    with pytest.raises(ConfigError, match=r"pp \* vpp = 8 chunks, but the model has only 4 blocks \(layers.0 .. layers.3\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"pp \* vpp = 8 chunks, but the model has only 4 blocks \(layers.0 .. layers.3\)",
+    ):
         cut(_graph("gpt"), num_chunks=8)
 
 
 def test_split_point_naming_no_block():
-    with pytest.raises(ConfigError, match="split point 'layers.9' names no block; blocks are layers.0 .. layers.3"):
+    with pytest.raises(
+        ConfigError, match="split point 'layers.9' names no block; blocks are layers.0 .. layers.3"
+    ):
         cut(_graph("gpt"), num_chunks=2, split_points=("layers.9",))
-    with pytest.raises(ConfigError, match="split_points has 2 entries, but pp \\* vpp = 2 chunks need 1"):
+    with pytest.raises(
+        ConfigError, match="split_points has 2 entries, but pp \\* vpp = 2 chunks need 1"
+    ):
         cut(_graph("gpt"), num_chunks=2, split_points=("layers.1", "layers.2"))
     with pytest.raises(ConfigError, match="increasing order"):
         cut(_graph("gpt"), num_chunks=3, split_points=("layers.2", "layers.1"))
@@ -112,11 +129,22 @@ def test_blocks_found_under_any_container_name():
     assert p.units[:3] == p.blocks and p.starts[:2] == (0, 1)
 
 
-@pytest.mark.parametrize("schedule,vpp,want", [("interleaved", 2, (0, 1, 0, 1)), ("zbv", 2, (0, 1, 1, 0)),
-                                               ("dualpipev", 2, (0, 1, 1, 0)), ("zbh1", 1, (0, 1))])
+@pytest.mark.parametrize(
+    "schedule,vpp,want",
+    [
+        ("interleaved", 2, (0, 1, 0, 1)),
+        ("zbv", 2, (0, 1, 1, 0)),
+        ("dualpipev", 2, (0, 1, 1, 0)),
+        ("zbh1", 1, (0, 1)),
+    ],
+)
 def test_placement_follows_the_schedule(schedule, vpp, want):
     # ZB-V / DualPipeV run the chunks down the ranks and back up: the loss's chunk on rank 0
-    config = EngineConfig(micro_batch_size=2, global_batch_size=8, parallel=ParallelConfig(pp=2, vpp=vpp, schedule=schedule))
+    config = EngineConfig(
+        micro_batch_size=2,
+        global_batch_size=8,
+        parallel=ParallelConfig(pp=2, vpp=vpp, schedule=schedule),
+    )
     gm = partition(_graph(n_layer=4), config.parallel)
     assert gm.meta["fxmeg"]["partition"].placement == want
 
@@ -137,7 +165,9 @@ def test_attention_of_one_tensor_with_itself_counts_its_flops():
             return nn.functional.cross_entropy(h.squeeze(1).flatten(0, 1), labels.flatten())
 
     gm = capture(SelfAttention(), make_batch(2, seed=0)).gm
-    sdpa = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default)
+    sdpa = next(
+        n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default
+    )
     assert node_flops(sdpa) == 4.0 * (2 * 1 * 16) * 16 * 16
 
 
@@ -163,7 +193,9 @@ def test_a_v_balances_the_ranks(name, schedule, pp):
     want = on_blocks if on_blocks <= (1 + BLOCK_SLACK) * best else best
     assert max(_rank_loads(units, p.starts, where)) == pytest.approx(want)
     even_chunks = cut(_graph(name, n_layer=6), num_chunks=k)
-    assert max(_rank_loads(units, p.starts, where)) <= max(_rank_loads(units, even_chunks.starts, where))
+    assert max(_rank_loads(units, p.starts, where)) <= max(
+        _rank_loads(units, even_chunks.starts, where)
+    )
     assert [round(c) for c in p.costs] == [round(sum(r)) for r in _runs(units, p.starts[1:])]
 
 
@@ -214,4 +246,5 @@ def test_views_move_no_bytes():
     assert by_op["aten.transpose.int"] == [0.0]
     assert all(c == 0.0 for c in by_op["<built-in function getitem>"])
     copying = [c for c in by_op["aten.reshape.default"] if c > 0]
-    assert copying and min(copying) >= 32 * 2 * (2 * 16 * 8 * 4)  # reads and writes a (2, s * 8) fp32 tensor
+    # reads and writes a (2, s * 8) fp32 tensor
+    assert copying and min(copying) >= 32 * 2 * (2 * 16 * 8 * 4)

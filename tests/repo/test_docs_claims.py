@@ -28,13 +28,20 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-SOURCES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "fxmeg", "**", "*.py"), recursive=True))
+PAGES = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
+SOURCES = sorted(
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, "fxmeg", "**", "*.py"), recursive=True)
+)
 
 TOP = ("fxmeg", "docs", "tests", "bench", "tools", "examples", "models")
 PATH = re.compile(rf"(?<![\w/.-])((?:{'|'.join(TOP)})/[\w./-]*)")
 """A repository path: a top-level folder, then anything path-like (a folder ends in /)."""
-PACKAGE_PATH = re.compile(r"(?<![\w/.-])((?:runtime|passes|data|frontend|ir|weights|interop|train|diagnostics)/[\w/-]+\.py)\b")
+PACKAGE_PATH = re.compile(
+    r"(?<![\w/.-])((?:runtime|passes|data|frontend|ir|weights|interop|train|diagnostics)/[\w/-]+\.py)\b"
+)
 """A module named relative to fxmeg/ (``runtime/step.py``), as the docs and docstrings do."""
 FOREIGN = {"tools/preprocess_data.py": "Megatron-LM's, named where fxmeg reads what it writes"}
 """Paths of other projects that look like this repository's, and whose they are."""
@@ -60,9 +67,13 @@ def _exists(path: str) -> bool:
 def _support_table() -> list[tuple[str, str, str]]:
     """(area, supported cell, not-yet cell) of each row of the README's table."""
     text = _read("README.md").split("## What is supported", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| |")]
+    rows = [
+        line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| |")
+    ]
     cells = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in rows]
-    assert cells and all(len(c) == 3 for c in cells), "the table has three columns: area, supported, not yet"
+    assert cells and all(len(c) == 3 for c in cells), (
+        "the table has three columns: area, supported, not yet"
+    )
     return [tuple(c) for c in cells]
 
 
@@ -95,7 +106,9 @@ def _tested_rows() -> set[str]:
     tree = ast.parse(_read("tests/repo/test_errors.py"))
     keys = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in ("ROWS", "SET_UP") for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) in ("ROWS", "SET_UP") for t in node.targets
+        ):
             keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
     return keys
 
@@ -111,17 +124,25 @@ def _in_sources(excerpt: str) -> bool:
 CELLS = _support_table()
 
 
-@pytest.mark.parametrize("area, cell", [(a, n) for a, _, n in CELLS if n], ids=[a for a, _, n in CELLS if n])
+@pytest.mark.parametrize(
+    "area, cell", [(a, n) for a, _, n in CELLS if n], ids=[a for a, _, n in CELLS if n]
+)
 def test_each_not_yet_names_a_refusal_that_exists(area, cell):
     documented, tested = _error_rows(), _tested_rows()
     for item in _items(cell):
         rows = ROW_LINK.findall(item)
-        assert rows, f"README.md, {area}, not yet: {item!r} names no refusal row: add ([`row`](docs/errors.md))"
+        assert rows, (
+            f"README.md, {area}, not yet: {item!r} names no refusal row: add "
+            "([`row`](docs/errors.md))"
+        )
         for row in rows:
-            assert row in documented, f"README.md, {area}: {item!r} names row {row!r}, which docs/errors.md lacks"
+            assert row in documented, (
+                f"README.md, {area}: {item!r} names row {row!r}, which docs/errors.md lacks"
+            )
             assert row in tested or _in_sources(documented[row]), (
-                f"README.md, {area}: row {row!r} is neither run by tests/repo/test_errors.py nor is its message "
-                f"{documented[row]!r} in fxmeg/'s sources")
+                f"README.md, {area}: row {row!r} is neither run by tests/repo/test_errors.py nor "
+                f"is its message {documented[row]!r} in fxmeg/'s sources"
+            )
 
 
 def _test_exists(path: str, name: str | None) -> bool:
@@ -137,9 +158,13 @@ def _test_exists(path: str, name: str | None) -> bool:
 def test_each_supported_item_names_a_test_that_exists(area, cell):
     for item in _items(cell):
         refs = TEST_REF.findall(item)
-        assert refs, f"README.md, {area}, supported: {item!r} names no test: add (`tests/FILE.py[::TEST]`)"
+        assert refs, (
+            f"README.md, {area}, supported: {item!r} names no test: add (`tests/FILE.py[::TEST]`)"
+        )
         for path, name in refs:
-            assert _test_exists(path, name or None), f"README.md, {area}: {item!r} names {path}::{name}, which is gone"
+            assert _test_exists(path, name or None), (
+                f"README.md, {area}: {item!r} names {path}::{name}, which is gone"
+            )
 
 
 # --- paths ------------------------------------------------------------------------------
@@ -154,15 +179,25 @@ def _missing(path: str, *, package_relative: bool = False) -> bool:
 
 def _stale_in(where: str, lineno: int, line: str) -> list[str]:
     out = [f"{where}:{lineno}: {p}" for p in PATH.findall(line) if _missing(p)]
-    out += [f"{where}:{lineno}: {p}::{t} (no such test)" for p, t in TEST_ID.findall(line) if not _test_exists(p, t)]
-    out += [f"{where}:{lineno}: {p}" for p in PACKAGE_PATH.findall(line) if _missing(p, package_relative=True)]
+    out += [
+        f"{where}:{lineno}: {p}::{t} (no such test)"
+        for p, t in TEST_ID.findall(line)
+        if not _test_exists(p, t)
+    ]
+    out += [
+        f"{where}:{lineno}: {p}"
+        for p in PACKAGE_PATH.findall(line)
+        if _missing(p, package_relative=True)
+    ]
     return out
 
 
 def _anchors(page: str) -> set[str]:
     """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
     heads = re.findall(r"^#+\s+(.*)$", _read(page), flags=re.MULTILINE)
-    return {re.sub(r"[^\w\- ]", "", h.replace("`", "")).strip().lower().replace(" ", "-") for h in heads}
+    return {
+        re.sub(r"[^\w\- ]", "", h.replace("`", "")).strip().lower().replace(" ", "-") for h in heads
+    }
 
 
 def _stale_link(page: str, target: str) -> str | None:
@@ -182,7 +217,11 @@ def test_paths_named_in_the_docs_exist():
     for page in PAGES:
         for lineno, line in enumerate(_read(page).splitlines(), 1):
             stale += _stale_in(page, lineno, line)
-            stale += [f"{page}:{lineno}: link {bad}" for t in LINK.findall(line) if (bad := _stale_link(page, t))]
+            stale += [
+                f"{page}:{lineno}: link {bad}"
+                for t in LINK.findall(line)
+                if (bad := _stale_link(page, t))
+            ]
     assert not stale, "paths that do not exist:\n" + "\n".join(stale)
 
 
@@ -192,7 +231,11 @@ def _docstrings_and_comments(source: str) -> list[tuple[int, str]]:
     lines = source.splitlines()
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             out += [(n, lines[n - 1]) for n in range(node.lineno, node.end_lineno + 1)]
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -223,17 +266,24 @@ def test_the_module_map_lists_every_module():
     listed = [line.split()[0] for line in block if line.strip()]
     modules = [m for m in listed if m.startswith("fxmeg/")]
     files = {p for p in SOURCES if os.path.basename(p) != "__init__.py"}
-    assert not sorted(files - set(modules)), f"docs/contributing.md's map lacks {sorted(files - set(modules))}"
-    assert not sorted(set(modules) - files), f"docs/contributing.md's map lists {sorted(set(modules) - files)}"
+    assert not sorted(files - set(modules)), (
+        f"docs/contributing.md's map lacks {sorted(files - set(modules))}"
+    )
+    assert not sorted(set(modules) - files), (
+        f"docs/contributing.md's map lists {sorted(set(modules) - files)}"
+    )
     assert len(modules) == len(set(modules)), "a module listed twice"
     assert all(_exists(p) for p in listed), [p for p in listed if not _exists(p)]
 
 
 def test_the_folder_map_lists_every_folder():
     block = _map_block("docs/architecture.md", "## 7. Layout of folders")
-    listed = {line.split()[0] for line in block if line[:1].strip()}  # continuation lines are indented
+    # continuation lines are indented
+    listed = {line.split()[0] for line in block if line[:1].strip()}
     packages = glob.glob(os.path.join(ROOT, "fxmeg", "*", "__init__.py"))
-    folders = {f"{d}/" for d in TOP} | {os.path.relpath(os.path.dirname(p), ROOT) + "/" for p in packages}
+    folders = {f"{d}/" for d in TOP} | {
+        os.path.relpath(os.path.dirname(p), ROOT) + "/" for p in packages
+    }
     assert folders <= listed, f"docs/architecture.md §7 lacks {sorted(folders - listed)}"
     assert all(_exists(p) for p in listed), [p for p in listed if not _exists(p)]
 
@@ -272,7 +322,10 @@ def test_prepare_data_takes_megatrons_tokenizer_flag():
     _prepare_parser(parser)
     base = ["--input", "a.txt", "--output", "runs/c"]
     assert parser.parse_args(base + ["--tokenizer-model", "tok.json"]).tokenizer == "tok.json"
-    assert parser.parse_args(base + ["--tokenizer", "tok.json"]).tokenizer == "tok.json"  # the earlier name
+    # the earlier name
+    assert parser.parse_args(base + ["--tokenizer", "tok.json"]).tokenizer == "tok.json"
     assert parser.parse_args(base).tokenizer == "bytes"
     for page in ("README.md", "docs/cli.md"):
-        assert not re.search(r"prepare-data[^\n]*--tokenizer(?![-\w])", _read(page)), f"{page} names --tokenizer"
+        assert not re.search(r"prepare-data[^\n]*--tokenizer(?![-\w])", _read(page)), (
+            f"{page} names --tokenizer"
+        )

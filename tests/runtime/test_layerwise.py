@@ -44,7 +44,17 @@ def test_assign_is_balanced_and_covers_every_parameter_once():
         loads = [sum(SIZES[n] for n in SIZES if owner[n] == r) for r in range(ranks)]
         assert sum(loads) == sum(SIZES.values())
         assert max(loads) - min(loads) <= max(SIZES.values())  # greedy: within one parameter
-    assert assign(SIZES, 2) == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 1, "f": 1, "g": 1, "h": 1, "i": 1}
+    assert assign(SIZES, 2) == {
+        "a": 0,
+        "b": 1,
+        "c": 0,
+        "d": 1,
+        "e": 1,
+        "f": 1,
+        "g": 1,
+        "h": 1,
+        "i": 1,
+    }
     assert set(assign(SIZES, 1).values()) == {0}
 
 
@@ -93,12 +103,19 @@ def test_plan_routes_matrices_to_muon_and_picks_the_sharding():
     assert plan.whole("layers.0.attn.qkv.weight") and not plan.whole("wte.weight")
     assert plan.sharding(False, "auto") == "none"
     assert plan.sharding(True, "auto") == "layerwise"
-    with pytest.raises(ConfigError, match="optimizer_sharding='elementwise' .* Muon needs whole parameters"):
+    with pytest.raises(
+        ConfigError, match="optimizer_sharding='elementwise' .* Muon needs whole parameters"
+    ):
         plan.sharding(True, "elementwise")
-    with pytest.raises(ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"):
+    with pytest.raises(
+        ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"
+    ):
         plan.sharding(True, "auto", overlap_param_gather=True)
     adam = plan_optimizers(optimizer, _template(), torch.device("cpu"))
-    assert adam.sharding(True, "auto") == "elementwise" and adam.sharding(True, "layerwise") == "layerwise"
+    assert (
+        adam.sharding(True, "auto") == "elementwise"
+        and adam.sharding(True, "layerwise") == "layerwise"
+    )
 
 
 def test_plan_refuses_a_factory_that_misses_or_repeats_a_parameter():
@@ -133,7 +150,9 @@ def _muon_run(**options):
     return engine, batches, [engine.train_step(b) for b in batches]
 
 
-@pytest.mark.parametrize("options", [{}, {"distributed_optimizer": True}], ids=["replicated", "layerwise-dp1"])
+@pytest.mark.parametrize(
+    "options", [{}, {"distributed_optimizer": True}], ids=["replicated", "layerwise-dp1"]
+)
 def test_one_process_muon_and_adamw_match_plain_pytorch(options):
     engine, batches, steps = _muon_run(**options)
     want_losses, want_norms, want = reference(make_model("gpt", n_layer=2), batches, opt="muon")
@@ -152,7 +171,8 @@ def test_lr_schedule_drives_every_inner_optimizer_keeping_adamw_lr_ratio():
     )
     engine.train_step(batches[0])
     muon, adam = engine.context.optimizer.optimizers
-    assert [g["lr"] for g in muon.param_groups] == pytest.approx([0.01, 0.01])  # half-way through warmup
+    # half-way through warmup
+    assert [g["lr"] for g in muon.param_groups] == pytest.approx([0.01, 0.01])
     assert [g["lr"] for g in adam.param_groups] == pytest.approx([0.001, 0.001])
     assert engine.train_step(batches[1]).lr == pytest.approx(0.01)  # the first (Muon) group's
 
@@ -169,12 +189,20 @@ def test_a_factory_routing_by_the_masters_shape_is_refused_under_flat_shards():
 
 
 def test_config_checks_the_sharding_name_and_its_companions():
-    with pytest.raises(ConfigError, match="optimizer_sharding='layerwsie' is not one of .*did you mean 'layerwise'"):
+    with pytest.raises(
+        ConfigError, match="optimizer_sharding='layerwsie' is not one of .*did you mean 'layerwise'"
+    ):
         DataParallelConfig(distributed_optimizer=True, optimizer_sharding="layerwsie")
-    with pytest.raises(ConfigError, match="optimizer_sharding='layerwise' needs distributed_optimizer=True"):
+    with pytest.raises(
+        ConfigError, match="optimizer_sharding='layerwise' needs distributed_optimizer=True"
+    ):
         DataParallelConfig(optimizer_sharding="layerwise")
-    with pytest.raises(ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"):
-        DataParallelConfig(distributed_optimizer=True, optimizer_sharding="layerwise", overlap_param_gather=True)
+    with pytest.raises(
+        ConfigError, match="overlap_param_gather=True needs optimizer_sharding='elementwise'"
+    ):
+        DataParallelConfig(
+            distributed_optimizer=True, optimizer_sharding="layerwise", overlap_param_gather=True
+        )
 
 
 def _padded_for_flat_shards(engine) -> bool:
@@ -188,13 +216,28 @@ def test_the_sharding_is_decided_once_and_the_buckets_pass_reads_it():
     multiples of 64 elements) for AdamW's elementwise shards, none for Muon's layer-wise
     owners."""
     batch = make_batch(2, seed=0)
-    muon = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, optimizer=muon_adamw(), distributed_optimizer=True)
+    muon = fxmeg.parallelize(
+        make_model("gpt", n_layer=2), batch, optimizer=muon_adamw(), distributed_optimizer=True
+    )
     adam = fxmeg.parallelize(make_model("gpt", n_layer=2), batch, distributed_optimizer=True)
-    assert muon.config.data_parallel.decided_sharding is OptimizerSharding.LAYERWISE is muon.context.optimizer.sharding
-    assert adam.config.data_parallel.decided_sharding is OptimizerSharding.ELEMENTWISE is adam.context.optimizer.sharding
+    assert (
+        muon.config.data_parallel.decided_sharding
+        is OptimizerSharding.LAYERWISE
+        is muon.context.optimizer.sharding
+    )
+    assert (
+        adam.config.data_parallel.decided_sharding
+        is OptimizerSharding.ELEMENTWISE
+        is adam.context.optimizer.sharding
+    )
     assert _padded_for_flat_shards(adam) and not _padded_for_flat_shards(muon)
-    assert DataParallelConfig(distributed_optimizer=True).sharding is OptimizerSharding.ELEMENTWISE  # no factory
-    with pytest.raises(ConfigError, match="decided_sharding='layerwise' contradicts distributed_optimizer=False"):
+    # no factory
+    assert DataParallelConfig(distributed_optimizer=True).sharding is OptimizerSharding.ELEMENTWISE
+    with pytest.raises(
+        ConfigError, match="decided_sharding='layerwise' contradicts distributed_optimizer=False"
+    ):
         DataParallelConfig(decided_sharding=OptimizerSharding.LAYERWISE)
     with pytest.raises(ConfigError, match="unknown option 'decided_sharding'"):
-        fxmeg.parallelize(make_model("gpt", n_layer=2), batch, decided_sharding=OptimizerSharding.NONE)
+        fxmeg.parallelize(
+            make_model("gpt", n_layer=2), batch, decided_sharding=OptimizerSharding.NONE
+        )

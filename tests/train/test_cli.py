@@ -37,8 +37,14 @@ MODEL = '{"n_layer": 4, "n_embd": 64, "n_head": 4}'
 
 def fxmeg(*args, **kw):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fxmeg.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "fxmeg.train.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +226,14 @@ def test_a_killed_rank_restarts_and_resumes_exactly(corpus, tmp_path):
     run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fxmeg.train.cli", *_train_args(corpus, run, ckpt), "--max-restarts", "1"],
+        [
+            sys.executable,
+            "-m",
+            "fxmeg.train.cli",
+            *_train_args(corpus, run, ckpt),
+            "--max-restarts",
+            "1",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -562,7 +575,8 @@ def test_a_launched_layout_error_is_shown_once(corpus, tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("fxmeg: error: "), out.stderr[-3000:]
-    # from the model's config, before capture (fxmeg/frontend/model_checks.py), not from a traced view node
+    # from the model's config, before capture (fxmeg/frontend/model_checks.py), not from a
+    # traced view node
     assert (
         "tp=2 does not divide 3, the number of heads" in lines[0]
         and "num_attention_heads=3" in lines[0]

@@ -190,7 +190,8 @@ def test_exit_duration_stops_after_the_step_in_progress(corpus, tmp_path):
 
 
 class _Clock:
-    """fxmeg.train.trainer's clock in a test: it moves only by the seconds the wrapped calls take."""
+    """fxmeg.train.trainer's clock in a test: it moves only by the seconds the wrapped calls take.
+    """
 
     def __init__(self):
         self.now = 0.0
@@ -212,7 +213,9 @@ def test_throughput_excludes_evaluation_and_saving(corpus, tmp_path, monkeypatch
                   save=str(tmp_path / "ckpt"), save_interval=6)
     t = Trainer(cfg)
     clock = _Clock()  # fake: on a shared CPU the real step time varies 100x
-    monkeypatch.setattr("fxmeg.train.trainer.time", SimpleNamespace(perf_counter=clock, monotonic=clock))
+    monkeypatch.setattr(
+        "fxmeg.train.trainer.time", SimpleNamespace(perf_counter=clock, monotonic=clock)
+    )
     monkeypatch.setattr(t.engine, "train_step", clock.taking(0.01, t.engine.train_step))
     monkeypatch.setattr(t.engine, "eval_step", clock.taking(1.0, t.engine.eval_step))
     monkeypatch.setattr(t.checkpointer, "save", clock.taking(2.0, t.checkpointer.save))

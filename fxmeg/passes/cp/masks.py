@@ -51,9 +51,11 @@ class MaskInputs:
         if x not in self.mixed:
             return ""
         mask, other = self.mixed[x]
-        return (f" (input {x.name!r} feeds the attention mask at node {mask.name!r} but also node "
-                f"{other.name!r}: only an input that feeds attention masks alone stays whole on every cp "
-                "rank; this one is cut)")
+        return (
+            f" (input {x.name!r} feeds the attention mask at node {mask.name!r} but also node "
+            f"{other.name!r}: only an input that feeds attention masks alone stays whole on every "
+            "cp rank; this one is cut)"
+        )
 
     def unsliceable(self, mask: fx.Node, split: bool, seq: int) -> str:
         """Why an attention's ``mask`` cannot have its rows cut to a cp rank's queries:
@@ -61,15 +63,21 @@ class MaskInputs:
         (..., 1 or seq, 1 or seq)."""
         if split:
             inputs = sorted(x.name for x in self.deps.get(mask, ()) if x not in self.whole)
-            return (f"it is an attention with a mask that depends on the split inputs (padding): mask "
-                    f"{mask.name!r} is computed from input(s) {inputs}, which are cut along the sequence"
-                    + (self.hint(mask) or " (they are not used by attention masks alone)"))
-        return (f"it is an attention whose mask {mask.name!r} {tuple(val(mask).shape)} is not (..., 1 or {seq}, "
-                f"1 or {seq}) (queries, keys): its rows cannot be cut to this rank's queries")
+            return (
+                "it is an attention with a mask that depends on the split inputs (padding): mask "
+                f"{mask.name!r} is computed from input(s) {inputs}, which are cut along the "
+                "sequence"
+                + (self.hint(mask) or " (they are not used by attention masks alone)")
+            )
+        return (
+            f"it is an attention whose mask {mask.name!r} {tuple(val(mask).shape)} is not (..., 1 "
+            f"or {seq}, 1 or {seq}) (queries, keys): its rows cannot be cut to this rank's queries"
+        )
 
 
 def mask_inputs(graph: fx.Graph, inputs: list[fx.Node], seq: int) -> MaskInputs:
-    """Classify the sequence ``inputs`` (dim 1 of length ``seq``) of ``graph`` (module docstring)."""
+    """Classify the sequence ``inputs`` (dim 1 of length ``seq``) of ``graph`` (module docstring).
+    """
     deps: dict[fx.Node, frozenset[fx.Node]] = {}
     for n in graph.nodes:  # graph order is a topological order
         mine = frozenset([n]) if n in inputs else frozenset()
@@ -100,8 +108,15 @@ def _mask_use(n: fx.Node, u: fx.Node, seq: int) -> bool:
     if not in_family(u.target, "pointwise"):
         return False
     v, out = val(n), val(u)
-    return (v is not None and out is not None and v.dim() >= 2 and out.dim() >= 2
-            and v.shape[-1] == seq and v.shape[-2] in (1, seq) and tuple(out.shape[-2:]) == (seq, seq))
+    return (
+        v is not None
+        and out is not None
+        and v.dim() >= 2
+        and out.dim() >= 2
+        and v.shape[-1] == seq
+        and v.shape[-2] in (1, seq)
+        and tuple(out.shape[-2:]) == (seq, seq)
+    )
 
 
 _MAX_CONSTANT_NODES = 500
@@ -120,7 +135,9 @@ def constant_value(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
             continue
         if n.op == "placeholder" or is_hop(n) or len(needed) > _MAX_CONSTANT_NODES:
             return None
-        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(
+            n.target, "tags", ()
+        ):
             return None
         needed.add(n)
         todo.extend(n.all_input_nodes)

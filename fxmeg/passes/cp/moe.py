@@ -29,8 +29,10 @@ SUMS = {aten.sum.default, aten.sum.dim_IntList}
 def only_counted(node: fx.Node) -> bool:
     """Every use of ``node`` (through casts) counts its values into bins (histogram)."""
     users = list(node.users)
-    return bool(users) and all(in_family(u.target, "histogram") or (in_family(u.target, "copy") and only_counted(u))
-                               for u in users)
+    return bool(users) and all(
+        in_family(u.target, "histogram") or (in_family(u.target, "copy") and only_counted(u))
+        for u in users
+    )
 
 
 def partial(cp_pass, node: fx.Node):
@@ -46,7 +48,9 @@ def partial(cp_pass, node: fx.Node):
     t, places = node.target, [cp_pass.place.get(a) for a in node.all_input_nodes]
     parts = [a for a in node.all_input_nodes if cp_pass.place.get(a) is PARTIAL]
     if any(isinstance(p, (Seq, list)) for p in places):
-        raise cp_pass.mixes(node, "it mixes a sum over this rank's part of the sequence with split values")
+        raise cp_pass.mixes(
+            node, "it mixes a sum over this rank's part of the sequence with split values"
+        )
     if t == fx_ops.scale_aux_loss.default and len(parts) == 2:
         return PARTIAL
     if t in (aten.add.Tensor, aten.add_.Tensor) and all(a in parts or a.target == aten.zeros.default
@@ -57,8 +61,11 @@ def partial(cp_pass, node: fx.Node):
         if len(parts) == 2 and t == aten.mul.Tensor:
             counts = next((a for a in parts if a not in cp_pass.grads), None)
             if counts is None:
-                raise cp_pass.refuse(node, "it multiplies two sums over this rank's part of the sequence "
-                                         "that both need gradients")
+                raise cp_pass.refuse(
+                    node,
+                    "it multiplies two sums over this rank's part of the sequence "
+                    "that both need gradients",
+                )
             whole = cp_pass.move(counts, "partial", "replicated", at=node, like=counts)
             node.replace_input_with(counts, whole)
             cp_pass.place[whole] = None
@@ -67,8 +74,11 @@ def partial(cp_pass, node: fx.Node):
             return PARTIAL
     if t in SUMS or in_family(t, "copy", "view"):
         return PARTIAL
-    raise cp_pass.refuse(node, "it reads a sum over this rank's part of the sequence in a way that is not "
-                             "linear in it (only a loss and a router loss built from sums may be one)")
+    raise cp_pass.refuse(
+        node,
+        "it reads a sum over this rank's part of the sequence in a way that is not "
+        "linear in it (only a loss and a router loss built from sums may be one)",
+    )
 
 
 def routed_experts(cp_pass) -> dict[fx.Node, fx.Node | None]:

@@ -53,7 +53,11 @@ def split_edges(node: fx.Node, dim: int) -> list[int]:
                 for piece in user.meta["val"]:
                     starts.append(starts[-1] + piece.shape[d])
                 edges.update(offset + s for s in starts)
-                todo.extend((p, d, offset + starts[p.args[1]]) for p in user.users if p.target is operator.getitem)
+                todo.extend(
+                    (p, d, offset + starts[p.args[1]])
+                    for p in user.users
+                    if p.target is operator.getitem
+                )
             elif user.target == aten.slice.Tensor and full_args(user)[1] % val(n).dim() == d:
                 start, end, step = full_args(user)[2:5]
                 start, end = slice(start, end).indices(width)[:2]

@@ -51,20 +51,31 @@ class ChannelRules:
         s = self.place.get(x)
         args = full_args(node)
         if node.target == aten.convolution.default and args[6]:
-            raise self.refuse(node, "a transposed convolution over a split value is not implemented", s)
+            raise self.refuse(
+                node, "a transposed convolution over a split value is not implemented", s
+            )
         if not isinstance(s, Shard) or isinstance(self.place.get(w), (Shard, list)):
-            raise self.refuse(node, "its weight is split over tp ranks (only its input's channels may be)")
+            raise self.refuse(
+                node, "its weight is split over tp ranks (only its input's channels may be)"
+            )
         if s.dim != 1:
-            raise self.refuse(node, f"it convolves over dim {s.dim}, which is split over tp ranks (only "
-                                          "the channels, dim 1, may be split)", s)
+            raise self.refuse(
+                node,
+                f"it convolves over dim {s.dim}, which is split over tp ranks (only "
+                "the channels, dim 1, may be split)",
+                s,
+            )
         groups_at = CONVOLUTIONS[node.target]
         groups, c_in, c_out = args[groups_at], val(x).shape[1], val(node).shape[1]
         per_group = c_in // groups
         if any((p // self.tp) % per_group or p % self.tp for p in s.parts):
             raise self.refuse(
-                node, f"it convolves groups of {per_group} channel(s) ({groups} groups of {c_in}), and this "
-                      f"rank's part of the channel blocks {s.parts} is not whole groups (groups=1 sums over "
-                      "every channel: a row-parallel linear's job)", s)
+                node,
+                f"it convolves groups of {per_group} channel(s) ({groups} groups of {c_in}), and "
+                f"this rank's part of the channel blocks {s.parts} is not whole groups (groups=1 "
+                "sums over every channel: a row-parallel linear's job)",
+                s,
+            )
         parts = tuple(p * c_out // c_in for p in s.parts)
         self._spec_rows(node, 1, parts)
         bias = args[2]
@@ -101,7 +112,9 @@ class ChannelRules:
         if s.dim in padded:
             raise self.refuse(node, f"it pads dim {s.dim}, which is split over tp ranks", s)
         if len(node.args) > 2 and node.args[2] not in ("constant",):
-            raise self.refuse(node, f"it pads with mode {node.args[2]!r} (only 'constant' is split)", s)
+            raise self.refuse(
+                node, f"it pads with mode {node.args[2]!r} (only 'constant' is split)", s
+            )
         return s
 
     @rule(TP, "triangle")
@@ -125,7 +138,9 @@ class ChannelRules:
                                           "(each rank would write only its part)", s)
         if isinstance(s, Shard):
             if s.moved(s.dim + val(dst).dim() - val(src).dim()) != d:
-                raise self.refuse(node, "it writes a value split differently from its destination", s)
+                raise self.refuse(
+                    node, "it writes a value split differently from its destination", s
+                )
             return d
         j = d.dim - (val(dst).dim() - val(src).dim())
         if isinstance(src, fx.Node) and j >= 0 and val(src).shape[j] != 1:
@@ -152,7 +167,9 @@ class ChannelRules:
         for p in split.parts:
             self._check_divides(node, p, f"block of dim {dim} of operand {a.name!r}")
         with self.g.inserting_before(node):
-            blocks = call(self.g, aten.split_with_sizes.default, (a, list(split.parts), dim), like=node)
+            blocks = call(
+                self.g, aten.split_with_sizes.default, (a, list(split.parts), dim), like=node
+            )
             self.place[blocks] = None
             mine = []
             for i in range(len(split.parts)):

@@ -38,7 +38,11 @@ def linears_from_products(gm: fx.GraphModule) -> None:
     ``linear(x.mT, weight).mT``."""
     g = gm.graph
     for node in list(g.nodes):
-        if node.target == aten.matmul.default and _is_param(node.args[0]) and _is_value(node.args[1]):
+        if (
+            node.target == aten.matmul.default
+            and _is_param(node.args[0])
+            and _is_value(node.args[1])
+        ):
             _weight_first(g, node)
             continue
         if node.target != aten.matmul.default or not isinstance(node.args[1], fx.Node):
@@ -59,11 +63,14 @@ def linears_from_products(gm: fx.GraphModule) -> None:
 
 
 def _is_value(x) -> bool:
-    return isinstance(x, fx.Node) and x.op != "get_attr" and val(x) is not None and val(x).dim() >= 2
+    return (
+        isinstance(x, fx.Node) and x.op != "get_attr" and val(x) is not None and val(x).dim() >= 2
+    )
 
 
 def _weight_first(g: fx.Graph, node: fx.Node) -> None:
-    """``weight @ x`` (x: (..., in, n)) as ``linear(x.transpose(-1, -2), weight)`` transposed back."""
+    """``weight @ x`` (x: (..., in, n)) as ``linear(x.transpose(-1, -2), weight)`` transposed back.
+    """
     w, x = node.args[:2]
     with g.inserting_before(node):
         xt = call(g, aten.transpose.int, (x, -1, -2), like=node)
@@ -102,26 +109,38 @@ def kv_replicas(tpass) -> dict[fx.Node, str]:
         if len(blocks) == 1:
             if _query_sibling(node, tpass.tp, val(node).shape[-1] // blocks[0].heads):
                 roles[node] = KV
-                tpass.kv_weights[w] = (f"{blocks[0].heads} key/value head(s), not divisible by tp={tpass.tp}: "
-                                       "replicated, its gradient summed over tp")
+                tpass.kv_weights[w] = (
+                    f"{blocks[0].heads} key/value head(s), not divisible by tp={tpass.tp}: "
+                    "replicated, its gradient summed over tp"
+                )
             continue
         kv = [b for b in blocks if b.heads is not None and b.heads % tpass.tp]
         if len(kv) < len(blocks) and all(b.heads for b in blocks):
             roles |= _per_block(tpass, node, blocks)
-            tpass.kv_weights[w] = (f"fused query/key/value with {' and '.join(str(b.heads) for b in kv)} key/value "
-                                   f"head(s), not divisible by tp={tpass.tp}: the weight is held whole and its gradient "
-                                   "summed over tp; each rank computes its own query heads and every key/value head")
+            tpass.kv_weights[w] = (
+                f"fused query/key/value with {' and '.join(str(b.heads) for b in kv)} key/value "
+                f"head(s), not divisible by tp={tpass.tp}: the weight is held whole and its "
+                "gradient summed over tp; each rank computes its own query heads and every "
+                "key/value head"
+            )
     return roles
 
 
 def _is_param(w) -> bool:
-    return isinstance(w, fx.Node) and w.op == "get_attr" and val(w) is not None and val(w).dim() == 2
+    return (
+        isinstance(w, fx.Node) and w.op == "get_attr" and val(w) is not None and val(w).dim() == 2
+    )
 
 
 def _keeps(node: fx.Node, size: int) -> bool:
     """A view that keeps the last dim's ``size`` (unsqueeze, expand, flattening tokens)."""
     out = val(node)
-    return isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[-1] == size and in_family(node.target, "view")
+    return (
+        isinstance(out, torch.Tensor)
+        and out.dim() > 0
+        and out.shape[-1] == size
+        and in_family(node.target, "view")
+    )
 
 
 def _heads(node: fx.Node, size: int) -> tuple[fx.Node, int, int] | None:
@@ -132,11 +151,23 @@ def _heads(node: fx.Node, size: int) -> tuple[fx.Node, int, int] | None:
         n = todo.pop()
         for user in n.users:
             out = val(user)
-            if not isinstance(out, torch.Tensor) or not in_family(user.target, "view") or out.dim() < 2:
+            if (
+                not isinstance(out, torch.Tensor)
+                or not in_family(user.target, "view")
+                or out.dim() < 2
+            ):
                 continue
-            split = out.shape[-1] * out.shape[-2] == size and out.shape[:-2].numel() == val(n).shape[:-1].numel()
-            if split and (out.shape[-1] != size or user.target in SHAPE_ARGUMENT and out.dim() == val(n).dim() + 1):
-                return user, out.shape[-2], out.shape[-1]  # (..., H * D) -> (..., H, D), a single head too
+            split = (
+                out.shape[-1] * out.shape[-2] == size
+                and out.shape[:-2].numel() == val(n).shape[:-1].numel()
+            )
+            if split and (
+                out.shape[-1] != size
+                or user.target in SHAPE_ARGUMENT
+                and out.dim() == val(n).dim() + 1
+            ):
+                # (..., H * D) -> (..., H, D), a single head too
+                return user, out.shape[-2], out.shape[-1]
             if out.shape[-1] == size:
                 todo.append(user)
     return None
@@ -152,8 +183,12 @@ def _blocks(linear: fx.Node) -> list[_Block] | None:
         if len(dims) != 1:
             return None
         d = dims.pop()  # a block no view splits (a single key head) holds (end - start) / D heads
-        return [b if b.heads or (b.end - b.start) % d else _Block(b.start, b.end, (b.end - b.start) // d, b.taken)
-                for b in blocks]
+        return [
+            b
+            if b.heads or (b.end - b.start) % d
+            else _Block(b.start, b.end, (b.end - b.start) // d, b.taken)
+            for b in blocks
+        ]
     found = _heads(linear, size)
     if found is None:
         return None
@@ -174,7 +209,11 @@ def _pieces(linear: fx.Node, size: int) -> list[tuple[int, int, fx.Node]] | None
         for user in n.users:
             if _keeps(user, size):
                 todo.append(user)
-            elif user.target == aten.slice.Tensor and full_args(user)[1] % rank == rank - 1 and full_args(user)[4] == 1:
+            elif (
+                user.target == aten.slice.Tensor
+                and full_args(user)[1] % rank == rank - 1
+                and full_args(user)[4] == 1
+            ):
                 start, end = full_args(user)[2:4]
                 start, end = slice(start, end).indices(size)[:2]
                 out.append((start, end, user))
@@ -201,12 +240,19 @@ def _head_pieces(view: fx.Node, heads: int) -> list[tuple[int, int, fx.Node]] | 
     rank, out = val(view).dim(), []
     dim = rank - 2
     for user in view.users:
-        if user.target == aten.slice.Tensor and full_args(user)[1] % rank == dim and full_args(user)[4] == 1:
+        if (
+            user.target == aten.slice.Tensor
+            and full_args(user)[1] % rank == dim
+            and full_args(user)[4] == 1
+        ):
             out.append((*slice(*full_args(user)[2:4]).indices(heads)[:2], user))
         elif user.target == aten.select.int and user.args[1] % rank == dim:
             i = user.args[2] % heads
             out.append((i, i + 1, user))
-        elif user.target == aten.index.Tensor and (index := _constant_index(view, user, dim)) is not None:
+        elif (
+            user.target == aten.index.Tensor
+            and (index := _constant_index(view, user, dim)) is not None
+        ):
             out.append((index[0], index[-1] + 1, user))
         else:
             return None
@@ -216,10 +262,17 @@ def _head_pieces(view: fx.Node, heads: int) -> list[tuple[int, int, fx.Node]] | 
 def _constant_index(view: fx.Node, node: fx.Node, dim: int) -> list[int] | None:
     """The consecutive heads a constant index tensor picks along ``dim``, or None."""
     indices = node.args[1]
-    if len(indices) != dim + 1 or any(i is not None for i in indices[:dim]) or not isinstance(indices[dim], fx.Node):
+    if (
+        len(indices) != dim + 1
+        or any(i is not None for i in indices[:dim])
+        or not isinstance(indices[dim], fx.Node)
+    ):
         return None
     src = indices[dim]
-    while src.op == "call_function" and src.target in (aten.lift_fresh_copy.default, aten.clone.default):
+    while src.op == "call_function" and src.target in (
+        aten.lift_fresh_copy.default,
+        aten.clone.default,
+    ):
         src = src.args[0]
     t = attr(view.graph.owning_module, src.target) if src.op == "get_attr" else None
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_meta or t.is_floating_point():
@@ -234,7 +287,11 @@ def _query_sibling(linear: fx.Node, tp: int, d: int) -> bool:
     slots = LINEAR_SLOTS[linear.target]
     x, module = linear.args[slots.x], owning_module(linear).rpartition(".")[0]
     for other in x.users:
-        if other is linear or other.target not in LINEAR_SLOTS or owning_module(other).rpartition(".")[0] != module:
+        if (
+            other is linear
+            or other.target not in LINEAR_SLOTS
+            or owning_module(other).rpartition(".")[0] != module
+        ):
             continue
         found = _heads(other, val(other).shape[-1])
         if found and found[2] == d and found[1] % tp == 0:
@@ -251,14 +308,24 @@ def _per_block(tpass, linear: fx.Node, blocks: list[_Block]) -> dict[fx.Node, st
     for block in blocks:
         piece = list(args)
         with g.inserting_before(linear):
-            piece[slots.weight] = call(g, aten.slice.Tensor, (args[slots.weight], slots.out_dim, block.start, block.end),
-                                       like=linear)
+            piece[slots.weight] = call(
+                g,
+                aten.slice.Tensor,
+                (args[slots.weight], slots.out_dim, block.start, block.end),
+                like=linear,
+            )
             if b is not None:
-                piece[slots.bias] = call(g, aten.slice.Tensor, (b, 0, block.start, block.end), like=linear)
+                piece[slots.bias] = call(
+                    g, aten.slice.Tensor, (b, 0, block.start, block.end), like=linear
+                )
             new = call(g, linear.target, tuple(piece), like=linear)
             roles[new] = QUERY if block.heads % tpass.tp == 0 else KV
             shape = list(val(block.taken).shape)
-            out = new if list(val(new).shape) == shape else call(g, aten.reshape.default, (new, shape), like=linear)
+            out = (
+                new
+                if list(val(new).shape) == shape
+                else call(g, aten.reshape.default, (new, shape), like=linear)
+            )
         block.taken.replace_all_uses_with(out)
     for n in reversed(list(g.nodes)):  # the old extractions and the fused linear, now unused
         if n.op == "call_function" and not n.users and n is not linear and _depends_on(n, linear):
@@ -287,7 +354,9 @@ def kv_linear(tpass, node: fx.Node):
     x = node.args[slots.x]
     px = tpass.place.get(x)
     if isinstance(px, Shard) and not px.seq:
-        raise tpass.refuse(node, "a query or key/value projection reads a value split over its features", px)
+        raise tpass.refuse(
+            node, "a query or key/value projection reads a value split over its features", px
+        )
     args = list(node.args)
     args[slots.x] = tpass._entry(node, x)
     if tpass.heads[node] == KV:
@@ -314,11 +383,13 @@ def check_kv_readers(tpass) -> None:
                 continue
             glob = layer_glob(owning_module(kv))
             raise PassError(
-                f"cannot replicate the key/value projection {owning_module(kv)!r} over tp={tpass.tp} ranks "
-                f"(tp does not divide its key/value heads): its output reaches node {n.name!r} ({n.target}, module {owning_module(n)!r}) "
-                f"without passing through the query heads split over tp, so its gradient would be summed "
-                f"tp times. Fix: keep the attention whole with tp_plan={{{glob.rpartition('.')[0] + '.*'!r}: "
-                f"'replicate'}}, or choose a tp that divides the key/value heads")
+                f"cannot replicate the key/value projection {owning_module(kv)!r} over "
+                f"tp={tpass.tp} ranks (tp does not divide its key/value heads): its output reaches "
+                f"node {n.name!r} ({n.target}, module {owning_module(n)!r}) without passing "
+                "through the query heads split over tp, so its gradient would be summed tp times. "
+                f"Fix: keep the attention whole with tp_plan={{{glob.rpartition('.')[0] + '.*'!r}: "
+                "'replicate'}, or choose a tp that divides the key/value heads"
+            )
 
 
 def whole_projections(tpass) -> list[tuple[str, str]]:
@@ -335,13 +406,19 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
             continue
         module = n.target.rpartition(".")[0]
         glob = layer_glob(module)
-        if glob in routers or module in experts or not any(n.target.startswith(b + ".") for b in blocks):
+        if (
+            glob in routers
+            or module in experts
+            or not any(n.target.startswith(b + ".") for b in blocks)
+        ):
             continue
         if n.target in tpass.kv_weights:
             why = tpass.kv_weights[n.target]
         elif module in tpass.rejoined:
-            why = ("its output is added back to the residual stream it reads with no row-parallel linear "
-                   "between (split by columns, it would split the stream)")
+            why = (
+                "its output is added back to the residual stream it reads with no row-parallel "
+                "linear between (split by columns, it would split the stream)"
+            )
         elif any(fnmatch.fnmatch(module, g) and r == "replicate" for g, r in tpass.plan.items()):
             why = "tp_plan says 'replicate'"
         else:
@@ -356,6 +433,10 @@ def say_whole_projections(tpass) -> None:
     whole = whole_projections(tpass)
     set_tag(tpass.gm, "tp_whole", tuple(whole))
     if whole:
-        log.warning("tp=%d leaves the weights of %d block projections whole on every tp rank (each rank holds "
-                    "and computes them in full): %s", tpass.tp, len(whole),
-                    "; ".join(f"{g!r}: {why}" for g, why in whole))
+        log.warning(
+            "tp=%d leaves the weights of %d block projections whole on every tp rank (each rank "
+            "holds and computes them in full): %s",
+            tpass.tp,
+            len(whole),
+            "; ".join(f"{g!r}: {why}" for g, why in whole),
+        )

@@ -81,22 +81,32 @@ def whole_experts(params: dict[str, torch.Tensor], tp: int, ep: int = 1) -> str 
     listed = "; ".join(f"{m!r} ({', '.join(sorted(v))})" for m, v in sorted(modules.items()))
     total = sum(t.numel() for t in banks.values())
     if ep > 1:
-        return (f"tp={tp} leaves {len(banks)} expert parameters ({total} elements before ep={ep} splits them) "
-                f"whole over tp ranks: {listed}. Every tp rank holds and computes the same experts of its "
-                "ep rank; tensor parallelism splits the attention and dense projections only")
+        return (
+            f"tp={tp} leaves {len(banks)} expert parameters ({total} elements before ep={ep} "
+            f"splits them) whole over tp ranks: {listed}. Every tp rank holds and computes the "
+            "same experts of its ep rank; tensor parallelism splits the attention and dense "
+            "projections only"
+        )
     return (f"tp={tp} leaves {len(banks)} expert parameters ({total} elements) whole on every tp "
             f"rank: {listed}. Every tp rank holds and computes every expert (the same values); "
             "tensor parallelism splits the attention and dense projections only")
 
 
-def say_what_stays_whole(tp: int, routers: list[str], whole: dict[str, torch.Tensor], *, ep: int = 1) -> None:
+def say_what_stays_whole(
+    tp: int, routers: list[str], whole: dict[str, torch.Tensor], *, ep: int = 1
+) -> None:
     """Redundancy under tp is never silent. On the logger ``fxmeg.passes.tensor_parallel``:
     the modules of the linears kept whole by kind (``routers``, INFO) and the expert
     modules among the parameters left whole (``whole``: name -> full tensor, WARNING)."""
     if routers:
         globs = ", ".join(sorted({layer_glob(m) for m in routers}))
-        log.info("tp=%d keeps %d router linears whole (softmaxed or ranked over their output features, "
-                 "or a single feature): %s", tp, len(routers), globs)
+        log.info(
+            "tp=%d keeps %d router linears whole (softmaxed or ranked over their output features, "
+            "or a single feature): %s",
+            tp,
+            len(routers),
+            globs,
+        )
     warning = whole_experts(whole, tp, ep)
     if warning:  # with ep the experts are split, over ep: said, not warned
         (log.info if ep > 1 else log.warning)(warning)

@@ -64,8 +64,9 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
             return _merged(s, a, gi, outer_out[0])  # (a sequence split stays refused: see below)
         if not outer_in or outer_in[0] != s.dim or not outer_out:
             return _regrouped(s, a, b, gi, gj, tp) or (
-                f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a larger dim with dims "
-                "outside it")
+                f"it merges dim {s.dim} (size {a[s.dim]}, split over tp ranks) into a larger dim "
+                "with dims outside it"
+            )
         o = outer_out[0]
         if len(s.parts) > 1 and len(outer_out) > 1:
             inner = 1
@@ -77,9 +78,14 @@ def reshape_shard(s: Shard, a: tuple[int, ...], b: tuple[int, ...], tp: int) -> 
         elif len(outer_in) == 1 and len(outer_out) == 1:
             return s.moved(o)  # the split dim keeps its size: blocks survive
         if len(s.parts) > 1:
-            return _regrouped(s, a, b, gi, gj, tp) or f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
+            return (
+                _regrouped(s, a, b, gi, gj, tp)
+                or f"it reshapes a dim made of {len(s.parts)} fused blocks {s.parts}"
+            )
         if b[o] % tp:
-            why = Indivisible(f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide")
+            why = Indivisible(
+                f"it splits the dim into a dim of size {b[o]}, which tp={tp} does not divide"
+            )
             why.size, why.sizes = b[o], tuple(b[d] for d in gj if b[d] != 1 or d == o)
             return why
         return s.moved(o, (b[o],))
@@ -99,7 +105,9 @@ def _merged(s: Shard, a: tuple[int, ...], gi: list[int], o: int) -> Shard:
     return s.moved(o, tuple(p * inner for p in s.parts) * outer)
 
 
-def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int, inner: int = 1) -> Shard | str:
+def _unmerged(
+    s: Shard, b: tuple[int, ...], outs: list[int], tp: int, inner: int = 1
+) -> Shard | str:
     """A dim of equal blocks (with the ``inner`` elements of the dims after it in its
     group) cut into several dims: the split goes to the dim ``o`` where the dims before it
     count the blocks and ``o`` with the dims after it spans one block ((b * heads, t, d) ->
@@ -114,8 +122,10 @@ def _unmerged(s: Shard, b: tuple[int, ...], outs: list[int], tp: int, inner: int
             after *= b[d]
         if before == count and b[o] * after == size * inner and set(s.parts) == {size}:
             if b[o] % tp:
-                why = Indivisible(f"it splits each of its {count} blocks into a dim of size {b[o]}, "
-                                  f"which tp={tp} does not divide")
+                why = Indivisible(
+                    f"it splits each of its {count} blocks into a dim of size {b[o]}, "
+                    f"which tp={tp} does not divide"
+                )
                 why.size, why.sizes = b[o], tuple(b[d] for d in outs)
                 return why
             return s.moved(o, (b[o],))
@@ -147,7 +157,9 @@ def _regrouped(s: Shard, a: tuple[int, ...], b: tuple[int, ...], gi: list[int], 
         if b[o] == 1 or (b[o] * after) % (period * inner):
             continue
         copies = b[o] * after // (period * inner)
-        if after % inner == 0 and all(p % tp == 0 and (p // tp) % (after // inner) == 0 for p in base):
+        if after % inner == 0 and all(
+            p % tp == 0 and (p // tp) % (after // inner) == 0 for p in base
+        ):
             return s.moved(o, tuple(p // (after // inner) for p in base) * copies)
         if inner % after == 0:
             return s.moved(o, tuple(p * (inner // after) for p in base) * copies)

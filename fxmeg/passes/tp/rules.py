@@ -48,12 +48,16 @@ def _indivisible(node: fx.Node, why: Indivisible, s: Shard, tp: int) -> str:
     block = s.origin.rpartition(".")[0]
     if len(why.sizes) < 3:
         glob = re.sub(r"\.\d+\.", ".*.", s.origin)
-        return (f"{msg}; choose tp in {divisors(why.size)}, or keep the projection that splits them whole with "
-                f"tp_plan={{{glob!r}: 'replicate'}}")
-    return (f"{msg}. If the {why.size} are fused blocks (q, k, v as in rearrange('b n (three h d) -> "
-            f"three b n (h d)')), split them before the heads: write the projection's output as "
-            f".chunk({why.size}, dim=-1) (or separate linears), then rearrange each; or keep the "
-            f"block whole with tp_plan={{{(block + '.*') if block else s.origin!r}: 'replicate'}}")
+        return (
+            f"{msg}; choose tp in {divisors(why.size)}, or keep the projection that splits them "
+            f"whole with tp_plan={{{glob!r}: 'replicate'}}"
+        )
+    return (
+        f"{msg}. If the {why.size} are fused blocks (q, k, v as in rearrange('b n (three h d) -> "
+        f"three b n (h d)')), split them before the heads: write the projection's output as "
+        f".chunk({why.size}, dim=-1) (or separate linears), then rearrange each; or keep the "
+        f"block whole with tp_plan={{{(block + '.*') if block else s.origin!r}: 'replicate'}}"
+    )
 
 
 class PropagationRules:
@@ -66,7 +70,9 @@ class PropagationRules:
     @rule(TP, "pointwise")
     def _elementwise(self, node: fx.Node):
         out_dim = val(node).dim()
-        shards = [(a, self.place[a]) for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)]
+        shards = [
+            (a, self.place[a]) for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)
+        ]
         s0 = shards[0][1].moved(shards[0][1].dim + out_dim - val(shards[0][0]).dim())
         for a, s in shards[1:]:
             if s.moved(s.dim + out_dim - val(a).dim()) != s0:
@@ -76,25 +82,34 @@ class PropagationRules:
                 continue
             j = s0.dim - (out_dim - val(a).dim())
             if j >= 0 and val(a).shape[j] != 1:  # a replicated operand spans the split dim
-                if self._own_chain(a, j, s0, node):  # a norm's weight over split features: shard it too
+                # a norm's weight over split features: shard it too
+                if self._own_chain(a, j, s0, node):
                     continue
                 node.replace_input_with(a, self._local_slice(node, a, j, s0))
         return s0
 
-    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None) -> fx.Node:
+    def _local_slice(
+        self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None
+    ) -> fx.Node:
         """This rank's part of replicated operand ``a`` along ``dim``, where the value it
         meets is ``split``: of each block when it has several equal ones (heads merged into
         the batch), cut as (blocks, block) so one tp_slice takes every block's part."""
         size = val(a).shape[dim]
-        parts = split.parts if split is not None and val(a).shape[dim] == sum(split.parts) else (size,)
+        parts = (
+            split.parts if split is not None and val(a).shape[dim] == sum(split.parts) else (size,)
+        )
         if len(set(parts)) > 1:  # unequal blocks (tp_channels)
             return self._local_blocks(node, a, dim, split)
         self._check_divides(node, parts[0], f"dim {dim} of operand {a.name!r}")
         shape = list(val(a).shape)
         if len(parts) > 1:
             with self.g.inserting_before(node):
-                a = call(self.g, aten.reshape.default, (a, shape[:dim] + [len(parts), parts[0]] + shape[dim + 1:]),
-                         like=node)
+                a = call(
+                    self.g,
+                    aten.reshape.default,
+                    (a, shape[:dim] + [len(parts), parts[0]] + shape[dim + 1 :]),
+                    like=node,
+                )
             self.place[a] = None
         piece = self.move(a, "replicated", "local", dim=dim + (len(parts) > 1), at=node)
         if len(parts) > 1:
@@ -145,7 +160,9 @@ class PropagationRules:
         sizes = [v.shape[dim] for v in pieces]
         runs = _runs(s.parts, sizes)
         if runs is None:
-            raise self.refuse(node, f"it splits the dim into {sizes}, not into runs of its blocks {s.parts}", s)
+            raise self.refuse(
+                node, f"it splits the dim into {sizes}, not into runs of its blocks {s.parts}", s
+            )
         if node.target == aten.split.Tensor:
             node.args = (node.args[0], node.args[1] // self.tp, *node.args[2:])
         elif node.target == aten.split_with_sizes.default:
@@ -167,8 +184,11 @@ class PropagationRules:
         edges = [sum(s.parts[:i]) for i in range(len(s.parts) + 1)]
         if step != 1 or start not in edges or end not in edges:
             raise self.refuse(
-                node, f"it slices [{start}:{end}:{step}] of the split dim {dim}, which is not a run of "
-                      f"its blocks {s.parts} (a fused projection is sliced block by block)", s)
+                node,
+                f"it slices [{start}:{end}:{step}] of the split dim {dim}, which is not a run of "
+                f"its blocks {s.parts} (a fused projection is sliced block by block)",
+                s,
+            )
         node.args, node.kwargs = (x, dim, start // self.tp, end // self.tp), {}
         return s.moved(dim, s.parts[edges.index(start):edges.index(end)])
 
@@ -180,7 +200,9 @@ class PropagationRules:
         tensors, n = node.args[0], val(node).dim()
         dim = full_args(node)[1] % n
         stack = node.target == aten.stack.default
-        shards = [self.place.get(a) for a in tensors if isinstance(self.place.get(a), (Shard, list))]
+        shards = [
+            self.place.get(a) for a in tensors if isinstance(self.place.get(a), (Shard, list))
+        ]
         if any(isinstance(p, list) for p in shards):
             raise self.refuse(node, "it concatenates an unpacked list")
         s0 = shards[0]
@@ -246,11 +268,16 @@ class PropagationRules:
             if p == q:
                 continue
             heads = val(a).shape[q.dim] if p is None else None
-            if heads == val(node.args[0]).shape[q.dim]:  # key/value heads replicated (tp_heads): this rank's
+            # key/value heads replicated (tp_heads): this rank's
+            if heads == val(node.args[0]).shape[q.dim]:
                 node.replace_input_with(a, self._local_slice(node, a, q.dim))
             elif heads != 1:  # one key/value head broadcasts over every query head
-                raise self.refuse(node, "query, key and value must be split alike over heads (or the "
-                                              "key/value heads replicated, one or one per query head)", q)
+                raise self.refuse(
+                    node,
+                    "query, key and value must be split alike over heads (or the "
+                    "key/value heads replicated, one or one per query head)",
+                    q,
+                )
         mask = node.args[3] if len(node.args) > 3 else None
         if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
             j = q.dim - (val(node).dim() - val(mask).dim())
@@ -264,7 +291,12 @@ class PropagationRules:
         split on any other dim passes through."""
         s = self.place[node.args[0]]
         if isinstance(s, Shard) and s.dim == node.args[1] % val(node.args[0]).dim():
-            raise self.refuse(node, f"it exchanges dim {s.dim} over {node.args[-1]} ranks, which is split over tp ranks", s)
+            raise self.refuse(
+                node,
+                f"it exchanges dim {s.dim} over {node.args[-1]} ranks, which is split over tp "
+                "ranks",
+                s,
+            )
         return s
 
     def _matmul(self, node: fx.Node):
@@ -316,7 +348,9 @@ class PropagationRules:
         def add(target, *args):
             with self.g.inserting_before(node):
                 ops.append(call(self.g, target, args, like=node))
-            self.place[ops[-1]] = s if val(ops[-1]).dim() == n and val(ops[-1]).shape[-1] != 1 else None
+            self.place[ops[-1]] = (
+                s if val(ops[-1]).dim() == n and val(ops[-1]).shape[-1] != 1 else None
+            )
             return ops[-1]
 
         def mean(v):
@@ -325,7 +359,11 @@ class PropagationRules:
             return add(aten.div.Tensor, total, shape[0])
 
         xc = add(aten.sub.Tensor, x, mean(x))
-        y = add(aten.mul.Tensor, xc, add(aten.rsqrt.default, add(aten.add.Tensor, mean(add(aten.mul.Tensor, xc, xc)), eps)))
+        y = add(
+            aten.mul.Tensor,
+            xc,
+            add(aten.rsqrt.default, add(aten.add.Tensor, mean(add(aten.mul.Tensor, xc, xc)), eps)),
+        )
         for p, op in ((w, aten.mul.Tensor), (b, aten.add.Tensor)):
             if p is not None:
                 y = add(op, y, p)
@@ -361,7 +399,8 @@ class PropagationRules:
         gradient is added once (``_sum_into``)."""
         for total, origin in self.statistics:
             split, whole = self._readers(total)
-            if not split or whole:  # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
+            # total: a sum's all-reduce after its tp_copy, or a max's tp_copy
+            if not split or whole:
                 copy = total if total.target == fxmeg_ops.tp_copy.default else total.args[0]
                 copy.replace_all_uses_with(copy.args[0])
                 copy.graph.erase_node(copy)  # the graph it is in: a region's body, maybe
@@ -372,8 +411,16 @@ class PropagationRules:
             if split and whole:
                 self._sum_into(split)
             elif split:
-                copy = insert_move(total.graph, TP, origin, "partial", "synced", size=self.tp, at=total,
-                                    like=origin)
+                copy = insert_move(
+                    total.graph,
+                    TP,
+                    origin,
+                    "partial",
+                    "synced",
+                    size=self.tp,
+                    at=total,
+                    like=origin,
+                )
                 total.replace_input_with(origin, copy)
                 self.place[copy] = PARTIAL
 
@@ -429,7 +476,9 @@ class PropagationRules:
         """A tp_copy on each (split reader, operand) edge: forward the operand itself,
         backward the readers' parts summed over tp ranks."""
         for reader, operand in edges:
-            copy = insert_move(reader.graph, TP, operand, "replicated", "synced", size=self.tp, at=reader)
+            copy = insert_move(
+                reader.graph, TP, operand, "replicated", "synced", size=self.tp, at=reader
+            )
             reader.replace_input_with(operand, copy)
             self.place[copy] = None
 
@@ -443,7 +492,9 @@ class PropagationRules:
         if s.dim in {d % n for d in dims}:
             if in_family(node.target, "softmax"):
                 return self._softmax_over_split(node, s)  # tp_rules_more
-            raise self.refuse(node, f"it computes along dim {s.dim}, which is split over tp ranks", s)
+            raise self.refuse(
+                node, f"it computes along dim {s.dim}, which is split over tp ranks", s
+            )
         outputs = node.meta.get("val")
         return [s] * len(outputs) if isinstance(outputs, (tuple, list)) else s
 
@@ -468,9 +519,13 @@ class PropagationRules:
         if node.target in EXTREMES:
             return self._extreme_over_split(node, s)  # tp_rules_more
         if node.target not in sums:
-            raise self.refuse(node, f"it reduces over dim {s.dim}, which is split over tp ranks (only a "
-                                          "sum, a mean, and an amax, amin, max or min without indices are "
-                                          "all-reduced)", s)
+            raise self.refuse(
+                node,
+                f"it reduces over dim {s.dim}, which is split over tp ranks (only a "
+                "sum, a mean, and an amax, amin, max or min without indices are "
+                "all-reduced)",
+                s,
+            )
         users = list(node.users)
         size = 1
         for d in dims:
@@ -533,7 +588,9 @@ def _einsum_letters(node: fx.Node) -> tuple[list[str], str]:
     ins, _, out = eq.partition("->")
     ins = ins.split(",")
     if not _:
-        out = "".join(sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != "."))
+        out = "".join(
+            sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != ".")
+        )
     ell = max(val(a).dim() - len(t.replace("...", "")) for a, t in zip(operands, ins))
     caps = "ABCDEFGH"[:ell]
 

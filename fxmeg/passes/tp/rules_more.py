@@ -26,7 +26,12 @@ from fxmeg.passes.tp.placement import dim_groups
 
 aten = torch.ops.aten
 fxmeg_ops = torch.ops.fxmeg
-EXTREMES = {aten.amax.default: False, aten.amin.default: True, aten.max.default: False, aten.min.default: True}
+EXTREMES = {
+    aten.amax.default: False,
+    aten.amin.default: True,
+    aten.max.default: False,
+    aten.min.default: True,
+}
 """Reductions to a maximum (False) or minimum (True) over the split dim: all-reduced."""
 _LOG_SOFTMAX = {aten._log_softmax.default, aten.log_softmax.int}
 
@@ -86,9 +91,12 @@ class MoreRules:
         side by side replace themselves in place, else they go first)."""
         s = self.place.get(node.args[0])
         indices, n = list(node.args[1]), val(node.args[0]).dim()
-        if not isinstance(s, Shard) or any(isinstance(self.place.get(i), (Shard, list)) for i in indices
-                                           if isinstance(i, fx.Node)):
-            raise self.refuse(node, "it indexes with a split index", s if isinstance(s, Shard) else None)
+        if not isinstance(s, Shard) or any(
+            isinstance(self.place.get(i), (Shard, list)) for i in indices if isinstance(i, fx.Node)
+        ):
+            raise self.refuse(
+                node, "it indexes with a split index", s if isinstance(s, Shard) else None
+            )
         indexed = [d for d, i in enumerate(indices) if i is not None]
         if s.dim in indexed:
             raise self.refuse(node, f"it indexes the split dim {s.dim}", s)
@@ -126,7 +134,8 @@ class MoreRules:
         self.place[top] = None
         shifted = add(aten.sub.Tensor, x, top)
         masked = None
-        if node.target == aten._safe_softmax.default:  # rows -inf on every rank: 0, and no NaN in backward
+        # rows -inf on every rank: 0, and no NaN in backward
+        if node.target == aten._safe_softmax.default:
             masked = add(aten.eq.Scalar, top, float("-inf"), place=None)
             shifted = add(aten.where.ScalarSelf, masked, 0.0, shifted)
         exp = add(aten.exp.default, shifted)
@@ -192,7 +201,8 @@ def fused_view(view: fx.Node, out: int) -> int | None:
                 todo.append((user, dim))
             elif in_family(user.target, "view") and user.target != aten.expand.default:
                 kept = [gj for gi, gj in dim_groups(tuple(val(n).shape), tuple(val(user).shape))
-                        if [d for d in gi if val(n).shape[d] != 1] == [dim]]  # the blocks dim kept whole
+                        # the blocks dim kept whole
+                        if [d for d in gi if val(n).shape[d] != 1] == [dim]]
                 outs = [d for d in (kept[0] if kept else []) if val(user).shape[d] != 1]
                 if len(outs) == 1:
                     todo.append((user, outs[0]))

@@ -5,9 +5,9 @@ Megatron's DistributedDataParallel).
 Every trainable parameter's ``main_grad`` is a view into its chunk's buffer. A
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and drops
 ``param.grad``. Nothing is communicated until ``start_sync()`` (the schedule's GRAD_SYNC
-action, just before a chunk's last micro-batch backward); from then on a bucket's asynchronous reduction is issued the
-moment its last gradient arrives, so it overlaps the rest of backward. Buckets are
-issued strictly in index order, so every data-parallel rank issues the same collectives
+action, just before a chunk's last micro-batch backward); from then on a bucket's asynchronous
+reduction is issued the moment its last gradient arrives, so it overlaps the rest of backward.
+Buckets are issued strictly in index order, so every data-parallel rank issues the same collectives
 in the same order.
 """
 
@@ -72,7 +72,9 @@ class GradBuffer:
             p = self.params[s.name]
             p.main_grad = self.data[s.offset : s.offset + s.numel].view(p.shape)
         self.param_data = self._move_params_into_buffer() if shard else None
-        self._deferred = {b.index for b in layout.buckets if deferred & set(b.params)} if shard else set()
+        self._deferred = (
+            {b.index for b in layout.buckets if deferred & set(b.params)} if shard else set()
+        )
         self._bucket_of = {s.name: s.bucket for s in layout.slots}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()
@@ -86,7 +88,9 @@ class GradBuffer:
         """Parameters become views of one contiguous buffer laid out like the gradients
         (Megatron's param buffer): the user's Parameter objects stay, their storage moves."""
         dtypes = {p.dtype for p in self.params.values()}
-        assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        assert len(dtypes) == 1, (
+            f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        )
         first = next(iter(self.params.values()))
         data = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
         for s in self.layout.slots:
@@ -171,7 +175,9 @@ class GradBuffer:
             work.wait()
         self._works = []
         if self.tracer is not None:
-            self.tracer.add(f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns())
+            self.tracer.add(
+                f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns()
+            )
 
     def gather_params(self, *, overlap: bool) -> None:
         """All-gather every bucket's updated parameter shards (distributed optimizer).
@@ -181,7 +187,9 @@ class GradBuffer:
         for b in self.layout.buckets:
             label = f"{self.label}/{b.index}"
             self.events.log.append(("gather", label))
-            pending = _PendingGather(all_gather_(self.param_data[b.start : b.end], self.group), label, self.events)
+            pending = _PendingGather(
+                all_gather_(self.param_data[b.start : b.end], self.group), label, self.events
+            )
             if overlap:
                 self.pending[b.index] = pending
             else:
@@ -196,7 +204,8 @@ class GradBuffer:
     # override them: fxmeg/runtime/data_parallel/zero.py).
 
     def grad_piece(self, a: int, b: int) -> torch.Tensor:
-        """The reduced gradient of buffer elements [a, b), inside this rank's shard of one bucket."""
+        """The reduced gradient of buffer elements [a, b), inside this rank's shard of one bucket.
+        """
         return self.data[a:b]
 
     def param_piece(self, a: int, b: int) -> torch.Tensor:
@@ -311,7 +320,9 @@ class _EarlyLinear(torch.autograd.Function):
     largest parameter), and the gradient lives only until its reduction."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, buffer: GradBuffer, name: str) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, buffer: GradBuffer, name: str
+    ) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.weight, ctx.buffer, ctx.name = weight, buffer, name  # not saved: whole again on demand
         return torch.nn.functional.linear(x, weight)

@@ -74,7 +74,11 @@ def tensor_hash(t: torch.Tensor, pattern: torch.Tensor | None = None) -> torch.T
     moves, else the second moves by d * (c_i - c_(i+1)) != 0 (neighbouring weights
     differ). Any other difference goes unseen only if both sums happen to coincide."""
     flat = t.detach().contiguous().reshape(-1)
-    words = flat.view(torch.uint8).to(torch.int16) if flat.element_size() == 1 else flat.view(torch.int16)
+    words = (
+        flat.view(torch.uint8).to(torch.int16)
+        if flat.element_size() == 1
+        else flat.view(torch.int16)
+    )
     assert words.numel() < 1 << 33, words.numel()  # keeps both int64 sums exact
     c = hash_pattern(t.device) if pattern is None else pattern
     total = torch.zeros(2, dtype=torch.int64, device=t.device)
@@ -162,10 +166,15 @@ def agree(program: Program, groups: Groups, held: Mapping[str, Held], *, device:
     order = {n: i for i, n in enumerate(checked_names(program))}
     memo: dict[int, torch.Tensor] = {}
     pattern = hash_pattern(device)
-    codes = [-1] * len(KINDS)  # per kind: the first parameter (Program index) unlike the group's first rank
+    # per kind: the first parameter (Program index) unlike the group's first rank
+    codes = [-1] * len(KINDS)
     for kind, group, names in plan:
-        mine = torch.stack([_hash(_compared(kind, program.tp_specs.get(n), held[n]), memo, pattern, device)
-                            for n in names])  # (len(names), 2)
+        mine = torch.stack(
+            [
+                _hash(_compared(kind, program.tp_specs.get(n), held[n]), memo, pattern, device)
+                for n in names
+            ]
+        )  # (len(names), 2)
         first = mine.clone()
         dist.broadcast(first, dist.get_global_rank(group, 0), group=group)
         differs = (mine != first).any(-1).nonzero().flatten().tolist()
@@ -195,7 +204,9 @@ def _plan(program: Program, groups: Groups,
     if groups.dp_cp is not None and dense:  # context-parallel ranks hold replicas too
         plan.append(("dp", groups.dp_cp, dense))
     for holders, group in sorted(groups.tied.items(), key=lambda kv: sorted(kv[0])):
-        tied = [n for n in every if n in program.holders and frozenset(program.holders[n]) == holders]
+        tied = [
+            n for n in every if n in program.holders and frozenset(program.holders[n]) == holders
+        ]
         if group is not None and tied:
             plan.append(("tied", group, tied))
     experts = [n for n in every if n in program.ep_specs]  # other experts on each ep rank
@@ -257,7 +268,9 @@ _BETWEEN = {
 }
 
 
-def _error(program: Program, groups: Groups, rows: list[list[int]], step: int | None) -> ReplicaError:
+def _error(
+    program: Program, groups: Groups, rows: list[list[int]], step: int | None
+) -> ReplicaError:
     """The error every rank raises: the first differing parameter in the Program's order
     and, for each kind of group where it differs, each rank holding it differently and
     the rank it was compared with (its group's first): a rank named in several of them
@@ -271,8 +284,13 @@ def _error(program: Program, groups: Groups, rows: list[list[int]], step: int | 
         if mine:
             between = _BETWEEN[kind]
             if kind == "tp" and _split(program.tp_specs.get(name)):
-                between = "between tensor-parallel ranks (in the full tensor their shards are cut from)"
-            parts.append(f"{between}: " + "; ".join(f"rank {r} holds other values than rank {s}" for r, s in mine))
+                between = (
+                    "between tensor-parallel ranks (in the full tensor their shards are cut from)"
+                )
+            parts.append(
+                f"{between}: "
+                + "; ".join(f"rank {r} holds other values than rank {s}" for r, s in mine)
+            )
             pairs += mine
     what = f"{name!r} differs " + ", and ".join(parts)
     if step is None:

@@ -81,7 +81,9 @@ class ZeroBuffer(GradBuffer):
             self._gathering: dict[int, dist.Work | None] = {}
         # after the parameters moved: at zero=3 their whole memory is freed by now
         self.grad_shard = torch.zeros(layout.numel // self.n, dtype=torch.float32, device=device)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params.values()
+        ]
         self.reset()
 
     # ------------------------------------------------------------ gradients
@@ -145,8 +147,14 @@ class ZeroBuffer(GradBuffer):
             lo = bucket.start + r * size  # rank r's part of the bucket: [lo, lo + size)
             a, b = max(lo, slot.offset), min(lo + size, slot.offset + slot.numel)
             if a < b:
-                works.append(dist.reduce(flat[a - slot.offset : b - slot.offset], group_dst=r, group=self.group,
-                                         async_op=True))
+                works.append(
+                    dist.reduce(
+                        flat[a - slot.offset : b - slot.offset],
+                        group_dst=r,
+                        group=self.group,
+                        async_op=True,
+                    )
+                )
         self.events.log.append(("reduce_read", f"{self.label}/{i}:{name}"))
         self._read = (Works(works), name, flat)
 
@@ -182,11 +190,15 @@ class ZeroBuffer(GradBuffer):
                 self._settle(j)
         bucket = self.layout.buckets[i]
         self.events.log.append(("staged", f"{self.label}/{i}"))
-        data = torch.zeros(bucket.end - bucket.start, dtype=self.layout.dtype, device=self.grad_shard.device)
+        data = torch.zeros(
+            bucket.end - bucket.start, dtype=self.layout.dtype, device=self.grad_shard.device
+        )
         self._staging[i] = data
         for name in bucket.params:
             s = self.layout.slot(name)
-            self.params[name].main_grad = data[s.offset - bucket.start:][: s.numel].view(self.params[name].shape)
+            self.params[name].main_grad = data[s.offset - bucket.start :][: s.numel].view(
+                self.params[name].shape
+            )
 
     def _issue(self, i: int) -> None:
         if i not in self._staging:
@@ -230,7 +242,9 @@ class ZeroBuffer(GradBuffer):
         for i in list(self._in_flight):
             self._settle(i)
         if self.tracer is not None:
-            self.tracer.add(f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns())
+            self.tracer.add(
+                f"wait reductions {self.label}", "dp_wait", start, time.perf_counter_ns()
+            )
 
     def finish(self) -> None:
         """Reduce what is still staged (a gradient that came after the chunk's last backward)."""
@@ -252,7 +266,9 @@ class ZeroBuffer(GradBuffer):
         in this rank's part of one bucket."""
         i = next(bucket.index for bucket in self.layout.buckets if bucket.start <= a < bucket.end)
         lo, at, size = self._part[i]
-        assert lo <= a <= b <= lo + size, f"{self.label}: [{a}, {b}) is not this rank's part of bucket {i}"
+        assert lo <= a <= b <= lo + size, (
+            f"{self.label}: [{a}, {b}) is not this rank's part of bucket {i}"
+        )
         return i, at + a - lo, b - a
 
     def grad_piece(self, a: int, b: int) -> torch.Tensor:
@@ -269,7 +285,9 @@ class ZeroBuffer(GradBuffer):
         return self.grad_shard
 
     def local_grads(self) -> torch.Tensor:
-        out = torch.zeros(self.layout.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        out = torch.zeros(
+            self.layout.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device
+        )
         for lo, at, size in self._part.values():
             out[lo : lo + size] = self.grad_shard[at : at + size]
         return out
@@ -298,13 +316,17 @@ class ZeroBuffer(GradBuffer):
         once its shard is copied, so one bucket is whole at a time) and this rank's shard
         of all of them. Values come from the parameters, or from ``fill`` for its names."""
         dtypes = {p.dtype for p in self.params.values()}
-        assert len(dtypes) == 1, f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        assert len(dtypes) == 1, (
+            f"{self.label}: parameters of several dtypes {dtypes} in one buffer"
+        )
         dtype = dtypes.pop()
         # empty: its pages become resident as the buckets are copied in, while the
         # parameters' own memory is freed bucket by bucket (every element is written)
         whole, shard = {}, torch.empty(self.layout.numel // self.n, dtype=dtype, device=device)
         for bucket in self.layout.buckets:
-            flat = whole[bucket.index] = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+            flat = whole[bucket.index] = torch.zeros(
+                bucket.end - bucket.start, dtype=dtype, device=device
+            )
             lo, at, size = self._part[bucket.index]
             made = fill.make(self._covered(bucket, fill.names)) if fill is not None else {}
             for name in bucket.params:
@@ -382,7 +404,9 @@ class ZeroBuffer(GradBuffer):
         wrote the whole parameters: a checkpoint load)."""
         for i in self._live:
             lo, at, size = self._part[i]
-            self.param_shard[at : at + size] = self._whole[i][lo - self.layout.buckets[i].start :][:size]
+            self.param_shard[at : at + size] = self._whole[i][lo - self.layout.buckets[i].start :][
+                :size
+            ]
 
 
 class ZeroParams:
@@ -396,14 +420,20 @@ class ZeroParams:
         self.buffers = {c: bufs[0] for c, bufs in buffers.items() if bufs}
         self.post = post
         """backward_prefetch='post': backward gathers the next bucket once it freed one."""
-        assert all(len(b) <= 1 for b in buffers.values()), "zero=3 with expert banks is refused by the config"
-        self._storage = {key: (buf, i) for buf in self.buffers.values() for key, i in buf.storages().items()}
+        assert all(len(b) <= 1 for b in buffers.values()), (
+            "zero=3 with expert banks is refused by the config"
+        )
+        self._storage = {
+            key: (buf, i) for buf in self.buffers.values() for key, i in buf.storages().items()
+        }
         self.pending: dict[tuple[ZeroBuffer, int], int] = {}
         """(buffer, bucket) -> tensors autograd saved in its memory and still holds."""
         self.backward = False
         """Inside a chunk's backward (``running(backward=True)``)."""
 
-    def gather(self, param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None) -> None:
+    def gather(
+        self, param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None
+    ) -> None:
         """A bound ``ops.zero_gather``."""
         self.buffers[bucket[0]].ensure(bucket[1])
         if prefetch is not None:
@@ -431,7 +461,8 @@ class ZeroParams:
                 if (other is not buf or j not in (i, i + 1)) and not self.pending.get((other, j)):
                     self.freed(other, j)
         buf.ensure(i)
-        if not self.post and self.pending.get((buf, i + 1)):  # backward reaches buckets in index order
+        # backward reaches buckets in index order
+        if not self.post and self.pending.get((buf, i + 1)):
             buf.prefetch(i + 1)
         return saved.tensor
 
@@ -488,7 +519,9 @@ class _Saved:
 
     __slots__ = ("tensor", "buffer", "bucket", "owner")
 
-    def __init__(self, tensor: torch.Tensor, buffer: ZeroBuffer, bucket: int, owner: ZeroParams) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, buffer: ZeroBuffer, bucket: int, owner: ZeroParams
+    ) -> None:
         self.tensor, self.buffer, self.bucket, self.owner = tensor, buffer, bucket, owner
 
     def __del__(self) -> None:  # autograd let go of it: the node that read it has run

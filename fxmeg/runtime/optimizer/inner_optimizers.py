@@ -30,8 +30,10 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
             names, params = no_decay if p.dim() <= 1 else decay
             names.append(name)
             params.append(p)
-    groups = [{"params": decay[1], "param_names": decay[0], "wd_mult": 1.0},
-              {"params": no_decay[1], "param_names": no_decay[0], "weight_decay": 0.0, "wd_mult": 0.0}]
+    groups = [
+        {"params": decay[1], "param_names": decay[0], "wd_mult": 1.0},
+        {"params": no_decay[1], "param_names": no_decay[0], "weight_decay": 0.0, "wd_mult": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -54,7 +56,9 @@ ADAMW_ONLY = ("*embed*", "*wte*", "*wpe*", "*lm_head*")
 embeddings and the output head (Muon is meant for hidden layers' matrices)."""
 
 
-def muon_groups(groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY) -> tuple[list[dict], list[dict]]:
+def muon_groups(
+    groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY
+) -> tuple[list[dict], list[dict]]:
     """fxmeg's parameter groups split for Muon + AdamW: (Muon's groups: 2-D parameters
     whose name matches none of ``adamw_only``; AdamW's groups: the rest), each keeping its
     group's options. Every group is kept on both sides, possibly empty, so every rank
@@ -63,7 +67,9 @@ def muon_groups(groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY) -
     for g in groups:
         names = g.get("param_names")
         if names is None:
-            raise ConfigError("muon_groups needs each group's 'param_names' (fxmeg's param_groups give them)")
+            raise ConfigError(
+                "muon_groups needs each group's 'param_names' (fxmeg's param_groups give them)"
+            )
         pick = [p.dim() == 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in adamw_only)
                 for n, p in zip(names, g["params"])]
         for side, want in ((muon, True), (rest, False)):
@@ -74,9 +80,17 @@ def muon_groups(groups: list[dict], *, adamw_only: Sequence[str] = ADAMW_ONLY) -
 
 
 def muon_adamw(
-    lr: float = 1e-3, weight_decay: float = 0.1, *, momentum: float = 0.95, nesterov: bool = True,
-    ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw", betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8, adamw_lr: float | None = None, adamw_only: Sequence[str] = ADAMW_ONLY,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adjust_lr_fn: str | None = "match_rms_adamw",
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    adamw_lr: float | None = None,
+    adamw_only: Sequence[str] = ADAMW_ONLY,
 ) -> OptimizerFactory:
     """A factory for ``parallelize(optimizer=...)``: torch.optim.Muon on the hidden layers'
     matrices, AdamW (``adamw``) on everything else (``muon_groups``). With Moonshot's
@@ -90,17 +104,45 @@ def muon_adamw(
         if adamw_lr is not None:
             rest = [{**g, "lr_mult": g.get("lr_mult", 1.0) * adamw_lr / lr} for g in rest]
         return [
-            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
-            adamw(rest, lr=lr if adamw_lr is None else adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            torch.optim.Muon(
+                matrices,
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn,
+            ),
+            adamw(
+                rest,
+                lr=lr if adamw_lr is None else adamw_lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+            ),
         ]
 
     return factory
 
 
-_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD",
-    "SparseAdam") if hasattr(torch.optim, n))
+_ELEMENTWISE = tuple(
+    getattr(torch.optim, n)
+    for n in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+        "SparseAdam",
+    )
+    if hasattr(torch.optim, n)
+)
 _WHOLE = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
 
 
@@ -147,7 +189,9 @@ class OptimizerPlan:
                                overlap_param_gather=overlap_param_gather, zero=zero)
 
 
-def plan_optimizers(factory: OptimizerFactory, template: list[dict], device: torch.device) -> OptimizerPlan:
+def plan_optimizers(
+    factory: OptimizerFactory, template: list[dict], device: torch.device
+) -> OptimizerPlan:
     """Call ``factory`` on ``template`` (fxmeg's groups of the whole model) with every
     parameter replaced by a stand-in of its full shape that holds no memory; learn which
     optimizer takes which parameter. Refuses a factory that leaves a parameter out or
@@ -167,7 +211,9 @@ def as_list(made) -> list:
         return [made]
     if isinstance(made, (list, tuple)) and made and all(hasattr(o, "param_groups") for o in made):
         return list(made)
-    raise ConfigError(f"the optimizer factory must return an optimizer or a non-empty list of them; got {made!r}")
+    raise ConfigError(
+        f"the optimizer factory must return an optimizer or a non-empty list of them; got {made!r}"
+    )
 
 
 def routes(optimizers: list, name_of: dict[int, str]) -> dict[str, int]:
@@ -178,16 +224,22 @@ def routes(optimizers: list, name_of: dict[int, str]) -> dict[str, int]:
             for p in g["params"]:
                 name = name_of.get(id(p))
                 if name is None:
-                    raise ConfigError(f"optimizer {i} ({type(opt).__name__}) holds a tensor that is not one of "
-                                      "the parameter groups' tensors; build the optimizers from the groups given")
+                    raise ConfigError(
+                        f"optimizer {i} ({type(opt).__name__}) holds a tensor that is not one of "
+                        "the parameter groups' tensors; build the optimizers from the groups given"
+                    )
                 if name in route:
-                    raise ConfigError(f"parameter {name!r} is in optimizer {route[name]} and optimizer {i}; "
-                                      "several optimizers must hold disjoint parameters")
+                    raise ConfigError(
+                        f"parameter {name!r} is in optimizer {route[name]} and optimizer {i}; "
+                        "several optimizers must hold disjoint parameters"
+                    )
                 route[name] = i
     missing = sorted(set(name_of.values()) - set(route))
     if missing:
-        raise ConfigError(f"{len(missing)} parameter(s) are in no optimizer the factory returned, e.g. "
-                          f"{missing[:3]}; every parameter must be updated by exactly one")
+        raise ConfigError(
+            f"{len(missing)} parameter(s) are in no optimizer the factory returned, e.g. "
+            f"{missing[:3]}; every parameter must be updated by exactly one"
+        )
     return route
 
 

@@ -83,7 +83,9 @@ def _pack(params: list[nn.Parameter], flat: torch.Tensor, *, to_flat: bool) -> N
         offset += p.numel()
 
 
-def gather_tp(local: torch.Tensor, spec: ParamLayout | None, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_tp(
+    local: torch.Tensor, spec: ParamLayout | None, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """The full tensor of a tensor-parallel shard (a new tensor; a copy of ``local`` when
     it is not split). Collective over ``group``."""
     if not is_split(spec) or group is None:

@@ -62,10 +62,25 @@ from fxmeg.sharding_modes import OptimizerSharding
 from fxmeg.torch_private import foreach_mul_, foreach_norm
 from fxmeg.weights.sharding import tp_shard
 
-__all__ = [  # the inner optimizers' names (fxmeg.runtime.optimizer.inner_optimizers) are public here too
-    "ADAMW_ONLY", "FullSource", "MasterSource", "MasterSources", "Optimizer", "OptimizerFactory", "OptimizerPlan",
-    "Optimizers", "StepOptions", "StepOutcome", "adamw", "default_optimizer", "is_elementwise", "muon_adamw",
-    "muon_groups", "param_groups", "plan_optimizers",
+# the inner optimizers' names (fxmeg.runtime.optimizer.inner_optimizers) are public here too
+__all__ = [
+    "ADAMW_ONLY",
+    "FullSource",
+    "MasterSource",
+    "MasterSources",
+    "Optimizer",
+    "OptimizerFactory",
+    "OptimizerPlan",
+    "Optimizers",
+    "StepOptions",
+    "StepOutcome",
+    "adamw",
+    "default_optimizer",
+    "is_elementwise",
+    "muon_adamw",
+    "muon_groups",
+    "param_groups",
+    "plan_optimizers",
 ]
 
 MasterSource = Callable[[str, int, int], torch.Tensor]
@@ -102,7 +117,9 @@ class _Piece:
     def write_back(self, tp: int, tp_rank: int) -> None:
         """Copy the master (its tp shard, for a full matrix) into the parameter."""
         if self.target is not None:
-            self.target.copy_(self.master if self.spec is None else tp_shard(self.master, self.spec, tp, tp_rank))
+            self.target.copy_(
+                self.master if self.spec is None else tp_shard(self.master, self.spec, tp, tp_rank)
+            )
 
 
 @dataclass(frozen=True)
@@ -182,16 +199,23 @@ class Optimizer:
             sizes = {n: p.numel() * (self.tp if n in split else 1) for n, p in named.items()}
             self.owner = assign(sizes, groups.dp_cp_size)
             self.gather = ParamGather(named, self.owner, groups.dp_cp)
-        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}  # the first pipeline holder
+        # the first pipeline holder
+        first = {n: min(h) == groups.pp_rank for n, h in holders.items()}
         if sharding is OptimizerSharding.ELEMENTWISE:
             self.pieces = _sharded_pieces(ddp, self._counted(first, split), sources.fp32)
         else:
             self.pieces = self._whole_pieces(named, first, split, plan, tp_specs, sources)
         self.optimizers = _inner_optimizers(factory, template, plan, self.pieces)
-        self.inner = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
+        self.inner = (
+            self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
+        )
         self._full = [p for p in self.pieces if p.spec is not None]
-        self._in_norm = torch.tensor([p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device())
-        self._expert = torch.tensor([p.name in experts for p in self.pieces], dtype=torch.bool, device=self._device())
+        self._in_norm = torch.tensor(
+            [p.in_norm for p in self.pieces], dtype=torch.bool, device=self._device()
+        )
+        self._expert = torch.tensor(
+            [p.name in experts for p in self.pieces], dtype=torch.bool, device=self._device()
+        )
         """Pieces of expert banks: without the distributed optimizer each ep rank holds other
         experts, so their squares are summed over the ep group too."""
 
@@ -201,8 +225,15 @@ class Optimizer:
         parameters (and full matrices) on tp rank 0."""
         return {n: is_first and (n in split or self.tp_rank == 0) for n, is_first in first.items()}
 
-    def _whole_pieces(self, named: dict[str, nn.Parameter], first: dict[str, bool], split: set[str],
-                      plan: OptimizerPlan, tp_specs: Mapping[str, ParamLayout], sources: MasterSources) -> list[_Piece]:
+    def _whole_pieces(
+        self,
+        named: dict[str, nn.Parameter],
+        first: dict[str, bool],
+        split: set[str],
+        plan: OptimizerPlan,
+        tp_specs: Mapping[str, ParamLayout],
+        sources: MasterSources,
+    ) -> list[_Piece]:
         """One piece per whole parameter this rank updates (every one, or layer-wise the
         ones it owns); a tp-split one as its full matrix when its optimizer needs it."""
         counted, pieces = self._counted(first, split), []
@@ -211,7 +242,9 @@ class Optimizer:
                 continue
             if n in split and self.groups.tp is not None and plan.whole(n):
                 in_norm = first[n] and self.tp_rank == 0
-                pieces.append(_matrix_piece(n, p, in_norm, tp_specs[n], self.groups.tp, sources.full))
+                pieces.append(
+                    _matrix_piece(n, p, in_norm, tp_specs[n], self.groups.tp, sources.full)
+                )
             else:
                 pieces.append(_full_piece(n, p, counted[n], sources.fp32))
         return pieces
@@ -293,7 +326,9 @@ class Optimizer:
             squares = torch.stack(foreach_norm(tensors)).double() ** 2
             mine = ~self._expert
             sums = torch.stack([squares[self._in_norm & mine].sum(), squares[mine].sum()])
-            experts = torch.stack([squares[self._in_norm & self._expert].sum(), squares[self._expert].sum()])
+            experts = torch.stack(
+                [squares[self._in_norm & self._expert].sum(), squares[self._expert].sum()]
+            )
         if not self.distributed:  # distributed: expert shards are disjoint over dp x cp too
             all_reduce(experts, self.groups.ep)
         sums += experts
@@ -339,9 +374,9 @@ def _inner_optimizers(factory: OptimizerFactory, template: list[dict], plan: Opt
     moved = sorted(n for n, i in route.items() if plan.route[n] != i)
     if moved:
         raise ConfigError(
-            f"the optimizer factory routed {moved[0]!r} to optimizer {route[moved[0]]} on this rank's "
-            f"masters but to optimizer {plan.route[moved[0]]} on full-shape stand-ins; route by "
-            "group['param_names'] (masters may be flat slices or tp shards)"
+            f"the optimizer factory routed {moved[0]!r} to optimizer {route[moved[0]]} on this "
+            f"rank's masters but to optimizer {plan.route[moved[0]]} on full-shape stand-ins; "
+            "route by group['param_names'] (masters may be flat slices or tp shards)"
         )
     return optimizers
 
@@ -361,7 +396,9 @@ def _matrix_piece(name, param, in_norm, spec, group, full_source) -> _Piece:
         master = full_source(name)
     else:
         master = gather_tp(param.detach(), spec, group).float()
-    return _Piece(name, param, master, torch.zeros_like(master), param.data, in_norm, 0, master.numel(), spec)
+    return _Piece(
+        name, param, master, torch.zeros_like(master), param.data, in_norm, 0, master.numel(), spec
+    )
 
 
 def _sharded_pieces(ddp: DataParallel, first_holder, fp32_source) -> list[_Piece]:
@@ -385,7 +422,9 @@ def _shard_piece(buf: GradBuffer, name, a: int, b: int, in_norm, fp32_source) ->
     lo, hi = a - offset, b - offset
     if storage.dtype == torch.float32:
         return _Piece(name, param, storage, grad, None, in_norm, lo, hi)
-    return _Piece(name, param, _master(fp32_source, name, storage, lo, hi), grad, storage, in_norm, lo, hi)
+    return _Piece(
+        name, param, _master(fp32_source, name, storage, lo, hi), grad, storage, in_norm, lo, hi
+    )
 
 
 def _master(fp32_source, name: str, half: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

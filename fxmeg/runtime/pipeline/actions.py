@@ -86,5 +86,6 @@ def table(lowered: dict[int, list[Step]]) -> str:
     rows = {r: [fmt(s) for s in steps] for r, steps in sorted(lowered.items())}
     width = max((len(c) for cells in rows.values() for c in cells), default=1)
     return "\n".join(
-        f"rank {r}: " + " ".join(c.ljust(width) for c in cells).rstrip() for r, cells in rows.items()
+        f"rank {r}: " + " ".join(c.ljust(width) for c in cells).rstrip()
+        for r, cells in rows.items()
     )

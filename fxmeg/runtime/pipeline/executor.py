@@ -84,8 +84,12 @@ class Executor:
         tracer: Tracer | None = None,
     ) -> None:
         self.chunks = chunks
-        self._run = {c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()}
-        self.split = {c: _SplitChunk(gm, compile) for c, gm in chunks.items() if split_spec(gm) is not None}
+        self._run = {
+            c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()
+        }
+        self.split = {
+            c: _SplitChunk(gm, compile) for c, gm in chunks.items() if split_spec(gm) is not None
+        }
         """Chunks whose backward runs as input- and weight-gradient graphs (zero bubble)."""
         self.hooks = hooks
         self.running = hooks.running or contextlib.nullcontext
@@ -141,10 +145,14 @@ class Executor:
             except Exception as exc:
                 raise ScheduleError(self._failure(len(self.steps) - 1, exc)) from exc
         state, self._state = self._state, None
-        assert not state.saved and not state.inbox and not state.carry, "schedule left work unfinished"
+        assert not state.saved and not state.inbox and not state.carry, (
+            "schedule left work unfinished"
+        )
         return self._stats(state.losses)
 
-    def _plan(self, steps: list[Step]) -> list[tuple[Step, Callable[[], None], bool, Action | None]]:
+    def _plan(
+        self, steps: list[Step]
+    ) -> list[tuple[Step, Callable[[], None], bool, Action | None]]:
         """Each step, its handler bound to it, whether it computes and the receive it
         reads: worked out once per lowered schedule (the same list object every training
         step), not at every step."""
@@ -153,13 +161,18 @@ class Executor:
             for step in steps:
                 a = step[0]
                 handler = self._handlers.get(a.kind)
-                act = functools.partial(self._post, step) if handler is None else functools.partial(handler, a)
+                act = (
+                    functools.partial(self._post, step)
+                    if handler is None
+                    else functools.partial(handler, a)
+                )
                 plan.append((step, act, a.kind in COMPUTE, input_of(a)))
             self._planned = (steps, plan)
         return self._planned[1]
 
     def _stats(self, losses: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """float64 ``[sum of loss_sum, sum of num_tokens]``: a few ops per step, not per micro-batch."""
+        """float64 ``[sum of loss_sum, sum of num_tokens]``: a few ops per step, not per
+        micro-batch."""
         if not losses:
             return torch.zeros(2, dtype=torch.float64, device=self.device)
         return torch.stack([torch.stack(column).double().sum() for column in zip(*losses)])
@@ -270,7 +283,8 @@ class Executor:
     def _deallocate(self, a: Action) -> None:
         """Free sent activations' storage, keep their autograd nodes (Megatron:
         deallocate_output_tensor); backward then runs through them anyway."""
-        self.wire.wait(Action(a.chunk, Kind.SEND_F, a.mb), self._state, self.tracer)  # the send must have read it
+        # the send must have read it
+        self.wire.wait(Action(a.chunk, Kind.SEND_F, a.mb), self._state, self.tracer)
         if not self._train:
             return
         saved, sends, _ = self._state.saved[(a.chunk, a.mb)]
@@ -284,7 +298,11 @@ class Executor:
                 if view_base(t) is None and t.untyped_storage().data_ptr() not in kept:
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.counters.deallocated += 1
-            elif view_base(t) is None and t.grad_fn is not None and not _saves_its_result(t, self._saves_result):
+            elif (
+                view_base(t) is None
+                and t.grad_fn is not None
+                and not _saves_its_result(t, self._saves_result)
+            ):
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                 self.counters.deallocated += 1
 
@@ -327,7 +345,11 @@ class _SplitChunk:
         self._state = [tensors[n] for n in self.spec.state]
         self.weights = [tensors[n] for n in self.spec.weights]
         wrap = (lambda g: torch.compile(g, dynamic=False)) if compile else (lambda g: g)
-        self.forward, self.input, self.weight = wrap(gm.zb_forward), wrap(gm.zb_input), wrap(gm.zb_weight)
+        self.forward, self.input, self.weight = (
+            wrap(gm.zb_forward),
+            wrap(gm.zb_input),
+            wrap(gm.zb_weight),
+        )
 
     def state(self) -> list[torch.Tensor]:
         """Parameters then buffers, as their current values (a distributed optimizer moves

@@ -1,6 +1,7 @@
 """Lowering: a schedule's compute units become each rank's steps, with the point-to-point
 posts between them, DEALLOCs of sent activations and GRAD_SYNCs (``lower``; the
-vocabulary is ``fxmeg.runtime.pipeline.actions``, the overview ``fxmeg.runtime.pipeline.schedules``)."""
+vocabulary is ``fxmeg.runtime.pipeline.actions``, the overview
+``fxmeg.runtime.pipeline.schedules``)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,29 @@ def lower(
     grads = cuts if grad_cuts is None else cuts & grad_cuts
     ahead = EAGER_AHEAD if p2p == EAGER else 0
     if where == default:  # every channel carries messages in the receiver's order
-        return {rank: _rank_steps(units, _ahead(_needs(units, cuts, grads), ahead), cuts, grads, p2p=p2p,
-                                  planned=False) for rank, units in schedule.items()}
+        return {
+            rank: _rank_steps(
+                units,
+                _ahead(_needs(units, cuts, grads), ahead),
+                cuts,
+                grads,
+                p2p=p2p,
+                planned=False,
+            )
+            for rank, units in schedule.items()
+        }
     channels = _channels(schedule, where, cuts, grads)
-    lowered = {rank: _rank_steps(units, _lookahead(_needs(units, cuts, grads), channels, rank, ahead), cuts, grads,
-                                 p2p=p2p, planned=True) for rank, units in schedule.items()}
+    lowered = {
+        rank: _rank_steps(
+            units,
+            _lookahead(_needs(units, cuts, grads), channels, rank, ahead),
+            cuts,
+            grads,
+            p2p=p2p,
+            planned=True,
+        )
+        for rank, units in schedule.items()
+    }
     return _free_when_received(lowered, where)
 
 
@@ -83,9 +102,10 @@ def p2p_mode(requested: str, backend: str | None) -> str:
         return PAIRED if backend == "nccl" else EAGER
     if requested == EAGER and backend == "nccl":
         raise ConfigError(
-            "p2p='eager' posts each receive up to EAGER_AHEAD units before the unit that reads it, ahead of "
-            "sends the peer is waiting for; NCCL runs a rank pair's messages in order on one stream, so the "
-            "first step would hang. Use p2p='paired' or 'auto' (paired under NCCL, eager on gloo)"
+            "p2p='eager' posts each receive up to EAGER_AHEAD units before the unit that reads it, "
+            "ahead of sends the peer is waiting for; NCCL runs a rank pair's messages in order on "
+            "one stream, so the first step would hang. Use p2p='paired' or 'auto' (paired under "
+            "NCCL, eager on gloo)"
         )
     return requested
 
@@ -106,7 +126,9 @@ def _ahead(needs: list[list[Action]], ahead: int) -> list[list[Action]]:
     """The receives to post before each unit when each is posted ``ahead`` units before
     the unit that reads it (the first ones before the first unit), in the units' order."""
     first = [r for unit in needs[: ahead + 1] for r in unit]
-    return [first] + [needs[k + ahead] if k + ahead < len(needs) else [] for k in range(1, len(needs))]
+    return [first] + [
+        needs[k + ahead] if k + ahead < len(needs) else [] for k in range(1, len(needs))
+    ]
 
 
 def _rank_steps(
@@ -121,8 +143,14 @@ def _rank_steps(
     return _eager(units, recvs, cuts, grads, free_sent=not planned)
 
 
-def _paired(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
-            free_sent: bool) -> list[Step]:
+def _paired(
+    units: list[Unit],
+    recvs: list[list[Action]],
+    cuts: frozenset[int],
+    grads: frozenset[int],
+    *,
+    free_sent: bool,
+) -> list[Step]:
     """Megatron's pairing: before unit k, one group of the previous unit's sends and the
     receives of unit k (send_forward_recv_backward, ...)."""
     steps: list[Step] = []
@@ -142,8 +170,14 @@ def _paired(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], 
     return steps
 
 
-def _eager(units: list[Unit], recvs: list[list[Action]], cuts: frozenset[int], grads: frozenset[int], *,
-           free_sent: bool) -> list[Step]:
+def _eager(
+    units: list[Unit],
+    recvs: list[list[Action]],
+    cuts: frozenset[int],
+    grads: frozenset[int],
+    *,
+    free_sent: bool,
+) -> list[Step]:
     """Each send posted right after its compute; ``recvs[k]`` before unit k."""
     steps: list[Step] = []
     sent: list[Action] = []  # forward activations sent, to free at the next unit
@@ -183,7 +217,9 @@ def _free(steps: list[Step], sent: list[Action]) -> None:
     steps.extend((Action(a.chunk, Kind.DEALLOC, a.mb),) for a in sent)
 
 
-def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) -> dict[int, list[Step]]:
+def _free_when_received(
+    lowered: dict[int, list[Step]], where: tuple[int, ...]
+) -> dict[int, list[Step]]:
     """The lowered steps of a V placement with its DEALLOCs, each where the receive of
     what it frees is surely posted, so that waiting for the send never waits on a rank
     that waits on this one: after this rank read a message that the receiver sent once
@@ -191,9 +227,14 @@ def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) 
     same micro-batch, which frees the activation anyway."""
     frees: dict[int, dict[int, list[Step]]] = {r: {} for r in lowered}  # rank -> before step i
     for rank, steps in lowered.items():
-        for i, send in ((i, a) for i, step in enumerate(steps) for a in step if a.kind is Kind.SEND_F):
+        for i, send in (
+            (i, a) for i, step in enumerate(steps) for a in step if a.kind is Kind.SEND_F
+        ):
             q = _reply_read(lowered, where, _receive_of(send), rank)  # this rank reads the reply
-            j = next((k for k in range(max(i, q) + 1, len(steps)) if steps[k][0].kind in COMPUTE), len(steps))
+            j = next(
+                (k for k in range(max(i, q) + 1, len(steps)) if steps[k][0].kind in COMPUTE),
+                len(steps),
+            )
             backward = [Action(send.chunk, k, send.mb) for k in BACKWARD]
             if any(step[0] in backward for step in steps[:j]):
                 continue
@@ -202,7 +243,9 @@ def _free_when_received(lowered: dict[int, list[Step]], where: tuple[int, ...]) 
             + frees[r].get(len(steps), []) for r, steps in lowered.items()}
 
 
-def _reply_read(lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Action, rank: int) -> int:
+def _reply_read(
+    lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Action, rank: int
+) -> int:
     """The index of ``rank``'s compute that reads the first message to ``rank`` that the
     owner of ``recv`` posts from ``recv``'s post on (len of the steps when none)."""
     peer, mine = where[recv.chunk], lowered[rank]
@@ -212,7 +255,9 @@ def _reply_read(lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Ac
     if reply is None:
         return len(mine)
     wanted = _receive_of(reply)
-    return next(i for i, step in enumerate(mine) if step[0].kind in COMPUTE and input_of(step[0]) == wanted)
+    return next(
+        i for i, step in enumerate(mine) if step[0].kind in COMPUTE and input_of(step[0]) == wanted
+    )
 
 
 def _receive_of(send: Action) -> Action:

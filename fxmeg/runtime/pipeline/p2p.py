@@ -111,10 +111,10 @@ class PointToPoint:
                 stage = self.placement[peer_chunk(a)]
                 what = "sending to" if is_send(a) else "receiving from"
                 raise CommTimeoutError(
-                    f"pipeline stage {self.stage} waited {self.timeout.total_seconds():g} s "
-                    f"{what} rank {self.peer(stage)} (pipeline stage {stage}) for {a}; that rank stopped "
-                    f"answering (crashed, hung, or far slower). Raise comm_timeout_s if it is "
-                    f"just slow. ({exc})"
+                    f"pipeline stage {self.stage} waited {self.timeout.total_seconds():g} s {what} "
+                    f"rank {self.peer(stage)} (pipeline stage {stage}) for {a}; that rank stopped "
+                    "answering (crashed, hung, or far slower). Raise comm_timeout_s if it is just "
+                    f"slow. ({exc})"
                 ) from exc
         if tracer.on:
             tracer.add(f"wait {a}", "p2p", start, time.perf_counter_ns())

@@ -18,9 +18,10 @@ Three files: the vocabulary (``fxmeg.runtime.pipeline.actions``), the builders (
 lowering (``fxmeg.runtime.pipeline.lowering``); this module re-exports the other two, so the rest
 of the runtime and the tests read schedules from one place.
 
-Chunk c lives on pipeline rank ``placement[c]`` (the one rule: ``fxmeg.schedule_registry.placement``):
-round robin (Megatron's interleaving), or a V for ZB-V and DualPipeV, where chunks pp - 1 and pp
-share rank pp - 1: that boundary is a hand-off inside the rank, not a message.
+Chunk c lives on pipeline rank ``placement[c]`` (the one rule:
+``fxmeg.schedule_registry.placement``): round robin (Megatron's interleaving), or a V for ZB-V and
+DualPipeV, where chunks pp - 1 and pp share rank pp - 1: that boundary is a hand-off inside the
+rank, not a message.
 
 Which schedules exist, their rules on vpp, pp and m, and which builder here makes each:
 ``fxmeg.schedule_registry.SPECS`` (a new schedule is a row there plus its builder here).
@@ -53,9 +54,28 @@ from fxmeg.runtime.pipeline.actions import (
 from fxmeg.runtime.pipeline.lowering import EAGER, PAIRED, lower, p2p_mode, round_robin
 
 __all__ = [  # the vocabulary and the lowering, read from here by the rest of the runtime
-    "BACKWARD", "COMPUTE", "EAGER", "PAIRED", "WEIGHT", "Action", "Kind", "Lowering", "Schedule", "Step",
-    "Unit", "build", "compute_actions", "fmt", "forward_only", "input_of", "is_send", "lower", "p2p_mode",
-    "peer_chunk", "round_robin", "table",
+    "BACKWARD",
+    "COMPUTE",
+    "EAGER",
+    "PAIRED",
+    "WEIGHT",
+    "Action",
+    "Kind",
+    "Lowering",
+    "Schedule",
+    "Step",
+    "Unit",
+    "build",
+    "compute_actions",
+    "fmt",
+    "forward_only",
+    "input_of",
+    "is_send",
+    "lower",
+    "p2p_mode",
+    "peer_chunk",
+    "round_robin",
+    "table",
 ]
 
 
@@ -66,8 +86,9 @@ def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
     """Compute units per pipeline rank for schedule ``name`` ('auto' resolved), by the
     builder its ``fxmeg.schedule_registry`` row names, after that row's checks."""
     name = schedule_registry.resolve(name, pp=pp, vpp=vpp)
-    refusal = schedule_registry.layout_refusal(name, pp=pp, vpp=vpp) or schedule_registry.batch_refusal(
-        name, pp=pp, m=m)
+    refusal = schedule_registry.layout_refusal(
+        name, pp=pp, vpp=vpp
+    ) or schedule_registry.batch_refusal(name, pp=pp, m=m)
     if refusal:
         raise ScheduleError(refusal)
     return _BUILDERS[schedule_registry.SPECS[name].builder](pp, vpp, m)
@@ -76,7 +97,8 @@ def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
 def forward_only(schedule: Schedule) -> Schedule:
     """The same schedule without backward (evaluation)."""
     return {
-        r: [(a,) for unit in units for a in unit if a.kind is Kind.F] for r, units in schedule.items()
+        r: [(a,) for unit in units for a in unit if a.kind is Kind.F]
+        for r, units in schedule.items()
     }
 
 
@@ -95,10 +117,14 @@ def _none(pp: int, vpp: int, m: int) -> Schedule:
 
 def _gpipe(pp: int, vpp: int, m: int) -> Schedule:
     """GPipe: every forward, then every backward."""
-    return {r: _singles(Action(r, k, i) for k in (Kind.F, Kind.B) for i in range(m)) for r in range(pp)}
+    return {
+        r: _singles(Action(r, k, i) for k in (Kind.F, Kind.B) for i in range(m)) for r in range(pp)
+    }
 
 
-def _each_rank(rank_units: Callable[[int, int, int], list[Unit]]) -> Callable[[int, int, int], Schedule]:
+def _each_rank(
+    rank_units: Callable[[int, int, int], list[Unit]],
+) -> Callable[[int, int, int], Schedule]:
     """The builder ``(pp, vpp, m) -> Schedule`` of a per-rank one ``(rank, pp, m) -> units``."""
 
     @functools.wraps(rank_units)
@@ -209,7 +235,11 @@ def _zbv(rank: int, pp: int, m: int) -> list[Unit]:
     a, b, n = rank, 2 * pp - 1 - rank, max(2 * pp - 1, m)
     F, I, W = Kind.F, Kind.I, Kind.W
     o = _Order()
-    o.each(*[(a, F)] * (2 * (pp - rank) - 1), *[(b, F), (a, F)] * rank, *[(b, F), (b, I), (b, W)] * (pp - rank))
+    o.each(
+        *[(a, F)] * (2 * (pp - rank) - 1),
+        *[(b, F), (a, F)] * rank,
+        *[(b, F), (b, I), (b, W)] * (pp - rank),
+    )
     while o.count[b, F] < o.count[a, F] or o.count[a, F] < n:  # steady
         if o.count[a, F] < n:
             o.each((a, F))
@@ -257,6 +287,8 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Unit]:
     return o.units
 
 
-_BUILDERS = {f.__name__: f for f in (_none, _gpipe, _one_f_one_b, _interleaved, _zbh1, _zbv, _dualpipev)}
+_BUILDERS = {
+    f.__name__: f for f in (_none, _gpipe, _one_f_one_b, _interleaved, _zbh1, _zbv, _dualpipev)
+}
 """Each builder by the name its ``fxmeg.schedule_registry.Spec`` gives it: a new builder
 joins this list (tests/config/test_schedule_registry.py checks every row names one here)."""

@@ -90,8 +90,15 @@ class _Run:
     """The state of one simulation: each rank's position in its steps and clock, the
     messages posted on each (side, src, dst) link in order, what each rank has run."""
 
-    def __init__(self, lowered: dict[int, list[Step]], pp: int, placement: tuple[int, ...] | None,
-                 cost: dict[Kind, float], costs: dict[tuple[int, Kind], float], latency: float) -> None:
+    def __init__(
+        self,
+        lowered: dict[int, list[Step]],
+        pp: int,
+        placement: tuple[int, ...] | None,
+        cost: dict[Kind, float],
+        costs: dict[tuple[int, Kind], float],
+        latency: float,
+    ) -> None:
         last = max((a.chunk for steps in lowered.values() for s in steps for a in s), default=0)
         self.lowered, self.cost, self.costs, self.latency = lowered, cost, costs, latency
         self.num_chunks = len(placement) if placement else last + 1
@@ -99,8 +106,10 @@ class _Run:
         self.pos = {r: 0 for r in lowered}
         self.clock = {r: 0.0 for r in lowered}
         self.busy = {r: 0.0 for r in lowered}
-        self.queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}  # (side, src, dst) FIFO
-        self.posted: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}  # posted op -> slot
+        # (side, src, dst) FIFO
+        self.queues: dict[tuple[str, int, int], list[tuple[Action, float]]] = {}
+        # posted op -> slot
+        self.posted: dict[tuple[int, Action], tuple[tuple[str, int, int], int]] = {}
         self.done: dict[int, set[Action]] = {r: set() for r in lowered}
         self.live = {r: [0, 0] for r in lowered}  # micro-batches before their I, before their W
         self.peak = {r: [0, 0] for r in lowered}
@@ -168,9 +177,14 @@ def _check_messages(queues: dict[tuple[str, int, int], list[tuple[Action, float]
         received = queues.get(("recv", src, dst), [])
         for (send, _), (recv, _) in zip(ops, received):
             if not _matches(send, recv):
-                raise ScheduleError(f"message order mismatch: {send} on rank {src} meets {recv} on rank {dst}")
+                raise ScheduleError(
+                    f"message order mismatch: {send} on rank {src} meets {recv} on rank {dst}"
+                )
         if len(ops) != len(received):
-            raise ScheduleError(f"rank {src} sends {len(ops)} messages to rank {dst}, which receives {len(received)}")
+            raise ScheduleError(
+                f"rank {src} sends {len(ops)} messages to rank {dst}, which receives "
+                f"{len(received)}"
+            )
 
 
 def _missing(a: Action, done: set[Action], where: tuple[int, ...], rank: int) -> str:
@@ -190,5 +204,8 @@ def _missing(a: Action, done: set[Action], where: tuple[int, ...], rank: int) ->
     if not ran(c, Kind.F):
         return "its forward"
     if c + 1 < len(where) and where[c + 1] == rank and not ran(c + 1, *BACKWARD):
-        return f"{Action(c + 1, Kind.I, i)} / {Action(c + 1, Kind.B, i)}, whose gradient it reads on this rank"
+        return (
+            f"{Action(c + 1, Kind.I, i)} / {Action(c + 1, Kind.B, i)}, whose gradient it reads on "
+            "this rank"
+        )
     return ""
