@@ -287,3 +287,45 @@ def _switch_experts(
         except (ValueError, ImportError, KeyError):
             continue
     return "eager"  # none accepted: export (or the expert-parallel pass) says what fails
+
+
+def config_from_spec(spec: list[str]):
+    """A transformers config from ``[NAME_OR_JSON, KEY=VALUE, ...]``: a config.json file
+    (its ``model_type`` picks the class), a config class name (``LlamaConfig``) or a
+    model type (``llama``); each override's value is read as JSON, else kept as text.
+    Nothing is downloaded."""
+    import json
+    import os
+
+    import transformers
+
+    source, *pairs = spec
+    overrides = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)"
+            )
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    if source.endswith(".json") or os.path.isfile(source):
+        with open(source) as f:
+            values = json.load(f)
+        if "model_type" not in values:
+            raise ConfigError(
+                f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config"
+            )
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **(values | overrides))
+    cls = getattr(transformers, source, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
+        return cls(**overrides)
+    try:
+        return transformers.AutoConfig.for_model(source, **overrides)
+    except ValueError:
+        raise ConfigError(
+            f"--hf-config {source!r} is neither a JSON file, a transformers config class "
+            "(LlamaConfig) nor a model type (llama)"
+        ) from None

@@ -29,15 +29,16 @@ from fxmeg.config import EngineConfig
 from fxmeg.config_sections import DataParallelConfig, PipelineConfig
 from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.ir import program as prog
-from fxmeg.ir.layouts import ParamLayout, is_split, reduces_grad
+from fxmeg.ir.layouts import ParamLayout, is_split
 from fxmeg.ir.program import CONSTANTS, Program
 from fxmeg.ir.recomputation import Recomputation
 from fxmeg.loss_scale import LossScaler
 from fxmeg.lr_schedule import ParamScheduler
 from fxmeg.runtime import collectives
 from fxmeg.runtime.data_parallel import replicas
-from fxmeg.runtime.data_parallel.ddp import DataParallel, Events, GradBuffer
-from fxmeg.runtime.data_parallel.zero import ShardFill, ZeroBuffer, ZeroParams
+from fxmeg.runtime.data_parallel.build import data_parallel, grad_reductions
+from fxmeg.runtime.data_parallel.ddp import DataParallel
+from fxmeg.runtime.data_parallel.zero import ShardFill, ZeroParams
 from fxmeg.runtime.expert_load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
@@ -198,7 +199,7 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
         release(model, program, chunks, whole)
     named = {n: p for gm in chunks.values() for n, p in gm.named_parameters() if p.requires_grad}
     tracer = Tracer()
-    ddp = _data_parallel(program, config.data_parallel, chunks, groups, tracer, fill,
+    ddp = data_parallel(program, config.data_parallel, chunks, groups, tracer, fill,
                          shard=sharding is OptimizerSharding.ELEMENTWISE)
     recomputation = Recomputation()  # this rank's recompute regions, for all that asks about one
     zero = (ZeroParams(ddp.buffers, recomputation=recomputation,
@@ -219,7 +220,7 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
     executor = _executor(program, config, chunks, groups, ddp, tracer, zero)
     return RankContext(
         config=config, groups=groups, chunks=chunks, named_parameters=named, device=program.device,
-        tracer=tracer, ddp=ddp, grad_reductions=_grad_reductions(program, named, groups),
+        tracer=tracer, ddp=ddp, grad_reductions=grad_reductions(program, named, groups),
         optimizer=opt, scaler=LossScaler(config.loss_scale) if config.precision == "fp16" else None,
         scheduler=ParamScheduler(config.lr_schedule, opt.inner) if config.lr_schedule else None,
         executor=executor, aux=_aux_loss(program, chunks),
@@ -241,17 +242,10 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
     return load
 
 
-def _binding(
-    program: Program,
-    data_parallel: DataParallelConfig,
-    groups: Groups,
-    ddp: DataParallel,
-    zero: ZeroParams | None,
-    load: ExpertLoad | None,
-    tokens: GlobalTokens,
-    rank_experts: RankExperts,
-    recomputation: Recomputation,
-) -> collectives.Binding:
+def _binding(program: Program, data_parallel: DataParallelConfig, groups: Groups,
+             ddp: DataParallel, zero: ZeroParams | None, load: ExpertLoad | None,
+             tokens: GlobalTokens, rank_experts: RankExperts,
+             recomputation: Recomputation) -> collectives.Binding:
     """What this rank's chunk graphs' ops are bound to (``collectives.bind``)."""
     return collectives.Binding(
         _group_names(groups),
@@ -577,55 +571,6 @@ def _full_source(
     if not masters:
         return None
     return lambda name: gather_tp(masters[name].detach().float(), program.tp_specs[name], groups.tp)
-
-
-def _data_parallel(
-    program: Program,
-    options: DataParallelConfig,
-    chunks,
-    groups: Groups,
-    tracer: Tracer,
-    fill: ShardFill | None = None,
-    *,
-    shard: bool,
-) -> DataParallel:
-    events = Events()
-    deferred = frozenset(n for n, h in program.holders.items() if len(h) > 1)
-    def buffer(c: int, gm: fx.GraphModule, layout) -> GradBuffer:
-        common = dict(
-            label=f"chunk{c}" + ("/experts" if layout.experts else ""),
-            group=groups.edp if layout.experts else groups.dp_cp,
-            overlap=options.overlap_grad_reduce,
-            events=events,
-            deferred=deferred,
-            tracer=tracer,
-        )
-        if options.zero_stage >= 2:
-            return ZeroBuffer(
-                layout,
-                dict(gm.named_parameters()),
-                stage=options.zero_stage,
-                fill=fill,
-                lean=options.backward_prefetch == "post",
-                **common,
-            )
-        return GradBuffer(layout, dict(gm.named_parameters()), shard=shard, **common)
-
-    buffers = {
-        c: [buffer(c, gm, layout) for layout in program.buffers[c]] for c, gm in chunks.items()
-    }
-    return DataParallel(buffers, events)
-
-
-def _grad_reductions(program: Program, named: dict[str, nn.Parameter], groups: Groups) -> list:
-    names = sorted(named)  # every holder issues these all-reduces in the same order
-    tied = [
-        (named[n], groups.tied[frozenset(program.holders[n])])
-        for n in names
-        if len(program.holders[n]) > 1
-    ]
-    replicated = [(named[n], groups.tp) for n in names if reduces_grad(program.tp_specs.get(n))]
-    return tied + replicated
 
 
 def _aux_loss(program: Program, chunks: dict[int, fx.GraphModule]) -> AuxLoss | None:

@@ -364,7 +364,7 @@ def _plan(args) -> int:
 
     from fxmeg.diagnostics.devices import device_bytes
     from fxmeg.diagnostics.layout_plan import plan, stderr_progress
-    from fxmeg.interop.hugging_face import is_hugging_face, keyword_batch
+    from fxmeg.interop.hugging_face import config_from_spec, is_hugging_face, keyword_batch
     from fxmeg.train.build import build_model
     from fxmeg.train.train_config import engine_from_flat, flat_defaults
 
@@ -381,7 +381,7 @@ def _plan(args) -> int:
         if args.hf_config:
             import transformers
 
-            net = transformers.AutoModelForCausalLM.from_config(hf_config(args.hf_config))
+            net = transformers.AutoModelForCausalLM.from_config(config_from_spec(args.hf_config))
         else:
             extra = model["model_args"]
             extra = extra if isinstance(extra, dict) else json.loads(extra)
@@ -417,49 +417,6 @@ def _plan_values(args) -> dict:
     values |= from_megatron(given)  # a flag overrides the file
     values.setdefault("micro_batch_size", PLAN_MICRO_BATCH)
     return values
-
-
-def hf_config(spec: list[str]):
-    """A transformers config from ``[NAME_OR_JSON, KEY=VALUE, ...]``: a config.json file
-    (its ``model_type`` picks the class), a config class name (``LlamaConfig``) or a
-    model type (``llama``); each override's value is read as JSON, else kept as text.
-    Nothing is downloaded."""
-    import json
-
-    import transformers
-
-    from fxmeg.errors import ConfigError
-
-    source, *pairs = spec
-    overrides = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(
-                f"--hf-config override {pair!r} is not KEY=VALUE (e.g. num_hidden_layers=80)"
-            )
-        try:
-            overrides[key] = json.loads(text)
-        except json.JSONDecodeError:
-            overrides[key] = text
-    if source.endswith(".json") or os.path.isfile(source):
-        with open(source) as f:
-            values = json.load(f)
-        if "model_type" not in values:
-            raise ConfigError(
-                f"{source} has no 'model_type' (e.g. \"llama\"): it names the transformers config"
-            )
-        return transformers.AutoConfig.for_model(values.pop("model_type"), **(values | overrides))
-    cls = getattr(transformers, source, None)
-    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
-        return cls(**overrides)
-    try:
-        return transformers.AutoConfig.for_model(source, **overrides)
-    except ValueError:
-        raise ConfigError(
-            f"--hf-config {source!r} is neither a JSON file, a transformers config class "
-            "(LlamaConfig) nor a model type (llama)"
-        ) from None
 
 
 # ---------------------------------------------------------------- train

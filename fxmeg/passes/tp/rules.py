@@ -88,9 +88,7 @@ class PropagationRules:
                 node.replace_input_with(a, self._local_slice(node, a, j, s0))
         return s0
 
-    def _local_slice(
-        self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None
-    ) -> fx.Node:
+    def _local_slice(self, node: fx.Node, a: fx.Node, dim: int, split: Shard | None = None):
         """This rank's part of replicated operand ``a`` along ``dim``, where the value it
         meets is ``split``: of each block when it has several equal ones (heads merged into
         the batch), cut as (blocks, block) so one tp_slice takes every block's part."""
