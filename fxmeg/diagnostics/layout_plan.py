@@ -12,7 +12,6 @@ docs/megatron-semantics.md §2.8.1.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -36,6 +35,7 @@ from fxmeg.diagnostics.saved_activations import (
 from fxmeg.errors import ConfigError
 from fxmeg.frontend.capture import LossFn
 from fxmeg.frontend.pass_driver import transform
+from fxmeg.frontend.variable_shapes import meta_twin
 from fxmeg.ir import ops
 from fxmeg.ir.program import Program
 from fxmeg.passes.graph_utils import is_hop, val
@@ -236,7 +236,7 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
         par = config.parallel
         config = config.resolve(par.model_ranks * (par.dp or 1))  # dp=None: one replica
     with _pass_progress(progress):
-        program = transform(meta_copy(model), example, config, loss_fn=loss_fn, **options)
+        program = transform(meta_twin(model), example, config, loss_fn=loss_fn, **options)
     result = plan_of(program, progress=progress)
     return result if device_memory is None else result.with_device(device_memory)
 
@@ -281,21 +281,6 @@ def stderr_progress() -> Callable[[str], None]:
     return lambda line: print(
         f"fxmeg plan [{time.perf_counter() - start:5.1f} s] {line}", file=sys.stderr, flush=True
     )
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of the same
-    shapes and dtypes (ties kept); nothing of the original's storage is copied."""
-    memo: dict[int, torch.Tensor] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in memo:
-            empty = torch.empty_like(t, device="meta")
-            memo[id(t)] = (
-                nn.Parameter(empty, requires_grad=t.requires_grad)
-                if isinstance(t, nn.Parameter)
-                else empty
-            )
-    return copy.deepcopy(model, memo)
 
 
 def plan_of(program: Program, config: EngineConfig | None = None, *,

@@ -47,9 +47,12 @@ Key = tuple[tuple[int, ...], ...]
 
 def meta_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are meta tensors of the same
-    shapes and dtypes (nothing is allocated or copied); what new shapes are captured on."""
+    shapes and dtypes (ties kept; nothing is allocated or copied): what new shapes are
+    captured on, and what ``fxmeg plan`` transforms."""
     memo: dict[int, torch.Tensor] = {}
     for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo:
+            continue
         empty = torch.empty_like(t, device="meta")
         memo[id(t)] = (
             nn.Parameter(empty, requires_grad=t.requires_grad)
