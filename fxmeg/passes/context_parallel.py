@@ -144,6 +144,12 @@ class _ContextParallel(Propagation):
         if node in self.tokens_of:
             return self.place.get(self.tokens_of[node])
         if PARTIAL in places:
+            if self.gm is not self.root:  # which sums need a gradient: known at the root only
+                raise self.mixes(
+                    node, "it reads a sum over this rank's part of the sequence inside a region "
+                          "(autocast, no-grad or wrap): a router loss is carried over the cp "
+                          "ranks outside regions only",
+                    fix="compute the router loss outside the region, or use cp=1")
             return partial(self, node)
         return UNDECIDED
 

@@ -369,3 +369,40 @@ def test_a_count_the_same_on_every_cp_rank_is_refused():
         transform(
             MeanSquared(), tuple(t[:2] for t in regression_batches()[0]), cp=2, loss_fn=loss_fn
         )
+
+
+class _RegionRouterLoss(nn.Module):
+    """A router loss (expert counts times summed probabilities, both sums over this rank's
+    tokens under cp) computed inside an autocast region (``inside``) or outside it."""
+
+    def __init__(self, inside: bool):
+        super().__init__()
+        self.inside = inside
+        self.emb, self.router = nn.Embedding(128, 16), nn.Linear(16, 4)
+        self.head = nn.Linear(16, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        loss = nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        if self.inside:
+            with torch.autocast("cpu", enabled=False):
+                aux = _router_loss(self.router(x))
+        else:
+            aux = _router_loss(self.router(x))
+        return loss + 0.01 * aux
+
+
+def _router_loss(scores):
+    probs = scores.softmax(-1).flatten(0, 1)
+    counts = torch.histc(probs.argmax(-1).float(), bins=4, min=0, max=3)
+    return (probs.sum(0) * counts).sum()  # the operand that needs a gradient first
+
+
+def test_a_router_loss_inside_a_region_is_refused_not_misread():
+    """Which of two sums over this rank's tokens needs a gradient is known for the root
+    graph only: inside a region the product would all-reduce the wrong one, silently (the
+    shared driver enters regions under cp). Refused, naming the fix; outside it is split."""
+    transform(_RegionRouterLoss(inside=False), make_batch(2, seed=0), cp=2)
+    with pytest.raises(PassError, match=r"cannot split node 'mul' .* inside a region .* compute "
+                                        r"the router loss outside the region"):
+        transform(_RegionRouterLoss(inside=True), make_batch(2, seed=0), cp=2)
