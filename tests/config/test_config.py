@@ -207,7 +207,8 @@ def test_a_misspelt_flat_name_is_refused_with_the_nearest():
 
 def test_parallelize_takes_a_whole_config_and_resolves_dp():
     import fxmeg
-    from tests.harness.helpers import make_batch, make_model
+    from tests.harness.helpers import make_batch
+    from tests.harness.models import make_model
 
     config = EngineConfig(micro_batch_size=2, global_batch_size=4)
     engine = fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), config=config)
@@ -446,7 +447,8 @@ def test_a_float_field_refuses_a_string_or_a_bool(name):
 
 def test_parallelize_refuses_sizes_before_capture():
     import fxmeg
-    from tests.harness.helpers import make_batch, make_model
+    from tests.harness.helpers import make_batch
+    from tests.harness.models import make_model
 
     model, example = make_model("gpt", n_layer=1), make_batch(2, seed=0)
     for options, message in [

@@ -361,7 +361,7 @@ def test_what_the_review_found_stays_fixed(files, tmp_path):
 def test_masks_need_sdpa_attention(tmp_path):
     """A 4-D boolean mask is a mask only to sdpa: eager attention would add it to the scores."""
     from fxmeg.train.trainer import _check_model_takes
-    from tests.harness.helpers import hf_model
+    from tests.harness.models import hf_model
 
     cfg = TrainConfig.from_flat(
         seq_len=16,

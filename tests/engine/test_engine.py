@@ -9,10 +9,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference,
 )
+from tests.harness.models import make_model
 
 GBS, STEPS = 8, 5
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import fxmeg
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 
 
 def test_spike_guard_skips_and_a_run_of_skips_stops():

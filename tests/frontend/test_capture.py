@@ -7,7 +7,8 @@ from expecttest import TestCase
 
 from fxmeg.errors import CaptureError
 from fxmeg.frontend.capture import capture, owning_module
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 
 
 def _gm(name: str, **cfg):

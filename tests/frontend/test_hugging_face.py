@@ -13,7 +13,8 @@ import fxmeg
 import fxmeg.interop.hugging_face
 from fxmeg.frontend.capture import capture
 from fxmeg.ir.program import chunk_spec, chunks
-from tests.harness.helpers import chunk_boundaries, graph_after, hf_model, make_model
+from tests.harness.helpers import chunk_boundaries, graph_after
+from tests.harness.models import hf_model, make_model
 
 
 def _batch():

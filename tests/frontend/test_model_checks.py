@@ -11,7 +11,8 @@ from fxmeg.config import make_config
 from fxmeg.errors import ConfigError
 from fxmeg.frontend import pass_driver
 from fxmeg.frontend.model_checks import check_model
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 
 pytest.importorskip("transformers")
 

@@ -15,7 +15,8 @@ from fxmeg.errors import BatchError
 from fxmeg.frontend.pass_driver import transform
 from fxmeg.ir.program import PositionTable
 from fxmeg.passes.analyse import position_tables
-from tests.harness.helpers import hf_model, make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import hf_model, make_model
 
 
 def test_the_tables_read_one_row_per_position_are_found():

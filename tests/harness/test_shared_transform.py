@@ -17,7 +17,8 @@ from torch import fx
 from fxmeg.errors import ConfigError
 from fxmeg.ir.program import split_spec
 from tests.harness import shared_transform
-from tests.harness.helpers import hf_model, make_batch, make_model, tiny_moe
+from tests.harness.helpers import make_batch
+from tests.harness.models import hf_model, make_model, tiny_moe
 
 LAYOUTS = {"tp2-pp2": dict(tp=2, pp=2), "zbh1-bf16": dict(pp=2, schedule="zbh1", precision="bf16")}
 

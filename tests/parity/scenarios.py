@@ -19,12 +19,12 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference_groups,
     reference_run,
     seeded_init,
 )
+from tests.harness.models import make_model
 
 MBS, STEPS = 2, 5
 

@@ -24,10 +24,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference,
 )
+from tests.harness.models import make_model
 
 SAVED = dict(tp=2, pp=2, dp=2, distributed_optimizer=True)
 LAYOUTS = {

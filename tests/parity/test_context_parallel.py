@@ -37,13 +37,12 @@ from tests.harness.helpers import (
     LOSS_RTOL,
     assert_losses_close,
     assert_weights_close,
-    hf_model,
     make_batch,
-    make_model,
     optimizer,
     reference,
     train_dicts,
 )
+from tests.harness.models import hf_model, make_model
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_keyword_batches import PAD, padded
 from tests.passes.test_context_parallel import MeanSquared, _Encoder, _Window, regression_batches

@@ -12,13 +12,8 @@ import torch
 
 import fxmeg
 from tests.harness.distributed import run_world
-from tests.harness.helpers import (
-    assert_losses_close,
-    assert_weights_close,
-    make_batch,
-    optimizer,
-    tiny_moe,
-)
+from tests.harness.helpers import assert_losses_close, assert_weights_close, make_batch, optimizer
+from tests.harness.models import tiny_moe
 from tests.runtime.test_expert_load import BIAS, RATE, balancing_reference, hand_counts
 
 GBS, MBS = 8, 2

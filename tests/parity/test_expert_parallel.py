@@ -45,14 +45,12 @@ from fxmeg.runtime.groups import Topology
 from fxmeg.weights.checkpoint import META, Checkpointer
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
-    BATCHED_MOE,
-    MOE,
     assert_bitwise,
     assert_losses_close,
     assert_weights_close,
-    make_model,
     reference,
 )
+from tests.harness.models import BATCHED_MOE, MOE, make_model
 from tests.parity.mixed_precision import (
     assert_float64_rule_per_parameter,
     float64_grad_failures,

@@ -10,7 +10,8 @@ import torch
 
 import fxmeg
 from tests.harness.distributed import run_world
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 
 BAD_STEP = 2
 

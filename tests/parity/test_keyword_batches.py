@@ -28,13 +28,8 @@ import torch
 
 import fxmeg
 from tests.harness.distributed import run_world
-from tests.harness.helpers import (
-    assert_losses_close,
-    assert_weights_close,
-    hf_model,
-    optimizer,
-    train_dicts,
-)
+from tests.harness.helpers import assert_losses_close, assert_weights_close, optimizer, train_dicts
+from tests.harness.models import hf_model
 
 LAYOUT = dict(tp=2, pp=2, dp=2)
 MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0

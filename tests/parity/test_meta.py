@@ -23,13 +23,12 @@ from tests.harness.helpers import (
     assert_bitwise,
     assert_run_close,
     first_failure,
-    hf_model,
     make_batch,
-    make_model,
     optimizer,
     reference_run,
     trained,
 )
+from tests.harness.models import hf_model, make_model
 from tests.parity.scenarios import Scenario, check_parity, train_each
 
 MODELS = ("gpt", "llama")

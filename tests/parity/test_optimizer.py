@@ -10,7 +10,8 @@ import fxmeg
 from fxmeg.loss_scale import LossScaleConfig
 from fxmeg.lr_schedule import LRSchedule
 from tests.harness.distributed import run_worlds
-from tests.harness.helpers import dp_shard_elements, make_batch, make_model, reference
+from tests.harness.helpers import dp_shard_elements, make_batch, reference
+from tests.harness.models import make_model
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
 from tests.parity.scenarios import Scenario, check_parity, train
 

@@ -15,7 +15,8 @@ import torch.distributed.distributed_c10d as c10d
 import fxmeg
 from fxmeg.diagnostics.measured_activations import SavedBytes
 from tests.harness.distributed import run_worlds
-from tests.harness.helpers import assert_bitwise, make_batch, make_model, optimizer
+from tests.harness.helpers import assert_bitwise, make_batch, optimizer
+from tests.harness.models import make_model
 from tests.parity.scenarios import MBS, Scenario, check_parity, train_each
 
 CONFIGS = [(2, 1, "1f1b", 4), (4, 1, "1f1b", 8), (2, 1, "gpipe", 4), (2, 2, "interleaved", 4),

@@ -25,11 +25,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference,
-    tiny_moe,
 )
+from tests.harness.models import make_model, tiny_moe
 
 MBS, GBS, STEPS = 2, 8, 3
 PERTURBED = "layers.1.mlp.fc.weight"  # tp-split: only its data-parallel peer can see the change

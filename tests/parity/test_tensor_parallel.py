@@ -20,10 +20,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference,
 )
+from tests.harness.models import make_model
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.passes.test_op_rules import ZerosLike
 from tests.passes.test_tensor_parallel import _CatStack, _EinsumAttention, _NormedMLP, _SplitSum

@@ -22,12 +22,12 @@ from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
-    hf_model,
     make_batch,
     model_loss,
     optimizer,
     train_dicts,
 )
+from tests.harness.models import hf_model
 from tests.parity.scenarios import Scenario, check_parity
 
 LENGTHS = (16, 8, 12, 8, 16)  # STEPS = 5 batches

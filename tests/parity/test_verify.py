@@ -24,14 +24,8 @@ from fxmeg.ir.layouts import Shard
 from fxmeg.passes import loss as loss_pass
 from fxmeg.passes.tensor_parallel import _TensorParallel
 from tests.harness.distributed import run_world
-from tests.harness.helpers import (
-    assert_losses_close,
-    graph_after,
-    make_batch,
-    make_model,
-    optimizer,
-    reference,
-)
+from tests.harness.helpers import assert_losses_close, graph_after, make_batch, optimizer, reference
+from tests.harness.models import make_model
 from tests.parity import test_zoo as zoo
 from tests.parity.scenarios import MBS, Scenario
 

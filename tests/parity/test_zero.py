@@ -21,10 +21,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
 )
 from tests.harness.helpers import reference as plain_reference
+from tests.harness.models import make_model
 from tests.parity.mixed_precision import check_sharded_bf16, master_pieces
 from tests.parity.scenarios import (
     MBS,

@@ -13,7 +13,7 @@ weights 5e-5 relative norm: docs/megatron-semantics.md §1).
   experts, top-2; Mixtral also with experts_implementation="eager"; Llama 4, whose
   experts run batched over every token and whose rotary embedding is complex
   (``view_as_complex`` of the head-split q and k), layer 0 dense with rotary and chunked
-  attention, layer 1 routed without rotary: tests.harness.helpers.BATCHED_MOE) at tp=2 x pp=2
+  attention, layer 1 routed without rotary: tests.harness.models.BATCHED_MOE) at tp=2 x pp=2
   only (MOE_ZOO), where each tp rank holds less than the whole model; Granite's (granitemoe,
   granitemoeshared) at world size 1 with 4 micro-batches (WORLD1_MOE);
 * x-transformers' TransformerWrapper(Decoder(rotary_pos_emb=True)), whose rotary
@@ -56,9 +56,7 @@ from torch import nn
 import fxmeg
 from tests.harness.distributed import run_world
 from tests.harness.helpers import (
-    BATCHED_MOE,
     HYBRID,
-    MOE,
     Run,
     assert_run_close,
     first_failure,
@@ -67,6 +65,7 @@ from tests.harness.helpers import (
     reference_run,
     trained,
 )
+from tests.harness.models import BATCHED_MOE, MOE
 
 STEPS, GBS, MBS, SEQ, VOCAB = 3, 8, 2, 16, 96
 LAYERS = 2  # Hugging Face models: one per pipeline stage at pp2
@@ -248,7 +247,7 @@ MOE_ZOO = (
     "mixtral-eager-experts",
     "llama4_text",
 )
-"""Mixtures of experts (tests.harness.helpers.MOE: 4 experts, top-2) as transformers builds them
+"""Mixtures of experts (tests.harness.models.MOE: 4 experts, top-2) as transformers builds them
 (grouped_mm experts), and Mixtral with experts_implementation="eager", which fxmeg captures
 as grouped_mm (its single-device reference runs eager). At tp the router stays whole and
 every rank computes every expert; attention and dense MLPs (Qwen2-MoE's shared expert) are
@@ -257,7 +256,7 @@ about 10 s each in the test process (they train there too: issue 27)."""
 for _kind in ("granitemoe", "granitemoeshared"):
     ZOO[_kind] = (hf(_kind, **MOE[_kind]), {}, -100)
 WORLD1_MOE = ("granitemoe", "granitemoeshared")
-"""Granite's mixtures of experts (tests.harness.helpers.MOE: 4 experts, top-2; the shared one with
+"""Granite's mixtures of experts (tests.harness.models.MOE: 4 experts, top-2; the shared one with
 its dense shared MLP), grouped_mm experts as transformers builds them, at world size 1
 only: the zoo's 8 rows in 4 micro-batches of 2, where each block's top-k ranks a quarter
 of the tokens its single-device twin ranks at once (a layout reported 1.2e-5 off in
@@ -551,9 +550,9 @@ AXES_LAYOUTS = {"pp2-vpp2-tp2-sp": "tp2 sp x pp2 x vpp2", "cp2-dp2-distopt": "cp
 
 def tested_layouts() -> dict[str, set[str]]:
     """Model type -> the layouts the zoo (this module and test_zoo_axes) and the expert
-    parallel spawn (every ``tests.harness.helpers.MOE`` family at ep2) train it on; a variant
+    parallel spawn (every ``tests.harness.models.MOE`` family at ep2) train it on; a variant
     (eager attention, eager experts, multi-query) in parentheses."""
-    from tests.harness.helpers import BATCHED_MOE
+    from tests.harness.models import BATCHED_MOE
     from tests.parity import test_zoo_axes
 
     def kind(name: str) -> tuple[str, str]:

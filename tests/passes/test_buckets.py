@@ -9,7 +9,8 @@ from torch import nn
 
 from fxmeg.ir.layouts import BucketSlot
 from fxmeg.ir.program import buffer_layouts, chunks
-from tests.harness.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import make_model
 
 
 def _laid_out(name="gpt", *, num_chunks=1, pp=1, dp=2, bucket_size=None, shard=False, n_layer=2):

@@ -11,7 +11,8 @@ from fxmeg.errors import PassError
 from fxmeg.frontend.pass_driver import transform
 from fxmeg.ir.ops import cp_positions
 from fxmeg.runtime.batches import context_slice
-from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch
+from tests.harness.models import make_model
 
 
 def _cp_diff(name: str, cp: int = 2) -> str:

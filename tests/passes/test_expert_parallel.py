@@ -11,7 +11,8 @@ from fxmeg.ir import ops
 from fxmeg.ir.layouts import ExpertShard
 from fxmeg.ir.program import chunks
 from fxmeg.passes.graph_utils import val
-from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import MOE, tiny_moe
 
 
 def _nodes(parent, pred):
@@ -53,7 +54,7 @@ def test_global_router_loss_wraps_the_tokens_per_expert_and_is_refused_without_a
     computes no router loss, or recompute, is refused by name."""
     import fxmeg
     from fxmeg.errors import ConfigError, PassError
-    from tests.harness.helpers import hf_model
+    from tests.harness.models import hf_model
 
     batch = make_batch(2, seed=0)
     parent = graph_after(

@@ -6,7 +6,8 @@ from expecttest import TestCase
 from fxmeg.errors import PassError
 from fxmeg.frontend.capture import capture
 from fxmeg.passes.loss import loss
-from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch
+from tests.harness.models import make_model
 
 
 def _loss_diff(name: str) -> str:

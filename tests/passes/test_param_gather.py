@@ -1,7 +1,8 @@
 from expecttest import TestCase
 
 from fxmeg.ir.program import chunks
-from tests.harness.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import make_model
 
 
 def _waits(num_chunks: int) -> str:

@@ -9,7 +9,8 @@ from fxmeg.errors import ConfigError
 from fxmeg.frontend.capture import capture, owning_module
 from fxmeg.passes.loss import loss
 from fxmeg.passes.partition import BLOCK_SLACK, cut, node_cost, partition
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 
 
 def _graph(name="gpt", **cfg):

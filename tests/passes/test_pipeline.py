@@ -5,7 +5,8 @@ import torch
 from expecttest import TestCase
 
 from fxmeg.ir.program import chunk_spec, chunks
-from tests.harness.helpers import chunk_boundaries, graph_after, make_batch, make_model
+from tests.harness.helpers import chunk_boundaries, graph_after, make_batch
+from tests.harness.models import make_model
 
 
 def _pipelined(name, *, n_layer, num_chunks):

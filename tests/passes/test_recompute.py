@@ -17,12 +17,11 @@ from fxmeg.passes.recompute import Recompute
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
-    hf_model,
     make_batch,
-    make_model,
     optimizer,
     reference,
 )
+from tests.harness.models import hf_model, make_model
 
 ROWS, MBS = 8, 2
 

@@ -14,7 +14,8 @@ from torch import nn
 from fxmeg.errors import PassError
 from fxmeg.frontend.pass_driver import transform
 from fxmeg.ir.program import split_spec
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 from tests.passes.test_tp_dropout import Block
 
 MBS = 2

@@ -13,7 +13,8 @@ from fxmeg.frontend.pass_driver import transform
 from fxmeg.ir.layouts import Replicate, Shard
 from fxmeg.runtime.context import _materialise
 from fxmeg.runtime.groups import Groups, Topology
-from tests.harness.helpers import graph_after, graph_diff, make_batch, make_model
+from tests.harness.helpers import graph_after, graph_diff, make_batch
+from tests.harness.models import make_model
 
 
 def _tp(model, tp=2, stop_after="tensor_parallel", **kw):

@@ -13,7 +13,8 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.ir.layouts import Replicate, Shard
-from tests.harness.helpers import MOE, graph_after, make_batch, tiny_moe
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import MOE, tiny_moe
 
 
 def _layouts(gm) -> dict:

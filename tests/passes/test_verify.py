@@ -14,7 +14,8 @@ from fxmeg.errors import ConfigError
 from fxmeg.frontend.pass_driver import NAMES, check_pass
 from fxmeg.ir.program import chunks
 from fxmeg.passes.recompute import Recompute
-from tests.harness.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import make_model
 
 OPTIONS = dict(
     tp=2,

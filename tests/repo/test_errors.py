@@ -20,7 +20,8 @@ from fxmeg.train.metrics import run_directory
 from fxmeg.train.train_config import TrainConfig
 from fxmeg.weights.checkpoint import Checkpointer, export
 from tests.harness.distributed import run_world
-from tests.harness.helpers import make_batch, make_model
+from tests.harness.helpers import make_batch
+from tests.harness.models import make_model
 from tests.passes.test_expert_parallel import BatchedExperts
 from tests.passes.test_tp_heads import _KeyReadWhole
 

@@ -1,7 +1,8 @@
 """Gradient buffers and the reduction event log, at world size 1 (no processes)."""
 
 import fxmeg
-from tests.harness.helpers import assert_overlapped, make_batch, make_model
+from tests.harness.helpers import assert_overlapped, make_batch
+from tests.harness.models import make_model
 
 
 def _engine(**kw):

@@ -17,7 +17,8 @@ from fxmeg.runtime.pipeline.p2p import PointToPoint
 from fxmeg.runtime.pipeline.schedules import Action, Kind, fmt
 from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import run_backward
-from tests.harness.helpers import graph_after, make_batch, make_model
+from tests.harness.helpers import graph_after, make_batch
+from tests.harness.models import make_model
 
 M, ROWS = 4, 2  # micro-batches, rows per micro-batch
 CPU = torch.device("cpu")

@@ -30,12 +30,11 @@ from tests.harness.helpers import (
     assert_weights_close,
     graph_after,
     make_batch,
-    make_model,
     model_loss,
     optimizer,
     reference_groups,
-    tiny_moe,
 )
+from tests.harness.models import make_model, tiny_moe
 
 GBS, MBS = 4, 2
 

@@ -29,10 +29,10 @@ from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
     make_batch,
-    make_model,
     optimizer,
     reference,
 )
+from tests.harness.models import make_model
 
 SIZES = {"a": 4096, "b": 4096, "c": 3072, "d": 1024, "e": 1024, "f": 512, "g": 32, "h": 32, "i": 32}
 

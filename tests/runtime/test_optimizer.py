@@ -15,10 +15,10 @@ from tests.harness.helpers import (
     assert_weights_close,
     learnable_batch,
     make_batch,
-    make_model,
     optimizer,
     reference_groups,
 )
+from tests.harness.models import make_model
 from tests.parity.mixed_precision import gather_masters, master_pieces
 from tests.parity.mixed_precision import reference as mixed_reference
 

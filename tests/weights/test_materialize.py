@@ -13,7 +13,8 @@ import torch
 import fxmeg
 from fxmeg.errors import InitError
 from fxmeg.frontend.pass_driver import transform
-from tests.harness.helpers import assert_bitwise, hf_model, make_batch, make_model, seeded_init
+from tests.harness.helpers import assert_bitwise, make_batch, seeded_init
+from tests.harness.models import hf_model, make_model
 
 
 def _meta(name, **cfg):
