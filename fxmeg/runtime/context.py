@@ -27,9 +27,9 @@ from torch import fx, nn
 
 from fxmeg.config import EngineConfig
 from fxmeg.config_sections import DataParallelConfig, PipelineConfig
-from fxmeg.errors import ConfigError, FxmegError
+from fxmeg.errors import FxmegError
 from fxmeg.ir import program as prog
-from fxmeg.ir.layouts import ParamLayout, is_split
+from fxmeg.ir.layouts import ExpertShard, ParamLayout, is_split
 from fxmeg.ir.program import CONSTANTS, Program
 from fxmeg.ir.recomputation import Recomputation
 from fxmeg.loss_scale import LossScaler
@@ -178,11 +178,6 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
     assert config.data_parallel.decided_sharding is not None, \
         "parallelize decides the optimizer sharding"
     sharding = config.data_parallel.decided_sharding
-    if program.ep_specs and source is not None:  # before any process group
-        raise ConfigError(
-            f"ep={par.ep} does not run yet with weights= or a model built on meta (each rank would "
-            "read every expert); build the model on a device and load its weights before "
-            "parallelize")
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep),
                           tied=tied, timeout_s=config.guards.comm_timeout_s)
@@ -377,6 +372,8 @@ class _Wanted(NamedTuple):
     dtype: torch.dtype
     whole: bool
     """A buffer or untrained tensor every rank holds whole."""
+    experts: ExpertShard | None = None
+    """An expert bank's split over ep ranks (this rank makes its experts only), else None."""
 
 
 def _wanted(
@@ -406,6 +403,7 @@ def _wanted(
                 spec if is_split(spec) else None,
                 program.init_dtypes.get(name, t.dtype),
                 name in whole_names,
+                program.ep_specs.get(name) if is_param else None,
             )
     return wanted
 
@@ -415,8 +413,9 @@ def _values(program: Program, groups: Groups, source: Source | None,
     """This rank's value of each ``wanted`` tensor, made by ``source``."""
     if not wanted:
         return {}
-    return source.values({n: (w.spec, w.dtype) for n, w in wanted.items()}, program.device,
-                         groups.topo.tp, groups.tp_rank)
+    return source.values({n: (w.spec, w.dtype, w.experts) for n, w in wanted.items()},
+                         program.device, groups.topo.tp, groups.tp_rank,
+                         groups.topo.ep, groups.ep_rank)
 
 
 def _sharded_later(program: Program, data_parallel: DataParallelConfig, groups: Groups,

@@ -39,7 +39,7 @@ from fxmeg.torch_private import (
     own_parameters,
     storage_key,
 )
-from fxmeg.weights.sharding import local_to_global, tp_shard
+from fxmeg.weights.sharding import ep_shard, local_to_global, tp_shard
 
 InitFn = Callable[[nn.Module], None]
 
@@ -232,26 +232,34 @@ class Source:
         """Whether the weights hold tensor ``name``."""
         return self.names is not None and name in self.names
 
-    def values(
-        self, wanted: Mapping[str, tuple], device: torch.device, tp: int, rank: int
-    ) -> dict[str, torch.Tensor]:
-        """``wanted``: tensor -> (tp spec or None, dtype). This rank's local tensor of each:
-        the tensor-parallel shard for rank ``rank`` of ``tp`` (the whole tensor when the
-        spec is None), in that dtype, on ``device``."""
+    def values(self, wanted: Mapping[str, tuple], device: torch.device, tp: int, rank: int,
+               ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+        """``wanted``: tensor -> (tp spec or None, dtype, expert shard or None). This rank's
+        local tensor of each: the tensor-parallel shard for rank ``rank`` of ``tp`` (the
+        whole tensor when the spec is None) and, for an expert bank, of that the experts of
+        ep rank ``ep_rank`` of ``ep``; in that dtype, on ``device``. From weights, only
+        those boxes are read."""
         out: dict[str, torch.Tensor] = {}
         where = owners(self.model)  # one walk of the model for every tensor
         from_weights = {n: w for n, w in wanted.items() if self.names and n in self.names}
         if from_weights:
             requests = []
-            for name, (spec, dtype) in from_weights.items():
+            for name, (spec, dtype, experts) in from_weights.items():
                 local = list(
                     _tensors(self.model.get_submodule(where[name].module))[where[name].attr].shape
                 )
                 if is_split(spec):
                     local = list(spec.local_shape(local, tp))
+                first = 0
+                if experts is not None and ep > 1:
+                    assert not is_split(spec) or spec.dim != 0, f"{name}: tp splits the experts"
+                    local = list(experts.local_shape(local, ep))
+                    first = experts.experts_of(ep, ep_rank)[0]
                 out[name] = torch.empty(local, dtype=dtype, device=device)
                 box = ((0,) * len(local), tuple(local))
-                requests.append((self.names[name], out[name], local_to_global(box, spec, tp, rank)))
+                pairs = [(((g[0][0] + first, *g[0][1:]), g[1]), loc)
+                         for g, loc in local_to_global(box, spec, tp, rank)]
+                requests.append((self.names[name], out[name], pairs))
             self.weights.fill(requests)
         by_module: dict[str, list[str]] = {}
         for name in wanted:
@@ -268,7 +276,9 @@ class Source:
                 {where[n].attr: wanted[n][1] for n in names},
             )
             for attr, name in attrs.items():
-                out[name] = tp_shard(full[attr], wanted[name][0], tp, rank).to(wanted[name][1])
+                spec, dtype, experts = wanted[name]
+                mine = ep_shard(tp_shard(full[attr], spec, tp, rank), experts, ep, ep_rank)
+                out[name] = mine.to(dtype)
         return out
 
 
@@ -338,9 +348,10 @@ def value_source(model: nn.Module, program, *, weights=None, init_fn: InitFn | N
     init_fn = init_fn or default_init(model)
     opened = names = None
     if weights is not None:
+        from fxmeg.weights.converted import converted
         from fxmeg.weights.sources import check, open_weights
 
-        opened = open_weights(weights)
+        opened = converted(open_weights(weights), model)
         names = check(opened, _persistent(program))
     where = owners(model)
     tensors = {n: _tensors(model.get_submodule(o.module))[o.attr] for n, o in where.items()}

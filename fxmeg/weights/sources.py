@@ -411,9 +411,9 @@ def _missing_message(
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     return (
         f"{len(missing)} of {len(wanted)} parameters are not in {weights.where}: {shown}{more}; "
-        f"the names in the weights must match model.state_dict() (a Hugging Face checkpoint "
-        f"that transformers renames or fuses while loading, e.g. MoE experts, must be loaded "
-        f"with from_pretrained and saved again)"
+        f"the names in the weights must match model.state_dict(), or a Hugging Face "
+        f"checkpoint's as transformers renames them while loading (a checkpoint of another "
+        f"format must be loaded with from_pretrained and saved again)"
     )
 
 

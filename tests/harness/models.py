@@ -164,3 +164,23 @@ def tiny_moe(kind: str, *, n_layer: int = 2, vocab_size: int = 96, **extra) -> t
     torch.manual_seed(0)
     attn = "eager" if kind == "gpt_oss" else "sdpa"
     return T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **extra)
+
+
+def saved_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A Mixtral's state_dict in the names transformers' save_pretrained writes (each
+    expert's w1, w2 and w3 apart: gate_up_proj[e] is w1 over w3, down_proj[e] is w2),
+    written out here, not by transformers (the names are checked against its files in
+    tests/parity/test_expert_parallel.py)."""
+    saved = {}
+    for name, t in model.state_dict().items():
+        layer, _, bank = name.partition(".experts.")
+        if not bank:
+            saved[name] = t
+        for e, expert in enumerate(t if bank else []):
+            if bank == "gate_up_proj":
+                w1, w3 = expert.chunk(2)
+                saved[f"{layer}.experts.{e}.w1.weight"] = w1
+                saved[f"{layer}.experts.{e}.w3.weight"] = w3
+            else:
+                saved[f"{layer}.experts.{e}.w2.weight"] = expert
+    return saved

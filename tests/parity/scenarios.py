@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 import fxmeg
 from fxmeg.ir.layouts import Shard
+from fxmeg.weights.sources import open_weights
 from tests.harness.helpers import (
     OPTIMIZERS,
     Run,
@@ -47,8 +49,13 @@ class Scenario:
     """Extra model (config) arguments, as (name, value) pairs."""
     meta: bool = False
     """Build the model on the meta device: parallelize makes each rank's part
-    (init_fn=model.init_weights, seed=0) and the reference trains its twin, initialised
-    by the test's own statement of the seeding rule (``tests.harness.helpers.seeded_init``)."""
+    (init_fn=model.init_weights, seed=0; a Hugging Face model's own ``_init_weights``,
+    fxmeg's default) and the reference trains its twin, initialised by the test's own
+    statement of the seeding rule (``tests.harness.helpers.seeded_init``)."""
+    pretrained: bool = False
+    """Build the model on meta and load it with weights= the ``save_pretrained`` directory of
+    ``make_model()`` (``saved_at(root)``, written by ``save_pretrained(root)`` before the
+    spawn); the reference trains the in-memory model."""
 
     @property
     def world(self) -> int:
@@ -70,13 +77,29 @@ class Scenario:
         tp = f"tp{self.tp}-" if self.tp > 1 else ""
         tp += f"cp{self.cp}-" if self.cp > 1 else ""
         return (f"{self.model}-{tp}dp{self.dp}-pp{self.pp}-vpp{self.vpp}-{self.schedule}-m{self.m}"
-                + clip + opt + extra + ("-meta" if self.meta else ""))
+                + clip + opt + extra + ("-meta" if self.meta else "")
+                + ("-pretrained" if self.pretrained else ""))
+
+    @property
+    def hugging_face(self) -> bool:
+        return self.model.startswith(("hf-", "moe-"))
 
     def make_model(self):
         """The single-device model (for a meta scenario: its twin, as ``seeded_init``
         initialises it, not as fxmeg.materialize does)."""
         model = make_model(self.model, n_layer=self.layers, **dict(self.model_args))
-        return seeded_init(model, model.init_weights, 0) if self.meta else model
+        if not self.meta:
+            return model
+        return seeded_init(model, model._init_weights if self.hugging_face else model.init_weights,
+                           0)
+
+    def saved_at(self, root: str) -> str:
+        return os.path.join(root, "pretrained", self.id)
+
+    def save_pretrained(self, root: str) -> None:
+        """A pretrained scenario's checkpoint, in the Hugging Face format transformers
+        writes (its own names: a Mixtral's experts one tensor each)."""
+        self.make_model().save_pretrained(self.saved_at(root))
 
     def meta_model(self):
         with torch.device("meta"):
@@ -85,10 +108,16 @@ class Scenario:
     def batches(self):
         return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
 
-    def engine(self):
+    def engine(self, weights=None):
+        """This scenario's engine (``weights``: ``open_weights(saved_at(root))``, if pretrained)."""
         batches = self.batches()
-        model = self.meta_model() if self.meta else self.make_model()
-        init = dict(init_fn=model.init_weights, seed=0) if self.meta else {}
+        model = self.meta_model() if self.meta or self.pretrained else self.make_model()
+        init = {}
+        if self.meta:
+            init = dict(seed=0) if self.hugging_face else dict(init_fn=model.init_weights, seed=0)
+        if self.pretrained:
+            assert weights is not None, f"{self.id}: pretrained needs the weights it saved"
+            init = dict(weights=weights)
         return fxmeg.parallelize(
             model,
             tuple(t[:MBS] for t in batches[0]),
@@ -105,10 +134,12 @@ class Scenario:
         )
 
 
-def train(rank: int, sc: Scenario, extra=None) -> dict:
+def train(rank: int, sc: Scenario, extra=None, root: str | None = None) -> dict:
     """Train one scenario on this rank; report what the tests compare (and what
-    ``extra(rank, engine)`` returns, after training)."""
-    engine = sc.engine()
+    ``extra(rank, engine)`` returns, after training). ``root``: where pretrained
+    scenarios were saved (``read``: the checkpoint tensors this rank read)."""
+    weights = open_weights(sc.saved_at(root)) if sc.pretrained else None
+    engine = sc.engine(weights)
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events, grads = [], [], [], []
     for b in sc.batches():
@@ -128,6 +159,8 @@ def train(rank: int, sc: Scenario, extra=None) -> dict:
         param_elements=sum(p.numel() for p in engine.named_parameters.values()),
         tp_specs=engine.program.tp_specs,
         layouts={c: engine.program.buffers[c] for c in engine.context.chunks},
+        read=sorted(weights.reads) if weights is not None else None,
+        ep_rank=engine.context.groups.ep_rank,
     ) | (extra(rank, engine) if extra is not None else {})  # an extra may repeat a key (tp_rank)
 
 

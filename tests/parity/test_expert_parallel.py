@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -78,13 +79,16 @@ DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshare
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
-    Scenario("moe-mixtral", dp=2, pp=2, options=(("ep", 2),)),
+    # from transformers' save_pretrained files: each expert's projections apart
+    Scenario("moe-mixtral", dp=2, pp=2, options=(("ep", 2),), pretrained=True),
+    Scenario("moe-qwen3_moe", dp=2, pp=2, options=(("ep", 2),), pretrained=True),
     Scenario("moe-olmoe", dp=2, pp=2, vpp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-qwen3_moe", dp=4, options=(("ep", 4),)),
     # DeepSeek-V3 (latent attention, group-limited routing) and OLMoE in the other layouts too
     Scenario("moe-deepseek_v3", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
-    Scenario("moe-deepseek_v3", dp=2, pp=2, options=(("ep", 2),)),
+    # built on meta, each rank initialising its part (DeepSeek-V3's own _init_weights)
+    Scenario("moe-deepseek_v3", dp=2, pp=2, options=(("ep", 2),), meta=True),
     Scenario("moe-afmoe", dp=2, pp=2, options=(("ep", 2),)),  # a rank without rows, as in EP2
     Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
@@ -182,7 +186,7 @@ def resume(rank: int, sc: Scenario, root: str) -> dict:
 
 
 def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
-    out = {sc.id: train(rank, sc, masters if sc == BF16 else held) for sc in scenarios}
+    out = {sc.id: train(rank, sc, masters if sc == BF16 else held, root) for sc in scenarios}
     world = dist.get_world_size()
     if world == SAVED.world:
         out["save"] = save(rank, root)
@@ -195,11 +199,14 @@ def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ep-ckpt"))  # saved in the 2-rank spawn, loaded in both
+    for sc in ALL:
+        if sc.pretrained:
+            sc.save_pretrained(root)
     # the 4-rank spawn trains 15 runs (about 2 minutes on 2 cores): twice the usual deadline
     return {
         w: run_world(w, train_ep, [s for s in ALL if s.world == w], root, deadline_s=600)
         for w in (2, 4)
-    }
+    } | {"pretrained": root}
 
 
 def _ranks(results, sc) -> list[dict]:
@@ -496,3 +503,30 @@ def _numel(shape) -> int:
     for d in shape:
         out *= d
     return out
+
+
+@pytest.mark.parametrize("sc", [sc for sc in FOUR if sc.pretrained], ids=lambda s: s.id)
+def test_a_pretrained_checkpoint_gives_each_rank_its_experts_only(results, sc):
+    """transformers' save_pretrained files name each expert's projections apart
+    (``...experts.3.w1.weight``): every rank reads the tensors of its pipeline stage only,
+    and of each layer's experts those of its ep rank, E / ep of them, each whole."""
+    from safetensors import safe_open
+
+    path = os.path.join(results["pretrained"], "pretrained", sc.id, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        saved = sorted(f.keys())
+    ep, experts = dict(sc.options)["ep"], 4
+
+    def layer(name: str) -> int | None:
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        return int(found.group(1)) if found else None
+
+    expert_of = {n: int(m[1]) for n in saved if (m := re.search(r"\.experts\.(\d+)\.", n))}
+    for r in _ranks(results, sc):
+        mine = range(r["ep_rank"] * experts // ep, (r["ep_rank"] + 1) * experts // ep)
+        layers = {layer(n) for n in r["param_names"]} - {None}
+        read = set(r["read"])
+        assert {n for n in read if n in expert_of} == {
+            n for n, e in expert_of.items() if layer(n) in layers and e in mine
+        }
+        assert {layer(n) for n in read} - {None} == layers

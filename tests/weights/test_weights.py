@@ -255,3 +255,26 @@ def test_open_refuses_what_it_cannot_read(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "nested.pt")
     with pytest.raises(WeightsError, match=r"no tensors at the top level \(keys \['model'\]\)"):
         open_weights(str(tmp_path / "nested.pt"))
+
+
+def test_transformers_saved_experts_read_as_the_models_banks():
+    """A Mixtral checkpoint in transformers' saved names (each expert's w1, w2, w3 apart)
+    answers under the model's names with the model's shapes; a box of the fused
+    gate_up_proj bank that crosses from w1's rows into w3's and covers experts 1 and 2
+    equals the model's, and reads only those experts' w1 and w3."""
+    from fxmeg.weights.converted import converted
+    from tests.harness.models import make_model, saved_names
+
+    model = make_model("moe-mixtral", n_layer=1)
+    weights = open_weights(saved_names(model))
+    view = converted(weights, model)
+    state = model.state_dict()
+    assert view.names() == set(state)
+    assert all(view.shape(n)[0] == tuple(t.shape) for n, t in state.items())
+    bank = "model.layers.0.mlp.experts.gate_up_proj"  # [4, 96, 32]: w1 rows 0..47, w3 48..95
+    out = torch.zeros(2, 20, 4)
+    view.fill([(bank, out, [(((1, 40, 5), (2, 20, 4)), ((0, 0, 0), (2, 20, 4)))])])
+    assert torch.equal(out, state[bank][1:3, 40:60, 5:9])
+    assert sorted(weights.reads) == [
+        f"model.layers.0.mlp.experts.{e}.{w}.weight" for e in (1, 2) for w in ("w1", "w3")
+    ]
