@@ -237,7 +237,6 @@ class EngineConfig:
         check_zero3_companions(self)
         self._check_experts()
         self._check_router_bias()
-        self._check_router_loss()
 
     @classmethod
     def from_flat(cls, **values) -> EngineConfig:
@@ -302,17 +301,6 @@ class EngineConfig:
                 "sharded over the expert-data-parallel ranks only (layer-wise sharding is asked "
                 "for, or chosen for an optimizer that steps whole parameters, such as Muon); use "
                 "optimizer_sharding='elementwise'"
-            )
-
-    def _check_router_loss(self) -> None:
-        """The global router loss's running average is a forward-time state, which a
-        recompute would advance twice."""
-        recompute = self.recomputation.recompute
-        if self.moe.moe_router_load_balancing_type == "global_aux_loss" and recompute != "none":
-            raise ConfigError(
-                "moe_router_load_balancing_type='global_aux_loss' does not run with "
-                f"recompute={recompute!r} yet: the running tokens per expert would have moved on "
-                "when backward recomputes a micro-batch; use recompute='none' or 'aux_loss'"
             )
 
     def _check_router_bias(self) -> None:

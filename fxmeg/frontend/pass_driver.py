@@ -47,6 +47,7 @@ from fxmeg.config import SECTIONS, EngineConfig, Example, cast_inputs, example_t
 from fxmeg.errors import ConfigError, PassError, closest
 from fxmeg.frontend.capture import LossFn, capture, on_meta, retarget
 from fxmeg.frontend.model_checks import check_model
+from fxmeg.frontend.router_bias import keep_router_biases_fp32
 from fxmeg.interop.hugging_face import warn_shifted_labels
 from fxmeg.ir import ops
 from fxmeg.ir.layouts import ExpertShard
@@ -153,7 +154,8 @@ def transform(
     With precision bf16 / fp16 the model's parameters and floating buffers are cast in
     place before capture (as Megatron's Float16Module); their fp32 tensors are kept (not
     copied) in ``Program.master_values``, from which each rank reads the fp32 masters of
-    exactly the elements it updates.
+    exactly the elements it updates. The routers' expert biases the expert-parallel pass
+    finds are fp32 again after the passes (fxmeg/frontend/router_bias.py), as Megatron's.
 
     A model built under ``with torch.device("meta"):`` is captured and transformed on
     shapes alone; the Program then holds meta tensors, and the runtime materialises each
@@ -173,6 +175,7 @@ def transform(
     meta = on_meta(model)
     target = _device(model, example, device, meta)
     dtypes = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}
+    buffers = dict(model.named_buffers(remove_duplicate=False))  # before the cast replaces them
     masters = _cast(model, config.dtype)
     example = cast_inputs(example, config.dtype)
     opts = DriverOptions.from_env()
@@ -190,6 +193,7 @@ def transform(
             return gm
         if p.reference:
             reference = _share_tensors_copy(gm)
+    keep_router_biases_fp32(model, gm, reference, buffers)
     if meta:
         for graph in (gm, reference):
             retarget(graph, target)

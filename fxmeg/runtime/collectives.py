@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from fxmeg.ir import ops
-from fxmeg.ir.recomputation import Recomputation
+from fxmeg.ir.recomputation import Once, Recomputation
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
 from fxmeg.torch_private import resolve_process_group
@@ -337,8 +337,13 @@ def _bind_zero(node: fx.Node, b: Binding) -> None:
 
 
 def _bind_global_tokens(node: fx.Node, b: Binding) -> None:
+    """The running tokens per expert advance once per micro-batch: a recompute region that
+    reads them gets the value its forward got (``Recomputation.once``), not a second step."""
     if b.global_tokens is not None:
-        node.target = b.global_tokens
+        node.target = (
+            b.global_tokens if b.recomputation is None
+            else Once(b.global_tokens, b.recomputation).call
+        )
         node.kwargs = {**node.kwargs, "group": b.group(node.kwargs["group"])}
 
 

@@ -116,7 +116,9 @@ class GlobalTokens:
     micro-batch's tokens per expert are summed over the data-parallel ranks (every rank
     runs its i-th micro-batch i-th) and added to the step's running sum; the result is
     their mean over every micro-batch so far, every rank's. ``reset`` starts a step; a
-    forward without gradients (evaluation) keeps its micro-batch's own."""
+    forward without gradients (evaluation) keeps its micro-batch's own. Called once per
+    micro-batch: inside a recompute region, backward's run replays the value forward got
+    (``collectives.bind`` calls it through ``Recomputation.once``)."""
 
     def __init__(self, dp: int) -> None:
         self.dp = dp

@@ -23,8 +23,9 @@ writes ``KEY.program``; a rank that finds the lock waits for that file and loads
 A Program holds the user's tensors. The file holds none of the model's: each is written as
 its state-dict name and bound, on load, to the loading rank's own model, after the same
 in-place precision cast the transform makes (``_cast``), whose fp32 tensors are bound to
-``Program.master_values``. A tensor on a model tensor's memory (the graph's own alias of a
-buffer the runtime updates in place) is bound as the same view of it. Other tensors
+``Program.master_values``, and the buffers it makes fp32 again (the routers' expert
+biases). A tensor on a model tensor's memory (the graph's own alias of a buffer the
+runtime updates in place) is bound as the same view of it. Other tensors
 (constants the passes made) travel by value, and the FakeTensors of ``node.meta["val"]``
 as meta tensors of the same shape, stride and dtype (nothing reads them after the
 transform). A GraphModule travels as its graph's nodes, its attributes and ``meta``, not
@@ -55,6 +56,7 @@ import fxmeg.api
 import fxmeg.diagnostics.layout_plan
 import fxmeg.frontend.pass_driver as transform_module
 import fxmeg.frontend.variable_shapes
+from fxmeg.frontend.router_bias import replace_buffers
 
 WAIT_S = 300.0
 _ORIGINAL = transform_module.transform
@@ -369,15 +371,28 @@ def _dump(program, model: nn.Module) -> bytes:
     named += [(("master", n), t) for n, t in program.master_values.items()]
     buffer = io.BytesIO()
     _Pickler(buffer, named).dump(program)
-    return pickle.dumps((program.config.dtype, buffer.getvalue()))
+    fp32 = [n for n, t in model.named_buffers(remove_duplicate=False) if t.dtype == torch.float32]
+    return pickle.dumps((program.config.dtype, fp32, buffer.getvalue()))
 
 
 def _load(blob: bytes, model: nn.Module):
-    dtype, payload = pickle.loads(blob)
-    masters = transform_module._cast(model, dtype)  # the transform's side effect on the model
+    dtype, fp32, payload = pickle.loads(blob)
+    before = dict(model.named_buffers(remove_duplicate=False))
+    masters = transform_module._cast(model, dtype)  # the transform's side effects on the model
+    _keep_fp32(model, fp32, before)
     tensors = {("model", n): t for n, t in _model_tensors(model)}
     tensors.update({("master", n): t for n, t in masters.items()})
     return _Unpickler(io.BytesIO(payload), tensors).load()
+
+
+def _keep_fp32(model: nn.Module, fp32: list[str], before: dict[str, torch.Tensor]) -> None:
+    """The buffers the transform left fp32 after its cast (the routers' expert biases,
+    fxmeg/frontend/router_bias.py), fp32 again from their values before the cast."""
+    swap = {}
+    for name, t in model.named_buffers(remove_duplicate=False):
+        if name in fp32 and t.dtype != torch.float32:
+            swap.setdefault(id(t), before[name].detach().to(torch.float32))
+    replace_buffers(swap, (model,))
 
 
 def _model_tensors(model: nn.Module):

@@ -3,7 +3,8 @@ ep=2 (dp=2, each rank routing its own micro-batches) and over a pipeline (pp=2, 
 stage holding one of the two layers), every rank reports each layer's counts over the
 global batch: those of the model's own routing in one process. Loss-free balancing at
 ep=2 (DeepSeek-V3, ``moe_router_bias_update_rate``) trains as the plain single-device
-loop of tests/runtime/test_expert_load.py, the router bias included."""
+loop of tests/runtime/test_expert_load.py, the router bias included; under bf16 the bias
+stays fp32 on every rank (fxmeg/frontend/router_bias.py), each update made in fp32."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def run(rank: int) -> dict:
     state = engine.full_state_dict()
     out["state"] = state if rank == 0 else None
     out["bias"] = state[BIAS]
+    engine = _engine(tiny_moe("deepseek_v3"), ep=2, precision="bf16",
+                     moe_router_bias_update_rate=RATE, optimizer=optimizer)
+    loads = [engine.train_step(b).expert_load for b in _batches(3)]
+    out["bf16"] = dict(loads=loads, held=dict(engine.context.load.biases),
+                       saved=engine.full_state_dict()[BIAS])
     return out
 
 
@@ -67,3 +73,22 @@ def test_loss_free_balancing_at_ep2_equals_plain_pytorch(results):
     assert_weights_close(results[0]["state"], ref.state_dict())
     # every rank, the same update
     assert all(torch.equal(r["bias"], ref.get_buffer(BIAS)) for r in results)
+
+
+def test_the_router_bias_stays_fp32_under_bf16(results):
+    """Megatron keeps expert_bias fp32 in any precision: after three bf16 steps at ep=2 each
+    rank's bias (held and saved) is fp32 and equals RATE * sign(mean - counts) summed in
+    fp32 over the measured counts of each step. In bf16 the first update alone would
+    round (0.05 is 0.0500488)."""
+    layer = BIAS.removesuffix("gate.e_score_correction_bias") + "experts"
+    loads = results[0]["bf16"]["loads"]
+    want = torch.zeros(4, dtype=torch.float32)
+    for step in loads:
+        counts = torch.tensor(step[layer], dtype=torch.float32)
+        want += RATE * torch.sign(counts.mean() - counts)
+    assert want.abs().sum() > 0 and not torch.equal(want.bfloat16().float(), want)
+    for r in results:
+        assert r["bf16"]["loads"] == loads
+        assert list(r["bf16"]["held"]) == [layer]
+        for bias in (r["bf16"]["held"][layer], r["bf16"]["saved"]):
+            assert bias.dtype == torch.float32 and torch.equal(bias, want), bias

@@ -101,9 +101,18 @@ ROUTER_LOSS_CP = Scenario("hf-mixtral", cp=2, options=(("ep", 2),))
 GLOBAL_LOSS = Scenario(
     "hf-mixtral", dp=2, options=(("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss"))
 )
+# each block again in backward; the running tokens per expert advance once per micro-batch
+# (selective recomputes attention cores only: no router, no scenario of its own)
+GLOBAL_LOSS_RECOMPUTE = Scenario(
+    "hf-mixtral", dp=2, pp=2, options=(
+        ("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss"), ("recompute", "full")
+    ),
+)
 # experts: aten._grouped_mm
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))
-ALL = EP2 + CP + DP2 + FOUR + [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, BF16]
+ALL = EP2 + CP + DP2 + FOUR + [
+    ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16
+]
 
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
@@ -254,7 +263,8 @@ def test_the_optimizer_state_is_each_ranks_share_of_the_model(results, sc):
 
 
 @pytest.mark.parametrize(
-    "sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS], ids=lambda s: s.id
+    "sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE],
+    ids=lambda s: s.id,
 )
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):
     """With recompute='full' each block, its routed experts and their all-to-alls

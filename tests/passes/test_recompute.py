@@ -4,15 +4,18 @@ compiled chunks (compile=True): training unchanged, activation memory down as pr
 from __future__ import annotations
 
 import copy
+import operator
 import re
 
 import pytest
 import torch
+from torch import fx
 
 import fxmeg
 from fxmeg.diagnostics.layout_plan import activation_bytes
 from fxmeg.diagnostics.measured_activations import SavedBytes
 from fxmeg.errors import ConfigError
+from fxmeg.ir.recomputation import Once, Recomputation
 from fxmeg.passes.recompute import Recompute
 from tests.harness.helpers import (
     assert_losses_close,
@@ -123,3 +126,30 @@ def test_compiled_chunks_train_the_same(gpt):
 def test_bad_recompute_options(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         fxmeg.parallelize(make_model("gpt"), make_batch(2, seed=0), **options)
+
+
+def test_a_region_replays_the_value_its_forward_got_from_a_once_target():
+    """What must not advance twice (``global_aux_loss``'s running tokens per expert) runs
+    through ``Recomputation.once`` (collectives.bind): two micro-batches through a region
+    that reads a running count, then both backwards (the later first, as a pipeline does):
+    the count advanced twice, and each backward's recomputation saw its own forward's value,
+    so each gradient is its forward's value times the incoming one."""
+    recomputation = Recomputation()
+    calls = []
+
+    def running(x):  # a state that moves on with every call
+        calls.append(1)
+        return torch.full_like(x, float(len(calls)))
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(operator.mul, (x, graph.call_function(
+        Once(running, recomputation).call, (x,)))))
+    region = Recompute(fx.GraphModule(torch.nn.Module(), graph))
+    region.recomputation = recomputation
+    inputs = [torch.ones(3, requires_grad=True) for _ in range(2)]
+    outs = [region(x) for x in inputs]
+    for out in reversed(outs):
+        out.sum().backward()
+    assert len(calls) == 2
+    assert [x.grad.tolist() for x in inputs] == [[1.0] * 3, [2.0] * 3]
