@@ -85,9 +85,12 @@ class Scenario:
     def batches(self):
         return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
 
-    def engine(self):
+    def engine(self, model=None):
+        """fxmeg's engine of this scenario, of ``model`` (default: a new one; a test that
+        reads the user's module after parallelize passes its own)."""
         batches = self.batches()
-        model = self.meta_model() if self.meta else self.make_model()
+        if model is None:
+            model = self.meta_model() if self.meta else self.make_model()
         init = dict(init_fn=model.init_weights, seed=0) if self.meta else {}
         return fxmeg.parallelize(
             model,
@@ -105,10 +108,10 @@ class Scenario:
         )
 
 
-def train(rank: int, sc: Scenario, extra=None) -> dict:
-    """Train one scenario on this rank; report what the tests compare (and what
-    ``extra(rank, engine)`` returns, after training)."""
-    engine = sc.engine()
+def train(rank: int, sc: Scenario, extra=None, *, model=None) -> dict:
+    """Train one scenario (of ``model``, default a new one) on this rank; report what the
+    tests compare (and what ``extra(rank, engine)`` returns, after training)."""
+    engine = sc.engine(model)
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events, grads = [], [], [], []
     for b in sc.batches():
