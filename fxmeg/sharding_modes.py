@@ -177,11 +177,6 @@ def check_zero3_companions(config) -> None:
             "variable_seq_lengths=True",
             "the Programs of other shapes are not checked at zero=3 yet; use zero=2",
         ),
-        (
-            par.ep > 1,
-            f"ep={par.ep}",
-            "the expert banks' own buffers are not gathered yet; use zero=2",
-        ),
     )
     for flag, what, fix in refused:
         if flag:

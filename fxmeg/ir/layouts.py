@@ -200,20 +200,26 @@ class ExpertShard:
 @dataclass(frozen=True)
 class BucketSlot:
     """Where a trainable parameter's gradient is reduced: bucket ``index`` of the gradient
-    buffer of ``dtype`` that chunk ``chunk`` (the parameter's home) holds."""
+    buffer of ``dtype`` that chunk ``chunk`` (the parameter's home) holds; with ``experts``,
+    of that chunk's buffer of expert banks (reduced over the expert-data-parallel ranks),
+    whose bucket indices count from 0 again."""
 
     chunk: int
     dtype: torch.dtype
     index: int
+    experts: bool = False
 
     def __post_init__(self) -> None:
         _check_dim("BucketSlot", "chunk", self.chunk)
         _check_dim("BucketSlot", "index", self.index)
 
     @property
-    def gather_key(self) -> tuple[int, int]:
-        """(home chunk, bucket index): what a ``wait_param_gather`` marker waits for."""
-        return self.chunk, self.index
+    def gather_key(self) -> tuple:
+        """What a ``wait_param_gather`` or ``zero_gather`` marker names: (home chunk, bucket
+        index), or (home chunk, bucket index, 'experts') in the experts' buffer (the two
+        buffers number their buckets alike: one key for both would gather, or free, the
+        wrong one)."""
+        return (self.chunk, self.index, "experts") if self.experts else (self.chunk, self.index)
 
 
 def is_split(layout: object) -> bool:

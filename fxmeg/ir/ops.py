@@ -35,22 +35,22 @@ def deallocate(tensor: torch.Tensor) -> None:
 
 
 @has_side_effect
-def wait_param_gather(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
-    """Wait for the all-gather of ``bucket`` (chunk, index), which holds ``param``, before
-    forward first reads any of its parameters (Megatron: overlap_param_gather). A no-op
-    until the runtime binds it."""
+def wait_param_gather(param: torch.Tensor, *, bucket: tuple) -> None:
+    """Wait for the all-gather of ``bucket`` (chunk, index; in the chunk's buffer of expert
+    banks: (chunk, index, 'experts'), ``BucketSlot.gather_key``), which holds ``param``,
+    before forward first reads any of its parameters (Megatron: overlap_param_gather). A
+    no-op until the runtime binds it."""
 
 
 @has_side_effect
-def zero_gather(
-    param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None
-) -> None:
-    """zero=3: ``bucket`` (chunk, index), which holds ``param``, must be whole from here
-    on; start gathering ``prefetch``, the bucket forward reads next. A no-op until bound."""
+def zero_gather(param: torch.Tensor, *, bucket: tuple, prefetch: tuple | None) -> None:
+    """zero=3: ``bucket`` (``wait_param_gather``'s key), which holds ``param``, must be
+    whole from here on; start gathering ``prefetch``, the bucket forward reads next. A
+    no-op until bound."""
 
 
 @has_side_effect
-def zero_release(param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+def zero_release(param: torch.Tensor, *, bucket: tuple) -> None:
     """zero=3: forward reads no parameter of ``bucket`` after this; free it until backward
     needs it again. A no-op until bound."""
 

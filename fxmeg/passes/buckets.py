@@ -12,7 +12,7 @@ routed experts under expert parallelism (reduced and sharded over the expert-dat
 ranks, so padded to their count: each bank's bucket indices count from 0 in its own
 buffer), and every trainable parameter's
 get_attr node carries ``meta["fxmeg"]["bucket"]``, a ``fxmeg.ir.layouts.BucketSlot(chunk, dtype,
-index)``:
+index, experts)``:
   * a parameter's gradient is complete once backward has passed its *first* use in
     forward, so parameters are laid out by first use, latest first (Megatron lays out
     its buffer in reverse parameter order for the same reason);
@@ -98,9 +98,10 @@ def buckets(parent: fx.GraphModule, *, parallel: ParallelConfig,
                 layout = next(
                     lay for lay in layouts_of[home] if any(s.name == node.target for s in lay.slots)
                 )
-                set_tag(
-                    node, "bucket", BucketSlot(home, layout.dtype, layout.slot(node.target).bucket)
+                slot = BucketSlot(
+                    home, layout.dtype, layout.slot(node.target).bucket, experts=layout.experts
                 )
+                set_tag(node, "bucket", slot)
     return parent
 
 

@@ -11,13 +11,15 @@ Requires: the bucket pass (``meta["fxmeg"]["bucket"]`` on trainable parameters' 
 Ensures: every ``ops.early_linear`` node reads a trainable parameter as its weight, and a
 parameter of another bucket is read between that parameter's first read and it. In the
 chunk graph, for every bucket whose parameters the chunk reads, one
-wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)``, comes before the
+wait (or zero=3: gather) node, keyed ``bucket=(home chunk, index)`` (a bucket of the
+experts' buffer: ``(home chunk, index, 'experts')``), comes before the
 first node that uses any parameter of that bucket; every use of those parameters follows
 it. At zero=3 (with ``reshard_after_forward``) one release node per bucket comes after every node
 that reads one of its parameters or a value that may alias one (a view: ``t``, ``view``, ``getitem``
 ..., or a region whose body returns a view of its input), and each gather names as ``prefetch`` the
 bucket gathered next (None for the last). Forward reads the last buckets first (buckets are laid out
-in backward order), so the keys come in descending bucket order.
+in backward order), so each buffer's keys come in descending bucket order (the dense buffer's
+and the experts' interleaved, block by block).
 """
 
 from __future__ import annotations
@@ -47,15 +49,9 @@ def param_gather(gm: fx.GraphModule, *, config: EngineConfig, chunk: ChunkInfo) 
         return _gather_and_release(gm, release=config.data_parallel.reshard_after_forward)
     if not config.data_parallel.overlap_param_gather:
         return finish(gm)
-    for (home, index), (user, param) in _first_uses(gm).items():
-        _marker(
-            gm,
-            user,
-            ops.wait_param_gather,
-            param,
-            {"bucket": (home, index)},
-            f"wait_param_gather_{home}_{index}",
-        )
+    for key, (user, param) in _first_uses(gm).items():
+        name = f"wait_param_gather_{_name(key)}"
+        _marker(gm, user, ops.wait_param_gather, param, {"bucket": key}, name)
     return finish(gm)
 
 
@@ -141,14 +137,13 @@ def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
     for i, key in enumerate(keys):
         user, param = first[key]
         prefetch = keys[i + 1] if i + 1 < len(keys) else None
-        home, index = key
         _marker(
             gm,
             user,
             ops.zero_gather,
             param,
             {"bucket": key, "prefetch": prefetch},
-            f"zero_gather_{home}_{index}",
+            f"zero_gather_{_name(key)}",
         )
         if release:
             _marker(
@@ -157,10 +152,15 @@ def _gather_and_release(gm: fx.GraphModule, *, release: bool) -> fx.GraphModule:
                 ops.zero_release,
                 param,
                 {"bucket": key},
-                f"zero_release_{home}_{index}",
+                f"zero_release_{_name(key)}",
                 after=True,
             )
     return finish(gm)
+
+
+def _name(key: tuple) -> str:
+    """A marker's name suffix for bucket ``key``: ``0_3``, ``0_1_experts``."""
+    return "_".join(map(str, key))
 
 
 def _readers(param: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:

@@ -189,7 +189,7 @@ def param_gather(gm: fx.GraphModule, data_parallel: DataParallelConfig, chunk: C
         return _zero_gather(gm, chunk, reshard=data_parallel.reshard_after_forward)
     if not data_parallel.overlap_param_gather:
         return
-    waited: set[tuple[int, int]] = set()
+    waited: set[tuple] = set()
     for node in gm.graph.nodes:
         if node.target is ops.wait_param_gather:
             waited.add(node.kwargs["bucket"])

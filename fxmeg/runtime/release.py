@@ -88,7 +88,8 @@ def release(model: nn.Module, program: Program, chunks: dict[int, fx.GraphModule
     tensor where it holds it readable, else a ``Released`` placeholder; buffers and
     untrained state are real and whole."""
     held = _held_whole(program, chunks)
-    # zero=3: views of memory freed between uses; an expert bank: this rank's experts only
+    # zero=3: views of memory freed between uses (an expert bank's too: its buffer over the
+    # expert-data-parallel ranks); at other stages a bank holds this rank's experts only
     zero3 = program.config.data_parallel.zero_stage == 3
     readable = {} if zero3 else {n: t for n, t in held.items() if n not in program.ep_specs}
     memo: dict[int, torch.Tensor] = {}
@@ -146,6 +147,11 @@ def _why(program: Program, chunks: dict[int, fx.GraphModule], name: str) -> str:
             f"pipeline rank {stages[0]}" if len(stages) == 1 else f"pipeline ranks {list(stages)}"
         )
         return f"{where} of pp={par.pp} trains it, not this one"
+    if program.config.data_parallel.zero_stage == 3 and name in program.ep_specs:
+        return (
+            f"zero=3 keeps only this rank's share of it between steps (1/{par.edp} of its "
+            f"experts' rows at ep={par.ep}), gathered while a step reads it (docs/zero.md)"
+        )
     if program.config.data_parallel.zero_stage == 3:
         return (
             f"zero=3 keeps only this rank's 1/{par.dp * par.cp} of it between steps, gathered "

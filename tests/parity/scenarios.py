@@ -108,10 +108,13 @@ class Scenario:
     def batches(self):
         return [make_batch(self.gbs, seed=100 + s) for s in range(STEPS)]
 
-    def engine(self, weights=None):
-        """This scenario's engine (``weights``: ``open_weights(saved_at(root))``, if pretrained)."""
+    def engine(self, weights=None, model=None):
+        """fxmeg's engine of this scenario (``weights``: ``open_weights(saved_at(root))``, if
+        pretrained), of ``model`` (default: a new one; a test that reads the user's module
+        after parallelize passes its own)."""
         batches = self.batches()
-        model = self.meta_model() if self.meta or self.pretrained else self.make_model()
+        if model is None:
+            model = self.meta_model() if self.meta or self.pretrained else self.make_model()
         init = {}
         if self.meta:
             init = dict(seed=0) if self.hugging_face else dict(init_fn=model.init_weights, seed=0)
@@ -134,12 +137,12 @@ class Scenario:
         )
 
 
-def train(rank: int, sc: Scenario, extra=None, root: str | None = None) -> dict:
-    """Train one scenario on this rank; report what the tests compare (and what
-    ``extra(rank, engine)`` returns, after training). ``root``: where pretrained
-    scenarios were saved (``read``: the checkpoint tensors this rank read)."""
+def train(rank: int, sc: Scenario, extra=None, root: str | None = None, *, model=None) -> dict:
+    """Train one scenario (of ``model``, default a new one) on this rank; report what the
+    tests compare (and what ``extra(rank, engine)`` returns, after training). ``root``:
+    where pretrained scenarios were saved (``read``: the checkpoint tensors this rank read)."""
     weights = open_weights(sc.saved_at(root)) if sc.pretrained else None
-    engine = sc.engine(weights)
+    engine = sc.engine(weights, model)
     initial = engine.full_state_dict() if sc.meta else None  # collective: every rank calls it
     steps, counters, events, grads = [], [], [], []
     for b in sc.batches():

@@ -9,7 +9,10 @@ goes to the experts of one rank, the other receives no rows), Llama 4 (batched e
 every expert over every token, the routing weights on their input; every other layer
 dense) and Granite's granitemoe and granitemoeshared (a shared MLP) at ep=2 (dp=2: each
 rank holds half the experts); the two Granite types also at dp=2 with ep=1 (each rank every
-expert, m=4 micro-batches); Mixtral
+expert, m=4 micro-batches); Mixtral and DeepSeek-V3 at ep=2 (dp=2) with zero=3 (each bank
+kept as this rank's slice of its experts' buffer, gathered over the expert-data-parallel
+ranks while a step reads it; reading a bank of the user's module then raises
+ReleasedError); Mixtral
 and Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
@@ -72,6 +75,12 @@ EP2 = [
     Scenario(f"moe-{kind}", dp=2, options=(("ep", 2),))
     for kind in sorted(MOE) + sorted(BATCHED_MOE)
 ]
+# zero=3: each bank kept as this rank's slice of its experts' buffer (over the
+# expert-data-parallel ranks), gathered while a step reads it
+ZERO3 = [
+    Scenario(f"moe-{kind}", dp=2, options=(("ep", 2), ("zero", 3)))
+    for kind in ("mixtral", "deepseek_v3")
+]
 # folded over cp
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]
 # ep=1: all experts
@@ -110,7 +119,7 @@ GLOBAL_LOSS_RECOMPUTE = Scenario(
 )
 # experts: aten._grouped_mm
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))
-ALL = EP2 + CP + DP2 + FOUR + [
+ALL = EP2 + ZERO3 + CP + DP2 + FOUR + [
     ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16
 ]
 
@@ -194,8 +203,35 @@ def resume(rank: int, sc: Scenario, root: str) -> dict:
                 state=state if rank == 0 else None)
 
 
+def user_reads(model) -> dict:
+    """After parallelize at zero=3, what reading the user's module gives: (the error's
+    type, its message) for a bank's norm and for state_dict(), and the elements it counts."""
+
+    def attempt(read) -> tuple[str, str]:
+        try:
+            read()
+        except Exception as e:  # noqa: BLE001 - the test checks which
+            return type(e).__name__, str(e)
+        return "nothing", ""
+
+    name, bank = next((n, p) for n, p in model.named_parameters() if ".experts." in n)
+    return dict(bank=name, norm=attempt(bank.norm), state_dict=attempt(model.state_dict),
+                elements=sum(p.numel() for p in model.parameters()))
+
+
+def train_zero3(rank: int, sc: Scenario) -> dict:
+    """``train`` of ``sc`` (zero=3), then the user's module read (``user_reads``)."""
+    model = sc.make_model()
+    return train(rank, sc, held, model=model) | dict(user=user_reads(model))
+
+
 def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
-    out = {sc.id: train(rank, sc, masters if sc == BF16 else held, root) for sc in scenarios}
+    out = {
+        sc.id: train_zero3(rank, sc)
+        if sc in ZERO3
+        else train(rank, sc, masters if sc == BF16 else held, root)
+        for sc in scenarios
+    }
     world = dist.get_world_size()
     if world == SAVED.world:
         out["save"] = save(rank, root)
@@ -222,12 +258,43 @@ def _ranks(results, sc) -> list[dict]:
     return [r[sc.id] for r in results[sc.world]]
 
 
-@pytest.mark.parametrize("sc", EP2 + CP + DP2 + FOUR, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", EP2 + ZERO3 + CP + DP2 + FOUR, ids=lambda s: s.id)
 def test_parity(results, sc):
     check_parity(_ranks(results, sc), sc)
 
 
-@pytest.mark.parametrize("sc", EP2 + CP + FOUR, ids=lambda s: s.id)
+@pytest.mark.parametrize("sc", ZERO3, ids=lambda s: s.id)
+def test_zero3_gathers_each_bank_over_its_experts_buffer_group(results, sc):
+    """zero=3 at ep=2 x dp=2: every step gathers and frees the experts' buffer's buckets
+    (labelled ``/experts``, over the expert-data-parallel ranks) as well as the dense ones."""
+    for r in _ranks(results, sc):
+        for log in r["events"]:
+            gathered = {label for kind, label in log if kind == "gather"}
+            released = {label for kind, label in log if kind == "released"}
+            experts = {label for label in gathered if "/experts/" in label}
+            assert experts and experts <= released, (experts, released)
+            assert gathered - experts, gathered
+
+
+@pytest.mark.parametrize("sc", ZERO3, ids=lambda s: s.id)
+def test_reading_a_bank_of_the_users_module_at_zero3_is_a_named_error(results, sc):
+    """After training at zero=3 x ep, the user's module holds placeholders for the banks
+    (views of freed memory would segfault): a bank's norm and state_dict() raise
+    ReleasedError naming the bank, zero=3 and engine.full_state_dict(); the shapes still
+    count the whole model."""
+    want = sum(p.numel() for p in sc.make_model().parameters())
+    for r in _ranks(results, sc):
+        user = r["user"]
+        for what in ("norm", "state_dict"):
+            kind, message = user[what]
+            assert kind == "ReleasedError" and "full_state_dict()" in message, user[what]
+            assert "zero=3" in message, message
+        assert repr(user["bank"]) in user["norm"][1]
+        assert "1/1 of its experts' rows at ep=2" in user["norm"][1]
+        assert user["elements"] == want
+
+
+@pytest.mark.parametrize("sc", EP2 + ZERO3 + CP + FOUR, ids=lambda s: s.id)
 def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results, sc):
     ep = dict(sc.options)["ep"]
     full = {n: tuple(t.shape) for n, t in sc.make_model().named_parameters()}

@@ -285,14 +285,12 @@ class DataParallel:
         for b in self.all():
             b.wait_for_params()
 
-    def wait_param_gather(self, param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+    def wait_param_gather(self, param: torch.Tensor, *, bucket: tuple) -> None:
         """What a bound ``ops.wait_param_gather`` marker calls: wait for the all-gather of
-        ``bucket`` (chunk, index) if it is still pending."""
-        chunk, index = bucket
-        for b in self.buffers.get(chunk, ()):
-            pending = b.pending.pop(index, None)
-            if pending is not None:
-                pending.wait()
+        ``bucket`` (``BucketSlot.gather_key``) if it is still pending."""
+        pending = buffer_of(self.buffers, bucket).pending.pop(bucket[1], None)
+        if pending is not None:
+            pending.wait()
 
     def all(self) -> list[GradBuffer]:
         return [b for bufs in self.buffers.values() for b in bufs]
@@ -310,6 +308,13 @@ class DataParallel:
         """A backward or weight-gradient action of ``chunk`` is done (zero >= 2 reduces then)."""
         for b in self.buffers.get(chunk, ()):
             b.end_backward()
+
+
+def buffer_of(buffers: dict[int, list[GradBuffer]], bucket: tuple) -> GradBuffer:
+    """Of the chunks' ``buffers``, the one that holds ``bucket`` (``BucketSlot.gather_key``:
+    (chunk, index), or (chunk, index, 'experts') in the chunk's buffer of expert banks)."""
+    experts = len(bucket) > 2
+    return next(b for b in buffers[bucket[0]] if b.layout.experts == experts)
 
 
 class _EarlyLinear(torch.autograd.Function):

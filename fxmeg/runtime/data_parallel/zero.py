@@ -19,7 +19,7 @@ from torch import nn
 
 from fxmeg.ir.program import BufferLayout
 from fxmeg.ir.recomputation import Recomputation
-from fxmeg.runtime.data_parallel.ddp import Events, GradBuffer
+from fxmeg.runtime.data_parallel.ddp import Events, GradBuffer, buffer_of
 from fxmeg.runtime.groups import Works, gather_into, reduce_scatter_
 from fxmeg.torch_private import storage_key
 
@@ -410,38 +410,36 @@ class ZeroBuffer(GradBuffer):
 
 
 class ZeroParams:
-    """zero=3 over every buffer of this rank: what the bound graph nodes, autograd's saved
-    tensors and the recompute regions call, and whole parameters on demand."""
+    """zero=3 over every buffer of this rank (a chunk's dense buffer, over dp x cp, and its
+    expert banks' buffer, over the expert-data-parallel ranks: each gathers and frees its
+    own buckets over its own group): what the bound graph nodes, autograd's saved tensors
+    and the recompute regions call, and whole parameters on demand."""
 
     def __init__(self, buffers: dict[int, list[GradBuffer]], *, recomputation: Recomputation,
                  post: bool = False) -> None:
         self.recomputation = recomputation
         """The rank's recompute regions: they make their parameters whole before they run."""
-        self.buffers = {c: bufs[0] for c, bufs in buffers.items() if bufs}
+        self._chunks = buffers
+        self.buffers: list[ZeroBuffer] = [b for bufs in buffers.values() for b in bufs]
         self.post = post
         """backward_prefetch='post': backward gathers the next bucket once it freed one."""
-        assert all(len(b) <= 1 for b in buffers.values()), (
-            "zero=3 with expert banks is refused by the config"
-        )
         self._storage = {
-            key: (buf, i) for buf in self.buffers.values() for key, i in buf.storages().items()
+            key: (buf, i) for buf in self.buffers for key, i in buf.storages().items()
         }
         self.pending: dict[tuple[ZeroBuffer, int], int] = {}
         """(buffer, bucket) -> tensors autograd saved in its memory and still holds."""
         self.backward = False
         """Inside a chunk's backward (``running(backward=True)``)."""
 
-    def gather(
-        self, param: torch.Tensor, *, bucket: tuple[int, int], prefetch: tuple[int, int] | None
-    ) -> None:
-        """A bound ``ops.zero_gather``."""
-        self.buffers[bucket[0]].ensure(bucket[1])
+    def gather(self, param: torch.Tensor, *, bucket: tuple, prefetch: tuple | None) -> None:
+        """A bound ``ops.zero_gather`` (keys: ``BucketSlot.gather_key``)."""
+        buffer_of(self._chunks, bucket).ensure(bucket[1])
         if prefetch is not None:
-            self.buffers[prefetch[0]].gather(prefetch[1])
+            buffer_of(self._chunks, prefetch).gather(prefetch[1])
 
-    def release(self, param: torch.Tensor, *, bucket: tuple[int, int]) -> None:
+    def release(self, param: torch.Tensor, *, bucket: tuple) -> None:
         """A bound ``ops.zero_release``."""
-        self.buffers[bucket[0]].release(bucket[1])
+        buffer_of(self._chunks, bucket).release(bucket[1])
 
     def _pack(self, t: torch.Tensor):
         found = self._storage.get(storage_key(t))
@@ -456,7 +454,7 @@ class ZeroParams:
         buf, i = saved.buffer, saved.bucket
         # a bucket none of whose saved tensors autograd still holds is past its last use
         # in this backward (its gradients may come later: a tied embedding's, at the end)
-        for other in self.buffers.values():
+        for other in self.buffers:
             for j in list(other._live):
                 if (other is not buf or j not in (i, i + 1)) and not self.pending.get((other, j)):
                     self.freed(other, j)
@@ -488,7 +486,7 @@ class ZeroParams:
         backward, a bucket is freed once autograd let go of the last tensor it saved from
         it (``_Saved.__del__``)."""
         self.backward = backward
-        log = next(iter(self.buffers.values())).events.log if backward and self.buffers else []
+        log = self.buffers[0].events.log if backward and self.buffers else []
         log.append(("backward", "begin"))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
@@ -502,13 +500,13 @@ class ZeroParams:
     def whole(self, *, write: bool = False):
         """Every parameter whole inside (collective over the data-parallel ranks); with
         ``write``, what was written into them is kept in the shards on exit."""
-        for buf in self.buffers.values():
+        for buf in self.buffers:
             for i in buf._whole:
                 buf.ensure(i)
         try:
             yield
         finally:
-            for buf in self.buffers.values():
+            for buf in self.buffers:
                 if write:
                     buf.store()
                 buf.wait_for_params()
