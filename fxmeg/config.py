@@ -285,12 +285,6 @@ class EngineConfig:
                 "the experts' all-to-all exchanges tokens whose counts are known only at run time "
                 f"(data-dependent shapes{untested}); use schedule='1f1b' or 'interleaved'"
             )
-        if self.compile and not factor:
-            raise ConfigError(
-                f"ep={ep} does not run with compile=True and dropless experts: the experts' token "
-                "counts are data-dependent shapes (dynamo recompiles for each new count); set "
-                "moe_capacity_factor (static shapes) or compile=False"
-            )
         dp = self.data_parallel
         if (
             dp.optimizer_sharding == "layerwise"

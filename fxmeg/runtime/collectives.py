@@ -325,6 +325,8 @@ def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
     if node.kwargs["group"] not in b.groups or b.experts is None:
         return
     node.target = b.experts.routed_experts
+    if node.kwargs.get("capacity_factor") is None:
+        node.target = b.experts.routed_experts_eager
     node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
         # before any (compiled) forward

@@ -123,3 +123,10 @@ class RankExperts:
         """``fxmeg.ir.ops.routed_experts`` bound: this rank's experts, the others' over
         ``group``, the drops counted in ``drops``."""
         return moe.routed_experts(*args, exchange=self.exchange(group), drops=self.drops, **options)
+
+    @torch.compiler.disable
+    def routed_experts_eager(self, *args, group: str, **options) -> Tensor:
+        """``routed_experts`` outside any compiled graph: dropless experts' row counts are
+        data (a compiled graph would be recompiled for each new count); a chunk graph under
+        torch.compile runs its other nodes compiled and breaks the graph here, once per layer."""
+        return self.routed_experts(*args, group=group, **options)

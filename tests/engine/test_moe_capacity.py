@@ -14,7 +14,9 @@ counted and logged, the ranks agree on every step, and training equals single-de
 training of the same Hugging Face model with Megatron-Core's capacity written out in the
 test (per micro-batch of a rank, the dropped pairs' weights zero). In the same spawn, compiled
 (``compile=True``): a factor of E trains as one device, each chunk compiled once (dynamo's
-``error_on_recompile``), and the drop counter still counts every routed pair."""
+``error_on_recompile``), and the drop counter still counts every routed pair; dropless
+(no factor), the routed experts run outside the compiled graphs and it trains as one
+device without recompiling."""
 
 from __future__ import annotations
 
@@ -344,12 +346,9 @@ def test_the_capacity_factor_is_checked():
     assert EngineConfig.from_flat(
         micro_batch_size=2, global_batch_size=8, moe_capacity_factor=1.0, compile=True, ep=2
     ).compile  # static shapes: compiled (the spawn below)
-    with pytest.raises(
-        ConfigError,
-        match=r"^ep=2 does not run with compile=True and dropless experts: .*; set "
-        r"moe_capacity_factor \(static shapes\) or compile=False",
-    ):
-        EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, compile=True, ep=2)
+    assert EngineConfig.from_flat(
+        micro_batch_size=2, global_batch_size=8, compile=True, ep=2
+    ).compile  # dropless: the experts run outside the compiled graphs (the spawn below)
     with pytest.raises(ConfigError, match=r"^ep=2 does not run with schedule='zbh1'"):
         config(1.0, pp=2, schedule="zbh1")
 
@@ -376,6 +375,7 @@ DROPS = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor"
 COMPILED = Scenario(
     "moe-mixtral", dp=2, options=(("ep", 2), ("moe_capacity_factor", 4.0), ("compile", True))
 )
+DROPLESS_COMPILED = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("compile", True)))
 
 
 def train_capacity(rank: int) -> dict:
@@ -394,6 +394,8 @@ def train_capacity(rank: int) -> dict:
         def emit(self, record):
             logged.append(record.getMessage())
 
+    from torch._dynamo.utils import counters
+
     dist.all_to_all_single = recorded
     logger = logging.getLogger("fxmeg.ir.moe")
     logger.addHandler(Drops())
@@ -408,6 +410,10 @@ def train_capacity(rank: int) -> dict:
     torch._dynamo.config.error_on_recompile = True
     logged.clear()
     out[COMPILED.id] = train(rank, COMPILED, lambda r, e: dict(logged=list(logged)))
+    counters["graph_break"].clear()
+    out[DROPLESS_COMPILED.id] = train(
+        rank, DROPLESS_COMPILED, lambda r, e: dict(breaks=dict(counters["graph_break"]))
+    )
     return out
 
 
@@ -429,6 +435,16 @@ def test_compiled_ep2_trains_as_one_device_and_counts_every_pair(results):
         logged = r[COMPILED.id]["logged"]
         each = f"dropped 0 of {4 * 4 * 32 * 2} routed (token, slot) pairs on this rank ("
         assert len(logged) == 5 and all(each in line for line in logged), logged
+
+
+def test_compiled_dropless_ep2_trains_as_one_device_without_recompiling(results):
+    """compile=True without a capacity factor: the experts' row counts are data, so the
+    routed experts run outside the compiled graphs (each chunk graph breaks there, once per
+    layer) and nothing recompiles for a new count (a recompile raised in the spawn)."""
+    check_parity([r[DROPLESS_COMPILED.id] for r in results], DROPLESS_COMPILED)
+    for r in results:
+        breaks = r[DROPLESS_COMPILED.id]["breaks"]
+        assert breaks and all("routed_experts_eager" in why for why in breaks), breaks
 
 
 @pytest.mark.parametrize("sc", [NO_DROPS, DROPS], ids=lambda s: s.id)

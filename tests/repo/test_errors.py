@@ -628,14 +628,6 @@ ROWS = {
         lambda: _config_file('data = "x"\ntrain_iters = 1\npp = 2\nep = 2\nschedule = "zbh1"\n'),
         "ep=2 does not run with schedule='zbh1': a zero-bubble schedule splits backward",
     ),
-    "ep-compile": (
-        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2, compile=True),
-        (
-            "ep=2 does not run with compile=True and dropless experts: the experts' token counts "
-            "are "
-            "data-dependent shapes"
-        ),
-    ),
     "ep-layerwise": (
         lambda: fxmeg.parallelize(
             make_model("gpt"),
