@@ -72,6 +72,10 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size: each layer's routed experts split over ep ranks carved out of
     the dp * cp ranks (must divide dp * cp and every layer's number of experts)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size of the routed experts (Megatron's ``--expert-tensor-parallel-size``):
+    None means tp (each expert's MLP split over the tp ranks as a dense MLP is); 1 keeps every
+    expert whole on every tp rank. Only 1 and tp are supported."""
 
     SIZES: ClassVar[dict[str, Size]] = {
         "tp": Size(1, "tensor-parallel size"),
@@ -80,6 +84,9 @@ class ParallelConfig:
         "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
         "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
         "ep": Size(1, "expert-parallel size (ranks that split each layer's experts)"),
+        "expert_tensor_parallel_size": Size(
+            1, "tensor-parallel size of the routed experts (1 or tp)", "tp"
+        ),
     }
     """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
@@ -97,6 +104,19 @@ class ParallelConfig:
             object.__setattr__(self, "split_points", tuple(self.split_points))
         if self.dp is not None:
             self._check_ep()
+        if self.expert_tensor_parallel_size not in (None, 1, self.tp):
+            raise ConfigError(
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} with "
+                f"tp={self.tp}: fxmeg splits the experts over all tp ranks or none; use "
+                f"expert_tensor_parallel_size={self.tp} (the default) or 1 (experts whole on every "
+                "tp rank)"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel size (``expert_tensor_parallel_size``)."""
+        size = self.expert_tensor_parallel_size
+        return self.tp if size is None else size
 
     def _check_ep(self) -> None:
         """ep folds over dp * cp: it must divide it (needs dp resolved)."""

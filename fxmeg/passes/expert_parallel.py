@@ -279,6 +279,13 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
         return None
     down = downs[0]
     where = f"module {_module(up)!r}"
+    if any(u.target == torch.ops.fxmeg.tp_reduce.default for u in down.users):
+        raise PassError(
+            f"expert_parallel: the experts of {where} add a bias after their second matmul, "
+            "which expert tensor parallelism sums over tp ranks right after that matmul (the bias "
+            "added once); fxmeg does not carry that sum into the routed experts at ep > 1 yet. "
+            "Fix: expert_tensor_parallel_size=1 (experts whole on every tp rank), or ep=1"
+        )
     histc = _source(offsets, {aten.cumsum.default})
     if histc.target is not aten.histc.default:
         raise PassError(

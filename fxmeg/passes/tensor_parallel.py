@@ -33,9 +33,10 @@ from fxmeg.ir.tags import set_tag, tag
 from fxmeg.passes.graph_utils import attr, call, finish, full_args, val
 from fxmeg.passes.op_rules import LINEAR_SLOTS, SHAPE_ARGUMENT, in_family, rule
 from fxmeg.passes.partition import find_blocks
-from fxmeg.passes.propagation import Propagation
+from fxmeg.passes.propagation import UNDECIDED, Propagation
 from fxmeg.passes.tp.blocks import split_edges
 from fxmeg.passes.tp.channels import ChannelRules
+from fxmeg.passes.tp.experts import ExpertBlocks
 from fxmeg.passes.tp.heads import (
     check_kv_readers,
     kv_linear,
@@ -61,7 +62,8 @@ def tensor_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphMod
     par = parallel
     if par.tp == 1:
         return gm
-    _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel, ep=par.ep).run()
+    _TensorParallel(gm, par.tp, dict(par.tp_plan), par.sequence_parallel, ep=par.ep,
+                    expert_tp=par.expert_tp).run()
     return finish(gm)
 
 
@@ -70,7 +72,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
 
     axis, title, split_kinds, split_phrase = TP, "tensor-parallel", (Shard,), "over tp ranks"
 
-    def __init__(self, gm, tp, plan, sp, *, ep: int = 1):
+    def __init__(self, gm, tp, plan, sp, *, ep: int = 1, expert_tp: int = 1):
         super().__init__(gm, tp)
         self.tp, self.sp, self.ep = tp, sp, ep
         for glob, role in plan.items():
@@ -91,6 +93,13 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
+        # grouped experts split over tp (tp_experts); whole under sp (said by tp_moe)
+        self.experts = ExpertBlocks(self) if expert_tp > 1 and not sp else None
+
+    def before_rules(self, node: fx.Node, places):
+        if self.experts is not None and self.experts.owns(node):
+            return self.experts.place(node)
+        return UNDECIDED
 
     # ------------------------------------------------------------------ driver
 

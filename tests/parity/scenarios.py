@@ -250,11 +250,11 @@ def _held_elements(rank: dict, plain: dict[str, int], tp: int, ep: int) -> tuple
     plain model's sizes: a tp-split parameter's 1 / tp, a bank's E / ep experts."""
     dense = banks = 0
     for name in rank["param_names"]:
-        if ".experts." in name:
+        split = isinstance(rank["tp_specs"].get(name), Shard)
+        if ".experts." in name:  # E / ep experts, split over tp under expert tp
             assert plain[name] % ep == 0, name
-            banks += plain[name] // ep
+            banks += plain[name] // ep // (tp if split else 1)
         else:
-            split = isinstance(rank["tp_specs"].get(name), Shard)
             dense += plain[name] // tp if split else plain[name]
     return dense, banks
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from fxmeg.ir import moe
+from fxmeg.ir.layouts import Shard
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
 from fxmeg.weights.checkpoint import META, Checkpointer
@@ -305,13 +306,20 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
         # mlp.experts, Llama 4's feed_forward.experts, Granite's block_sparse_moe.experts
         banks = {n.partition(".experts.")[0] + ".experts" for n in full if ".experts." in n}
         assert layers == banks, layers
+        mine = {}  # E / ep experts, each split over tp where expert tp splits it
         for name, spec in specs.items():
             if name not in r["shapes"]:
                 continue  # another pipeline rank's layer
-            assert spec.experts == 4 and r["shapes"][name] == (4 // ep, *full[name][1:]), name
-        held = {n for n in specs if n in r["shapes"]}
-        assert held, "this rank holds no experts"
-        assert sum(_numel(r["shapes"][n]) for n in held) * ep == sum(_numel(full[n]) for n in held)
+            tp_spec = r["tp_specs"].get(name)
+            mine[name] = (4 // ep, *full[name][1:])
+            if isinstance(tp_spec, Shard):
+                assert tp_spec.dim > 0 and sc.tp > 1, (name, tp_spec)
+                mine[name] = tuple(tp_spec.local_shape(mine[name], sc.tp))
+            assert spec.experts == 4 and r["shapes"][name] == mine[name], name
+        assert mine, "this rank holds no experts"
+        split = sc.tp if any(isinstance(r["tp_specs"].get(n), Shard) for n in mine) else 1
+        assert sum(_numel(s) for s in mine.values()) * ep * split == sum(
+            _numel(full[n]) for n in mine)
         ep_group = next(g for g in topo.ep_groups() if r["rank"] in g)
         edp = next(g for g in topo.edp_groups() if r["rank"] in g)
         dense = next(g for g in topo.dp_cp_groups() if r["rank"] in g)

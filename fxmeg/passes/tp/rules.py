@@ -171,7 +171,9 @@ class PropagationRules:
     def _slice(self, node: fx.Node):
         """A slice along another dim keeps the split; along the split dim, a slice of whole
         blocks (a fused projection's q, k, v: ``qkv[..., :q_size]``) takes this rank's
-        part of each of them (its bounds divided by tp); a slice of everything keeps it."""
+        part of each of them (its bounds divided by tp), a slice of every step-th entry
+        (``x[..., 1::2]``) this rank's every step-th where each rank's part of each block is
+        a multiple of step; a slice of everything keeps it."""
         s = self.place[node.args[0]]
         x, dim, start, end, step = full_args(node)[:5]
         dim = dim % val(node).dim()
@@ -179,6 +181,12 @@ class PropagationRules:
         start, end = _bounds(start, end, size)
         if dim != s.dim or (start, end, step) == (0, size, 1):
             return s
+        if step > 1 and start < step and end == size and all(p // self.tp % step == 0
+                                                             for p in s.parts):
+            # every step-th feature (GPT-OSS's experts interleave gate and up): each rank's
+            # part of every block starts at a multiple of step, so its own every step-th
+            node.args, node.kwargs = (x, dim, start, size // self.tp, step), {}
+            return s.moved(dim, tuple(p // step for p in s.parts))
         edges = [sum(s.parts[:i]) for i in range(len(s.parts) + 1)]
         if step != 1 or start not in edges or end not in edges:
             raise self.refuse(
