@@ -467,6 +467,7 @@ def test_trained_at_ep2_pp2_exports_what_save_pretrained_writes_with_the_trainer
     assert check(ckpt, out)[0] == "tensors: 39 equal to the checkpoint's, bit for bit"
 
 
+@pytest.mark.parametrize("sc", RESUMED, ids=lambda s: s.id)
 def test_checkpoint_saved_at_ep2_resumes_under_another_layout(results, sc):
     """Loaded at ep=1 (each rank all experts, their optimizer state sharded over dp=2 by
     the distributed optimizer), at ep=2 x pp=2, or at ep=4 (one expert per rank, m=2):
