@@ -139,15 +139,79 @@ def hugging_face_names(state: dict[str, torch.Tensor], aliases: dict[str, list[s
     return {k: v for k, v in state.items() if k not in drop}
 
 
+NAMES = ("saved", "model")
+"""``fxmeg export --names``: transformers' saved names (what ``save_pretrained`` writes: a
+mixture of experts' banks one tensor per expert and projection), or the model's own
+state_dict names (the fused banks, which from_pretrained also loads)."""
+
+
+def as_saved(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """``state`` (a transformers model's tensors under its state_dict names, tied names
+    left out) under the names and splits ``save_pretrained`` writes for the model of
+    ``config`` (``hugging_face_info``'s), in its order: transformers' conversion mapping
+    reversed (``fxmeg.weights.converted.saved_layout``).
+
+    Empties ``state`` as it goes, holding at most one bank twice at any time: a bank's
+    parts are views of the bank itself (split per expert) or of one contiguous copy per
+    concatenated part (then the bank is dropped), the storage transformers' own ``Chunk``
+    and ``SplitModulelist`` give them, so ``shards`` keeps each such storage in one file as
+    save_pretrained does. A tensor written whole is the same tensor. Raises
+    CheckpointError naming the tensor for a conversion fxmeg does not undo."""
+    from fxmeg.errors import WeightsError
+    from fxmeg.weights.converted import saved_layout
+
+    try:
+        layout = saved_layout({k: tuple(v.shape) for k, v in state.items()}, _meta_model(config))
+    except WeightsError as exc:
+        raise CheckpointError(f"export in transformers' saved names: {exc}") from exc
+    out = {}
+    for name, parts in layout:
+        tensor = state.pop(name)
+        blocks: dict[tuple, torch.Tensor] = {}  # per concatenated part: its experts' storage
+        for part in parts:
+            span = (part.dim, part.start, part.size)
+            if span not in blocks:
+                whole = tensor if part.dim is None else tensor.narrow(*span)
+                blocks[span] = whole.contiguous()
+            out[part.name] = blocks[span] if part.expert is None else blocks[span][part.expert]
+        del tensor, blocks  # a split bank's last references: freed before the next one
+    return out
+
+
+def _meta_model(config: dict) -> torch.nn.Module:
+    """The transformers model of ``config`` (its ``architectures`` class) on the meta
+    device: no memory, for its conversion mapping."""
+    import transformers
+
+    name = config["architectures"][0]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise CheckpointError(
+            f"export in transformers' saved names: the checkpoint's model class {name!r} is not "
+            f"in transformers {transformers.__version__}; export with names='model' "
+            f"(fxmeg export --names model), or with the transformers that trained it"
+        )
+    with torch.device("meta"):
+        return cls._from_config(cls.config_class.from_dict(config))
+
+
 def shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """The names of each file, in order, as huggingface_hub's splitter makes them: a
-    tensor larger than ``max_bytes`` alone; otherwise a new file when the current one
-    would exceed ``max_bytes``."""
+    """The names of each file, in order, as huggingface_hub's splitter makes them: tensors
+    sharing a storage (the experts of a bank split by ``as_saved``) in the file of the
+    first, counted once at the storage's size; a storage larger than ``max_bytes`` alone;
+    otherwise a new file when the current one would exceed ``max_bytes``."""
     files: list[list[str]] = []
     current: list[str] = []
     size = 0
+    first: dict = {}  # storage -> its first tensor's name
+    later: dict[str, list[str]] = {}  # that name -> the others on its storage
     for name, t in state.items():
-        n = t.numel() * t.element_size()
+        n = t.untyped_storage().nbytes()
+        storage = (t.untyped_storage().data_ptr(), n) if n else id(t)  # empty: no storage to share
+        if storage in first:
+            later[first[storage]].append(name)
+            continue
+        first[storage], later[name] = name, []
         if n > max_bytes:
             files.append([name])
             continue
@@ -156,7 +220,8 @@ def shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
             current, size = [], 0
         current.append(name)
         size += n
-    return files + ([current] if current else [])
+    files += [current] if current else []
+    return [[m for n in names for m in [n, *later[n]]] for names in files]
 
 
 def write(
@@ -170,7 +235,8 @@ def write(
     """Write ``state`` (one name per tensor) into ``directory`` as ``save_pretrained``
     does; the files written.
 
-    Requires: ``directory`` is not an existing file; ``state``'s tensors share no storage.
+    Requires: ``directory`` is not an existing file; ``state``'s tensors that share a
+    storage do not overlap (``as_saved``'s).
     Ensures: ``model.safetensors`` (metadata format "pt"), or, above ``max_shard_size``,
     ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` (weight_map,
     total_size, total_parameters); ``config.json`` from ``config`` when given, its

@@ -210,6 +210,14 @@ def _export_parser(p: argparse.ArgumentParser) -> None:
                    help="hf / safetensors: above this, files model-0000i-of-0000N.safetensors with "
                         "model.safetensors.index.json (default 50GB, as save_pretrained)")
     p.add_argument(
+        "--names",
+        default="saved",
+        choices=["saved", "model"],
+        help="hf / safetensors of a transformers model: saved, the tensors save_pretrained "
+        "writes (a mixture of experts' banks one tensor per expert); model, the model's own "
+        "state_dict (fused banks, which from_pretrained also loads)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="hf: load the export with from_pretrained and compare its tensors and logits with "
@@ -226,7 +234,8 @@ def _export(args) -> int:
             f"export --check loads the export with from_pretrained: it needs --format hf, "
             f"not {args.format}"
         )
-    done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size)
+    done = export(args.checkpoint, args.to, format=args.format, max_shard_size=args.max_shard_size,
+                  names=args.names)
     print(f"wrote {args.to}: {len(done.names)} tensors of {done.checkpoint}")
     for note in done.notes:
         print(f"  {note}")

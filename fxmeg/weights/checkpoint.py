@@ -37,6 +37,8 @@ from fxmeg.errors import CheckpointError
 from fxmeg.interop.hf_export import (
     DEFAULT_SHARD_SIZE,
     FORMATS,
+    NAMES,
+    as_saved,
     check_target,
     for_generation,
     hugging_face_names,
@@ -362,7 +364,8 @@ def _model_tensors(path: str, meta: dict) -> dict[str, torch.Tensor]:
 
 
 def export(
-    path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE
+    path: str, out: str, *, format: str = "pt", max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    names: str = "saved",
 ) -> Exported:
     """Write the model of checkpoint ``path`` (a checkpoint or its directory) for a single
     device, under the user model's names.
@@ -372,10 +375,19 @@ def export(
     (``fxmeg.interop.hf_export.write``: safetensors, sharded above ``max_shard_size``, config.json
     and generation_config.json set for inference by ``fxmeg.interop.hf_export.for_generation``;
     tied names once); only for a checkpoint of a transformers model. "safetensors": the
-    same weight files alone, for any model."""
+    same weight files alone, for any model.
+
+    ``names`` (hf and safetensors, a transformers model's checkpoint): "saved", the names
+    and tensors ``save_pretrained`` writes (``fxmeg.interop.hf_export.as_saved``: a mixture
+    of experts' banks one tensor per expert and projection, under transformers' conversion
+    mapping reversed); "model", the model's own state_dict names (its fused banks)."""
     if format not in FORMATS:
         raise CheckpointError(
             f"export format={format!r}: choose one of {', '.join(map(repr, FORMATS))}"
+        )
+    if names not in NAMES:
+        raise CheckpointError(
+            f"export names={names!r}: choose one of {', '.join(map(repr, NAMES))}"
         )
     if format != "pt":
         check_target(out, max_shard_size)  # before reading anything
@@ -393,6 +405,8 @@ def export(
         return Exported(path, sorted(state), [])
     state = {k: state[k] for k in meta["model"] if k in state}  # the model's state_dict order
     state = hugging_face_names(state, meta["aliases"], info["tied"] if info else [])
+    if info is not None and names == "saved":
+        state = as_saved(state, info["config"])
     config = generation = None
     notes: list[str] = []
     if format == "hf":

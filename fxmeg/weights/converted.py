@@ -204,7 +204,10 @@ def _describe(target: str, converter) -> _Fused:
     rest = ops[1:] if merged else ops
     if rest == [] and merged and len(patterns) == 1:
         return _Fused(target, patterns, True, None)
-    if len(rest) == 1 and rest[0][0] == "Concatenate" and rest[0][1] is not None:
+    # a concatenation of a config-given number of shards (num_shards_attribute) names its
+    # sources by shard, not by expert: not understood
+    if (len(rest) == 1 and rest[0][0] == "Concatenate" and rest[0][1] is not None
+            and getattr(converter.operations[-1], "num_shards_attribute", None) is None):
         return _Fused(target, patterns, merged, rest[0][1])
     unknown = ", ".join(repr(op) for op in converter.operations)
     return _Fused(target, patterns, merged, None, unknown=unknown)
@@ -223,3 +226,116 @@ def _add_part(fused: _Fused, pattern: str, key: str, weights: Weights) -> None:
             )
         expert = int(match.group(1))
     fused.parts[(k, expert)] = key
+
+
+# ---------------------------------------------------------------- the other way: as saved
+
+
+@dataclass(frozen=True)
+class SavedPart:
+    """One tensor ``save_pretrained`` writes for a model tensor: its name, and which part of
+    the model tensor it is (``expert`` None and ``dim`` None: the whole tensor)."""
+
+    name: str
+    expert: int | None = None
+    """The index along dim 0 (a bank's expert)."""
+    dim: int | None = None
+    """The fused tensor's concat dim the part spans ``start``..``start + size`` of."""
+    start: int = 0
+    size: int = 0
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of the model tensor ``tensor`` (a view)."""
+        if self.dim is not None:
+            tensor = tensor.narrow(self.dim, self.start, self.size)
+        return tensor if self.expert is None else tensor.select(0, self.expert)
+
+
+def saved_layout(
+    shapes: dict[str, tuple[int, ...]], model: nn.Module
+) -> list[tuple[str, list[SavedPart]]]:
+    """What ``save_pretrained`` of ``model`` (a transformers model, e.g. built on meta)
+    writes for tensors of these names and shapes (the model's names, tied ones left out):
+    per model name, in the order transformers writes them, the saved tensors it becomes.
+
+    The names are transformers' own: its conversion mapping reversed
+    (``reverse_transform``, matched with its ``apply_converters`` and ``apply_renamings``
+    as ``revert_weight_conversion`` does); the parts are ``_describe``'s reading of the
+    forward operations, undone: a bank split per expert along dim 0, a concatenation cut
+    into equal parts along its dim (transformers' ``Chunk``).
+
+    Requires: ``model`` is what the tensors were trained as (its class and config).
+    Ensures: each model tensor is covered by its parts exactly once; the names in
+    ``shapes``' order when the model has no conversion (transformers then writes its
+    state_dict as it is), else in transformers' (``dot_natural_key``); a name no converter
+    matches becomes one SavedPart (whole, renamed if a renaming matches). Raises
+    WeightsError naming the tensor and the operations for a conversion fxmeg does not
+    undo, or a concatenation its parts do not divide."""
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+        dot_natural_key,
+    )
+
+    forward = _conversions(model, PrefixChange)
+    pairs = [(t, t.reverse_transform()) for t in reversed(forward)]  # sub-models' first
+    renamings = [r for _, r in pairs if isinstance(r, WeightRenaming)]
+    converters = [(f, r) for f, r in pairs if isinstance(r, WeightConverter)]
+    out = []
+    # transformers sorts the names only when it has conversions to revert
+    for name in sorted(shapes, key=dot_natural_key) if forward else shapes:
+        layer, pattern = apply_converters(name, [r for _, r in converters])
+        if pattern is None:
+            out.append((name, [SavedPart(apply_renamings(name, renamings))]))
+            continue
+        fwd, rev = next((f, r) for f, r in converters if pattern in r.source_patterns)
+        parts = _parts(name, shapes[name], _describe(name, fwd), layer, rev.target_patterns)
+        out.append((name, [SavedPart(apply_renamings(p.name, renamings), p.expert, p.dim,
+                                     p.start, p.size) for p in parts]))
+    return out
+
+
+def _conversions(model: nn.Module, prefix_change: type) -> list:
+    """transformers' conversion mapping of ``model`` as ``save_pretrained`` reverses it for
+    a model not loaded with from_pretrained: no legacy renamings, no prefix changes."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    found = get_model_conversion_mapping(model, add_legacy=False)
+    return [t for t in found if not isinstance(t, prefix_change)]
+
+
+def _parts(name: str, shape: tuple[int, ...], fused: _Fused, layer: str,
+           targets: list[str]) -> list[SavedPart]:
+    """The saved parts of model tensor ``name`` that ``fused`` describes: for each source
+    pattern (in order), for each expert, as transformers' reversed operations emit them.
+    ``layer`` is ``name`` with the first pattern in place (transformers' renamed key)."""
+    if fused.unknown:
+        raise WeightsError(
+            f"{name!r}: transformers saves it as {targets} with the reverse of "
+            f"{fused.unknown}, which fxmeg does not apply while exporting; {EXPORT_FIX}"
+        )
+    experts = range(shape[0]) if fused.merged else [None]
+    dim, size = None, 0
+    if fused.concat is not None:
+        dim = fused.concat % len(shape)
+        size, rest = divmod(shape[dim], len(targets))
+        if rest:
+            raise WeightsError(
+                f"{name!r} {tuple(shape)}: transformers saves it cut into {len(targets)} equal "
+                f"parts along dim {dim} ({targets}), which {shape[dim]} is not divisible "
+                f"into; {EXPORT_FIX}"
+            )
+    parts = []
+    for k, target in enumerate(targets):
+        for e in experts:
+            saved = target if e is None else target.replace("*", str(e))
+            parts.append(SavedPart(layer.replace(targets[0], saved, 1), e, dim,
+                                   k * size if dim is not None else 0, size))
+    return parts
+
+
+EXPORT_FIX = ("export with names='model' (fxmeg export --names model) to write the model's own "
+              "tensors, which from_pretrained also loads")

@@ -200,6 +200,74 @@ def test_a_trained_model_saved_by_the_engine_loads_back_with_from_pretrained(tmp
             assert torch.equal(back(input_ids=ids).logits, want)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_trained_moe_exports_what_save_pretrained_writes(tmp_path, kind):
+    """A tiny Mixtral / Qwen3-MoE trained one step, saved by the engine and exported
+    (format hf): the files are what ``save_pretrained`` of a model holding the trained
+    state writes, each expert's projections apart under transformers' names, key for key
+    and bit for bit, sharded the same way under a small max_shard_size (index included);
+    from_pretrained gives that model's logits exactly. ``names="model"`` writes the fused
+    banks, which from_pretrained loads too."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from fxmeg.weights.checkpoint import export
+
+    def tensors(directory: str) -> dict:
+        files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+        return {k: v for f in files for k, v in load_file(os.path.join(directory, f)).items()}
+
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    engine = fxmeg.parallelize(make_model(f"moe-{kind}"), (ids[:2], ids[:2]), global_batch_size=4)
+    engine.train_step((ids, ids))
+    engine.save(str(tmp_path / "ckpt")).wait()
+    model = make_model(f"moe-{kind}")
+    model.load_state_dict(engine.full_state_dict())
+    for size in ("50GB", "20KB"):
+        want, got = str(tmp_path / f"saved-{size}"), str(tmp_path / f"hf-{size}")
+        model.save_pretrained(want, max_shard_size=size)
+        export(str(tmp_path / "ckpt"), got, format="hf", max_shard_size=size)
+        saved = tensors(want)
+        assert any(".experts.3." in k for k in saved)  # transformers' saved names
+        assert sorted(tensors(got)) == sorted(saved)
+        for k, v in tensors(got).items():
+            assert v.dtype == saved[k].dtype and torch.equal(v, saved[k]), k
+        if size == "20KB":
+            index = "model.safetensors.index.json"
+            with open(os.path.join(want, index)) as a, open(os.path.join(got, index)) as b:
+                assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
+        back = T.AutoModelForCausalLM.from_pretrained(got)
+        with torch.no_grad():
+            assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
+    fused = str(tmp_path / "fused")
+    export(str(tmp_path / "ckpt"), fused, format="hf", names="model")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors(fused)
+    with torch.no_grad():
+        assert torch.equal(T.AutoModelForCausalLM.from_pretrained(fused)(input_ids=ids).logits,
+                           model(input_ids=ids).logits)
+
+
+def test_an_export_fxmeg_cannot_undo_is_refused_naming_the_tensor(monkeypatch):
+    """A conversion whose operations fxmeg does not undo (here a Transpose after the
+    experts' merge) is a CheckpointError naming the tensor, the operations and
+    names='model'."""
+    from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
+
+    import fxmeg.weights.converted
+    from fxmeg.errors import CheckpointError
+    from fxmeg.interop.hf_export import as_saved, hugging_face_info
+
+    model = make_model("moe-mixtral", n_layer=1)
+    converter = WeightConverter(".experts.*.w2.weight", ".experts.down_proj",
+                                operations=[MergeModulelist(dim=0), Transpose(1, 2)])
+    monkeypatch.setattr(fxmeg.weights.converted, "_conversions", lambda model, _: [converter])
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.experts.down_proj'.*"
+                       r"Transpose.*names='model'"):
+        as_saved(dict(model.state_dict()), hugging_face_info(model)["config"])
+
+
 def _shifted(rows: int = 2, seq: int = 16):
     """(input_ids, labels) pre-shifted as for a model that does not shift (the README's
     plain GPT), the first labels of row 1 ignored."""

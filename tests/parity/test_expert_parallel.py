@@ -30,10 +30,12 @@ mixed-precision oracle (tests/parity/mixed_precision.py); a checkpoint saved at 
 (dp=2) after 2 steps, which names every expert bank whole ([E, ...]) and resumes at ep=1
 (dp=2, distributed optimizer) in the 2-rank spawn and at ep=2 x pp=2 and ep=4 in the
 4-rank one, continuing as single-device training. In process: the routed experts are
-Hugging Face's bf16 arithmetic bit for bit."""
+Hugging Face's bf16 arithmetic bit for bit. The ep=2 x pp=2 Mixtral trained from
+save_pretrained files is saved after training and exported as save_pretrained writes it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -124,6 +126,8 @@ ALL = EP2 + ZERO3 + CP + DP2 + FOUR + [
     ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16
 ]
 
+EXPORTED = next(sc for sc in FOUR if sc.pretrained and sc.model == "moe-mixtral")
+"""Also saved after its training at ep=2 x pp=2 (dp=2), for the Hugging Face export test."""
 SAVED = EP2[sorted(MOE).index("mixtral")]
 """Trained SAVE_AT steps and saved at ep=2 (dp=2) by a run of its own in the 2-rank spawn."""
 SAVE_AT = 2
@@ -204,6 +208,14 @@ def resume(rank: int, sc: Scenario, root: str) -> dict:
                 state=state if rank == 0 else None)
 
 
+def save_for_export(rank: int, engine, root: str) -> dict:
+    """``held``, then EXPORTED's trained engine saved (engine.save) and its forward-only
+    loss on its first batch (eval_step at ep=2 x pp=2)."""
+    path = engine.save(os.path.join(root, "exported")).path
+    loss = engine.eval_step(EXPORTED.batches()[0]).loss
+    return held(rank, engine) | dict(exported=path, eval_loss=loss)
+
+
 def user_reads(model) -> dict:
     """After parallelize at zero=3, what reading the user's module gives: (the error's
     type, its message) for a bank's norm and for state_dict(), and the elements it counts."""
@@ -230,7 +242,8 @@ def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
     out = {
         sc.id: train_zero3(rank, sc)
         if sc in ZERO3
-        else train(rank, sc, masters if sc == BF16 else held, root)
+        else train(rank, sc, masters if sc == BF16 else
+                   functools.partial(save_for_export, root=root) if sc == EXPORTED else held, root)
         for sc in scenarios
     }
     world = dist.get_world_size()
@@ -403,9 +416,12 @@ def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(
     for name in ("config.json", "generation_config.json"):
         with open(os.path.join(out, name)) as f:
             assert json.load(f)["use_cache"] is True, name
+    # transformers' saved names: Mixtral's expert 3 down projection of layer 1, one tensor
     bank = "model.layers.1.mlp.experts.down_proj"
+    saved = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     tensors = load_file(os.path.join(out, "model.safetensors"))
-    tensors[bank][3, 0, 5] += 1e-3  # expert 3: rank 1's at ep=2
+    assert bank not in tensors and saved in tensors
+    tensors[saved][0, 5] += 1e-3  # expert 3: rank 1's at ep=2
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
         ExportMismatch,
@@ -416,13 +432,47 @@ def test_checkpoint_saved_at_ep2_exports_for_generate_and_checks(
     monkeypatch.setattr(
         checkpoint,
         "write",
-        lambda state, *a, **kw: write({**state, bank: state[bank] * 2}, *a, **kw),
+        lambda state, *a, **kw: write({**state, saved: state[saved] * 2}, *a, **kw),
     )
     assert main(["export", ckpt, "--to", out, "--format", "hf", "--check"]) == 1
     assert (
         f"fxmeg export --check: export check of {out} against {ckpt}: tensor '{bank}' differs"
         in capsys.readouterr().err
     )
+
+
+def test_trained_at_ep2_pp2_exports_what_save_pretrained_writes_with_the_trainers_logits(
+    results, tmp_path
+):
+    """Mixtral trained from save_pretrained files at ep=2 x pp=2 (dp=2), saved by the engine,
+    exported (format hf): the files hold what save_pretrained of the trained model writes
+    (each expert's w1 / w2 / w3 apart), key for key and bit for bit; from_pretrained of the
+    export gives that model's logits exactly, and its loss on the first batch is the
+    trainer's own forward (eval_step at ep=2 x pp=2); export --check passes."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from fxmeg.interop.export_check import check
+    from fxmeg.weights.checkpoint import export
+
+    ranks = _ranks(results, EXPORTED)
+    ckpt, out = ranks[0]["exported"], str(tmp_path / "hf")
+    export(ckpt, out, format="hf")
+    model = EXPORTED.make_model()
+    model.load_state_dict(ranks[0]["state"])
+    model.save_pretrained(str(tmp_path / "saved"))
+    want = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(got) == sorted(want) and any(".experts.3.w1.weight" in k for k in got)
+    assert_bitwise(got, want)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids, labels = EXPORTED.batches()[0]
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+        loss = back(input_ids=ids, labels=labels).loss.item()
+    assert {r["eval_loss"] for r in ranks} == {ranks[0]["eval_loss"]}
+    assert_losses_close([ranks[0]["eval_loss"]], [loss])
+    assert check(ckpt, out)[0] == "tensors: 39 equal to the checkpoint's, bit for bit"
 
 
 @pytest.mark.parametrize("sc", RESUMED, ids=lambda s: s.id)

@@ -134,6 +134,24 @@ def _export(**kw):
     return lambda: export(_SAVED["directory"], out, **kw)
 
 
+def _export_of_an_unknown_class():
+    """An export in saved names of the GPT checkpoint, its meta.json made to record a
+    transformers class this transformers does not have."""
+    import json
+    import shutil
+
+    from fxmeg.weights.checkpoint import META, find_complete
+
+    copy = os.path.join(tempfile.mkdtemp(), "iter")
+    shutil.copytree(find_complete(_SAVED["directory"]), copy)
+    with open(os.path.join(copy, META)) as f:
+        meta = json.load(f)
+    meta["hugging_face"] = {"config": {"architectures": ["NoSuchForCausalLM"]}, "tied": []}
+    with open(os.path.join(copy, META), "w") as f:
+        json.dump(meta, f)
+    return lambda: export(copy, tempfile.mkdtemp(), format="safetensors")
+
+
 def _meta(name, **cfg):
     with torch.device("meta"):
         return make_model(name, **cfg)
@@ -757,6 +775,15 @@ SET_UP = {  # rows whose failing call needs a working engine first: counted from
     "shard-size": (
         lambda: _export(format="safetensors", max_shard_size="5 gigs"),
         "max_shard_size='5 gigs' is not a size",
+    ),
+    "export-names": (
+        lambda: _export(format="hf", names="fused"),
+        "export names='fused': choose one of 'saved', 'model'",
+    ),
+    "export-saved-names": (
+        _export_of_an_unknown_class,
+        "export in transformers' saved names: the checkpoint's model class 'NoSuchForCausalLM' "
+        "is not in transformers",
     ),
 }
 
