@@ -29,8 +29,8 @@ from fxmeg.errors import WeightsError
 from fxmeg.weights.sharding import Box, view
 from fxmeg.weights.sources import Request, Weights
 
-FIX = ("load the model with from_pretrained and pass its state_dict() as weights=, or save it "
-       "once with fxmeg (engine.export_hugging_face) in the model's own names")
+FIX = ("load the model with from_pretrained and pass its state_dict() as weights=, or export it "
+       "once in the model's own names (fxmeg export --format hf --names model)")
 
 
 @dataclass
