@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fxmeg.ir import moe
+from fxmeg.ir import moe, moe_split
 from fxmeg.ir.recomputation import Recomputation
 from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
@@ -123,3 +123,9 @@ class RankExperts:
         """``fxmeg.ir.ops.routed_experts`` bound: this rank's experts, the others' over
         ``group``, the drops counted in ``drops``."""
         return moe.routed_experts(*args, exchange=self.exchange(group), drops=self.drops, **options)
+
+    @moe.as_op
+    def routed_experts_split(self, *args, group: str, **options):
+        """``fxmeg.ir.ops.routed_experts_split`` bound: ``routed_experts`` kept for a split
+        backward (result, ``moe_split.SplitExperts``)."""
+        return moe_split.SplitExperts.run(self.routed_experts, *args, group=group, **options)
