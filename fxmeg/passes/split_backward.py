@@ -14,13 +14,8 @@ This pass derives both, statically, from the chunk's joint forward/backward grap
    W reads from the I part (and the saved tensors and tangents only W reads) are extra
    outputs of I, so after I a micro-batch keeps only what W needs.
 
-A routed-experts block (``ops.routed_experts``; expert parallelism) has run-time row
-counts AOT autograd cannot trace: it is traced as an opaque op with a hand-written backward
-(``fxmeg.ir.moe_split``), and the three graphs then call ``ops.routed_experts_split`` (its
-forward, returning a state kept with the micro-batch), ``ops.experts_input_grad`` (in I: the
-gradients of its inputs, the reverse all-to-alls) and ``ops.experts_weight_grad`` (in W: its
-banks'), both from that one forward's autograd graph. Its result is saved, never recomputed.
-
+A routed-experts block (ep; run-time row counts) is traced as an opaque op and runs eagerly,
+I and W replaying its forward's autograd graph (``fxmeg.ir.moe_split``), its result saved.
 A recompute region (``Recompute`` submodules of the recompute pass) is inlined with its
 nodes tagged MUST_RECOMPUTE, and the min-cut partitioner recomputes them in backward
 instead of saving their outputs: the same memory semantics as checkpointing.
