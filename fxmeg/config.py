@@ -295,15 +295,13 @@ class EngineConfig:
             )
         if ep == 1:
             return
-        untested = (
-            "; moe_capacity_factor makes them static, but that is not tested yet" if factor else ""
-        )
-        if self.parallel.splits_backward:
+        if self.compile and self.parallel.splits_backward:
             raise ConfigError(
-                f"ep={ep} does not run with schedule={self.parallel.resolved_schedule!r}: a "
-                "zero-bubble schedule splits backward into input- and weight-gradient passes, and "
-                "the experts' all-to-all exchanges tokens whose counts are known only at run time "
-                f"(data-dependent shapes{untested}); use schedule='1f1b' or 'interleaved'"
+                f"ep={ep} does not run with compile=True and "
+                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule runs each "
+                "routed-experts block eagerly in its split graphs (its all-to-alls and the state "
+                "its input- and weight-gradient passes share), which dynamo cannot compile whole; "
+                "set compile=False, or schedule='1f1b' or 'interleaved'"
             )
         dp = self.data_parallel
         if (

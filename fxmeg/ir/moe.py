@@ -83,6 +83,7 @@ def routed_experts(
     layer: str = "",
     probs_on_input: bool = False,
     drops: DropCounts | None = None,
+    taps: list[Tensor] | None = None,
 ) -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
@@ -91,6 +92,8 @@ def routed_experts(
     counted under ``layer`` in ``drops`` (None: not counted). With ``probs_on_input`` each
     pair's weight scales its row before the expert (``down_e(middle(up_e(w * hidden[t])))``, summed
     unweighted: Llama 4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result.
+    ``taps``: a list to which ``expert_mlp`` appends the two expert matmuls' results (a
+    zero-bubble split's weight-gradient pass starts there; fxmeg/ir/moe_split.py).
     """
     if capacity_factor is not None:
         return _with_capacity(
@@ -105,6 +108,7 @@ def routed_experts(
             layer=layer,
             probs_on_input=probs_on_input,
             drops=drops,
+            taps=taps,
         )
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
@@ -115,7 +119,7 @@ def routed_experts(
     counts = torch.bincount(ids, minlength=num_experts)
     if exchange is not None:
         rows, counts, state = exchange.dispatch(rows, counts)
-    out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down)
+    out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down, taps=taps)
     if exchange is not None:
         out = exchange.combine(out, state)
     # promoted as Hugging Face's: fp32 router weights, fp32 sums
@@ -125,7 +129,7 @@ def routed_experts(
     return weighted[back].view(tokens, k, -1).sum(1).to(hidden.dtype)
 
 
-_BOUND = ("drops",)
+_BOUND = ("drops", "taps")
 """``routed_experts``' arguments that the runtime's binding gives, never a graph node."""
 
 
@@ -196,6 +200,7 @@ def _with_capacity(
     layer: str,
     probs_on_input: bool,
     drops: DropCounts | None,
+    taps: list[Tensor] | None,
 ) -> Tensor:
     """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
     tokens, k = top_k_index.shape
@@ -221,7 +226,7 @@ def _with_capacity(
     if exchange is not None:
         rows, state = exchange.dispatch_padded(rows, capacity)
         sizes = [capacity * exchange.size] * (num_experts // exchange.size)
-    out = expert_mlp(middle, rows, sizes, *banks)
+    out = expert_mlp(middle, rows, sizes, *banks, taps=taps)
     if exchange is not None:
         out = exchange.combine(out, state)
     per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
@@ -287,8 +292,10 @@ class DropCounts:
 
 
 def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Tensor, w_down: Tensor,
-               b_up: Tensor | None, b_down: Tensor | None) -> Tensor:
-    """Each local expert on its rows (``rows`` grouped by expert, ``sizes[e]`` each)."""
+               b_up: Tensor | None, b_down: Tensor | None, *,
+               taps: list[Tensor] | None = None) -> Tensor:
+    """Each local expert on its rows (``rows`` grouped by expert, ``sizes[e]`` each); the
+    results of both matmuls (bias added) appended to ``taps`` when given."""
     if b_up is not None or b_down is not None:
         counts = torch.tensor(sizes, device=rows.device)
         expert = torch.repeat_interleave(torch.arange(len(sizes), device=rows.device), counts,
@@ -300,6 +307,8 @@ def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Ten
     down = grouped_mm(mid.to(w_down.dtype), w_down, sizes)
     if b_down is not None:
         down = down + b_down[expert]
+    if taps is not None:
+        taps += [up, down]
     return down
 
 

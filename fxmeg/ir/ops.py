@@ -14,7 +14,7 @@ import inspect
 import torch
 from torch.fx.node import has_side_effect
 
-from fxmeg.ir import moe
+from fxmeg.ir import moe, moe_split
 
 
 def recv(tensor: torch.Tensor, *, src_chunk: int, shape, dtype, grad: bool) -> torch.Tensor:
@@ -117,6 +117,29 @@ def routed_experts(*args, group: str, **options):
     return moe.routed_experts(*args, **options)
 
 
+@moe.as_op
+def routed_experts_split(*args, group: str, **options):
+    """``routed_experts`` in a zero-bubble split's forward graph (split_backward pass):
+    returns (its result, a ``moe_split.SplitExperts`` kept for ``experts_input_grad`` and
+    ``experts_weight_grad``). Unbound every expert is local; the runtime binds it to
+    ``fxmeg.runtime.experts.RankExperts.routed_experts_split``."""
+    return moe_split.SplitExperts.run(moe.routed_experts, *args, **options)
+
+
+def experts_input_grad(grad: torch.Tensor, state: moe_split.SplitExperts, *, hidden: bool,
+                       weights: bool, banks: bool):
+    """A split routed-experts block's I: (its hidden rows' gradient, its routing weights')
+    from its result's ``grad`` (``SplitExperts.input_grad``; the reverse all-to-alls), and
+    ``state`` again, which its W reads after this."""
+    return (*state.input_grad(grad, hidden=hidden, weights=weights, banks=banks), state)
+
+
+def experts_weight_grad(state: moe_split.SplitExperts, after: moe_split.SplitExperts):
+    """A split routed-experts block's W: its banks' gradients (``SplitExperts.weight_grad``);
+    ``after``: the block's I's state, read so the graph runs W after I."""
+    return state.weight_grad()
+
+
 def routed_experts_call(*args, **kwargs) -> tuple[tuple, dict]:
     """The (args, kwargs) of a ``routed_experts`` node, checked against its signature
     (a misspelt or missing option fails when the pass writes the node, not when it runs)."""
@@ -136,6 +159,9 @@ for _fn in (
     tp_rng_fork,
     tp_rng_join,
     routed_experts,
+    routed_experts_split,
+    experts_input_grad,
+    experts_weight_grad,
     global_tokens,
 ):
     _fn.__module__ = "fxmeg.ir.ops"  # printed graphs read fxmeg_ir_ops_recv(...)

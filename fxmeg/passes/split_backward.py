@@ -14,6 +14,8 @@ This pass derives both, statically, from the chunk's joint forward/backward grap
    W reads from the I part (and the saved tensors and tangents only W reads) are extra
    outputs of I, so after I a micro-batch keeps only what W needs.
 
+A routed-experts block (ep; run-time row counts) is traced as an opaque op and runs eagerly,
+I and W replaying its forward's autograd graph (``fxmeg.ir.moe_split``), its result saved.
 A recompute region (``Recompute`` submodules of the recompute pass) is inlined with its
 nodes tagged MUST_RECOMPUTE, and the min-cut partitioner recomputes them in backward
 instead of saving their outputs: the same memory semantics as checkpointing.
@@ -30,6 +32,8 @@ chunk's autograd backward does. Otherwise the graphs are unchanged.
 from __future__ import annotations
 
 import copy
+import inspect
+import operator
 
 import torch
 from torch import fx
@@ -83,6 +87,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     params = [n for n, _ in gm.named_parameters()]
     buffers = [n for n, _ in gm.named_buffers()]
     flat, recompute = _inline_regions(gm)
+    experts = _opaque_experts(flat)
     _own_outputs(flat)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
     num_data = len(spec.data_inputs)
@@ -115,6 +120,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     weight_grads = [i for i, n in enumerate(params) if tensors[n].requires_grad]
     inputs_graph, weights_graph, carry = _split(backward, [grads[i] for i in input_grads],
                                                [grads[i] for i in weight_grads])
+    _runnable_experts(forward, inputs_graph, weights_graph, experts)
     saved = len(forward.graph.output_node().args[0]) - outputs
     tangents = [n.name for n in backward.graph.nodes if n.op == "placeholder"][saved:]
     tangent_of = tuple(i for i, b in enumerate(spec.send) if b.grad) + ((len(spec.send),
@@ -131,6 +137,65 @@ def _split_chunk(gm: fx.GraphModule) -> None:
         weights=tuple(params[i] for i in weight_grads), carry=carry,
         tangent_of=tangent_of,
     ))
+
+
+_EXPERT_TENSORS = ("hidden", "top_k_index", "top_k_weights", "w_up", "w_down", "b_up", "b_down")
+"""``ops.routed_experts``' tensor arguments, in ``moe_split.traced_forward``'s order."""
+
+
+def _opaque_experts(flat: fx.GraphModule) -> list[tuple[str, fx.GraphModule, dict]]:
+    """Replace each routed-experts node of ``flat`` by ``moe_split``'s traced stand-in, its
+    result saved (a recompute region's tag overridden); returns each block's (middle's name,
+    middle, options), by the stand-in's ``block`` index."""
+    blocks = []
+    for node in list(flat.graph.nodes):
+        if node.op != "call_function" or node.target is not ops.routed_experts:
+            continue
+        given = inspect.signature(ops.routed_experts).bind(*node.args, **node.kwargs).arguments
+        middle = given.pop("middle")
+        tensors = [given.pop(name, None) for name in _EXPERT_TENSORS]
+        with flat.graph.inserting_before(node):
+            both = flat.graph.call_function(torch.ops.fxmeg.split_experts.default,
+                                            (*tensors, len(blocks)))
+            out = flat.graph.call_function(operator.getitem, (both, 0))
+        for n in (both, out):
+            n.meta = {**node.meta, "recompute": CheckpointPolicy.MUST_SAVE}
+        both.meta.pop("val", None)
+        node.replace_all_uses_with(out)
+        flat.graph.erase_node(node)
+        blocks.append((middle.target, flat.get_submodule(middle.target), given))
+        if not middle.users:
+            flat.graph.erase_node(middle)
+    flat.recompile()
+    return blocks
+
+
+def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: fx.GraphModule,
+                      blocks: list[tuple[str, fx.GraphModule, dict]]) -> None:
+    """Point the traced stand-ins of ``_opaque_experts`` at the ops that run them: the
+    forward graph's at ``ops.routed_experts_split`` (with the block's middle as a submodule
+    and its options), I's at ``ops.experts_input_grad``, W's at ``ops.experts_weight_grad``."""
+    traced = torch.ops.fxmeg
+    for node in list(forward.graph.nodes):
+        if node.target is traced.split_experts.default:
+            *tensors, block = node.args
+            name, middle, options = blocks[block]
+            forward.add_submodule(name, middle)
+            with forward.graph.inserting_before(node):
+                body = forward.graph.get_attr(name)
+            node.target, node.args = ops.routed_experts_split, (body, *tensors)
+            node.kwargs = options
+    # a chunk without input gradients (the first) has its blocks' I in the W graph
+    for node in [*inputs.graph.nodes, *weights.graph.nodes]:
+        if node.target is traced.split_experts_input.default:
+            grad, state, *_, hidden, weights_, banks = node.args
+            node.target, node.args = ops.experts_input_grad, (grad, state)
+            node.kwargs = {"hidden": hidden, "weights": weights_, "banks": banks}
+        elif node.target is traced.split_experts_weight.default:
+            node.target, node.args = ops.experts_weight_grad, node.args[:2]
+    for g in (forward, inputs, weights):
+        g.graph.lint()
+        g.recompile()
 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:

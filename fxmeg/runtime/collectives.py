@@ -324,9 +324,12 @@ def _bind_collective(node: fx.Node, b: Binding) -> None:
 def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
     if node.kwargs["group"] not in b.groups or b.experts is None:
         return
-    node.target = b.experts.routed_experts
-    if node.kwargs.get("capacity_factor") is None:
+    if node.target is ops.routed_experts_split:  # a zero-bubble split's forward graph
+        node.target = b.experts.routed_experts_split
+    elif node.kwargs.get("capacity_factor") is None:  # dropless: outside compiled graphs
         node.target = b.experts.routed_experts_eager
+    else:
+        node.target = b.experts.routed_experts
     node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
         # before any (compiled) forward
@@ -365,6 +368,7 @@ BINDERS: Mapping[Callable, Binder] = MappingProxyType({
     ops.tp_rng_join: _bind_rng,
     **{op: _bind_collective for op in ops.COLLECTIVES},
     ops.routed_experts: _bind_routed_experts,
+    ops.routed_experts_split: _bind_routed_experts,
     ops.wait_param_gather: _bind_to("wait_param_gather"),
     ops.zero_gather: _bind_zero,
     ops.zero_release: _bind_zero,

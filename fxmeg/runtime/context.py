@@ -228,7 +228,9 @@ def _expert_load(program: Program, config: EngineConfig, chunks: dict[int, fx.Gr
                  recomputation: Recomputation) -> ExpertLoad | None:
     """The tokens-per-expert recorder of ``program``'s marked layers, holding this rank's
     router bias buffers; None without layers, and where the forward that runs is not the
-    chunk graph with its markers (compiled, or a zero-bubble split)."""
+    chunk graph with its markers (compiled, or a zero-bubble split: AOT autograd traces the
+    markers, which return nothing, away; the split's routed-experts op would not do, for a
+    marker is also where no block is rewritten, ep=1)."""
     if config.compile or config.parallel.splits_backward:
         return None
     load = ExpertLoad.of(program, recomputation)

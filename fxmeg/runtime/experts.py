@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fxmeg.ir import moe
+from fxmeg.ir import moe, moe_split
 from fxmeg.ir.recomputation import Recomputation
 from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
@@ -130,3 +130,9 @@ class RankExperts:
         data (a compiled graph would be recompiled for each new count); a chunk graph under
         torch.compile runs its other nodes compiled and breaks the graph here, once per layer."""
         return self.routed_experts(*args, group=group, **options)
+
+    @moe.as_op
+    def routed_experts_split(self, *args, group: str, **options):
+        """``fxmeg.ir.ops.routed_experts_split`` bound: ``routed_experts`` kept for a split
+        backward (result, ``moe_split.SplitExperts``)."""
+        return moe_split.SplitExperts.run(self.routed_experts, *args, group=group, **options)

@@ -17,7 +17,9 @@ and Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own token
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
 ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2, AFMoE at pp=2,
-OLMoE at tp=2, and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
+OLMoE at tp=2, Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each block's
+backward split into an input-gradient pass, the reverse all-to-alls, and a weight-gradient pass;
+ZB-H1 bit for bit like 1F1B), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
 loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank
@@ -88,6 +90,10 @@ ZERO3 = [
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]
 # ep=1: all experts
 DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]
+ZERO_BUBBLE = [
+    Scenario("moe-mixtral", dp=2, pp=2, schedule="zbh1", options=(("ep", 2),)),
+    Scenario("moe-gpt_oss", dp=2, pp=2, vpp=2, schedule="zbv", options=(("ep", 2),)),  # biases
+]
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -104,6 +110,8 @@ FOUR = [
     Scenario("moe-afmoe", dp=2, pp=2, options=(("ep", 2),)),  # a rank without rows, as in EP2
     Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
+    # zero bubble: each block's backward split, I (inputs, the reverse all-to-alls) and W (banks)
+    *ZERO_BUBBLE,
 ]
 # batched_mm: captured grouped
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))
@@ -665,3 +673,14 @@ def test_a_pretrained_checkpoint_gives_each_rank_its_experts_only(results, sc):
             n for n, e in expert_of.items() if layer(n) in layers and e in mine
         }
         assert {layer(n) for n in read} - {None} == layers
+
+
+def test_zero_bubble_experts_train_bitwise_like_1f1b(results):
+    """ZB-H1's split graphs run each routed-experts block's backward as autograd does under
+    1F1B (the same kernels, I then W): the same losses and final weights, bit for bit, as
+    the 1F1B run of the same model (the pretrained scenario: its weights are the model's)."""
+    zb = ZERO_BUBBLE[0]
+    base = Scenario("moe-mixtral", dp=2, pp=2, options=(("ep", 2),), pretrained=True)
+    got, want = results[4][0][zb.id], results[4][0][base.id]
+    assert [s.loss for s in got["steps"]] == [s.loss for s in want["steps"]]
+    assert_bitwise(got["state"], want["state"])

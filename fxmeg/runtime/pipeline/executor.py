@@ -289,7 +289,9 @@ class Executor:
             return
         saved, sends, _ = self._state.saved[(a.chunk, a.mb)]
         split = a.chunk in self.split
-        kept = {t.untyped_storage().data_ptr() for t in saved} if split else set()
+        # a saved value that is no tensor: a split routed-experts block's state (moe_split)
+        kept = ({t.untyped_storage().data_ptr() for t in saved if isinstance(t, torch.Tensor)}
+                if split else set())
         for t, free in zip(sends, self.specs[a.chunk].deallocate):
             if not free:
                 continue
