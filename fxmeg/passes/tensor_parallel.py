@@ -43,6 +43,7 @@ from fxmeg.passes.tp.heads import (
     linears_from_products,
     say_whole_projections,
 )
+from fxmeg.passes.tp.latent import shared_by_heads
 from fxmeg.passes.tp.moe import say_what_stays_whole, scores_features
 from fxmeg.passes.tp.placement import divisors
 from fxmeg.passes.tp.rules import PropagationRules
@@ -87,6 +88,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self.kv_outputs: list[fx.Node] = []
         linears_from_products(gm)  # x @ w.T is a linear (tp_heads)
         self.rejoined: list[str] = []  # ... and of those whose output rejoins their input
+        self.latents: list[str] = []  # ... and of down projections shared by heads (tp_latent)
         self.ancestors: dict[fx.Node, set[fx.Node]] = {}
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
@@ -165,6 +167,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
             return "replicate"
         if self._rejoins_its_input(node):
             self.rejoined.append(module)
+            return "replicate"
+        if shared_by_heads(node):  # MLA's down projections (tp_latent)
+            self.latents.append(module)
             return "replicate"
         return "colwise"
 
