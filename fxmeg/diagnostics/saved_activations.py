@@ -99,6 +99,8 @@ _SAVE_NOTHING = {
     "fill",
     "sp_gather",
     "sp_scatter",
+    "sp_whole",
+    "sp_split",
     "tp_copy",
     "tp_reduce",
     "tp_slice",

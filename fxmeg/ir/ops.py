@@ -206,6 +206,11 @@ _SCHEMAS = {
     "tp_reduce": "(Tensor x, str group) -> Tensor",
     "sp_gather": "(Tensor x, int dim, int size, str group) -> Tensor",
     "sp_scatter": "(Tensor x, int dim, int size, str group) -> Tensor",
+    # Megatron's gather_from_sequence_parallel_region(tensor_parallel_output_grad=False) and
+    # scatter_to_sequence_parallel_region: a sequence-split value made whole where every rank
+    # then computes the same values (a routed-experts block under sp), and back
+    "sp_whole": "(Tensor x, int dim, int size, str group) -> Tensor",
+    "sp_split": "(Tensor x, int dim, int size, str group) -> Tensor",
     "tp_max": "(Tensor x, str group) -> Tensor",
     "tp_slice": "(Tensor x, int dim, int size, str group) -> Tensor",
     "tp_pad": "(Tensor x, int dim, int size, str group) -> Tensor",
@@ -242,6 +247,10 @@ torch.library.register_fake("fxmeg::tp_reduce", lambda x, group: torch.empty_lik
 torch.library.register_fake("fxmeg::tp_max", lambda x, group: torch.empty_like(x))
 torch.library.register_fake("fxmeg::sp_gather", lambda x, dim, size, group: _resized(x, dim, size))
 torch.library.register_fake("fxmeg::tp_pad", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake("fxmeg::sp_whole", lambda x, dim, size, group: _resized(x, dim, size))
+torch.library.register_fake(
+    "fxmeg::sp_split", lambda x, dim, size, group: _resized(x, dim, 1 / size)
+)
 torch.library.register_fake(
     "fxmeg::sp_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size)
 )
@@ -317,6 +326,9 @@ _autograd("sp_gather", lambda ctx, g: (fx_ops.sp_scatter(g, *ctx.args), None, No
 _autograd("sp_scatter", lambda ctx, g: (fx_ops.sp_gather(g, *ctx.args), None, None, None))
 _autograd("tp_slice", lambda ctx, g: (fx_ops.tp_pad(g, *ctx.args), None, None, None))
 _autograd("tp_pad", lambda ctx, g: (fx_ops.tp_slice(g, *ctx.args), None, None, None))
+# every rank's gradient of the whole value is the same: each keeps its part, and back
+_autograd("sp_whole", lambda ctx, g: (fx_ops.sp_split(g, *ctx.args), None, None, None))
+_autograd("sp_split", lambda ctx, g: (fx_ops.sp_whole(g, *ctx.args), None, None, None))
 _autograd("cp_slice", lambda ctx, g: (fx_ops.cp_unslice(g, *ctx.args), None, None, None))
 _autograd("cp_unslice", lambda ctx, g: (fx_ops.cp_slice(g, *ctx.args), None, None, None))
 _autograd("cp_gather", lambda ctx, g: (fx_ops.cp_reduce_scatter(g, *ctx.args), None, None, None))

@@ -4,7 +4,10 @@ is one function over its placements).
 
 A placement is named here by its kind: ``replicated`` (every rank holds all of it),
 ``synced`` (replicated, read by split values: each rank's gradient is a part, summed in
-backward: Megatron's f), ``local`` (this rank's part of a replicated value), ``seq`` (split
+backward: Megatron's f), ``whole`` (replicated, every rank computing the same values from
+it and holding their whole gradient: a routed-experts block under sp, which gathers the
+sequence and cuts it again, each rank's gradient its own part of the whole one's),
+``local`` (this rank's part of a replicated value), ``seq`` (split
 along the sequence: sp's residual stream, cp's every value), ``partial`` (each rank holds
 a part of a sum; ``partial_max`` of a maximum). The ops are ``fxmeg::`` ops on the axis's symbolic
 group, bound at run time (fxmeg/ir/ops.py says what each does forward and backward).
@@ -42,6 +45,9 @@ MOVES: dict[tuple[str, str, str], Move] = {
     ("tp", "partial", "replicated"): Move(fx_ops.tp_reduce.default, False),
     ("tp", "partial", "seq"): Move(fx_ops.sp_scatter.default, True),
     ("tp", "seq", "replicated"): Move(fx_ops.sp_gather.default, True),
+    # every rank then computes the same whole values and holds their whole gradient
+    ("tp", "seq", "whole"): Move(fx_ops.sp_whole.default, True),
+    ("tp", "whole", "seq"): Move(fx_ops.sp_split.default, True),
     ("cp", "replicated", "seq"): Move(fx_ops.cp_slice.default, True),
     ("cp", "seq", "replicated"): Move(fx_ops.cp_gather.default, True),
     ("cp", "partial", "replicated"): Move(fx_ops.cp_all_reduce.default, False),

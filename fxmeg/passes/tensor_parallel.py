@@ -44,7 +44,8 @@ from fxmeg.passes.tp.heads import (
     linears_from_products,
     say_whole_projections,
 )
-from fxmeg.passes.tp.moe import say_what_stays_whole, scores_features
+from fxmeg.passes.tp.latent import shared_by_heads
+from fxmeg.passes.tp.moe import from_whole, say_what_stays_whole, scores_features
 from fxmeg.passes.tp.placement import divisors
 from fxmeg.passes.tp.rules import PropagationRules
 from fxmeg.passes.tp.rules_more import MoreRules, fused_view
@@ -82,6 +83,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self.specs: dict[str, Shard] = {}  # param -> its split
         self.whole: dict[str, fx.Node] = {}  # param -> a replicated linear reading it
         self.entries: dict[fx.Node, fx.Node] = {}
+        self.whole_entries: dict[fx.Node, fx.Node] = {}  # sequence split -> sp_whole (tp_moe)
         self.statistics: list[tuple[fx.Node, fx.Node]] = []  # all-reduced sums (norms)
         self.reductions: list[tuple[fx.Node, fx.Node]] = []  # row-parallel outputs' tp_reduce
         self.routers: list[str] = []  # modules of linears kept whole by kind (tp_moe)
@@ -89,6 +91,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self.kv_outputs: list[fx.Node] = []
         linears_from_products(gm)  # x @ w.T is a linear (tp_heads)
         self.rejoined: list[str] = []  # ... and of those whose output rejoins their input
+        self.latents: list[str] = []  # ... and of down projections shared by heads (tp_latent)
         self.ancestors: dict[fx.Node, set[fx.Node]] = {}
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
@@ -174,6 +177,9 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
             return "replicate"
         if self._rejoins_its_input(node):
             self.rejoined.append(module)
+            return "replicate"
+        if shared_by_heads(node):  # MLA's down projections (tp_latent)
+            self.latents.append(module)
             return "replicate"
         return "colwise"
 
@@ -301,7 +307,7 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         """Sum a partial output over tp ranks (or reduce-scatter it along the sequence),
         then add the bias; later readers see the result."""
         users = list(node.users)
-        if self.sp:
+        if self.sp and not from_whole(self, node):  # tokens gathered whole: all-reduced (tp_moe)
             red = self.move(node, "partial", "seq", dim=self.seq_dim, at=node, after=True)
             place = Shard(
                 self.seq_dim, (val(node).shape[self.seq_dim],), seq=True, origin=owning_module(node)

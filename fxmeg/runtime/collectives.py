@@ -51,12 +51,24 @@ def _tp_max(x: Tensor, group: str) -> Tensor:
     return y
 
 
-@_kernel("sp_gather")
-def _sp_gather(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+def _gathered(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    """Every rank's ``x`` end to end along ``dim``."""
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] * size, *src.shape[1:]))
     _all_gather(out, src, group=_group(group))
     return out.movedim(0, dim).contiguous()
+
+
+def _own_part(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    """This rank's 1/size of ``x`` along ``dim``."""
+    step = x.shape[dim] // size
+    return x.narrow(dim, dist.get_rank(_group(group)) * step, step).clone()
+
+
+torch.library.register_kernel("fxmeg::sp_gather", None, _gathered)
+torch.library.register_kernel("fxmeg::sp_whole", None, _gathered)
+torch.library.register_kernel("fxmeg::tp_slice", None, _own_part)
+torch.library.register_kernel("fxmeg::sp_split", None, _own_part)
 
 
 @_kernel("sp_scatter")
@@ -65,12 +77,6 @@ def _sp_scatter(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     out = src.new_empty((src.shape[0] // size, *src.shape[1:]))
     _reduce_scatter(out, src, group=_group(group))
     return out.movedim(0, dim).contiguous()
-
-
-@_kernel("tp_slice")
-def _tp_slice(x: Tensor, dim: int, size: int, group: str) -> Tensor:
-    step = x.shape[dim] // size
-    return x.narrow(dim, dist.get_rank(_group(group)) * step, step).clone()
 
 
 @_kernel("tp_pad")

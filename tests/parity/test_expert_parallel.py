@@ -15,11 +15,15 @@ ranks while a step reads it; reading a bank of the user's module then raises
 ReleasedError); Mixtral
 and Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
-replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (experts replicated over tp),
+replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (each expert split over tp: expert tensor
+parallelism),
 ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2, AFMoE at pp=2,
-OLMoE at tp=2, Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each block's
-backward split into an input-gradient pass, the reverse all-to-alls, and a weight-gradient pass;
-ZB-H1 bit for bit like 1F1B), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
+OLMoE at tp=2, DeepSeek-V3 at tp=2 (latent attention: down projections whole, up
+projections over heads), Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
+block's backward split into an input-gradient pass, the reverse all-to-alls, and a
+weight-gradient pass; ZB-H1 bit for bit like 1F1B), Mixtral's router loss at tp=2 with
+sequence parallelism (each block routes the tokens gathered whole), and Mixtral's router
+loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
 loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank
@@ -112,6 +116,8 @@ FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
     # zero bubble: each block's backward split, I (inputs, the reverse all-to-alls) and W (banks)
     *ZERO_BUBBLE,
+    # latent attention at tp: its down projections whole, up projections over heads
+    Scenario("moe-deepseek_v3", dp=2, tp=2, options=(("ep", 2),)),
 ]
 # batched_mm: captured grouped
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))
@@ -128,10 +134,15 @@ GLOBAL_LOSS_RECOMPUTE = Scenario(
         ("ep", 2), ("moe_router_load_balancing_type", "global_aux_loss"), ("recompute", "full")
     ),
 )
+# tp x sp: each block routes the tokens gathered whole, its output cut back to the sequence split
+ROUTER_LOSS_SP = Scenario(
+    "hf-mixtral", dp=2, tp=2, options=(("ep", 2), ("sequence_parallel", True))
+)
 # experts: aten._grouped_mm
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))
 ALL = EP2 + ZERO3 + CP + DP2 + FOUR + [
-    ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16
+    ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16,
+    ROUTER_LOSS_SP,
 ]
 
 EXPORTED = next(sc for sc in FOUR if sc.pretrained and sc.model == "moe-mixtral")
@@ -359,7 +370,8 @@ def test_the_optimizer_state_is_each_ranks_share_of_the_model(results, sc):
 
 
 @pytest.mark.parametrize(
-    "sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE],
+    "sc", [ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE,
+           ROUTER_LOSS_SP],
     ids=lambda s: s.id,
 )
 def test_router_loss_at_ep2_pp2_is_weighted_per_micro_batch(results, sc):

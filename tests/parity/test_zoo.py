@@ -312,12 +312,8 @@ for _kind in (
     "zamba2",
 ):
     ZOO[_kind] = (hf(_kind, **HYBRID[_kind]), {}, -100)
-# its latent attention (MLA) needs kv_a_proj_with_mqa whole (refused by name without this plan)
-ZOO["kimi_linear"] = (
-    hf("kimi_linear", **HYBRID["kimi_linear"]),
-    {"tp_plan": {"model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}},
-    -100,
-)
+# its latent attention (MLA): kv_a_proj_with_mqa whole, found by structure (tp/latent.py)
+ZOO["kimi_linear"] = (hf("kimi_linear", **HYBRID["kimi_linear"]), {}, -100)
 SPLIT |= {
     "qwen3_next": tuple(
         f"model.layers.0.linear_attn.{p}"

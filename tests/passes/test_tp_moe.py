@@ -2,13 +2,15 @@
 process: a router (a linear softmaxed or ranked over its output features) and a
 one-feature gate stay whole, whatever their module is called; the attention and dense
 projections (a shared expert's too) are split; the expert banks stay whole and the pass
-says so; DeepSeek-V3's latent attention is refused by name; an op with two outputs
+says so; DeepSeek-V3's latent attention keeps its down projections whole (Megatron's MLA);
+under sequence parallelism a block gathers the tokens it routes; an op with two outputs
 (max.dim, topk) over a split value keeps or refuses the split by name, never with a raw
 AttributeError (GPT-OSS at tp=2 did)."""
 
 import logging
 
 import pytest
+import torch
 from torch import nn
 
 from fxmeg.errors import PassError
@@ -58,30 +60,70 @@ def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
     ) in caplog.text
 
 
-def test_deepseek_v3_is_refused_at_its_latent_attention_by_name():
-    """MLA slices the rotary part out of kv_a_proj_with_mqa's output: refused naming the
-    node, the module and the fix (the attention block whole); with attention whole as the fix says,
-    the router (a
-    linear of fp32 casts of its weight) and the experts stay whole, the shared experts split."""
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "q_proj"])
+def test_latent_attention_keeps_its_down_projections_whole(q_lora_rank, caplog, monkeypatch):
+    """Megatron's MLA at tp, found by structure (fxmeg/passes/tp/latent.py): the down
+    projections feeding a per-head up projection (q_a_proj, kv_a_proj_with_mqa, whose
+    output also holds the rotary key every head shares) and their norms whole, the up
+    projections split over heads, o_proj by rows; the router and the experts whole, the
+    shared experts split. The whole down projections are said, with why."""
+    monkeypatch.setitem(MOE, "deepseek_v3", MOE["deepseek_v3"] | {"q_lora_rank": q_lora_rank})
     model, batch = tiny_moe("deepseek_v3"), make_batch(2, seed=0, vocab=96)
-    refusal = (
-        r"cannot split node 'slice_\d+' \(slice.Tensor, module 'model.layers.0.self_attn'\) over "
-        r"tp=2 "
-        r"ranks \(split along dim 3 by module 'model.layers.0.self_attn.kv_a_proj_with_mqa'\): it "
-        r"slices "
-        r"\[0:4:2\] .* Fix: keep module 'model.layers.\*.self_attn' whole with "
-        r"tp_plan=\{'model.layers.\*.self_attn.\*': 'replicate'\}"
+    with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
+        tp = _layouts(graph_after(model, batch, "tensor_parallel", tp=2))
+    attn = "model.layers.1.self_attn."
+    whole = ["kv_a_proj_with_mqa", "kv_a_layernorm"] + ["q_a_proj", "q_a_layernorm"] * bool(
+        q_lora_rank
     )
-    with pytest.raises(PassError, match=refusal):
-        graph_after(model, batch, "tensor_parallel", tp=2)
-    plan = {"model.layers.*.self_attn.*": "replicate"}
-    tp = _layouts(graph_after(model, batch, "tensor_parallel", tp=2, tp_plan=plan))
+    for module in whole:
+        assert tp[attn + module + ".weight"] == Replicate(), module
+    q = "q_b_proj" if q_lora_rank else "q_proj"
+    assert tp[attn + q + ".weight"] == Shard(0, (4 * 12,))  # 4 heads of 8 + 4
+    assert tp[attn + "kv_b_proj.weight"] == Shard(0, (4 * 16,))  # 4 heads of k 8 + v 8
+    assert tp[attn + "o_proj.weight"] == Shard(1, (32,))
     assert (
         tp["model.layers.1.mlp.gate.weight"]
         == tp["model.layers.1.mlp.experts.down_proj"]
         == Replicate()
     )
     assert tp["model.layers.1.mlp.shared_experts.up_proj.weight"] == Shard(0, (48,))
+    assert "'model.layers.*.self_attn.kv_a_proj_with_mqa': a down projection every head reads" in (
+        caplog.text
+    )
+
+
+def test_an_mlp_up_projection_is_no_down_projection():
+    """An MLP's up projection feeds its down projection too, through per-token ops, but
+    the down projection's output is not unpacked into heads: column-parallel as before."""
+    tp = _layouts(graph_after(_Scored(), make_batch(2, seed=0), "tensor_parallel", tp=2))
+    assert tp["layers.0.up.weight"] == Shard(0, (32,))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_sequence_parallel_gathers_the_tokens_a_block_routes(kind):
+    """tp x sp: the block flattening the sequence-split stream into tokens reads it whole
+    (``sp_whole``: all-gather, backward this rank's part of the whole gradient), routes
+    and runs every token replicated, and its output rejoins the stream cut to this rank's
+    part (``sp_split``: backward all-gathered); the experts' gradient is the same on every
+    tp rank (not reduced over tp). A shared expert reading the whole tokens is
+    all-reduced, not scattered along a sequence it no longer has."""
+    gm = graph_after(
+        tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2,
+        sequence_parallel=True,
+    )
+    ops = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+    moe_layers = 1 if kind == "deepseek_v3" else 2  # DeepSeek-V3's layer 0 is dense
+    assert ops.count("sp_whole.default") == ops.count("sp_split.default") == moe_layers
+    whole = next(n for n in gm.graph.nodes if n.target is torch.ops.fxmeg.sp_whole.default)
+    assert list(whole.users)[0].target.__name__ in ("view.default", "reshape.default")
+    assert tuple(whole.meta["val"].shape) == (2, 16, 32)  # the whole sequence
+    tp = _layouts(gm)
+    block = "model.layers.1.mlp"
+    assert tp[f"{block}.experts.down_proj"] == Replicate(reduce_grad=False)
+    assert tp[f"{block}.gate.weight"] == Replicate(reduce_grad=False)
+    if kind == "qwen2_moe":  # its shared expert reads the whole tokens: all-reduced
+        assert tp[f"{block}.shared_expert.down_proj.weight"] == Shard(1, (48,))
+        assert ops.count("tp_reduce.default") == 2
 
 
 class _Scored(nn.Module):

@@ -130,9 +130,15 @@ class ChannelRules:
     @rule(TP, "write")
     def _write(self, node: fx.Node):
         """``copy_(dst, src)``: the destination keeps its split; the source must be split
-        alike, or is cut to this rank's part (a replicated value broadcast into it)."""
+        alike, or is cut to this rank's part (a replicated value broadcast into it); a
+        sequence-parallel source written into a value split otherwise (over heads) is
+        gathered whole first, as a column-parallel linear's input is."""
         dst, src = node.args[0], node.args[1]
         d, s = self.place.get(dst), self.place.get(src)
+        if isinstance(s, Shard) and s.seq and isinstance(d, Shard) and not d.seq:
+            # MLA's rotary key, shared by every head, into the head-split key states
+            src, s = self._entry(node, src), None  # the whole sequence (sp_gather)
+            node.args = (dst, src, *node.args[2:])
         if not isinstance(d, Shard):
             raise self.refuse(node, "it writes a value split over tp ranks into one that is not "
                                           "(each rank would write only its part)", s)

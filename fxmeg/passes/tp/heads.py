@@ -143,7 +143,7 @@ def _keeps(node: fx.Node, size: int) -> bool:
     )
 
 
-def _heads(node: fx.Node, size: int) -> tuple[fx.Node, int, int] | None:
+def head_view(node: fx.Node, size: int) -> tuple[fx.Node, int, int] | None:
     """(view, H, D): the first view after ``node`` (through views keeping the last dim)
     that splits its ``size`` features into H heads of D."""
     todo = [node]
@@ -178,7 +178,7 @@ def _blocks(linear: fx.Node) -> list[_Block] | None:
     size = val(linear).shape[-1]
     pieces = _pieces(linear, size)
     if pieces:
-        blocks = [_Block(a, b, h[1] if (h := _heads(n, b - a)) else None, n) for a, b, n in pieces]
+        blocks = [_Block(a, b, h[1] if (h := head_view(n, b - a)) else None, n) for a, b, n in pieces]
         dims = {(b.end - b.start) // b.heads for b in blocks if b.heads}
         if len(dims) != 1:
             return None
@@ -189,7 +189,7 @@ def _blocks(linear: fx.Node) -> list[_Block] | None:
             else _Block(b.start, b.end, (b.end - b.start) // d, b.taken)
             for b in blocks
         ]
-    found = _heads(linear, size)
+    found = head_view(linear, size)
     if found is None:
         return None
     view, heads, d = found
@@ -293,7 +293,7 @@ def _query_sibling(linear: fx.Node, tp: int, d: int) -> bool:
             or owning_module(other).rpartition(".")[0] != module
         ):
             continue
-        found = _heads(other, val(other).shape[-1])
+        found = head_view(other, val(other).shape[-1])
         if found and found[2] == d and found[1] % tp == 0:
             return True
     return False
@@ -418,6 +418,11 @@ def whole_projections(tpass) -> list[tuple[str, str]]:
             why = (
                 "its output is added back to the residual stream it reads with no row-parallel "
                 "linear between (split by columns, it would split the stream)"
+            )
+        elif module in tpass.latents:
+            why = (
+                "a down projection every head reads (its output feeds a per-head up projection, "
+                "which is split by columns: Megatron's latent attention)"
             )
         elif any(fnmatch.fnmatch(module, g) and r == "replicate" for g, r in tpass.plan.items()):
             why = "tp_plan says 'replicate'"

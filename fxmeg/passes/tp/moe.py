@@ -22,11 +22,13 @@ repeats work, so it is never silent: ``say_what_stays_whole`` logs it for the pa
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import torch
 from torch import fx
 
+from fxmeg.ir.layouts import Shard
 from fxmeg.passes.graph_utils import users_reached, val
 from fxmeg.passes.op_rules import dim_argument, in_family
 
@@ -110,3 +112,54 @@ def say_what_stays_whole(
     warning = whole_experts(whole, tp, ep)
     if warning:  # with ep the experts are split, over ep: said, not warned
         (log.info if ep > 1 else log.warning)(warning)
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+
+def flattens_tokens(s: Shard, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """A reshape from ``a`` to ``b`` that merges sequence-split dim ``s.dim`` with the dims
+    before it into one dim of tokens, keeping the dims after it: a block of routed experts
+    flattening (batch, seq, hidden) into (tokens, hidden) to route each token."""
+    if not s.seq or s.dim == 0:
+        return False
+    merged = math.prod(a[: s.dim + 1])
+    return len(b) >= 1 and b[0] == merged and tuple(b[1:]) == tuple(a[s.dim + 1 :])
+
+
+def whole_tokens(tpass, node: fx.Node, s: Shard) -> None:
+    """Under sequence parallelism, the tokens a block flattens to route them
+    (``flattens_tokens``) are gathered whole first (``sp_whole``), once per value: every tp
+    rank routes every token and runs the experts, replicated, as without sp (Megatron
+    gathers the sequence before its MoE token dispatcher too). Exact without more: every
+    routing decision and the router loss see all tokens, the same on every rank, so each
+    rank holds the whole gradient of the block's values (the router loss's included);
+    where the block's output rejoins the sequence split, ``sp_split`` keeps this rank's
+    part and gathers the gradient back whole (``from_whole``)."""
+    x = node.args[0]
+    if x not in tpass.whole_entries:
+        full = tpass.move(x, "seq", "whole", dim=s.dim, at=node)
+        tpass.place[full] = None
+        tpass.whole_entries[x] = full
+    node.replace_input_with(x, tpass.whole_entries[x])
+
+
+def from_whole(tpass, node: fx.Node) -> bool:
+    """Whether ``node`` is computed from tokens gathered whole (``whole_tokens``): where it
+    meets the sequence split it is cut with ``sp_split``, and a row-parallel linear in it
+    (a shared expert's down projection) is all-reduced, not scattered along a sequence it
+    no longer has."""
+    entries = set(tpass.whole_entries.values())
+    if not entries:
+        return False
+    todo, seen = [node], {node}
+    while todo:
+        n = todo.pop()
+        if n in entries:
+            return True
+        for a in n.all_input_nodes:  # not back into the sequence-split stream
+            p = tpass.place.get(a)
+            if a not in seen and not (isinstance(p, Shard) and p.seq):
+                seen.add(a)
+                todo.append(a)
+    return False

@@ -26,6 +26,7 @@ from fxmeg.ir.ops import TP
 from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_args, val
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.redistribute import insert_move
+from fxmeg.passes.tp.moe import flattens_tokens, from_whole, whole_tokens
 from fxmeg.passes.tp.placement import Indivisible, divisors, reshape_shard
 from fxmeg.passes.tp.rules_more import EXTREMES
 from fxmeg.torch_private import op_schema
@@ -35,7 +36,8 @@ fxmeg_ops = torch.ops.fxmeg
 # collectives whose backward reduces the gradient over tp ranks: a parameter reaching a split
 # value only through one of them gets the same gradient on every rank (tp_slice does not)
 _SYNCED = {fxmeg_ops.tp_copy.default, fxmeg_ops.tp_reduce.default, fxmeg_ops.sp_gather.default,
-           fxmeg_ops.sp_scatter.default, fxmeg_ops.vocab_parallel_cross_entropy.default}
+           fxmeg_ops.sp_scatter.default, fxmeg_ops.vocab_parallel_cross_entropy.default,
+           fxmeg_ops.sp_whole.default, fxmeg_ops.sp_split.default}
 
 
 def _indivisible(node: fx.Node, why: Indivisible, s: Shard, tp: int) -> str:
@@ -85,6 +87,11 @@ class PropagationRules:
                 # a norm's weight over split features: shard it too
                 if self._own_chain(a, j, s0, node):
                     continue
+                if s0.seq and from_whole(self, a):  # a routed-experts block's output (tp_moe)
+                    piece = self.move(a, "whole", "seq", dim=j, at=node)
+                    self.place[piece] = s0.moved(j)
+                    node.replace_input_with(a, piece)
+                    continue
                 node.replace_input_with(a, self._local_slice(node, a, j, s0))
         return s0
 
@@ -130,6 +137,9 @@ class PropagationRules:
             node.args = (node.args[0], sizes, *node.args[2:])
             return s.moved(s.dim + lead)
         moved = reshape_shard(s, a, b, self.tp)
+        if isinstance(moved, str) and flattens_tokens(s, a, b):  # routing each token (tp_moe)
+            whole_tokens(self, node, s)
+            return None
         if isinstance(moved, Indivisible):  # the usual case: heads or KV heads
             raise PassError(_indivisible(node, moved, s, self.tp))
         if isinstance(moved, str):
