@@ -178,7 +178,8 @@ def _blocks(linear: fx.Node) -> list[_Block] | None:
     size = val(linear).shape[-1]
     pieces = _pieces(linear, size)
     if pieces:
-        blocks = [_Block(a, b, h[1] if (h := head_view(n, b - a)) else None, n) for a, b, n in pieces]
+        blocks = [_Block(a, b, h[1] if (h := head_view(n, b - a)) else None, n)
+                  for a, b, n in pieces]
         dims = {(b.end - b.start) // b.heads for b in blocks if b.heads}
         if len(dims) != 1:
             return None
