@@ -257,6 +257,7 @@ class EngineConfig:
         check_zero3_companions(self)
         self._check_experts()
         self._check_router_bias()
+        self._check_global_router_loss()
 
     @classmethod
     def from_flat(cls, **values) -> EngineConfig:
@@ -313,6 +314,21 @@ class EngineConfig:
                 "sharded over the expert-data-parallel ranks only (layer-wise sharding is asked "
                 "for, or chosen for an optimizer that steps whole parameters, such as Muon); use "
                 "optimizer_sharding='elementwise'"
+            )
+
+    def _check_global_router_loss(self) -> None:
+        """global_aux_loss's running tokens per expert advance in the forward the runtime
+        runs (``ops.global_tokens``, fxmeg/runtime/expert_load.py), which a zero-bubble
+        schedule traces into a graph of its own: measured 2026-12-05, Mixtral at pp2 x dp2
+        under zbh1 (ep=1 and ep=2) trains with the wrong loss from step 1."""
+        if (self.moe.moe_router_load_balancing_type == "global_aux_loss"
+                and self.parallel.splits_backward):
+            raise ConfigError(
+                "moe_router_load_balancing_type='global_aux_loss' does not run with "
+                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule traces "
+                "forward into a graph of its own, which does not advance the running tokens per "
+                "expert; use schedule='1f1b' or 'interleaved', or "
+                "moe_router_load_balancing_type='aux_loss'"
             )
 
     def _check_router_bias(self) -> None:

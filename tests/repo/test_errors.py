@@ -681,6 +681,11 @@ ROWS = {
         "expert_tensor_parallel_size=4 with tp=2: fxmeg splits the experts over all tp ranks or "
         "none",
     ),
+    "global-aux-loss-zero-bubble": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, schedule="zbh1",
+                                  moe_router_load_balancing_type="global_aux_loss"),
+        "moe_router_load_balancing_type='global_aux_loss' does not run with schedule='zbh1'",
+    ),
     "ep-no-experts": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2),
         "ep=2, but fxmeg finds no routed experts in this model",
