@@ -15,6 +15,7 @@ from torch import nn
 
 from fxmeg.errors import PassError
 from fxmeg.ir.layouts import Replicate, Shard
+from fxmeg.ir.tags import tag
 from tests.harness.helpers import graph_after, make_batch
 from tests.harness.models import MOE, tiny_moe
 
@@ -28,8 +29,10 @@ def _layouts(gm) -> dict:
 # their first layer is dense
 @pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3", "afmoe"}))
 def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
+    """With expert_tensor_parallel_size=1 the experts stay whole on every tp rank, said."""
     with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
-        gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+        gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2,
+                         expert_tensor_parallel_size=1)
     tp = _layouts(gm)
     block = "block_sparse_moe" if kind.startswith("granitemoe") else "mlp"  # Granite's MoE module
     router = "router" if kind == "gpt_oss" or kind.startswith("granitemoe") else "gate"
@@ -49,9 +52,39 @@ def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     assert warning.startswith("tp=2 leaves") and f"'model.layers.*.{block}.experts' (" in warning
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_expert_tensor_parallelism_splits_each_expert_as_a_dense_mlp(kind, caplog):
+    """By default (expert_tensor_parallel_size = tp) the up bank is split along its output
+    features in the blocks the activation cuts (Mixtral's gate and up halves; GPT-OSS's
+    interleaved pairs: one run), its bias alike, the down bank along its input features;
+    the rows and (no down bias) the routing weights enter through f (tp_copy), one
+    tp_reduce sums the block: after the tokens' sum, or with a down bias (GPT-OSS) right
+    after the second matmul. Nothing about the experts is left whole to warn about."""
+    with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
+        gm = graph_after(tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+    tp = _layouts(gm)
+    experts = "model.layers.0.mlp.experts."
+    if kind == "mixtral":  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        assert tp[experts + "gate_up_proj"] == Shard(1, (48, 48))
+        assert tp[experts + "down_proj"] == Shard(2, (48,))
+    else:  # gate_up_proj [E, H, 2I] interleaved, its bias [E, 2I]; down_proj [E, I, H]
+        assert tp[experts + "gate_up_proj"] == Shard(2, (96,))
+        assert tp[experts + "gate_up_proj_bias"] == Shard(1, (96,))
+        assert tp[experts + "down_proj"] == Shard(1, (48,))
+        assert tp[experts + "down_proj_bias"] == Replicate()
+    moves = [(n.target.__name__, tag(n, "module", "")) for n in gm.graph.nodes
+             if str(n.target).startswith("fxmeg.") and ".mlp" in tag(n, "module", "")]
+    weights = [("tp_copy.default", "model.layers.0.mlp.gate")] * (kind == "mixtral")
+    assert moves[:len(moves) // 2] == [  # layer 0; the router's own weights, as the model has it
+        ("tp_copy.default", "model.layers.0.mlp"), *weights,
+        ("tp_reduce.default", "model.layers.0.mlp.experts")]
+    assert "expert parameters" not in caplog.text
+
+
 def test_gpt_oss_expert_biases_are_named_with_their_bank(caplog):
     with caplog.at_level(logging.WARNING, logger="fxmeg.passes.tensor_parallel"):
-        graph_after(tiny_moe("gpt_oss"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2)
+        graph_after(tiny_moe("gpt_oss"), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2,
+                    expert_tensor_parallel_size=1)
     assert (
         "tp=2 leaves 8 expert parameters (37888 elements) whole on every tp rank: "
         "'model.layers.*.mlp."
@@ -65,7 +98,7 @@ def test_latent_attention_keeps_its_down_projections_whole(q_lora_rank, caplog, 
     """Megatron's MLA at tp, found by structure (fxmeg/passes/tp/latent.py): the down
     projections feeding a per-head up projection (q_a_proj, kv_a_proj_with_mqa, whose
     output also holds the rotary key every head shares) and their norms whole, the up
-    projections split over heads, o_proj by rows; the router and the experts whole, the
+    projections split over heads, o_proj by rows; the router whole, the experts and the
     shared experts split. The whole down projections are said, with why."""
     monkeypatch.setitem(MOE, "deepseek_v3", MOE["deepseek_v3"] | {"q_lora_rank": q_lora_rank})
     model, batch = tiny_moe("deepseek_v3"), make_batch(2, seed=0, vocab=96)
@@ -81,11 +114,8 @@ def test_latent_attention_keeps_its_down_projections_whole(q_lora_rank, caplog, 
     assert tp[attn + q + ".weight"] == Shard(0, (4 * 12,))  # 4 heads of 8 + 4
     assert tp[attn + "kv_b_proj.weight"] == Shard(0, (4 * 16,))  # 4 heads of k 8 + v 8
     assert tp[attn + "o_proj.weight"] == Shard(1, (32,))
-    assert (
-        tp["model.layers.1.mlp.gate.weight"]
-        == tp["model.layers.1.mlp.experts.down_proj"]
-        == Replicate()
-    )
+    assert tp["model.layers.1.mlp.gate.weight"] == Replicate()
+    assert tp["model.layers.1.mlp.experts.down_proj"] == Shard(2, (48,))  # expert tp
     assert tp["model.layers.1.mlp.shared_experts.up_proj.weight"] == Shard(0, (48,))
     assert "'model.layers.*.self_attn.kv_a_proj_with_mqa': a down projection every head reads" in (
         caplog.text
