@@ -97,17 +97,8 @@ def spawned() -> dict:
 
 CASES = [(name, layout) for name in AXES_ZOO for layout in LAYOUTS]
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    # GPT-2's Conv1D flattens (batch, seq) before its addmm: under sequence parallelism the
-    # sequence shard merges with the batch (a strided split, as Megatron's [s, b, h] layout
-    # avoids), and the all-gather sits at the addmm, after the view (it trains at tp2 x pp2
-    # without sp: test_zoo, and at pp2 x vpp2 x tp2 without sp)
-    ("gpt2", "pp2-vpp2-tp2-sp"): re.escape(
-        "PassError: cannot split node 'view_1' (view.default, module "
-        "'transformer.h.0.attn.c_attn') over "
-        "tp=2 ranks (split along dim 1 by module 'transformer.wte'): it merges dim 1 (size 16, "
-        "split over "
-        "tp ranks) into a larger dim with dims outside it."
-    ),
+    # none: GPT-2's Conv1D flattens (batch, seq) before its addmm, which under sequence
+    # parallelism gathers the sequence whole there (sp_whole, then f), since issue 46
 }
 """(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5
