@@ -3,7 +3,8 @@ single-device training of the same model: Llama and Qwen2 at pp=2, tp=2, dp=2 x 
 x dp=2; GPT-2 (Conv1D, fused QKV, tied embedding) at pp=2 and tp=2; Mistral at pp=2 x tp=2 and, with
 a pad token on either vocabulary shard, at tp=2; Llama with eager attention, Gemma-2 (eager,
 softcapping), Phi-3 (fused qkv_proj / gate_up_proj) and OLMo-2 (q/k norms over the whole projection)
-at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with its router loss."""
+at tp=2; Mixtral (batched_mm experts) at pp=2 and tp=2 x pp=2 with its router loss; DeepSeek-V3
+at tp=2 x ep=2 x pp=2 (dp=2) under DualPipeV (latent attention and each expert split over tp)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ PARITY = [
     Scenario("hf-llama", tp=2, model_args=(("attn_implementation", "eager"),)),
     Scenario("hf-phi3", tp=2), Scenario("hf-olmo2", tp=2),
     Scenario("hf-gemma2", tp=2),  # eager by default, softcapped attention and tied head
+] + [
+    # DeepSeek-V3 the way it trains, in the 8-rank spawn: latent attention and each expert split
+    # over tp, experts over ep (folded over dp), DualPipeV splitting the experts' backward
+    Scenario("moe-deepseek_v3", tp=2, pp=2, vpp=2, dp=2, schedule="dualpipev",
+             options=(("ep", 2),)),
 ]
-# tp: the router stays whole
+# tp: the router stays whole, each expert split
 MIXTRAL = [Scenario("hf-mixtral", pp=2), Scenario("hf-mixtral", tp=2, pp=2)]
 
 
