@@ -266,8 +266,10 @@ torch.library.register_fake(
     "fxmeg::cp_reduce_scatter", lambda x, dim, size, group: _resized(x, dim, 1 / size)
 )
 torch.library.register_fake("fxmeg::cp_all_reduce", lambda x, group: torch.empty_like(x))
+# queries' rows, values' features (latent attention's values are narrower than its keys)
 torch.library.register_fake(
-    "fxmeg::cp_attention", lambda q, k, v, scale, gqa, size, group: torch.empty_like(q)
+    "fxmeg::cp_attention",
+    lambda q, k, v, scale, gqa, size, group: q.new_empty((*q.shape[:-1], v.shape[-1])),
 )
 # contiguous, as the kernel's products and reduce-scatters are (not q's strides)
 torch.library.register_fake(

@@ -184,6 +184,9 @@ class _ContextParallel(Propagation):
         out_dim = val(node).dim()
         found = {s.shifted(out_dim - val(a).dim())
                  for a in node.all_input_nodes if isinstance(s := self.place.get(a), Seq)}
+        scores = [s for s in found if s.full is not None]
+        if len(scores) == 1 and self._one_per_query(node, scores[0], out_dim):
+            found = set(scores)
         if len(found) != 1:
             raise self.mixes(
                 node, f"its operands hold the sequence in different dims {sorted(found, key=str)}"
@@ -426,6 +429,7 @@ class _ContextParallel(Propagation):
         "unbind",
         "repeat",
         "scatter",
+        "gather",
         "softmax",
         "cumulative",
         "rank",
@@ -437,9 +441,11 @@ class _ContextParallel(Propagation):
         value itself)."""
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
         dim = dim_argument(node, 0) % n
+        if in_family(node.target, "gather") and self.place.get(node.args[2]) != s:
+            raise self.mixes(node, "it gathers with an index not split as its input is")
         if s.full is not None and dim == s.full:
-            if in_family(node.target, "softmax"):
-                return s  # a softmax over all keys
+            if in_family(node.target, "softmax") or node.target == aten.slice.Tensor:
+                return s  # a softmax over all keys; some of them (all are on every rank)
             raise self.mixes(node, f"it computes along dim {dim}, the keys of attention scores")
         if dim != s.dim:
             if node.target in (aten.select.int, aten.unbind.int):  # the dim goes
@@ -470,8 +476,13 @@ class _ContextParallel(Propagation):
         if len(found) != 1:
             raise self.mixes(node, "its operands hold the sequence in different dims")
         (s,) = found
-        if s.full is not None:
+        if s.full is not None and not (dim == s.full and not stack):
             raise self.mixes(node, "it concatenates attention scores")
+        if s.full is not None:  # more keys for every query (GPT-OSS's sinks): per query row
+            for a in operands:
+                if self.place.get(a) != s:
+                    node.replace_input_with(a, self._per_query(node, a, s))
+            return s
         out = Seq(s.dim + (dim <= s.dim), s.merged) if stack else s
         if dim == s.dim and not stack:
             raise self.mixes(node, "it concatenates along the sequence")
@@ -482,6 +493,32 @@ class _ContextParallel(Propagation):
                 node.replace_input_with(a, self._cut(a, s.dim, node))
         return out
 
+    def _one_per_query(self, node: fx.Node, s: Seq, out_dim: int) -> bool:
+        """Every sequence-split operand of ``node`` but the attention scores ``s`` holds one
+        entry over their keys for each query (their max over the keys, kept as a dim): it
+        broadcasts over the keys, which every rank holds whole."""
+        for a in node.all_input_nodes:
+            p = self.place.get(a)
+            if not isinstance(p, Seq):
+                continue
+            shift = out_dim - val(a).dim()
+            q = p.shifted(shift)
+            if q == s:
+                continue
+            if q.full is not None or q.merged or q.dim != s.dim:
+                return False
+            if val(a).shape[s.full - shift] != 1:
+                return False
+        return True
+
+    def _per_query(self, node: fx.Node, a: fx.Node, s: Seq) -> fx.Node:
+        """Operand ``a`` of attention scores' concatenation along the keys: whole (every
+        query's row of it, or one row for all), cut to this rank's queries."""
+        rows = val(a).shape[s.dim]
+        if isinstance(self.place.get(a), (Seq, list)) or rows not in (1, self.seq):
+            raise self.mixes(node, f"operand {a.name!r} is not one row per query")
+        return a if rows == 1 else self._cut(a, s.dim, node)
+
     @rule(CP, "reduction")
     def _reduction(self, node: fx.Node):
         s, n = self._seq(node, node.args[0]), val(node.args[0]).dim()
@@ -490,13 +527,16 @@ class _ContextParallel(Propagation):
         dims = list(range(n)) if dims is None or dims == [] else dims
         dims = sorted({d % n for d in ([dims] if isinstance(dims, int) else dims)})
         if s.dim not in dims:
-            keepdim = val(node).dim() == n
+            outs = node.meta["val"]  # max / min along a dim: (values, indices)
+            first = outs[0] if isinstance(outs, (tuple, list)) else outs
+            keepdim = first.dim() == n
             # over all keys (a softmax written out): exact
             if s.full is not None and s.full in dims:
                 s = Seq(s.dim, s.merged)
             elif s.full is not None:
                 raise self.mixes(node, "it reduces attention scores over a dim other than the keys")
-            return s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
+            kept = s if keepdim else Seq(s.dim - sum(d < s.dim for d in dims), s.merged)
+            return [kept] * len(outs) if isinstance(outs, (tuple, list)) else kept
         if node.target in SUMS:
             return PARTIAL  # a token count or a summed loss; check_outputs refuses other uses
         raise self.mixes(

@@ -144,6 +144,12 @@ FAMILIES: tuple[Family, ...] = (
         _ops("scatter.src", "scatter_.src", "scatter.value", "scatter_.value"),
     ),
     Family(
+        "gather",
+        "read values at indices along their dim argument, the index shaped like the result "
+        "(a group-limited router's scores of its top groups)",
+        _ops("gather.default"),
+    ),
+    Family(
         "concat", "join operands along a dim (new for stack)", _ops("cat.default", "stack.default")
     ),
     Family(

@@ -12,8 +12,9 @@ rank holds half the experts); the two Granite types also at dp=2 with ep=1 (each
 expert, m=4 micro-batches); Mixtral and DeepSeek-V3 at ep=2 (dp=2) with zero=3 (each bank
 kept as this rank's slice of its experts' buffer, gathered over the expert-data-parallel
 ranks while a step reads it; reading a bank of the user's module then raises
-ReleasedError); Mixtral
-and Qwen2-MoE at ep=2 folded over cp=2 (no dp: each cp rank routes its own tokens). One 4-rank
+ReleasedError); Mixtral,
+Qwen2-MoE, DeepSeek-V3 (latent attention) and GPT-OSS (attention sinks) at ep=2 folded over cp=2
+(no dp: each cp rank routes its own tokens). One 4-rank
 spawn: ep=2 over dp=4 with the distributed optimizer (two expert-data-parallel
 replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (each expert split over tp: expert tensor
 parallelism),
@@ -91,7 +92,10 @@ ZERO3 = [
     for kind in ("mixtral", "deepseek_v3")
 ]
 # folded over cp
-CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),)) for kind in ("mixtral", "qwen2_moe")]
+# DeepSeek-V3: latent attention (values narrower than keys) and group-limited routing (gather);
+# GPT-OSS: attention sinks (a column concatenated to each query's scores over all keys)
+CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),))
+      for kind in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")]
 # ep=1: all experts
 DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]
 ZERO_BUBBLE = [

@@ -48,6 +48,7 @@ advanced_index   tp _advanced_index      cp -              index.Tensor
 repeat           tp _repeat_interleave   cp _along         repeat_interleave.self_int
 tile             tp _tile                cp -              repeat.default
 scatter          tp -                    cp _along         scatter.src, scatter.value, scatter_.src, scatter_.value
+gather           tp -                    cp _along         gather.default
 concat           tp _cat                 cp _cat           cat.default, stack.default
 softmax          tp _along               cp _along         _log_softmax.default, _safe_softmax.default, _softmax.default, log_softmax.int, softmax.int
 cumulative       tp _along               cp _along         cumprod.default, cumsum.default, logcumsumexp.default
