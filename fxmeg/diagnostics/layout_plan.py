@@ -343,7 +343,7 @@ def _stage(program: Program, config: EngineConfig, stage: int,
         size = params // max(elements, 1)  # bytes per parameter element
         grads, buckets = _zero_memory(layouts, size, config, _early_read(graphs))
         if config.data_parallel.zero_stage == 3:
-            params = sum(lay.numel for lay in layouts) // par.dp_cp * size
+            params = sum(lay.numel // _sharers(lay, par) for lay in layouts) * size
     acts = [activation_bytes(gm) for gm in graphs]
     act, largest = max(acts), graphs[acts.index(max(acts))]
     working = max(recompute_working_bytes(gm) for gm in graphs)
@@ -372,7 +372,8 @@ def _zero_memory(
     """zero >= 2: (the gradient shards' bytes, the bytes of buckets whole at once). A
     bucket holding a weight that ``ops.early_linear`` reads (a tied embedding) is whole
     alone (at the head and the embedding), so the others set the working set."""
-    grads = sum(lay.numel * lay.dtype.itemsize for lay in layouts) // config.parallel.dp_cp
+    grads = sum(lay.numel * lay.dtype.itemsize // _sharers(lay, config.parallel)
+                for lay in layouts)
     sizes = [(b.end - b.start, bool(early & set(b.params))) for lay in layouts for b in lay.buckets]
     largest = max((n for n, tied in sizes if not tied), default=0)
     if config.data_parallel.zero_stage < 3:
@@ -383,6 +384,13 @@ def _zero_memory(
     else:  # gradients staged and reducing, parameters computed with and prefetched
         whole = (1 + IN_FLIGHT) * largest * 4 + 2 * largest * size
     return grads, max([whole] + [n * size for n, tied in sizes if tied])
+
+
+def _sharers(layout, par) -> int:
+    """The ranks a gradient buffer's shards split over at zero >= 2: the experts' own buffer
+    over the expert-data-parallel ranks (those holding the same experts), the others over
+    dp x cp."""
+    return par.edp if layout.experts else par.dp_cp
 
 
 def _early_read(graphs) -> frozenset[str]:

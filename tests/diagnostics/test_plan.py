@@ -265,6 +265,21 @@ def test_expert_parallel_halves_each_ranks_expert_elements_and_keeps_the_dense_o
     assert plans[1].config.parallel.edp == 2 and plans[2].config.parallel.edp == 1
 
 
+def test_zero_shards_the_experts_buffer_over_the_expert_data_parallel_ranks():
+    """dp=4, ep=2 at zero=2 and 3: the dense gradient buffer is sharded over dp = 4 ranks,
+    the experts' own over the edp = 2 ranks holding the same experts (it was counted over 4:
+    half the experts' gradients, and at zero=3 their weights, missing from the peak)."""
+    model = tiny_moe("mixtral")
+    options = dict(ep=2, dp=4, global_batch_size=8, distributed_optimizer=True)
+    (whole,) = fxmeg.plan(model, moe_example(), **options).stages
+    dense = whole.gradient_buffers - whole.expert_gradient_buffers
+    shards = dense // 4 + whole.expert_gradient_buffers // 2  # fp32 bytes
+    for zero in (2, 3):
+        (s,) = fxmeg.plan(model, moe_example(), zero=zero, **options).stages
+        assert s.gradient_buffers == shards, zero
+    assert s.parameters == shards  # zero=3: fp32 weights, sharded as their gradients
+
+
 def test_distributed_optimizer_shards_expert_state_over_the_expert_data_parallel_ranks():
     """dp=4, ep=2: the dense state is sharded over 4 ranks, the experts' (each rank holds
     E/2 of them) over the edp = 2 ranks that hold the same experts. bf16: 3 fp32 states
