@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from fxmeg.ir import moe
 from fxmeg.ir.layouts import Shard
 from fxmeg.passes.recompute import Recompute
 from fxmeg.runtime.groups import Topology
@@ -611,50 +610,6 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([masters[n].double().flatten() for n in sorted(masters)])
-
-
-def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16():
-    """In process, no ranks: ``fxmeg.ir.moe.routed_experts`` (every expert local) gives
-    Mixtral's bf16 grouped experts' output and gradients exactly; its router's top-k
-    weights are fp32, so the weighted rows and their sum over the k slots are fp32 there
-    (rounding them to bf16 first moved the output by 3e-3 and every gradient by 2e-3 to
-    5e-3, relative)."""
-    experts = make_model("moe-mixtral", n_layer=1).to(torch.bfloat16).model.layers[0].mlp.experts
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(64, 32, generator=g).to(torch.bfloat16).requires_grad_(True)
-    weights, index = torch.randn(64, 4, generator=g).softmax(-1).topk(2, -1)
-    weights = (weights / weights.sum(-1, keepdim=True)).requires_grad_(True)
-    probe = torch.randn(64, 32, generator=g)
-
-    def grads(fn) -> list[torch.Tensor]:
-        out = fn()
-        inputs = [hidden, weights, experts.gate_up_proj, experts.down_proj]
-        return [out.detach(), *torch.autograd.grad((out.float() * probe).sum(), inputs)]
-
-    want = grads(lambda: experts(hidden, index, weights))
-    got = grads(lambda: moe.routed_experts(experts._apply_gate, hidden, index, weights,
-                                           experts.gate_up_proj.transpose(-2, -1),
-                                           experts.down_proj.transpose(-2, -1), num_experts=4))
-    for name, a, b in zip(["output", "hidden", "weights", "gate_up_proj", "down_proj"], want, got):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-
-
-def test_experts_without_rows_keep_their_rows_in_backward():
-    """In process: a rank whose experts receive no rows (AFMoE's zero-initialised router
-    sends every token to another rank's experts) still has a gradient path from the
-    experts' output to those (empty) rows, so backward runs the dispatch's all-to-all there
-    as on its peers (without it the peers wait for gradients this rank never sends, and
-    gloo aborts); the banks get a zero gradient."""
-    rows = torch.zeros(0, 32, requires_grad=True)
-    w_up, w_down = (
-        torch.randn(2, 32, 96, requires_grad=True),
-        torch.randn(2, 48, 32, requires_grad=True),
-    )
-    middle = make_model("moe-mixtral", n_layer=1).model.layers[0].mlp.experts._apply_gate
-    out = moe.expert_mlp(middle, rows, [0, 0], w_up, w_down, None, None)
-    d_rows, d_up, d_down = torch.autograd.grad(out.sum(), [rows, w_up, w_down])
-    assert out.shape == (0, 32) and d_rows.shape == (0, 32)
-    assert not d_up.any() and not d_down.any()
 
 
 def _numel(shape) -> int:

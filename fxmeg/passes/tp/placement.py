@@ -9,7 +9,10 @@ holds the r-th tp-th of each).
 
 from __future__ import annotations
 
+from torch import fx
+
 from fxmeg.ir.layouts import Shard
+from fxmeg.passes.graph_utils import val
 
 
 def dim_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -168,3 +171,32 @@ def _regrouped(s: Shard, a: tuple[int, ...], b: tuple[int, ...], gi: list[int], 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def matmul_letters(ra: int, rb: int) -> tuple[list[str], str]:
+    """torch.matmul of operands of ranks ``ra`` and ``rb`` as einsum letters: batch dims
+    broadcast from the right, ``k`` contracted."""
+    nb = max(ra - 2, rb - 2, 0)
+    batch = "abcdefgh"[:nb]
+    a = "k" if ra == 1 else batch[nb - (ra - 2):] + "mk"
+    b = "k" if rb == 1 else batch[nb - (rb - 2):] + "kn"
+    return [a, b], batch + ("m" if ra > 1 else "") + ("n" if rb > 1 else "")
+
+
+def einsum_letters(node: fx.Node) -> tuple[list[str], str]:
+    """An einsum's operand and output letters, '...' spelled out (in capitals)."""
+    eq, operands = node.args[0].replace(" ", ""), node.args[1]
+    ins, _, out = eq.partition("->")
+    ins = ins.split(",")
+    if not _:
+        out = "".join(
+            sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != ".")
+        )
+    ell = max(val(a).dim() - len(t.replace("...", "")) for a, t in zip(operands, ins))
+    caps = "ABCDEFGH"[:ell]
+
+    def spell(t, rank):
+        k = rank - len(t.replace("...", ""))
+        return t.replace("...", caps[ell - k:] if k else "")
+
+    return [spell(t, val(a).dim()) for a, t in zip(operands, ins)], spell(out, val(node).dim())

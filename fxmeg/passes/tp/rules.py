@@ -27,7 +27,13 @@ from fxmeg.passes.graph_utils import call, carries_grad, divide_shape_arg, full_
 from fxmeg.passes.op_rules import SHAPE_ARGUMENT, dim_argument, in_family, rule
 from fxmeg.passes.redistribute import insert_move
 from fxmeg.passes.tp.moe import flattens_tokens, from_whole, whole_tokens
-from fxmeg.passes.tp.placement import Indivisible, divisors, reshape_shard
+from fxmeg.passes.tp.placement import (
+    Indivisible,
+    divisors,
+    einsum_letters,
+    matmul_letters,
+    reshape_shard,
+)
 from fxmeg.passes.tp.rules_more import EXTREMES
 from fxmeg.torch_private import op_schema
 
@@ -321,10 +327,10 @@ class PropagationRules:
         a replicated operand spanning it is cut to this rank's part. A contracting dim
         must not be split."""
         if node.target == aten.einsum.default:
-            operands, (ins, out) = list(node.args[1]), _einsum_letters(node)
+            operands, (ins, out) = list(node.args[1]), einsum_letters(node)
         else:
             operands = list(node.args[:2])
-            ins, out = _matmul_letters(*(val(a).dim() for a in operands))
+            ins, out = matmul_letters(*(val(a).dim() for a in operands))
         split = None
         for a, letters in zip(operands, ins):
             p = self.place.get(a)
@@ -586,32 +592,3 @@ def _bounds(start, end, size: int) -> tuple[int, int]:
     start = 0 if start is None else start + size if start < 0 else start
     end = size if end is None else end + size if end < 0 else end
     return min(max(start, 0), size), min(max(end, 0), size)
-
-
-def _matmul_letters(ra: int, rb: int) -> tuple[list[str], str]:
-    """torch.matmul of operands of ranks ``ra`` and ``rb`` as einsum letters: batch dims
-    broadcast from the right, ``k`` contracted."""
-    nb = max(ra - 2, rb - 2, 0)
-    batch = "abcdefgh"[:nb]
-    a = "k" if ra == 1 else batch[nb - (ra - 2):] + "mk"
-    b = "k" if rb == 1 else batch[nb - (rb - 2):] + "kn"
-    return [a, b], batch + ("m" if ra > 1 else "") + ("n" if rb > 1 else "")
-
-
-def _einsum_letters(node: fx.Node) -> tuple[list[str], str]:
-    """An einsum's operand and output letters, '...' spelled out (in capitals)."""
-    eq, operands = node.args[0].replace(" ", ""), node.args[1]
-    ins, _, out = eq.partition("->")
-    ins = ins.split(",")
-    if not _:
-        out = "".join(
-            sorted(c for c in set("".join(ins)) if "".join(ins).count(c) == 1 and c != ".")
-        )
-    ell = max(val(a).dim() - len(t.replace("...", "")) for a, t in zip(operands, ins))
-    caps = "ABCDEFGH"[:ell]
-
-    def spell(t, rank):
-        k = rank - len(t.replace("...", ""))
-        return t.replace("...", caps[ell - k:] if k else "")
-
-    return [spell(t, val(a).dim()) for a, t in zip(operands, ins)], spell(out, val(node).dim())
