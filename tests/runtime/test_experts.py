@@ -70,12 +70,17 @@ def test_each_all_to_all_is_a_span_when_traced(ranks):
         ]
 
 
-def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16():
+@pytest.mark.parametrize("kernel", [False, True], ids=["loop", "grouped-kernel"])
+def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16(kernel, monkeypatch):
     """In process, no ranks: ``fxmeg.ir.moe.routed_experts`` (every expert local) gives
-    Mixtral's bf16 grouped experts' output and gradients exactly; its router's top-k
-    weights are fp32, so the weighted rows and their sum over the k slots are fp32 there
-    (rounding them to bf16 first moved the output by 3e-3 and every gradient by 2e-3 to
-    5e-3, relative)."""
+    Mixtral's bf16 grouped experts' output and gradients exactly, with its expert matmuls
+    one per expert (CPU's way) or one ``torch._grouped_mm`` each (CUDA's, forced here); its
+    router's top-k weights are fp32, so the weighted rows and their sum over the k slots are
+    fp32 there (rounding them to bf16 first moved the output by 3e-3 and every gradient by
+    2e-3 to 5e-3, relative)."""
+    monkeypatch.setattr(moe, "GROUPED_KERNEL_DEVICES", ("cpu",) if kernel else ())
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_grouped_mm", _recorded(torch.ops.aten._grouped_mm, calls))
     experts = make_model("moe-mixtral", n_layer=1).to(torch.bfloat16).model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(64, 32, generator=g).to(torch.bfloat16).requires_grad_(True)
@@ -94,6 +99,40 @@ def test_routed_experts_are_hugging_faces_bit_for_bit_in_bf16():
                                            experts.down_proj.transpose(-2, -1), num_experts=4))
     for name, a, b in zip(["output", "hidden", "weights", "gate_up_proj", "down_proj"], want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert len(calls) == (2 if kernel else 0)  # fxmeg's up and down matmuls
+
+
+def _recorded(fn, calls: list):
+    def recorded(*args, **kwargs):
+        calls.append(args[2])
+        return fn(*args, **kwargs)
+
+    return recorded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "column-major"])
+def test_the_grouped_kernel_gives_the_loops_values_and_gradients(dtype, transposed):
+    """``moe.grouped_mm``'s two ways, one ``torch._grouped_mm`` (CUDA's) and one matmul per
+    expert (CPU's), agree bit for bit on the result and both gradients, with experts without
+    rows (their bank gradient zero) and a bank stored transposed; the kernel is not chosen
+    where a row would start off a 16-byte boundary."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 0, 11, 0]
+    x = torch.randn(16, 32, generator=g).to(dtype).requires_grad_(True)
+    bank = torch.randn(4, 48, 32, generator=g).to(dtype).requires_grad_(True)
+    w = bank.transpose(-2, -1) if transposed else bank.view(4, 32, 48)
+    probe = torch.randn(16, 48, generator=g).to(dtype)
+    assert moe.grouped_kernel(x, w)
+    got = {}
+    for kernel in (False, True):
+        out = moe.grouped_mm(x, w, sizes, kernel=kernel)
+        got[kernel] = [out, *torch.autograd.grad((out * probe).sum(), [x, bank])]
+    for name, a, b in zip(["output", "rows", "bank"], got[False], got[True]):
+        assert torch.equal(a, b), name
+    assert not got[True][2][[1, 3]].any()
+    assert not moe.grouped_kernel(x[:, :6], w[:, :6])  # rows of 6 elements: off the boundary
+    assert not moe.grouped_kernel(x.double(), w)  # dtypes differ
 
 
 def test_experts_without_rows_keep_their_rows_in_backward():
