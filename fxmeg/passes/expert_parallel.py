@@ -45,14 +45,23 @@ from fxmeg.ir.layouts import ExpertShard
 from fxmeg.ir.program import CONSTANTS, ChunkInfo
 from fxmeg.ir.tags import has_tag, set_tag, set_tags, tag, tags
 from fxmeg.passes.ep_batched import batched_experts, maps_zero_to_zero
-from fxmeg.passes.graph_utils import arg, attr, call, fake_eval, requires_grad_nodes, val
+from fxmeg.passes.graph_utils import (
+    arg,
+    attr,
+    call,
+    fake_eval,
+    requires_grad_nodes,
+    source,
+    val,
+)
 from fxmeg.torch_private import op_schema
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
-_BANK_VIEWS = _CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+"""The dtype casts a block's rows, offsets and banks pass through (``source`` skips them)."""
+_BANK_VIEWS = CASTS | {aten.transpose.int, aten.permute.default, aten.t.default}
 
 
 def expert_parallel(gm: fx.GraphModule, *, parallel: ParallelConfig, moe: MoEConfig,
@@ -119,9 +128,9 @@ def routed_blocks(gm: fx.GraphModule, *, strict: bool = True) -> list[_Block]:
     per token). Not ``strict`` (ep = 1, no bias update): a grouped matmul fxmeg cannot
     read as a block is no block (logged)."""
     blocks = []
-    for up in [n for n in gm.graph.nodes if _is_grouped_mm(n) or n.target is aten.bmm.default]:
+    for up in [n for n in gm.graph.nodes if is_grouped_mm(n) or n.target is aten.bmm.default]:
         try:
-            block = _block(gm, up) if _is_grouped_mm(up) else _batched(gm, up)
+            block = _block(gm, up) if is_grouped_mm(up) else _batched(gm, up)
         except Exception as exc:  # at ep = 1 a block is only counted: never fail for it
             if strict:
                 raise
@@ -162,7 +171,7 @@ _MATMULS = {
     aten.bmm.default,
     aten.matmul.default,
 }
-_INDEX_VIEWS = _CASTS | {
+_INDEX_VIEWS = CASTS | {
     operator.getitem,
     aten.view.default,
     aten.reshape.default,
@@ -174,7 +183,7 @@ _INDEX_VIEWS = _CASTS | {
 def _router_bias(gm: fx.GraphModule, top_k_index: fx.Node, experts: int) -> str | None:
     """The FQN of the one 1-D buffer of ``experts`` values added to the scores that
     ``top_k_index`` ranks (module docstring), or None."""
-    topk = _source(top_k_index, _INDEX_VIEWS)
+    topk = source(top_k_index, _INDEX_VIEWS)
     if topk.op != "call_function" or topk.target is not aten.topk.default:
         return None
     found, seen, todo = set(), set(), [topk.args[0]]
@@ -201,7 +210,7 @@ def _buffer(gm: fx.GraphModule, node, experts: int) -> str | None:
     """``node``'s get_attr target (through casts) when it is a 1-D buffer of ``experts`` values."""
     if not isinstance(node, fx.Node):
         return None
-    node = _source(node, _CASTS)
+    node = source(node, CASTS)
     if node.op != "get_attr" or node.target.startswith(CONSTANTS):
         return None
     t = attr(gm, node.target)
@@ -253,7 +262,9 @@ class _Block:
         return inside
 
 
-def _is_grouped_mm(node: fx.Node) -> bool:
+def is_grouped_mm(node: fx.Node) -> bool:
+    """Whether ``node`` is a grouped matmul a routed-experts block is made of
+    (``aten._grouped_mm`` or transformers' ``grouped_mm_fallback``)."""
     schema = op_schema(node.target)
     return node.op == "call_function" and schema is not None and schema.name in _GROUPED_MM
 
@@ -262,18 +273,11 @@ def _module(node: fx.Node) -> str:
     return tag(node, "module", "")
 
 
-def _source(node: fx.Node, through: set) -> fx.Node:
-    """Follow the first argument through ops of ``through``."""
-    while node.op == "call_function" and node.target in through:
-        node = node.args[0]
-    return node
-
-
 def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
     """The block whose first (up) grouped matmul is ``up``, or None when ``up`` is the
     second one of a block or not part of one."""
     offsets = _offsets(up)
-    downs = [u for u in offsets.users if _is_grouped_mm(u) and u is not up
+    downs = [u for u in offsets.users if is_grouped_mm(u) and u is not up
              and _offsets(u) is offsets]
     if len(downs) != 1 or not _before(up, downs[0]):
         return None
@@ -286,14 +290,14 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
             "added once); fxmeg does not carry that sum into the routed experts at ep > 1 yet. "
             "Fix: expert_tensor_parallel_size=1 (experts whole on every tp rank), or ep=1"
         )
-    histc = _source(offsets, {aten.cumsum.default})
+    histc = source(offsets, {aten.cumsum.default})
     if histc.target is not aten.histc.default:
         raise PassError(
             f"expert_parallel: the grouped matmuls {up.name!r} and {down.name!r} ({where}) take "
                         f"offsets {offsets.name!r} that are not cumsum(histc(expert ids)); fxmeg "
                         "cannot tell which rows go to which expert")
     experts = int(histc.args[1])
-    sorted_ids = _source(histc.args[0], _CASTS)
+    sorted_ids = source(histc.args[0], CASTS)
     sort = sorted_ids.args[0] if sorted_ids.target is operator.getitem else None
     if sort is None or sort.target not in (aten.sort.default, aten.sort.stable):
         raise PassError(
@@ -301,7 +305,7 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
             "torch.sort")
     flat_index = sort.args[0]
     perm = next((u for u in sort.users if u.args[1] == 1), None)
-    rows = _source(up.args[0], _CASTS)
+    rows = source(up.args[0], CASTS)
     if rows.target is not aten.index.Tensor or perm is None:
         raise PassError(
             f"expert_parallel: the rows of {up.name!r} ({where}) are not gathered from the tokens "
@@ -440,7 +444,7 @@ def _result(start: fx.Node, shape) -> fx.Node | None:
 
 
 def _bank(node: fx.Node, experts: int, where: str) -> fx.Node:
-    bank = _source(node, _BANK_VIEWS)
+    bank = source(node, _BANK_VIEWS)
     if bank.op != "get_attr" or val(bank) is None or val(bank).shape[0] != experts:
         raise PassError(
             f"expert_parallel: the grouped matmul's weights {node.name!r} ({where}) are not a "

@@ -25,6 +25,14 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def source(node: fx.Node, through: set) -> fx.Node:
+    """Follow ``node``'s first argument back through ops of ``through`` (casts, views):
+    the node they start from."""
+    while node.op == "call_function" and node.target in through:
+        node = node.args[0]
+    return node
+
+
 def full_args(node: fx.Node) -> list[Any]:
     """Every schema argument of an ATen call, positionally, defaults filled in."""
     schema = op_schema(node.target)

@@ -33,15 +33,15 @@ from torch import fx
 
 from fxmeg.frontend.capture import owning_module
 from fxmeg.ir.layouts import Shard
-from fxmeg.passes.expert_parallel import _CASTS, _is_grouped_mm, _source, routed_blocks
-from fxmeg.passes.graph_utils import val
+from fxmeg.passes.expert_parallel import CASTS, is_grouped_mm, routed_blocks
+from fxmeg.passes.graph_utils import source, val
 
 aten = torch.ops.aten
 _LINEAR_IN_ROWS = {
     aten.mul.Tensor, aten.index.Tensor, aten.view.default, aten.reshape.default,
     aten.unsqueeze.default, aten.sum.dim_IntList, aten.index_add.default, aten.index_add_.default,
     aten.scatter_add.default, aten.scatter_add_.default, aten.clone.default,
-    aten.contiguous.default, *_CASTS,
+    aten.contiguous.default, *CASTS,
 }
 """Ops from the down grouped matmul to the block's result that may carry a partial sum:
 each is linear in it (a product with a routing weight, a gather, a view, a sum)."""
@@ -52,7 +52,7 @@ class ExpertBlocks:
 
     def __init__(self, tp) -> None:
         self.tp = tp
-        blocks = [b for b in routed_blocks(tp.gm, strict=False) if _is_grouped_mm(b.up)]
+        blocks = [b for b in routed_blocks(tp.gm, strict=False) if is_grouped_mm(b.up)]
         self.ups = {b.up: b for b in blocks}
         self.downs = {b.down: b for b in blocks}
 
@@ -79,7 +79,7 @@ class ExpertBlocks:
         if block.b_up is not None:  # its rows, gathered before this matmul, are split alike
             tp._spec(block.b_up, 1, parts, node)
             tp.place[next(a for a in block.up_out.args if a is not node)] = split
-        rows = _source(node.args[0], _CASTS)  # hidden[tokens of the sorted (token, slot) pairs]
+        rows = source(node.args[0], CASTS)  # hidden[tokens of the sorted (token, slot) pairs]
         _synced(tp, block.hidden, [rows])
         if block.b_down is None:  # the weights multiply the partial rows (_down)
             inside = block.inner()
