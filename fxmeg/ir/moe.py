@@ -84,6 +84,7 @@ def routed_experts(
     probs_on_input: bool = False,
     drops: DropCounts | None = None,
     taps: list[Tensor] | None = None,
+    down_sum: str | None = None,
 ) -> Tensor:
     """The routed experts' output ``[T, H]`` (module docstring). ``w_up [E_l, H, N]`` and
     ``w_down [E_l, I, H]`` (input dim before output dim) and the biases ``[E_l, N]`` hold
@@ -94,6 +95,10 @@ def routed_experts(
     unweighted: Llama 4's experts; Megatron's ``moe_apply_probs_on_input``) instead of its result.
     ``taps``: a list to which ``expert_mlp`` appends the two expert matmuls' results (a
     zero-bubble split's weight-gradient pass starts there; fxmeg/ir/moe_split.py).
+    ``down_sum``: the tensor-parallel group (its name) over which each expert is split
+    (expert tensor parallelism) and whose ranks' second matmuls give partial sums: summed
+    over it right after that matmul (Megatron's g), before the down bias, which is added once
+    (GPT-OSS's experts; without a down bias the sum goes after the block: passes/tp/experts.py).
     """
     if capacity_factor is not None:
         return _with_capacity(
@@ -109,6 +114,7 @@ def routed_experts(
             probs_on_input=probs_on_input,
             drops=drops,
             taps=taps,
+            down_sum=down_sum,
         )
     tokens, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
@@ -119,7 +125,8 @@ def routed_experts(
     counts = torch.bincount(ids, minlength=num_experts)
     if exchange is not None:
         rows, counts, state = exchange.dispatch(rows, counts)
-    out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down, taps=taps)
+    out = expert_mlp(middle, rows, counts.tolist(), w_up, w_down, b_up, b_down, taps=taps,
+                     down_sum=down_sum)
     if exchange is not None:
         out = exchange.combine(out, state)
     # promoted as Hugging Face's: fp32 router weights, fp32 sums
@@ -201,6 +208,7 @@ def _with_capacity(
     probs_on_input: bool,
     drops: DropCounts | None,
     taps: list[Tensor] | None,
+    down_sum: str | None,
 ) -> Tensor:
     """``routed_experts`` in capacity mode: every expert's rows padded to the capacity."""
     tokens, k = top_k_index.shape
@@ -226,7 +234,7 @@ def _with_capacity(
     if exchange is not None:
         rows, state = exchange.dispatch_padded(rows, capacity)
         sizes = [capacity * exchange.size] * (num_experts // exchange.size)
-    out = expert_mlp(middle, rows, sizes, *banks, taps=taps)
+    out = expert_mlp(middle, rows, sizes, *banks, taps=taps, down_sum=down_sum)
     if exchange is not None:
         out = exchange.combine(out, state)
     per_pair = torch.cat([out, out.new_zeros((1, out.shape[-1]))])[slot]  # dropped pairs: zero
@@ -293,9 +301,11 @@ class DropCounts:
 
 def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Tensor, w_down: Tensor,
                b_up: Tensor | None, b_down: Tensor | None, *,
-               taps: list[Tensor] | None = None) -> Tensor:
+               taps: list[Tensor] | None = None, down_sum: str | None = None) -> Tensor:
     """Each local expert on its rows (``rows`` grouped by expert, ``sizes[e]`` each); the
-    results of both matmuls (bias added) appended to ``taps`` when given."""
+    results of both matmuls (bias added) appended to ``taps`` when given. ``down_sum``: the
+    second matmul's partial sums summed over that tp group before its bias
+    (``routed_experts``)."""
     if b_up is not None or b_down is not None:
         counts = torch.tensor(sizes, device=rows.device)
         expert = torch.repeat_interleave(torch.arange(len(sizes), device=rows.device), counts,
@@ -305,6 +315,8 @@ def expert_mlp(middle: fx.GraphModule, rows: Tensor, sizes: list[int], w_up: Ten
         up = up + b_up[expert]
     mid = middle(up)
     down = grouped_mm(mid.to(w_down.dtype), w_down, sizes)
+    if down_sum is not None:  # every tp rank holds the same rows, each a part of their features
+        down = torch.ops.fxmeg.tp_reduce(down, down_sum)
     if b_down is not None:
         down = down + b_down[expert]
     if taps is not None:

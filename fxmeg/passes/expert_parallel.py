@@ -283,13 +283,8 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
         return None
     down = downs[0]
     where = f"module {_module(up)!r}"
-    if any(u.target == torch.ops.fxmeg.tp_reduce.default for u in down.users):
-        raise PassError(
-            f"expert_parallel: the experts of {where} add a bias after their second matmul, "
-            "which expert tensor parallelism sums over tp ranks right after that matmul (the bias "
-            "added once); fxmeg does not carry that sum into the routed experts at ep > 1 yet. "
-            "Fix: expert_tensor_parallel_size=1 (experts whole on every tp rank), or ep=1"
-        )
+    # expert tp with a down bias: the second matmul's rows summed over tp before the bias
+    summed = next((u for u in down.users if u.target == torch.ops.fxmeg.tp_reduce.default), None)
     histc = source(offsets, {aten.cumsum.default})
     if histc.target is not aten.histc.default:
         raise PassError(
@@ -321,7 +316,7 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
     top_k_weights = weights_g.args[0].args[0]
     up_out, b_up = _bias(up, sorted_ids)
     mid_in_cast = down.args[0]
-    down_out, b_down = _bias(down, sorted_ids)
+    down_out, b_down = _bias(summed or down, sorted_ids)
     middle = _between(up_out, mid_in_cast)
     result = _result(down_out, val(hidden).shape)
     if result is None:
@@ -334,7 +329,8 @@ def _block(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
                   b_up=b_up,
                   b_down=b_down, up_out=up_out, middle=middle, middle_out=mid_in_cast,
                   result=result, where=where,
-                  banks=banks + [b for b in (b_up, b_down) if b is not None], module=_module(up))
+                  banks=banks + [b for b in (b_up, b_down) if b is not None], module=_module(up),
+                  down_sum=summed.args[1] if summed is not None else None)
 
 
 def _batched(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
@@ -379,6 +375,7 @@ def _batched(gm: fx.GraphModule, up: fx.Node) -> _Block | None:
         where=where,
         banks=banks,
         module=_module(up),
+        down_sum=None,
     )
 
 
@@ -478,7 +475,7 @@ def _rewrite(
             "group": ops.EP,
             "capacity_factor": capacity_factor,
             "layer": b.module,
-        }
+        } | ({"down_sum": b.down_sum} if b.down_sum is not None else {})
         routed = graph.call_function(ops.routed_experts, *ops.routed_experts_call(
             body, b.hidden, b.top_k_index, weights, b.w_up, b.w_down, b.b_up, b.b_down,
             **kwargs | ({"probs_on_input": True} if on_input else {})))

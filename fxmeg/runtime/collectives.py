@@ -337,6 +337,8 @@ def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
     else:
         node.target = b.experts.routed_experts
     node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
+    if node.kwargs.get("down_sum") is not None:  # expert tp's sum before a down bias
+        node.kwargs = {**node.kwargs, "down_sum": b.group(node.kwargs["down_sum"])}
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
         # before any (compiled) forward
         b.experts.drops.track(node.kwargs.get("layer", ""), b.device)

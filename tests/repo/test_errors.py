@@ -670,12 +670,6 @@ ROWS = {
         "transformers makes 'model.layers.0.mlp.experts.down_proj' from ['.experts.*.w2.weight'] "
         "with MergeModulelist(dim=0), Transpose, which fxmeg does not apply",
     ),
-    "ep-expert-tp-bias": (
-        lambda: fxmeg.transform(make_model("moe-gpt_oss", n_layer=1), _moe_batch(), tp=2, dp=2,
-                                ep=2),
-        "expert_parallel: the experts of module 'model.layers.0.mlp.experts' add a bias after "
-        "their second matmul",
-    ),
     "expert-tp-size": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), tp=2, expert_tensor_parallel_size=4),
         "expert_tensor_parallel_size=4 with tp=2: fxmeg splits the experts over all tp ranks or "

@@ -18,7 +18,8 @@ activation, then ``@ W_down[e]`` with one grouped matmul each. Under expert tp:
   block's result (the sum of each token's k weighted rows) is linear in it, so the one
   all-reduce (Megatron's g) goes after the result, on [tokens, hidden], where Megatron's
   expert-tp reduces too. A down bias (GPT-OSS) must be added once: the sum then goes right
-  after the grouped matmul, before the bias, on every routed row.
+  after the grouped matmul, before the bias, on every routed row (at ep > 1 the
+  expert-parallel pass folds that sum into the routed-experts op: its ``down_sum``).
 
 The banks' splits are the ``Shard`` s of their get_attr nodes (dim 1 or 2 of [E, ., .]);
 dim 0 stays whole for expert parallelism (``ExpertShard``), which composes with it. The
