@@ -96,8 +96,8 @@ class _TensorParallel(Propagation, PropagationRules, MoreRules, ChannelRules):
         self.block = find_blocks(gm)
         self.vocab, self.head = self._find_head()
         self.seq_dim = 1
-        # grouped experts split over tp (tp_experts); whole under sp (said by tp_moe)
-        self.experts = ExpertBlocks(self) if expert_tp > 1 and not sp else None
+        # grouped experts split over tp (tp_experts), under sp too (their tokens gathered whole)
+        self.experts = ExpertBlocks(self) if expert_tp > 1 else None
 
     def before_rules(self, node: fx.Node, places):
         if self.experts is not None and self.experts.owns(node):

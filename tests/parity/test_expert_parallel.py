@@ -20,7 +20,8 @@ replicas), ep=2 x pp=2 (1F1B and interleaved), ep=2 x tp=2 (each expert split ov
 parallelism),
 ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp=2, AFMoE at pp=2,
 OLMoE at tp=2, GPT-OSS at tp=2 (a down bias: each routed row summed over tp inside the block,
-before it), DeepSeek-V3 at tp=2 (latent attention: down projections whole, up
+before it), Qwen2-MoE at tp=2 with sequence parallelism (the tokens gathered whole, each
+expert split over tp), DeepSeek-V3 at tp=2 (latent attention: down projections whole, up
 projections over heads), Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
 block's backward split into an input-gradient pass, the reverse all-to-alls, and a
 weight-gradient pass; ZB-H1 bit for bit like 1F1B), Mixtral's router loss at tp=2 with
@@ -119,6 +120,8 @@ FOUR = [
     Scenario("moe-olmoe", dp=2, tp=2, options=(("ep", 2),)),
     # a down bias under expert tp: the routed rows summed over tp before it, inside the block
     Scenario("moe-gpt_oss", dp=2, tp=2, options=(("ep", 2),)),
+    # expert tp under sp: the tokens gathered whole, each expert split over tp (a shared expert)
+    Scenario("moe-qwen2_moe", dp=2, tp=2, options=(("ep", 2), ("sequence_parallel", True))),
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
     # zero bubble: each block's backward split, I (inputs, the reverse all-to-alls) and W (banks)
     *ZERO_BUBBLE,
@@ -350,6 +353,9 @@ def test_each_rank_holds_its_experts_and_reduces_them_over_their_holders(results
                 continue  # another pipeline rank's layer
             tp_spec = r["tp_specs"].get(name)
             mine[name] = (4 // ep, *full[name][1:])
+            # expert tp (the default): every bank split over tp, but a down bias (added once)
+            assert sc.tp == 1 or isinstance(tp_spec, Shard) or name.endswith("down_proj_bias"), (
+                name, tp_spec)
             if isinstance(tp_spec, Shard):
                 assert tp_spec.dim > 0 and sc.tp > 1, (name, tp_spec)
                 mine[name] = tuple(tp_spec.local_shape(mine[name], sc.tp))

@@ -129,17 +129,20 @@ def test_an_mlp_up_projection_is_no_down_projection():
     assert tp["layers.0.up.weight"] == Shard(0, (32,))
 
 
+@pytest.mark.parametrize("expert_tp", [2, 1], ids=["experts-split", "experts-whole"])
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
-def test_sequence_parallel_gathers_the_tokens_a_block_routes(kind):
+def test_sequence_parallel_gathers_the_tokens_a_block_routes(kind, expert_tp):
     """tp x sp: the block flattening the sequence-split stream into tokens reads it whole
     (``sp_whole``: all-gather, backward this rank's part of the whole gradient), routes
-    and runs every token replicated, and its output rejoins the stream cut to this rank's
-    part (``sp_split``: backward all-gathered); the experts' gradient is the same on every
-    tp rank (not reduced over tp). A shared expert reading the whole tokens is
-    all-reduced, not scattered along a sequence it no longer has."""
+    every token on every tp rank, and its output rejoins the stream cut to this rank's
+    part (``sp_split``: backward all-gathered). Its experts are split over tp as without sp
+    (expert tensor parallelism, the default: the down bank by its input features, the
+    block's sum all-reduced), or with expert_tensor_parallel_size=1 run whole, their
+    gradient the same on every tp rank (not reduced over tp). A shared expert reading the
+    whole tokens is all-reduced, not scattered along a sequence it no longer has."""
     gm = graph_after(
         tiny_moe(kind), make_batch(2, seed=0, vocab=96), "tensor_parallel", tp=2,
-        sequence_parallel=True,
+        sequence_parallel=True, expert_tensor_parallel_size=expert_tp,
     )
     ops = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
     moe_layers = 1 if kind == "deepseek_v3" else 2  # DeepSeek-V3's layer 0 is dense
@@ -149,11 +152,15 @@ def test_sequence_parallel_gathers_the_tokens_a_block_routes(kind):
     assert tuple(whole.meta["val"].shape) == (2, 16, 32)  # the whole sequence
     tp = _layouts(gm)
     block = "model.layers.1.mlp"
-    assert tp[f"{block}.experts.down_proj"] == Replicate(reduce_grad=False)
+    split = expert_tp == 2
+    want = Shard(2, (48,)) if split else Replicate(reduce_grad=False)  # [E, H, I]
+    assert tp[f"{block}.experts.down_proj"] == want
     assert tp[f"{block}.gate.weight"] == Replicate(reduce_grad=False)
-    if kind == "qwen2_moe":  # its shared expert reads the whole tokens: all-reduced
+    shared = kind == "qwen2_moe"  # its shared expert reads the whole tokens: all-reduced
+    if shared:
         assert tp[f"{block}.shared_expert.down_proj.weight"] == Shard(1, (48,))
-        assert ops.count("tp_reduce.default") == 2
+    # one sum per block of split experts, one per shared expert
+    assert ops.count("tp_reduce.default") == moe_layers * (split + shared)
 
 
 class _Scored(nn.Module):

@@ -130,8 +130,10 @@ def flattens_tokens(s: Shard, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 def whole_tokens(tpass, node: fx.Node, s: Shard) -> None:
     """Under sequence parallelism, the tokens a block flattens to route them
     (``flattens_tokens``) are gathered whole first (``sp_whole``), once per value: every tp
-    rank routes every token and runs the experts, replicated, as without sp (Megatron
-    gathers the sequence before its MoE token dispatcher too). Exact without more: every
+    rank routes every token and runs the experts as without sp, each split over tp under
+    expert tensor parallelism (fxmeg/passes/tp/experts.py: the block's sum all-reduced over
+    tp, then cut back to this rank's part) or whole (Megatron gathers the sequence before
+    its MoE token dispatcher too). Exact without more: every
     routing decision and the router loss see all tokens, the same on every rank, so each
     rank holds the whole gradient of the block's values (the router loss's included);
     where the block's output rejoins the sequence split, ``sp_split`` keeps this rank's
