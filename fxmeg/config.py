@@ -296,14 +296,6 @@ class EngineConfig:
             )
         if ep == 1:
             return
-        if self.compile and self.parallel.splits_backward:
-            raise ConfigError(
-                f"ep={ep} does not run with compile=True and "
-                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule runs each "
-                "routed-experts block eagerly in its split graphs (its all-to-alls and the state "
-                "its input- and weight-gradient passes share), which dynamo cannot compile whole; "
-                "set compile=False, or schedule='1f1b' or 'interleaved'"
-            )
         dp = self.data_parallel
         if (
             dp.optimizer_sharding == "layerwise"

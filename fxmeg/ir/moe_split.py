@@ -58,6 +58,7 @@ class SplitExperts:
         assert len(taps) == 2, f"routed experts tapped {len(taps)} matmul results, not 2"
         return out.detach(), cls(out, leaves, taps)
 
+    @torch.compiler.disable  # eager in a compiled I graph (autograd over run-time counts)
     def input_grad(self, grad: Tensor, *, hidden: bool, weights: bool,
                    banks: bool) -> tuple[Tensor | None, Tensor | None]:
         """I: the gradients of the block's ``hidden`` rows and routing ``weights`` (those
@@ -78,6 +79,7 @@ class SplitExperts:
             for t, want in zip(self.leaves[:2], (hidden, weights))
         )
 
+    @torch.compiler.disable  # eager in a compiled W graph, as I
     def weight_grad(self) -> list[Tensor]:
         """W: the gradients of the banks there are (w_up, w_down, then b_up, b_down), from
         the taps' gradients I found; the graph is released."""

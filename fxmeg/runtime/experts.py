@@ -131,8 +131,11 @@ class RankExperts:
         torch.compile runs its other nodes compiled and breaks the graph here, once per layer."""
         return self.routed_experts(*args, group=group, **options)
 
+    @torch.compiler.disable
     @moe.as_op
     def routed_experts_split(self, *args, group: str, **options):
         """``fxmeg.ir.ops.routed_experts_split`` bound: ``routed_experts`` kept for a split
-        backward (result, ``moe_split.SplitExperts``)."""
+        backward (result, ``moe_split.SplitExperts``), outside any compiled graph as
+        ``routed_experts_eager`` (traced into a compiled split forward, its state went stale:
+        measured, a wrong loss from step 1)."""
         return moe_split.SplitExperts.run(self.routed_experts, *args, group=group, **options)

@@ -350,9 +350,8 @@ def test_the_capacity_factor_is_checked():
         micro_batch_size=2, global_batch_size=8, compile=True, ep=2
     ).compile  # dropless: the experts run outside the compiled graphs (the spawn below)
     assert config(1.0, pp=2, schedule="zbh1").parallel.splits_backward  # split experts' backward
-    with pytest.raises(ConfigError, match=r"^ep=2 does not run with compile=True and "
-                       r"schedule='zbh1'"):
-        config(1.0, pp=2, schedule="zbh1", compile=True)
+    # the split experts run eager in the compiled split graphs (test_expert_parallel.py)
+    assert config(1.0, pp=2, schedule="zbh1", compile=True).compile
 
 
 def test_fxmeg_train_takes_the_capacity_factor_as_a_flag_and_a_key():

@@ -128,6 +128,9 @@ FOUR = [
     # latent attention at tp: its down projections whole, up projections over heads
     Scenario("moe-deepseek_v3", dp=2, tp=2, options=(("ep", 2),)),
 ]
+# compiled split graphs, the routed experts' forward, I and W eager in them (no recompile: raised)
+ZB_COMPILED = Scenario("moe-mixtral", dp=2, pp=2, schedule="zbh1",
+                       options=(("ep", 2), ("compile", True)))
 # batched_mm: captured grouped
 ROUTER_LOSS = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2),))
 RECOMPUTE = Scenario("hf-mixtral", dp=2, pp=2, options=(("ep", 2), ("recompute", "full")))
@@ -150,7 +153,7 @@ ROUTER_LOSS_SP = Scenario(
 # experts: aten._grouped_mm
 BF16 = Scenario("moe-mixtral", dp=2, options=(("ep", 2), ("precision", "bf16")))
 ALL = EP2 + ZERO3 + CP + DP2 + FOUR + [
-    ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16,
+    ZB_COMPILED, ROUTER_LOSS, RECOMPUTE, ROUTER_LOSS_CP, GLOBAL_LOSS, GLOBAL_LOSS_RECOMPUTE, BF16,
     ROUTER_LOSS_SP,
 ]
 
@@ -266,10 +269,19 @@ def train_zero3(rank: int, sc: Scenario) -> dict:
     return train(rank, sc, held, model=model) | dict(user=user_reads(model))
 
 
+def train_compiled(rank: int, sc: Scenario) -> dict:
+    """``train`` of ``sc`` (compile=True) with a recompile raised: the routed experts' row
+    counts are data, so a compiled graph guarding on them would recompile per micro-batch."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        return train(rank, sc, held)
+
+
 def train_ep(rank: int, scenarios: list[Scenario], root: str) -> dict:
     out = {
         sc.id: train_zero3(rank, sc)
         if sc in ZERO3
+        else train_compiled(rank, sc)
+        if sc == ZB_COMPILED
         else train(rank, sc, masters if sc == BF16 else
                    functools.partial(save_for_export, root=root) if sc == EXPORTED else held, root)
         for sc in scenarios

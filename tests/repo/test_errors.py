@@ -642,12 +642,6 @@ ROWS = {
             "ranks; choose ep among [1, 2]"
         ),
     ),
-    "ep-zero-bubble-compile": (
-        lambda: _config_file(
-            'data = "x"\ntrain_iters = 1\npp = 2\nep = 2\nschedule = "zbh1"\ncompile = true\n'
-        ),
-        "ep=2 does not run with compile=True and schedule='zbh1': a zero-bubble schedule runs",
-    ),
     "ep-layerwise": (
         lambda: fxmeg.parallelize(
             make_model("gpt"),
