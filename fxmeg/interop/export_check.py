@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from fxmeg.errors import CheckpointError
+from fxmeg.interop.hf_export import model_class
 from fxmeg.weights.checkpoint import read_model
 
 SEQUENCES, LENGTH = 2, 16
@@ -96,8 +97,7 @@ def _reference(meta: dict, state: dict[str, torch.Tensor], exported, where: str)
     import transformers
 
     config = dict(meta["hugging_face"]["config"])
-    name = config["architectures"][0]
-    cls = getattr(transformers, name, None)
+    name, cls = model_class(config)
     if cls is None:
         raise ExportMismatch(
             f"{where}: the checkpoint's model class {name!r} is not in transformers "

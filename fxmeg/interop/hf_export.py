@@ -178,13 +178,21 @@ def as_saved(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Te
     return out
 
 
+def model_class(config: dict) -> tuple[str, type | None]:
+    """(the name of ``config``'s model class, its first ``architectures`` entry; that class
+    of the installed transformers, or None where it has none)."""
+    import transformers
+
+    name = config["architectures"][0]
+    return name, getattr(transformers, name, None)
+
+
 def _meta_model(config: dict) -> torch.nn.Module:
     """The transformers model of ``config`` (its ``architectures`` class) on the meta
     device: no memory, for its conversion mapping."""
     import transformers
 
-    name = config["architectures"][0]
-    cls = getattr(transformers, name, None)
+    name, cls = model_class(config)
     if cls is None:
         raise CheckpointError(
             f"export in transformers' saved names: the checkpoint's model class {name!r} is not "
