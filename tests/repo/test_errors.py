@@ -674,6 +674,18 @@ ROWS = {
                                   moe_router_load_balancing_type="global_aux_loss"),
         "moe_router_load_balancing_type='global_aux_loss' does not run with schedule='zbh1'",
     ),
+    "router-bias-zero-bubble": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, schedule="zbh1",
+                                  moe_router_bias_update_rate=1e-3),
+        "moe_router_bias_update_rate=0.001 does not run with schedule='zbh1': a zero-bubble "
+        "schedule runs forward as a traced graph that does not count the tokens per expert",
+    ),
+    "router-bias-compile": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), compile=True,
+                                  moe_router_bias_update_rate=1e-3),
+        "moe_router_bias_update_rate=0.001 does not run with compile=True: the tokens per expert "
+        "are counted outside the compiled graphs",
+    ),
     "ep-no-experts": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2),
         "ep=2, but fxmeg finds no routed experts in this model",
