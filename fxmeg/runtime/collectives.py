@@ -336,9 +336,10 @@ def _bind_routed_experts(node: fx.Node, b: Binding) -> None:
         node.target = b.experts.routed_experts_eager
     else:
         node.target = b.experts.routed_experts
-    node.kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
-    if node.kwargs.get("down_sum") is not None:  # expert tp's sum before a down bias
-        node.kwargs = {**node.kwargs, "down_sum": b.group(node.kwargs["down_sum"])}
+    kwargs = {**node.kwargs, "group": b.groups[node.kwargs["group"]]}
+    if kwargs.get("down_sum") is not None:  # expert tp's sum before a down bias
+        kwargs["down_sum"] = b.group(kwargs["down_sum"])
+    node.kwargs = kwargs
     if node.kwargs.get("capacity_factor") is not None and b.device is not None:
         # before any (compiled) forward
         b.experts.drops.track(node.kwargs.get("layer", ""), b.device)
