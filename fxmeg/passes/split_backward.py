@@ -200,7 +200,7 @@ def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     mode = detect_fake_mode()
-    empty = torch.empty(t.shape, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
+    empty = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
 
 
@@ -289,8 +289,12 @@ def _split(backward: fx.GraphModule, input_grads: list, weight_grads: list):
     only_w = [
         n for n in backward.graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"
     ]
+    # what W reads of I's values, and the weight gradients I computes anyway (a fused
+    # backward's (dx, dw) pair that an input gradient reads through)
+    done = {g for g in weight_grads if isinstance(g, fx.Node) and g not in only_w}
     carried = [n for n in backward.graph.nodes
-               if (n in need_i or n.op == "placeholder") and any(u in only_w for u in n.users)]
+               if (n in need_i or n.op == "placeholder")
+               and (n in done or any(u in only_w for u in n.users))]
     i_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in backward.graph.nodes:
