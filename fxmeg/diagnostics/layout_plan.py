@@ -443,10 +443,10 @@ def _breakdown_lines(stage: StagePlan, width: int = 100) -> list[str]:
                          (f"outside the layers, stage {stage.stage}", rest)):
         if not items:
             continue
-        lines.append(f"  activations per micro-batch, {title}: {_mib(sum(items.values()))}")
+        lines.append(f"  activations per micro-batch, {title}: {human_bytes(sum(items.values()))}")
         line = "   "
         for key, v in sorted(items.items(), key=lambda kv: -kv[1]):
-            word = f" {key} {_mib(v)};"
+            word = f" {key} {human_bytes(v)};"
             if len(line) + len(word) > width:
                 lines.append(line.rstrip(";"))
                 line = "   "
@@ -455,7 +455,8 @@ def _breakdown_lines(stage: StagePlan, width: int = 100) -> list[str]:
     return lines
 
 
-def _mib(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """'12.34 GiB' from 1 GiB on, else '12.3 MiB'."""
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 

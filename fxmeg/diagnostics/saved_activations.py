@@ -136,8 +136,14 @@ def saved_tensors(gm: fx.GraphModule) -> list[Saved]:
 def recompute_working_bytes(gm: fx.GraphModule) -> int:
     """What backward holds while it runs a recompute region again: the largest region's
     own saved tensors (once per stage, not per micro-batch in flight; 0 without recompute)."""
-    return max((sum(s.nbytes for s in _region_saved(gm, n)) for n in gm.graph.nodes
+    return max((region_bytes(gm, n) for n in gm.graph.nodes
                 if n.op == "call_module" and hasattr(attr(gm, n.target), "region")), default=0)
+
+
+def region_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
+    """The own saved tensors of recompute region ``node`` of ``gm``: what backward holds
+    while it runs that region again."""
+    return sum(s.nbytes for s in _region_saved(gm, node))
 
 
 def activation_bytes(gm: fx.GraphModule) -> int:

@@ -143,6 +143,13 @@ def node_cost(node: fx.Node) -> float:
     higher-order op: the sum over its bodies' nodes)."""
     if is_hop(node):
         return sum(node_cost(n) for n in _body_nodes(node))
+    return node_flops(node) + BYTE_COST * node_bytes(node)
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes one node reads and writes (0 for a view; a higher-order op: its bodies')."""
+    if is_hop(node):
+        return sum(node_bytes(n) for n in _body_nodes(node))
     out = val(node)
     ins = [val(n) for n in node.all_input_nodes]
     moved = sum(t.numel() * t.element_size() for t in (out, *ins) if isinstance(t, torch.Tensor))
@@ -150,7 +157,7 @@ def node_cost(node: fx.Node) -> float:
         moved = 2 * out.numel() * out.element_size()
     if _is_view(node):
         moved = 0
-    return node_flops(node) + BYTE_COST * bound(moved)
+    return bound(moved)
 
 
 def _is_view(node: fx.Node) -> bool:

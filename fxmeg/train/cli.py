@@ -355,6 +355,22 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
         "at block boundaries)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search every layout fxmeg accepts on --cluster and print the fastest that fit, "
+        "with predicted step time, tokens/s, MFU, peak memory per rank and where the time goes "
+        "(docs/planner.md); layout flags given too are your layout, ranked beside them",
+    )
+    p.add_argument(
+        "--cluster",
+        default="local",
+        metavar="PRESET[:KEY=VALUE,...]|FILE.json",
+        help="with --search: h100, h200, a100 (8-GPU nodes) or local (this machine, measured once "
+        "and cached), e.g. h100:nodes=128 or h200:nodes=4,memory=120GiB (docs/planner.md lists "
+        "the keys)",
+    )
+    p.add_argument("--top", type=int, default=10, help="with --search: layouts to print")
     _flags(
         p,
         [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
@@ -366,26 +382,39 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args) -> int:
-    """`fxmeg plan`: build the model on the meta device, print its Plan."""
-    import json
-
-    import torch
-
+    """`fxmeg plan`: build the model on the meta device, print its Plan (with --search,
+    the fastest layouts: ``_search``)."""
     from fxmeg.diagnostics.devices import device_bytes
     from fxmeg.diagnostics.layout_plan import plan, stderr_progress
-    from fxmeg.interop.hugging_face import config_from_spec, is_hugging_face, keyword_batch
-    from fxmeg.train.build import build_model
     from fxmeg.train.train_config import engine_from_flat, flat_defaults
 
     device = device_bytes(args.device_memory) if args.device_memory else None
     values = _plan_values(args)
     model = {k: values.pop(k, flat_defaults()[k]) for k in PLAN_MODEL}
+    if args.search:
+        return _search(args, model, values, device)
     engine = engine_from_flat(**values)
     if args.split_points:
         import dataclasses
 
         engine = dataclasses.replace(engine, parallel=dataclasses.replace(
             engine.parallel, split_points=tuple(args.split_points)))
+    net, example = _meta_model(args, model, engine.micro_batch_size)
+    result = plan(net, example, config=engine, device_memory=device,
+                  progress=None if args.quiet else stderr_progress())
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def _meta_model(args, model: dict, micro_batch_size: int):
+    """(the model built on meta from --model / --hf-config, one example micro-batch)."""
+    import json
+
+    import torch
+
+    from fxmeg.interop.hugging_face import config_from_spec, is_hugging_face, keyword_batch
+    from fxmeg.train.build import build_model
+
     with torch.device("meta"):
         if args.hf_config:
             import transformers
@@ -395,15 +424,49 @@ def _plan(args) -> int:
             extra = model["model_args"]
             extra = extra if isinstance(extra, dict) else json.loads(extra)
             net = build_model(model["model"], {"seq_len": model["seq_len"]} | extra)
-    shape = (engine.micro_batch_size, model["seq_len"])
+    shape = (micro_batch_size, model["seq_len"])
     ids, labels = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
     # a Hugging Face model takes the trainer's keyword batch (positionally, labels would
     # land on its second parameter, attention_mask)
-    example = keyword_batch(ids, labels) if is_hugging_face(net) else (ids, labels)
-    result = plan(net, example, config=engine, device_memory=device,
-                  progress=None if args.quiet else stderr_progress())
-    print(result.to_json() if args.json else result)
-    return 0
+    return net, keyword_batch(ids, labels) if is_hugging_face(net) else (ids, labels)
+
+
+LAYOUT_NAMES = ("tp", "sequence_parallel", "cp", "ep", "pp", "vpp", "schedule", "dp", "zero",
+                "distributed_optimizer", "recompute", "micro_batch_size")
+"""The flat names a search varies: given with --search, they are the user's own layout."""
+
+
+def _search(args, model: dict, values: dict, device: int | None) -> int:
+    """`fxmeg plan --search`: every layout on --cluster, the fastest that fit."""
+    import json
+
+    from fxmeg.diagnostics.layout_plan import stderr_progress
+    from fxmeg.errors import ConfigError
+    from fxmeg.planner import report
+    from fxmeg.planner.cluster import cluster
+    from fxmeg.planner.search import Layout, search
+    from fxmeg.train.train_config import engine_from_flat, flat_defaults
+
+    given = args.micro_batch_size is not None or any(
+        getattr(args, n, None) is not None for n in LAYOUT_NAMES)
+    gbs = values.get("global_batch_size")
+    if gbs is None:
+        raise ConfigError("fxmeg plan --search needs --global-batch-size (samples per step): the "
+                          "layouts it compares must train the same batch")
+    found = cluster(args.cluster)
+    precision = values.get("precision", flat_defaults()["precision"])
+    shared = {k: v for k, v in values.items() if k not in LAYOUT_NAMES and k not in (
+        "global_batch_size", "precision")}
+    mine = None
+    if given:
+        mine = Layout.of(engine_from_flat(**values).resolve(found.ranks))
+    net, example = _meta_model(args, model, 1)
+    progress = None if args.quiet else stderr_progress()
+    result = search(net, example, cluster=found, global_batch_size=gbs, precision=precision,
+                    layout=mine, memory=device, options=shared, progress=progress)
+    print(json.dumps(report.to_dict(result, args.top), indent=1) if args.json
+          else report.text(result, args.top))
+    return 0 if result.ranked else 2
 
 
 def _plan_values(args) -> dict:

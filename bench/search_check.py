@@ -1,0 +1,156 @@
+"""The layout search's predictions against measured runs on this machine (issue 47). One
+JSON line per model, then a summary line.
+
+For each model (the bench GPT, and a tiny Hugging Face Mixtral so that ep is in the space),
+``fxmeg.planner.search`` lists every legal layout on 2 ranks of ``--cluster local`` at a fixed
+global batch; each is then trained for real (2 gloo processes, the layout's own split points):
+``--steps`` timed steps after ``--warmup``, the median step and each rank's peak resident set
+above its baseline (after imports, glibc's mmap threshold at 64 KiB as bench/memory.py sets it).
+Reported: Spearman's rank correlation of predicted and measured step times, whether the
+measured best is in the predicted top 3, the median step-time error, and per layout the
+predicted peak over the measured one.
+
+    python bench/search_check.py                   # both models, every layout (~30 min)
+    python bench/search_check.py --models gpt --limit 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.common import spawn, timed, write_gathered  # noqa: E402
+
+SEQ, GBS = 256, 8
+
+
+def build(kind: str, device: str):
+    with torch.device(device):
+        torch.manual_seed(0)
+        if kind == "gpt":
+            from models.gpt import GPT, GPTConfig
+
+            return GPT(GPTConfig(vocab_size=8192, seq_len=SEQ, n_layer=4, n_head=8, n_embd=256))
+        import transformers as T
+
+        cfg = T.MixtralConfig(vocab_size=4096, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                              num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=SEQ)
+        return T.AutoModelForCausalLM.from_config(cfg)
+
+
+def batch(kind: str, rows: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4096, (rows, SEQ), generator=g).to(device)
+    labels = torch.roll(ids, -1, 1)
+    if kind == "gpt":
+        return ids, labels
+    from fxmeg.interop.hugging_face import keyword_batch
+
+    return keyword_batch(ids, labels)
+
+
+def _rows(b, a: int, z: int):
+    return {k: t[a:z] for k, t in b.items()} if isinstance(b, dict) else tuple(t[a:z] for t in b)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def train(rank: int, world: int, kind: str, options: dict, split, args, out: str) -> None:
+    import fxmeg
+
+    base = _rss()
+    model = build(kind, "cpu")
+    mbs = options["micro_batch_size"]
+    data = batch(kind, GBS)
+    engine = fxmeg.parallelize(
+        model, _rows(data, 0, mbs), global_batch_size=GBS, split_points=split,
+        **{k: v for k, v in options.items() if k != "micro_batch_size"},
+        optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4))
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = timed(lambda: engine.train_step(data if engine.needs_data else None))
+        if i >= args.warmup:
+            times.append(t)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    write_gathered({"step": statistics.median(times), "peak": peak}, out)
+
+
+def check(kind: str, args) -> dict:
+    from fxmeg.planner.cluster import cluster
+    from fxmeg.planner.estimate import spearman
+    from fxmeg.planner.search import search
+
+    local = cluster("local:ranks_per_node=2,memory=1TB")
+    example = batch(kind, 1, "meta")
+    start = time.perf_counter()
+    found = search(build(kind, "meta"), example, cluster=local, global_batch_size=GBS,
+                   precision="fp32")
+    searched = time.perf_counter() - start
+    pool = found.ranked
+    if args.limit and len(pool) > args.limit:
+        pool = random.Random(0).sample(pool, args.limit)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(pool):
+            out = os.path.join(tmp, f"{i}.json")
+            spawn(2, train, kind, r.layout.options(), r.estimate.split_points, args, out)
+            with open(out) as f:
+                ranks = json.load(f)
+            measured = {"step": max(x["step"] for x in ranks), "peak": max(x["peak"]
+                                                                           for x in ranks)}
+            rows.append({"layout": str(r.layout), "predicted_step": r.estimate.step,
+                         "measured_step": measured["step"], "predicted_peak": r.estimate.peak,
+                         "measured_peak": measured["peak"],
+                         "peak_ratio": round(r.estimate.peak / measured["peak"], 3)})
+            print(f"[{kind} {i + 1}/{len(pool)}] {r.layout}: step {measured['step']:.3f} s "
+                  f"(predicted {r.estimate.step:.3f}), peak {measured['peak'] / 2**20:.0f} MiB "
+                  f"(predicted {r.estimate.peak / 2**20:.0f})", file=sys.stderr, flush=True)
+    pred = [x["predicted_step"] for x in rows]
+    meas = [x["measured_step"] for x in rows]
+    order = sorted(range(len(rows)), key=lambda i: pred[i])
+    best = min(range(len(rows)), key=lambda i: meas[i])
+    errors = [abs(p - m) / m for p, m in zip(pred, meas)]
+    return {
+        "model": kind, "legal": found.legal, "searched_s": round(searched, 1),
+        "measured": len(rows), "spearman": round(spearman(pred, meas), 3),
+        "best_measured_in_predicted_top3": best in order[:3],
+        "median_step_error": round(statistics.median(errors), 3),
+        "peak_ratio_range": [min(x["peak_ratio"] for x in rows),
+                             max(x["peak_ratio"] for x in rows)],
+        "layouts_peak_within_10pct": sum(abs(x["peak_ratio"] - 1) <= 0.1 for x in rows),
+        "cluster": local.to_dict(), "rows": rows,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt,moe")
+    p.add_argument("--limit", type=int, default=0, help="measure this many layouts (0: all)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    args = p.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for kind in args.models.split(","):
+        print(json.dumps({"bench": "search_check"} | check(kind, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

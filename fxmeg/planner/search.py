@@ -1,0 +1,316 @@
+"""The layout search: every layout fxmeg accepts for a model on a cluster, judged by the
+same checks ``parallelize`` runs, those that fit ranked by predicted step time.
+
+``search(model, example, cluster=..., global_batch_size=...)`` enumerates tp, sp, cp, ep,
+pp, vpp, schedule, dp, ZeRO, recompute and micro-batch size (``candidates``). A layout is
+legal when ``EngineConfig`` accepts it on the cluster's ranks, ``check_model`` accepts it
+for the model, and the passes accept its intra-layer part on the model's twin (the
+profile's transform: fxmeg/planner/profile.py); one copy of the rules, the ones that run
+before training. Each legal layout is estimated (fxmeg/planner/estimate.py); those whose
+per-rank peak exceeds the device's memory are dropped; the rest are ranked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fxmeg.config import EngineConfig, Example
+from fxmeg.errors import ConfigError, FxmegError
+from fxmeg.frontend.model_checks import check_model
+from fxmeg.planner.calibrate import fit
+from fxmeg.planner.cluster import Cluster
+from fxmeg.planner.estimate import Composer, Estimate
+from fxmeg.planner.profile import Key, Profile, Twin, check_split, profile, twin
+from fxmeg.schedule_registry import SPECS, batch_refusal, layout_refusal, resolve
+
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+"""The micro-batch sizes searched (those dividing the global batch per replica)."""
+VPP_MAX = 4
+"""The most virtual chunks per pipeline rank searched (more only adds pipeline messages)."""
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One point of the space, in ``parallelize``'s flat names (``options``)."""
+
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vpp: int = 1
+    schedule: str = "none"
+    dp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch_size: int = 1
+
+    @property
+    def key(self) -> Key:
+        return Key(self.tp, self.sp, self.cp, self.ep, None, self.recompute)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def options(self) -> dict:
+        """The layout as ``parallelize`` keywords and `fxmeg train` config keys."""
+        return {"tp": self.tp, "sequence_parallel": self.sp, "cp": self.cp, "ep": self.ep,
+                "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule, "dp": self.dp,
+                "zero": self.zero, "recompute": self.recompute,
+                "micro_batch_size": self.micro_batch_size}
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Layout:
+        par, dpc = config.parallel, config.data_parallel
+        return cls(par.tp, par.sequence_parallel, par.cp, par.ep, par.pp, par.vpp,
+                   par.resolved_schedule, par.dp or 1, dpc.zero_stage,
+                   config.recomputation.recompute, config.micro_batch_size)
+
+    def __str__(self) -> str:
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
+        parts += [f"{n}{v}" for n, v in (("cp", self.cp), ("ep", self.ep)) if v > 1]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
+                         + f" {self.schedule}")
+        parts += [f"dp{self.dp}", f"zero{self.zero}", f"rc:{self.recompute}",
+                  f"mbs{self.micro_batch_size}"]
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+CP_MIN_TOKENS = 128
+"""The fewest tokens of a sequence a context-parallel rank is searched with (cp <= seq /
+128): below, attention's all-gather costs more than the split saves."""
+
+
+def candidates(world: int, blocks: int, global_batch_size: int, *, experts: bool,
+               ranks_per_node: int, tokens: int | None = None) -> Iterator[Layout]:
+    """Every combination of the searched values on ``world`` ranks, legal or not: tp up
+    to a node (tensor parallelism across nodes is never faster), cp up to ``tokens`` /
+    ``CP_MIN_TOKENS``, pp up to the blocks,
+    vpp up to ``VPP_MAX``, each schedule, dp the rest, ep dividing dp x cp when the model
+    has experts, each ZeRO stage where dp x cp > 1, each recompute mode, each micro-batch
+    size in ``MICRO_BATCH_SIZES`` that divides the batch per replica."""
+    for tp in _divisors(world):
+        if tp > ranks_per_node:
+            continue
+        for sp in (False, True) if tp > 1 else (False,):
+            for cp in _divisors(world // tp):
+                if cp > 1 and tokens is not None and cp * CP_MIN_TOKENS > tokens:
+                    continue
+                for pp in _divisors(world // (tp * cp)):
+                    if pp > max(blocks, 1):
+                        continue
+                    dp = world // (tp * cp * pp)
+                    for vpp in range(1, VPP_MAX + 1) if pp > 1 else (1,):
+                        if pp * vpp > max(blocks, 1):
+                            continue
+                        for schedule in SPECS:
+                            for ep in _divisors(dp * cp) if experts else (1,):
+                                for zero in range(4) if dp * cp > 1 else (0,):
+                                    for rc in RECOMPUTE:
+                                        for mbs in MICRO_BATCH_SIZES:
+                                            if global_batch_size % (mbs * dp):
+                                                continue
+                                            yield Layout(tp, sp, cp, ep, pp, vpp, schedule, dp,
+                                                         zero, rc, mbs)
+
+
+@dataclass
+class Ranked:
+    layout: Layout
+    estimate: Estimate
+
+    def to_dict(self) -> dict:
+        e = self.estimate
+        return {"layout": self.layout.options(), "name": str(self.layout), "step_s": e.step,
+                "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "peak_bytes": e.peak,
+                "breakdown_s": e.breakdown, "split_points": e.split_points,
+                "stages": [dataclasses.asdict(s) for s in e.stages]}
+
+
+@dataclass
+class Result:
+    """What a search found: the fitting layouts fastest first, and what it dropped."""
+
+    cluster: Cluster
+    ranked: list[Ranked]
+    too_big: list[Ranked]
+    """Legal layouts over the device's memory, smallest peak first."""
+    refused: Counter
+    """Why illegal layouts were refused: the first words of each reason, counted."""
+    legal: int
+    seconds: float
+    mine: Ranked | None = None
+    """The user's own layout, estimated (``search(layout=...)``)."""
+    examples: dict[str, str] = field(default_factory=dict)
+    """One full refusal message per reason."""
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+    def rank_of(self, layout: Layout) -> int | None:
+        """1-based rank of ``layout`` among the fitting ones, or None."""
+        return next((i + 1 for i, r in enumerate(self.ranked) if r.layout == layout), None)
+
+
+def schedule_refusal(layout: Layout, global_batch_size: int) -> str | None:
+    """The schedule registry's refusal of ``layout`` (``layout_refusal``, ``batch_refusal``:
+    the functions ``ParallelConfig`` and ``EngineConfig`` call), asked first because it
+    is cheap and refuses most combinations."""
+    m = global_batch_size // (layout.micro_batch_size * layout.dp)
+    return layout_refusal(layout.schedule, pp=layout.pp, vpp=layout.vpp) or batch_refusal(
+        resolve(layout.schedule, pp=layout.pp, vpp=layout.vpp), pp=layout.pp, m=m)
+
+
+def refusal_reason(error: Exception) -> str:
+    """A short reason for counting: the message up to its first colon or 60 characters."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    head = text.split(":")[0]
+    return head[:60]
+
+
+class Searcher:
+    """The model's twin, its profiles and the composer, shared by every layout."""
+
+    def __init__(self, model: nn.Module, example: Example, *, cluster: Cluster,
+                 global_batch_size: int, precision: str = "bf16", loss_fn=None,
+                 tokens_per_sample: int | None = None, options: dict | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.model, self.example, self.cluster = model, example, cluster
+        self.global_batch_size, self.precision = global_batch_size, precision
+        self.loss_fn, self.progress = loss_fn, progress or (lambda line: None)
+        self.options = dict(options or {})
+        self.progress("building the model's twin (one block of each kind)")
+        self.twin: Twin = twin(model)
+        self.base = EngineConfig.from_flat(micro_batch_size=1, global_batch_size=1,
+                                           precision=precision, **self.options)
+        tokens = tokens_per_sample or _tokens(example)
+        self.failed: dict[Key, Exception] = {}
+        self.checked: dict[tuple, ConfigError | None] = {}
+        base = self.profile(Key())
+        if base is None:
+            raise self.failed[Key()]
+        self.composer = Composer(cluster, precision, self.twin.kinds, self.twin.blocks, base,
+                                 tokens)
+        self.experts = any(p.expert_elements for p in base.blocks)
+        if not cluster.overlap:  # a CPU: the twin's own step sets the compute rates
+            self.progress("timing the twin's forward and backward on this machine")
+            found = fit(self.twin.model, example, base, self.composer.rate,
+                        self.composer.bandwidth)
+            if found is not None:
+                self.composer.calibrate(*found)
+
+    def profile(self, key: Key) -> Profile | None:
+        if key in self.failed:
+            return None
+        if key not in self.twin.profiles:
+            self.progress(f"profiling the twin at tp={key.tp}{' sp' if key.sp else ''} "
+                          f"cp={key.cp} ep={key.ep} recompute={key.recompute} "
+                          f"({len(self.twin.profiles) + 1} so far)")
+        try:
+            return profile(self.twin, self.example, key, self.base, self.loss_fn)
+        except FxmegError as e:
+            self.failed[key] = e
+            return None
+
+    def config(self, layout: Layout) -> EngineConfig:
+        """The layout as ``parallelize`` would hold it (every config rule checked), and
+        the model's own check of it (``check_model``)."""
+        options = layout.options()
+        mbs = options.pop("micro_batch_size")
+        config = EngineConfig.from_flat(
+            micro_batch_size=mbs, global_batch_size=self.global_batch_size,
+            precision=self.precision, **self.options, **options)
+        config = config.resolve(layout.ranks)
+        # check_model reads tp (and tp_plan, shared), ep and the chunk count: once each
+        seen = (layout.tp, layout.ep, layout.pp * layout.vpp)
+        if seen not in self.checked:
+            try:
+                check_model(self.model, config)
+                self.checked[seen] = None
+            except ConfigError as e:
+                self.checked[seen] = e
+        if self.checked[seen] is not None:
+            raise self.checked[seen]
+        return config
+
+    def estimate(self, layout: Layout, memory: int | None = None) -> Estimate:
+        """The prediction of one legal layout (over ``memory``: its memory only); raises
+        ConfigError (and the passes' errors) for an illegal one."""
+        config = self.config(layout)
+        prof = self.profile(layout.key)
+        if prof is None:
+            raise self.failed[layout.key]
+        if config.parallel.splits_backward:
+            check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
+        return self.composer.estimate(prof, config, memory)
+
+
+def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,
+           precision: str = "bf16", loss_fn=None, layout: Layout | None = None,
+           memory: int | None = None, keep: int | None = None, options: dict | None = None,
+           progress: Callable[[str], None] | None = None,
+           space: Callable[[Layout], bool] | None = None) -> Result:
+    """Every layout of ``model`` on ``cluster`` at ``global_batch_size`` samples per step
+    (``example``: one micro-batch, its sequence length the one planned), ranked. ``memory``
+    (default the device's) is the per-rank cap; ``layout`` is the user's own, estimated
+    beside; ``space`` keeps only the candidates it accepts; ``options`` are further flat
+    names every layout shares (``bucket_size``, ``overlap_param_gather``, ...)."""
+    start = time.perf_counter()
+    say = progress or (lambda line: None)
+    s = Searcher(model, example, cluster=cluster, global_batch_size=global_batch_size,
+                 precision=precision, loss_fn=loss_fn, options=options, progress=progress)
+    cap = cluster.device.memory if memory is None else memory
+    ranked, too_big, refused, examples, legal = [], [], Counter(), {}, 0
+    pool = [c for c in candidates(cluster.ranks, len(s.twin.kinds), global_batch_size,
+                                  experts=s.experts, ranks_per_node=cluster.ranks_per_node,
+                                  tokens=s.composer.tokens)
+            if space is None or space(c)]
+    say(f"{len(pool)} candidate layouts on {cluster.ranks} ranks")
+    last = time.perf_counter()
+    for i, cand in enumerate(pool):
+        try:
+            quick = schedule_refusal(cand, global_batch_size)
+            if quick:
+                raise ConfigError(quick)
+            est = s.estimate(cand, cap)
+        except (ConfigError, FxmegError) as e:
+            reason = refusal_reason(e)
+            refused[reason] += 1
+            examples.setdefault(reason, str(e))
+            continue
+        legal += 1
+        (ranked if est.peak <= cap else too_big).append(Ranked(cand, est))
+        if time.perf_counter() - last > 2.0:
+            last = time.perf_counter()
+            say(f"{i + 1}/{len(pool)} layouts: {legal} legal, {len(ranked)} fit")
+    ranked.sort(key=lambda r: r.estimate.step)
+    too_big.sort(key=lambda r: r.estimate.peak)
+    mine = None
+    if layout is not None:
+        mine = Ranked(layout, s.estimate(layout))
+    result = Result(cluster, ranked[:keep] if keep else ranked, too_big, refused, legal,
+                    time.perf_counter() - start, mine, examples)
+    say(f"{legal} legal layouts, {len(ranked)} fit, in {result.seconds:.1f} s")
+    return result
+
+
+def _tokens(example: Example) -> int:
+    """Tokens in one sample: the example's second dimension (its sequence)."""
+    from fxmeg.config import example_tensors
+
+    first = example_tensors(example)[0]
+    return int(first.shape[1]) if first.dim() > 1 else 1
