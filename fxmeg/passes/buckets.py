@@ -118,13 +118,26 @@ def _ready_order(gm: fx.GraphModule) -> list[str]:
 
 
 def _blocks(gm: fx.GraphModule) -> dict[str, str]:
-    """Trainable parameter -> the block of its first reader ('' outside every block)."""
+    """Trainable parameter -> the block of its first reader ('' outside every block). A
+    recompute region's reader is in the block its own nodes run in (under full recompute
+    every block is one region: without this, ZeRO-2/3 put the whole chunk in one bucket)."""
     of_node, out = find_blocks(gm), {}
     for node in gm.graph.nodes:
+        block = of_node.get(node) or _region_block(gm, node)
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and arg.target not in out:
-                out[arg.target] = of_node.get(node, "")
+                out[arg.target] = block
     return out
+
+
+def _region_block(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The one block a recompute region's nodes run in ('' for any other node)."""
+    region = getattr(gm.get_submodule(node.target), "region", None) if (
+        node.op == "call_module") else None
+    if not isinstance(region, fx.GraphModule):
+        return ""
+    found = set(find_blocks(region).values())
+    return found.pop() if len(found) == 1 else ""
 
 
 def _layout(names, shapes, dtype, *, dp: int, bucket_size: int | None, shard: bool,

@@ -126,6 +126,20 @@ def test_parameter_nodes_carry_their_bucket():
             )
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_cuts_buckets_at_blocks_under_full_recompute(zero):
+    """Full recompute wraps every block in a region; its parameters still get a bucket per
+    block (once one bucket held the whole chunk, which ZeRO-3 then gathered at once)."""
+    def bucket_sizes(recompute: str) -> list[int]:
+        parent = graph_after(make_model("gpt", n_layer=3), make_batch(2, seed=0), "buckets",
+                             dp=2, zero=zero, recompute=recompute)
+        (gm,) = chunks(parent)
+        return sorted(b.end - b.start for lay in buffer_layouts(gm) for b in lay.buckets)
+
+    assert bucket_sizes("full") == bucket_sizes("none")
+    assert len(bucket_sizes("full")) >= 3
+
+
 class _Shared(nn.Module):
     """One projection reused by blocks 0 and 2 (weight sharing across layers)."""
 
