@@ -1,11 +1,12 @@
 """The layout search's predictions against measured runs on this machine (issue 47). One
-JSON line per model, then a summary line.
+JSON line per model.
 
 For each model (the bench GPT, and a tiny Hugging Face Mixtral so that ep is in the space),
 ``fxmeg.planner.search`` lists every legal layout on 2 ranks of ``--cluster local`` at a fixed
-global batch; each is then trained for real (2 gloo processes, the layout's own split points):
-``--steps`` timed steps after ``--warmup``, the median step and each rank's peak resident set
-above its baseline (after imports, glibc's mmap threshold at 64 KiB as bench/memory.py sets it).
+global batch (micro-batches of 1 and 2 samples, vpp up to 2); each is then trained for real
+(2 gloo processes, the layout's own split points): ``--steps`` timed steps after
+``--warmup``, the median step and each rank's peak resident set above its baseline (after
+imports, glibc's mmap threshold at 64 KiB as bench/memory.py sets it; denormals flushed).
 Reported: Spearman's rank correlation of predicted and measured step times, whether the
 measured best is in the predicted top 3, the median step-time error, and per layout the
 predicted peak over the measured one.
@@ -74,12 +75,16 @@ def _rss() -> int:
 def train(rank: int, world: int, kind: str, options: dict, split, args, out: str) -> None:
     import fxmeg
 
+    torch.set_flush_denormal(True)  # as the calibration: denormals slow a CPU 5-10x
     base = _rss()
-    model = build(kind, "cpu")
+    # built on meta, its values made by fxmeg (as `fxmeg train` does a large model): what the
+    # rank holds is fxmeg's alone
+    model = build(kind, "meta")
+    init = {"init_fn": model.init_weights} if kind == "gpt" else {}
     mbs = options["micro_batch_size"]
     data = batch(kind, GBS)
     engine = fxmeg.parallelize(
-        model, _rows(data, 0, mbs), global_batch_size=GBS, split_points=split,
+        model, _rows(data, 0, mbs), global_batch_size=GBS, split_points=split, seed=0, **init,
         **{k: v for k, v in options.items() if k != "micro_batch_size"},
         optimizer=lambda g: torch.optim.AdamW(g, lr=1e-4))
     times = []
@@ -100,15 +105,16 @@ def check(kind: str, args) -> dict:
     example = batch(kind, 1, "meta")
     start = time.perf_counter()
     found = search(build(kind, "meta"), example, cluster=local, global_batch_size=GBS,
-                   precision="fp32")
+                   precision="fp32", space=lambda c: c.micro_batch_size <= 2 and c.vpp <= 2)
     searched = time.perf_counter() - start
-    pool = found.ranked
+    pool = sorted(found.ranked, key=lambda r: r.layout)  # the same sample every run
     if args.limit and len(pool) > args.limit:
         pool = random.Random(0).sample(pool, args.limit)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate(pool):
             out = os.path.join(tmp, f"{i}.json")
+            print(f"[{kind} {i + 1}/{len(pool)}] {r.layout} ...", file=sys.stderr, flush=True)
             spawn(2, train, kind, r.layout.options(), r.estimate.split_points, args, out)
             with open(out) as f:
                 ranks = json.load(f)

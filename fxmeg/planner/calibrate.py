@@ -1,9 +1,9 @@
 """On a CPU (``--cluster local``) the roofline of a matmul loop says little about a training
-step: most of a small model's time is the interpreter and autograd around each op. So the
-search times the twin itself (fxmeg/planner/profile.py), forward and backward in plain
-PyTorch at two micro-batch sizes on one thread, and fits the two numbers the time model
-reads: how much slower than the measured rates the ops' FLOPs and bytes run, and the
-seconds each op costs on top (docs/planner.md).
+step: most of a small model's time is the interpreter, autograd and fxmeg's runtime around
+each op. So the search trains the twin itself (fxmeg/planner/profile.py) with fxmeg on one
+rank, at three shapes of a step, and fits the two numbers the time model reads: how much
+slower than the measured rates the ops' FLOPs and bytes run, and the seconds each op costs
+on top (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -19,17 +19,8 @@ from fxmeg.frontend.variable_shapes import meta_twin
 from fxmeg.planner.estimate import op_seconds
 from fxmeg.planner.profile import Profile
 
-SIZES = (1, 4)
-"""The micro-batch sizes timed: the FLOPs scale with them, the per-op cost does not."""
 MAX_ELEMENTS = 50_000_000
 """A twin larger than this is not timed (the device's measured rates stand)."""
-
-
-def _loss(model: nn.Module, batch: Example) -> torch.Tensor:
-    out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
-    if isinstance(out, torch.Tensor):
-        return out
-    return out.loss if hasattr(out, "loss") else out[0]
 
 
 def _rows(example: Example, rows: int) -> Example:
@@ -43,41 +34,85 @@ def _rows(example: Example, rows: int) -> Example:
     return tuple(one(t) for t in example)
 
 
-def time_twin(model: nn.Module, example: Example, rows: int, repeats: int = 3) -> float:
-    """Seconds of one forward and backward of ``model`` (materialised on the CPU, random
-    weights) on ``rows`` samples, the best of ``repeats`` on one thread."""
-    threads = torch.get_num_threads()
+def _step_seconds(rank: int, model: nn.Module, example: Example, runs, store: str,
+                  out: str) -> None:
+    """In a one-rank gloo group: fxmeg's median train step of ``model`` (on meta) for each
+    (micro-batch size, micro-batches) of ``runs``, to ``out``."""
+    import json
+    import os
+    import statistics
+
+    import torch.distributed as dist
+
+    import fxmeg
+
     torch.set_num_threads(1)
+    # the initialisation's tiny values turn denormal within a few Adam steps, and a CPU
+    # computes those 5-10x slower (measured: 0.1 s -> 0.7 s a step of the bench GPT)
+    torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
-        net = meta_twin(model).to_empty(device="cpu")
-        with torch.no_grad():
-            for p in net.parameters():
-                p.normal_(0.0, 0.02)
-        batch = _rows(example, rows)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first warms up
-            start = time.perf_counter()
-            _loss(net, batch).backward()
-            best = min(best, time.perf_counter() - start)
-            net.zero_grad(set_to_none=True)
-        return best
+        import resource
+
+        with open("/proc/self/statm") as f:
+            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        found = []
+        for rows, m in runs:
+            # built on meta: fxmeg makes its values (the model's own initialisation)
+            engine = fxmeg.parallelize(meta_twin(model), _rows(example, rows),
+                                       global_batch_size=rows * m, seed=0)
+            batch = _rows(example, rows * m)
+            times = []
+            for _ in range(4):
+                start = time.perf_counter()
+                engine.train_step(batch)
+                times.append(time.perf_counter() - start)
+            found.append(statistics.median(times[1:]))
+            if len(found) == 1:  # the first run's peak: one micro-batch of one sample
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+            del engine
+        with open(out, "w") as f:
+            json.dump({"steps": found, "peak": peak}, f)
     finally:
-        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
+def step_times(model: nn.Module, example: Example, runs) -> dict:
+    """fxmeg's step of the twin at each (micro-batch size, micro-batches) ('steps'), and
+    the peak resident bytes of the first above the process's baseline ('peak'), in a
+    fresh process (a process group of its own)."""
+    import json
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_step_seconds, args=(meta_twin(model), example, runs,
+                                      os.path.join(tmp, "store"), out), nprocs=1)
+        with open(out) as f:
+            return json.load(f)
 
 
 def fit(model: nn.Module, example: Example, base: Profile, rate: float,
-        bandwidth: float) -> tuple[float, float] | None:
-    """(slowdown of the roofline, seconds per forward op) that make the time model's
-    forward + backward of the twin (3 x forward) match its measured time at ``SIZES``;
-    None for a twin too large to time here."""
+        bandwidth: float) -> tuple[float, float, int] | None:
+    """(slowdown of the roofline, seconds per forward op, bytes reserved) that make the time
+    model's step of the twin match fxmeg's measured one: one micro-batch of 1 sample, one of
+    4, and 4 of 1. The first two differ by FLOPs and bytes only (the slowdown), the first and
+    the last by three micro-batches' work (what each costs besides its ops' roofline, spread
+    over its ops). The reserve is the first run's peak over what ``fxmeg.plan`` counts for
+    it. None for a twin too large to run here."""
+    from fxmeg.diagnostics.layout_plan import plan
+
     if sum(p.numel() for p in model.parameters()) > MAX_ELEMENTS:
         return None
     parts = [base.pre, *base.blocks, base.post]
     ops = [op for p in parts for op in p.ops]
-    measured = [time_twin(model, example, rows) for rows in SIZES]
-    roof = [3 * op_seconds(ops, rate, bandwidth, 0.0, rows) for rows in SIZES]
-    # measured = slow * roof + 3 * len(ops) * per_op, at both sizes
-    slow = (measured[1] - measured[0]) / max(roof[1] - roof[0], 1e-12)
-    slow = max(slow, 1.0)
-    per_op = max((measured[0] - slow * roof[0]) / (3 * len(ops)), 0.0)
-    return slow, per_op
+    found = step_times(model, example, ((1, 1), (4, 1), (1, 4)))
+    one, wide, many = found["steps"]
+    planned = plan(model, _rows(example, 1), global_batch_size=1).stages[0].total
+    roof = [3 * op_seconds(ops, rate, bandwidth, 0.0, rows) for rows in (1, 4)]
+    slow = max((wide - one) / max(roof[1] - roof[0], 1e-12), 1.0)
+    per_microbatch = (many - one) / 3 - slow * roof[0]
+    return slow, max(per_microbatch, 0.0) / (3 * len(ops)), max(found["peak"] - planned, 0)

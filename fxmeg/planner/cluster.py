@@ -40,6 +40,9 @@ class Device:
     """Seconds one op costs besides its FLOPs and bytes (launch, dispatch)."""
     efficiency: float = 1.0
     """Share of ``flops`` a training step's matmuls reach."""
+    reserved: int = 0
+    """Bytes a rank holds besides the model's tensors: the runtime, the libraries' context
+    and buffers, the allocator's slack (on ``local``, measured on each model's twin)."""
 
     def peak(self, precision: str) -> float:
         return self.flops.get(precision, self.flops["fp32"])
@@ -92,10 +95,13 @@ def _gpu(name: str, memory_key: str, bf16: float, tf32: float, bandwidth: float,
     return Device(
         name=name, memory=DEVICES[memory_key], memory_bandwidth=bandwidth * 0.8,
         flops={"bf16": bf16, "fp16": bf16, "fp32": tf32}, op_overhead=4e-6,
-        efficiency=efficiency,
+        efficiency=efficiency, reserved=GPU_RESERVED,
     ), Link(nvlink, 8e-6), Link(network, 15e-6)
 
 
+GPU_RESERVED = 2 * 2**30
+"""A GPU rank's memory outside the model's tensors: the CUDA context, NCCL's buffers, the
+caching allocator's slack (an assumption, docs/planner.md; not measured here)."""
 EFFICIENCY = 0.62
 """Share of a GPU's dense peak that a training step's matmuls reach: the one calibration
 per GPU type (docs/planner.md: fitted on Llama-3 405B's published 400 TFLOP/s per H100)."""
@@ -126,7 +132,7 @@ def preset(name: str, nodes: int = 1) -> Cluster:
 _FIELDS = {
     "nodes": int, "ranks_per_node": int, "memory": device_bytes, "flops": float,
     "bf16_flops": float, "fp32_flops": float, "memory_bandwidth": float, "op_overhead": float,
-    "efficiency": float,
+    "efficiency": float, "reserved": device_bytes,
     "intra_bandwidth": float, "intra_latency": float, "inter_bandwidth": float,
     "inter_latency": float,
 }
@@ -170,7 +176,8 @@ def with_overrides(c: Cluster, **o) -> Cluster:
         dev, memory=o.get("memory", dev.memory), flops=flops,
         memory_bandwidth=o.get("memory_bandwidth", dev.memory_bandwidth),
         op_overhead=o.get("op_overhead", dev.op_overhead),
-        efficiency=o.get("efficiency", dev.efficiency))
+        efficiency=o.get("efficiency", dev.efficiency),
+        reserved=o.get("reserved", dev.reserved))
     intra = Link(o.get("intra_bandwidth", c.intra.bandwidth), o.get("intra_latency",
                                                                      c.intra.latency))
     inter = Link(o.get("inter_bandwidth", c.inter.bandwidth), o.get("inter_latency",

@@ -46,6 +46,11 @@ class StageEstimate:
     optimizer: int
     activations: int
     buckets: int
+    transient: int
+    """Backward's working set beyond the saved tensors: the largest value's gradient and
+    the one made from it (not in ``fxmeg plan``)."""
+    reserved: int
+    """What the runtime holds besides the model's tensors (``Composer.reserved``)."""
     total: int
 
 
@@ -110,15 +115,17 @@ class Composer:
         self.sample_flops = base.pre.flops + base.post.flops + sum(
             base.blocks[k].flops for k in kinds)
         self.calibration: tuple[float, float] | None = None
+        self.reserved = dev.reserved
         self._cuts: dict = {}
         self._seconds: dict = {}
         self._lowered: dict = {}
         self._sims: dict = {}
 
-    def calibrate(self, slow: float, per_op: float) -> None:
-        """Ops run ``slow`` times their roofline and cost ``per_op`` seconds more each
+    def calibrate(self, slow: float, per_op: float, reserved: int) -> None:
+        """Ops run ``slow`` times their roofline and cost ``per_op`` seconds more each, and
+        a rank holds ``reserved`` bytes besides the model's tensors
         (fxmeg/planner/calibrate.py: measured on the twin, on a CPU)."""
-        self.calibration = (slow, per_op)
+        self.calibration, self.reserved = (slow, per_op), reserved
         self.rate, self.bandwidth, self.overhead = (self.rate / slow, self.bandwidth / slow,
                                                     per_op)
         self._seconds.clear()
@@ -364,9 +371,12 @@ class Composer:
             buckets = _zero_working(largest, tied, size, dpc)
         act = max(sum(p.activations for p in parts) for parts in chunks) * mbs
         working = max((p.recompute_working for parts in chunks for p in parts), default=0) * mbs
+        # backward's transient: the largest value's gradient and the one made from it
+        transient = 2 * max((p.largest for parts in chunks for p in parts), default=0) * mbs
         activations = act * in_flight + working
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,
-                             params + grads + optimizer + activations + buckets)
+                             transient, self.reserved, params + grads + optimizer + activations
+                             + buckets + transient + self.reserved)
 
 
 def _buckets(chunks: list[list[Part]], bucket_size: int | None) -> tuple[int, int]:

@@ -107,6 +107,9 @@ class Part:
     comms: tuple[Comm, ...]
     boundary: int = 0
     """Bytes of the value that leaves this part (a pipeline message after it)."""
+    largest: int = 0
+    """Bytes of the largest value an op makes (backward holds its gradient beside the
+    gradient it makes from it: the transient working set)."""
 
     @property
     def param_elements(self) -> int:
@@ -268,6 +271,7 @@ def _parts(program, kinds: int) -> Profile:
             p = part_of(n, where)
             pair = (node_flops(n), node_bytes(n))
             acc[p]["ops"].append(pair)
+            acc[p]["largest"].append(_out_bytes(n))
             acc[p]["cost"].append(node_cost(n))
             if region or inner:
                 acc[p]["recomputed"].append(pair) if region else None
@@ -295,11 +299,17 @@ def _parts(program, kinds: int) -> Profile:
             activations=sum(a["saved"]), recompute_working=max(a["working"], default=0),
             flops=sum(f for f, _ in a["ops"]), cost=sum(a["cost"]), ops=tuple(a["ops"]),
             recomputed=tuple(a["recomputed"]), comms=tuple(a["comms"]),
-            boundary=boundary.get(name, 0)))
+            boundary=boundary.get(name, 0), largest=max(a["largest"], default=0)))
     itemsize = next((lay.dtype.itemsize for lays in program.buffers for lay in lays), 4)
     # one part per kind: the twin's first block of each
     return Profile(_key(program.config), parts[0], tuple(parts[1:1 + kinds]), parts[-1],
                    itemsize, program.flops_per_microbatch)
+
+
+def _out_bytes(node: fx.Node) -> int:
+    v = val(node)
+    vs = v if isinstance(v, (tuple, list)) else (v,)
+    return sum(t.numel() * t.element_size() for t in vs if isinstance(t, torch.Tensor))
 
 
 def _key(config: EngineConfig) -> Key:

@@ -116,7 +116,8 @@ def candidates(world: int, blocks: int, global_batch_size: int, *, experts: bool
                     for vpp in range(1, VPP_MAX + 1) if pp > 1 else (1,):
                         if pp * vpp > max(blocks, 1):
                             continue
-                        for schedule in SPECS:
+                        # at pp = 1 every schedule runs the same loop: 'none' stands for them
+                        for schedule in SPECS if pp > 1 else ("none",):
                             for ep in _divisors(dp * cp) if experts else (1,):
                                 for zero in range(4) if dp * cp > 1 else (0,):
                                     for rc in RECOMPUTE:

@@ -143,7 +143,8 @@ def test_legality_and_memory_agree_with_the_passes(searcher):
             continue
         legal += 1
         for mine, theirs in zip(est.stages, plan.stages, strict=True):
-            assert mine.total == pytest.approx(theirs.total, rel=0.05), (layout, mine, theirs)
+            tensors = mine.total - mine.reserved - mine.transient  # fxmeg plan's
+            assert tensors == pytest.approx(theirs.total, rel=0.05), (layout, mine, theirs)
     assert legal >= 8 and illegal >= 8
 
 
