@@ -200,7 +200,7 @@ def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     mode = detect_fake_mode()
-    empty = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    empty = torch.empty(t.shape, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
     return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
 
 
