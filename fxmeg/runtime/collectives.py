@@ -181,9 +181,11 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, enable_g
     dim = q.dim() - 2  # (..., heads, seq, head_dim)
     keys, values = _cp_gather(k, dim, size, group), _cp_gather(v, dim, size, group)
     mask = _cp_causal_mask(q, dim, size, group)
+    # contiguous, as the op's fake says: the CPU flash kernel (where the CPU has one)
+    # returns (batch, seq, heads, dim) memory, which inductor's stride check refuses
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-    )
+    ).contiguous()
 
 
 def _cp_attention_backward(
