@@ -20,7 +20,7 @@ each stage holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fxmeg.config import EngineConfig
 from fxmeg.diagnostics.layout_plan import ADAM_STATES, B_COST, F_COST
@@ -31,8 +31,6 @@ from fxmeg.runtime.data_parallel.zero import IN_FLIGHT
 from fxmeg.runtime.pipeline import schedules, simulator
 from fxmeg.runtime.pipeline.schedules import Kind
 from fxmeg.schedule_registry import SPECS, placement
-
-GROUPS = ("tp", "cp", "ep", "pp", "dp")
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,6 @@ class Estimate:
     mfu: float
     model_flops: float
     """Model FLOPs of one step (3 x forward, no recompute), all ranks."""
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def peak(self) -> int:

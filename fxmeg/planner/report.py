@@ -7,6 +7,7 @@ import dataclasses
 
 from fxmeg.diagnostics.devices import GiB
 from fxmeg.diagnostics.layout_plan import human_bytes as size
+from fxmeg.errors import FxmegError
 from fxmeg.planner.search import Layout, Ranked, Result, Searcher
 
 PARTS = ("compute", "comm_tp", "comm_cp", "comm_ep", "comm_pp", "comm_dp", "bubble", "optimizer")
@@ -106,7 +107,7 @@ def remedies(small: Ranked, searcher: Searcher | None, ranks: int) -> list[tuple
     def attempt(change: str, layout: Layout) -> None:
         try:
             out.append((change, searcher.estimate(layout).peak))
-        except Exception:  # noqa: BLE001 (a variant fxmeg refuses is simply not offered)
+        except FxmegError:  # a variant fxmeg refuses is simply not offered
             pass
 
     if lay.zero < 3 and lay.dp * lay.cp > 1:

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -155,8 +155,6 @@ class Result:
     seconds: float
     mine: Ranked | None = None
     """The user's own layout, estimated (``search(layout=...)``)."""
-    examples: dict[str, str] = field(default_factory=dict)
-    """One full refusal message per reason."""
 
     @property
     def best(self) -> Ranked | None:
@@ -275,7 +273,7 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
     s = Searcher(model, example, cluster=cluster, global_batch_size=global_batch_size,
                  precision=precision, loss_fn=loss_fn, options=options, progress=progress)
     cap = cluster.device.memory if memory is None else memory
-    ranked, too_big, refused, examples, legal = [], [], Counter(), {}, 0
+    ranked, too_big, refused, legal = [], [], Counter(), 0
     pool = [c for c in candidates(cluster.ranks, len(s.twin.kinds), global_batch_size,
                                   experts=s.experts, ranks_per_node=cluster.ranks_per_node,
                                   tokens=s.composer.tokens)
@@ -291,7 +289,6 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
         except (ConfigError, FxmegError) as e:
             reason = refusal_reason(e)
             refused[reason] += 1
-            examples.setdefault(reason, str(e))
             continue
         legal += 1
         (ranked if est.peak <= cap else too_big).append(Ranked(cand, est))
@@ -304,7 +301,7 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
     if layout is not None:
         mine = Ranked(layout, s.estimate(layout))
     result = Result(cluster, ranked[:keep] if keep else ranked, too_big, refused, legal,
-                    time.perf_counter() - start, mine, examples)
+                    time.perf_counter() - start, mine)
     say(f"{legal} legal layouts, {len(ranked)} fit, in {result.seconds:.1f} s")
     return result
 
