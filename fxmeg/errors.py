@@ -53,6 +53,11 @@ class ReleasedError(FxmegError, RuntimeError):
     hold it readable (another pipeline stage's, the full tensor of a shard, zero=3's)."""
 
 
+class GroupDestroyedError(FxmegError, RuntimeError):
+    """An engine used after ``dist.destroy_process_group()`` destroyed its process groups
+    (fxmeg holds them weakly: fxmeg/runtime/groups.py, ``WeakGroup``)."""
+
+
 class CheckpointError(FxmegError):
     """A checkpoint that is missing, incomplete or from an incompatible model."""
 

@@ -100,7 +100,7 @@ class RankContext:
     device: torch.device
     tracer: Tracer
     ddp: DataParallel
-    grad_reductions: list[tuple[nn.Parameter, dist.ProcessGroup | None]]
+    grad_reductions: list[tuple[nn.Parameter, str | None]]
     """Gradients all-reduced at finalize, in the same order on every rank: weights held
     by several pipeline ranks (tied), then tp-replicated weights whose gradient differs
     per tp rank (norms under sequence parallelism)."""

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from fxmeg.ir import moe, moe_split
 from fxmeg.ir.recomputation import Recomputation
+from fxmeg.runtime.groups import WeakGroup
 from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
 
@@ -53,6 +54,8 @@ class _AllToAll(torch.autograd.Function):
 
 class AllToAllExchange:
     """``moe.Exchange`` over a real expert-parallel process group."""
+
+    group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group

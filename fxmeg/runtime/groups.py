@@ -5,16 +5,24 @@ Rank layout (Megatron's default order tp-cp-dp-pp, tensor-parallel fastest):
 Experts fold over the dp x cp ranks of one (tp, pp) coordinate (Megatron's "parallel
 folding", expert order tp-ep-dp-pp): with q = cp_rank + cp * dp_rank (the dp x cp rank),
 ep_rank = q % ep and the expert-data-parallel rank is q // ep.
+
+fxmeg holds every process group weakly (``WeakGroup``), so that
+``dist.destroy_process_group()`` destroys them: docs/reliability.md, "Process exit".
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import product
 
 import torch
 import torch.distributed as dist
+
+from fxmeg.errors import GroupDestroyedError
+from fxmeg.torch_private import resolve_process_group
 
 
 @dataclass(frozen=True)
@@ -100,25 +108,114 @@ class Topology:
                 for d, c, t in product(range(self.dp), range(self.cp), range(self.tp))]
 
 
+def group_named(name: str) -> dist.ProcessGroup:
+    """The live process group registered as ``name``; a named error once
+    ``dist.destroy_process_group()`` destroyed it."""
+    try:
+        return resolve_process_group(name)
+    except RuntimeError as exc:
+        raise _destroyed(name) from exc
+
+
+def _destroyed(name: str) -> GroupDestroyedError:
+    return GroupDestroyedError(
+        f"process group {name!r} was destroyed (dist.destroy_process_group()): an engine "
+        "cannot communicate after it; destroy the process groups after the last step"
+    )
+
+
+def _weakly(group: dist.ProcessGroup | None) -> tuple | None:
+    return None if group is None else (weakref.ref(group), group.group_name)
+
+
+def _strongly(held: tuple | None) -> dist.ProcessGroup | None:
+    if held is None:
+        return None
+    group = held[0]()
+    if group is None:
+        raise _destroyed(held[1])
+    return group
+
+
+class WeakGroup:
+    """An attribute that holds a process group by a weak reference: what fxmeg keeps never
+    holds a group alive past ``dist.destroy_process_group()``, and a read after it raises
+    ``GroupDestroyedError``.
+
+    That matters at exit. A gloo group's destructor joins its worker threads; a group that
+    outlives destroy_process_group() dies (if at all) while Python finalizes. A worker that
+    finishes a collective then releases the work's tensors, and since torch 2.10 a tensor's
+    C++ count going 2 -> 1 releases its Python object under the GIL; Python ends a thread
+    that asks for the GIL during finalization with pthread_exit, whose unwinding through the
+    work's destructor aborts the process: "terminate called without an active exception",
+    SIGABRT (docs/reliability.md, "Process exit"). Destroyed by destroy_process_group()
+    instead, the group joins its workers while Python still runs (torch's binding releases
+    the GIL around the destructor)."""
+
+    def __set_name__(self, owner, attr: str) -> None:
+        self.key = f"_{attr}_weakly"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return _strongly(obj.__dict__.get(self.key))
+
+    def __set__(self, obj, group: dist.ProcessGroup | None) -> None:
+        obj.__dict__[self.key] = _weakly(group)
+
+
+class WeakGroups(MutableMapping):
+    """A dict of process groups (or None) held as ``WeakGroup`` holds one."""
+
+    def __init__(self, groups=()) -> None:
+        self._held: dict = {}
+        self.update(groups)
+
+    def __getitem__(self, key) -> dist.ProcessGroup | None:
+        return _strongly(self._held[key])
+
+    def __setitem__(self, key, group: dist.ProcessGroup | None) -> None:
+        self._held[key] = _weakly(group)
+
+    def __delitem__(self, key) -> None:
+        del self._held[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 @dataclass
 class Groups:
-    """This rank's process groups. ``None`` stands for a group of one rank."""
+    """This rank's process groups, held weakly (``WeakGroup``). ``None`` stands for a group of
+    one rank."""
 
     topo: Topology
     rank: int
-    pp: dist.ProcessGroup | None = None
-    dp: dist.ProcessGroup | None = None
-    tp: dist.ProcessGroup | None = None
-    mp: dist.ProcessGroup | None = None
-    cp: dist.ProcessGroup | None = None
-    dp_cp: dist.ProcessGroup | None = None
-    """Gradient reduction and optimizer sharding: dp x cp (the dp group when cp=1)."""
-    ep: dist.ProcessGroup | None = None
-    """The ranks splitting the experts (ep > 1)."""
-    edp: dist.ProcessGroup | None = None
-    """Expert gradients' reduction and sharding: the ranks holding the same experts."""
-    tied: dict[frozenset[int], dist.ProcessGroup | None] = field(default_factory=dict)
+    tied: WeakGroups = field(default_factory=WeakGroups)
     """Pipeline-rank set holding a shared parameter -> its group for this rank."""
+
+    pp = WeakGroup()
+    dp = WeakGroup()
+    tp = WeakGroup()
+    mp = WeakGroup()
+    cp = WeakGroup()
+    dp_cp = WeakGroup()
+    """Gradient reduction and optimizer sharding: dp x cp (the dp group when cp=1)."""
+    ep = WeakGroup()
+    """The ranks splitting the experts (ep > 1)."""
+    edp = WeakGroup()
+    """Expert gradients' reduction and sharding: the ranks holding the same experts."""
+    world = WeakGroup()
+    """Every rank: fxmeg's own copy of the default group, which importing
+    torch.distributed.nn after init_process_group keeps alive past destroy_process_group
+    (its functions capture it as a default argument)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tied, WeakGroups):
+            self.tied = WeakGroups(self.tied)
 
     @property
     def pp_rank(self) -> int:
@@ -179,6 +276,7 @@ def build_groups(
         ("mp", topo.mp_groups()),
     ):
         setattr(groups, name, _make(layout, rank, timeout_s))
+    groups.world = _make([list(range(topo.world_size))], rank, timeout_s)
     groups.dp_cp = groups.dp
     if topo.cp > 1:  # without cp the dp x cp group is the dp group (no extra new_group)
         groups.cp = _make(topo.cp_groups(), rank, timeout_s)

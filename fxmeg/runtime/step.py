@@ -90,7 +90,7 @@ def train_step(
         same = (loss_sum, num_tokens) == first and all(
             torch.equal(g, b.reduced()) for g, b in zip(grads, ctx.ddp.all())
         )
-        mismatch = _any_rank(not same, ctx.device)
+        mismatch = _any_rank(not same, ctx)
     grads = None
     # before the optimizer clips them (in place, and only in the pieces it updates here)
     if full_grads:
@@ -195,10 +195,9 @@ def _reduce_stats(ctx: RankContext, stats: torch.Tensor) -> tuple[float, float]:
     return float(stats[0]), float(stats[1])
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+def _any_rank(flag: bool, ctx: RankContext) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    all_reduce(t, ctx.groups.world, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 

@@ -157,7 +157,7 @@ def verify(
     except BatchError as err:
         refused = err
     # every rank raises
-    if _any_rank(refused is not None or (rank0 and not isinstance(ordered, tuple)), ctx.device):
+    if _any_rank(refused is not None or (rank0 and not isinstance(ordered, tuple)), ctx):
         raise refused or BatchError(
             "verify needs the global batch (a tuple or dict of tensors, like the example) "
             "on rank 0, which runs the reference, and a valid one on every rank that passes one"

@@ -46,6 +46,7 @@ from fxmeg.interop.hf_export import (
 )
 from fxmeg.ir.program import Program
 from fxmeg.runtime.context import RankContext
+from fxmeg.runtime.groups import WeakGroup
 from fxmeg.runtime.state import layout, model_entries, model_signature, optimizer_entries, scalars
 from fxmeg.weights.sharding import Pieces, dcp_load, dcp_save
 
@@ -86,6 +87,8 @@ def _set_rng(state: dict) -> None:
 class Checkpointer:
     """Saves (optionally in the background) and loads the checkpoints of one Program's
     runtime on this rank."""
+
+    group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
 
     writer_factory = FileSystemWriter
     """Storage writer class; tests substitute a slow one."""

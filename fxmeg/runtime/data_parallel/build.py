@@ -54,7 +54,12 @@ def data_parallel(
     return DataParallel(buffers, events)
 
 
-def grad_reductions(program: Program, named: dict[str, nn.Parameter], groups: Groups) -> list:
+def grad_reductions(
+    program: Program, named: dict[str, nn.Parameter], groups: Groups
+) -> list[tuple[nn.Parameter, str | None]]:
+    """(parameter, the name of the group that all-reduces its gradient, None for one rank):
+    tied weights over their pipeline ranks, then tp-replicated ones over tp. By name, as
+    fxmeg holds every group (fxmeg/runtime/groups.py, ``WeakGroup``)."""
     names = sorted(named)  # every holder issues these all-reduces in the same order
     tied = [
         (named[n], groups.tied[frozenset(program.holders[n])])
@@ -62,4 +67,4 @@ def grad_reductions(program: Program, named: dict[str, nn.Parameter], groups: Gr
         if len(program.holders[n]) > 1
     ]
     replicated = [(named[n], groups.tp) for n in names if reduces_grad(program.tp_specs.get(n))]
-    return tied + replicated
+    return [(p, None if g is None else g.group_name) for p, g in tied + replicated]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.ir.program import Bucket, BufferLayout
-from fxmeg.runtime.groups import all_gather_, reduce_scatter_
+from fxmeg.runtime.groups import WeakGroup, all_gather_, group_named, reduce_scatter_
 
 
 @dataclass
@@ -48,6 +48,8 @@ class GradBuffer:
     after it each rank holds only its own shard, and shards of different pipeline ranks'
     layouts do not line up.
     """
+
+    group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
 
     def __init__(
         self,
@@ -343,12 +345,13 @@ class _EarlyLinear(torch.autograd.Function):
 
 def finalize_model_grads(
     ddp: DataParallel,
-    tied: list[tuple[nn.Parameter, dist.ProcessGroup | None]],
+    tied: list[tuple[nn.Parameter, str | None]],
     divisor: float,
 ) -> None:
     """Megatron's finalize_model_grads (docs/megatron-semantics.md §2.6.3): wait for every
     bucket reduction, all-reduce gradients of parameters held on several pipeline ranks (a tied
-    embedding on the first and last stage; ``tied`` is in the same order on every rank; with the
+    embedding on the first and last stage; ``tied`` is in the same order on every rank, each group
+    by name; with the
     distributed optimizer this precedes their buckets' reduce-scatter), then scale every
     gradient by ``1 / divisor``: global tokens (per-token loss, §2.5.2 there), times the fp16
     loss scale (unscaling, §2.7)."""
@@ -356,7 +359,7 @@ def finalize_model_grads(
     for p, group in tied:
         grad = ddp.grad_of(p)
         if group is not None and grad.numel():
-            dist.all_reduce(grad, group=group)
+            dist.all_reduce(grad, group=group_named(group))
     ddp.finish_deferred()
     for buf in ddp.all():
         buf.scale_(1.0 / divisor)

@@ -183,7 +183,7 @@ def agree(program: Program, groups: Groups, held: Mapping[str, Held], *, device:
             codes[k] = min(i for i in (codes[k], order[names[differs[0]]]) if i >= 0)
     table = torch.empty(groups.topo.world_size * len(KINDS), dtype=torch.int64, device=device)
     table[groups.rank * len(KINDS) :][: len(KINDS)] = torch.tensor(codes)
-    work = all_gather_(table, dist.group.WORLD)
+    work = all_gather_(table, groups.world)
     if work is not None:
         work.wait()
     rows = table.view(-1, len(KINDS)).tolist()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxmeg.ir.layouts import ParamLayout, is_split
-from fxmeg.runtime.groups import all_gather_
+from fxmeg.runtime.groups import WeakGroup, all_gather_
 from fxmeg.weights.sharding import tp_assemble
 
 
@@ -43,6 +43,8 @@ class ParamGather:
     each rank packs the parameters it owns (by name) into its equal segment of one
     buffer, padded to the largest rank's elements; one all-gather; each rank unpacks
     the others' segments into its parameters."""
+
+    group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
 
     def __init__(self, params: Mapping[str, nn.Parameter], owner: Mapping[str, int],
                  group: dist.ProcessGroup | None) -> None:

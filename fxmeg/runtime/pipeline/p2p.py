@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fxmeg.errors import CommTimeoutError
 from fxmeg.ir.program import Boundary, ChunkSpec
+from fxmeg.runtime.groups import WeakGroup
 from fxmeg.runtime.pipeline.packing import Layout
 from fxmeg.runtime.pipeline.schedules import Action, Kind, Step, is_send, peer_chunk, round_robin
 from fxmeg.runtime.timelines import Tracer
@@ -40,6 +41,8 @@ class Mailboxes:
 
 class PointToPoint:
     """This rank's pipeline messages (the executor's SEND_F / RECV_F / SEND_B / RECV_B)."""
+
+    group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
 
     def __init__(
         self,
