@@ -328,6 +328,20 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ranks to launch (default tp * cp * pp * dp; without --dp, the least dp --ep needs)",
     )
+    p.add_argument(
+        "--layout",
+        choices=["auto"],
+        help="auto: search every layout fxmeg accepts for the ranks it launches (--nproc, "
+        "default the --cluster's) and train the fastest that fits; layout flags given too "
+        "(--tp 2, --zero 1, ...) constrain the search (docs/planner.md)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="local",
+        metavar="PRESET[:KEY=VALUE,...]|FILE.json",
+        help="with --layout auto: what the search predicts for, as `fxmeg plan --search` "
+        "takes it (default local: this machine, measured once and cached)",
+    )
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
@@ -421,7 +435,7 @@ def _read_config(path: str) -> dict:
 def _train(args) -> int:
     from fxmeg.train.launch import _launch, _worker, default_ranks
 
-    cfg = config_from(args)
+    cfg = _chosen(args, config_from(args))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun already
         _worker(cfg)
         return 0
@@ -430,6 +444,15 @@ def _train(args) -> int:
         _worker(cfg)
         return 0
     return _launch(cfg, nproc, args.max_restarts, debug=_debug(sys.argv) or args.debug)
+
+
+def _chosen(args, cfg):
+    """``cfg`` with the layout --layout auto chose (fxmeg/train/plan_command.py), or as is."""
+    if args.layout != "auto":
+        return cfg
+    from fxmeg.train import plan_command
+
+    return plan_command.auto_layout(args, cfg)
 
 
 def _verify(args) -> int:
@@ -447,7 +470,7 @@ def _verify(args) -> int:
         values = _read_config(args.config) if args.config else {}
         if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
             args.train_iters = 1  # required by TrainConfig, unused here
-    cfg = config_from(args)
+    cfg = _chosen(args, config_from(args))
     steps = args.verify_steps
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return 0 if _worker(cfg, verify=steps) else 1

@@ -112,7 +112,7 @@ def _meta_model(args, model: dict, micro_batch_size: int):
     from fxmeg.train.build import build_model
 
     with torch.device("meta"):
-        if args.hf_config:
+        if getattr(args, "hf_config", None):
             import transformers
 
             net = transformers.AutoModelForCausalLM.from_config(config_from_spec(args.hf_config))
@@ -185,3 +185,67 @@ def _plan_values(args) -> dict:
     values |= from_megatron(given)  # a flag overrides the file
     values.setdefault("micro_batch_size", PLAN_MICRO_BATCH)
     return values
+
+
+def auto_layout(args, cfg):
+    """`fxmeg train --layout auto`: search the layouts of ``cfg``'s model on --cluster for
+    the ranks the run launches (--nproc, default the cluster's), the layout names given
+    (flags or --config) kept fixed, and return ``cfg`` with the fastest that fits and its
+    predicted step time (``predicted_step_s``: the first logs show it beside the measured).
+    Says on stdout which layout it chose and what it predicted."""
+    import os
+
+    from fxmeg.diagnostics.layout_plan import human_bytes, stderr_progress
+    from fxmeg.errors import ConfigError
+    from fxmeg.planner import report
+    from fxmeg.planner.cluster import cluster
+    from fxmeg.planner.search import search
+    from fxmeg.train.train_config import from_megatron
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConfigError("--layout auto searches before it starts the ranks: run fxmeg train "
+                          "--layout auto without torchrun (add --nproc N for N ranks)")
+    found = _ranks(cluster(args.cluster), args.nproc)
+    written = from_megatron({key.replace("-", "_"): value for key, value in
+                             (_read_config(args.config) if args.config else {}).items()})
+    flags = {n: getattr(args, n) for n in LAYOUT_NAMES if getattr(args, n, None) is not None}
+    fixed = {n: v for n, v in (written | flags).items()
+             if n in LAYOUT_NAMES and n != "distributed_optimizer"
+             and not (n == "schedule" and v == "auto")}
+    model = {"model": cfg.model, "model_args": cfg.model_args, "seq_len": cfg.seq_len}
+    net, example = _meta_model(args, model, 1)
+    progress = None if not cfg.progress else stderr_progress()
+    result = search(net, example, cluster=found, global_batch_size=cfg.engine.global_batch_size,
+                    precision=cfg.engine.precision, progress=progress,
+                    space=lambda c: all(c.options()[n] == v for n, v in fixed.items()))
+    best = result.best
+    if best is None:
+        constraint = f" with {fixed}" if fixed else ""
+        raise ConfigError(f"--layout auto: no layout{constraint} fits {found.ranks} ranks of "
+                          f"{found.name}\n" + report.text(result, 3))
+    e = best.estimate
+    print(f"fxmeg: --layout auto chose {best.layout} ({result.legal} legal layouts on "
+          f"{found.ranks} ranks of {found.name}, {len(result.ranked)} fit): predicted "
+          f"{e.step:.3f} s per step, {e.tokens_per_s:,.0f} tokens/s, peak "
+          f"{human_bytes(e.peak)} per rank", flush=True)
+    chosen = cfg.replace(**best.layout.options(), predicted_step_s=e.step)
+    if args.nproc is None:
+        args.nproc = found.ranks
+    return chosen
+
+
+def _ranks(found, nproc: int | None):
+    """``found`` cut to ``nproc`` ranks: one node of them, or whole nodes."""
+    import dataclasses
+
+    from fxmeg.errors import ConfigError
+
+    if nproc is None or nproc == found.ranks:
+        return found
+    if nproc <= found.ranks_per_node:
+        return dataclasses.replace(found, ranks_per_node=nproc, nodes=1)
+    if nproc % found.ranks_per_node:
+        raise ConfigError(f"--nproc {nproc} with --layout auto: {found.name} has "
+                          f"{found.ranks_per_node} ranks per node; give a multiple of it, or "
+                          "at most one node")
+    return dataclasses.replace(found, nodes=nproc // found.ranks_per_node)

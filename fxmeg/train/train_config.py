@@ -141,6 +141,9 @@ class TrainConfig:
     """Validation batches per evaluation."""
     log_interval: int = 10
     """Log every this many steps."""
+    predicted_step_s: float = 0.0
+    """A predicted step time in seconds (`--layout auto` sets the search's; 0: none): the
+    first three logged steps show the measured time beside it."""
     run_dir: str = ""
     """Where metrics.jsonl, TensorBoard files and plots go ('': runs/run, or runs/run-N when
     that holds a run; a resumed run continues the directory its checkpoint names)."""

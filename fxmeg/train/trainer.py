@@ -454,6 +454,10 @@ class Trainer:
                     f"({s['microbatches_in_flight']} micro-batches in flight), total "
                     f"{_mib(s['total'])}"
                 )
+        predicted = self.cfg.predicted_step_s
+        shown = predicted and self.iteration <= 3 * self.cfg.log_interval  # the first 3 logs
+        if shown:
+            values["predicted_step_s"] = predicted
         self.last_train = values
         self.metrics.record("train", values)
         self.metrics.show(
@@ -463,6 +467,11 @@ class Trainer:
             + (
                 f" load imbalance {values['load_imbalance_max']:.2f}"
                 if "load_imbalance_max" in values
+                else ""
+            )
+            + (
+                f" step {values['iteration_time']:.3f} s (predicted {predicted:.3f} s)"
+                if shown
                 else ""
             ),
             iteration=self.iteration,
