@@ -72,8 +72,12 @@ class StagePlan:
     expert_optimizer_state: int
     """Of ``optimizer_state``: the experts' (divided by edp with the distributed optimizer)."""
     activations_per_microbatch: int
+    """One micro-batch's saved tensors in this rank's largest chunk."""
     microbatches_in_flight: int
+    """The most micro-batches (of any of its chunks) holding activations at once."""
     activations: int
+    """The most saved bytes held at once: each held micro-batch counts its own chunk's
+    (``Simulation.peak_held_by``), at most the two above multiplied."""
     total: int
     flops_per_microbatch: float
     """Forward FLOPs of one micro-batch on this rank (matmuls and attention)."""
@@ -346,6 +350,8 @@ def _stage(program: Program, config: EngineConfig, stage: int,
             params = sum(lay.numel // _sharers(lay, par) for lay in layouts) * size
     acts = [activation_bytes(gm) for gm in graphs]
     act, largest = max(acts), graphs[acts.index(max(acts))]
+    where = program.placement or schedules.round_robin(par.pp, program.num_chunks)
+    held = sim.peak_held_by(where, dict(zip(mine, acts)))[stage]
     working = max(recompute_working_bytes(gm) for gm in graphs)
     inside, outside, entering = by_block(largest)
     layers, parts = breakdown(largest)
@@ -356,8 +362,8 @@ def _stage(program: Program, config: EngineConfig, stage: int,
         parameter_elements=elements, expert_parameter_elements=experts, parameters=params,
         gradient_buffers=grads, expert_gradient_buffers=expert_grads,
         optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
-        activations_per_microbatch=act, microbatches_in_flight=peak, activations=act * peak,
-        total=params + grads + optimizer + act * peak + buckets + working,
+        activations_per_microbatch=act, microbatches_in_flight=peak, activations=int(held),
+        total=params + grads + optimizer + int(held) + buckets + working,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
         buckets_in_flight=buckets, recompute_working_set=working,
         recompute_inputs=outside + entering,

@@ -206,15 +206,17 @@ class Composer:
                 f_cost=F_COST, b_cost=B_COST, latency=latency)
         return self._sims[key]
 
-    def held(self, name: str, pp: int, vpp: int, m: int) -> dict[int, int]:
-        """Per pipeline rank, the most micro-batches holding activations at once. They follow
-        each rank's own compute order, not the costs: unit costs, 2 pp micro-batches, unless
-        a rank then holds every one of them (GPipe holds all m)."""
+    def held(self, name: str, pp: int, vpp: int, m: int,
+             weights: dict[int, float]) -> dict[int, float]:
+        """Per pipeline rank, the most activation bytes held at once, each micro-batch
+        weighing its chunk's ``weights`` (``Simulation.peak_held_by``). They follow each rank's
+        own compute order, not the costs: unit costs, 2 pp micro-batches, unless a rank then
+        holds every one of them (GPipe holds all m)."""
         sim_m = simulated_microbatches(m, pp, name, held=True)
-        peak = self._simulate((name, pp, vpp, sim_m), None, 0.0).peak_held
-        if sim_m < m and max(peak.values()) >= sim_m:
-            peak = self._simulate((name, pp, vpp, m), None, 0.0).peak_held
-        return peak
+        sim = self._simulate((name, pp, vpp, sim_m), None, 0.0)
+        if sim_m < m and max(sim.peak_held.values()) >= sim_m:
+            sim = self._simulate((name, pp, vpp, m), None, 0.0)
+        return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights)
 
     def _chunk_seconds(self, chunks: list[list[Part]], mbs: int, tp: int, cp: int,
                        ep: int) -> tuple[dict, dict, dict, dict]:
@@ -263,12 +265,13 @@ class Composer:
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
-        held = self.held(name, pp, par.vpp, m)
+        held = self.held(name, pp, par.vpp, m, {
+            c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
             stages.append(self._memory(s, [chunks[c] for c in mine], config,
-                                       profile.grad_itemsize, held[s]))
+                                       profile.grad_itemsize, int(held.get(s, 0))))
         split = None
         if par.num_chunks > 1:
             split = tuple(self.blocks[i] for i in self.cut(profile, par)[1:])
@@ -336,7 +339,8 @@ class Composer:
         return (2 * states + 2 * stage.gradients + stage.parameters) / self.bandwidth
 
     def _memory(self, stage: int, chunks: list[list[Part]], config: EngineConfig,
-                grad_itemsize: int, in_flight: int) -> StageEstimate:
+                grad_itemsize: int, held: int) -> StageEstimate:
+        """Stage ``stage``'s memory; ``held``: the most activation bytes it holds at once."""
         par, dpc = config.parallel, config.data_parallel
         mbs = config.micro_batch_size
         outside: dict[str, tuple[int, int, bool]] = {}
@@ -366,11 +370,10 @@ class Composer:
             if dpc.zero_stage == 3:
                 params = (elements - experts) * size // par.dp_cp + experts * size // par.edp
             buckets = _zero_working(largest, tied, size, dpc)
-        act = max(sum(p.activations for p in parts) for parts in chunks) * mbs
         working = max((p.recompute_working for parts in chunks for p in parts), default=0) * mbs
         # backward's transient: the largest value's gradient and the one made from it
         transient = 2 * max((p.largest for parts in chunks for p in parts), default=0) * mbs
-        activations = act * in_flight + working
+        activations = held + working
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,
                              transient, self.reserved, params + grads + optimizer + activations
                              + buckets + transient + self.reserved)

@@ -204,3 +204,19 @@ def test_grad_sync_precedes_each_chunks_last_backward(pp, vpp, m):
             )
     fwd = lower(forward_only(build(_name(pp, vpp), pp=pp, vpp=vpp, m=m)), num_chunks=pp * vpp)
     assert not any(s[0].kind is Kind.GRAD_SYNC for steps in fwd.values() for s in steps)
+
+
+def test_held_bytes_weigh_each_micro_batch_by_its_chunk():
+    """Interleaved pp=2 x vpp=2 with m = pp = 2: Megatron runs every forward before the first
+    backward then, so rank 0 holds at once both micro-batches of chunk 0 and of chunk 2:
+    2 x 1 + 2 x 10 when chunk 2 keeps ten times chunk 0; the largest chunk times the most
+    held would say 40. Rank 1 (chunks 1 and 3, the head's) likewise 2 x 1 + 2 x 100. Under
+    1F1B every chunk of a rank is one chunk: weights of 5 give 5 x the most held."""
+    sched = build("interleaved", pp=2, vpp=2, m=2)
+    sim = simulate(lower(sched, num_chunks=4), pp=2)
+    assert sim.peak_held == {0: 4, 1: 4}
+    place = (0, 1, 0, 1)
+    assert sim.peak_held_by(place, {0: 1.0, 2: 10.0}) == {0: 22.0}
+    assert sim.peak_held_by(place, {1: 1.0, 3: 100.0}) == {1: 202.0}
+    one = simulate(lower(build("1f1b", pp=2, vpp=1, m=4), num_chunks=2), pp=2)
+    assert one.peak_held_by((0, 1), {0: 5.0, 1: 5.0}) == {r: 5.0 * one.peak_held[r] for r in (0, 1)}
