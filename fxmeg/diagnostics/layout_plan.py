@@ -40,6 +40,7 @@ from fxmeg.ir import ops
 from fxmeg.ir.program import Program
 from fxmeg.passes.graph_utils import is_hop, val
 from fxmeg.passes.partition import node_flops
+from fxmeg.passes.split_backward import planning
 from fxmeg.runtime.data_parallel.zero import IN_FLIGHT
 from fxmeg.runtime.pipeline import schedules, simulator
 
@@ -240,7 +241,8 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
         par = config.parallel
         config = config.resolve(par.model_ranks * (par.dp or 1))  # dp=None: one replica
     with _pass_progress(progress):
-        program = transform(meta_twin(model), example, config, loss_fn=loss_fn, **options)
+        with planning():  # a zero-bubble split traced on meta, as the graph is
+            program = transform(meta_twin(model), example, config, loss_fn=loss_fn, **options)
     result = plan_of(program, progress=progress)
     return result if device_memory is None else result.with_device(device_memory)
 

@@ -31,9 +31,12 @@ chunk's autograd backward does. Otherwise the graphs are unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import inspect
 import operator
+import warnings
 
 import torch
 from torch import fx
@@ -198,9 +201,32 @@ def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: 
         g.recompile()
 
 
+PLANNING = contextvars.ContextVar("fxmeg_split_planning", default=False)
+"""True while a program is transformed only to be planned (``fxmeg.plan``, the layout
+search): nothing runs it, so a meta model's chunks are split on meta fakes, the device its
+graph was captured on. A program that will run is split on CPU fakes: the kernels the trace
+picks follow the fakes' device (SDPA's backward among them), and a run on CPU must get the
+CPU ones (meta fakes moved the variable-length zbh1 scenario's loss by 7e-4)."""
+
+
+@contextlib.contextmanager
+def planning():
+    """Transform for a plan: ``PLANNING`` set inside. The meta trace of a loss's backward
+    warns that nll_loss has no autograd kernel for meta; the plan reads the split's saved
+    tensors, which match the CPU split's (tests/planner/test_search.py), so it is silenced."""
+    token = PLANNING.set(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
+            yield
+    finally:
+        PLANNING.reset(token)
+
+
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     mode = detect_fake_mode()
-    empty = torch.empty(t.shape, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
+    device = ("meta" if PLANNING.get() else "cpu") if t.is_meta else t.device
+    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
     return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
 
 

@@ -36,6 +36,7 @@ from fxmeg.frontend.variable_shapes import meta_twin
 from fxmeg.ir import ops
 from fxmeg.passes.graph_utils import attr, is_hop, val
 from fxmeg.passes.partition import node_bytes, node_cost, node_flops
+from fxmeg.passes.split_backward import planning
 
 PRE, POST = "pre", "post"
 
@@ -241,7 +242,8 @@ def check_split(tw: Twin, example: Example, key: Key, base: EngineConfig, loss_f
             with warnings.catch_warnings():  # a refused split's backward trace warns from
                 # torch's anomaly mode before the refusal is raised: the refusal says it
                 warnings.filterwarnings("ignore", message="Error detected in")
-                transform(meta_twin(tw.model), one_sample(example), config, loss_fn=loss_fn)
+                with planning():
+                    transform(meta_twin(tw.model), one_sample(example), config, loss_fn=loss_fn)
             tw.split_checked[key] = None
         except FxmegError as e:
             tw.split_checked[key] = e
