@@ -40,7 +40,7 @@ from fxmeg.ir import ops
 from fxmeg.ir.program import Program
 from fxmeg.passes.graph_utils import is_hop, val
 from fxmeg.passes.partition import node_flops
-from fxmeg.passes.split_backward import planning
+from fxmeg.passes.split_backward import SPLIT_GRAPHS, planning
 from fxmeg.runtime.data_parallel.zero import IN_FLIGHT
 from fxmeg.runtime.pipeline import schedules, simulator
 
@@ -426,8 +426,12 @@ def expert_banks(program: Program) -> frozenset[str]:
 
 def graph_flops(gm: fx.GraphModule) -> float:
     """Forward FLOPs of a chunk graph: its nodes and those of every sub-graph in it
-    (recompute regions, higher-order ops' bodies), each counted once."""
-    return sum(node_flops(n) for m in gm.modules() if isinstance(m, fx.GraphModule)
+    (recompute regions, higher-order ops' bodies), each counted once; a zero-bubble split's
+    forward, input- and weight-gradient graphs (``SPLIT_GRAPHS``) are not the forward."""
+    split = tuple(f"{name}." for name in SPLIT_GRAPHS)
+    return sum(node_flops(n) for name, m in gm.named_modules()
+               if isinstance(m, fx.GraphModule) and name not in SPLIT_GRAPHS
+               and not (name + ".").startswith(split)
                for n in m.graph.nodes if n.op == "call_function" and not is_hop(n))
 
 

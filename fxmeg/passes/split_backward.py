@@ -201,6 +201,9 @@ def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: 
         g.recompile()
 
 
+SPLIT_GRAPHS = ("zb_forward", "zb_input", "zb_weight")
+"""The submodules a split chunk graph carries (the chunk's own graph stays its forward)."""
+
 PLANNING = contextvars.ContextVar("fxmeg_split_planning", default=False)
 """True while a program is transformed only to be planned (``fxmeg.plan``, the layout
 search): nothing runs it, so a meta model's chunks are split on meta fakes, the device its

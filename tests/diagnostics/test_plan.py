@@ -410,13 +410,15 @@ def test_zero_bubble_schedules_are_planned_and_save_what_one_f_one_b_saves():
     """``fxmeg.plan`` transforms a meta twin; its zero-bubble split is traced on meta fakes
     (split_backward.planning()). Forward saves the same tensors whichever backward runs
     them: under zbh1 each stage's activations per micro-batch are the 1F1B plan's, within
-    the few tensors the split keeps for W (5%). zbv and dualpipev (V placement) are planned."""
+    the few tensors the split keeps for W (5%), and the forward FLOPs are the same. zbv and
+    dualpipev (V placement) are planned."""
     model = make_model("gpt", n_layer=4)
     zb = fxmeg.plan(model, _batch(1), pp=2, schedule="zbh1", global_batch_size=8)
     one = fxmeg.plan(model, _batch(1), pp=2, schedule="1f1b", global_batch_size=8)
     for a, b in zip(zb.stages, one.stages, strict=True):
         assert a.activations_per_microbatch == pytest.approx(b.activations_per_microbatch,
                                                              rel=0.05)
+        assert a.flops_per_microbatch == b.flops_per_microbatch  # the split's graphs aside
     for schedule in ("zbv", "dualpipev"):
         v = fxmeg.plan(model, _batch(1), pp=2, vpp=2, schedule=schedule, global_batch_size=8)
         assert all(s.activations > 0 and len(s.chunks) == 2 for s in v.stages)
