@@ -103,8 +103,10 @@ GPU_RESERVED = 2 * 2**30
 """A GPU rank's memory outside the model's tensors: the CUDA context, NCCL's buffers, the
 caching allocator's slack (an assumption, docs/planner.md; not measured here)."""
 EFFICIENCY = 0.62
-"""Share of a GPU's dense peak that a training step's matmuls reach: the one calibration
-per GPU type (docs/planner.md: fitted on Llama-3 405B's published 400 TFLOP/s per H100)."""
+"""Share of a GPU's dense peak that a training step's matmuls reach, for every GPU preset:
+a placeholder, not fitted. bench/published_layouts.py matches Llama 3 405B's published 400
+TFLOP/s per H100 with 0.85 (x1.38, its layout under fxmeg's full recompute) and Megatron's
+1T run on A100s with 0.68 (x1.10): docs/published-layouts.md."""
 
 _PRESETS = {
     # peak dense TFLOP/s (bf16, tf32), HBM TB/s, NVLink GB/s per direction, network GB/s per GPU
