@@ -77,8 +77,7 @@ class StagePlan:
     microbatches_in_flight: int
     """The most micro-batches (of any of its chunks) holding activations at once."""
     activations: int
-    """The most saved bytes held at once: each held micro-batch counts its own chunk's
-    (``Simulation.peak_held_by``), at most the two above multiplied."""
+    """The most saved bytes held at once, each micro-batch its chunk's (``peak_held_by``)."""
     total: int
     flops_per_microbatch: float
     """Forward FLOPs of one micro-batch on this rank (matmuls and attention)."""
@@ -430,8 +429,7 @@ def graph_flops(gm: fx.GraphModule) -> float:
     forward, input- and weight-gradient graphs (``SPLIT_GRAPHS``) are not the forward."""
     split = tuple(f"{name}." for name in SPLIT_GRAPHS)
     return sum(node_flops(n) for name, m in gm.named_modules()
-               if isinstance(m, fx.GraphModule) and name not in SPLIT_GRAPHS
-               and not (name + ".").startswith(split)
+               if isinstance(m, fx.GraphModule) and not f"{name}.".startswith(split)
                for n in m.graph.nodes if n.op == "call_function" and not is_hop(n))
 
 
