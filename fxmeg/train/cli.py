@@ -38,6 +38,8 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
+from fxmeg.train.flags import WORDS, flags, read_config
+
 DEBUG = "show the whole traceback of an error (also FXMEG_DEBUG=1)"
 
 
@@ -143,9 +145,9 @@ class _Parser(argparse.ArgumentParser):
         from fxmeg.errors import closest
 
         if message.startswith("unrecognized arguments:"):
-            flags = [f for action in self._actions for f in action.option_strings]
+            known = [f for action in self._actions for f in action.option_strings]
             words = message.split(":", 1)[1].split()
-            message += "".join(closest(w.split("=")[0], flags) for w in words if w.startswith("--"))
+            message += "".join(closest(w.split("=")[0], known) for w in words if w.startswith("--"))
         super().error(message)
 
 
@@ -345,57 +347,7 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart every rank this often after one fails; with --load set to the "
                         "--save directory the run resumes from its latest complete checkpoint")
-    _flags(p, flat_fields())
-
-
-WORDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
-"""Options given as several words (flags with nargs='+'), kept as one space-separated string."""
-
-
-def _flags(p: argparse.ArgumentParser, names, defaults: dict[str, str] | None = None) -> None:
-    """One flag per flat name (default None: not given), its help the field's docstring and
-    the default (as ``defaults`` says it where the command's own differs)."""
-    from fxmeg.train.train_config import flat_defaults, flat_fields
-
-    fields_default, fields = flat_defaults(), flat_fields()
-    docs = {cls: _field_docs(cls) for cls, _ in fields.values()}
-    for name in names:
-        (cls, kind), flag = fields[name], "--" + name.replace("_", "-")
-        doc = docs[cls].get(name, "")
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
-        elif name in WORDS:  # --data-path 0.3 A 0.7 B, as Megatron's
-            p.add_argument(flag, nargs="+", default=None, metavar="WORD", help=doc)
-        else:
-            said = (defaults or {}).get(name, repr(fields_default[name]))
-            p.add_argument(flag, type=kind, default=None, help=f"{doc} (default {said})")
-    _megatron_flags(p, names)
-
-
-def _megatron_flags(p: argparse.ArgumentParser, names) -> None:
-    """Megatron-LM's flag for each of ``names`` that has one (train_config.MEGATRON_NAMES),
-    setting the same option: --tensor-model-parallel-size 2 is --tp 2, --bf16 is
-    --precision bf16."""
-    from fxmeg.train.train_config import MEGATRON_NAMES, flat_fields
-
-    group = p.add_argument_group("Megatron-LM's names (each sets the fxmeg option named)")
-    fields = flat_fields()
-    for alias, (name, switch) in MEGATRON_NAMES.items():
-        if name not in names:
-            continue
-        flag, target = "--" + alias.replace("_", "-"), "--" + name.replace("_", "-")
-        if switch is None:
-            group.add_argument(
-                flag,
-                dest=alias,
-                type=fields[name][1],
-                default=None,
-                metavar="VALUE",
-                help=f"{target}",
-            )
-        else:
-            group.add_argument(flag, dest=alias, action="store_const", const=True, default=None,
-                               help=f"{target} {switch}" if switch is not True else target)
+    flags(p, flat_fields())
 
 
 def config_from(args: argparse.Namespace):
@@ -404,7 +356,7 @@ def config_from(args: argparse.Namespace):
     from fxmeg.train.train_config import MEGATRON_NAMES, TrainConfig, flat_fields, from_megatron
 
     values = from_megatron({key.replace("-", "_"): value for key, value in
-                            (_read_config(args.config) if args.config else {}).items()})
+                            (read_config(args.config) if args.config else {}).items()})
     given = {name: getattr(args, name) for name in [*flat_fields(), *MEGATRON_NAMES]
              if getattr(args, name, None) is not None}
     values |= from_megatron(given)  # a flag overrides the file
@@ -416,20 +368,6 @@ def config_from(args: argparse.Namespace):
 
         values["model_args"] = json.dumps(values["model_args"])
     return TrainConfig.from_flat(args.config or "", **values)
-
-
-def _read_config(path: str) -> dict:
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        with open(path) as f:
-            return yaml.safe_load(f) or {}
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    with open(path, "rb") as f:
-        return tomllib.load(f)
 
 
 def _train(args) -> int:
@@ -467,7 +405,7 @@ def _verify(args) -> int:
             f"--verify-steps {args.verify_steps}: check at least one batch (1 or more)"
         )
     if args.train_iters is None and args.train_samples is None:
-        values = _read_config(args.config) if args.config else {}
+        values = read_config(args.config) if args.config else {}
         if not {"train_iters", "train-iters", "train_samples", "train-samples"} & set(values):
             args.train_iters = 1  # required by TrainConfig, unused here
     cfg = _chosen(args, config_from(args))
@@ -478,24 +416,6 @@ def _verify(args) -> int:
     if nproc == 1:
         return 0 if _worker(cfg, verify=steps) else 1
     return _launch(cfg, nproc, verify=steps, debug=_debug(sys.argv) or args.debug)
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """The one-line docstrings under each dataclass field."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if (
-            isinstance(a, ast.AnnAssign)
-            and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant)
-        ):
-            docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
-    return docs
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxmeg.train.cli import _flags, _read_config
+from fxmeg.train.flags import flags, read_config
 
 PLAN_MODEL = ("model", "model_args", "seq_len")
 """The trainer's own flat names `fxmeg plan` reads (the rest: engine and layout names)."""
@@ -67,7 +67,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "the keys)",
     )
     p.add_argument("--top", type=int, default=10, help="with --search: layouts to print")
-    _flags(
+    flags(
         p,
         [n for n, (cls, _) in flat_fields().items() if cls is not TrainConfig or n in PLAN_MODEL],
         defaults={
@@ -173,7 +173,7 @@ def _plan_values(args) -> dict:
 
     names, values = flat_fields(), {}
     read = from_megatron({key.replace("-", "_"): value for key, value in
-                          (_read_config(args.config) if args.config else {}).items()})
+                          (read_config(args.config) if args.config else {}).items()})
     for key, value in read.items():
         if key not in names:
             raise ConfigError(f"unknown config key {key!r} in {args.config}" + closest(key, names))
@@ -207,7 +207,7 @@ def auto_layout(args, cfg):
                           "--layout auto without torchrun (add --nproc N for N ranks)")
     found = _ranks(cluster(args.cluster), args.nproc)
     written = from_megatron({key.replace("-", "_"): value for key, value in
-                             (_read_config(args.config) if args.config else {}).items()})
+                             (read_config(args.config) if args.config else {}).items()})
     flags = {n: getattr(args, n) for n in LAYOUT_NAMES if getattr(args, n, None) is not None}
     fixed = {n: v for n, v in (written | flags).items()
              if n in LAYOUT_NAMES and n != "distributed_optimizer"

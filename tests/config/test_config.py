@@ -107,7 +107,8 @@ def test_batch_size_schedule_entries_are_checked_with_the_resolved_dp():
 def test_every_cli_flag_maps_to_a_field():
     parser = argparse.ArgumentParser()
     _train_parser(parser)
-    launcher = {"help", "config", "nproc", "max_restarts"}
+    # the launcher's own, and --layout auto / --cluster, which choose the layout fields
+    launcher = {"help", "config", "nproc", "max_restarts", "layout", "cluster"}
     flags = {a.dest: a.option_strings for a in parser._actions if a.dest not in launcher}
     assert set(flags) == set(flat_fields()) | set(MEGATRON_NAMES)
     for alias, (name, _) in MEGATRON_NAMES.items():
