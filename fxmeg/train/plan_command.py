@@ -200,7 +200,7 @@ def auto_layout(args, cfg):
     from fxmeg.planner import report
     from fxmeg.planner.cluster import cluster
     from fxmeg.planner.search import search
-    from fxmeg.train.train_config import from_megatron
+    from fxmeg.train.train_config import MEGATRON_NAMES, from_megatron
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ConfigError("--layout auto searches before it starts the ranks: run fxmeg train "
@@ -208,8 +208,9 @@ def auto_layout(args, cfg):
     found = _ranks(cluster(args.cluster), args.nproc)
     written = from_megatron({key.replace("-", "_"): value for key, value in
                              (read_config(args.config) if args.config else {}).items()})
-    flags = {n: getattr(args, n) for n in LAYOUT_NAMES if getattr(args, n, None) is not None}
-    fixed = {n: v for n, v in (written | flags).items()
+    given = from_megatron({n: getattr(args, n) for n in [*LAYOUT_NAMES, *MEGATRON_NAMES]
+                           if getattr(args, n, None) is not None})  # --tp or Megatron's name
+    fixed = {n: v for n, v in (written | given).items()
              if n in LAYOUT_NAMES and n != "distributed_optimizer"
              and not (n == "schedule" and v == "auto")}
     model = {"model": cfg.model, "model_args": cfg.model_args, "seq_len": cfg.seq_len}
@@ -228,10 +229,7 @@ def auto_layout(args, cfg):
           f"{found.ranks} ranks of {found.name}, {len(result.ranked)} fit): predicted "
           f"{e.step:.3f} s per step, {e.tokens_per_s:,.0f} tokens/s, peak "
           f"{human_bytes(e.peak)} per rank", flush=True)
-    chosen = cfg.replace(**best.layout.options(), predicted_step_s=e.step)
-    if args.nproc is None:
-        args.nproc = found.ranks
-    return chosen
+    return cfg.replace(**best.layout.options(), predicted_step_s=e.step)
 
 
 def _ranks(found, nproc: int | None):

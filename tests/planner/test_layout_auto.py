@@ -51,6 +51,14 @@ def test_layout_auto_trains_the_chosen_layout_and_logs_the_prediction(corpus, tm
     assert all(r["iteration_time"] > 0 for r in train)
 
 
+def test_layout_auto_holds_megatrons_flag_names_fixed_too(corpus, tmp_path):
+    out = _train(corpus, str(tmp_path / "run"), "--tensor-model-parallel-size", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    chose = next(line for line in out.stdout.splitlines() if "--layout auto chose" in line)
+    assert chose.split("chose ")[1].startswith("tp2"), chose
+    assert "layout tp=2 " in out.stdout, out.stdout
+
+
 def test_layout_auto_under_torchrun_is_refused(corpus, tmp_path):
     out = _train(corpus, str(tmp_path / "run"), env={"RANK": "0", "WORLD_SIZE": "2"})
     assert out.returncode == 1
