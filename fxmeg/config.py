@@ -36,6 +36,9 @@ from fxmeg.schedule_registry import (
 from fxmeg.sharding_modes import OptimizerSharding, check_zero3_companions
 from fxmeg.sizes import Size, check_numbers, check_size
 
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
+"""Megatron-Core's ``cp_comm_type`` values, each supported (``ParallelConfig.cp_comm_type``)."""
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -53,6 +56,16 @@ class ParallelConfig:
     """Tensor-parallel size (ranks that share every layer's weights)."""
     cp: int = 1
     """Context-parallel size (ranks that each hold 1/cp of every sequence's tokens)."""
+    cp_comm_type: str = "all_gather"
+    """How cp ranks' attention meets every key (Megatron's ``cp_comm_type``):
+    'all_gather' (every rank gathers the whole sequence's keys and values), 'p2p' (ring
+    attention: key/value blocks passed around the cp ranks, overlapped with attention),
+    'a2a' (DeepSpeed-Ulysses: an all-to-all trades sequence parts for heads around a
+    whole-sequence attention) or 'a2a+p2p' (a2a within runs of ``cp_a2a_size`` ranks, the
+    ring across them); docs/long-context.md."""
+    cp_a2a_size: int | None = None
+    """The all-to-all size of cp_comm_type='a2a+p2p' (Megatron's
+    ``hierarchical_context_parallel_sizes[0]``): must divide cp."""
     pp: int = 1
     """Pipeline-parallel size (ranks that each hold a run of layers)."""
     vpp: int = 1
@@ -80,6 +93,7 @@ class ParallelConfig:
     SIZES: ClassVar[dict[str, Size]] = {
         "tp": Size(1, "tensor-parallel size"),
         "cp": Size(1, "context-parallel size"),
+        "cp_a2a_size": Size(1, "all-to-all size of cp_comm_type='a2a+p2p'", "not a2a+p2p"),
         "pp": Size(1, "pipeline-parallel size"),
         "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
         "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
@@ -102,6 +116,7 @@ class ParallelConfig:
             raise ConfigError(refusal)
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
+        self._check_cp_comm()
         if self.dp is not None:
             self._check_ep()
         if self.expert_tensor_parallel_size not in (None, 1, self.tp):
@@ -111,6 +126,33 @@ class ParallelConfig:
                 f"expert_tensor_parallel_size={self.tp} (the default) or 1 (experts whole on every "
                 "tp rank)"
             )
+
+    def _check_cp_comm(self) -> None:
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"cp_comm_type={self.cp_comm_type!r} is not one of {list(CP_COMM_TYPES)} "
+                "(Megatron's names; docs/long-context.md)" + closest(str(self.cp_comm_type),
+                                                                    CP_COMM_TYPES))
+        a2a = self.cp_a2a_size
+        if self.cp_comm_type != "a2a+p2p":
+            if a2a is not None:
+                raise ConfigError(
+                    f"cp_a2a_size={a2a} is the all-to-all size of cp_comm_type='a2a+p2p', not of "
+                    f"{self.cp_comm_type!r}: drop it or set cp_comm_type='a2a+p2p'")
+            return
+        fits = [d for d in range(2, self.cp) if self.cp % d == 0]
+        if a2a is None or self.cp % a2a or a2a in (1, self.cp):
+            given = "is not given" if a2a is None else f"={a2a} does not cut cp={self.cp}"
+            raise ConfigError(
+                f"cp_comm_type='a2a+p2p' needs cp_a2a_size, the all-to-all size inside each ring "
+                f"step, a divisor of cp between 1 and cp; cp_a2a_size {given}: "
+                + (f"use one of {fits}" if fits else
+                   f"cp={self.cp} has none: use cp_comm_type='a2a' or 'p2p', or a cp such as 4"))
+
+    @property
+    def cp_inner(self) -> int:
+        """The cp ranks whose heads are exchanged by all-to-all (1: none, cp: all)."""
+        return {"a2a": self.cp, "a2a+p2p": self.cp_a2a_size or 1}.get(self.cp_comm_type, 1)
 
     @property
     def expert_tp(self) -> int:

@@ -108,6 +108,8 @@ _SAVE_NOTHING = {
     "cp_slice",
     "cp_unslice",
     "cp_gather",
+    "cp_to_heads",
+    "cp_from_heads",
     "cp_reduce_scatter",
     "cp_all_reduce",
     "recv",
@@ -286,6 +288,12 @@ def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]
                 (node, "attention output"), (lse, "attention log-sum-exp"), *mask]
     if name == "cp_attention":
         return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v")]
+    if name == "cp_ring_attention":  # its own blocks of k and v; the output and lse
+        out, lse = val(node)
+        mask = [(args[3], "attention mask")] if isinstance(args[3], fx.Node) else []
+        return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v"),
+                (out.numel() * out.element_size(), "attention output"),
+                (lse.numel() * 4, "attention log-sum-exp"), *mask]
     if name in ("embedding", "index_select", "gather", "index", "masked_fill", "where"):
         index = {"embedding": 1, "index_select": 2, "gather": 2, "index": 1, "masked_fill": 1,
                  "where": 0}[name]

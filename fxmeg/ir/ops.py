@@ -228,6 +228,19 @@ _SCHEMAS = {
     "str group) -> Tensor",
     "cp_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, float? scale, "
     "bool enable_gqa, int size, str group) -> (Tensor, Tensor, Tensor)",
+    # cp_comm_type a2a and a2a+p2p (DeepSpeed-Ulysses): sequence parts <-> heads parts
+    # within each run of ``inner`` consecutive cp ranks; ``dim`` is the sequence dim, the
+    # heads are dim - 1 (docs/long-context.md)
+    "cp_to_heads": "(Tensor x, int dim, int size, int inner, str group) -> Tensor",
+    "cp_from_heads": "(Tensor x, int dim, int size, int inner, str group) -> Tensor",
+    # cp_comm_type p2p and a2a+p2p: ring attention; (output, log-sum-exp of each query's
+    # scores in fp32). ``mask`` is whole ((..., 1 or seq, 1 or seq): the kernel picks each
+    # block's rows and columns)
+    "cp_ring_attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
+    "float? scale, bool enable_gqa, int size, int inner, str group) -> (Tensor, Tensor)",
+    "cp_ring_attention_backward": "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor lse, Tensor? mask, bool causal, float? scale, bool enable_gqa, int size, "
+    "int inner, str group) -> (Tensor, Tensor, Tensor)",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -275,6 +288,29 @@ torch.library.register_fake(
 torch.library.register_fake(
     "fxmeg::cp_attention_backward",
     lambda grad, q, k, v, scale, gqa, size, group: (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    ),
+)
+torch.library.register_fake(
+    "fxmeg::cp_to_heads",
+    lambda x, dim, size, inner, group: _resized(_resized(x, dim, inner), dim - 1, 1 / inner),
+)
+torch.library.register_fake(
+    "fxmeg::cp_from_heads",
+    lambda x, dim, size, inner, group: _resized(_resized(x, dim, 1 / inner), dim - 1, inner),
+)
+torch.library.register_fake(
+    "fxmeg::cp_ring_attention",
+    lambda q, k, v, mask, causal, scale, gqa, size, inner, group: (
+        q.new_empty((*q.shape[:-1], v.shape[-1])),
+        q.new_empty(q.shape[:-1], dtype=torch.float32),
+    ),
+)
+torch.library.register_fake(
+    "fxmeg::cp_ring_attention_backward",
+    lambda grad, q, k, v, out, lse, mask, causal, scale, gqa, size, inner, group: (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
         v.new_empty(v.shape),
@@ -351,6 +387,29 @@ def _cp_attention_grad(ctx, grad):
 torch.library.register_autograd(
     "fxmeg::cp_attention", _cp_attention_grad, setup_context=_cp_attention_setup
 )
+_autograd("cp_to_heads", lambda ctx, g: (fx_ops.cp_from_heads(g, *ctx.args), *[None] * 4))
+_autograd("cp_from_heads", lambda ctx, g: (fx_ops.cp_to_heads(g, *ctx.args), *[None] * 4))
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, mask = inputs[:4]
+    ctx.save_for_backward(q, k, v, *output, *([] if mask is None else [mask]))
+    ctx.args = inputs[4:]
+
+
+def _ring_grad(ctx, grad, _grad_lse):
+    """The ring's backward (fxmeg/runtime/ring_attention.py) from the forward's output and
+    log-sum-exp; the mask and the flags have no gradient."""
+    q, k, v, out, lse, *mask = ctx.saved_tensors
+    grads = fx_ops.cp_ring_attention_backward(
+        grad, q, k, v, out, lse, mask[0] if mask else None, *ctx.args
+    )
+    return (*grads, *[None] * 7)
+
+
+torch.library.register_autograd(
+    "fxmeg::cp_ring_attention", _ring_grad, setup_context=_ring_setup
+)
 
 CP = "cp"
 """Symbolic context-parallel group name in graphs before binding."""
@@ -364,6 +423,13 @@ def cp_positions(seq: int, size: int, rank: int) -> list[int]:
     assert chunk * 2 * size == seq, (seq, size)
     first, second = rank * chunk, (2 * size - 1 - rank) * chunk
     return [*range(first, first + chunk), *range(second, second + chunk)]
+
+
+def cp_held(seq: int, size: int, rank: int, inner: int = 1) -> list[int]:
+    """Global positions a cp rank's attention holds after ``cp_to_heads`` over runs of
+    ``inner`` consecutive cp ranks (1: none): the sorted positions of its run's ranks."""
+    first = rank - rank % inner
+    return sorted(p for r in range(first, first + inner) for p in cp_positions(seq, size, r))
 
 
 def _vpce_setup(ctx, inputs, output):

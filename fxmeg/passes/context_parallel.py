@@ -55,7 +55,7 @@ def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphMo
     cp = parallel.cp
     if cp == 1:
         return gm
-    _ContextParallel(gm, cp).run()
+    _ContextParallel(gm, parallel).run()
     return finish(gm)
 
 
@@ -64,9 +64,10 @@ class _ContextParallel(Propagation):
 
     axis, title, split_kinds, split_phrase = CP, "context-parallel", (Seq,), "along the sequence"
 
-    def __init__(self, gm: fx.GraphModule, cp: int) -> None:
+    def __init__(self, gm: fx.GraphModule, parallel: ParallelConfig) -> None:
+        cp = parallel.cp
         super().__init__(gm, cp)
-        self.cp = cp
+        self.cp, self.parallel = cp, parallel
         self.grads = requires_grad_nodes(gm)  # values a gradient flows through
         self.cut: dict[tuple[fx.Node, int], fx.Node] = {}  # (replicated value, dim) -> cp_slice
         inputs = [n for n in self.g.nodes if n.op == "placeholder"]

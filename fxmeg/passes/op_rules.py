@@ -198,8 +198,10 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "attention",
-        "attention of queries over keys and values, heads in dim -3 (SDPA; fxmeg's cp_attention)",
-        _ops("scaled_dot_product_attention.default") | _ops("cp_attention.default", ns=fx_ops),
+        "attention of queries over keys and values, heads in dim -3 (SDPA; fxmeg's cp_attention "
+        "and cp_ring_attention)",
+        _ops("scaled_dot_product_attention.default")
+        | _ops("cp_attention.default", "cp_ring_attention.default", ns=fx_ops),
     ),
     Family("norm", "layer norm over the last dims", _ops("layer_norm.default")),
     Family("embedding", "rows of a table by index", _ops("embedding.default")),
@@ -230,8 +232,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "exchange",
         "collectives of one axis along their dim argument (cp's cut, gather, scatter of the "
-        "sequence): every other dim passes through",
+        "sequence, its sequence-for-heads all-to-all): every other dim passes through",
         _ops(
+            "cp_to_heads.default",
+            "cp_from_heads.default",
             "cp_slice.default",
             "cp_unslice.default",
             "cp_gather.default",

@@ -135,6 +135,10 @@ def _flops(node: fx.Node):
     if node.target == torch.ops.fxmeg.cp_attention.default:
         q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * node.args[5] * q.shape[-1]
+    if node.target == torch.ops.fxmeg.cp_ring_attention.default:  # every ring step's keys
+        q, k = val(node.args[0]), val(node.args[1])
+        steps = node.args[7] // node.args[8]
+        return 4.0 * q.shape[:-1].numel() * k.shape[-2] * steps * q.shape[-1]
     return 0.0
 
 

@@ -119,6 +119,8 @@ def _attention_cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
             torch.ops.fxmeg.cp_attention.default,
         ):
             regions.append([node])
+        elif node.target == torch.ops.fxmeg.cp_ring_attention.default:
+            regions.append([node, *node.users])  # with the getitem of its output
         elif node.target in _SOFTMAX:
             region = _eager_core(node)
             if region:

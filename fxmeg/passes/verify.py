@@ -53,10 +53,15 @@ def context_parallel(gm: fx.GraphModule, parallel: ParallelConfig) -> None:
     for node in gm.graph.nodes:
         # under a sliced mask
         if node.target == torch.ops.aten.scaled_dot_product_attention.default:
-            assert all(a.target == torch.ops.fxmeg.cp_gather.default for a in node.args[1:3]), (
+            assert all(a.target in (torch.ops.fxmeg.cp_gather.default,
+                                    torch.ops.fxmeg.cp_to_heads.default) for a in node.args[1:3]), (
                 f"context_parallel: attention {node.name} does not read every key")
         if node.target == torch.ops.fxmeg.cp_attention.default:
             assert node.args[5] == cp and node.args[6] == ops.CP, (
+                f"context_parallel: {node.name} is not over cp"
+            )
+        if node.target == torch.ops.fxmeg.cp_ring_attention.default:
+            assert node.args[7] == cp and node.args[9] == ops.CP, (
                 f"context_parallel: {node.name} is not over cp"
             )
         if node.op == "call_function":

@@ -85,10 +85,13 @@ def hf_model(
     vocab_size: int = 128,
     attn_implementation: str | None = None,
     pad_token_id: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
 ) -> torch.nn.Module:
     """A tiny Hugging Face causal LM built from a config (random init, no download, no
     dropout: parity needs the same arithmetic on both sides). With ``pad_token_id`` the
-    embedding has that padding_idx: its row gets no gradient."""
+    embedding has that padding_idx: its row gets no gradient. ``heads`` and ``kv_heads``:
+    the query and key/value heads of the models with ``common``'s."""
     import transformers as T
 
     common = dict(
@@ -96,8 +99,8 @@ def hf_model(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=n_layer,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         pad_token_id=pad_token_id,
     )

@@ -280,11 +280,11 @@ class PropagationRules:
     @rule(TP, "attention")
     def _attention(self, node: fx.Node):
         q, k, v = (self.place.get(a) for a in node.args[:3])
-        if q is None and isinstance(k, Shard) and k == v and k.dim < val(node).dim() - 2:
+        if q is None and isinstance(k, Shard) and k == v and k.dim < val(node.args[0]).dim() - 2:
             # a replicated query (JetMoE's, from whole attention experts): this rank's heads
             node.replace_input_with(node.args[0], self._local_slice(node, node.args[0], k.dim, k))
             q = k
-        if not (isinstance(q, Shard) and q.dim < val(node).dim() - 2):
+        if not (isinstance(q, Shard) and q.dim < val(node.args[0]).dim() - 2):
             raise self.refuse(node, "query, key and value must be split alike over heads", q)
         for a, p in zip(node.args[1:3], (k, v)):
             if p == q:
@@ -302,7 +302,7 @@ class PropagationRules:
                 )
         mask = node.args[3] if len(node.args) > 3 else None
         if isinstance(mask, fx.Node) and not isinstance(self.place.get(mask), Shard):
-            j = q.dim - (val(node).dim() - val(mask).dim())
+            j = q.dim - (val(node.args[0]).dim() - val(mask).dim())
             if j >= 0 and val(mask).shape[j] != 1:
                 node.replace_input_with(mask, self._local_slice(node, mask, j, q))
         return q
