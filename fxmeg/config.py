@@ -131,8 +131,8 @@ class ParallelConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(
                 f"cp_comm_type={self.cp_comm_type!r} is not one of {list(CP_COMM_TYPES)} "
-                "(Megatron's names; docs/long-context.md)" + closest(str(self.cp_comm_type),
-                                                                    CP_COMM_TYPES))
+                "(Megatron's names; docs/long-context.md)"
+                + closest(str(self.cp_comm_type).lower(), CP_COMM_TYPES))
         a2a = self.cp_a2a_size
         if self.cp_comm_type != "a2a+p2p":
             if a2a is not None:
@@ -141,13 +141,20 @@ class ParallelConfig:
                     f"{self.cp_comm_type!r}: drop it or set cp_comm_type='a2a+p2p'")
             return
         fits = [d for d in range(2, self.cp) if self.cp % d == 0]
-        if a2a is None or self.cp % a2a or a2a in (1, self.cp):
-            given = "is not given" if a2a is None else f"={a2a} does not cut cp={self.cp}"
-            raise ConfigError(
-                f"cp_comm_type='a2a+p2p' needs cp_a2a_size, the all-to-all size inside each ring "
-                f"step, a divisor of cp between 1 and cp; cp_a2a_size {given}: "
-                + (f"use one of {fits}" if fits else
-                   f"cp={self.cp} has none: use cp_comm_type='a2a' or 'p2p', or a cp such as 4"))
+        if a2a is None:
+            given = " is not given"
+        elif self.cp % a2a:
+            given = f"={a2a} does not divide cp={self.cp}"
+        elif a2a in (1, self.cp):
+            same = "p2p" if a2a == 1 else "a2a"
+            given = f"={a2a} leaves no {'all-to-all' if a2a == 1 else 'ring'} (that is {same!r})"
+        else:
+            return
+        raise ConfigError(
+            f"cp_comm_type='a2a+p2p' needs cp_a2a_size, the all-to-all size inside each ring "
+            f"step, a divisor of cp between 1 and cp; cp_a2a_size{given}: "
+            + (f"use one of {fits}" if fits else
+               f"cp={self.cp} has none: use cp_comm_type='a2a' or 'p2p', or a cp such as 4"))
 
     @property
     def cp_inner(self) -> int:

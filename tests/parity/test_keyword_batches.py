@@ -12,7 +12,8 @@ attention (an additive float mask), and with sequence parallelism (the mask stay
 hidden states are split along the sequence). In the same spawn, Megatron's masks as the
 trainer feeds them (``--eod-mask-loss --reset-position-ids --reset-attention-mask``: the
 documents packed in a window do not see each other, positions restart, no loss on an
-end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2; and SFT
+end-of-document input; a 4-D mask input) at tp2 x pp2 x dp2 and cp2 x tp2 x dp2 (keys and values
+all-gathered, and through the ring: cp_comm_type p2p); and SFT
 conversations as the trainer lays them out (--sft, loss on the assistant turns alone:
 tests/data/test_sft.py), packed (examples kept apart by positions and a 4-D mask) and padded
 (each step its own length, variable_seq_lengths), at tp2 x pp2 x dp2."""
@@ -35,7 +36,8 @@ LAYOUT = dict(tp=2, pp=2, dp=2)
 MBS, M, STEPS, SEQ, PAD = 2, 2, 3, 16, 0
 GBS = MBS * M * LAYOUT["dp"]
 CASES = ("right-sdpa", "left-sdpa", "left-eager", "left-sdpa-sp")  # sp: sequence parallelism too
-MASKED = {"megatron-masks": LAYOUT, "megatron-masks-cp": dict(cp=2, tp=2, dp=2)}
+MASKED = {"megatron-masks": LAYOUT, "megatron-masks-cp": dict(cp=2, tp=2, dp=2),
+          "megatron-masks-cp-p2p": dict(cp=2, tp=2, dp=2, cp_comm_type="p2p")}  # the ring
 SFT = {"sft-packed": LAYOUT, "sft-padded": LAYOUT | dict(variable_seq_lengths=True)}
 EOD = 1
 

@@ -1,13 +1,15 @@
 """bf16 and fp16 on real gloo ranks vs the plain-PyTorch mixed-precision oracle
 (tests/parity/mixed_precision.py), issue 16: for dp, tp, tp with sequence parallelism,
-1F1B, interleaved 1F1B, tp x pp x dp with the distributed optimizer and dp with it,
+1F1B, interleaved 1F1B, tp x pp x dp with the distributed optimizer and dp with it, cp2 under
+the ring and the all-to-all (cp_comm_type p2p, a2a: issue 48),
 Llama (untied, 4 layers, hidden 32), 10 steps:
   * every step's loss within 2e-3 (relative) of the oracle's, the same steps skipped and
     the same loss scales (fp16: a dynamic scale that grows, then overflows and backs off);
   * every fp32 master within 1e-5 (relative norm) of the oracle's, gathered from every
     rank's optimizer pieces, for the layouts without tensor parallelism: their arithmetic
     is the oracle's up to the order of fp32 sums (they agree to 4.1e-9, pipelines bitwise);
-  * with tensor parallelism the half-precision partial sums of row-parallel layers are
+  * with tensor or context parallelism (whose ring computes attention in fp32 blocks) the
+    half-precision partial sums of row-parallel layers are
     rounded and reduced across tp ranks (as in Megatron), a different rounding than one
     device's, and Adam amplifies it: the masters land up to 7.2e-3 (bf16) / 3.6e-3
     (fp16) from the oracle's on one parameter (v_proj), 9.4e-4 / 2.7e-4 over all of them,
@@ -71,6 +73,9 @@ LAYOUTS = {  # pipeline-only layouts without clipping: the bitwise comparison ne
     "pp2-vpp2": dict(pp=2, vpp=2, schedule="interleaved", clip=0.0),
     "tp2-pp2-dp2-distopt": dict(tp=2, pp=2, dp=2, schedule="1f1b", clip=CLIP, options=DISTOPT),
     "dp2-distopt": dict(dp=2, clip=CLIP, options=DISTOPT),
+    # attention in fp32 blocks (ring) or half-precision SDPA over 1/cp of the heads (a2a)
+    "cp2-p2p": dict(cp=2, clip=CLIP, options=(("cp_comm_type", "p2p"),)),
+    "cp2-a2a": dict(cp=2, clip=CLIP, options=(("cp_comm_type", "a2a"),)),
 }
 
 
@@ -89,7 +94,8 @@ class Mixed(Scenario):
     def engine(self):
         extra = {"loss_scale": LOSS_SCALE} if self.precision == "fp16" else {}
         return fxmeg.parallelize(
-            self.make_model(), tuple(t[:MBS] for t in self.batches()[0]), tp=self.tp, pp=self.pp,
+            self.make_model(), tuple(t[:MBS] for t in self.batches()[0]), tp=self.tp, cp=self.cp,
+            pp=self.pp,
             vpp=self.vpp, schedule=self.schedule, global_batch_size=self.gbs,
             optimizer=OPTIMIZERS[self.opt], clip_grad=self.clip, precision=self.precision,
             **extra, **dict(self.options),
@@ -97,7 +103,7 @@ class Mixed(Scenario):
 
 
 MATRIX = [Mixed("llama", precision=p, name=n, **kw) for p in DTYPES for n, kw in LAYOUTS.items()]
-BITWISE = [sc for sc in MATRIX if sc.tp == sc.dp == 1]
+BITWISE = [sc for sc in MATRIX if sc.tp == sc.dp == sc.cp == 1]
 COUNT = [  # built, not trained
     Mixed("llama", tp=2, dp=2, name="tp2-dp2"),
     Mixed("llama", tp=2, dp=2, name="tp2-dp2-distopt", options=DISTOPT),
@@ -112,7 +118,8 @@ def train(rank: int, sc: Mixed, steps: int) -> dict:
     results, scales, grads = [], [], []
     for batch in sc.batches()[:steps]:
         scales.append(scaler.scale if scaler is not None else 1.0)
-        step = engine.train_step(batch, full_grads=sc.tp > 1)  # collective: every rank gathers them
+        # collective: every rank gathers them
+        step = engine.train_step(batch, full_grads=sc.tp > 1 or sc.cp > 1)
         results.append(dataclasses.replace(step, grads=None))
         grads.append(step.grads if rank == 0 else None)
     state = engine.full_state_dict() if steps else None
@@ -177,7 +184,7 @@ def test_matches_the_mixed_precision_oracle(results, sc):
     state = ranks[0][sc.id]["state"]  # the half-precision parameters are the masters, rounded
     for n, m in masters.items():
         assert torch.equal(state[n], m.to(state[n].dtype)), n
-    if sc.tp == 1:
+    if sc.tp == sc.cp == 1:
         errors = {n: relative(masters[n], w) for n, w in ref["masters"].items()}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= MASTER_RTOL, f"master {worst}: relative error {errors[worst]:.2e}"

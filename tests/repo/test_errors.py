@@ -21,7 +21,8 @@ from fxmeg.train.train_config import TrainConfig
 from fxmeg.weights.checkpoint import Checkpointer, export
 from tests.harness.distributed import run_world
 from tests.harness.helpers import make_batch
-from tests.harness.models import make_model, saved_names
+from tests.harness.models import hf_model, make_model, saved_names
+from tests.passes.test_context_parallel import _Window
 from tests.passes.test_expert_parallel import BatchedExperts
 from tests.passes.test_tp_heads import _KeyReadWhole
 
@@ -482,6 +483,24 @@ ROWS = {
             "a mask that depends on the split inputs (padding): mask 'unsqueeze_2' is computed "
             "from input(s) ['ids'], which are cut along the sequence"
         ),
+    ),
+    "cp-comm-type": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), cp=2, cp_comm_type="ring"),
+        "cp_comm_type='ring' is not one of ['all_gather', 'p2p', 'a2a', 'a2a+p2p']",
+    ),
+    "cp-a2a-size": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), cp=2, cp_comm_type="a2a+p2p",
+                                  cp_a2a_size=3),
+        "cp_a2a_size=3 does not divide cp=2",
+    ),
+    "cp-a2a-heads": (
+        lambda: fxmeg.parallelize(_Window(), _ex(), cp=2, cp_comm_type="a2a"),
+        "cp_comm_type='a2a' splits its 1 query and 1 key/value heads over cp=2 ranks",
+    ),
+    "cp-comm-eager": (
+        lambda: fxmeg.parallelize(hf_model("llama", attn_implementation="eager"), _ex(), cp=2,
+                                  cp_comm_type="p2p"),
+        "it is eager attention (q @ k^T, softmax, @ v), which only cp_comm_type='all_gather'",
     ),
     "example-batch-size": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), micro_batch_size=4),
