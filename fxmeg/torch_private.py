@@ -150,6 +150,24 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
 resolve_process_group = _private("torch.distributed.distributed_c10d:_resolve_process_group")
 
 
+def release_world_capture() -> None:
+    """torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a
+    default argument, evaluated when the module is first imported. Imported after
+    init_process_group (torch._dynamo imports it, and so does torch.distributed.checkpoint),
+    they hold the default process group past destroy_process_group(): it then dies while
+    Python finalizes, where a gloo worker releasing a finished work's tensors aborts the rank
+    (docs/reliability.md, "Process exit"). This imports the module now and puts None (the
+    default group, as each of those functions reads it) where a process group was captured.
+    Checked on 2.13: their defaults are read only by their own bodies."""
+    import torch.distributed.nn.functional as functional
+
+    for fn in vars(functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, torch.distributed.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(
+                None if isinstance(d, torch.distributed.ProcessGroup) else d for d in defaults)
+
+
 # --- optimizer: foreach kernels -----------------------------------------------------------
 
 # The 2-norm of each tensor of a list, in one kernel launch per device and dtype.

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fxmeg.errors import GroupDestroyedError
-from fxmeg.torch_private import resolve_process_group
+from fxmeg.torch_private import release_world_capture, resolve_process_group
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,9 @@ class Groups:
     """Expert gradients' reduction and sharding: the ranks holding the same experts."""
     world = WeakGroup()
     """Every rank: fxmeg's own copy of the default group, which importing
-    torch.distributed.nn after init_process_group keeps alive past destroy_process_group
-    (its functions capture it as a default argument)."""
+    torch.distributed.nn after init_process_group would keep alive past destroy_process_group
+    (its functions capture it as a default argument; ``build_groups`` releases that, but a
+    later import by the user's code would capture it again)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tied, WeakGroups):
@@ -264,7 +265,10 @@ def build_groups(
     topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None
 ) -> Groups:
     """Create every group in the same order on every rank (new_group is collective);
-    their collectives fail after ``timeout_s`` instead of waiting forever."""
+    their collectives fail after ``timeout_s`` instead of waiting forever. Also releases
+    torch.distributed.nn's hold on the default group (``release_world_capture``)."""
+    if dist.is_initialized():
+        release_world_capture()
     if topo.world_size == 1:
         return Groups(topo, 0, tied={s: None for s in tied})
     rank = dist.get_rank()

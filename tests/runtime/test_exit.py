@@ -3,13 +3,17 @@ process group alive: each gloo group's destructor joins its worker threads there
 Python still runs. A group held past it dies while Python finalizes, and a worker then
 releasing a finished collective's tensors asks for the GIL and aborts the process
 ("terminate called without an active exception", SIGABRT; fxmeg/runtime/groups.py,
-``WeakGroup``). An engine used afterwards says so by name."""
+``WeakGroup``). That holds for the default group too, which torch.distributed.nn captures when
+fxmeg's first parallelize imports it after init_process_group (fxmeg releases the capture:
+``torch_private.release_world_capture``). An engine used afterwards says so by name."""
 
 import gc
+import importlib
 import weakref
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.nn.functional
 from torch.distributed.distributed_c10d import _world
 
 import fxmeg
@@ -19,6 +23,11 @@ from tests.harness.models import make_model
 
 
 def _train_then_destroy(rank: int) -> dict:
+    # as when a program imports fxmeg (and torch.distributed.nn with it) only after
+    # init_process_group: its collectives capture the default group as a default argument
+    importlib.reload(torch.distributed.nn.functional)
+    captured = any(isinstance(d, dist.ProcessGroup)
+                   for d in torch.distributed.nn.functional.all_reduce.__defaults__)
     # pp2 x dp2 with the GPT's embedding tied over the first and last stage (a group of
     # its own), the distributed optimizer (parameter gathers) and the determinism check
     # (fxmeg's world group)
@@ -26,9 +35,8 @@ def _train_then_destroy(rank: int) -> dict:
                                global_batch_size=8)
     for step in range(2):
         engine.train_step(make_batch(8, seed=step), check_determinism=step == 1)
-    default = dist.group.WORLD
-    made = [weakref.ref(g) for g in _world.pg_map if g is not default]
-    del default
+    default = weakref.ref(dist.group.WORLD)
+    made = [weakref.ref(g) for g in _world.pg_map if g is not default()]
     dist.destroy_process_group()
     gc.collect()
     try:
@@ -36,7 +44,8 @@ def _train_then_destroy(rank: int) -> dict:
         after = "trained"
     except fxmeg.FxmegError as exc:  # the executor names the rank and step around it
         after = str(exc)
-    return {"groups": len(made), "alive": sum(r() is not None for r in made), "after": after}
+    return {"groups": len(made), "alive": sum(r() is not None for r in made), "after": after,
+            "default_alive": default() is not None, "captured": captured}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +57,13 @@ def test_destroy_process_group_destroys_every_group_fxmeg_made(ranks):
     for r in ranks:
         assert r["groups"] >= 4, r  # pp, dp, tied, world at least
         assert r["alive"] == 0, r
+
+
+def test_the_default_group_dies_too(ranks):
+    """torch.distributed.nn, imported after init, had captured the default group; fxmeg
+    released it, and destroy_process_group destroyed it."""
+    for r in ranks:
+        assert r["captured"] and not r["default_alive"], r
 
 
 def test_an_engine_used_after_destroy_names_the_destroyed_group(ranks):
