@@ -28,6 +28,7 @@ from fxmeg.config import EngineConfig, Example, batch_dim
 from fxmeg.diagnostics.devices import GiB
 from fxmeg.diagnostics.saved_activations import (
     activation_bytes,
+    attention_working_bytes,
     breakdown,
     by_block,
     recompute_working_bytes,
@@ -87,6 +88,8 @@ class StagePlan:
     recompute_working_set: int = 0
     """Under recompute: the largest region's own tensors, held once while backward runs it
     again (in ``total``)."""
+    attention_working_set: int = 0
+    """cp > 1: what one attention's backward holds for itself, once (in ``total``)."""
     recompute_inputs: int = 0
     """What one micro-batch would keep under full recompute: the blocks' inputs and the
     tensors saved outside blocks (the verdict's remedy: ``remedies``)."""
@@ -140,16 +143,10 @@ class Plan:
     def to_dict(self) -> dict:
         cfg, par = self.config, self.config.parallel
         return {
-            "layout": {
-                "tp": par.tp,
-                "cp": par.cp,
-                "pp": par.pp,
-                "vpp": par.vpp,
-                "dp": par.dp,
-                "ep": par.ep,
-                "schedule": par.resolved_schedule,
-                "sequence_parallel": par.sequence_parallel,
-            },
+            "layout": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp,
+                       "ep": par.ep, "schedule": par.resolved_schedule,
+                       "sequence_parallel": par.sequence_parallel,
+                       "cp_comm_type": par.cp_comm_type},
             "ranks": self.ranks,
             "precision": cfg.precision,
             "distributed_optimizer": cfg.data_parallel.distributed_optimizer,
@@ -208,7 +205,11 @@ class Plan:
         whole = [f"  tp={par.tp} leaves whole on every tp rank: {m} ({why})" for m,
                  why in self.tp_whole]
         device = verdict_lines(self, self.device_memory) if self.device_memory is not None else []
-        return "\n".join(head + lines + whole + _breakdown_lines(self.stages[0]) + device)
+        attention = max(s.attention_working_set for s in self.stages)
+        exchange = [f"  cp_comm_type {par.cp_comm_type}: one attention's backward holds "
+                    f"{attention / scale:,.2f} {unit} for itself (in total)"] if par.cp > 1 else []
+        return "\n".join(head + lines + whole + exchange + _breakdown_lines(self.stages[0])
+                         + device)
 
 
 def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
@@ -354,6 +355,7 @@ def _stage(program: Program, config: EngineConfig, stage: int,
     where = program.placement or schedules.round_robin(par.pp, program.num_chunks)
     held = sim.peak_held_by(where, dict(zip(mine, acts)))[stage]
     working = max(recompute_working_bytes(gm) for gm in graphs)
+    attention = max(attention_working_bytes(gm) for gm in graphs)
     inside, outside, entering = by_block(largest)
     layers, parts = breakdown(largest)
     peak = sim.peak_held[stage]  # zero bubble: what waits for its W still holds activations
@@ -364,13 +366,11 @@ def _stage(program: Program, config: EngineConfig, stage: int,
         gradient_buffers=grads, expert_gradient_buffers=expert_grads,
         optimizer_state=optimizer, expert_optimizer_state=expert_optimizer,
         activations_per_microbatch=act, microbatches_in_flight=peak, activations=int(held),
-        total=params + grads + optimizer + int(held) + buckets + working,
+        total=params + grads + optimizer + int(held) + buckets + working + attention,
         flops_per_microbatch=sum(graph_flops(gm) for gm in graphs), bubble=sim.bubble(stage),
-        buckets_in_flight=buckets, recompute_working_set=working,
-        recompute_inputs=outside + entering,
-        largest_block=max(inside.values(), default=0), layers=layers,
-        activation_breakdown=dict(sorted(parts.items(), key=lambda kv: -kv[1])),
-    )
+        buckets_in_flight=buckets, recompute_working_set=working, attention_working_set=attention,
+        recompute_inputs=outside + entering, largest_block=max(inside.values(), default=0),
+        layers=layers, activation_breakdown=dict(sorted(parts.items(), key=lambda kv: -kv[1])))
 
 
 def _zero_memory(

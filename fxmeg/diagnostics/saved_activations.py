@@ -142,6 +142,37 @@ def recompute_working_bytes(gm: fx.GraphModule) -> int:
                 if n.op == "call_module" and hasattr(attr(gm, n.target), "region")), default=0)
 
 
+def attention_working_bytes(gm: fx.GraphModule) -> int:
+    """The most one exchanged attention of ``gm`` (its recompute regions' too) holds for
+    itself while its backward runs, beside what it saved (``attention_working``): once per
+    stage in ``fxmeg plan``."""
+    return max((attention_working(n) for m in gm.modules() if isinstance(m, fx.GraphModule)
+                for n in m.graph.nodes), default=0)
+
+
+def attention_working(node: fx.Node) -> int:
+    """What ``node``'s backward holds for itself if it is an exchanged attention
+    (docs/long-context.md), else 0:
+      cp_attention (cp_comm_type all_gather): the whole sequence's keys and values, gathered,
+        and the fp32 probabilities of this rank's queries over every key, three times
+        (probabilities, their gradient, the scores' gradient);
+      cp_ring_attention (p2p, a2a+p2p): the block of keys and values held and the one
+        arriving, their fp32 gradients held and arriving, and three pieces of the block's
+        fp32 scores of at most ``ring_attention.PIECE_BYTES`` each.
+    The all-to-all's whole-sequence SDPA is a fused kernel: its own working set is O(rows)."""
+    from fxmeg.runtime.ring_attention import PIECE_BYTES
+
+    if node.target not in (ops.fx_ops.cp_attention.default, ops.fx_ops.cp_ring_attention.default):
+        return 0
+    q, k, v = (val(a) for a in node.args[:3])
+    kv = k.numel() * k.element_size() + v.numel() * v.element_size()
+    if node.target == ops.fx_ops.cp_attention.default:
+        size = node.args[5]
+        return 3 * 4 * q.shape[:-1].numel() * k.shape[-2] * size + kv * size
+    scores = 4 * q.shape[:-1].numel() * k.shape[-2]
+    return 3 * min(scores, PIECE_BYTES) + 2 * kv + 8 * (k.numel() + v.numel())
+
+
 def region_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
     """The own saved tensors of recompute region ``node`` of ``gm``: what backward holds
     while it runs that region again."""
@@ -289,7 +320,7 @@ def _kept(node: fx.Node, grads: set[fx.Node]) -> list[tuple[fx.Node | int, str]]
     if name == "cp_attention":
         return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v")]
     if name == "cp_ring_attention":  # its own blocks of k and v; the output and lse
-        out, lse = val(node)
+        out, lse = node.meta["val"]
         mask = [(args[3], "attention mask")] if isinstance(args[3], fx.Node) else []
         return [(args[0], "attention q"), (args[1], "attention k"), (args[2], "attention v"),
                 (out.numel() * out.element_size(), "attention output"),

@@ -185,9 +185,11 @@ class Composer:
             comm[c.group][c.backward] += self._comm(c, mbs, sizes[c.group], links[c.group])
         return fwd, 2 * fwd + again, {g: tuple(v) for g, v in comm.items()}
 
-    @staticmethod
-    def _comm(c: Comm, mbs: int, size: int, link: Link) -> float:
-        return collective(c.kind, c.nbytes * mbs, size, link)
+    def _comm(self, c: Comm, mbs: int, size: int, link: Link) -> float:
+        """Seconds of ``c`` the step waits for: the whole collective, or past the compute
+        it runs beside (``Comm.hidden_by``: the ring)."""
+        took = collective(c.kind, c.nbytes * mbs, size, link)
+        return max(took - c.hidden_by * mbs / self.rate, 0.0) if c.hidden_by else took
 
     def _simulate(self, shape: tuple, costs: tuple | None, latency: float):
         """The simulator's run of schedule ``shape`` (name, pp, vpp, m) at ``costs``
@@ -371,8 +373,11 @@ class Composer:
                 params = (elements - experts) * size // par.dp_cp + experts * size // par.edp
             buckets = _zero_working(largest, tied, size, dpc)
         working = max((p.recompute_working for parts in chunks for p in parts), default=0) * mbs
-        # backward's transient: the largest value's gradient and the one made from it
-        transient = 2 * max((p.largest for parts in chunks for p in parts), default=0) * mbs
+        # backward's transient: the largest value's gradient and the one made from it, or an
+        # exchanged attention's own working set
+        parts = [p for c in chunks for p in c]
+        transient = max(2 * max((p.largest for p in parts), default=0),
+                        max((p.working for p in parts), default=0)) * mbs
         activations = held + working
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,
                              transient, self.reserved, params + grads + optimizer + activations

@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from fxmeg.config import EngineConfig, Example
-from fxmeg.diagnostics.saved_activations import region_bytes, saved_tensors
+from fxmeg.diagnostics.saved_activations import attention_working, region_bytes, saved_tensors
 from fxmeg.errors import FxmegError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.frontend.model_checks import model_config, module_blocks
@@ -68,6 +68,11 @@ COLLECTIVES = {
     "cp_reduce_scatter": ("reduce_scatter", "all_gather"),
     "cp_all_reduce": ("all_reduce", ""),
     "cp_attention": ("all_gather", "reduce_scatter"),
+    # cp_comm_type a2a: q, k, v to heads and the output back, and the reverse in backward
+    "cp_to_heads": ("all_to_all", "all_to_all"), "cp_from_heads": ("all_to_all", "all_to_all"),
+    # p2p: the ring passes k and v around (an all-gather's volume, beside its blocks'
+    # compute), and in backward k, v and their fp32 gradients
+    "cp_ring_attention": ("all_gather", "all_gather"),
     "routed_experts": ("all_to_all", "all_to_all"),
 }
 """The communication of each collective op, forward and backward (docs/planner.md)."""
@@ -84,6 +89,9 @@ class Comm:
     nbytes: int
     """The whole tensor (gathered / reduced); for all_to_all, what one rank sends."""
     backward: bool
+    hidden_by: float = 0.0
+    """FLOPs of the op's own compute that the transfer runs beside (the ring's blocks):
+    only the time past them is exposed."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ class Part:
     largest: int = 0
     """Bytes of the largest value an op makes (backward holds its gradient beside the
     gradient it makes from it: the transient working set)."""
+    working: int = 0
+    """The most an exchanged attention holds for itself in backward (``attention_working``)."""
 
     @property
     def param_elements(self) -> int:
@@ -278,6 +288,7 @@ def _parts(program, kinds: int) -> Profile:
             pair = (node_flops(n), node_bytes(n))
             acc[p]["ops"].append(pair)
             acc[p]["largest"].append(_out_bytes(n))
+            acc[p]["working"].append(attention_working(n))
             acc[p]["cost"].append(node_cost(n))
             if region or inner:
                 acc[p]["recomputed"].append(pair) if region else None
@@ -305,7 +316,8 @@ def _parts(program, kinds: int) -> Profile:
             activations=sum(a["saved"]), recompute_working=max(a["working"], default=0),
             flops=sum(f for f, _ in a["ops"]), cost=sum(a["cost"]), ops=tuple(a["ops"]),
             recomputed=tuple(a["recomputed"]), comms=tuple(a["comms"]),
-            boundary=boundary.get(name, 0), largest=max(a["largest"], default=0)))
+            boundary=boundary.get(name, 0), largest=max(a["largest"], default=0),
+            working=max(a["working"], default=0)))
     itemsize = next((lay.dtype.itemsize for lays in program.buffers for lay in lays), 4)
     # one part per kind: the twin's first block of each
     return Profile(_key(program.config), parts[0], tuple(parts[1:1 + kinds]), parts[-1],
@@ -372,6 +384,19 @@ def _banks(program) -> frozenset[str]:
     return expert_banks(program)
 
 
+def _ring_comms(node: fx.Node) -> list[Comm]:
+    """The ring (fxmeg/runtime/ring_attention.py): steps - 1 passes of this rank's k and v
+    forward, each beside a block of attention; in backward the same, and k's and v's fp32
+    gradients steps times."""
+    k, v = val(node.args[1]), val(node.args[2])
+    steps = node.args[7] // node.args[8]
+    kv = k.numel() * k.element_size() + v.numel() * v.element_size()
+    grads = 4 * (k.numel() + v.numel())
+    work = node_flops(node)  # its forward blocks; backward's are twice as many
+    return [Comm("cp", "all_gather", kv * steps, False, work),
+            Comm("cp", "all_gather", (kv + grads) * steps, True, 2 * work)]
+
+
 def _comm(node: fx.Node) -> list[Comm]:
     """The collectives ``node`` runs, forward and backward (``COLLECTIVES``)."""
     name = getattr(node.target, "__name__", "").split(".")[0]
@@ -389,6 +414,8 @@ def _comm(node: fx.Node) -> list[Comm]:
     tensors = [val(a) for a in node.all_input_nodes] + [val(node)]
     tensors = [t for v in tensors for t in (v if isinstance(v, (tuple, list)) else (v,))
                if isinstance(t, torch.Tensor)]
+    if name == "cp_ring_attention":
+        return _ring_comms(node)
     if name == "cp_attention":  # k and v gathered whole; dk and dv reduce-scattered
         size = node.args[5] if len(node.args) > 5 else node.kwargs.get("size", 1)
         k, v = val(node.args[1]), val(node.args[2])

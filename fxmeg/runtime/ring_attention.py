@@ -18,7 +18,9 @@ device, not the fused kernel a GPU would use (docs/long-context.md, blind spots)
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,8 @@ from torch import Tensor
 from fxmeg.ir import ops
 from fxmeg.torch_private import resolve_process_group
 
+PIECE_BYTES = 64 * 2**20
+"""The most bytes of one block's scores computed at once (its rows in pieces)."""
 KV_TAG, GRAD_TAG = 17, 18
 """Point-to-point tags of the ring's keys/values and of its running gradients (gloo
 matches messages by tag; NCCL by order, which is the same on every rank)."""
@@ -143,13 +147,27 @@ class _Block:
                 seen = m if seen is None else seen & m
             else:
                 self.bias = _wide(m)
-        self.seen, self.ri, self.ci = seen, None, None
+        self.seen, self.ri, self.ci, self.device = seen, None, None, rows.device
         if seen is not None:
             flat = seen.reshape(-1, *seen.shape[-2:]).any(0)
             if flat.shape[-2] == len(rows):
                 self.ri = flat.any(-1).nonzero().squeeze(-1)
             if flat.shape[-1] == len(cols):
                 self.ci = flat.any(-2).nonzero().squeeze(-1)
+
+    def pieces(self, queries: int, row_bytes: int) -> Iterator[_Block]:
+        """This block cut into runs of its picked rows whose scores take at most
+        ``PIECE_BYTES`` (``row_bytes``: one query row's scores over the block's keys, every
+        batch and head), so the working set does not grow with the block."""
+        rows = self.ri if self.ri is not None else torch.arange(queries, device=self.device)
+        step = max(1, PIECE_BYTES // max(row_bytes, 1))
+        if len(rows) <= step:
+            yield self
+            return
+        for start in range(0, len(rows), step):
+            piece = copy.copy(self)
+            piece.ri = rows[start:start + step]
+            yield piece
 
     @property
     def empty(self) -> bool:
@@ -228,14 +246,18 @@ def _cp_ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
             got, works = ring.pass_on(_pack(*kv), KV_TAG)
         block = _Block(ring.rows, ring.positions(ring.source(step), q.device), mask, causal)
         if not block.empty:
-            s = block.scores(block.rows(qf), block.cols(_heads(kv[0], rep)), scale)
-            part_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-            part = torch.exp(s - _finite(part_lse)) @ block.cols(_heads(kv[1], rep))
-            old_lse = block.rows(lse)
-            new_lse = torch.logaddexp(old_lse, part_lse)
-            block.set_rows(out, block.rows(out) * torch.exp(old_lse - _finite(new_lse))
-                           + part * torch.exp(part_lse - _finite(new_lse)))
-            block.set_rows(lse, new_lse)
+            kf, vf = block.cols(_heads(kv[0], rep)), block.cols(_heads(kv[1], rep))
+            row = q.shape[:-2].numel() * kf.shape[-2] * qf.element_size()
+            for piece in block.pieces(q.shape[-2], row):
+                s = piece.scores(piece.rows(qf), kf, scale)
+                part_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                part = torch.exp(s - _finite(part_lse)) @ vf
+                del s
+                old_lse = piece.rows(lse)
+                new_lse = torch.logaddexp(old_lse, part_lse)
+                piece.set_rows(out, piece.rows(out) * torch.exp(old_lse - _finite(new_lse))
+                               + part * torch.exp(part_lse - _finite(new_lse)))
+                piece.set_rows(lse, new_lse)
         if step + 1 < ring.steps:
             _wait(works)
             kv = _unpack(got, kv)
@@ -265,13 +287,15 @@ def _cp_ring_attention_backward(
         block = _Block(ring.rows, ring.positions(ring.source(step), q.device), mask, causal)
         if not block.empty:
             kf, vf = block.cols(_heads(kv[0], rep)), block.cols(_heads(kv[1], rep))
-            qs, gs = block.rows(qf), block.rows(g)
-            p = torch.exp(block.scores(qs, kf, scale) - block.rows(lse))
-            dp = gs @ vf.transpose(-2, -1)
-            ds = p * (dp - block.rows(delta)) * scale
-            block.add_rows(dq, ds @ kf)
-            block.add_cols(dk, _grouped(ds.transpose(-2, -1) @ qs, rep))
-            block.add_cols(dv, _grouped(p.transpose(-2, -1) @ gs, rep))
+            row = q.shape[:-2].numel() * kf.shape[-2] * qf.element_size()
+            for piece in block.pieces(q.shape[-2], row):
+                qs, gs = piece.rows(qf), piece.rows(g)
+                p = torch.exp(piece.scores(qs, kf, scale) - piece.rows(lse))
+                ds = p * (gs @ vf.transpose(-2, -1) - piece.rows(delta)) * scale
+                piece.add_rows(dq, ds @ kf)
+                piece.add_cols(dk, _grouped(ds.transpose(-2, -1) @ qs, rep))
+                piece.add_cols(dv, _grouped(p.transpose(-2, -1) @ gs, rep))
+                del p, ds
         if moving is not None:  # the running dK, dV of this step's block, from the previous rank
             _wait(moving[1])
             held = _unpack(moving[0], (dk, dv))

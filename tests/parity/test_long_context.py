@@ -120,7 +120,12 @@ def _mask(kind: str, seq: int) -> tuple[torch.Tensor | None, bool]:
 
 def ops_against_sdpa(rank: int) -> dict:
     """Every exchanged attention this world's cp size allows, of this rank's rows, against
-    SDPA over the whole sequence (float64: the two may differ by rounding only)."""
+    SDPA over the whole sequence (float64: the two may differ by rounding only). The ring's
+    blocks are computed in pieces of 2 KiB of scores (a few rows each): the models' parity
+    runs compute them whole."""
+    from fxmeg.runtime import ring_attention
+
+    ring_attention.PIECE_BYTES = 2048
     ops, group, cp = torch.ops.fxmeg, dist.group.WORLD.group_name, dist.get_world_size()
     seq, out = 32, {}
     mine = torch.tensor(cp_positions(seq, cp, rank))

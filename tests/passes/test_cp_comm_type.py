@@ -111,3 +111,70 @@ def test_the_inner_size_of_each_mode():
     assert [ParallelConfig(cp=4, cp_comm_type=m, **kw).cp_inner for m, kw in (
         ("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"cp_a2a_size": 2}))] == [
         1, 1, 4, 2]
+
+
+# ---------------------------------------------------------------- what the planner counts
+
+
+def _llama_plan(mode: str, **kw):
+    import fxmeg
+    from models.llama import Llama, LlamaConfig
+
+    seq = 4096
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(seq_len=seq, n_layer=2, n_head=4, n_kv_head=4, n_embd=128,
+                                  ffn_hidden=256))
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return fxmeg.plan(model, (ids, ids), cp=4, cp_comm_type=mode, global_batch_size=1, **kw)
+
+
+def test_fxmeg_plan_counts_each_modes_attention_working_set():
+    """At sequence 4096 over cp=4 (1024 queries a rank, 4 heads): all_gather's backward holds
+    the fp32 probabilities over every key three times (3 x 4 x 4 x 1024 x 4096 bytes) and the
+    gathered K and V; the ring three 1024 x 1024 blocks of scores and two blocks of K/V with
+    their gradients; a2a's SDPA is a fused kernel. The stage totals differ by as much."""
+    plans = {m: _llama_plan(m, **({"cp_a2a_size": 2} if m == "a2a+p2p" else {}))
+             for m in ("all_gather", "p2p", "a2a", "a2a+p2p")}
+    held = {m: p.stages[0].attention_working_set for m, p in plans.items()}
+    kv = 2 * 4 * 1024 * 32 * 4  # this rank's k and v, fp32
+    assert held["all_gather"] == 3 * 4 * 4 * 1024 * 4096 + 4 * kv
+    assert held["p2p"] == 3 * 4 * 4 * 1024 * 1024 + 2 * kv + 2 * kv
+    assert held["a2a"] == 0
+    assert held["a2a+p2p"] == 3 * 4 * 2 * 2048 * 2048 + 2 * kv + 2 * kv  # 2 heads, 2048 rows
+    base = {m: p.stages[0].total - held[m] for m, p in plans.items()}
+    # the ring keeps its output and log-sum-exp (fp32) in each of the 2 layers
+    assert base["p2p"] == base["all_gather"] + 2 * (1024 * 4 * 32 * 4 + 1024 * 4 * 4)
+    assert "cp_comm_type p2p: one attention's backward holds" in str(plans["p2p"])
+
+
+def test_the_time_model_knows_each_modes_traffic():
+    """a2a: q, k, v to heads and the output back, each an all-to-all forward and backward;
+    p2p: the ring's K/V passes, hidden behind its blocks' FLOPs, and in backward their fp32
+    gradients too; exposed is only what the compute does not cover."""
+    from types import SimpleNamespace
+
+    from fxmeg.planner.cluster import Link
+    from fxmeg.planner.estimate import Composer
+    from fxmeg.planner.profile import Comm, _comm
+
+    def comms(mode):
+        gm = graph_after(hf_model("llama", heads=8, kv_heads=4), make_batch(2, seed=0),
+                         "context_parallel", cp=2, cp_comm_type=mode)
+        return [c for n in gm.graph.nodes for c in _comm(n)]
+
+    a2a = comms("a2a")
+    assert sorted({(c.kind, c.backward) for c in a2a}) == [("all_to_all", False),
+                                                            ("all_to_all", True)]
+    assert len(a2a) == 2 * 2 * 4  # 2 layers, forward and backward, q, k, v and the output
+    ring = comms("p2p")
+    assert len(ring) == 4 and all(c.hidden_by > 0 for c in ring)
+    fwd, bwd = ring[:2]
+    # backward: K/V and their fp32 gradients (the model is fp32: twice the bytes)
+    assert bwd.nbytes == fwd.nbytes * 2 and bwd.hidden_by == 2 * fwd.hidden_by
+
+    link, rate = Link(bandwidth=1e9, latency=0.0), 1e12
+    me = SimpleNamespace(rate=rate)
+    comm = Comm("cp", "all_gather", 4_000_000_000, False, hidden_by=1e12)  # 2 s of traffic, 1 s
+    assert Composer._comm(me, comm, 1, 2, link) == pytest.approx(1.0)
+    assert Composer._comm(me, Comm("cp", "all_gather", 4_000_000_000, False), 1, 2,
+                          link) == pytest.approx(2.0)
