@@ -178,3 +178,24 @@ def test_the_time_model_knows_each_modes_traffic():
     assert Composer._comm(me, comm, 1, 2, link) == pytest.approx(1.0)
     assert Composer._comm(me, Comm("cp", "all_gather", 4_000_000_000, False), 1, 2,
                           link) == pytest.approx(2.0)
+
+
+def test_the_flags_and_the_config_file_set_it(tmp_path):
+    """`fxmeg train --cp 4 --cp-comm-type a2a+p2p --cp-a2a-size 2` parses to the config's
+    names and types, and the same keys read from a config file make the engine's config."""
+    import argparse
+
+    from fxmeg.train.cli import _train_parser
+    from fxmeg.train.flags import read_config
+    from fxmeg.train.train_config import engine_from_flat
+
+    parser = argparse.ArgumentParser()
+    _train_parser(parser)
+    args = parser.parse_args(["--cp", "4", "--cp-comm-type", "a2a+p2p", "--cp-a2a-size", "2"])
+    flags = engine_from_flat(cp=args.cp, cp_comm_type=args.cp_comm_type,
+                             cp_a2a_size=args.cp_a2a_size).parallel
+    assert (flags.cp_comm_type, flags.cp_a2a_size, flags.cp_inner) == ("a2a+p2p", 2, 2)
+    path = tmp_path / "run.toml"
+    path.write_text('cp = 2\ncp_comm_type = "a2a"\n')
+    read = engine_from_flat(**read_config(str(path))).parallel
+    assert (read.cp, read.cp_comm_type, read.cp_inner) == (2, "a2a", 2)
