@@ -57,12 +57,9 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (ranks that each hold 1/cp of every sequence's tokens)."""
     cp_comm_type: str = "all_gather"
-    """How cp ranks' attention meets every key (Megatron's ``cp_comm_type``):
-    'all_gather' (every rank gathers the whole sequence's keys and values), 'p2p' (ring
-    attention: key/value blocks passed around the cp ranks, overlapped with attention),
-    'a2a' (DeepSpeed-Ulysses: an all-to-all trades sequence parts for heads around a
-    whole-sequence attention) or 'a2a+p2p' (a2a within runs of ``cp_a2a_size`` ranks, the
-    ring across them); docs/long-context.md."""
+    """How cp ranks' attention meets every key (Megatron's ``cp_comm_type``): 'all_gather',
+    'p2p' (ring attention), 'a2a' (DeepSpeed-Ulysses: sequence parts traded for heads) or
+    'a2a+p2p' (a2a within runs of ``cp_a2a_size`` ranks, the ring across); docs/long-context.md."""
     cp_a2a_size: int | None = None
     """The all-to-all size of cp_comm_type='a2a+p2p' (Megatron's
     ``hierarchical_context_parallel_sizes[0]``): must divide cp."""
