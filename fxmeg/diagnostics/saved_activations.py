@@ -154,11 +154,13 @@ def attention_working(node: fx.Node) -> int:
     """What ``node``'s backward holds for itself if it is an exchanged attention
     (docs/long-context.md), else 0:
       cp_attention (cp_comm_type all_gather): the whole sequence's keys and values, gathered,
-        and the fp32 probabilities of this rank's queries over every key, three times
-        (probabilities, their gradient, the scores' gradient);
+        and five tensors of the fp32 scores of this rank's queries over every key (scores,
+        masked, probabilities, their gradient, the scores' gradient: bench/long_context.py
+        measured 5.1 GiB at sequence 16384, cp 4, 4 heads, where one is 1 GiB);
       cp_ring_attention (p2p, a2a+p2p): the block of keys and values held and the one
-        arriving, their fp32 gradients held and arriving, and three pieces of the block's
-        fp32 scores of at most ``ring_attention.PIECE_BYTES`` each.
+        arriving, their fp32 gradients held and arriving, and four pieces of a block's fp32
+        scores of at most ``ring_attention.PIECE_BYTES`` each (its math path; the CPU's fused
+        kernel holds less).
     The all-to-all's whole-sequence SDPA is a fused kernel: its own working set is O(rows)."""
     from fxmeg.runtime.ring_attention import PIECE_BYTES
 
@@ -168,9 +170,9 @@ def attention_working(node: fx.Node) -> int:
     kv = k.numel() * k.element_size() + v.numel() * v.element_size()
     if node.target == ops.fx_ops.cp_attention.default:
         size = node.args[5]
-        return 3 * 4 * q.shape[:-1].numel() * k.shape[-2] * size + kv * size
+        return 5 * 4 * q.shape[:-1].numel() * k.shape[-2] * size + kv * size
     scores = 4 * q.shape[:-1].numel() * k.shape[-2]
-    return 3 * min(scores, PIECE_BYTES) + 2 * kv + 8 * (k.numel() + v.numel())
+    return 4 * min(scores, PIECE_BYTES) + 2 * kv + 8 * (k.numel() + v.numel())
 
 
 def region_bytes(gm: fx.GraphModule, node: fx.Node) -> int:

@@ -12,8 +12,10 @@
   in fp32. Its backward sends the keys and values around again, and with them the running
   dK and dV (fp32), which come home after the last step.
 
-Attention inside a block is fp32 math (scores, then probabilities): exact on every
-device, not the fused kernel a GPU would use (docs/long-context.md, blind spots).
+Attention inside a block: on a CPU, a block with no mask or the causal triangle runs the
+CPU's fused kernel (``FUSED``: it returns the log-sum-exp); any other block, and every block on
+another device, is fp32 math (scores, then probabilities) in pieces of ``PIECE_BYTES``: exact
+everywhere, not the fused kernel a GPU would use (docs/long-context.md, blind spots).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from torch import Tensor
 from fxmeg.ir import ops
 from fxmeg.torch_private import resolve_process_group
 
+FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+"""The CPU's fused attention, which returns its log-sum-exp: a block with no mask or the
+causal triangle runs it (``_fused``); any other block, and every block on another device,
+runs fp32 math in pieces."""
 PIECE_BYTES = 64 * 2**20
 """The most bytes of one block's scores computed at once (its rows in pieces)."""
 KV_TAG, GRAD_TAG = 17, 18
@@ -134,26 +141,56 @@ def _unpack(flat: Tensor, like: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 class _Block:
-    """One block of the attention: this rank's queries against the keys of positions
-    ``cols``; the pairs no mask hides, and the rows and columns that have any."""
+    """One block of the attention: this rank's queries (global positions ``rows``) against
+    the keys of positions ``cols``; the rows and columns some pair sees (``ri``, ``ci``:
+    None for all), and what hides the others. Under the causal mask alone that is read from
+    the positions (no rows x cols table is made); a boolean mask is combined into one."""
 
     def __init__(self, rows: Tensor, cols: Tensor, mask: Tensor | None, causal: bool) -> None:
-        seen = rows.unsqueeze(1) >= cols.unsqueeze(0) if causal else None
-        self.bias = None
+        self.device, self.bias, self.ri, self.ci = rows.device, None, None, None
+        self.positions = (rows, cols) if causal else None
+        self.seen = None  # a boolean mask's pairs (with the causal ones), picked as needed
         if mask is not None:
             m = mask.index_select(-2, rows) if mask.shape[-2] != 1 else mask
             m = m.index_select(-1, cols) if mask.shape[-1] != 1 else m
             if m.dtype == torch.bool:
-                seen = m if seen is None else seen & m
+                self.seen = (rows.unsqueeze(1) >= cols.unsqueeze(0)) & m if causal else m
             else:
                 self.bias = _wide(m)
-        self.seen, self.ri, self.ci, self.device = seen, None, None, rows.device
-        if seen is not None:
-            flat = seen.reshape(-1, *seen.shape[-2:]).any(0)
+        if self.seen is not None:
+            flat = self.seen.reshape(-1, *self.seen.shape[-2:]).any(0)
             if flat.shape[-2] == len(rows):
                 self.ri = flat.any(-1).nonzero().squeeze(-1)
             if flat.shape[-1] == len(cols):
                 self.ci = flat.any(-2).nonzero().squeeze(-1)
+        elif causal:  # a query sees a key iff its position is not before the key's
+            self.ri = (rows >= cols.min()).nonzero().squeeze(-1)
+            self.ci = (cols <= rows.max()).nonzero().squeeze(-1)
+        self.shape = self._shape()
+
+    def _shape(self) -> str | None:
+        """'full' when every picked query sees every picked key, 'causal' when the picked
+        pairs are exactly the lower triangle (a rank's own block), else None (a mask the
+        block applies itself)."""
+        if self.bias is not None or self.empty:
+            return None
+        if self.seen is not None:
+            picked = self._pick(self.seen)
+            r, c = picked.shape[-2:]
+            tri = torch.ones(r, c, dtype=torch.bool, device=self.device).tril()
+            return ("full" if bool(picked.all()) else
+                    "causal" if r == c and bool((picked == tri).all()) else None)
+        if self.positions is None:
+            return "full"
+        rows, cols = self.picked_positions()
+        if bool(rows.min() >= cols.max()):
+            return "full"
+        return "causal" if torch.equal(rows, cols) else None
+
+    def picked_positions(self) -> tuple[Tensor, Tensor]:
+        rows, cols = self.positions
+        return (rows if self.ri is None else rows[self.ri],
+                cols if self.ci is None else cols[self.ci])
 
     def pieces(self, queries: int, row_bytes: int) -> Iterator[_Block]:
         """This block cut into runs of its picked rows whose scores take at most
@@ -173,10 +210,11 @@ class _Block:
     def empty(self) -> bool:
         return any(i is not None and i.numel() == 0 for i in (self.ri, self.ci))
 
-    def _pick(self, x: Tensor, rows: bool, cols: bool) -> Tensor:
-        if rows and self.ri is not None and x.shape[-2] != 1:
+    def _pick(self, x: Tensor) -> Tensor:
+        """``x``'s picked rows and columns (a dim of 1 broadcasts: kept)."""
+        if self.ri is not None and x.shape[-2] != 1:
             x = x.index_select(-2, self.ri)
-        if cols and self.ci is not None and x.shape[-1] != 1:
+        if self.ci is not None and x.shape[-1] != 1:
             x = x.index_select(-1, self.ci)
         return x
 
@@ -189,12 +227,15 @@ class _Block:
         return x if self.ci is None else x.index_select(-2, self.ci)
 
     def scores(self, q: Tensor, k: Tensor, scale: float) -> Tensor:
-        """Masked fp32 scores of q's picked rows against k's picked keys."""
+        """Masked scores of q's picked rows against k's picked keys (q's and k's dtype)."""
         s = (q @ k.transpose(-2, -1)) * scale
         if self.bias is not None:
-            s = s + self._pick(self.bias, True, True)
+            s = s + self._pick(self.bias)
         if self.seen is not None:
-            s = s.masked_fill(~self._pick(self.seen, True, True), float("-inf"))
+            s = s.masked_fill(~self._pick(self.seen), float("-inf"))
+        elif self.positions is not None:
+            rows, cols = self.picked_positions()
+            s = s.masked_fill(rows.unsqueeze(1) < cols.unsqueeze(0), float("-inf"))
         return s
 
     def add_rows(self, acc: Tensor, part: Tensor) -> None:
@@ -225,6 +266,26 @@ def _grouped(x: Tensor, rep: int) -> Tensor:
     return x.unflatten(-3, (x.shape[-3] // rep, rep)).sum(dim=-3) if rep > 1 else x
 
 
+def _repeat(x: Tensor, rep: int) -> Tensor:
+    """Key/value heads repeated to the query heads, in their own dtype (the fused kernel's)."""
+    return x.repeat_interleave(rep, dim=-3) if rep > 1 else x
+
+
+def _fused(q: Tensor, v: Tensor, block: _Block) -> bool:
+    """Whether the CPU's fused attention kernel runs ``block``: on a CPU, values as wide as
+    queries, and no mask but none or the causal triangle."""
+    return q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and block.shape is not None
+
+
+def _merge(block: _Block, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """Fold a block's output and log-sum-exp (its picked rows) into the running ones."""
+    old_lse = block.rows(lse)
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    block.set_rows(out, block.rows(out) * torch.exp(old_lse - _finite(new_lse))
+                   + part * torch.exp(part_lse - _finite(new_lse)))
+    block.set_rows(lse, new_lse)
+
+
 def _finite(lse: Tensor) -> Tensor:
     """A query that sees no key: log-sum-exp 0, so its probabilities stay 0, not NaN."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -239,13 +300,18 @@ def _cp_ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
     rep = q.shape[-3] // k.shape[-3] if enable_gqa else 1
     qf = _wide(q)
     out = qf.new_zeros((*q.shape[:-1], v.shape[-1]))
-    lse = qf.new_full((*q.shape[:-1], 1), float("-inf"))  # a column: rows pick alike
+    lse = qf.new_full((*q.shape[:-1], 1), float("-inf"))  # (..., queries, 1), picked as out
     kv = (k, v)
     for step in range(ring.steps):
         if step + 1 < ring.steps:
             got, works = ring.pass_on(_pack(*kv), KV_TAG)
         block = _Block(ring.rows, ring.positions(ring.source(step), q.device), mask, causal)
-        if not block.empty:
+        if _fused(q, v, block):
+            o, part_lse = FUSED(block.rows(q), block.cols(_repeat(kv[0], rep)),
+                                block.cols(_repeat(kv[1], rep)), 0.0, block.shape == "causal",
+                                scale=scale)
+            _merge(block, out, lse, _wide(o), part_lse.unsqueeze(-1))
+        elif not block.empty:
             kf, vf = block.cols(_heads(kv[0], rep)), block.cols(_heads(kv[1], rep))
             row = q.shape[:-2].numel() * kf.shape[-2] * qf.element_size()
             for piece in block.pieces(q.shape[-2], row):
@@ -253,11 +319,7 @@ def _cp_ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
                 part_lse = torch.logsumexp(s, dim=-1, keepdim=True)
                 part = torch.exp(s - _finite(part_lse)) @ vf
                 del s
-                old_lse = piece.rows(lse)
-                new_lse = torch.logaddexp(old_lse, part_lse)
-                piece.set_rows(out, piece.rows(out) * torch.exp(old_lse - _finite(new_lse))
-                               + part * torch.exp(part_lse - _finite(new_lse)))
-                piece.set_rows(lse, new_lse)
+                _merge(piece, out, lse, part, part_lse)
         if step + 1 < ring.steps:
             _wait(works)
             kv = _unpack(got, kv)
@@ -277,7 +339,7 @@ def _cp_ring_attention_backward(
     rep = q.shape[-3] // k.shape[-3] if enable_gqa else 1
     qf, g = _wide(q), _wide(grad)
     delta = (g * _wide(out)).sum(dim=-1, keepdim=True)
-    lse = _finite(lse).unsqueeze(-1)
+    whole_lse, lse = lse, _finite(lse).unsqueeze(-1)
     dq = qf.new_zeros(q.shape)  # contiguous, as the fake says
     kv, moving = (k, v), None
     for step in range(ring.steps):
@@ -285,7 +347,16 @@ def _cp_ring_attention_backward(
             got, works = ring.pass_on(_pack(*kv), KV_TAG)
         dk, dv = (qf.new_zeros(t.shape) for t in kv)
         block = _Block(ring.rows, ring.positions(ring.source(step), q.device), mask, causal)
-        if not block.empty:
+        if _fused(q, v, block):  # the block's share of the gradients, from the whole lse
+            parts = FUSED_BACKWARD(
+                block.rows(grad).contiguous(), block.rows(q), block.cols(_repeat(kv[0], rep)),
+                block.cols(_repeat(kv[1], rep)), block.rows(out).contiguous(),
+                block.rows(whole_lse.unsqueeze(-1)).squeeze(-1).contiguous(), 0.0,
+                block.shape == "causal", scale=scale)
+            block.add_rows(dq, _wide(parts[0]))
+            block.add_cols(dk, _grouped(_wide(parts[1]), rep))
+            block.add_cols(dv, _grouped(_wide(parts[2]), rep))
+        elif not block.empty:
             kf, vf = block.cols(_heads(kv[0], rep)), block.cols(_heads(kv[1], rep))
             row = q.shape[:-2].numel() * kf.shape[-2] * qf.element_size()
             for piece in block.pieces(q.shape[-2], row):

@@ -8,7 +8,7 @@ Llama (untied, 4 layers, hidden 32), 10 steps:
   * every fp32 master within 1e-5 (relative norm) of the oracle's, gathered from every
     rank's optimizer pieces, for the layouts without tensor parallelism: their arithmetic
     is the oracle's up to the order of fp32 sums (they agree to 4.1e-9, pipelines bitwise);
-  * with tensor or context parallelism (whose ring computes attention in fp32 blocks) the
+  * with tensor or context parallelism (whose ring merges its blocks' attention in fp32) the
     half-precision partial sums of row-parallel layers are
     rounded and reduced across tp ranks (as in Megatron), a different rounding than one
     device's, and Adam amplifies it: the masters land up to 7.2e-3 (bf16) / 3.6e-3
@@ -73,7 +73,7 @@ LAYOUTS = {  # pipeline-only layouts without clipping: the bitwise comparison ne
     "pp2-vpp2": dict(pp=2, vpp=2, schedule="interleaved", clip=0.0),
     "tp2-pp2-dp2-distopt": dict(tp=2, pp=2, dp=2, schedule="1f1b", clip=CLIP, options=DISTOPT),
     "dp2-distopt": dict(dp=2, clip=CLIP, options=DISTOPT),
-    # attention in fp32 blocks (ring) or half-precision SDPA over 1/cp of the heads (a2a)
+    # blocks of attention merged in fp32 (ring), or SDPA over 1/cp of the heads (a2a)
     "cp2-p2p": dict(cp=2, clip=CLIP, options=(("cp_comm_type", "p2p"),)),
     "cp2-a2a": dict(cp=2, clip=CLIP, options=(("cp_comm_type", "a2a"),)),
 }

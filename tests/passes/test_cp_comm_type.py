@@ -130,17 +130,17 @@ def _llama_plan(mode: str, **kw):
 
 def test_fxmeg_plan_counts_each_modes_attention_working_set():
     """At sequence 4096 over cp=4 (1024 queries a rank, 4 heads): all_gather's backward holds
-    the fp32 probabilities over every key three times (3 x 4 x 4 x 1024 x 4096 bytes) and the
-    gathered K and V; the ring three 1024 x 1024 blocks of scores and two blocks of K/V with
+    five tensors of fp32 scores over every key (5 x 4 x 4 x 1024 x 4096 bytes) and the
+    gathered K and V; the ring four 1024 x 1024 blocks of scores and two blocks of K/V with
     their gradients; a2a's SDPA is a fused kernel. The stage totals differ by as much."""
     plans = {m: _llama_plan(m, **({"cp_a2a_size": 2} if m == "a2a+p2p" else {}))
              for m in ("all_gather", "p2p", "a2a", "a2a+p2p")}
     held = {m: p.stages[0].attention_working_set for m, p in plans.items()}
     kv = 2 * 4 * 1024 * 32 * 4  # this rank's k and v, fp32
-    assert held["all_gather"] == 3 * 4 * 4 * 1024 * 4096 + 4 * kv
-    assert held["p2p"] == 3 * 4 * 4 * 1024 * 1024 + 2 * kv + 2 * kv
+    assert held["all_gather"] == 5 * 4 * 4 * 1024 * 4096 + 4 * kv
+    assert held["p2p"] == 4 * 4 * 4 * 1024 * 1024 + 2 * kv + 2 * kv
     assert held["a2a"] == 0
-    assert held["a2a+p2p"] == 3 * 4 * 2 * 2048 * 2048 + 2 * kv + 2 * kv  # 2 heads, 2048 rows
+    assert held["a2a+p2p"] == 4 * 4 * 2 * 2048 * 2048 + 2 * kv + 2 * kv  # 2 heads, 2048 rows
     base = {m: p.stages[0].total - held[m] for m, p in plans.items()}
     # the ring keeps its output and log-sum-exp (fp32) in each of the 2 layers
     assert base["p2p"] == base["all_gather"] + 2 * (1024 * 4 * 32 * 4 + 1024 * 4 * 4)
