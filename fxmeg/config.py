@@ -90,7 +90,7 @@ class ParallelConfig:
     SIZES: ClassVar[dict[str, Size]] = {
         "tp": Size(1, "tensor-parallel size"),
         "cp": Size(1, "context-parallel size"),
-        "cp_a2a_size": Size(1, "all-to-all size of cp_comm_type='a2a+p2p'", "not a2a+p2p"),
+        "cp_a2a_size": Size(2, "all-to-all size of cp_comm_type='a2a+p2p'", "not a2a+p2p"),
         "pp": Size(1, "pipeline-parallel size"),
         "vpp": Size(1, "virtual pipeline size (chunks per pipeline rank)"),
         "dp": Size(1, "data-parallel size", "world size // (tp * cp * pp)"),
@@ -142,14 +142,13 @@ class ParallelConfig:
             given = " is not given"
         elif self.cp % a2a:
             given = f"={a2a} does not divide cp={self.cp}"
-        elif a2a in (1, self.cp):
-            same = "p2p" if a2a == 1 else "a2a"
-            given = f"={a2a} leaves no {'all-to-all' if a2a == 1 else 'ring'} (that is {same!r})"
+        elif a2a == self.cp:
+            given = f"={a2a} leaves no ring (that is cp_comm_type='a2a')"
         else:
             return
         raise ConfigError(
             f"cp_comm_type='a2a+p2p' needs cp_a2a_size, the all-to-all size inside each ring "
-            f"step, a divisor of cp between 1 and cp; cp_a2a_size{given}: "
+            f"step, a divisor of cp below it; cp_a2a_size{given}: "
             + (f"use one of {fits}" if fits else
                f"cp={self.cp} has none: use cp_comm_type='a2a' or 'p2p', or a cp such as 4"))
 

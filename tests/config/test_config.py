@@ -346,8 +346,11 @@ CONTEXT = {
     "recompute_num_layers": {"recompute": "full"},
     "global_batch_size": {"micro_batch_size": 1},
     "sft_pad_multiple": {"sft": True, "tokenizer_model": "t"},
+    "cp_a2a_size": {"cp": 4, "cp_comm_type": "a2a+p2p"},
 }
 """Other fields that a field's least value needs to pass the cross-field rules."""
+NONE_CONTEXT = {"cp_a2a_size": {}}
+"""Where None needs other fields than the least value (a2a+p2p needs its size given)."""
 INTS = {
     f.name: cls
     for cls in CLASSES
@@ -418,7 +421,9 @@ def test_an_integer_field_refuses_a_wrong_type_or_a_too_small_value(name):
     if not optional:
         _refused(cls, name, None, f"{name}=None: {size.what} must be an int, got NoneType None")
     for value in (least, None) if optional else (least,):
-        values = {**CONTEXT.get(name, {}), name: value}
+        context = NONE_CONTEXT[name] if value is None and name in NONE_CONTEXT else CONTEXT.get(
+            name, {})
+        values = {**context, name: value}
         direct, flat = _build(cls, **values)
         assert getattr(direct, name) == value and flat.flat()[name] == value
 

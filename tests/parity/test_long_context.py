@@ -34,6 +34,7 @@ from tests.parity.test_context_parallel import PADDED_MBS, Padded, window_batche
 from tests.passes.test_context_parallel import _Encoder, _Window
 
 H8 = (("heads", 8), ("kv_heads", 4))
+M = 2  # micro-batches per step, for the suite's time (each step still accumulates two)
 
 
 class _TwoHeads(_Window):
@@ -61,28 +62,28 @@ def mode(name: str, **more) -> tuple:
 
 
 def _models(cp: int, modes: tuple[str, ...]) -> list[Scenario]:
-    return [Scenario(m, cp=cp, options=mode(c), model_args=H8 if m == "hf-llama" or cp == 4
-                     else ()) for m in ("hf-llama", "hf-qwen3") for c in modes]
+    return [Scenario(m, cp=cp, m=M, options=mode(c),
+                     model_args=H8 if m == "hf-llama" or cp == 4 else ())
+            for m in ("hf-llama", "hf-qwen3") for c in modes]
 
 
 PARITY = (
     _models(2, ("p2p", "a2a"))
     + [
-        Scenario("llama", cp=2, options=mode("p2p", recompute="selective")),
-        Scenario("llama", cp=2, options=mode("p2p", compile=True)),
-        Scenario("moe-qwen3_moe", cp=2, options=mode("p2p", ep=2)),  # experts over the cp ranks
+        Scenario("llama", cp=2, m=M, options=mode("p2p", recompute="selective")),
+        Scenario("llama", cp=2, m=M, options=mode("p2p", compile=True)),
+        Scenario("moe-qwen3_moe", cp=2, m=M, options=mode("p2p", ep=2)),  # experts over cp
     ]
     + _models(4, ("p2p", "a2a", "a2a+p2p"))
     + [
-        Scenario("gpt", cp=2, dp=2, options=mode("p2p", distributed_optimizer=True)),
-        Scenario("llama", cp=2, tp=2, options=mode("p2p", sequence_parallel=True)),
+        Scenario("gpt", cp=2, dp=2, m=M, options=mode("p2p", distributed_optimizer=True)),
+        Scenario("llama", cp=2, tp=2, m=M, options=mode("p2p", sequence_parallel=True)),
         # 8 ranks
-        *(Scenario("hf-llama", cp=2, tp=2, pp=2, schedule="zbh1", options=mode(c),
+        *(Scenario("hf-llama", cp=2, tp=2, pp=2, m=M, schedule="zbh1", options=mode(c),
                    model_args=H8) for c in ("p2p", "a2a")),
     ]
 )
-MASKED = [(_Window, "p2p"), (_Encoder, "p2p"), (_TwoHeads, "p2p"), (_TwoHeads, "a2a"),
-          (_TwoHeadEncoder, "a2a")]
+MASKED = [(_Window, "p2p"), (_Encoder, "p2p"), (_TwoHeads, "a2a"), (_TwoHeadEncoder, "a2a")]
 PADDED = Padded("left", "sdpa")
 
 

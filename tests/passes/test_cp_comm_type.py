@@ -97,7 +97,7 @@ def test_eager_attention_is_refused_outside_all_gather():
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=3),
      "cp_a2a_size=3 does not divide cp=4: use one of [2]"),
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=4),
-     "cp_a2a_size=4 leaves no ring (that is 'a2a')"),
+     "cp_a2a_size=4 leaves no ring (that is cp_comm_type='a2a')"),
     (dict(cp=2, cp_comm_type="a2a+p2p", cp_a2a_size=2), "cp=2 has none: use cp_comm_type='a2a'"),
     (dict(cp=4, cp_comm_type="a2a", cp_a2a_size=2), "not of 'a2a': drop it"),
 ])

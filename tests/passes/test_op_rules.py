@@ -58,7 +58,7 @@ histogram        tp -                    cp _histogram     bincount.default, his
 linear           tp _product*            cp _linear        addmm.default, linear.default
 matmul           tp _product*            cp _linear        bmm.default, einsum.default, matmul.default, mm.default
 add_matmul       tp _add_matmul          cp _add_matmul    baddbmm.default
-attention        tp _attention           cp _attention     fxmeg.cp_attention.default, scaled_dot_product_attention.default
+attention        tp _attention           cp _attention     fxmeg.cp_attention.default, fxmeg.cp_ring_attention.default, scaled_dot_product_attention.default
 norm             tp _layer_norm          cp _layer_norm    layer_norm.default
 embedding        tp _embedding*          cp _embedding     embedding.default
 loss             tp _loss                cp _loss          cross_entropy_loss.default, nll_loss.default, nll_loss_nd.default
@@ -67,7 +67,7 @@ triangle         tp _triangle            cp _pad_or_triangle tril.default, triu.
 write            tp _write               cp _write         copy_.default
 new              tp _new                 cp _new           new_empty.default, new_full.default, new_ones.default, new_zeros.default
 convolution      tp _convolution         cp _convolution   conv1d.default, conv2d.default, convolution.default
-exchange         tp _exchange            cp -              fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_unslice.default""")  # noqa: E501 (expected text, compared whole)
+exchange         tp _exchange            cp -              fxmeg.cp_from_heads.default, fxmeg.cp_gather.default, fxmeg.cp_reduce_scatter.default, fxmeg.cp_slice.default, fxmeg.cp_to_heads.default, fxmeg.cp_unslice.default""")  # noqa: E501 (expected text, compared whole)
 
 
 def test_each_explicit_op_is_in_one_family():

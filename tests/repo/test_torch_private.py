@@ -89,7 +89,23 @@ def _attribute_checks(tp) -> dict:
         "own_buffers": lambda: (
             "running_mean" in tp.own_buffers(norm) and not tp.own_buffers(linear)
         ),
+        # torch.distributed.nn's collectives still take their group as a default argument,
+        # which the release leaves None (no process group here: it must run all the same)
+        "release_world_capture": lambda: (
+            tp.release_world_capture() is None
+            and _group_defaults() and all(d is None for d in _group_defaults())
+        ),
     }
+
+
+def _group_defaults() -> list:
+    import inspect
+
+    import torch.distributed.nn.functional as functional
+
+    return [inspect.signature(f).parameters["group"].default
+            for f in (functional.all_reduce, functional.all_gather, functional.broadcast,
+                      functional.all_to_all_single)]
 
 
 def test_every_entry_resolves_on_the_installed_torch():
