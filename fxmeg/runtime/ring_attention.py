@@ -257,8 +257,8 @@ def _wide(x: Tensor) -> Tensor:
 
 
 def _heads(x: Tensor, rep: int) -> Tensor:
-    """Key/value heads repeated to the query heads (grouped-query attention)."""
-    return _wide(x).repeat_interleave(rep, dim=-3) if rep > 1 else _wide(x)
+    """Key/value heads repeated to the query heads (grouped-query attention), widened."""
+    return _wide(_repeat(x, rep))
 
 
 def _grouped(x: Tensor, rep: int) -> Tensor:
