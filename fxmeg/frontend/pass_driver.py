@@ -73,7 +73,7 @@ from fxmeg.passes.param_gather import param_gather
 from fxmeg.passes.partition import partition
 from fxmeg.passes.pipeline import pipeline
 from fxmeg.passes.recompute import recompute
-from fxmeg.passes.split_backward import split_backward
+from fxmeg.passes.split_backward import running_on, split_backward
 from fxmeg.passes.tensor_parallel import tensor_parallel
 
 log = logging.getLogger("fxmeg.frontend.pass_driver")
@@ -186,13 +186,14 @@ def transform(
     gm = capture(model, example, loss_fn=loss_fn, grouped_experts=grouped).gm
     _report("capture", gm, start, opts)
     reference = None
-    for index, p in enumerate(PASSES):
-        if p.name not in opts.skip:
-            gm = _run(p, gm, config, index, opts)
-        if p.name == stop_after:
-            return gm
-        if p.reference:
-            reference = _share_tensors_copy(gm)
+    with running_on(target):  # a meta model's split backward traced where it will run
+        for index, p in enumerate(PASSES):
+            if p.name not in opts.skip:
+                gm = _run(p, gm, config, index, opts)
+            if p.name == stop_after:
+                return gm
+            if p.reference:
+                reference = _share_tensors_copy(gm)
     keep_router_biases_fp32(model, gm, reference, buffers)
     if meta:
         for graph in (gm, reference):

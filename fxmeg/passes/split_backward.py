@@ -44,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
+from fxmeg.frontend.capture import retarget
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo, SplitSpec, chunk_spec
 from fxmeg.ir.tags import set_tag
@@ -90,6 +91,8 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     params = [n for n, _ in gm.named_parameters()]
     buffers = [n for n, _ in gm.named_buffers()]
     flat, recompute = _inline_regions(gm)
+    if any(t.is_meta for t in gm.parameters()) and fake_device().type != "meta":
+        retarget(flat, fake_device())  # a meta capture's own tensors (arange(device=meta))
     experts = _opaque_experts(flat)
     _own_outputs(flat)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
@@ -207,9 +210,13 @@ SPLIT_GRAPHS = ("zb_forward", "zb_input", "zb_weight")
 PLANNING = contextvars.ContextVar("fxmeg_split_planning", default=False)
 """True while a program is transformed only to be planned (``fxmeg.plan``, the layout
 search): nothing runs it, so a meta model's chunks are split on meta fakes, the device its
-graph was captured on. A program that will run is split on CPU fakes: the kernels the trace
-picks follow the fakes' device (SDPA's backward among them), and a run on CPU must get the
-CPU ones (meta fakes moved the variable-length zbh1 scenario's loss by 7e-4)."""
+graph was captured on. A program that will run is split on fakes of the device it will run
+on (``RUN_DEVICE``): the kernels the trace picks follow the fakes' device (SDPA's backward
+among them), and a run on CPU must get the CPU ones (meta fakes moved the variable-length
+zbh1 scenario's loss by 7e-4)."""
+
+RUN_DEVICE = contextvars.ContextVar("fxmeg_split_device", default=torch.device("cpu"))
+"""Where a meta model's program will compute (``transform`` sets it: ``running_on``)."""
 
 
 @contextlib.contextmanager
@@ -226,9 +233,26 @@ def planning():
         PLANNING.reset(token)
 
 
+@contextlib.contextmanager
+def running_on(device: torch.device):
+    """Transform a meta model whose program will compute on ``device``: its chunks are
+    split on fakes of ``device``, and the tensors its graph makes (``device=meta``
+    arguments, ``retarget``) are made there too."""
+    token = RUN_DEVICE.set(torch.device(device))
+    try:
+        yield
+    finally:
+        RUN_DEVICE.reset(token)
+
+
+def fake_device() -> torch.device:
+    """The device a meta model's chunk is split on (``PLANNING``, ``RUN_DEVICE``)."""
+    return torch.device("meta") if PLANNING.get() else RUN_DEVICE.get()
+
+
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     mode = detect_fake_mode()
-    device = ("meta" if PLANNING.get() else "cpu") if t.is_meta else t.device
+    device = fake_device() if t.is_meta else t.device
     empty = torch.empty(t.shape, dtype=t.dtype, device=device)
     return mode.from_tensor(empty).requires_grad_(requires_grad and empty.is_floating_point())
 
