@@ -273,6 +273,7 @@ def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
         if node not in regions:
             env[node] = graph.node_copy(node, lambda n: env[n])
             continue
+        region_id = len(env)  # the same on every rank (a string's hash is not)
         body = gm.get_submodule(node.target).region
         inner: dict[fx.Node, fx.Node] = {}
         args = iter(node.args)
@@ -284,7 +285,7 @@ def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
             else:
                 inner[n] = graph.node_copy(n, lambda a: inner[a])
                 inner[n].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                inner[n].meta["ac_graph_id"] = hash(node.name) & 0xFFFF
+                inner[n].meta["ac_graph_id"] = region_id
     flat = fx.GraphModule(gm, graph)
     return flat, True
 

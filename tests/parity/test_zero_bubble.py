@@ -31,6 +31,10 @@ PARITY = [
     Scenario("gpt", pp=2, dp=2, schedule="1f1b", options=DIST_OPT),
     Scenario("llama", pp=2, tp=2, schedule="zbh1"),
     Scenario("gpt", pp=2, vpp=2, tp=2, schedule="zbv"),
+    # tp with sp and recompute under a split backward: the partitioner's cut must be the
+    # same on both tp ranks (tests/passes/test_split_backward.py)
+    Scenario("gpt", pp=2, tp=2, schedule="zbh1",
+             options=(("sequence_parallel", True), ("recompute", "full"))),
 ]
 
 
