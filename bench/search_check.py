@@ -8,11 +8,18 @@ global batch (micro-batches of 1 and 2 samples, vpp up to 2); each is then train
 ``--warmup``, the median step and each rank's peak resident set above its baseline (after
 imports, glibc's mmap threshold at 64 KiB as bench/memory.py sets it; denormals flushed).
 Reported: Spearman's rank correlation of predicted and measured step times, whether the
-measured best is in the predicted top 3, the median step-time error, and per layout the
-predicted peak over the measured one.
+measured best is in the predicted top 3, the median step-time error, per layout the
+predicted peak over the measured one, and the "no false fits" check: with a per-rank cap
+just under the measured peaks of the largest quarter of the layouts, which layouts the
+planner calls fitting that measured over it, and which it rejects that measured under.
 
-    python bench/search_check.py                   # both models, every layout (~30 min)
+With ``--memory-ranks 4,8`` also the peaks of a sample of 4- and 8-rank layouts (time is
+not meaningful there: 8 ranks share 2 cores), predicted with the 2-rank calibration's
+reserve (``search(timed=False)``).
+
+    python bench/search_check.py                   # both models, every layout (~45 min)
     python bench/search_check.py --models gpt --limit 12
+    python bench/search_check.py --models gpt --limit 1 --memory-ranks 4,8
 """
 
 from __future__ import annotations
@@ -96,6 +103,65 @@ def train(rank: int, world: int, kind: str, options: dict, split, args, out: str
     write_gathered({"step": statistics.median(times), "peak": peak}, out)
 
 
+def space(layout) -> bool:
+    """The layouts measured: micro-batches of 1 and 2 samples, vpp up to 2."""
+    return layout.micro_batch_size <= 2 and layout.vpp <= 2
+
+
+def run(kind: str, world: int, pool, args, tag: str) -> list[dict]:
+    """Each ranked layout of ``pool`` trained on ``world`` ranks: predicted and measured."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(pool):
+            out = os.path.join(tmp, f"{i}.json")
+            print(f"[{tag} {i + 1}/{len(pool)}] {r.layout} ...", file=sys.stderr, flush=True)
+            spawn(world, train, kind, r.layout.options(), r.estimate.split_points, args, out)
+            with open(out) as f:
+                ranks = json.load(f)
+            step, peak = max(x["step"] for x in ranks), max(x["peak"] for x in ranks)
+            rows.append({"layout": str(r.layout), "predicted_step": r.estimate.step,
+                         "measured_step": step, "predicted_peak": r.estimate.peak,
+                         "measured_peak": peak, "peak_ratio": round(r.estimate.peak / peak, 3)})
+            print(f"[{tag} {i + 1}/{len(pool)}] {r.layout}: step {step:.3f} s (predicted "
+                  f"{r.estimate.step:.3f}), peak {peak / 2**20:.0f} MiB (predicted "
+                  f"{r.estimate.peak / 2**20:.0f})", file=sys.stderr, flush=True)
+    return rows
+
+
+def no_false_fits(rows: list[dict]) -> dict:
+    """A cap just under the measured peaks of the largest quarter: the layouts the planner
+    calls fitting (predicted <= cap) that measured over it, and those it rejects that
+    measured under it."""
+    peaks = sorted(x["measured_peak"] for x in rows)
+    cap = peaks[min(len(peaks) - 1, (3 * len(peaks)) // 4)] - 2**20
+    fits = [x for x in rows if x["predicted_peak"] <= cap]
+    return {"cap": cap, "called_fitting": len(fits),
+            "measured_fitting": sum(x["measured_peak"] <= cap for x in rows),
+            "false_fits": [x["layout"] for x in fits if x["measured_peak"] > cap],
+            "false_rejects": [x["layout"] for x in rows
+                              if x["predicted_peak"] > cap and x["measured_peak"] <= cap]}
+
+
+def memory(kind: str, world: int, reserved: int, args) -> dict:
+    """Peaks of a sample of ``world``-rank layouts against the planner's (the 2-rank
+    calibration's ``reserved``; time not modelled: ``timed=False``)."""
+    from fxmeg.planner.cluster import cluster
+    from fxmeg.planner.search import search
+
+    local = cluster(f"local:ranks_per_node={world},memory=1TB,reserved={reserved}B")
+    found = search(build(kind, "meta"), batch(kind, 1, "meta"), cluster=local,
+                   global_batch_size=GBS, precision="fp32", space=space, timed=False)
+    pool = sorted(found.ranked, key=lambda r: r.layout)
+    pool = random.Random(world).sample(pool, min(args.memory_limit, len(pool)))
+    rows = run(kind, world, pool, argparse.Namespace(warmup=1, steps=1), f"{kind} {world}")
+    return {"ranks": world, "legal": found.legal, "measured": len(rows),
+            "layouts_peak_within_10pct": sum(abs(x["peak_ratio"] - 1) <= 0.1 for x in rows),
+            "peak_ratio_range": [min(x["peak_ratio"] for x in rows),
+                                 max(x["peak_ratio"] for x in rows)],
+            "rows": [{k: x[k] for k in ("layout", "predicted_peak", "measured_peak",
+                                        "peak_ratio")} for x in rows]}
+
+
 def check(kind: str, args) -> dict:
     from fxmeg.planner.cluster import cluster
     from fxmeg.planner.estimate import spearman
@@ -105,28 +171,13 @@ def check(kind: str, args) -> dict:
     example = batch(kind, 1, "meta")
     start = time.perf_counter()
     found = search(build(kind, "meta"), example, cluster=local, global_batch_size=GBS,
-                   precision="fp32", space=lambda c: c.micro_batch_size <= 2 and c.vpp <= 2)
+                   precision="fp32", space=space)
     searched = time.perf_counter() - start
     pool = sorted(found.ranked, key=lambda r: r.layout)  # the same sample every run
     if args.limit and len(pool) > args.limit:
         pool = random.Random(0).sample(pool, args.limit)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, r in enumerate(pool):
-            out = os.path.join(tmp, f"{i}.json")
-            print(f"[{kind} {i + 1}/{len(pool)}] {r.layout} ...", file=sys.stderr, flush=True)
-            spawn(2, train, kind, r.layout.options(), r.estimate.split_points, args, out)
-            with open(out) as f:
-                ranks = json.load(f)
-            measured = {"step": max(x["step"] for x in ranks), "peak": max(x["peak"]
-                                                                           for x in ranks)}
-            rows.append({"layout": str(r.layout), "predicted_step": r.estimate.step,
-                         "measured_step": measured["step"], "predicted_peak": r.estimate.peak,
-                         "measured_peak": measured["peak"],
-                         "peak_ratio": round(r.estimate.peak / measured["peak"], 3)})
-            print(f"[{kind} {i + 1}/{len(pool)}] {r.layout}: step {measured['step']:.3f} s "
-                  f"(predicted {r.estimate.step:.3f}), peak {measured['peak'] / 2**20:.0f} MiB "
-                  f"(predicted {r.estimate.peak / 2**20:.0f})", file=sys.stderr, flush=True)
+    rows = run(kind, 2, pool, args, kind)
+    reserved = found.ranked[0].estimate.stages[0].reserved
     pred = [x["predicted_step"] for x in rows]
     meas = [x["measured_step"] for x in rows]
     order = sorted(range(len(rows)), key=lambda i: pred[i])
@@ -140,6 +191,9 @@ def check(kind: str, args) -> dict:
         "peak_ratio_range": [min(x["peak_ratio"] for x in rows),
                              max(x["peak_ratio"] for x in rows)],
         "layouts_peak_within_10pct": sum(abs(x["peak_ratio"] - 1) <= 0.1 for x in rows),
+        "no_false_fits": no_false_fits(rows), "reserved": reserved,
+        "memory": [memory(kind, int(w), reserved, args) for w in args.memory_ranks.split(",")
+                   if w],
         "cluster": local.to_dict(), "rows": rows,
     }
 
@@ -149,8 +203,10 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt,moe")
     p.add_argument("--limit", type=int, default=0, help="measure this many layouts (0: all)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--memory-ranks", default="", help="e.g. 4,8: peaks of larger layouts too")
+    p.add_argument("--memory-limit", type=int, default=6, help="layouts per --memory-ranks")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     os.environ.setdefault("OMP_NUM_THREADS", "1")

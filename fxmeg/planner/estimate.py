@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from fxmeg.config import EngineConfig
 from fxmeg.diagnostics.layout_plan import ADAM_STATES, B_COST, F_COST
 from fxmeg.passes.partition import _balanced_starts, _rank_balanced
+from fxmeg.planner.calibrate import Timing
 from fxmeg.planner.cluster import Cluster, Link
-from fxmeg.planner.profile import Comm, Part, Profile
+from fxmeg.planner.profile import Comm, Key, Part, Profile
 from fxmeg.runtime.data_parallel.zero import IN_FLIGHT
 from fxmeg.runtime.pipeline import schedules, simulator
 from fxmeg.runtime.pipeline.schedules import Kind
@@ -58,7 +59,8 @@ class Estimate:
 
     step: float
     breakdown: dict[str, float]
-    """'compute', 'bubble', 'optimizer' and 'comm_<axis>' (exposed), seconds per step."""
+    """'compute', 'bubble', 'optimizer', 'comm_<axis>' (exposed) and 'overhead' (a measured
+    step's cost besides them, on a CPU: ``Composer.fit_key``), seconds per step."""
     stages: tuple[StageEstimate, ...]
     split_points: tuple[str, ...] | None
     tokens_per_s: float
@@ -102,9 +104,11 @@ class Composer:
     cuts, which many layouts share."""
 
     def __init__(self, cluster: Cluster, precision: str, kinds: tuple[int, ...],
-                 blocks: tuple[str, ...], base: Profile, tokens_per_sample: int) -> None:
+                 blocks: tuple[str, ...], base: Profile, tokens_per_sample: int,
+                 own: tuple[int, ...] | None = None) -> None:
         self.cluster, self.precision, self.tokens = cluster, precision, tokens_per_sample
         self.kinds, self.blocks = kinds, blocks
+        self.own = kinds if own is None else own  # the twin's blocks (``fit_key``)
         dev = cluster.device
         self.rate, self.bandwidth, self.overhead = dev.rate(precision), dev.memory_bandwidth, \
             dev.op_overhead
@@ -113,6 +117,12 @@ class Composer:
             base.blocks[k].flops for k in kinds)
         self.calibration: tuple[float, float] | None = None
         self.reserved = dev.reserved
+        self.measured: dict[Key, tuple[Timing, tuple[float, float], float]] = {}
+        self.sharded = 1.0
+        """The measured over the modelled reduction of sharded gradients (zero >= 2, every
+        micro-batch's: ``Searcher.calibrate``)."""
+        """Per key: its twin's timing, (factor on a block's seconds, on the rest's), and the
+        seconds a step costs besides (``fit_key``)."""
         self._cuts: dict = {}
         self._seconds: dict = {}
         self._lowered: dict = {}
@@ -126,6 +136,61 @@ class Composer:
         self.rate, self.bandwidth, self.overhead = (self.rate / slow, self.bandwidth / slow,
                                                     per_op)
         self._seconds.clear()
+
+    def fit_key(self, profile: Profile, timing: Timing, extra: float) -> None:
+        """Layouts of ``profile``'s key take the twin's measured ``timing``: a block's
+        seconds and the rest's (embedding, head, loss) each scaled to what the twin and
+        the twin with each block twice took, a micro-batch of any size to the twin's (linear
+        in its samples), and ``extra`` seconds a step (what the twin's step took besides
+        its micro-batches, the modelled optimizer and data-parallel reduction)."""
+        blocks, rest = self._twin_seconds(profile, 1)
+        split = timing.split
+        if split is None or blocks <= 0 or rest <= 0:
+            ratio = timing.microbatch[0] / (blocks + rest)
+            factors = (ratio, ratio)
+        else:
+            factors = (split[0] / blocks, split[1] / rest)
+        self.measured[profile.key] = (timing, factors, extra)
+
+    def _scale(self, profile: Profile, mbs: int) -> tuple[float, float, float]:
+        """(factor on a block's seconds, on the rest's, seconds added to a step) for
+        ``profile``'s key at micro-batches of ``mbs`` (``fit_key``; unmeasured: 1, 1, 0)."""
+        if profile.key not in self.measured:
+            return 1.0, 1.0, 0.0
+        timing, (on_blocks, on_rest), extra = self.measured[profile.key]
+        blocks, rest = self._twin_seconds(profile, mbs)
+        size = timing.per_microbatch(mbs) / (on_blocks * blocks + on_rest * rest)
+        return on_blocks * size, on_rest * size, extra
+
+    def _twin_seconds(self, profile: Profile, mbs: int) -> tuple[float, float]:
+        """The time model's (blocks, rest) of one micro-batch's forward and backward of the
+        twin (``own``) under ``profile``'s key, communication included."""
+        k = profile.key
+        links = self._links(k.tp, k.cp, k.ep)
+
+        def total(part: Part) -> float:
+            f, b, comm = self._part_seconds(part, mbs, k.tp, k.cp, k.ep, links)
+            return f + b + sum(x + y for x, y in comm.values())
+        return (sum(total(profile.blocks[kind]) for kind in self.own),
+                total(profile.pre) + total(profile.post))
+
+    def microbatch_seconds(self, profile: Profile, mbs: int) -> float:
+        """One micro-batch's forward and backward of the whole model at pp = 1 under
+        ``profile``'s key, communication included, as ``fit_key`` scales it."""
+        k = profile.key
+        f, b, _, _ = self._chunk_seconds([self.parts(profile)], mbs, k.tp, k.cp, k.ep,
+                                         self._scale(profile, mbs))
+        return f[0] + b[0]
+
+    def roofline(self, profile: Profile, mbs: int) -> tuple[float, int]:
+        """(seconds of a micro-batch's forward and backward ops at the roofline, ops run)
+        at pp = 1: what ``calibrate`` fits the slowdown and the per-op cost to."""
+        parts = self.parts(profile)
+        fwd = [op for p in parts for op in p.ops]
+        again = [op for p in parts for op in p.recomputed]
+        seconds = 3 * op_seconds(fwd, self.rate, self.bandwidth, 0.0, mbs) + op_seconds(
+            again, self.rate, self.bandwidth, 0.0, mbs)
+        return seconds, 3 * len(fwd) + len(again)
 
     # ---- parts
 
@@ -148,11 +213,12 @@ class Composer:
             self._cuts[key] = starts
         return self._cuts[key]
 
-    def chunks(self, profile: Profile, par) -> list[list[Part]]:
+    def chunks(self, profile: Profile, par, cut: Profile | None = None) -> list[list[Part]]:
+        """``profile``'s parts in each chunk, cut as ``cut``'s (default its own) are."""
         parts = self.parts(profile)
         if par.num_chunks == 1:
             return [parts]
-        starts = self.cut(profile, par)
+        starts = self.cut(cut or profile, par)
         ends = (*starts[1:], len(self.kinds))
         out = []
         for c, (a, b) in enumerate(zip(starts, ends)):
@@ -220,19 +286,24 @@ class Composer:
             sim = self._simulate((name, pp, vpp, m), None, 0.0)
         return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights)
 
-    def _chunk_seconds(self, chunks: list[list[Part]], mbs: int, tp: int, cp: int,
-                       ep: int) -> tuple[dict, dict, dict, dict]:
-        """Per chunk, one micro-batch's forward and backward seconds (communication
-        included), and the tp / cp / ep communication of each."""
+    def _links(self, tp: int, cp: int, ep: int) -> tuple:
         cl = self.cluster
-        links = (("tp", cl.link(1, tp)), ("cp", cl.link(tp, cp)), ("ep", cl.link(tp, ep)))
+        return (("tp", cl.link(1, tp)), ("cp", cl.link(tp, cp)), ("ep", cl.link(tp, ep)))
+
+    def _chunk_seconds(self, chunks: list[list[Part]], mbs: int, tp: int, cp: int, ep: int,
+                       scale: tuple = (1.0, 1.0, 0.0)) -> tuple[dict, dict, dict, dict]:
+        """Per chunk, one micro-batch's forward and backward seconds (communication
+        included), and the tp / cp / ep communication of each; ``scale``: ``_scale``'s
+        factors on a block's seconds and on the rest's."""
+        links = self._links(tp, cp, ep)
         f_cost, b_cost, comm_f, comm_b = {}, {}, {}, {}
         for c, parts in enumerate(chunks):
             secs = [self._part_seconds(p, mbs, tp, cp, ep, links) for p in parts]
-            cf = {g: sum(s[2][g][0] for s in secs) for g in ("tp", "cp", "ep")}
-            cb = {g: sum(s[2][g][1] for s in secs) for g in ("tp", "cp", "ep")}
-            f_cost[c] = sum(s[0] for s in secs) + sum(cf.values())
-            b_cost[c] = sum(s[1] for s in secs) + sum(cb.values())
+            x = [scale[1] if p.name in ("pre", "post") else scale[0] for p in parts]
+            cf = {g: sum(s[2][g][0] * k for s, k in zip(secs, x)) for g in ("tp", "cp", "ep")}
+            cb = {g: sum(s[2][g][1] * k for s, k in zip(secs, x)) for g in ("tp", "cp", "ep")}
+            f_cost[c] = sum(s[0] * k for s, k in zip(secs, x)) + sum(cf.values())
+            b_cost[c] = sum(s[1] * k for s, k in zip(secs, x)) + sum(cb.values())
             comm_f[c], comm_b[c] = cf, cb
         return f_cost, b_cost, comm_f, comm_b
 
@@ -253,22 +324,27 @@ class Composer:
         extra = (m - sim_m) * sim.busy[busiest] / sim_m
         return sim.makespan + extra, sim.busy[busiest] + extra, busiest
 
-    def estimate(self, profile: Profile, config: EngineConfig,
-                 memory: int | None = None) -> Estimate:
+    def estimate(self, profile: Profile, config: EngineConfig, memory: int | None = None,
+                 kept: Profile | None = None) -> Estimate:
         """``config``'s prediction; with ``memory`` (bytes per rank), a layout over it gets
-        its memory only (step = inf: its time is not modelled)."""
+        its memory only (step = inf: its time is not modelled). ``kept``: the profile whose
+        saved tensors a held micro-batch keeps, when not ``profile``'s (recompute under a
+        zero-bubble schedule: ``Searcher.estimate``)."""
         cl, par = self.cluster, config.parallel
         mbs, m = config.micro_batch_size, config.num_microbatches
         tp, cp, ep, pp, dp = par.tp, par.cp, par.ep, par.pp, par.dp
         chunks = self.chunks(profile, par)
-        f_cost, b_cost, comm_f, comm_b = self._chunk_seconds(chunks, mbs, tp, cp, ep)
+        scale = self._scale(profile, mbs)
+        extra = scale[2]
+        f_cost, b_cost, comm_f, comm_b = self._chunk_seconds(chunks, mbs, tp, cp, ep, scale)
         pp_link = cl.link(tp * cp * dp, pp)
         boundary = max((ch[-1].boundary for ch in chunks[:-1]), default=0) * mbs
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
         held = self.held(name, pp, par.vpp, m, {
-            c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
+            c: sum(p.activations for p in parts) * mbs
+            for c, parts in enumerate(self.chunks(kept, par, profile) if kept else chunks)})
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
@@ -289,7 +365,7 @@ class Composer:
         mine = [c for c in range(par.num_chunks) if where[c] == busiest]
         exposed = {g: m * sum(comm_f[c][g] + comm_b[c][g] for c in mine) for g in ("tp", "cp",
                                                                                    "ep")}
-        step = makespan + dp_time + opt_time
+        step = makespan + dp_time + opt_time + extra
         breakdown = {
             "compute": busy - sum(exposed.values()),
             **{f"comm_{g}": v for g, v in exposed.items()},
@@ -297,6 +373,7 @@ class Composer:
             "bubble": makespan - busy,
             "comm_dp": dp_time,
             "optimizer": opt_time,
+            "overhead": extra,
         }
         if pp > 1:  # the messages' share of the wait: latency per received message
             breakdown["comm_pp"] = min(breakdown["bubble"], 2 * m * latency)
@@ -332,6 +409,8 @@ class Composer:
             gather = m * max(per_mb - hidden, 0.0) + (0.0 if self.cluster.overlap else 0.0)
         overlap = self.cluster.overlap and config.data_parallel.overlap_grad_reduce
         exposed = max(reduce - window, reduce * 0.1) if overlap else reduce
+        if zero >= 2:  # sharded gradients: every micro-batch's are reduced
+            exposed *= m * self.sharded
         return exposed + gather
 
     def _optimizer_seconds(self, stage: StageEstimate, config: EngineConfig) -> float:

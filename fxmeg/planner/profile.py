@@ -52,6 +52,10 @@ class Key:
     expert_tp: int | None = None
     recompute: str = "none"
 
+    def __str__(self) -> str:
+        return (f"tp={self.tp}{' sp' if self.sp else ''} cp={self.cp} ep={self.ep} "
+                f"recompute={self.recompute}")
+
     def options(self) -> dict:
         return {"tp": self.tp, "sequence_parallel": self.sp, "cp": self.cp, "ep": self.ep,
                 "expert_tensor_parallel_size": self.expert_tp, "recompute": self.recompute}
@@ -156,6 +160,8 @@ class Twin:
     """Per real block, in order: the index of its kind (the twin's first block of it)."""
     blocks: tuple[str, ...]
     """The real model's block names."""
+    own: tuple[int, ...] = ()
+    """Per block of the twin itself, the index of its kind."""
     profiles: dict[Key, Profile] = field(default_factory=dict)
     split_checked: dict[Key, Exception | None] = field(default_factory=dict)
 
@@ -175,21 +181,39 @@ def twin(model: nn.Module) -> Twin:
     if not names:
         copy_ = meta_twin(model)
         return Twin(copy_, (), ())
-    container = names[0].rpartition(".")[0]
-    owner_name, _, attr_name = container.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    whole = getattr(owner, attr_name)
     sigs: dict[tuple, int] = {}
     kinds, keep = [], []
-    for i, block in enumerate(whole):
+    for i, block in enumerate(model.get_submodule(names[0].rpartition(".")[0])):
         s = signature(block)
         if s not in sigs:
             sigs[s] = len(keep)
             keep.append(i)
         kinds.append(sigs[s])
-    if len(keep) == 1 and len(whole) > 1:  # two blocks: a pipeline of two for zero bubble
+    if len(keep) == 1 and len(names) > 1:  # two blocks: a pipeline of two for zero bubble
         keep.append(1)
-    setattr(owner, attr_name, nn.ModuleList([whole[i] for i in keep]))
+    return Twin(_kept(model, names, keep), tuple(kinds), tuple(names),
+                tuple(kinds[i] for i in keep))
+
+
+def deeper(tw: Twin) -> nn.Module:
+    """The twin with each of its blocks twice (a copy after each, on meta): timed beside
+    the twin, it tells a block's seconds from the rest's (fxmeg/planner/calibrate.py)."""
+    names = module_blocks(tw.model)
+    if not names:
+        return meta_twin(tw.model)
+    return _kept(tw.model, names, [i for i in range(len(names)) for _ in range(2)])
+
+
+def _kept(model: nn.Module, names: list[str], keep: list[int]) -> nn.Module:
+    """A meta copy of ``model`` whose blocks are ``keep`` (indices; one repeated is a copy
+    of it), its config's ``num_hidden_layers`` and ``layer_types`` following."""
+    container = names[0].rpartition(".")[0]
+    owner_name, _, attr_name = container.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    whole = getattr(owner, attr_name)
+    blocks = [copy.deepcopy(whole[i]) if i in keep[:n] else whole[i]
+              for n, i in enumerate(keep)]
+    setattr(owner, attr_name, nn.ModuleList(blocks))
     try:
         copy_ = meta_twin(model)
     finally:
@@ -202,7 +226,7 @@ def twin(model: nn.Module) -> Twin:
             cfg.layer_types = [types[i] for i in keep]
         cfg.num_hidden_layers = len(keep)
         _set_config(copy_, cfg)
-    return Twin(copy_, tuple(kinds), tuple(names))
+    return copy_
 
 
 def _set_config(model: nn.Module, cfg) -> None:

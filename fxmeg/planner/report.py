@@ -10,7 +10,8 @@ from fxmeg.diagnostics.layout_plan import human_bytes as size
 from fxmeg.errors import FxmegError
 from fxmeg.planner.search import Layout, Ranked, Result, Searcher
 
-PARTS = ("compute", "comm_tp", "comm_cp", "comm_ep", "comm_pp", "comm_dp", "bubble", "optimizer")
+PARTS = ("compute", "comm_tp", "comm_cp", "comm_ep", "comm_pp", "comm_dp", "bubble", "optimizer",
+         "overhead")
 
 
 def _row(i: object, r: Ranked) -> list[str]:

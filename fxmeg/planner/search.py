@@ -23,10 +23,10 @@ from torch import nn
 from fxmeg.config import EngineConfig, Example
 from fxmeg.errors import ConfigError, FxmegError
 from fxmeg.frontend.model_checks import check_model
-from fxmeg.planner.calibrate import fit
+from fxmeg.planner.calibrate import time_keys
 from fxmeg.planner.cluster import Cluster
-from fxmeg.planner.estimate import Composer, Estimate
-from fxmeg.planner.profile import Key, Profile, Twin, check_split, profile, twin
+from fxmeg.planner.estimate import Composer, Estimate, collective
+from fxmeg.planner.profile import Key, Profile, Twin, check_split, deeper, profile, twin
 from fxmeg.schedule_registry import SPECS, batch_refusal, layout_refusal, resolve
 
 RECOMPUTE = ("none", "selective", "full")
@@ -203,27 +203,63 @@ class Searcher:
         if base is None:
             raise self.failed[Key()]
         self.composer = Composer(cluster, precision, self.twin.kinds, self.twin.blocks, base,
-                                 tokens)
+                                 tokens, self.twin.own)
+        self.tokens = tokens
         self.experts = any(p.expert_elements for p in base.blocks)
-        if not cluster.overlap:  # a CPU: the twin's own step sets the compute rates
-            self.progress("timing the twin's forward and backward on this machine")
-            found = fit(self.twin.model, example, base, self.composer.rate,
-                        self.composer.bandwidth)
-            if found is not None:
-                self.composer.calibrate(*found)
 
     def profile(self, key: Key) -> Profile | None:
         if key in self.failed:
             return None
         if key not in self.twin.profiles:
-            self.progress(f"profiling the twin at tp={key.tp}{' sp' if key.sp else ''} "
-                          f"cp={key.cp} ep={key.ep} recompute={key.recompute} "
-                          f"({len(self.twin.profiles) + 1} so far)")
+            self.progress(f"profiling the twin at {key} ({len(self.twin.profiles) + 1} so far)")
         try:
             return profile(self.twin, self.example, key, self.base, self.loss_fn)
         except FxmegError as e:
             self.failed[key] = e
             return None
+
+    def calibrate(self, keys: list[Key]) -> None:
+        """On a CPU: fit the time model to the twin's steps measured on the cluster's ranks
+        under each of ``keys`` (fxmeg/planner/calibrate.py): the roofline's slowdown and
+        per-op cost from the first key's (no tp, cp, ep), each key's factors and step
+        overhead from its own (``Composer.fit_key``), and the rank's memory reserve."""
+        base = Key()
+        keys = [base, *(k for k in dict.fromkeys(keys) if k != base)]
+        timings = time_keys(self.twin.model, deeper(self.twin), self.example, keys,
+                            self.cluster.ranks,
+                            options={"precision": self.precision, **self.options},
+                            progress=self.progress)
+        if timings is None:
+            return
+        twin = Composer(self.cluster, self.precision, self.twin.own, (), self.profile(base),
+                        self.tokens)
+        first = timings[base]
+        (r1, n), (r2, _) = (twin.roofline(self.profile(base), s) for s in (1, 2))
+        one, two = first.microbatch
+        slow = max((two - one) / max(r2 - r1, 1e-12), 1.0)
+        per_op = max(one - slow * r1, 0.0) / max(n, 1)
+        twin.calibrate(slow, per_op, 0)
+        run = twin.estimate(self.profile(base), self._twin_config(base))
+        self.composer.calibrate(slow, per_op, max(first.peak - run.peak, 0))
+        if first.sharded is not None:  # zero=2's reduction, measured against the model's
+            dp = self.cluster.ranks
+            modelled = collective("reduce_scatter", run.stages[0].gradients, dp,
+                                  self.cluster.link(1, dp))
+            self.composer.sharded = max(first.sharded, 0.0) / modelled if modelled else 1.0
+        for key in keys:
+            prof = self.profile(key)
+            est = twin.estimate(prof, self._twin_config(key))
+            besides = est.breakdown["comm_dp"] + est.breakdown["optimizer"]
+            self.composer.fit_key(prof, timings[key], timings[key].fixed - besides)
+
+    def _twin_config(self, key: Key) -> EngineConfig:
+        """The twin's timed run under ``key`` (calibrate.py): one micro-batch of one sample
+        per replica, the cluster's ranks filled with data parallelism."""
+        world = self.cluster.ranks
+        dp = world // (key.tp * key.cp)
+        return EngineConfig.from_flat(
+            micro_batch_size=1, global_batch_size=dp, precision=self.precision, dp=dp,
+            **self.options, **key.options()).resolve(world)
 
     def config(self, layout: Layout) -> EngineConfig:
         """The layout as ``parallelize`` would hold it (every config rule checked), and
@@ -253,21 +289,30 @@ class Searcher:
         prof = self.profile(layout.key)
         if prof is None:
             raise self.failed[layout.key]
+        kept = None
         if config.parallel.splits_backward:
             check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
-        return self.composer.estimate(prof, config, memory)
+            if layout.recompute != "none":
+                # the split's weight-gradient graph reads what recompute made again, kept
+                # from a micro-batch's I to its W: it holds what no recompute saves
+                # (measured, bench GPT pp2 zbh1: 249 MiB without recompute, 250 full,
+                # 273 selective)
+                kept = self.profile(dataclasses.replace(layout.key, recompute="none"))
+        return self.composer.estimate(prof, config, memory, kept)
 
 
 def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,
            precision: str = "bf16", loss_fn=None, layout: Layout | None = None,
            memory: int | None = None, keep: int | None = None, options: dict | None = None,
            progress: Callable[[str], None] | None = None,
-           space: Callable[[Layout], bool] | None = None) -> Result:
+           space: Callable[[Layout], bool] | None = None, timed: bool = True) -> Result:
     """Every layout of ``model`` on ``cluster`` at ``global_batch_size`` samples per step
     (``example``: one micro-batch, its sequence length the one planned), ranked. ``memory``
     (default the device's) is the per-rank cap; ``layout`` is the user's own, estimated
     beside; ``space`` keeps only the candidates it accepts; ``options`` are further flat
-    names every layout shares (``bucket_size``, ``overlap_param_gather``, ...)."""
+    names every layout shares (``bucket_size``, ``overlap_param_gather``, ...). On a CPU
+    cluster the twin is timed first (``Searcher.calibrate``); ``timed=False`` keeps the
+    cluster's own rates and reserve instead (memory alone is then meaningful)."""
     start = time.perf_counter()
     say = progress or (lambda line: None)
     s = Searcher(model, example, cluster=cluster, global_batch_size=global_batch_size,
@@ -279,6 +324,8 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
                                   tokens=s.composer.tokens)
             if space is None or space(c)]
     say(f"{len(pool)} candidate layouts on {cluster.ranks} ranks")
+    if timed and not cluster.overlap:  # a CPU: the twin timed under each intra-layer layout
+        s.calibrate(_keys(s, pool + ([layout] if layout else []), global_batch_size))
     last = time.perf_counter()
     for i, cand in enumerate(pool):
         try:
@@ -304,6 +351,22 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
                     time.perf_counter() - start, mine)
     say(f"{legal} legal layouts, {len(ranked)} fit, in {result.seconds:.1f} s")
     return result
+
+
+def _keys(s: Searcher, pool: list[Layout], global_batch_size: int) -> list[Key]:
+    """The intra-layer layouts of the candidates that pass the schedule registry, the
+    config's checks and the twin's passes, in order."""
+    keys = []
+    for cand in pool:
+        if cand.key in keys or schedule_refusal(cand, global_batch_size):
+            continue
+        try:
+            s.config(cand)
+        except ConfigError:
+            continue
+        if s.profile(cand.key) is not None:
+            keys.append(cand.key)
+    return keys
 
 
 def _tokens(example: Example) -> int:
