@@ -168,7 +168,8 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
     """Replace every ``device=meta`` argument in ``gm`` (and its sub-graphs) with
     ``device``. A model captured on meta bakes meta into the tensors its forward creates
     (``torch.arange(s, device=ids.device)``), and passes that copy a value's device do too.
-    Ensures: no node argument names the meta device."""
+    On a CPU, a histogram of integers runs in fp32 (``_float_histc``). Ensures: no node
+    argument names the meta device."""
     meta = torch.device("meta")
 
     def swap(a):
@@ -180,7 +181,31 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
         for node in module.graph.nodes:
             node.args = fx.node.map_aggregate(node.args, swap)
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if device.type in ("cpu", "mps"):
+            _float_histc(module.graph)
         module.recompile()
+
+
+def _float_histc(graph: fx.Graph) -> None:
+    """A histogram of integers computed in fp32 and cast back. Code that asks its tensors'
+    device takes an accelerator's branch when captured on meta: transformers' MoE routing
+    counts tokens per expert with ``torch.histc`` of ints (for determinism on CUDA), which a
+    CPU does not implement (NotImplementedError "histogram_cpu" for 'Int'), and of floats
+    on a CPU. Counts below 2^24 are exact in fp32."""
+    for node in list(graph.nodes):
+        x = node.args[0].meta.get("val") if node.target is torch.ops.aten.histc.default \
+            else None
+        if not isinstance(x, torch.Tensor) or x.is_floating_point():
+            continue
+        with graph.inserting_before(node):
+            wide = graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
+                                       {"dtype": torch.float32})
+        node.args = (wide, *node.args[1:])
+        with graph.inserting_after(node):
+            back = graph.call_function(torch.ops.aten._to_copy.default, (node,),
+                                       {"dtype": x.dtype})
+        back.meta = dict(node.meta)
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
 
 
 def owning_module(node: fx.Node) -> str:
