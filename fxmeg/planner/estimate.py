@@ -327,8 +327,8 @@ class Composer:
     def estimate(self, profile: Profile, config: EngineConfig, memory: int | None = None,
                  kept: Profile | None = None) -> Estimate:
         """``config``'s prediction; with ``memory`` (bytes per rank), a layout over it gets
-        its memory only (step = inf: its time is not modelled). ``kept``: the profile whose
-        saved tensors a held micro-batch keeps, when not ``profile``'s (recompute under a
+        its memory only (step = inf: its time is not modelled). ``kept``: a profile whose
+        saved tensors a held micro-batch keeps besides ``profile``'s (recompute under a
         zero-bubble schedule: ``Searcher.estimate``)."""
         cl, par = self.cluster, config.parallel
         mbs, m = config.micro_batch_size, config.num_microbatches
@@ -342,9 +342,11 @@ class Composer:
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
-        held = self.held(name, pp, par.vpp, m, {
-            c: sum(p.activations for p in parts) * mbs
-            for c, parts in enumerate(self.chunks(kept, par, profile) if kept else chunks)})
+        weights = {c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)}
+        if kept is not None:
+            for c, parts in enumerate(self.chunks(kept, par, profile)):
+                weights[c] += sum(p.activations for p in parts) * mbs
+        held = self.held(name, pp, par.vpp, m, weights)
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]

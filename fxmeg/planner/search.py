@@ -294,9 +294,9 @@ class Searcher:
             check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
             if layout.recompute != "none":
                 # the split's weight-gradient graph reads what recompute made again, kept
-                # from a micro-batch's I to its W: it holds what no recompute saves
-                # (measured, bench GPT pp2 zbh1: 249 MiB without recompute, 250 full,
-                # 273 selective)
+                # from a micro-batch's I to its W: it holds what no recompute saves besides
+                # what recompute saved (measured, bench GPT pp2 zbh1: 249 MiB without
+                # recompute, 250 full, 273 selective, which saves most)
                 kept = self.profile(dataclasses.replace(layout.key, recompute="none"))
         return self.composer.estimate(prof, config, memory, kept)
 

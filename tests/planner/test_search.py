@@ -190,8 +190,8 @@ def test_composer_is_shared_per_search(searcher):
 def test_recompute_saves_no_held_activations_under_a_zero_bubble_schedule(searcher):
     """The split's weight-gradient graph keeps what recompute made again until the
     micro-batch's W (measured by bench/search_check.py: pp2 zbh1 peaks alike with and
-    without recompute), so a held micro-batch weighs there as without recompute (plus the
-    region recomputed at once); under 1F1B recompute keeps less."""
+    without full recompute, higher with selective), so a held micro-batch weighs there what
+    no recompute keeps besides what recompute kept; under 1F1B recompute keeps less."""
     def activations(schedule, rc):
         est = searcher.estimate(Layout(pp=2, schedule=schedule, recompute=rc))
         return [s.activations for s in est.stages]
