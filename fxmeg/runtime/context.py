@@ -491,16 +491,18 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
             if id(t) in memo:
                 continue
             spec = program.tp_specs.get(name)
-            if name in later:
-                value = _no_memory(t, program.tp_specs.get(name), groups.topo.tp, program.device)
+            experts = program.ep_specs.get(name)
+            if name in later:  # (an expert bank: this rank's experts' shape)
+                rows = experts.experts // groups.topo.ep if experts is not None else None
+                value = _no_memory(t, spec, groups.topo.tp, program.device, rows)
             elif name in local:
                 value = local[name].to(t.dtype)
             elif isinstance(t, nn.Parameter) and is_split(spec):
                 value = tp_shard(t, spec, tp, rank)
             else:
                 value = t
-            if name in program.ep_specs and name not in local:
-                value = ep_shard(value, program.ep_specs[name], groups.topo.ep, groups.ep_rank)
+            if experts is not None and name not in local and name not in later:
+                value = ep_shard(value, experts, groups.topo.ep, groups.ep_rank)
             if isinstance(t, nn.Parameter) and value is not t:
                 value = nn.Parameter(value, requires_grad=t.requires_grad)
             memo[id(t)] = value
@@ -508,11 +510,15 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
 
 
 def _no_memory(
-    t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device
+    t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """A tensor of this rank's shape of ``t`` (full-size, or its tensor-parallel shard)
-    whose storage holds no memory."""
-    shape = spec.local_shape(list(t.shape), tp) if is_split(spec) else t.shape
+    """A tensor of this rank's shape of ``t`` (full-size, or its tensor-parallel shard;
+    ``rows`` of its first dim: an expert bank's experts on this rank) whose storage holds
+    no memory."""
+    shape = list(spec.local_shape(list(t.shape), tp) if is_split(spec) else t.shape)
+    if rows is not None:
+        shape[0] = rows
     value = torch.empty(shape, dtype=t.dtype, device=device)
     value.untyped_storage().resize_(0)
     return value
