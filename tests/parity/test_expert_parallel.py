@@ -91,14 +91,15 @@ EP2 = [
 ZERO3 = [
     Scenario(f"moe-{kind}", dp=2, options=(("ep", 2), ("zero", 3)))
     for kind in ("mixtral", "deepseek_v3")
-] + [  # built on meta (values read from save_pretrained files): each bank's parameter, made
-    # later, has this rank's experts' shape (a crash at parallelize before)
-    Scenario("moe-mixtral", cp=2, options=(("ep", 2), ("zero", 3)), pretrained=True)]
+]
 # folded over cp
 # DeepSeek-V3: latent attention (values narrower than keys) and group-limited routing (gather);
 # GPT-OSS: attention sinks (a column concatenated to each query's scores over all keys)
 CP = [Scenario(f"moe-{kind}", cp=2, options=(("ep", 2),))
-      for kind in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")]
+      for kind in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")] + [
+    # zero=3 built on meta (values from save_pretrained files): each bank, made later, in
+    # this rank's experts' shape (parallelize crashed before)
+    Scenario("moe-mixtral", cp=2, options=(("ep", 2), ("zero", 3)), pretrained=True)]
 # ep=1: all experts
 DP2 = [Scenario(f"moe-{kind}", dp=2) for kind in ("granitemoe", "granitemoeshared")]
 ZERO_BUBBLE = [
