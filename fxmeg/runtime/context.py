@@ -492,9 +492,9 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
                 continue
             spec = program.tp_specs.get(name)
             experts = program.ep_specs.get(name)
-            if name in later:  # (an expert bank: this rank's experts' shape)
-                rows = experts.experts // groups.topo.ep if experts is not None else None
-                value = _no_memory(t, spec, groups.topo.tp, program.device, rows)
+            if name in later:  # an expert bank in this rank's experts' shape
+                value = _no_memory(t, spec, groups.topo.tp, program.device,
+                                   experts and experts.experts // groups.topo.ep)
             elif name in local:
                 value = local[name].to(t.dtype)
             elif isinstance(t, nn.Parameter) and is_split(spec):
@@ -509,10 +509,8 @@ def _materialise(program: Program, groups: Groups, local: dict[str, torch.Tensor
     return {c: copy.deepcopy(program.chunks[c], memo) for c in mine}
 
 
-def _no_memory(
-    t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device,
-    rows: int | None = None,
-) -> torch.Tensor:
+def _no_memory(t: torch.Tensor, spec: ParamLayout | None, tp: int, device: torch.device,
+               rows: int | None = None) -> torch.Tensor:
     """A tensor of this rank's shape of ``t`` (full-size, or its tensor-parallel shard;
     ``rows`` of its first dim: an expert bank's experts on this rank) whose storage holds
     no memory."""
