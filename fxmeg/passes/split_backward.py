@@ -91,8 +91,6 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     params = [n for n, _ in gm.named_parameters()]
     buffers = [n for n, _ in gm.named_buffers()]
     flat, recompute = _inline_regions(gm)
-    if any(t.is_meta for t in gm.parameters()) and fake_device().type != "meta":
-        retarget(flat, fake_device())  # a meta capture's own tensors (arange(device=meta))
     experts = _opaque_experts(flat)
     _own_outputs(flat)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
@@ -259,14 +257,15 @@ def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     """A copy of ``gm`` with every ``Recompute`` region's nodes inlined, tagged
-    MUST_RECOMPUTE (one ``ac_graph_id`` per region), and whether there were any."""
+    MUST_RECOMPUTE (one ``ac_graph_id`` per region; ``_made_where_split``), and whether
+    there were any."""
     regions = {
         n
         for n in gm.graph.nodes
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recompute)
     }
     if not regions:
-        return fx.GraphModule(gm, copy.deepcopy(gm.graph)), False
+        return _made_where_split(gm, fx.GraphModule(gm, copy.deepcopy(gm.graph))), False
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -286,8 +285,15 @@ def _inline_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
                 inner[n] = graph.node_copy(n, lambda a: inner[a])
                 inner[n].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 inner[n].meta["ac_graph_id"] = region_id
-    flat = fx.GraphModule(gm, graph)
-    return flat, True
+    return _made_where_split(gm, fx.GraphModule(gm, graph)), True
+
+
+def _made_where_split(gm: fx.GraphModule, flat: fx.GraphModule) -> fx.GraphModule:
+    """``flat`` with a meta capture's own tensors (``arange(device=meta)``) made on the
+    device the split's fakes are on (``fake_device``) when it is not meta."""
+    if any(t.is_meta for t in gm.parameters()) and fake_device().type != "meta":
+        retarget(flat, fake_device())
+    return flat
 
 
 def _own_outputs(gm: fx.GraphModule) -> None:
