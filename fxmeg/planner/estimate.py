@@ -118,11 +118,11 @@ class Composer:
         self.calibration: tuple[float, float] | None = None
         self.reserved = dev.reserved
         self.measured: dict[Key, tuple[Timing, tuple[float, float], float]] = {}
+        """Per key: its twin's timing, (factor on a block's seconds, on the rest's), and the
+        seconds a step costs besides (``fit_key``)."""
         self.sharded = 1.0
         """The measured over the modelled reduction of sharded gradients (zero >= 2, every
         micro-batch's: ``Searcher.calibrate``)."""
-        """Per key: its twin's timing, (factor on a block's seconds, on the rest's), and the
-        seconds a step costs besides (``fit_key``)."""
         self._cuts: dict = {}
         self._seconds: dict = {}
         self._lowered: dict = {}
