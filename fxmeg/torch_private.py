@@ -94,10 +94,17 @@ def default_partition(joint, args, **kwargs):
 def min_cut_rematerialization_partition(joint, args, **kwargs):
     """The min-cut partitioner: as default_partition, but recomputes nodes tagged
     MUST_RECOMPUTE in backward instead of saving them; split_backward also passes
-    ``compiler="aot_eager"`` (2.13 keywords). Resolved on call (as above)."""
-    return _private("torch._functorch.partitioners:min_cut_rematerialization_partition")(
-        joint, args, **kwargs
-    )
+    ``compiler="aot_eager"`` (2.13 keywords). Resolved on call (as above).
+
+    Without its common-subexpression pass (``torch._functorch.config.cse``): that pass
+    imports torch._inductor's pattern matcher, and with it inductor's lowerings, jinja2 and
+    ao.quantization (181 modules: 21 MiB more resident on every rank and 1.6 s more
+    ``parallelize`` for the bench GPT at tp2 sp x pp2 under zbh1 with full recompute). On
+    fxmeg's joint graphs it only merged duplicate views (the bench GPT's split is the same
+    without it; a Llama's keeps 6 more ``view`` nodes, which copy nothing)."""
+    partition = _private("torch._functorch.partitioners:min_cut_rematerialization_partition")
+    with _private("torch._functorch.config:patch")(cse=False):
+        return partition(joint, args, **kwargs)
 
 
 # Swap a module's parameters / buffers for the given tensors within a ``with`` (the public
