@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fxmeg.errors import FxmegError  # noqa: E402
 from fxmeg.planner.cluster import cluster  # noqa: E402
-from fxmeg.planner.search import Layout, Searcher  # noqa: E402
+from fxmeg.planner.search import Layout, Searcher, memory_verdict  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ def predict(run: Run) -> dict:
         except FxmegError as exc:  # a variant fxmeg refuses (vpp not dividing the layers...)
             rows.append({"layout": str(layout), "refused": str(exc).split("\n")[0][:160]})
             continue
-        rows.append({"layout": str(layout), "fits": e.peak <= found.device.memory,
+        verdict = memory_verdict(e.peak, found.device.memory, found.device.memory_error)
+        rows.append({"layout": str(layout), "fits": verdict == "fits", "memory": verdict,
                      "peak_gib": round(e.peak / 2**30, 1), "step_s": round(e.step, 3),
                      "tflops_per_gpu": round(e.mfu * peak_flops / 1e12, 1),
                      "breakdown_s": {k: round(v, 3) for k, v in e.breakdown.items() if v}})

@@ -11,7 +11,8 @@ Reported: Spearman's rank correlation of predicted and measured step times, whet
 measured best is in the predicted top 3, the median step-time error, per layout the
 predicted peak over the measured one, and the "no false fits" check: with a per-rank cap
 just under the measured peaks of the largest quarter of the layouts, which layouts the
-planner calls fitting that measured over it, and which it rejects that measured under.
+planner calls fitting that measured over it, which it rejects that measured under, and how
+many it calls tight (predicted within its memory error of the cap: neither).
 
 With ``--memory-ranks 4,8`` also the peaks of a sample of 4- and 8-rank layouts (time is
 not meaningful there: 8 ranks share 2 cores), predicted with the 2-rank calibration's
@@ -136,18 +137,25 @@ def run(kind: str, world: int, pool, args, tag: str) -> list[dict]:
     return rows
 
 
-def no_false_fits(rows: list[dict]) -> dict:
-    """A cap just under the measured peaks of the largest quarter: the layouts the planner
-    calls fitting (predicted <= cap) that measured over it, and those it rejects that
-    measured under it."""
+def no_false_fits(rows: list[dict], error: float) -> dict:
+    """A cap just under the measured peaks of the largest quarter, and the planner's verdict
+    on each layout against it (``memory_verdict`` with the cluster's ``memory_error``):
+    those it calls fitting that measured over the cap, those it rejects that measured under,
+    and how many it calls tight (within its error of the cap: neither)."""
+    from fxmeg.planner.search import memory_verdict
+
     peaks = sorted(x["measured_peak"] for x in rows)
     cap = peaks[min(len(peaks) - 1, (3 * len(peaks)) // 4)] - 2**20
-    fits = [x for x in rows if x["predicted_peak"] <= cap]
-    return {"cap": cap, "called_fitting": len(fits),
+    verdict = {x["layout"]: memory_verdict(x["predicted_peak"], cap, error) for x in rows}
+    return {"cap": cap, "error": error,
+            "called_fitting": sum(v == "fits" for v in verdict.values()),
+            "tight": sum(v == "tight" for v in verdict.values()),
+            "rejected": sum(v == "over" for v in verdict.values()),
             "measured_fitting": sum(x["measured_peak"] <= cap for x in rows),
-            "false_fits": [x["layout"] for x in fits if x["measured_peak"] > cap],
+            "false_fits": [x["layout"] for x in rows
+                           if verdict[x["layout"]] == "fits" and x["measured_peak"] > cap],
             "false_rejects": [x["layout"] for x in rows
-                              if x["predicted_peak"] > cap and x["measured_peak"] <= cap]}
+                              if verdict[x["layout"]] == "over" and x["measured_peak"] <= cap]}
 
 
 def memory(kind: str, world: int, reserved: int, args) -> dict:
@@ -203,7 +211,8 @@ def check(kind: str, args) -> dict:
         "peak_ratio_range": [min(x["peak_ratio"] for x in rows),
                              max(x["peak_ratio"] for x in rows)],
         "layouts_peak_within_10pct": sum(abs(x["peak_ratio"] - 1) <= 0.1 for x in rows),
-        "no_false_fits": no_false_fits(rows), "reserved": reserved, "failed": failed,
+        "no_false_fits": no_false_fits(rows, local.device.memory_error),
+        "reserved": reserved, "failed": failed,
         "memory": [memory(kind, int(w), reserved, args) for w in args.memory_ranks.split(",")
                    if w],
         "cluster": local.to_dict(), "rows": rows,

@@ -43,6 +43,11 @@ class Device:
     reserved: int = 0
     """Bytes a rank holds besides the model's tensors: the runtime, the libraries' context
     and buffers, the allocator's slack (on ``local``, measured on each model's twin)."""
+    memory_error: float = 0.10
+    """How far the memory model may be from a measured peak, as a share of the predicted
+    one: a layout predicted within it of the cap is "tight" (``search.memory_verdict``),
+    neither called fitting nor rejected. 10%: the bar the model meets on ``local``
+    (bench/search_check.py, docs/planner.md); unmeasured on GPUs."""
 
     def peak(self, precision: str) -> float:
         return self.flops.get(precision, self.flops["fp32"])
@@ -134,7 +139,7 @@ def preset(name: str, nodes: int = 1) -> Cluster:
 _FIELDS = {
     "nodes": int, "ranks_per_node": int, "memory": device_bytes, "flops": float,
     "bf16_flops": float, "fp32_flops": float, "memory_bandwidth": float, "op_overhead": float,
-    "efficiency": float, "reserved": device_bytes,
+    "efficiency": float, "reserved": device_bytes, "memory_error": float,
     "intra_bandwidth": float, "intra_latency": float, "inter_bandwidth": float,
     "inter_latency": float,
 }
@@ -179,7 +184,8 @@ def with_overrides(c: Cluster, **o) -> Cluster:
         memory_bandwidth=o.get("memory_bandwidth", dev.memory_bandwidth),
         op_overhead=o.get("op_overhead", dev.op_overhead),
         efficiency=o.get("efficiency", dev.efficiency),
-        reserved=o.get("reserved", dev.reserved))
+        reserved=o.get("reserved", dev.reserved),
+        memory_error=o.get("memory_error", dev.memory_error))
     intra = Link(o.get("intra_bandwidth", c.intra.bandwidth), o.get("intra_latency",
                                                                      c.intra.latency))
     inter = Link(o.get("inter_bandwidth", c.inter.bandwidth), o.get("inter_latency",

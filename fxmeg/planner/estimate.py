@@ -213,12 +213,12 @@ class Composer:
             self._cuts[key] = starts
         return self._cuts[key]
 
-    def chunks(self, profile: Profile, par, cut: Profile | None = None) -> list[list[Part]]:
-        """``profile``'s parts in each chunk, cut as ``cut``'s (default its own) are."""
+    def chunks(self, profile: Profile, par) -> list[list[Part]]:
+        """``profile``'s parts in each chunk."""
         parts = self.parts(profile)
         if par.num_chunks == 1:
             return [parts]
-        starts = self.cut(cut or profile, par)
+        starts = self.cut(profile, par)
         ends = (*starts[1:], len(self.kinds))
         out = []
         for c, (a, b) in enumerate(zip(starts, ends)):
@@ -324,12 +324,10 @@ class Composer:
         extra = (m - sim_m) * sim.busy[busiest] / sim_m
         return sim.makespan + extra, sim.busy[busiest] + extra, busiest
 
-    def estimate(self, profile: Profile, config: EngineConfig, memory: int | None = None,
-                 kept: Profile | None = None) -> Estimate:
+    def estimate(self, profile: Profile, config: EngineConfig,
+                 memory: int | None = None) -> Estimate:
         """``config``'s prediction; with ``memory`` (bytes per rank), a layout over it gets
-        its memory only (step = inf: its time is not modelled). ``kept``: a profile whose
-        saved tensors a held micro-batch keeps besides ``profile``'s (recompute under a
-        zero-bubble schedule: ``Searcher.estimate``)."""
+        its memory only (step = inf: its time is not modelled)."""
         cl, par = self.cluster, config.parallel
         mbs, m = config.micro_batch_size, config.num_microbatches
         tp, cp, ep, pp, dp = par.tp, par.cp, par.ep, par.pp, par.dp
@@ -342,11 +340,8 @@ class Composer:
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
-        weights = {c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)}
-        if kept is not None:
-            for c, parts in enumerate(self.chunks(kept, par, profile)):
-                weights[c] += sum(p.activations for p in parts) * mbs
-        held = self.held(name, pp, par.vpp, m, weights)
+        held = self.held(name, pp, par.vpp, m, {
+            c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]

@@ -8,7 +8,7 @@ import dataclasses
 from fxmeg.diagnostics.devices import GiB
 from fxmeg.diagnostics.layout_plan import human_bytes as size
 from fxmeg.errors import FxmegError
-from fxmeg.planner.search import Layout, Ranked, Result, Searcher
+from fxmeg.planner.search import Layout, Ranked, Result, Searcher, memory_verdict
 
 PARTS = ("compute", "comm_tp", "comm_cp", "comm_ep", "comm_pp", "comm_dp", "bubble", "optimizer",
          "overhead")
@@ -34,9 +34,16 @@ def text(result: Result, top: int = 10, searcher: Searcher | None = None) -> str
     c = result.cluster
     lines = [
         f"Layouts on {c.ranks} ranks ({c.nodes} x {c.ranks_per_node} {c.device.name}, "
-        f"{c.device.memory / GiB:.1f} GiB each): {result.legal} legal, "
+        f"{size(result.cap)} each): {result.legal} legal, "
         f"{len(result.ranked)} fit, searched in {result.seconds:.1f} s",
     ]
+    if result.tight:
+        fastest = result.tight[0]
+        lines.append(
+            f"  {len(result.tight)} more are tight: predicted within the memory model's "
+            f"{c.device.memory_error:.0%} of the cap, so they may not fit (the fastest: "
+            f"{fastest.layout}, {fastest.estimate.step:.3f} s, {size(fastest.estimate.peak)} "
+            "per rank)")
     if result.refused:
         common = ", ".join(f"{n} x {why!r}" for why, n in result.refused.most_common(3))
         lines.append(f"  refused by fxmeg's checks: {sum(result.refused.values())} "
@@ -60,10 +67,14 @@ def yours(result: Result) -> list[str]:
     mine, best = result.mine, result.best
     e = mine.estimate
     rank = result.rank_of(mine.layout)
-    cap = result.cluster.device.memory
-    if e.peak > cap:
+    cap = result.cap
+    verdict = memory_verdict(e.peak, cap, result.cluster.device.memory_error)
+    if verdict == "over":
         head = (f"  your layout {mine.layout}: does not fit ({size(e.peak)} per rank, "
                 f"{size(e.peak - cap)} over)")
+    elif verdict == "tight":
+        head = (f"  your layout {mine.layout}: tight ({size(e.peak)} per rank against "
+                f"{size(cap)}: within the memory model's error, it may not fit)")
     else:
         head = (f"  your layout {mine.layout}: #{rank} of {len(result.ranked)}, "
                 f"{e.step:.3f} s per step")
@@ -78,7 +89,10 @@ def yours(result: Result) -> list[str]:
 
 def nothing_fits(result: Result, searcher: Searcher | None) -> list[str]:
     """How far the smallest legal layout overshoots, and the changes predicted to fit."""
-    cap = result.cluster.device.memory
+    cap = result.cap
+    if not result.too_big and result.tight:
+        return ["  none fits with the memory model's error to spare: the tight ones may "
+                "(run the fastest to see, or add ranks)"]
     if not result.too_big:
         why = "; ".join(f"{why} ({n})" for why, n in result.refused.most_common(3))
         return [f"  no legal layout on {result.cluster.ranks} ranks: {why}"]
@@ -89,8 +103,10 @@ def nothing_fits(result: Result, searcher: Searcher | None) -> list[str]:
              f"{size(e.peak - cap)} over {size(cap)} (stage {worst.stage}: weights "
              f"{size(worst.parameters)}, gradients {size(worst.gradients)}, optimizer "
              f"{size(worst.optimizer)}, activations {size(worst.activations)})"]
+    error = result.cluster.device.memory_error
     for change, peak in remedies(small, searcher, result.cluster.ranks):
-        mark = "fits" if peak <= cap else "still over"
+        mark = {"fits": "fits", "tight": "tight", "over": "still over"}[
+            memory_verdict(peak, cap, error)]
         lines.append(f"    {change}: {size(peak)} per rank, {mark}")
     share = worst.activations / max(worst.total, 1)
     lines.append(f"    a shorter sequence: activations are {share:.0%} of stage {worst.stage}'s "
@@ -127,6 +143,7 @@ def to_dict(result: Result, top: int = 10) -> dict:
         "cluster": result.cluster.to_dict(),
         "legal": result.legal,
         "fit": len(result.ranked),
+        "tight": len(result.tight),
         "seconds": result.seconds,
         "refused": dict(result.refused),
         "top": [r.to_dict() for r in result.ranked[:top]],

@@ -146,9 +146,14 @@ class Result:
     """What a search found: the fitting layouts fastest first, and what it dropped."""
 
     cluster: Cluster
+    cap: int
+    """Bytes per rank the search held the layouts to (``memory``, else the device's)."""
     ranked: list[Ranked]
     too_big: list[Ranked]
     """Legal layouts over the device's memory, smallest peak first."""
+    tight: list[Ranked]
+    """Legal layouts the memory model cannot call either way (``memory_verdict``: within
+    the device's ``memory_error`` of the cap), fastest first: they may not fit."""
     refused: Counter
     """Why illegal layouts were refused: the first words of each reason, counted."""
     legal: int
@@ -163,6 +168,16 @@ class Result:
     def rank_of(self, layout: Layout) -> int | None:
         """1-based rank of ``layout`` among the fitting ones, or None."""
         return next((i + 1 for i, r in enumerate(self.ranked) if r.layout == layout), None)
+
+
+def memory_verdict(peak: int, cap: int, error: float) -> str:
+    """'fits' when a predicted ``peak`` is under ``cap`` even if the model under-counts by
+    ``error`` (a share of the prediction), 'over' when it is over even if the model
+    over-counts by as much, else 'tight': the model cannot tell, so a search neither ranks
+    the layout nor drops it silently (docs/planner.md, "Fits, tight, over")."""
+    if peak * (1 + error) <= cap:
+        return "fits"
+    return "over" if peak * (1 - error) > cap else "tight"
 
 
 def schedule_refusal(layout: Layout, global_batch_size: int) -> str | None:
@@ -289,16 +304,9 @@ class Searcher:
         prof = self.profile(layout.key)
         if prof is None:
             raise self.failed[layout.key]
-        kept = None
         if config.parallel.splits_backward:
             check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
-            if layout.recompute != "none":
-                # the split's weight-gradient graph reads what recompute made again, kept
-                # from a micro-batch's I to its W: it holds what no recompute saves besides
-                # what recompute saved (measured, bench GPT pp2 zbh1: 249 MiB without
-                # recompute, 250 full, 273 selective, which saves most)
-                kept = self.profile(dataclasses.replace(layout.key, recompute="none"))
-        return self.composer.estimate(prof, config, memory, kept)
+        return self.composer.estimate(prof, config, memory)
 
 
 def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,
@@ -307,18 +315,21 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
            progress: Callable[[str], None] | None = None,
            space: Callable[[Layout], bool] | None = None, timed: bool = True) -> Result:
     """Every layout of ``model`` on ``cluster`` at ``global_batch_size`` samples per step
-    (``example``: one micro-batch, its sequence length the one planned), ranked. ``memory``
-    (default the device's) is the per-rank cap; ``layout`` is the user's own, estimated
-    beside; ``space`` keeps only the candidates it accepts; ``options`` are further flat
-    names every layout shares (``bucket_size``, ``overlap_param_gather``, ...). On a CPU
-    cluster the twin is timed first (``Searcher.calibrate``); ``timed=False`` keeps the
-    cluster's own rates and reserve instead (memory alone is then meaningful)."""
+    (``example``: one micro-batch, its sequence length the one planned), ranked: those
+    that fit with the memory model's error to spare (``memory_verdict``; the tight ones
+    apart). ``memory`` (default the device's) is the per-rank cap; ``layout`` is the
+    user's own, estimated beside; ``space`` keeps only the candidates it accepts;
+    ``options`` are further flat names every layout shares (``bucket_size``,
+    ``overlap_param_gather``, ...). On a CPU cluster the twin is timed first
+    (``Searcher.calibrate``); ``timed=False`` keeps the cluster's own rates and reserve
+    instead (memory alone is then meaningful)."""
     start = time.perf_counter()
     say = progress or (lambda line: None)
     s = Searcher(model, example, cluster=cluster, global_batch_size=global_batch_size,
                  precision=precision, loss_fn=loss_fn, options=options, progress=progress)
     cap = cluster.device.memory if memory is None else memory
-    ranked, too_big, refused, legal = [], [], Counter(), 0
+    ranked, too_big, tight, refused, legal = [], [], [], Counter(), 0
+    sorted_into = {"fits": ranked, "over": too_big, "tight": tight}
     pool = [c for c in candidates(cluster.ranks, len(s.twin.kinds), global_batch_size,
                                   experts=s.experts, ranks_per_node=cluster.ranks_per_node,
                                   tokens=s.composer.tokens)
@@ -338,18 +349,21 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
             refused[reason] += 1
             continue
         legal += 1
-        (ranked if est.peak <= cap else too_big).append(Ranked(cand, est))
+        verdict = memory_verdict(est.peak, cap, cluster.device.memory_error)
+        sorted_into[verdict].append(Ranked(cand, est))
         if time.perf_counter() - last > 2.0:
             last = time.perf_counter()
             say(f"{i + 1}/{len(pool)} layouts: {legal} legal, {len(ranked)} fit")
     ranked.sort(key=lambda r: r.estimate.step)
+    tight.sort(key=lambda r: r.estimate.step)
     too_big.sort(key=lambda r: r.estimate.peak)
     mine = None
     if layout is not None:
         mine = Ranked(layout, s.estimate(layout))
-    result = Result(cluster, ranked[:keep] if keep else ranked, too_big, refused, legal,
-                    time.perf_counter() - start, mine)
-    say(f"{legal} legal layouts, {len(ranked)} fit, in {result.seconds:.1f} s")
+    result = Result(cluster, cap, ranked[:keep] if keep else ranked, too_big, tight, refused,
+                    legal, time.perf_counter() - start, mine)
+    say(f"{legal} legal layouts, {len(ranked)} fit, {len(tight)} tight, in "
+        f"{result.seconds:.1f} s")
     return result
 
 
