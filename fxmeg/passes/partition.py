@@ -35,6 +35,7 @@ from fxmeg.config import ParallelConfig
 from fxmeg.errors import ConfigError, PassError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.frontend.model_checks import blocks_error
+from fxmeg.ir import ops
 from fxmeg.ir.program import Partition
 from fxmeg.ir.tags import set_tag
 from fxmeg.passes.graph_utils import bound, is_hop, subgraphs, val
@@ -48,6 +49,8 @@ of memory bandwidth) and a CPU (~10)."""
 
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 _MATMULS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default)
+# torch's grouped matmul, and transformers' own op where torch's does not run (fp32, a CPU)
+_GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 
 
 def partition(gm: fx.GraphModule, parallel: ParallelConfig) -> fx.GraphModule:
@@ -131,6 +134,15 @@ def _flops(node: fx.Node):
     if node.target == aten.scaled_dot_product_attention.default:
         q, k = val(node.args[0]), val(node.args[1])
         return 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+    # rows each through one expert's weight (transformers' MoE experts): as a matmul
+    schema = op_schema(node.target)
+    if schema is not None and schema.name in _GROUPED_MM:
+        return 2.0 * out.numel() * val(node.args[0]).shape[-1]
+    # every routed (token, expert) row through its expert's two matmuls; under ep a rank
+    # computes as many rows as it routes (balanced routing: docs/planner.md)
+    if node.target in (ops.routed_experts, ops.routed_experts_split):
+        rows, up, down = (val(node.args[i]) for i in (2, 4, 5))
+        return 2.0 * rows.numel() * (up.shape[-2] * up.shape[-1] + down.shape[-2] * down.shape[-1])
     # local queries against all cp ranks' keys
     if node.target == torch.ops.fxmeg.cp_attention.default:
         q, k = val(node.args[0]), val(node.args[1])

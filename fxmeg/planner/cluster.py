@@ -117,6 +117,9 @@ _PRESETS = {
     # peak dense TFLOP/s (bf16, tf32), HBM TB/s, NVLink GB/s per direction, network GB/s per GPU
     "h100": ("NVIDIA H100 SXM", "h100", 989 * TB, 494 * TB, 3.35 * TB, 450 * GB, 50 * GB),
     "h200": ("NVIDIA H200 SXM", "h200", 989 * TB, 494 * TB, 4.8 * TB, 450 * GB, 50 * GB),
+    # an H100 with NVLink cut to 400 GB/s both ways (DeepSeek's "Insights into DeepSeek-V3",
+    # arXiv 2505.09343); DeepEP measures about 160 GB/s of it
+    "h800": ("NVIDIA H800 SXM", "h100", 989 * TB, 494 * TB, 3.35 * TB, 200 * GB, 50 * GB),
     "a100": ("NVIDIA A100 SXM 80GB", "a100-80gb", 312 * TB, 156 * TB, 2.04 * TB, 300 * GB,
              25 * GB),
 }

@@ -43,6 +43,9 @@ def searcher() -> Searcher:
 def test_cluster_presets_overrides_and_refusals(tmp_path):
     c = cluster("h100:nodes=4")
     assert (c.ranks, c.ranks_per_node, c.device.memory) == (32, 8, DEVICES["h100"])
+    h800 = cluster("h800:memory_error=0.05")  # an H100 with NVLink cut to 400 GB/s
+    assert h800.device.flops == c.device.flops and h800.device.memory == c.device.memory
+    assert h800.intra.bandwidth < c.intra.bandwidth and h800.device.memory_error == 0.05
     c = cluster("h200:nodes=2,memory=120GiB,inter_bandwidth=25e9")
     assert (c.ranks, c.device.memory, c.inter.bandwidth) == (16, 120 * 2**30, 25e9)
     with pytest.raises(ConfigError, match="unknown cluster preset 'h1000'.*h100"):
@@ -98,7 +101,7 @@ def test_the_steady_state_extrapolates_the_simulator(searcher, name, pp, vpp, m)
     assert makespan == pytest.approx(whole.makespan, rel=0.02)
 
 
-def test_twin_keeps_one_block_of_each_kind():
+def _deepseek():
     import transformers as T
 
     cfg = T.DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -108,12 +111,35 @@ def test_twin_keeps_one_block_of_each_kind():
                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                              v_head_dim=16, n_group=1, topk_group=1)
     with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(cfg)
+        return T.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_twin_keeps_one_block_of_each_kind():
+    model = _deepseek()
     tw = twin(model)
     assert tw.kinds == (0, 1, 1, 1)
     assert len(tw.model.model.layers) == 2 and tw.model.config.num_hidden_layers == 2
     assert twin(_gpt()).kinds == (0, 0, 0, 0) and len(twin(_gpt()).model.layers) == 2
     assert len(model.model.layers) == 4  # the user's model is left whole
+
+
+def test_routed_experts_count_their_flops_at_every_ep():
+    """A MoE block's FLOPs are its attention's, the router's, the shared expert's and each
+    routed (token, expert) row's two expert matmuls: transformers' grouped matmuls at ep=1,
+    fxmeg's routed-experts op at ep=2 (both counted 0 before, so DeepSeek-V3 was planned at
+    171 GFLOPs a token, not its 281 with attention's full square)."""
+    from fxmeg.interop.hugging_face import keyword_batch
+
+    ids = torch.zeros((1, 16), dtype=torch.long, device="meta")
+    s = Searcher(_deepseek(), keyword_batch(ids, ids), cluster=cluster("h100"),
+                 global_batch_size=8, precision="fp32")
+    h, dense, expert, k, experts = 64, 128, 32, 2, 4
+    mlp = 3 * h * dense  # the dense block's MLP; the MoE block's in its place:
+    moe = h * experts + 3 * h * expert + k * 3 * h * expert  # router, shared, routed
+    for ep in (1, 2):
+        prof = s.profile(Layout(ep=ep, dp=2).key)
+        dense_block, moe_block = prof.blocks
+        assert moe_block.flops - dense_block.flops == 2 * 16 * (moe - mlp), ep
 
 
 def test_legality_and_memory_agree_with_the_passes(searcher):
