@@ -46,26 +46,80 @@ class Run:
     """Published model TFLOP/s per GPU."""
     calibrates: bool = False
     """The run that sets its GPU type's efficiency."""
+    ep: int = 1
+    schedule: str | None = None
+    """The published schedule, when the publication names one (else vpp 1/2/4 are tried
+    under 1F1B and interleaved)."""
+    compute_as: str | None = None
+    """The GPU type whose calibration this one shares (the H800 computes as an H100)."""
+    options: tuple = ()
+    """Further flat names every variant shares, as (name, value) pairs."""
 
 
 LLAMA_405B = dict(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384,
                   ffn_hidden=53248, rope_theta=500000.0)
+GPT3 = dict(vocab_size=51200)  # Narayanan et al. 2021: every model, sequence 2048
+MEGATRON = ("Narayanan et al. 2021 (Megatron-LM on A100 80GB), Table {table}: {size} GPT "
+            "on {gpus} GPUs, model-parallel size {mp} (tp8 inside a node, pp{pp}), batch "
+            "{batch}, {tflops} TFLOP/s per GPU")
+# DeepSeek's inference/configs/config_671B.json (deepseek-ai/DeepSeek-V3)
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                   moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3,
+                   num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+                   n_shared_experts=1, num_experts_per_tok=8, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                   v_head_dim=128, max_position_embeddings=4096)
+
+
+def _megatron(table: int, size: str, layers: int, hidden: int, heads: int, gpus: int,
+              pp: int, batch: int, tflops: float, **kw) -> Run:
+    source = MEGATRON.format(table=table, size=size, gpus=f"{gpus:,}", mp=8 * pp, pp=pp,
+                             batch=batch, tflops=tflops)
+    return Run(f"megatron-{size.lower()}", source, "gpt",
+               dict(GPT3, n_layer=layers, n_head=heads, n_embd=hidden), 2048, batch, "a100",
+               gpus, 8, 1, pp, tflops, **kw)
+
+
 RUNS = [
     Run("llama3-405b-8k", "Llama 3 (Meta 2024): 8K-context pre-training on 16,384 H100s, "
         "tp8 cp1 pp16 dp128, 16M tokens per step", "llama", LLAMA_405B, 8192, 2048, "h100",
         16384, 8, 1, 16, 400.0, calibrates=True),
     Run("llama3-405b-128k", "Llama 3 (Meta 2024): 128K-context training on 16,384 H100s, "
         "tp8 cp16 pp16 dp8, 16M tokens per step", "llama", LLAMA_405B, 131072, 128, "h100",
-        16384, 8, 16, 16, 380.0),
-    Run("megatron-1t", "Narayanan et al. 2021 (Megatron-LM on A100s): 1T-parameter GPT on "
-        "3,072 GPUs at 502 PFLOP/s, 52% of peak; tp8 pp64, batch 3072, sequence 2048",
-        "gpt", dict(vocab_size=51200, n_layer=128, n_head=160, n_embd=25600), 2048, 3072,
-        "a100", 3072, 8, 1, 64, 163.0, calibrates=True),
+        16384, 8, 16, 16, 380.0,
+        # Llama 3 gathers K and V (with a fused attention kernel); fxmeg's all_gather mode
+        # keeps fp32 probabilities over every key (665 GiB a rank here), its ring computes
+        # them in pieces (docs/long-context.md)
+        options=(("cp_comm_type", "p2p"),)),
+    # Table 1 gives the model-parallel size, not its split, nor the heads (those, 96 / 128 /
+    # 128 / 160, from third-party copies of the table; the FLOPs do not depend on them)
+    _megatron(1, "1T", 128, 25600, 160, 3072, 64, 3072, 163.0, calibrates=True),
+    _megatron(1, "145B", 80, 12288, 96, 1536, 8, 2304, 148.0),
+    _megatron(1, "310B", 96, 16384, 128, 1920, 16, 2160, 155.0),
+    _megatron(1, "530B", 105, 20480, 128, 2520, 35, 2520, 163.0),
+    # Table 2 (against ZeRO-3): 174.6B at model-parallel size 96 on 1,536 GPUs
+    _megatron(2, "175B", 96, 12288, 96, 1536, 12, 1536, 141.0),
+    Run("deepseek-v3", "DeepSeek-V3 (DeepSeek 2024): 2,048 H800s, pp16 (DualPipe) ep64 "
+        "ZeRO-1, no tp; 385 TFLOP/s per GPU causal, 432 counting attention's full square "
+        "(\"Insights into DeepSeek-V3\", arXiv 2505.09343, Table 4: BF16 peak, FP8 "
+        "training); batch 15360 of 4096 tokens", "deepseek-v3", DEEPSEEK_V3, 4096, 15360,
+        "h800", 2048, 1, 1, 16, 432.0, ep=64, schedule="dualpipev", compute_as="h100"),
 ]
-VARIANTS = [(vpp, rc) for vpp in (1, 2, 4) for rc in ("none", "selective", "full")]
+RECOMPUTE = ("none", "selective", "full")
+VARIANTS = [(vpp, rc) for vpp in (1, 2, 4) for rc in RECOMPUTE]
 
 
 def _model(run: Run):
+    ids = torch.zeros(1, run.seq, dtype=torch.long, device="meta")
+    if run.model == "deepseek-v3":
+        import transformers
+
+        from fxmeg.interop.hugging_face import keyword_batch
+
+        with torch.device("meta"):
+            net = transformers.AutoModelForCausalLM.from_config(
+                transformers.DeepseekV3Config(**run.shape))
+        return net, keyword_batch(ids, ids)
     with torch.device("meta"):
         if run.model == "llama":
             from models.llama import Llama, LlamaConfig
@@ -75,7 +129,6 @@ def _model(run: Run):
             from models.gpt import GPT, GPTConfig
 
             net = GPT(GPTConfig(seq_len=run.seq, **run.shape))
-    ids = torch.zeros(1, run.seq, dtype=torch.long, device="meta")
     return net, (ids, ids)
 
 
@@ -85,14 +138,16 @@ def predict(run: Run) -> dict:
     found = cluster(f"{run.gpu}:nodes={nodes}")
     net, example = _model(run)
     s = Searcher(net, example, cluster=found, global_batch_size=run.global_batch,
-                 precision="bf16")
+                 precision="bf16", options=dict(run.options))
     dp = run.gpus // (run.tp * run.cp * run.pp)
     peak_flops = found.device.peak("bf16")
     rows = []
-    for vpp, rc in VARIANTS:
-        layout = Layout(tp=run.tp, sp=run.tp > 1, cp=run.cp, pp=run.pp, vpp=vpp,
-                        schedule="interleaved" if vpp > 1 else "1f1b", dp=dp, zero=1,
-                        recompute=rc, micro_batch_size=1)
+    variants = VARIANTS if run.schedule is None else [
+        (2 if run.schedule in ("zbv", "dualpipev") else 1, rc) for rc in RECOMPUTE]
+    for vpp, rc in variants:
+        schedule = run.schedule or ("interleaved" if vpp > 1 else "1f1b")
+        layout = Layout(tp=run.tp, sp=run.tp > 1, cp=run.cp, ep=run.ep, pp=run.pp, vpp=vpp,
+                        schedule=schedule, dp=dp, zero=1, recompute=rc, micro_batch_size=1)
         try:
             e = s.estimate(layout)
         except FxmegError as exc:  # a variant fxmeg refuses (vpp not dividing the layers...)
@@ -119,11 +174,12 @@ def planner_choice(run: Run) -> dict:
 
     found = cluster(f"{run.gpu}:nodes={run.gpus // 8}")
     net, example = _model(run)
-    near = {"tp": {4, 8}, "cp": {1, run.cp}, "pp": {run.pp // 2, run.pp, run.pp * 2}}
+    near = {"tp": {run.tp, max(run.tp // 2, 1)}, "cp": {1, run.cp},
+            "pp": {run.pp // 2, run.pp, run.pp * 2}, "ep": {run.ep, run.ep // 2, run.ep * 2}}
     result = search(net, example, cluster=found, global_batch_size=run.global_batch,
-                    precision="bf16", space=lambda c: (
+                    precision="bf16", options=dict(run.options), space=lambda c: (
                         c.tp in near["tp"] and c.cp in near["cp"] and c.pp in near["pp"]
-                        and c.zero == 1 and c.micro_batch_size == 1))
+                        and c.ep in near["ep"] and c.zero == 1 and c.micro_batch_size == 1))
     best = result.best
     if best is None:
         return {"legal": result.legal}
@@ -142,9 +198,10 @@ def calibrate(results: list[dict]) -> None:
         if run.calibrates and r["best_fitting"]:
             scale[run.gpu] = run.tflops / r["best_fitting"]["tflops_per_gpu"]
     for run, r in zip(RUNS, results):
-        if r["best_fitting"] and run.gpu in scale:
-            tf = r["best_fitting"]["tflops_per_gpu"] * scale[run.gpu]
-            r["efficiency_scale"] = round(scale[run.gpu], 3)
+        kind = run.compute_as or run.gpu
+        if r["best_fitting"] and kind in scale:
+            tf = r["best_fitting"]["tflops_per_gpu"] * scale[kind]
+            r["efficiency_scale"] = round(scale[kind], 3)
             r["calibrated_tflops_per_gpu"] = round(tf, 1)
             r["error"] = round(tf / run.tflops - 1, 3)
 
