@@ -5,6 +5,8 @@ vocabulary is ``fxmeg.runtime.pipeline.actions``, the overview
 
 from __future__ import annotations
 
+import bisect
+
 from fxmeg import schedule_registry
 from fxmeg.config_sections import P2P_MODES
 from fxmeg.errors import ConfigError
@@ -226,38 +228,65 @@ def _free_when_received(
     it had posted that receive. None where that comes only after the backward of the
     same micro-batch, which frees the activation anyway."""
     frees: dict[int, dict[int, list[Step]]] = {r: {} for r in lowered}  # rank -> before step i
+    index = _Index(lowered, where)
     for rank, steps in lowered.items():
         for i, send in (
             (i, a) for i, step in enumerate(steps) for a in step if a.kind is Kind.SEND_F
         ):
-            q = _reply_read(lowered, where, _receive_of(send), rank)  # this rank reads the reply
-            j = next(
-                (k for k in range(max(i, q) + 1, len(steps)) if steps[k][0].kind in COMPUTE),
-                len(steps),
-            )
-            backward = [Action(send.chunk, k, send.mb) for k in BACKWARD]
-            if any(step[0] in backward for step in steps[:j]):
+            q = index.reply_read(_receive_of(send), rank)  # this rank reads the reply
+            j = index.next_compute(rank, max(i, q) + 1)
+            first_backward = min(index.head_of[rank].get(Action(send.chunk, k, send.mb),
+                                                         len(steps)) for k in BACKWARD)
+            if first_backward < j:  # its backward, which frees the activation anyway
                 continue
             frees[rank].setdefault(j, []).append((Action(send.chunk, Kind.DEALLOC, send.mb),))
     return {r: [s for i, step in enumerate(steps) for s in (*frees[r].get(i, []), step)]
             + frees[r].get(len(steps), []) for r, steps in lowered.items()}
 
 
-def _reply_read(
-    lowered: dict[int, list[Step]], where: tuple[int, ...], recv: Action, rank: int
-) -> int:
-    """The index of ``rank``'s compute that reads the first message to ``rank`` that the
-    owner of ``recv`` posts from ``recv``'s post on (len of the steps when none)."""
-    peer, mine = where[recv.chunk], lowered[rank]
-    posted = next(i for i, step in enumerate(lowered[peer]) if recv in step)
-    reply = next((a for step in lowered[peer][posted:] for a in step
-                  if is_send(a) and where[peer_chunk(a)] == rank), None)
-    if reply is None:
-        return len(mine)
-    wanted = _receive_of(reply)
-    return next(
-        i for i, step in enumerate(mine) if step[0].kind in COMPUTE and input_of(step[0]) == wanted
-    )
+class _Index:
+    """Where things are in lowered steps, found once: the scans ``_free_when_received``
+    made per send were quadratic in the micro-batches (the layout search lowers dualpipev
+    at pp 64 with 512 of them)."""
+
+    def __init__(self, lowered: dict[int, list[Step]], where: tuple[int, ...]) -> None:
+        self.lowered, self.where = lowered, where
+        self.step_of: dict[int, dict[Action, int]] = {}  # the first step holding an action
+        self.head_of: dict[int, dict[Action, int]] = {}  # ... as the step's first
+        self.reader: dict[int, dict[Action, int]] = {}  # the compute reading a receive
+        self.sends: dict[tuple[int, int], list[tuple[int, Action]]] = {}  # (peer, to) -> sends
+        self.computes: dict[int, list[int]] = {}
+        for rank, steps in lowered.items():
+            first, head, reads, computes = {}, {}, {}, []
+            for i, step in enumerate(steps):
+                head.setdefault(step[0], i)
+                for a in step:
+                    first.setdefault(a, i)
+                    if is_send(a):
+                        self.sends.setdefault((rank, where[peer_chunk(a)]), []).append((i, a))
+                if step[0].kind in COMPUTE:
+                    computes.append(i)
+                    reads.setdefault(input_of(step[0]), i)
+            self.step_of[rank], self.head_of[rank] = first, head
+            self.reader[rank], self.computes[rank] = reads, computes
+
+    def next_compute(self, rank: int, start: int) -> int:
+        """The first compute step of ``rank`` at or after ``start`` (len of the steps when
+        none)."""
+        computes = self.computes[rank]
+        k = bisect.bisect_left(computes, start)
+        return computes[k] if k < len(computes) else len(self.lowered[rank])
+
+    def reply_read(self, recv: Action, rank: int) -> int:
+        """The index of ``rank``'s compute that reads the first message to ``rank`` that
+        the owner of ``recv`` posts from ``recv``'s post on (len of the steps when none)."""
+        peer = self.where[recv.chunk]
+        posted = self.step_of[peer][recv]
+        sends = self.sends.get((peer, rank), [])
+        k = bisect.bisect_left(sends, posted, key=lambda s: s[0])
+        if k == len(sends):
+            return len(self.lowered[rank])
+        return self.reader[rank][_receive_of(sends[k][1])]
 
 
 def _receive_of(send: Action) -> Action:
