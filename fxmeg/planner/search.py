@@ -150,7 +150,8 @@ class Result:
     """Bytes per rank the search held the layouts to (``memory``, else the device's)."""
     ranked: list[Ranked]
     too_big: list[Ranked]
-    """Legal layouts over the device's memory, smallest peak first."""
+    """Legal layouts over ``cap`` even if the memory model over-counts (``memory_verdict``),
+    smallest peak first."""
     tight: list[Ranked]
     """Legal layouts the memory model cannot call either way (``memory_verdict``: within
     the device's ``memory_error`` of the cap), fastest first: they may not fit."""
