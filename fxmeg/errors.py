@@ -63,7 +63,10 @@ class CheckpointError(FxmegError):
 
 
 def closest(name: str, choices: Iterable[str]) -> str:
-    """' (did you mean X?)' for the nearest valid name, or '' when none is near."""
+    """' (did you mean X?)' for the nearest valid name, or '' when none is near (or
+    ``name`` is no string: ``recompute=None``, Megatron's spelling of 'none')."""
+    if not isinstance(name, str):
+        return ""
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
 

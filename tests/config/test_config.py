@@ -200,6 +200,10 @@ def test_a_misspelt_flat_name_is_refused_with_the_nearest():
             lambda: TrainConfig.from_flat("run.toml", data="x", train_iters=1, comm_timeout=5.0),
             "unknown config key 'comm_timeout' in run.toml (did you mean 'comm_timeout_s'?)",
         ),
+        (  # Megatron's recompute_granularity spells 'none' None: refused by name, no TypeError
+            lambda: make_config(example, world=None, recompute=None),
+            "recompute=None must be 'none', 'selective' or 'full'",
+        ),
     ]:
         with pytest.raises(ConfigError) as err:
             build()
