@@ -266,13 +266,10 @@ class Executor:
             ]
 
     def _weight_grad(self, a: Action) -> None:
-        """W: the chunk's weight gradients, added to their gradient buffers."""
+        """W: the chunk's weight gradients, each added to its gradient buffer as it is made."""
         chunk = self.split[a.chunk]
         with torch.no_grad():
-            grads = chunk.weight(*self._state.carry.pop((a.chunk, a.mb)))
-        for p, g in zip(chunk.weights, grads):
-            if g is not None:
-                self.hooks.accumulate(p, g)
+            chunk.weight_grads(self._state.carry.pop((a.chunk, a.mb)), self.hooks.accumulate)
         if self.hooks.on_backward is not None:
             self.hooks.on_backward(a.chunk)
 
@@ -347,16 +344,54 @@ class _SplitChunk:
         self._state = [tensors[n] for n in self.spec.state]
         self.weights = [tensors[n] for n in self.spec.weights]
         wrap = (lambda g: torch.compile(g, dynamic=False)) if compile else (lambda g: g)
-        self.forward, self.input, self.weight = (
-            wrap(gm.zb_forward),
-            wrap(gm.zb_input),
-            wrap(gm.zb_weight),
-        )
+        self.forward, self.input = wrap(gm.zb_forward), wrap(gm.zb_input)
+        # compiled, the weight graph returns its gradients together (a callback inside
+        # would break the graph); eager, it hands each on as it is made
+        self._weight = wrap(gm.zb_weight) if compile else _streamed(gm.zb_weight)
+        self._streams = not compile
+
+    def weight_grads(self, carry: tuple, accumulate) -> None:
+        """Run the weight-gradient graph on ``carry``, calling ``accumulate(parameter,
+        gradient)`` for each gradient: eager, as soon as it is made, so that the chunk's
+        gradients are never all alive at once (the W step held them together, a transient
+        as large as the chunk's weights)."""
+        if self._streams:
+            self._weight(lambda i, g: accumulate(self.weights[i], g), *carry)
+            return
+        for p, g in zip(self.weights, self._weight(*carry)):
+            if g is not None:
+                accumulate(p, g)
 
     def state(self) -> list[torch.Tensor]:
         """Parameters then buffers, as their current values (a distributed optimizer moves
         parameters' storage; the objects stay)."""
         return [t.detach() for t in self._state]
+
+
+def _streamed(weights: fx.GraphModule) -> fx.GraphModule:
+    """A copy of weight-gradient graph ``weights`` that takes a callback first and calls
+    it with (index, gradient) right after each gradient is made, returning nothing: the
+    generated code then drops each gradient once handed on."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    sink = graph.placeholder("sink")
+    out = weights.graph.output_node()
+    made = {}
+    for i, g in enumerate(out.args[0]):
+        if isinstance(g, fx.Node):
+            made.setdefault(g, []).append(i)
+    for node in weights.graph.nodes:
+        if node is out:
+            break
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        for i in made.get(node, ()):
+            graph.call_function(_hand_on, (sink, i, env[node]))
+    graph.output(())
+    return fx.GraphModule(weights, graph)
+
+
+def _hand_on(sink, index: int, grad: torch.Tensor) -> None:
+    sink(index, grad)
 
 
 def _saves_its_result(t: torch.Tensor, memo: dict[tuple[type, int], bool]) -> bool:
