@@ -33,6 +33,7 @@ from fxmeg.diagnostics.saved_activations import (
     by_block,
     recompute_working_bytes,
 )
+from fxmeg.diagnostics.split_activations import held_weights
 from fxmeg.errors import ConfigError
 from fxmeg.frontend.capture import LossFn
 from fxmeg.frontend.pass_driver import transform
@@ -41,7 +42,7 @@ from fxmeg.ir import ops
 from fxmeg.ir.program import Program
 from fxmeg.passes.graph_utils import is_hop, val
 from fxmeg.passes.partition import node_flops
-from fxmeg.passes.split_backward import SPLIT_GRAPHS, planning
+from fxmeg.passes.split_backward import SPLIT_GRAPHS
 from fxmeg.runtime.data_parallel.zero import IN_FLIGHT
 from fxmeg.runtime.pipeline import schedules, simulator
 
@@ -241,8 +242,7 @@ def plan(model: nn.Module, example: Example, *, loss_fn: LossFn | None = None,
         par = config.parallel
         config = config.resolve(par.model_ranks * (par.dp or 1))  # dp=None: one replica
     with _pass_progress(progress):
-        with planning():  # a zero-bubble split traced on meta, as the graph is
-            program = transform(meta_twin(model), example, config, loss_fn=loss_fn, **options)
+        program = transform(meta_twin(model), example, config, loss_fn=loss_fn, **options)
     result = plan_of(program, progress=progress)
     return result if device_memory is None else result.with_device(device_memory)
 
@@ -353,7 +353,7 @@ def _stage(program: Program, config: EngineConfig, stage: int,
     acts = [activation_bytes(gm) for gm in graphs]
     act, largest = max(acts), graphs[acts.index(max(acts))]
     where = program.placement or schedules.round_robin(par.pp, program.num_chunks)
-    held = sim.peak_held_by(where, dict(zip(mine, acts)))[stage]
+    held = sim.peak_held_by(where, *held_weights(mine, graphs, acts))[stage]
     working = max(recompute_working_bytes(gm) for gm in graphs)
     attention = max(attention_working_bytes(gm) for gm in graphs)
     inside, outside, entering = by_block(largest)

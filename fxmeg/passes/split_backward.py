@@ -36,7 +36,6 @@ import contextvars
 import copy
 import inspect
 import operator
-import warnings
 
 import torch
 from torch import fx
@@ -44,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxmeg.config import ParallelConfig
 from fxmeg.errors import PassError
-from fxmeg.frontend.capture import retarget
+from fxmeg.frontend.capture import owning_module, retarget
 from fxmeg.ir import ops
 from fxmeg.ir.program import ChunkInfo, SplitSpec, chunk_spec
 from fxmeg.ir.tags import set_tag
@@ -91,6 +90,7 @@ def _split_chunk(gm: fx.GraphModule) -> None:
     params = [n for n, _ in gm.named_parameters()]
     buffers = [n for n, _ in gm.named_buffers()]
     flat, recompute = _inline_regions(gm)
+    _name_makers(flat)
     experts = _opaque_experts(flat)
     _own_outputs(flat)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
@@ -205,30 +205,12 @@ def _runnable_experts(forward: fx.GraphModule, inputs: fx.GraphModule, weights: 
 SPLIT_GRAPHS = ("zb_forward", "zb_input", "zb_weight")
 """The submodules a split chunk graph carries (the chunk's own graph stays its forward)."""
 
-PLANNING = contextvars.ContextVar("fxmeg_split_planning", default=False)
-"""True while a program is transformed only to be planned (``fxmeg.plan``, the layout
-search): nothing runs it, so a meta model's chunks are split on meta fakes, the device its
-graph was captured on. A program that will run is split on fakes of the device it will run
-on (``RUN_DEVICE``): the kernels the trace picks follow the fakes' device (SDPA's backward
-among them), and a run on CPU must get the CPU ones (meta fakes moved the variable-length
-zbh1 scenario's loss by 7e-4)."""
-
 RUN_DEVICE = contextvars.ContextVar("fxmeg_split_device", default=torch.device("cpu"))
-"""Where a meta model's program will compute (``transform`` sets it: ``running_on``)."""
-
-
-@contextlib.contextmanager
-def planning():
-    """Transform for a plan: ``PLANNING`` set inside. The meta trace of a loss's backward
-    warns that nll_loss has no autograd kernel for meta; the plan reads the split's saved
-    tensors, which match the CPU split's (tests/planner/test_search.py), so it is silenced."""
-    token = PLANNING.set(True)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
-            yield
-    finally:
-        PLANNING.reset(token)
+"""Where a meta model's program will compute (``transform`` sets it: ``running_on``): the
+kernels the trace picks follow the fakes' device (SDPA's backward among them), and a run on
+CPU must get the CPU ones. A program transformed only to be planned (``fxmeg.plan``, the
+layout search) is split on CPU fakes too: on meta fakes the loss's backward is lost (nll_loss
+has no autograd kernel for meta), and the last chunk's split saved and carried nothing."""
 
 
 @contextlib.contextmanager
@@ -244,8 +226,8 @@ def running_on(device: torch.device):
 
 
 def fake_device() -> torch.device:
-    """The device a meta model's chunk is split on (``PLANNING``, ``RUN_DEVICE``)."""
-    return torch.device("meta") if PLANNING.get() else RUN_DEVICE.get()
+    """The device a meta model's chunk is split on (``RUN_DEVICE``)."""
+    return RUN_DEVICE.get()
 
 
 def _fake(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -294,6 +276,16 @@ def _made_where_split(gm: fx.GraphModule, flat: fx.GraphModule) -> fx.GraphModul
     if any(t.is_meta for t in gm.parameters()) and fake_device().type != "meta":
         retarget(flat, fake_device())
     return flat
+
+
+def _name_makers(flat: fx.GraphModule) -> None:
+    """Give the nodes the passes made (a sequence-parallel gather, say) the module they
+    work for as an ``nn_module_stack``, which the traced graphs keep: what a split chunk
+    holds is then told by module (``fxmeg.diagnostics.split_activations``)."""
+    for node in flat.graph.nodes:
+        module = owning_module(node)
+        if node.op == "call_function" and module and not node.meta.get("nn_module_stack"):
+            node.meta["nn_module_stack"] = {module: (module, "")}
 
 
 def _own_outputs(gm: fx.GraphModule) -> None:

@@ -20,10 +20,12 @@ each stage holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fxmeg.config import EngineConfig
 from fxmeg.diagnostics.layout_plan import ADAM_STATES, B_COST, F_COST
+from fxmeg.diagnostics.split_activations import RECEIVED, SENT_GRADIENT
 from fxmeg.passes.partition import _balanced_starts, _rank_balanced
 from fxmeg.planner.calibrate import Timing
 from fxmeg.planner.cluster import Cluster, Link
@@ -274,17 +276,18 @@ class Composer:
                 f_cost=F_COST, b_cost=B_COST, latency=latency)
         return self._sims[key]
 
-    def held(self, name: str, pp: int, vpp: int, m: int,
-             weights: dict[int, float]) -> dict[int, float]:
+    def held(self, name: str, pp: int, vpp: int, m: int, weights: dict[int, float],
+             carry: dict[int, float] | None = None) -> dict[int, float]:
         """Per pipeline rank, the most activation bytes held at once, each micro-batch
-        weighing its chunk's ``weights`` (``Simulation.peak_held_by``). They follow each rank's
-        own compute order, not the costs: unit costs, 2 pp micro-batches, unless a rank then
-        holds every one of them (GPipe holds all m)."""
+        weighing its chunk's ``weights``, and ``carry`` from its I until its W
+        (``Simulation.peak_held_by``). They follow each rank's own compute order, not the
+        costs: unit costs, 2 pp micro-batches, unless a rank then holds every one of them
+        (GPipe holds all m)."""
         sim_m = simulated_microbatches(m, pp, name, held=True)
         sim = self._simulate((name, pp, vpp, sim_m), None, 0.0)
         if sim_m < m and max(sim.peak_held.values()) >= sim_m:
             sim = self._simulate((name, pp, vpp, m), None, 0.0)
-        return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights)
+        return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights, carry)
 
     def _links(self, tp: int, cp: int, ep: int) -> tuple:
         cl = self.cluster
@@ -324,10 +327,12 @@ class Composer:
         extra = (m - sim_m) * sim.busy[busiest] / sim_m
         return sim.makespan + extra, sim.busy[busiest] + extra, busiest
 
-    def estimate(self, profile: Profile, config: EngineConfig,
-                 memory: int | None = None) -> Estimate:
+    def estimate(self, profile: Profile, config: EngineConfig, memory: int | None = None,
+                 split: Mapping[str, tuple[int, int]] | None = None) -> Estimate:
         """``config``'s prediction; with ``memory`` (bytes per rank), a layout over it gets
-        its memory only (step = inf: its time is not modelled)."""
+        its memory only (step = inf: its time is not modelled). ``split``: under a
+        zero-bubble schedule, what one sample of each part holds from F until I and from I
+        until W (``profile.check_split``), in place of its saved activations."""
         cl, par = self.cluster, config.parallel
         mbs, m = config.micro_batch_size, config.num_microbatches
         tp, cp, ep, pp, dp = par.tp, par.cp, par.ep, par.pp, par.dp
@@ -340,8 +345,11 @@ class Composer:
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
-        held = self.held(name, pp, par.vpp, m, {
-            c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
+        if split is None:
+            held = self.held(name, pp, par.vpp, m, {
+                c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
+        else:
+            held = self.held(name, pp, par.vpp, m, *split_weights(chunks, split, mbs))
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
@@ -454,6 +462,9 @@ class Composer:
         parts = [p for c in chunks for p in c]
         transient = max(2 * max((p.largest for p in parts), default=0),
                         max((p.working for p in parts), default=0)) * mbs
+        if par.splits_backward:  # W makes a weight's whole gradient while the carry is held
+            transient = max(transient, max((b for p in parts for b, _, _ in p.params.values()),
+                                           default=0))
         activations = held + working
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,
                              transient, self.reserved, params + grads + optimizer + activations
@@ -481,6 +492,25 @@ def _buckets(chunks: list[list[Part]], bucket_size: int | None) -> tuple[int, in
     if shared:
         return largest, min(outside, cap)
     return max(largest, min(outside, cap)), 0
+
+
+def split_weights(chunks: list[list[Part]], split: Mapping[str, tuple[int, int]],
+                  mbs: int) -> tuple[dict[int, int], dict[int, int]]:
+    """``Composer.held``'s (weights, carry) under a zero-bubble schedule: per chunk, a
+    micro-batch's bytes from F until I and from I until W (``profile.check_split``'s
+    ``split``). The first chunk receives nothing: its I is nearly empty, and its parts hold
+    their saved activations until W; each chunk that sends keeps the gradient it got back."""
+    weights, carry = {}, {}
+    last, none = len(chunks) - 1, (0, 0)
+    for c, parts in enumerate(chunks):
+        if c == 0:
+            kept = [sum(p.activations for p in parts)] * 2
+        else:
+            kept = [sum(split.get(p.name, none)[i] for p in parts) + split.get(RECEIVED, none)[i]
+                    for i in (0, 1)]
+        sent = split.get(SENT_GRADIENT, none)[1] if c < last else 0
+        weights[c], carry[c] = kept[0] * mbs, (kept[1] + sent) * mbs
+    return weights, carry
 
 
 def _zero_working(largest: int, tied: int, size: int, dpc) -> int:

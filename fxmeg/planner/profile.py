@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from fxmeg.config import EngineConfig, Example
 from fxmeg.diagnostics.saved_activations import attention_working, region_bytes, saved_tensors
+from fxmeg.diagnostics.split_activations import RECEIVED, SENT_GRADIENT, split_held
 from fxmeg.errors import FxmegError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.frontend.model_checks import model_config, module_blocks
@@ -36,7 +37,6 @@ from fxmeg.frontend.variable_shapes import meta_twin
 from fxmeg.ir import ops
 from fxmeg.passes.graph_utils import attr, is_hop, val
 from fxmeg.passes.partition import node_bytes, node_cost, node_flops
-from fxmeg.passes.split_backward import planning
 
 PRE, POST = "pre", "post"
 
@@ -163,7 +163,8 @@ class Twin:
     own: tuple[int, ...] = ()
     """Per block of the twin itself, the index of its kind."""
     profiles: dict[Key, Profile] = field(default_factory=dict)
-    split_checked: dict[Key, Exception | None] = field(default_factory=dict)
+    split_checked: dict[Key, Exception | dict[str, tuple[int, int]]] = field(default_factory=dict)
+    """Per key, its zero-bubble split's refusal or what each part holds (``check_split``)."""
 
 
 def signature(module: nn.Module) -> tuple:
@@ -262,27 +263,57 @@ def profile(tw: Twin, example: Example, key: Key, base: EngineConfig, loss_fn=No
     return found
 
 
-def check_split(tw: Twin, example: Example, key: Key, base: EngineConfig, loss_fn=None) -> None:
+def check_split(tw: Twin, example: Example, key: Key, base: EngineConfig,
+                loss_fn=None) -> dict[str, tuple[int, int]]:
     """Raise what the passes raise for ``key`` under a zero-bubble schedule (the
-    split_backward pass, which the pp = 1 profile does not run): the twin transformed at
-    pp = 2 under zbh1 (cached)."""
+    split_backward pass, which the pp = 1 profile does not run). Returns, per part, what
+    one sample holds under that split (``split_held``: bytes from F until I, from I until
+    W) in a chunk that receives: every chunk but the first, whose I is nearly empty (its
+    parts hold their saved activations until W). Besides the parts, the pipeline boundary:
+    ``RECEIVED`` (what a receiving chunk keeps of its input) and ``SENT_GRADIENT`` (the
+    gradient of what a sending chunk sent, kept until W). Both come from the twin with each
+    block twice (``deeper``) at pp = 2 under zbh1, cut after the first block (cached): a
+    block's is the mean of its copies in the second chunk, whose modules outside the blocks
+    are ``post``'s."""
     if key not in tw.split_checked:
+        model = deeper(tw)
+        blocks = module_blocks(model)
         config = base.replace(
             micro_batch_size=1, global_batch_size=key.ep, tp=key.tp, cp=key.cp, pp=2, vpp=1,
             dp=key.ep, schedule="zbh1", sequence_parallel=key.sp, ep=key.ep,
             expert_tensor_parallel_size=key.expert_tp, recompute=key.recompute,
-            recompute_num_layers=None, split_points=None, zero=0, distributed_optimizer=False)
+            recompute_num_layers=None, split_points=blocks[1:2] or None, zero=0,
+            distributed_optimizer=False)
         try:
             with warnings.catch_warnings():  # a refused split's backward trace warns from
                 # torch's anomaly mode before the refusal is raised: the refusal says it
                 warnings.filterwarnings("ignore", message="Error detected in")
-                with planning():
-                    transform(meta_twin(tw.model), one_sample(example), config, loss_fn=loss_fn)
-            tw.split_checked[key] = None
+                program = transform(model, one_sample(example), config, loss_fn=loss_fn)
+            tw.split_checked[key] = _split_parts(program, tw)
         except FxmegError as e:
             tw.split_checked[key] = e
-    if tw.split_checked[key] is not None:
+    if isinstance(tw.split_checked[key], Exception):
         raise tw.split_checked[key]
+    return tw.split_checked[key]
+
+
+def _split_parts(program, tw: Twin) -> dict[str, tuple[int, int]]:
+    """``check_split``'s answer from the deeper twin's ``program``: its blocks' part names
+    are their kinds' (each twin block is there twice), and ``RECEIVED`` and
+    ``SENT_GRADIENT`` the pipeline boundary's (of the second chunk and the first)."""
+    names, blocks = module_blocks(tw.model), list(program.partition.blocks)
+    own = tw.own or tuple(range(len(names)))
+    kind = {b: names[own[i // 2]] for i, b in enumerate(blocks)}
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    copies: dict[str, set[str | None]] = defaultdict(set)
+    first, last = split_held(program.chunks[0]), split_held(program.chunks[-1])
+    for module, kept in last.items():
+        block = _block(module, blocks)
+        part = kind[block] if block is not None else module if module == RECEIVED else POST
+        copies[part].add(block)
+        sums[part] = [a + b for a, b in zip(sums[part], kept)]
+    found = {p: (a // len(copies[p]), b // len(copies[p])) for p, (a, b) in sums.items()}
+    return found | {SENT_GRADIENT: first.get(SENT_GRADIENT, (0, 0))}
 
 
 def _parts(program, kinds: int) -> Profile:

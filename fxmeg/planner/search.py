@@ -305,9 +305,10 @@ class Searcher:
         prof = self.profile(layout.key)
         if prof is None:
             raise self.failed[layout.key]
+        split = None
         if config.parallel.splits_backward:
-            check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
-        return self.composer.estimate(prof, config, memory)
+            split = check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
+        return self.composer.estimate(prof, config, memory, split)
 
 
 def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,

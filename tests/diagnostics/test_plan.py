@@ -407,8 +407,8 @@ def test_a_llama_layer_keeps_megatrons_formula_plus_the_named_differences():
 
 
 def test_zero_bubble_schedules_are_planned_and_save_what_one_f_one_b_saves():
-    """``fxmeg.plan`` transforms a meta twin; its zero-bubble split is traced on meta fakes
-    (split_backward.planning()). Forward saves the same tensors whichever backward runs
+    """``fxmeg.plan`` transforms a meta twin; its zero-bubble split is traced on CPU fakes
+    (split_backward.RUN_DEVICE). Forward saves the same tensors whichever backward runs
     them: under zbh1 each stage's activations per micro-batch are the 1F1B plan's, within
     the few tensors the split keeps for W (5%), and the forward FLOPs are the same. zbv and
     dualpipev (V placement) are planned."""

@@ -238,14 +238,19 @@ def test_composer_is_shared_per_search(searcher):
     assert searcher.composer.sample_flops > 0
 
 
-def test_full_recompute_saves_held_activations_under_every_schedule(searcher):
-    """Under a zero-bubble schedule as under 1F1B, a held micro-batch keeps what recompute
-    saves (measured by bench/search_check.py, bench GPT pp2 zbh1: 248 MiB without recompute,
-    230 with full; the 250 measured before was torch's compiler stack, which the
-    partitioner's CSE pass imported and no longer does)."""
+def test_full_recompute_saves_what_a_micro_batch_holds_until_its_input_gradient(searcher):
+    """Full recompute drops what forward saves, not what the weight gradients read. Under
+    1F1B every stage holds less (the last by over a fifth). Under zbh1 the first stage,
+    whose I is nearly empty (it holds its saved tensors until W), holds less too; the last
+    receives, and from each micro-batch's I to its W it carries the weight matmuls' inputs
+    and output gradients, recomputed or not (``profile.check_split``; the bench GPT's block
+    carries 3.5 MiB with and without recompute, against 4.0 and 0.25 MiB saved)."""
     def activations(schedule, rc):
         est = searcher.estimate(Layout(pp=2, schedule=schedule, recompute=rc))
         return [s.activations for s in est.stages]
-    for schedule in ("1f1b", "zbh1"):
-        assert all(a < b for a, b in zip(activations(schedule, "full"),
-                                          activations(schedule, "none")))
+    (first, last), (first_full, last_full) = activations("1f1b", "none"), activations(
+        "1f1b", "full")
+    assert first_full < first and last_full < 0.8 * last
+    (first, last), (first_full, last_full) = activations("zbh1", "none"), activations(
+        "zbh1", "full")
+    assert first_full < 0.5 * first and last_full > 0.9 * last

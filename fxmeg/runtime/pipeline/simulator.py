@@ -46,23 +46,28 @@ class Simulation:
     def bubble(self, rank: int) -> float:
         return 1.0 - self.busy[rank] / self.makespan
 
-    def peak_held_by(self, placement: Sequence[int],
-                     weights: Mapping[int, float]) -> dict[int, float]:
+    def peak_held_by(self, placement: Sequence[int], weights: Mapping[int, float],
+                     carry: Mapping[int, float] | None = None) -> dict[int, float]:
         """Per rank, ``peak_held`` with each held micro-batch weighed by its chunk: the most
         ``weights[chunk]`` summed over the micro-batches forwarded whose weight gradient (W
         or B) has not run. Under an interleaved schedule a rank's chunks hold different
         amounts (the one with the head holds its logits), and its peak is not the largest
-        chunk's times the most held. ``placement``: each chunk's rank; the ranks of the
-        chunks ``weights`` names are answered."""
+        chunk's times the most held. ``carry``: what a split chunk's micro-batch holds
+        instead from its I until its W (``split_activations``; default: ``weights`` on).
+        ``placement``: each chunk's rank; the ranks of the chunks ``weights`` names are
+        answered."""
         runs: dict[int, list[tuple[float, Action]]] = {}
         for a, (start, _) in self.spans.items():
-            if a.kind in (Kind.F, Kind.B, Kind.W) and a.chunk in weights:
+            if a.kind in (Kind.F, Kind.B, Kind.I, Kind.W) and a.chunk in weights:
                 runs.setdefault(placement[a.chunk], []).append((start, a))
+        after_i = carry if carry is not None else weights
         peak = {}
         for rank, actions in runs.items():
             held = best = 0.0
             for _, a in sorted(actions, key=lambda run: run[0]):
-                held += weights[a.chunk] if a.kind is Kind.F else -weights[a.chunk]
+                held += {Kind.F: weights[a.chunk], Kind.B: -weights[a.chunk],
+                         Kind.I: after_i[a.chunk] - weights[a.chunk],
+                         Kind.W: -after_i[a.chunk]}[a.kind]
                 best = max(best, held)
             peak[rank] = best
         return peak
