@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 RUNS = ("fxmeg-zero3", "fsdp2", "fxmeg-zero1", "fxmeg-zero3-post")
@@ -38,7 +38,7 @@ def _rss() -> int:
 
 
 def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident()
 
 
 def _data(args, world: int):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import spawn, write_gathered  # noqa: E402
 from bench.torch_ring import Loss, _make, torch_ring_step  # noqa: E402
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 
 CP, HEADS, HEAD_DIM, VOCAB = 4, 4, 32, 256
 MODES = ("all_gather", "p2p", "a2a", "a2a+p2p")
@@ -57,7 +57,7 @@ def rss() -> int:
 
 
 def peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident()
 
 
 def _options(mode: str) -> dict:

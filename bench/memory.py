@@ -41,7 +41,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import sys
 import tempfile
 
@@ -51,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxmeg  # noqa: E402
 from bench.common import spawn, write_gathered  # noqa: E402
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -61,8 +61,8 @@ def rss() -> int:
 
 
 def peak() -> int:
-    """Peak resident set of this process so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set of this process so far, bytes (its own: ``peak_resident``)."""
+    return peak_resident()
 
 
 def config(args) -> GPTConfig:

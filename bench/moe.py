@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxmeg  # noqa: E402
 from bench.common import median, parser, spawn, timed, write_gathered  # noqa: E402
 from bench.memory import peak, rss  # noqa: E402
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 from fxmeg.runtime import timelines  # noqa: E402
 
 RUNS = {"ep1": 1, "ep2": 2}
@@ -173,8 +174,7 @@ def speed(rank: int, world: int, args: argparse.Namespace) -> None:
 
 def hwm() -> int:
     """Peak resident set since the last reset (``reset_hwm``), bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    return peak_resident()
 
 
 def reset_hwm() -> bool:

@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 
 SHAPE = {"vocab": 128256, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672}
 LAYOUT = {"tp": 8, "pp": 8, "vpp": 2, "global_batch_size": 64, "precision": "bf16"}
@@ -83,7 +84,7 @@ def one(kind: str, layers: int, seq: int) -> dict:
         "build_s": round(built - start, 2),
         "passes_s": passes,
         "plan_s": round(end - built - sum(passes.values()), 2),
-        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "max_rss_mib": round(peak_resident() / 2**20),
         "total_parameters": plan.total_parameters,
         "stage0": {
             k: getattr(first, k)

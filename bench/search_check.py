@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.common import spawn, timed, write_gathered  # noqa: E402
+from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 
 SEQ, GBS = 256, 8
 
@@ -100,7 +100,7 @@ def train(rank: int, world: int, kind: str, options: dict, split, args, out: str
         t = timed(lambda: engine.train_step(data if engine.needs_data else None))
         if i >= args.warmup:
             times.append(t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = peak_resident() - base
     write_gathered({"step": statistics.median(times), "peak": peak}, out)
 
 

@@ -22,13 +22,14 @@ cross-entropy, which fxmeg trains in bench/long_context.py.
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fxmeg.diagnostics.devices import peak_resident
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LAYERS = 256, 128, 4, 32, 2
 
@@ -82,7 +83,7 @@ class Loss(nn.Module):
 
 
 def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return peak_resident()
 
 
 def _make(seq):

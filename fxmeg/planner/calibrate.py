@@ -125,11 +125,10 @@ def _time_keys(rank: int, world: int, model: nn.Module, deep: nn.Module, example
     ``deep`` at each of ``RUNS`` and ``DEEPER_RUNS`` (and ``SHARDED_RUNS``), the slowest
     rank's, and the first
     run's peak resident bytes above ``base``, written by rank 0 to ``out``."""
-    import resource
-
     import torch.distributed as dist
 
     import fxmeg
+    from fxmeg.diagnostics.devices import peak_resident
 
     torch.set_num_threads(1)
     # the initialisation's tiny values turn denormal within a few Adam steps, and a CPU
@@ -164,7 +163,7 @@ def _time_keys(rank: int, world: int, model: nn.Module, deep: nn.Module, example
                     times.append(float(took))
                 steps.append(statistics.median(times[1:]))
                 if not found and not peak:
-                    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+                    peak = peak_resident() - base
                 del engine
             found.append({"steps": steps, "peak": peak})
         if rank == 0:
@@ -185,7 +184,7 @@ def cache_path(model: nn.Module, example: Example, options: dict, world: int) ->
                                         for n, p in model.named_parameters()],
                  [(tuple(t.shape), str(t.dtype)) for t in example_tensors(example)],
                  sorted(options.items()), world, torch.__version__, RUNS, DEEPER_RUNS,
-                 SHARDED_RUNS))
+                 SHARDED_RUNS, "VmHWM"))  # peaks read as the process's own (not ru_maxrss)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return os.path.join(os.path.dirname(cluster_cache()), f"twin-{digest}.json")
 
