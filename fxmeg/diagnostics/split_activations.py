@@ -66,6 +66,17 @@ def split_held(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
     return {m: (a, b) for m, (a, b) in kept.items() if a or b}
 
 
+def split_nodes(gm: fx.GraphModule) -> dict[str, int]:
+    """Per module (as ``split_held``; '' for the rest), the nodes of split chunk ``gm``'s
+    three graphs: what a rank's host memory holds of them scales with it
+    (``cluster.SPLIT_NODE_BYTES``)."""
+    count: dict[str, int] = defaultdict(int)
+    for graph in (gm.zb_forward.graph, gm.zb_input.graph, gm.zb_weight.graph):
+        for node in graph.nodes:
+            count["" if node.op in ("placeholder", "output") else _module(node)] += 1
+    return dict(count)
+
+
 def _root(node: fx.Node) -> fx.Node:
     """The value ``node`` views (itself when it is no view)."""
     while node.op == "call_function" and getattr(node.target, "is_view", False):

@@ -289,6 +289,18 @@ class Composer:
             sim = self._simulate((name, pp, vpp, m), None, 0.0)
         return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights, carry)
 
+    def _held(self, chunks: list[list[Part]], name: str, vpp: int, m: int, mbs: int,
+              split: Mapping[str, tuple[int, int, int]] | None) -> tuple[dict[int, float], int]:
+        """(``held`` per pipeline rank, the host bytes of the split graphs every rank holds:
+        0 without a split)."""
+        pp = len(chunks) // vpp
+        if split is None:
+            return self.held(name, pp, vpp, m, {
+                c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)}), 0
+        held = self.held(name, pp, vpp, m, *split_weights(chunks, split, mbs))
+        return held, self.cluster.device.split_node_bytes * sum(
+            split.get(p.name, (0, 0, 0))[2] for parts in chunks for p in parts)
+
     def _links(self, tp: int, cp: int, ep: int) -> tuple:
         cl = self.cluster
         return (("tp", cl.link(1, tp)), ("cp", cl.link(tp, cp)), ("ep", cl.link(tp, ep)))
@@ -328,11 +340,12 @@ class Composer:
         return sim.makespan + extra, sim.busy[busiest] + extra, busiest
 
     def estimate(self, profile: Profile, config: EngineConfig, memory: int | None = None,
-                 split: Mapping[str, tuple[int, int]] | None = None) -> Estimate:
+                 split: Mapping[str, tuple[int, int, int]] | None = None) -> Estimate:
         """``config``'s prediction; with ``memory`` (bytes per rank), a layout over it gets
         its memory only (step = inf: its time is not modelled). ``split``: under a
         zero-bubble schedule, what one sample of each part holds from F until I and from I
-        until W (``profile.check_split``), in place of its saved activations."""
+        until W (``profile.check_split``), in place of its saved activations, and the nodes
+        of its split graphs, which every rank holds (host memory: ``split_node_bytes``)."""
         cl, par = self.cluster, config.parallel
         mbs, m = config.micro_batch_size, config.num_microbatches
         tp, cp, ep, pp, dp = par.tp, par.cp, par.ep, par.pp, par.dp
@@ -345,16 +358,12 @@ class Composer:
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
-        if split is None:
-            held = self.held(name, pp, par.vpp, m, {
-                c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)})
-        else:
-            held = self.held(name, pp, par.vpp, m, *split_weights(chunks, split, mbs))
+        held, host = self._held(chunks, name, par.vpp, m, mbs, split)
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
             stages.append(self._memory(s, [chunks[c] for c in mine], config,
-                                       profile.grad_itemsize, int(held.get(s, 0))))
+                                       profile.grad_itemsize, int(held.get(s, 0)), host))
         split = None
         if par.num_chunks > 1:
             split = tuple(self.blocks[i] for i in self.cut(profile, par)[1:])
@@ -425,8 +434,9 @@ class Composer:
         return (2 * states + 2 * stage.gradients + stage.parameters) / self.bandwidth
 
     def _memory(self, stage: int, chunks: list[list[Part]], config: EngineConfig,
-                grad_itemsize: int, held: int) -> StageEstimate:
-        """Stage ``stage``'s memory; ``held``: the most activation bytes it holds at once."""
+                grad_itemsize: int, held: int, host: int = 0) -> StageEstimate:
+        """Stage ``stage``'s memory; ``held``: the most activation bytes it holds at once;
+        ``host``: what the rank holds besides its reserve (zero-bubble split graphs)."""
         par, dpc = config.parallel, config.data_parallel
         mbs = config.micro_batch_size
         outside: dict[str, tuple[int, int, bool]] = {}
@@ -466,9 +476,10 @@ class Composer:
             transient = max(transient, max((b for p in parts for b, _, _ in p.params.values()),
                                            default=0))
         activations = held + working
+        reserved = self.reserved + host
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,
-                             transient, self.reserved, params + grads + optimizer + activations
-                             + buckets + transient + self.reserved)
+                             transient, reserved, params + grads + optimizer + activations
+                             + buckets + transient + reserved)
 
 
 def _buckets(chunks: list[list[Part]], bucket_size: int | None) -> tuple[int, int]:
@@ -494,7 +505,7 @@ def _buckets(chunks: list[list[Part]], bucket_size: int | None) -> tuple[int, in
     return max(largest, min(outside, cap)), 0
 
 
-def split_weights(chunks: list[list[Part]], split: Mapping[str, tuple[int, int]],
+def split_weights(chunks: list[list[Part]], split: Mapping[str, tuple[int, int, int]],
                   mbs: int) -> tuple[dict[int, int], dict[int, int]]:
     """``Composer.held``'s (weights, carry) under a zero-bubble schedule: per chunk, a
     micro-batch's bytes from F until I and from I until W (``profile.check_split``'s

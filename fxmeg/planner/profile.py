@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from fxmeg.config import EngineConfig, Example
 from fxmeg.diagnostics.saved_activations import attention_working, region_bytes, saved_tensors
-from fxmeg.diagnostics.split_activations import RECEIVED, SENT_GRADIENT, split_held
+from fxmeg.diagnostics.split_activations import RECEIVED, SENT_GRADIENT, split_held, split_nodes
 from fxmeg.errors import FxmegError
 from fxmeg.frontend.capture import owning_module
 from fxmeg.frontend.model_checks import model_config, module_blocks
@@ -163,7 +163,8 @@ class Twin:
     own: tuple[int, ...] = ()
     """Per block of the twin itself, the index of its kind."""
     profiles: dict[Key, Profile] = field(default_factory=dict)
-    split_checked: dict[Key, Exception | dict[str, tuple[int, int]]] = field(default_factory=dict)
+    split_checked: dict[Key, Exception | dict[str, tuple[int, int, int]]] = field(
+        default_factory=dict)
     """Per key, its zero-bubble split's refusal or what each part holds (``check_split``)."""
 
 
@@ -264,17 +265,17 @@ def profile(tw: Twin, example: Example, key: Key, base: EngineConfig, loss_fn=No
 
 
 def check_split(tw: Twin, example: Example, key: Key, base: EngineConfig,
-                loss_fn=None) -> dict[str, tuple[int, int]]:
+                loss_fn=None) -> dict[str, tuple[int, int, int]]:
     """Raise what the passes raise for ``key`` under a zero-bubble schedule (the
     split_backward pass, which the pp = 1 profile does not run). Returns, per part, what
     one sample holds under that split (``split_held``: bytes from F until I, from I until
-    W) in a chunk that receives: every chunk but the first, whose I is nearly empty (its
-    parts hold their saved activations until W). Besides the parts, the pipeline boundary:
-    ``RECEIVED`` (what a receiving chunk keeps of its input) and ``SENT_GRADIENT`` (the
-    gradient of what a sending chunk sent, kept until W). Both come from the twin with each
-    block twice (``deeper``) at pp = 2 under zbh1, cut after the first block (cached): a
-    block's is the mean of its copies in the second chunk, whose modules outside the blocks
-    are ``post``'s."""
+    W, and its nodes in the split graphs) in a chunk that receives: every chunk but the
+    first, whose I is nearly empty (its parts hold their saved activations until W).
+    Besides the parts, the pipeline boundary: ``RECEIVED`` (what a receiving chunk keeps of
+    its input) and ``SENT_GRADIENT`` (the gradient of what a sending chunk sent, kept until
+    W). Both come from the twin with each block twice (``deeper``) at pp = 2 under zbh1, cut
+    after the first block (cached): a block's is the mean of its copies in the second
+    chunk, whose modules outside the blocks are ``post``'s."""
     if key not in tw.split_checked:
         model = deeper(tw)
         blocks = module_blocks(model)
@@ -297,10 +298,11 @@ def check_split(tw: Twin, example: Example, key: Key, base: EngineConfig,
     return tw.split_checked[key]
 
 
-def _split_parts(program, tw: Twin) -> dict[str, tuple[int, int]]:
+def _split_parts(program, tw: Twin) -> dict[str, tuple[int, int, int]]:
     """``check_split``'s answer from the deeper twin's ``program``: its blocks' part names
     are their kinds' (each twin block is there twice), and ``RECEIVED`` and
-    ``SENT_GRADIENT`` the pipeline boundary's (of the second chunk and the first)."""
+    ``SENT_GRADIENT`` the pipeline boundary's (of the second chunk and the first); third,
+    each part's nodes in the split graphs (``split_nodes``: a block's, one copy's)."""
     names, blocks = module_blocks(tw.model), list(program.partition.blocks)
     own = tw.own or tuple(range(len(names)))
     kind = {b: names[own[i // 2]] for i, b in enumerate(blocks)}
@@ -312,8 +314,17 @@ def _split_parts(program, tw: Twin) -> dict[str, tuple[int, int]]:
         part = kind[block] if block is not None else module if module == RECEIVED else POST
         copies[part].add(block)
         sums[part] = [a + b for a, b in zip(sums[part], kept)]
-    found = {p: (a // len(copies[p]), b // len(copies[p])) for p, (a, b) in sums.items()}
-    return found | {SENT_GRADIENT: first.get(SENT_GRADIENT, (0, 0))}
+    nodes: dict[str, int] = defaultdict(int)
+    for c, gm in enumerate(program.chunks):
+        for module, n in split_nodes(gm).items():
+            block = _block(module, blocks)
+            nodes[kind[block] if block is not None else PRE if c == 0 else POST] += n
+    twice = set(kind.values())  # every kind's block is there twice
+    found = {p: (a // len(copies[p]), b // len(copies[p]), 0) for p, (a, b) in sums.items()}
+    found[SENT_GRADIENT] = (*first.get(SENT_GRADIENT, (0, 0)), 0)
+    for p, n in nodes.items():
+        found[p] = (*found.get(p, (0, 0, 0))[:2], n // 2 if p in twice else n)
+    return found
 
 
 def _parts(program, kinds: int) -> Profile:

@@ -254,3 +254,18 @@ def test_full_recompute_saves_what_a_micro_batch_holds_until_its_input_gradient(
     (first, last), (first_full, last_full) = activations("zbh1", "none"), activations(
         "zbh1", "full")
     assert first_full < 0.5 * first and last_full > 0.9 * last
+
+def test_a_zero_bubble_rank_holds_the_split_graphs_where_its_memory_is_the_hosts(searcher):
+    """The program is rank-free: every rank holds every chunk's split graphs, in host
+    memory. Where a rank's memory is the host's (``local``: ``SPLIT_NODE_BYTES`` a node,
+    measured) a zero-bubble layout's reserve grows by that per node of the model's split
+    graphs; on a GPU (0) and under 1F1B (no split) it does not."""
+    host = Searcher(_gpt(), _example(), cluster=cluster("h100:split_node_bytes=1000"),
+                    global_batch_size=8, precision="fp32")
+    for layout in (Layout(pp=2, schedule="zbh1"), Layout(pp=2, schedule="1f1b")):
+        grown = [a.reserved - b.reserved for a, b in zip(
+            host.estimate(layout).stages, searcher.estimate(layout).stages, strict=True)]
+        if layout.schedule == "1f1b":
+            assert grown == [0, 0]
+        else:  # the 4-layer GPT's split graphs: hundreds of nodes, the same on each rank
+            assert grown[0] == grown[1] and grown[0] % 1000 == 0 and grown[0] > 300_000
