@@ -3,9 +3,10 @@ fxmeg zero=1 (and zero=3 with backward_prefetch='post'): the same GPT, the same 
 batches, dp=2 on gloo, AdamW, clipping at 1.0.
 One JSON line.
 
-Each run is its own spawn, so that its peak resident set (``ru_maxrss`` above the rank's
-baseline after imports, the worst rank) is its own; the runs alternate ``--rounds`` times in
-one window and each reports the median of its rounds' median step times, as tokens/s. FSDP2
+Each run is its own spawn, so that its peak resident set (``VmHWM``:
+``devices.peak_resident``, above the rank's baseline after imports, the worst rank) is its
+own; the runs alternate ``--rounds`` times in one window and each reports the median of its
+rounds' median step times, as tokens/s. FSDP2
 reduce-scatters every micro-batch's gradients, as fxmeg's zero=2 and 3 do.
 
     python bench/fsdp.py [--layers 4 --hidden 128 --seq 128 --m 8 --mbs 2 --steps 6 --rounds 2]

@@ -2,8 +2,8 @@
 
 The model: GPT, 24 layers, hidden 1024, vocabulary 8192 (about 310M parameters), seq 128,
 micro-batch 1, fp32, AdamW, distributed optimizer off, a few steps. Each process measures
-its peak resident set (``ru_maxrss``) above its own baseline (after imports, before the
-model is built), so the interpreter and torch's libraries do not count.
+its peak resident set (``VmHWM``: ``devices.peak_resident``) above its own baseline (after
+imports, before the model is built), so the interpreter and torch's libraries do not count.
 
   plain          one process, the model trained with plain PyTorch (the reference)
   real-pp4       fxmeg at pp=4, the model built with real tensors on every rank
