@@ -242,15 +242,16 @@ def _walk(
 
 
 def _keep(kept, by: fx.Node, what: str, alias: dict, seen: dict, skip) -> None:
-    root = _root(kept, alias)
+    root = view_root(kept, alias)
     v = val(root) if isinstance(root, fx.Node) else None
     if root in skip or not isinstance(v, torch.Tensor) or root.op == "get_attr" or root in seen:
         return
     seen[root] = Saved(owning_module(by), what, v.numel() * v.element_size())
 
 
-def _root(node, alias: dict):
-    """The value ``node`` aliases: through views and a body's placeholders."""
+def view_root(node, alias: dict | None = None):
+    """The value ``node`` aliases: through views and a body's placeholders (``alias``)."""
+    alias = alias or {}
     while isinstance(node, fx.Node):
         if node in alias:
             node = alias[node]

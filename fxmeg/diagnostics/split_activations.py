@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from fxmeg.diagnostics.saved_activations import routed_experts_bytes
+from fxmeg.diagnostics.saved_activations import routed_experts_bytes, view_root
 from fxmeg.ir import ops
 from fxmeg.ir.program import split_spec
 from fxmeg.passes.graph_utils import val
@@ -40,7 +40,7 @@ def split_held(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
     forward, inputs = gm.zb_forward.graph, gm.zb_input.graph
     places = [n for n in forward.nodes if n.op == "placeholder"]
     state = set(places[: len(spec.state)])
-    saved = [_root(n) if isinstance(n, fx.Node) else None
+    saved = [view_root(n) if isinstance(n, fx.Node) else None
              for n in forward.output_node().args[0][spec.outputs:]]
     kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for node in {n for n in saved if n is not None and n not in state}:
@@ -51,7 +51,7 @@ def split_held(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
     for node in outs[len(outs) - spec.carry:]:
         if not isinstance(node, fx.Node):
             continue
-        node = _root(node)
+        node = view_root(node)
         if node.op == "placeholder" and from_input.index(node) >= spec.saved:
             tangents.add(node)
             continue
@@ -75,13 +75,6 @@ def split_nodes(gm: fx.GraphModule) -> dict[str, int]:
         for node in graph.nodes:
             count["" if node.op in ("placeholder", "output") else _module(node)] += 1
     return dict(count)
-
-
-def _root(node: fx.Node) -> fx.Node:
-    """The value ``node`` views (itself when it is no view)."""
-    while node.op == "call_function" and getattr(node.target, "is_view", False):
-        node = node.args[0]
-    return node
 
 
 def _module(node: fx.Node) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -306,24 +306,25 @@ def _split_parts(program, tw: Twin) -> dict[str, tuple[int, int, int]]:
     names, blocks = module_blocks(tw.model), list(program.partition.blocks)
     own = tw.own or tuple(range(len(names)))
     kind = {b: names[own[i // 2]] for i, b in enumerate(blocks)}
-    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    copies: dict[str, set[str | None]] = defaultdict(set)
-    first, last = split_held(program.chunks[0]), split_held(program.chunks[-1])
-    for module, kept in last.items():
+
+    def part(module: str, outside: str) -> str:
         block = _block(module, blocks)
-        part = kind[block] if block is not None else module if module == RECEIVED else POST
-        copies[part].add(block)
-        sums[part] = [a + b for a, b in zip(sums[part], kept)]
+        return kind[block] if block is not None else outside
+
+    last = split_held(program.chunks[-1])
+    copies = Counter(kind[b] for b in {_block(m, blocks) for m in last} if b is not None)
+    held: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for module, kept in last.items():
+        p = part(module, RECEIVED if module == RECEIVED else POST)
+        held[p] = [a + b for a, b in zip(held[p], kept)]
     nodes: dict[str, int] = defaultdict(int)
     for c, gm in enumerate(program.chunks):
         for module, n in split_nodes(gm).items():
-            block = _block(module, blocks)
-            nodes[kind[block] if block is not None else PRE if c == 0 else POST] += n
-    twice = set(kind.values())  # every kind's block is there twice
-    found = {p: (a // len(copies[p]), b // len(copies[p]), 0) for p, (a, b) in sums.items()}
-    found[SENT_GRADIENT] = (*first.get(SENT_GRADIENT, (0, 0)), 0)
-    for p, n in nodes.items():
-        found[p] = (*found.get(p, (0, 0, 0))[:2], n // 2 if p in twice else n)
+            nodes[part(module, PRE if c == 0 else POST)] += n
+    found = {p: (a // copies.get(p, 1), b // copies.get(p, 1), 0) for p, (a, b) in held.items()}
+    found[SENT_GRADIENT] = (*split_held(program.chunks[0]).get(SENT_GRADIENT, (0, 0)), 0)
+    for p, n in nodes.items():  # each kind's block is there twice
+        found[p] = (*found.get(p, (0, 0, 0))[:2], n // 2 if p in kind.values() else n)
     return found
 
 
