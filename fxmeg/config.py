@@ -339,6 +339,7 @@ class EngineConfig:
                 f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own "
                 "experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"
             )
+        self._check_lanes()
         if ep == 1:
             return
         dp = self.data_parallel
@@ -352,6 +353,24 @@ class EngineConfig:
                 "for, or chosen for an optimizer that steps whole parameters, such as Muon); use "
                 "optimizer_sharding='elementwise'"
             )
+
+    def _check_lanes(self) -> None:
+        """overlap_moe_expert_parallel_comm runs the backward of DualPipeV's paired units in
+        a second lane (fxmeg/runtime/lanes.py): it needs those units, expert all-to-alls to
+        hide, and eager graphs (zero=3, whose forward would gather parameters over the group
+        the backward reduces over, is refused under every split backward)."""
+        if not self.moe.overlap_moe_expert_parallel_comm:
+            return
+        par, name = self.parallel, "overlap_moe_expert_parallel_comm=True"
+        if par.ep == 1 or par.resolved_schedule != "dualpipev":
+            raise ConfigError(
+                f"{name} overlaps the expert all-to-alls of DualPipeV's paired forward and "
+                f"backward: it needs ep > 1 and schedule='dualpipev'; got ep={par.ep}, "
+                f"schedule={par.resolved_schedule!r}"
+            )
+        if self.compile:
+            raise ConfigError(f"{name} does not run with compile=True: the second lane runs "
+                              "eager graphs; set compile=False")
 
     def _check_global_router_loss(self) -> None:
         """global_aux_loss's running tokens per expert advance in the forward the runtime

@@ -144,6 +144,12 @@ class MoEConfig:
     mixture-of-experts router's expert bias buffer (the 1-D buffer it adds to the scores
     before its top-k, DeepSeek-V3's ``e_score_correction_bias``) moves by this rate times
     sign(mean count - count) of the step's tokens per expert. 0: off."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """DualPipe's overlap (Megatron's name; ep > 1 under schedule='dualpipev'): in each
+    unit that pairs one chunk's forward with another's backward, run the backward in a
+    second lane (a thread over twin process groups, on an accelerator its own stream), so
+    that each lane's expert all-to-alls wait while the other computes
+    (fxmeg/runtime/lanes.py). Same values; on the CPU no faster (one core per rank)."""
 
     SIZES: ClassVar[dict[str, Size]] = {}
     """No integer fields (``fxmeg.sizes.check_numbers`` checks the floats' types)."""

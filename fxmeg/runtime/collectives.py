@@ -19,14 +19,13 @@ from torch import Tensor, fx
 
 from fxmeg.ir import ops
 from fxmeg.ir.recomputation import Once, Recomputation
-from fxmeg.runtime import ring_attention  # noqa: F401  (registers the cp_comm_type kernels)
+from fxmeg.runtime import lanes, ring_attention  # noqa: F401  (registers the cp_comm_type kernels)
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import _all_gather, _reduce_scatter
-from fxmeg.torch_private import resolve_process_group
 
 
 def _group(name: str) -> dist.ProcessGroup:
-    return resolve_process_group(name)
+    return lanes.group(name)  # in a second lane, its twin
 
 
 def _kernel(name: str):

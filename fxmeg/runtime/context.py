@@ -42,6 +42,7 @@ from fxmeg.runtime.data_parallel.zero import ShardFill, ZeroParams
 from fxmeg.runtime.expert_load import ExpertLoad, GlobalTokens
 from fxmeg.runtime.experts import RankExperts
 from fxmeg.runtime.groups import Groups, Topology, build_groups
+from fxmeg.runtime.lanes import Lane
 from fxmeg.runtime.optimizer.layerwise import gather_tp
 from fxmeg.runtime.optimizer.optimizer import (
     FullSource,
@@ -180,7 +181,8 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
     sharding = config.data_parallel.decided_sharding
     tied = sorted({frozenset(r) for r in program.holders.values() if len(r) > 1}, key=sorted)
     groups = build_groups(Topology(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep),
-                          tied=tied, timeout_s=config.guards.comm_timeout_s)
+                          tied=tied, timeout_s=config.guards.comm_timeout_s,
+                          lanes=config.moe.overlap_moe_expert_parallel_comm)
     wanted = _wanted(program, groups, source, _whole_names(program))
     later = _sharded_later(program, config.data_parallel, groups, wanted)
     local = _values(program, groups, source, {n: w for n, w in wanted.items() if n not in later})
@@ -201,7 +203,8 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
                        post=config.data_parallel.backward_prefetch == "post")
             if config.data_parallel.zero_stage == 3 else None)
     load = _expert_load(program, config, chunks, recomputation)
-    rank_experts = RankExperts(recomputation, tracer)  # its all-to-alls join this rank's timeline
+    # its all-to-alls join this rank's timeline; backward's go over the ep twin (lanes)
+    rank_experts = RankExperts(recomputation, tracer, twins=twin_names(groups))
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     binding = _binding(program, config.data_parallel, groups, ddp, zero, load, tokens,
                        rank_experts, recomputation)
@@ -286,6 +289,7 @@ def _executor(
         on_backward=ddp.end_backward if config.data_parallel.zero_stage >= 2 else None,
         wait_params=ddp.wait_for_params if config.data_parallel.overlap_param_gather else None,
         running=zero.running if zero is not None else None)
+    lane = Lane(twin_names(groups), program.device) if groups.twins else None
     return Executor(
         chunks,
         specs=specs,
@@ -295,6 +299,7 @@ def _executor(
         hooks=hooks,
         compile=config.compile,
         tracer=tracer,
+        lane=lane,
     )
 
 
@@ -338,6 +343,12 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
         collectives.bind(gm, ctx.binding)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
+
+
+def twin_names(groups: Groups) -> dict[str, str]:
+    """Each of this rank's groups that has a twin (``Groups.twins``, a second lane's):
+    its registered name -> the twin's."""
+    return {getattr(groups, n).group_name: t.group_name for n, t in groups.twins.items()}
 
 
 def _group_names(groups: Groups) -> dict[str, str]:

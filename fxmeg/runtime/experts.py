@@ -20,6 +20,7 @@ and backward's ``ep dispatch grad`` / ``ep combine grad``).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from fxmeg.ir import moe, moe_split
 from fxmeg.ir.recomputation import Recomputation
+from fxmeg.runtime import lanes
 from fxmeg.runtime.groups import WeakGroup
 from fxmeg.runtime.timelines import Tracer
 from fxmeg.torch_private import resolve_process_group
@@ -37,38 +39,45 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, recv: list[int], send: list[int], exchange: AllToAllExchange, name: str
+        ctx, x: Tensor, recv: list[int], send: list[int], exchange: AllToAllExchange, name: str,
+        backward: bool = False,
     ) -> Tensor:
         ctx.recv, ctx.send, ctx.exchange, ctx.name = recv, send, exchange, name
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        exchange.all_to_all(name, out, x.contiguous(), recv, send)
+        exchange.all_to_all(name, out, x.contiguous(), recv, send, backward=backward)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         back = _AllToAll.apply(
-            grad.contiguous(), ctx.send, ctx.recv, ctx.exchange, f"{ctx.name} grad"
+            grad.contiguous(), ctx.send, ctx.recv, ctx.exchange, f"{ctx.name} grad", True
         )
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 class AllToAllExchange:
     """``moe.Exchange`` over a real expert-parallel process group."""
 
     group = WeakGroup()  # never holds the group alive (fxmeg/runtime/groups.py)
+    twin = WeakGroup()
+    """The group's twin, with a second lane (fxmeg/runtime/lanes.py), else None: backward's
+    all-to-alls and a second lane's go over it."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, twin: dist.ProcessGroup | None = None) -> None:
+        self.group, self.twin = group, twin
         self.size = dist.get_world_size(group)
         self.tracer: Tracer | None = None
         """Records each all-to-all as an ``ep_a2a`` span (set by runtime/context.py)."""
 
     def all_to_all(self, name: str, out: Tensor, x: Tensor, recv: list[int] | None = None,
-                   send: list[int] | None = None) -> None:
-        """``all_to_all_single`` over the group, traced as ``ep <name>`` when tracing."""
+                   send: list[int] | None = None, *, backward: bool = False) -> None:
+        """``all_to_all_single`` over the group, traced as ``ep <name>`` when tracing;
+        ``backward``'s and a second lane's over the group's twin where it has one
+        (fxmeg/runtime/lanes.py)."""
         tracer = self.tracer
         start = time.perf_counter_ns() if tracer is not None and tracer.on else 0
-        dist.all_to_all_single(out, x, recv, send, group=self.group)
+        twin = self.twin if backward or lanes.in_second_lane() else None
+        dist.all_to_all_single(out, x, recv, send, group=twin or self.group)
         if start:
             tracer.add(f"ep {name}", "ep_a2a", start, time.perf_counter_ns())
 
@@ -107,8 +116,11 @@ class RankExperts:
     expert-parallel group, made on first use, and the capacity mode's drop counts."""
 
     def __init__(
-        self, recomputation: Recomputation | None = None, tracer: Tracer | None = None
+        self, recomputation: Recomputation | None = None, tracer: Tracer | None = None,
+        twins: Mapping[str, str] | None = None,
     ) -> None:
+        self.twins = dict(twins or {})
+        """A group's registered name -> its twin's, with a second lane (``Groups.twins``)."""
         self.exchanges: dict[str, AllToAllExchange] = {}
         self.drops = moe.DropCounts(recomputation)
         self.tracer = tracer
@@ -117,7 +129,9 @@ class RankExperts:
     def exchange(self, group: str) -> AllToAllExchange:
         """The exchange over the process group named ``group`` (one per group)."""
         if group not in self.exchanges:
-            self.exchanges[group] = AllToAllExchange(resolve_process_group(group))
+            twin = self.twins.get(group)
+            self.exchanges[group] = AllToAllExchange(
+                resolve_process_group(group), twin and resolve_process_group(twin))
             self.exchanges[group].tracer = self.tracer
         return self.exchanges[group]
 

@@ -214,7 +214,13 @@ class Groups:
     (its functions capture it as a default argument; ``build_groups`` releases that, but a
     later import by the user's code would capture it again)."""
 
+    twins: WeakGroups = field(default_factory=WeakGroups)
+    """'tp', 'cp', 'ep' -> a second group over the same ranks, for a second lane's
+    collectives (``build_groups(lanes=True)``; fxmeg/runtime/lanes.py). Empty otherwise."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.twins, WeakGroups):
+            self.twins = WeakGroups(self.twins)
         if not isinstance(self.tied, WeakGroups):
             self.tied = WeakGroups(self.tied)
 
@@ -262,11 +268,13 @@ class Groups:
 
 
 def build_groups(
-    topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None
+    topo: Topology, *, tied: list[frozenset[int]] = (), timeout_s: float | None = None,
+    lanes: bool = False,
 ) -> Groups:
     """Create every group in the same order on every rank (new_group is collective);
     their collectives fail after ``timeout_s`` instead of waiting forever. Also releases
-    torch.distributed.nn's hold on the default group (``release_world_capture``)."""
+    torch.distributed.nn's hold on the default group (``release_world_capture``). With
+    ``lanes``, also a twin of each tp, cp and ep group (``Groups.twins``)."""
     if dist.is_initialized():
         release_world_capture()
     if topo.world_size == 1:
@@ -291,6 +299,10 @@ def build_groups(
         groups.edp = _make(topo.edp_groups(), rank, timeout_s)
     for pp_ranks in tied:
         groups.tied[pp_ranks] = _make(topo.subgroups(pp_ranks), rank, timeout_s)
+    layouts = {"tp": topo.tp_groups, "cp": topo.cp_groups, "ep": topo.ep_groups}
+    for name in layouts if lanes else ():
+        if getattr(topo, name) > 1:
+            groups.twins[name] = _make(layouts[name](), rank, timeout_s)
     return groups
 
 

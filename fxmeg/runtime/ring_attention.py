@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxmeg.ir import ops
-from fxmeg.torch_private import resolve_process_group
+from fxmeg.runtime import lanes
 
 FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -71,7 +71,7 @@ def _exchange(parts: Tensor, members: list[int], size: int, group: dist.ProcessG
 
 @_kernel("cp_to_heads")
 def _cp_to_heads(x: Tensor, dim: int, size: int, inner: int, group: str) -> Tensor:
-    pg = resolve_process_group(group)
+    pg = lanes.group(group)
     dim %= x.dim()
     heads, rows = x.shape[dim - 1], x.shape[dim]
     perm, members = _order(rows * size, size, dist.get_rank(pg), inner)
@@ -83,7 +83,7 @@ def _cp_to_heads(x: Tensor, dim: int, size: int, inner: int, group: str) -> Tens
 
 @_kernel("cp_from_heads")
 def _cp_from_heads(x: Tensor, dim: int, size: int, inner: int, group: str) -> Tensor:
-    pg = resolve_process_group(group)
+    pg = lanes.group(group)
     dim %= x.dim()
     rows = x.shape[dim] // inner
     perm, members = _order(rows * size, size, dist.get_rank(pg), inner)
@@ -101,7 +101,7 @@ class _Ring:
     the keys and values of cp rank ``rank - t * inner``."""
 
     def __init__(self, q: Tensor, size: int, inner: int, group: str) -> None:
-        self.pg = resolve_process_group(group)
+        self.pg = lanes.group(group)
         self.size, self.inner = size, inner
         self.rank = dist.get_rank(self.pg)
         self.steps = size // inner

@@ -166,7 +166,8 @@ def forward_backward(program: Program, ctx: RankContext, mbs: list[Batch]) -> tu
     if ctx.aux is not None:
         weigh_aux_loss(ctx, mbs)
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
-    stats = ctx.executor.run(ctx.steps, mbs, train=True, loss_scale=scale)
+    stats = ctx.executor.run(ctx.steps, mbs, train=True, loss_scale=scale,
+                             units=ctx.schedule[ctx.groups.pp_rank])
     with ctx.tracer.span("finalize", "finalize"):
         loss_sum, num_tokens = _reduce_stats(ctx, stats)
         finalize_model_grads(ctx.ddp, ctx.grad_reductions, max(num_tokens, 1.0) * scale)

@@ -320,6 +320,19 @@ def test_expert_parallel_folds_over_dp_cp_and_refuses_what_it_does_not_run_with(
         make_config(
             example, world=2, ep=2, distributed_optimizer=True, optimizer_sharding="layerwise"
         )
+    overlap = dict(pp=2, vpp=2, schedule="dualpipev", overlap_moe_expert_parallel_comm=True)
+    assert engine(**overlap).moe.overlap_moe_expert_parallel_comm  # runs
+    assert engine(**overlap, tp=2, zero=2).moe.overlap_moe_expert_parallel_comm
+    for wrong, message in (
+        (dict(overlap, schedule="zbv"), r"it needs ep > 1 and schedule='dualpipev'; got ep=2, "
+                                        r"schedule='zbv'$"),
+        (dict(overlap, compile=True), r"does not run with compile=True: .* set compile=False$"),
+    ):
+        with pytest.raises(ConfigError, match="^overlap_moe_expert_parallel_comm=True .*"
+                                              + message):
+            engine(**wrong)
+    with pytest.raises(ConfigError, match=r"needs ep > 1 .*; got ep=1, schedule='dualpipev'$"):
+        EngineConfig.from_flat(micro_batch_size=2, global_batch_size=8, **overlap)
     for ok in (
         engine(pp=2, schedule="1f1b"),
         engine(pp=2, vpp=2),

@@ -24,9 +24,10 @@ before it), Qwen2-MoE at tp=2 with sequence parallelism (the tokens gathered who
 expert split over tp), DeepSeek-V3 at tp=2 (latent attention: down projections whole, up
 projections over heads), Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
 block's backward split into an input-gradient pass, the reverse all-to-alls, and a
-weight-gradient pass; ZB-H1 bit for bit like 1F1B), Mixtral's router loss at tp=2 with
-sequence parallelism (each block routes the tokens gathered whole), and Mixtral's router
-loss at ep=2 x pp=2, m=4, weighted per
+weight-gradient pass; ZB-H1 bit for bit like 1F1B), Mixtral under DualPipeV at ep=2 x
+pp=2 in one lane and with each paired unit's backward in a second lane (bit for bit
+alike), Mixtral's router loss at tp=2 with sequence parallelism (each block routes the
+tokens gathered whole), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
 micro-batch, also with full activation recompute (each block's forward, its all-to-alls
 included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
 loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank
@@ -106,6 +107,12 @@ ZERO_BUBBLE = [
     Scenario("moe-mixtral", dp=2, pp=2, schedule="zbh1", options=(("ep", 2),)),
     Scenario("moe-gpt_oss", dp=2, pp=2, vpp=2, schedule="zbv", options=(("ep", 2),)),  # biases
 ]
+# DualPipeV, its paired units in one lane and in two (overlap_moe_expert_parallel_comm)
+DUALPIPE = [
+    Scenario("moe-mixtral", dp=2, pp=2, vpp=2, schedule="dualpipev",
+             options=(("ep", 2), *((("overlap_moe_expert_parallel_comm", True),) if lanes else ())))
+    for lanes in (False, True)
+]
 FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
     Scenario("moe-qwen2_moe", dp=4, options=(("ep", 2), ("distributed_optimizer", True))),
@@ -128,6 +135,7 @@ FOUR = [
     Scenario("moe-mixtral", dp=4, options=(("ep", 4),)),
     # zero bubble: each block's backward split, I (inputs, the reverse all-to-alls) and W (banks)
     *ZERO_BUBBLE,
+    *DUALPIPE,
     # latent attention at tp: its down projections whole, up projections over heads
     Scenario("moe-deepseek_v3", dp=2, tp=2, options=(("ep", 2),)),
 ]
@@ -679,3 +687,18 @@ def test_zero_bubble_experts_train_bitwise_like_1f1b(results):
     got, want = results[4][0][zb.id], results[4][0][base.id]
     assert [s.loss for s in got["steps"]] == [s.loss for s in want["steps"]]
     assert_bitwise(got["state"], want["state"])
+
+
+def test_dualpipev_with_overlapped_all_to_alls_trains_bitwise_like_one_lane(results):
+    """overlap_moe_expert_parallel_comm: every rank ran the backward of each of DualPipeV's
+    paired units in its second lane (over twin tp / ep groups, beside the forward) at every
+    step, and trained bit for bit as the one-lane run: losses, grad norms, every step's
+    gradients and the final weights."""
+    one, two = ([r[sc.id] for r in results[4]] for sc in DUALPIPE)
+    assert all(c.paired == 3 for r in two for c in r["counters"])  # pp=2, m=4: 3 per rank
+    assert all(c.paired == 0 for r in one for c in r["counters"])
+    assert [(s.loss, s.grad_norm) for s in two[0]["steps"]] == [
+        (s.loss, s.grad_norm) for s in one[0]["steps"]]
+    for got, want in zip(two[0]["grads"], one[0]["grads"]):
+        assert_bitwise(got, want)
+    assert_bitwise(two[0]["state"], one[0]["state"])

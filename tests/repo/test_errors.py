@@ -705,6 +705,19 @@ ROWS = {
         "moe_router_bias_update_rate=0.001 does not run with compile=True: the tokens per expert "
         "are counted outside the compiled graphs",
     ),
+    "overlap-ep-comm": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2,
+                                  overlap_moe_expert_parallel_comm=True),
+        "overlap_moe_expert_parallel_comm=True overlaps the expert all-to-alls of DualPipeV's "
+        "paired forward and backward: it needs ep > 1 and schedule='dualpipev'; got ep=1, "
+        "schedule='1f1b'",
+    ),
+    "overlap-ep-comm-with": (
+        lambda: TrainConfig.from_flat(data="x", train_iters=1, pp=2, vpp=2, schedule="dualpipev",
+                                      ep=2, compile=True, overlap_moe_expert_parallel_comm=True),
+        "overlap_moe_expert_parallel_comm=True does not run with compile=True: the second lane "
+        "runs eager graphs; set compile=False",
+    ),
     "ep-no-experts": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), ep=2),
         "ep=2, but fxmeg finds no routed experts in this model",

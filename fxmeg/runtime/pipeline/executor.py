@@ -20,8 +20,9 @@ from torch import fx
 
 from fxmeg.errors import ScheduleError
 from fxmeg.ir.program import ChunkSpec, split_spec
+from fxmeg.runtime.lanes import Lane
 from fxmeg.runtime.pipeline.p2p import Key, Mailboxes, PointToPoint
-from fxmeg.runtime.pipeline.schedules import COMPUTE, Action, Kind, Step, fmt, input_of
+from fxmeg.runtime.pipeline.schedules import COMPUTE, Action, Kind, Step, Unit, fmt, input_of
 from fxmeg.runtime.timelines import CATEGORY, Tracer
 from fxmeg.torch_private import run_backward, view_base
 
@@ -36,6 +37,8 @@ class Counters:
     """Sent activations marked for deallocation."""
     deallocated: int = 0
     """Of those, the ones whose storage was freed."""
+    paired: int = 0
+    """Backwards run in the second lane beside a forward (``Executor.lane``)."""
 
 
 @dataclass
@@ -82,8 +85,12 @@ class Executor:
         hooks: ComputeHooks = ComputeHooks(),
         compile: bool = False,
         tracer: Tracer | None = None,
+        lane: Lane | None = None,
     ) -> None:
         self.chunks = chunks
+        self.lane = lane
+        """With one: each forward followed by another chunk's backward with no compute
+        between (DualPipeV's paired units) runs beside that backward (``_pair``)."""
         self._run = {
             c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()
         }
@@ -98,7 +105,7 @@ class Executor:
         self.specs, self.rank, self.device = specs, rank, device
         self.counters = Counters()
         self.tracer = tracer if tracer is not None else Tracer()
-        self._planned: tuple[list[Step], list] | None = None
+        self._planned: tuple[list[Step], list, dict[int, int]] | None = None
         self._saves_result: dict[tuple[type, int], bool] = {}
         """Whether an autograd node type saves its output k (``_saves_its_result``)."""
         self._handlers = {
@@ -117,28 +124,32 @@ class Executor:
         *,
         train: bool,
         loss_scale: float = 1.0,
+        units: Sequence[Unit] = (),
     ) -> torch.Tensor:
         """Run lowered ``steps``; return float64 ``[sum of loss_sum, sum of num_tokens]``
-        over the micro-batches this rank's last chunk saw (zeros elsewhere)."""
+        over the micro-batches this rank's last chunk saw (zeros elsewhere). ``units``: the
+        compute units ``steps`` were lowered from; with a lane, each unit of one chunk's
+        forward and another's backward runs in two lanes (``_pair``)."""
         self.steps = steps
         self._mbs, self._train, self._scale = microbatches, train, loss_scale
         self._state = _State()
         self.counters = Counters()
         tracer = self.tracer
+        plan, pairs = self._plan(steps, units)
         with torch.set_grad_enabled(train):
-            for index, (step, act, compute, reads) in enumerate(self._plan(steps)):
+            index = 0
+            while index < len(plan):
+                if train and index in pairs:
+                    index = self._pair(plan, index, pairs[index])
+                    continue
+                _, _, compute, reads = plan[index]
                 try:
                     if compute:
                         self.wire.wait(reads, self._state, tracer)
-                    start = time.perf_counter_ns() if tracer.on else 0
-                    act()
-                    if compute:
-                        self._hand_off(step[0])
+                    self._step(plan, index)
                 except Exception as exc:
                     raise ScheduleError(self._failure(index, exc)) from exc
-                if tracer.on:
-                    category = CATEGORY.get(step[0].kind.value, "p2p")
-                    tracer.add(fmt(step), category, start, time.perf_counter_ns())
+                index += 1
             try:
                 for a in list(self._state.posted):  # sends nobody freed (gradients, eval)
                     self.wire.wait(a, self._state, tracer)
@@ -150,12 +161,17 @@ class Executor:
         )
         return self._stats(state.losses)
 
+    def _trace(self, step: Step, start: int) -> None:
+        if self.tracer.on:
+            category = CATEGORY.get(step[0].kind.value, "p2p")
+            self.tracer.add(fmt(step), category, start, time.perf_counter_ns())
+
     def _plan(
-        self, steps: list[Step]
-    ) -> list[tuple[Step, Callable[[], None], bool, Action | None]]:
+        self, steps: list[Step], units: Sequence[Unit]
+    ) -> tuple[list[tuple[Step, Callable[[], None], bool, Action | None]], dict[int, int]]:
         """Each step, its handler bound to it, whether it computes and the receive it
-        reads: worked out once per lowered schedule (the same list object every training
-        step), not at every step."""
+        reads, and the pairs that run in two lanes (``_pairs``): worked out once per
+        lowered schedule (the same list object every training step), not at every step."""
         if self._planned is None or self._planned[0] is not steps:
             plan = []
             for step in steps:
@@ -167,8 +183,63 @@ class Executor:
                     else functools.partial(handler, a)
                 )
                 plan.append((step, act, a.kind in COMPUTE, input_of(a)))
-            self._planned = (steps, plan)
-        return self._planned[1]
+            pairs = _pairs(steps, units, set(self.split)) if self.lane is not None else {}
+            self._planned = (steps, plan, pairs)
+        return self._planned[1], self._planned[2]
+
+    def _pair(self, plan: list, first: int, last: int) -> int:
+        """Run steps ``first`` (a forward) to ``last`` (another chunk's backward) with the
+        backward in the second lane, beside the forward; return the next step's index.
+
+        A unit's computes read only what came before the unit (the schedule's units have no
+        communication inside), so both receives are waited for first. The steps between
+        run in their order around the forward: what reads the forward's outputs (its sends'
+        posts, their DEALLOCs) after it, the rest (GRAD_SYNC, other DEALLOCs) before the
+        lane starts, so that nothing but the backward touches its micro-batch meanwhile."""
+        forward, backward = plan[first][0][0], plan[last][0][0]
+        between = range(first + 1, last)
+        after = [i for i in between if _reads_output(plan[i][0][0], forward)]
+        index = first
+        try:
+            self.wire.wait(plan[first][3], self._state, self.tracer)
+            index = last
+            self.wire.wait(plan[last][3], self._state, self.tracer)
+            for index in (i for i in between if i not in after):
+                self._step(plan, index)
+            key = (backward.chunk, backward.mb)
+            self.lane.record([*self._state.saved[key][0], *self._state.grad_inbox.get(key, ())],
+                             to_lane=True)
+            index = last
+            start = time.perf_counter_ns() if self.tracer.on else 0
+            running = self.lane.start(plan[last][1])
+        except Exception as exc:
+            raise ScheduleError(self._failure(index, exc)) from exc
+        failure = None
+        try:
+            for index in (first, *after):
+                self._step(plan, index)
+        except Exception as exc:  # the lane is joined first: it may still use the groups
+            failure = (index, exc)
+        try:
+            self.lane.join(running)
+            self.lane.record(self._state.grad_outbox.get(key, ()), to_lane=False)
+            self._hand_off(backward)
+        except Exception as exc:
+            failure = failure or (last, exc)
+        if failure is not None:
+            raise ScheduleError(self._failure(*failure)) from failure[1]
+        self._trace(plan[last][0], start)
+        self.counters.paired += 1
+        return last + 1
+
+    def _step(self, plan: list, index: int) -> None:
+        """Run step ``index`` of ``plan``, its receive already waited for; trace it."""
+        step, act, compute, _ = plan[index]
+        start = time.perf_counter_ns() if self.tracer.on else 0
+        act()
+        if compute:
+            self._hand_off(step[0])
+        self._trace(step, start)
 
     def _stats(self, losses: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float64 ``[sum of loss_sum, sum of num_tokens]``: a few ops per step, not per
@@ -392,6 +463,25 @@ def _streamed(weights: fx.GraphModule) -> fx.GraphModule:
 
 def _hand_on(sink, index: int, grad: torch.Tensor) -> None:
     sink(index, grad)
+
+
+def _pairs(steps: list[Step], units: Sequence[Unit], split: set[int]) -> dict[int, int]:
+    """For each unit of ``units`` that is one chunk's forward then another chunk's split
+    backward (DualPipeV's steady state; a split B runs as graphs outside autograd, which a
+    second thread can run), the index of its forward in ``steps`` -> its backward's."""
+    wanted = {
+        f: b for f, b in (u for u in units if len(u) == 2)
+        if f.kind is Kind.F and b.kind is Kind.B and b.chunk != f.chunk and b.chunk in split
+    }
+    at = {step[0]: i for i, step in enumerate(steps) if step[0].kind in COMPUTE}
+    pairs = {at[f]: at[b] for f, b in wanted.items()}
+    assert all(steps[k][0].kind not in COMPUTE for i, j in pairs.items() for k in range(i + 1, j))
+    return pairs
+
+
+def _reads_output(a: Action, forward: Action) -> bool:
+    """Whether step action ``a`` reads what ``forward`` made (its send, their DEALLOC)."""
+    return (a.chunk, a.mb) == (forward.chunk, forward.mb) and a.kind is not Kind.GRAD_SYNC
 
 
 def _saves_its_result(t: torch.Tensor, memo: dict[tuple[type, int], bool]) -> bool:
