@@ -87,13 +87,11 @@ def _module(node: fx.Node) -> str:
 def _bytes(node: fx.Node) -> int:
     """A tensor's bytes; a split routed-experts block's state (its forward's autograd graph,
     no tensor: ``moe_split``) holds what ``routed_experts`` saves besides its output."""
-    v = val(node)
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
     made = node.args[0] if node.target is operator.getitem else None
     if isinstance(made, fx.Node) and made.target is ops.routed_experts_split:
-        return routed_experts_bytes(made)
-    return 0
+        return routed_experts_bytes(made)  # its value is a placeholder tensor, not the state
+    v = val(node)
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def held_weights(chunks: list[int], graphs: list[fx.GraphModule],

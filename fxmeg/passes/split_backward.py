@@ -279,12 +279,15 @@ def _made_where_split(gm: fx.GraphModule, flat: fx.GraphModule) -> fx.GraphModul
 
 
 def _name_makers(flat: fx.GraphModule) -> None:
-    """Give the nodes the passes made (a sequence-parallel gather, say) the module they
-    work for as an ``nn_module_stack``, which the traced graphs keep: what a split chunk
-    holds is then told by module (``fxmeg.diagnostics.split_activations``)."""
+    """Give every node its fxmeg module (``owning_module``, the passes' own nodes too: a
+    sequence-parallel gather is the module it works for) as its ``nn_module_stack``, which
+    the traced graphs keep: what a split chunk holds is then told by the model's own module
+    names (``fxmeg.diagnostics.split_activations``). Export's stacks run through the module
+    it captured, a Hugging Face model's wrapper (``model.model.layers.0`` for Mixtral's
+    ``model.layers.0``), which no block name matches."""
     for node in flat.graph.nodes:
         module = owning_module(node)
-        if node.op == "call_function" and module and not node.meta.get("nn_module_stack"):
+        if node.op == "call_function" and module:
             node.meta["nn_module_stack"] = {module: (module, "")}
 
 

@@ -58,3 +58,27 @@ def test_the_passes_own_nodes_are_told_by_module():
     for _, held in _chunks("none", tp=2, sequence_parallel=True):
         block = sum(v[1] for m, v in held.items() if m.startswith("layers."))
         assert held.get("", (0, 0))[1] < block / 4, held
+
+
+def test_a_hugging_face_split_is_told_by_its_blocks_and_counts_the_experts_state():
+    """A Hugging Face model is captured through a wrapper, whose path export's module stacks
+    keep (``model.model.layers.1`` for Mixtral's ``model.layers.1``): the split names every
+    node by fxmeg's own module tag, so what a chunk holds is its blocks' (read by block,
+    the search counted it as the head's). A split routed-experts block keeps its forward's
+    autograd graph, no tensor: it holds what ``routed_experts`` saves besides its output."""
+    from fxmeg.diagnostics.saved_activations import routed_experts_bytes
+    from fxmeg.interop.hugging_face import keyword_batch
+    from fxmeg.ir import ops
+
+    model = make_model("moe-mixtral")
+    ids, _ = make_batch(1, seed=0, seq=32)
+    program = transform(meta_twin(model), keyword_batch(ids.to("meta"), ids.to("meta")),
+                        pp=2, dp=2, ep=2, schedule="zbh1", global_batch_size=2)
+    modules = dict(model.named_modules())
+    for gm in program.chunks:
+        held = split_held(gm)
+        assert set(held) - {RECEIVED, SENT_GRADIENT} <= set(modules)
+        states = [n for n in gm.zb_forward.graph.nodes if n.target is ops.routed_experts_split]
+        experts = [m for m in held if m.endswith(".mlp.experts")]
+        assert len(experts) == len(states) > 0
+        assert sum(held[m][0] for m in experts) == sum(map(routed_experts_bytes, states))
