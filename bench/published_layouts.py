@@ -146,8 +146,10 @@ def predict(run: Run) -> dict:
         (2 if run.schedule in ("zbv", "dualpipev") else 1, rc) for rc in RECOMPUTE]
     for vpp, rc in variants:
         schedule = run.schedule or ("interleaved" if vpp > 1 else "1f1b")
+        # DualPipe (DeepSeek-V3) overlaps the expert all-to-alls with the other direction
         layout = Layout(tp=run.tp, sp=run.tp > 1, cp=run.cp, ep=run.ep, pp=run.pp, vpp=vpp,
-                        schedule=schedule, dp=dp, zero=1, recompute=rc, micro_batch_size=1)
+                        schedule=schedule, dp=dp, zero=1, recompute=rc, micro_batch_size=1,
+                        overlap_ep=schedule == "dualpipev" and run.ep > 1)
         try:
             e = s.estimate(layout)
         except FxmegError as exc:  # a variant fxmeg refuses (vpp not dividing the layers...)

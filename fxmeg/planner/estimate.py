@@ -6,7 +6,8 @@ The time model, written out in docs/planner.md:
             plus one launch; backward twice forward's, plus forward again of the ops in
             recompute regions
   tp, cp, ep  each collective the passes inserted, by its bytes, on the link its group
-            crosses (ring formulas); exposed (fxmeg does not overlap them)
+            crosses (ring formulas); exposed, but ep's under DualPipeV's second lane
+            (overlap_moe_expert_parallel_comm, fxmeg/planner/lanes.py)
   pp        each boundary's activation over the pipeline link, as the simulator's message
             latency; the bubble is the simulator's (the schedule's own lowering)
   dp        the stage's gradients reduced (all-reduce at zero 0, reduce-scatter and the
@@ -27,6 +28,7 @@ from fxmeg.config import EngineConfig
 from fxmeg.diagnostics.layout_plan import ADAM_STATES, B_COST, F_COST
 from fxmeg.diagnostics.split_activations import RECEIVED, SENT_GRADIENT
 from fxmeg.passes.partition import _balanced_starts, _rank_balanced
+from fxmeg.planner import lanes
 from fxmeg.planner.calibrate import Timing
 from fxmeg.planner.cluster import Cluster, Link
 from fxmeg.planner.profile import Comm, Key, Part, Profile
@@ -353,17 +355,24 @@ class Composer:
         scale = self._scale(profile, mbs)
         extra = scale[2]
         f_cost, b_cost, comm_f, comm_b = self._chunk_seconds(chunks, mbs, tp, cp, ep, scale)
+        if config.moe.overlap_moe_expert_parallel_comm and cl.overlap:
+            lanes.hide(f_cost, b_cost, comm_f, comm_b, pp, m)  # DualPipe's second lane
         pp_link = cl.link(tp * cp * dp, pp)
         boundary = max((ch[-1].boundary for ch in chunks[:-1]), default=0) * mbs
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name = par.resolved_schedule
         where = par.placement
         held, host = self._held(chunks, name, par.vpp, m, mbs, split)
+        # DualPipe's second lane allocates from a pool of its own (a thread's malloc arena, a
+        # stream's cached blocks): one backward's carry, which the forward lane cannot reuse
+        lane = (split_weights(chunks, split, mbs)[1]
+                if config.moe.overlap_moe_expert_parallel_comm and split is not None else {})
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
             stages.append(self._memory(s, [chunks[c] for c in mine], config,
-                                       profile.grad_itemsize, int(held.get(s, 0)), host))
+                                       profile.grad_itemsize, int(held.get(s, 0)), host,
+                                       max((lane.get(c, 0) for c in mine), default=0)))
         split = None
         if par.num_chunks > 1:
             split = tuple(self.blocks[i] for i in self.cut(profile, par)[1:])
@@ -434,9 +443,10 @@ class Composer:
         return (2 * states + 2 * stage.gradients + stage.parameters) / self.bandwidth
 
     def _memory(self, stage: int, chunks: list[list[Part]], config: EngineConfig,
-                grad_itemsize: int, held: int, host: int = 0) -> StageEstimate:
+                grad_itemsize: int, held: int, host: int = 0, lane: int = 0) -> StageEstimate:
         """Stage ``stage``'s memory; ``held``: the most activation bytes it holds at once;
-        ``host``: what the rank holds besides its reserve (zero-bubble split graphs)."""
+        ``host``: what the rank holds besides its reserve (zero-bubble split graphs);
+        ``lane``: what a second lane's pool holds besides (a transient)."""
         par, dpc = config.parallel, config.data_parallel
         mbs = config.micro_batch_size
         outside: dict[str, tuple[int, int, bool]] = {}
@@ -475,6 +485,7 @@ class Composer:
         if par.splits_backward:  # W makes a weight's whole gradient while the carry is held
             transient = max(transient, max((b for p in parts for b, _, _ in p.params.values()),
                                            default=0))
+        transient += lane
         activations = held + working
         reserved = self.reserved + host
         return StageEstimate(stage, blocks, params, grads, optimizer, activations, buckets,

@@ -51,6 +51,8 @@ class Layout:
     zero: int = 0
     recompute: str = "none"
     micro_batch_size: int = 1
+    overlap_ep: bool = False
+    """``overlap_moe_expert_parallel_comm`` (ep > 1 under dualpipev)."""
 
     @property
     def key(self) -> Key:
@@ -65,14 +67,16 @@ class Layout:
         return {"tp": self.tp, "sequence_parallel": self.sp, "cp": self.cp, "ep": self.ep,
                 "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule, "dp": self.dp,
                 "zero": self.zero, "recompute": self.recompute,
-                "micro_batch_size": self.micro_batch_size}
+                "micro_batch_size": self.micro_batch_size,
+                "overlap_moe_expert_parallel_comm": self.overlap_ep}
 
     @classmethod
     def of(cls, config: EngineConfig) -> Layout:
         par, dpc = config.parallel, config.data_parallel
         return cls(par.tp, par.sequence_parallel, par.cp, par.ep, par.pp, par.vpp,
                    par.resolved_schedule, par.dp or 1, dpc.zero_stage,
-                   config.recomputation.recompute, config.micro_batch_size)
+                   config.recomputation.recompute, config.micro_batch_size,
+                   config.moe.overlap_moe_expert_parallel_comm)
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
@@ -80,6 +84,7 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
                          + f" {self.schedule}")
+        parts += ["ep-overlap"] if self.overlap_ep else []
         parts += [f"dp{self.dp}", f"zero{self.zero}", f"rc:{self.recompute}",
                   f"mbs{self.micro_batch_size}"]
         return " ".join(parts)
@@ -101,7 +106,8 @@ def candidates(world: int, blocks: int, global_batch_size: int, *, experts: bool
     ``CP_MIN_TOKENS``, pp up to the blocks,
     vpp up to ``VPP_MAX``, each schedule, dp the rest, ep dividing dp x cp when the model
     has experts, each ZeRO stage where dp x cp > 1, each recompute mode, each micro-batch
-    size in ``MICRO_BATCH_SIZES`` that divides the batch per replica."""
+    size in ``MICRO_BATCH_SIZES`` that divides the batch per replica, and under dualpipev
+    at ep > 1 the expert all-to-alls overlapped or not."""
     for tp in _divisors(world):
         if tp > ranks_per_node:
             continue
@@ -124,8 +130,14 @@ def candidates(world: int, blocks: int, global_batch_size: int, *, experts: bool
                                         for mbs in MICRO_BATCH_SIZES:
                                             if global_batch_size % (mbs * dp):
                                                 continue
-                                            yield Layout(tp, sp, cp, ep, pp, vpp, schedule, dp,
-                                                         zero, rc, mbs)
+                                            for lanes in _lanes(schedule, ep):
+                                                yield Layout(tp, sp, cp, ep, pp, vpp, schedule,
+                                                             dp, zero, rc, mbs, lanes)
+
+
+def _lanes(schedule: str, ep: int) -> tuple[bool, ...]:
+    """The values of ``overlap_moe_expert_parallel_comm`` searched."""
+    return (False, True) if schedule == "dualpipev" and ep > 1 else (False,)
 
 
 @dataclass
