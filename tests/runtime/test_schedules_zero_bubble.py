@@ -12,7 +12,7 @@ from torch import fx
 
 from fxmeg.config import placement
 from fxmeg.errors import ConfigError, ScheduleError
-from fxmeg.runtime.pipeline.executor import _streamed
+from fxmeg.runtime.pipeline.executor import _pairs, _streamed
 from fxmeg.runtime.pipeline.lowering import EAGER_AHEAD, p2p_mode
 from fxmeg.runtime.pipeline.schedules import (
     COMPUTE,
@@ -139,6 +139,30 @@ def test_zbv_bubble_is_below_interleaved(pp, m):
     assert all(zbv.bubble(r) < inter.bubble(r) for r in range(pp))
     # two chunks of half the size, so twice 1F1B's count: the same activation memory
     assert max(zbv.peak_in_flight.values()) <= 2 * pp
+
+
+@pytest.mark.parametrize("p2p", ["paired", "eager"])
+def test_the_second_lane_pairs_dualpipevs_units_of_one_forward_and_another_backward(p2p):
+    """overlap_moe_expert_parallel_comm: the executor pairs exactly the units of one chunk's
+    F and another chunk's B (not two single units that happen to be neighbours, such as the
+    V's tip), and no compute runs between the two in the lowered steps."""
+    for pp, m in ((2, 4), (2, 9), (4, 8), (4, 13)):
+        sched, lowered, _ = _run("dualpipev", pp, m, p2p)
+        for rank, steps in lowered.items():
+            pairs = _pairs(steps, sched[rank], set(range(2 * pp)))
+            got = {(steps[i][0], steps[j][0]) for i, j in pairs.items()}
+            want = {u for u in sched[rank] if [a.kind for a in u] == [Kind.F, Kind.B]}
+            assert got == want and want
+            assert all(steps[k][0].kind not in COMPUTE
+                       for i, j in pairs.items() for k in range(i + 1, j))
+            assert not _pairs(steps, sched[rank], set())  # unsplit backwards are never paired
+    # the V's tip: rank pp-1 runs its first steady F and B as two units, left unpaired
+    sched, lowered, _ = _run("dualpipev", 2, 4, p2p)
+    units, steps = sched[1], lowered[1]
+    singles = {(u[0], v[0]) for u, v in zip(units, units[1:]) if len(u) == len(v) == 1
+               and (u[0].kind, v[0].kind) == (Kind.F, Kind.B) and u[0].chunk != v[0].chunk}
+    got = {(steps[i][0], steps[j][0]) for i, j in _pairs(steps, units, {0, 1, 2, 3}).items()}
+    assert singles and not singles & got
 
 
 def test_v_placement_hands_off_inside_a_rank():
