@@ -301,8 +301,7 @@ class EngineConfig:
             )
         check_zero3_companions(self)
         self._check_experts()
-        self._check_router_bias()
-        self._check_global_router_loss()
+        self.moe.check_with(self.parallel, compile=self.compile)
 
     @classmethod
     def from_flat(cls, **values) -> EngineConfig:
@@ -339,7 +338,6 @@ class EngineConfig:
                 f"moe_capacity_factor={factor} needs ep > 1: at ep=1 fxmeg runs the model's own "
                 "experts, dropless; set ep >= 2 or leave moe_capacity_factor=None"
             )
-        self._check_lanes()
         if ep == 1:
             return
         dp = self.data_parallel
@@ -352,58 +350,6 @@ class EngineConfig:
                 "sharded over the expert-data-parallel ranks only (layer-wise sharding is asked "
                 "for, or chosen for an optimizer that steps whole parameters, such as Muon); use "
                 "optimizer_sharding='elementwise'"
-            )
-
-    def _check_lanes(self) -> None:
-        """overlap_moe_expert_parallel_comm runs the backward of DualPipeV's paired units in
-        a second lane (fxmeg/runtime/lanes.py): it needs those units, expert all-to-alls to
-        hide, and eager graphs (zero=3, whose forward would gather parameters over the group
-        the backward reduces over, is refused under every split backward)."""
-        if not self.moe.overlap_moe_expert_parallel_comm:
-            return
-        par, name = self.parallel, "overlap_moe_expert_parallel_comm=True"
-        if par.ep == 1 or par.resolved_schedule != "dualpipev":
-            raise ConfigError(
-                f"{name} overlaps the expert all-to-alls of DualPipeV's paired forward and "
-                f"backward: it needs ep > 1 and schedule='dualpipev'; got ep={par.ep}, "
-                f"schedule={par.resolved_schedule!r}"
-            )
-        if self.compile:
-            raise ConfigError(f"{name} does not run with compile=True: the second lane runs "
-                              "eager graphs; set compile=False")
-
-    def _check_global_router_loss(self) -> None:
-        """global_aux_loss's running tokens per expert advance in the forward the runtime
-        runs (``ops.global_tokens``, fxmeg/runtime/expert_load.py), which a zero-bubble
-        schedule traces into a graph of its own: measured 2026-12-05, Mixtral at pp2 x dp2
-        under zbh1 (ep=1 and ep=2) trains with the wrong loss from step 1."""
-        if (self.moe.moe_router_load_balancing_type == "global_aux_loss"
-                and self.parallel.splits_backward):
-            raise ConfigError(
-                "moe_router_load_balancing_type='global_aux_loss' does not run with "
-                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule traces "
-                "forward into a graph of its own, which does not advance the running tokens per "
-                "expert; use schedule='1f1b' or 'interleaved', or "
-                "moe_router_load_balancing_type='aux_loss'"
-            )
-
-    def _check_router_bias(self) -> None:
-        """moe_router_bias_update_rate > 0 needs a forward whose routing the runtime can
-        count (fxmeg/runtime/expert_load.py)."""
-        rate = self.moe.moe_router_bias_update_rate
-        if rate == 0:
-            return
-        if self.parallel.splits_backward:
-            raise ConfigError(
-                f"moe_router_bias_update_rate={rate} does not run with "
-                f"schedule={self.parallel.resolved_schedule!r}: a zero-bubble schedule runs "
-                "forward as a traced graph that does not count the tokens per expert; use "
-                "schedule='1f1b' or 'interleaved'"
-            )
-        if self.compile:
-            raise ConfigError(
-                f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens "
-                "per expert are counted outside the compiled graphs; set compile=False"
             )
 
     def _check_batch(self) -> None:

@@ -6,18 +6,22 @@ Each section is a frozen dataclass whose fields keep the flat names of the `fxme
 flags, the config-file keys and ``parallelize``'s keywords (``--moe-capacity-factor`` is
 ``config.moe.moe_capacity_factor``), so one name is greppable from the flag to its reader;
 ``EngineConfig.from_flat`` maps the flat names onto the sections. A section checks its
-own fields in ``__post_init__``; rules that join two sections are ``EngineConfig``'s.
+own fields in ``__post_init__``; rules that join two sections are ``EngineConfig``'s (the
+mixture-of-experts ones it asks ``MoEConfig.check_with``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from fxmeg.errors import ConfigError, closest
 from fxmeg.sharding_modes import OptimizerSharding, check_sharding, decide_sharding
 from fxmeg.sizes import Size, check_numbers
+
+if TYPE_CHECKING:
+    from fxmeg.config import ParallelConfig
 
 GRANULARITIES = ("none", "selective", "full")
 """Activation recompute: nothing, attention cores, or whole blocks."""
@@ -173,6 +177,65 @@ class MoEConfig:
             raise ConfigError(
                 f"moe_router_load_balancing_type={kind!r} is not one of {LOAD_BALANCING}"
                 + closest(kind, LOAD_BALANCING)
+            )
+
+    def check_with(self, parallel: ParallelConfig, *, compile: bool) -> None:
+        """The rules that join these options to the layout and ``compile`` (called by
+        ``EngineConfig``, which holds all three)."""
+        self._check_lanes(parallel, compile)
+        self._check_router_bias(parallel, compile)
+        self._check_global_router_loss(parallel)
+
+    def _check_lanes(self, parallel: ParallelConfig, compile: bool) -> None:
+        """overlap_moe_expert_parallel_comm runs the backward of DualPipeV's paired units in
+        a second lane (fxmeg/runtime/lanes.py): it needs those units, expert all-to-alls to
+        hide, and eager graphs (zero=3, whose forward would gather parameters over the group
+        the backward reduces over, is refused under every split backward)."""
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        par, name = parallel, "overlap_moe_expert_parallel_comm=True"
+        if par.ep == 1 or par.resolved_schedule != "dualpipev":
+            raise ConfigError(
+                f"{name} overlaps the expert all-to-alls of DualPipeV's paired forward and "
+                f"backward: it needs ep > 1 and schedule='dualpipev'; got ep={par.ep}, "
+                f"schedule={par.resolved_schedule!r}"
+            )
+        if compile:
+            raise ConfigError(f"{name} does not run with compile=True: the second lane runs "
+                              "eager graphs; set compile=False")
+
+    def _check_global_router_loss(self, parallel: ParallelConfig) -> None:
+        """global_aux_loss's running tokens per expert advance in the forward the runtime
+        runs (``ops.global_tokens``, fxmeg/runtime/expert_load.py), which a zero-bubble
+        schedule traces into a graph of its own: measured 2026-12-05, Mixtral at pp2 x dp2
+        under zbh1 (ep=1 and ep=2) trains with the wrong loss from step 1."""
+        if (self.moe_router_load_balancing_type == "global_aux_loss"
+                and parallel.splits_backward):
+            raise ConfigError(
+                "moe_router_load_balancing_type='global_aux_loss' does not run with "
+                f"schedule={parallel.resolved_schedule!r}: a zero-bubble schedule traces "
+                "forward into a graph of its own, which does not advance the running tokens per "
+                "expert; use schedule='1f1b' or 'interleaved', or "
+                "moe_router_load_balancing_type='aux_loss'"
+            )
+
+    def _check_router_bias(self, parallel: ParallelConfig, compile: bool) -> None:
+        """moe_router_bias_update_rate > 0 needs a forward whose routing the runtime can
+        count (fxmeg/runtime/expert_load.py)."""
+        rate = self.moe_router_bias_update_rate
+        if rate == 0:
+            return
+        if parallel.splits_backward:
+            raise ConfigError(
+                f"moe_router_bias_update_rate={rate} does not run with "
+                f"schedule={parallel.resolved_schedule!r}: a zero-bubble schedule runs "
+                "forward as a traced graph that does not count the tokens per expert; use "
+                "schedule='1f1b' or 'interleaved'"
+            )
+        if compile:
+            raise ConfigError(
+                f"moe_router_bias_update_rate={rate} does not run with compile=True: the tokens "
+                "per expert are counted outside the compiled graphs; set compile=False"
             )
 
 

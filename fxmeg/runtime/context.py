@@ -204,7 +204,7 @@ def build_context(program: Program, config: EngineConfig | None = None, *,
             if config.data_parallel.zero_stage == 3 else None)
     load = _expert_load(program, config, chunks, recomputation)
     # its all-to-alls join this rank's timeline; backward's go over the ep twin (lanes)
-    rank_experts = RankExperts(recomputation, tracer, twins=twin_names(groups))
+    rank_experts = RankExperts(recomputation, tracer, twins=groups.twin_names())
     tokens = GlobalTokens(par.dp)  # a router loss's running tokens per expert (global_aux_loss)
     binding = _binding(program, config.data_parallel, groups, ddp, zero, load, tokens,
                        rank_experts, recomputation)
@@ -289,18 +289,9 @@ def _executor(
         on_backward=ddp.end_backward if config.data_parallel.zero_stage >= 2 else None,
         wait_params=ddp.wait_for_params if config.data_parallel.overlap_param_gather else None,
         running=zero.running if zero is not None else None)
-    lane = Lane(twin_names(groups), program.device) if groups.twins else None
-    return Executor(
-        chunks,
-        specs=specs,
-        rank=groups.rank,
-        device=program.device,
-        wire=wire,
-        hooks=hooks,
-        compile=config.compile,
-        tracer=tracer,
-        lane=lane,
-    )
+    lane = Lane(groups.twin_names(), program.device) if groups.twins else None
+    return Executor(chunks, specs=specs, rank=groups.rank, device=program.device, wire=wire,
+                    hooks=hooks, compile=config.compile, tracer=tracer, lane=lane)
 
 
 def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
@@ -343,12 +334,6 @@ def bind(program: Program, first: Program, ctx: RankContext) -> Bound:
         collectives.bind(gm, ctx.binding)
     executor = _executor(program, ctx.config, chunks, ctx.groups, ctx.ddp, ctx.tracer, ctx.zero)
     return Bound(program, chunks, executor, _aux_loss(program, chunks))
-
-
-def twin_names(groups: Groups) -> dict[str, str]:
-    """Each of this rank's groups that has a twin (``Groups.twins``, a second lane's):
-    its registered name -> the twin's."""
-    return {getattr(groups, n).group_name: t.group_name for n, t in groups.twins.items()}
 
 
 def _group_names(groups: Groups) -> dict[str, str]:

@@ -224,6 +224,10 @@ class Groups:
         if not isinstance(self.tied, WeakGroups):
             self.tied = WeakGroups(self.tied)
 
+    def twin_names(self) -> dict[str, str]:
+        """Each group that has a twin: its registered name -> the twin's."""
+        return {getattr(self, n).group_name: t.group_name for n, t in self.twins.items()}
+
     @property
     def pp_rank(self) -> int:
         return self.topo.coords(self.rank)[2]
