@@ -61,7 +61,7 @@ def split_held(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
                 continue
         carried.add(node)
     for node in carried:
-        kept[_module(node)][1] += _bytes(node)
+        kept[_module(node)][1] += _bytes(node, after_input=True)
     kept[SENT_GRADIENT][1] += sum(_bytes(n) for n in tangents)
     return {m: (a, b) for m, (a, b) in kept.items() if a or b}
 
@@ -84,12 +84,17 @@ def _module(node: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _bytes(node: fx.Node) -> int:
+def _bytes(node: fx.Node, *, after_input: bool = False) -> int:
     """A tensor's bytes; a split routed-experts block's state (its forward's autograd graph,
-    no tensor: ``moe_split``) holds what ``routed_experts`` saves besides its output."""
+    no tensor: ``moe_split``) holds what ``routed_experts`` saves besides its output: from F
+    until I, and (``after_input``) from I until W, where in a recompute region it is
+    nothing until I (the block's inputs, which the graph holds anyway) and its graph, run
+    again, after."""
     made = node.args[0] if node.target is operator.getitem else None
     if isinstance(made, fx.Node) and made.target is ops.routed_experts_split:
-        return routed_experts_bytes(made)  # its value is a placeholder tensor, not the state
+        # its value is a placeholder tensor, not the state
+        again = made.kwargs.get("again") and not after_input
+        return 0 if again else routed_experts_bytes(made)
     v = val(node)
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 

@@ -25,6 +25,7 @@ forward used, with no second exchange of counts that could disagree.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -44,19 +45,44 @@ class SplitExperts:
         self.tap_grads: list[Tensor | None] | None = None
         """Their gradients, found by I for W."""
 
+    replay: Callable[[], SplitExperts] | None = None
+    """Inside a recompute region (``again``): runs the block again, under autograd, into a
+    state holding its graph (I calls it first); None otherwise."""
+
     @classmethod
     def run(cls, routed: Callable[..., Tensor], middle, hidden: Tensor, top_k_index: Tensor,
             top_k_weights: Tensor, w_up: Tensor, w_down: Tensor, b_up: Tensor | None = None,
-            b_down: Tensor | None = None, **options) -> tuple[Tensor, SplitExperts]:
+            b_down: Tensor | None = None, *, again: bool = False,
+            recomputing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            **options) -> tuple[Tensor, SplitExperts]:
         """The block's result (detached) and its state: ``routed`` (``moe.routed_experts``,
         or the rank's binding of it) run on leaves that require gradients, the forward
-        graph running without them."""
-        with torch.enable_grad():
-            leaves = [_leaf(t) for t in (hidden, top_k_weights, w_up, w_down, b_up, b_down)]
-            taps: list[Tensor] = []
-            out = routed(middle, leaves[0], top_k_index, *leaves[1:], taps=taps, **options)
-        assert len(taps) == 2, f"routed experts tapped {len(taps)} matmul results, not 2"
-        return out.detach(), cls(out, leaves, taps)
+        graph running without them. With ``again`` (the block is in a recompute region)
+        forward keeps no graph, only the inputs, and I runs the block again inside
+        ``recomputing()`` (the rank's recomputation, so that nothing counts twice)."""
+        args = (hidden, top_k_weights, w_up, w_down, b_up, b_down)
+
+        def graph() -> SplitExperts:
+            with torch.enable_grad():
+                leaves = [_leaf(t) for t in args]
+                taps: list[Tensor] = []
+                out = routed(middle, leaves[0], top_k_index, *leaves[1:], taps=taps, **options)
+            assert len(taps) == 2, f"routed experts tapped {len(taps)} matmul results, not 2"
+            return cls(out, leaves, taps)
+
+        if not again:
+            state = graph()
+            return state.out.detach(), state
+        with torch.no_grad():
+            out = routed(middle, hidden, top_k_index, *args[1:], taps=[], **options)
+        state = cls(None, [], [])
+
+        def replay() -> SplitExperts:
+            with recomputing():
+                return graph()
+
+        state.replay = replay
+        return out, state
 
     @torch.compiler.disable  # eager in a compiled I graph (autograd over run-time counts)
     def input_grad(self, grad: Tensor, *, hidden: bool, weights: bool,
@@ -64,6 +90,9 @@ class SplitExperts:
         """I: the gradients of the block's ``hidden`` rows and routing ``weights`` (those
         asked for; None for the others) from ``grad``, its result's; with ``banks`` the
         taps' gradients are kept for W and the graph with them."""
+        if self.replay is not None:  # kept as its inputs: the block runs again first
+            again, self.replay = self.replay(), None
+            self.out, self.leaves, self.taps = again.out, again.leaves, again.taps
         asked = [t for t, want in zip(self.leaves[:2], (hidden, weights)) if want]
         taps = self.taps if banks else []
         got = torch.autograd.grad(self.out, asked + taps, grad, retain_graph=banks,

@@ -77,6 +77,16 @@ class Recomputation:
         return self.depth > 0
 
     @contextlib.contextmanager
+    def again(self) -> Iterator[None]:
+        """Around a recomputation that no region runs (a split routed-experts block run
+        again in its I, fxmeg/ir/moe_split.py): ``recomputing()`` is True inside."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    @contextlib.contextmanager
     def preparing(self, fn: Callable) -> Iterator[None]:
         """While inside, every recompute region calls ``fn(args)`` with its inputs before it
         runs, in forward and when backward runs it again (the runtime's zero=3 gather)."""

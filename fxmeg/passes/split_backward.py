@@ -149,7 +149,8 @@ _EXPERT_TENSORS = ("hidden", "top_k_index", "top_k_weights", "w_up", "w_down", "
 
 def _opaque_experts(flat: fx.GraphModule) -> list[tuple[str, fx.GraphModule, dict]]:
     """Replace each routed-experts node of ``flat`` by ``moe_split``'s traced stand-in, its
-    result saved (a recompute region's tag overridden); returns each block's (middle's name,
+    result saved (a recompute region's tag overridden: inside one, the block itself keeps
+    only its inputs and runs again in I, ``again``); returns each block's (middle's name,
     middle, options), by the stand-in's ``block`` index."""
     blocks = []
     for node in list(flat.graph.nodes):
@@ -157,6 +158,8 @@ def _opaque_experts(flat: fx.GraphModule) -> list[tuple[str, fx.GraphModule, dic
             continue
         given = inspect.signature(ops.routed_experts).bind(*node.args, **node.kwargs).arguments
         middle = given.pop("middle")
+        if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            given["again"] = True  # kept as its inputs, run again in I (moe_split)
         tensors = [given.pop(name, None) for name in _EXPERT_TENSORS]
         with flat.graph.inserting_before(node):
             both = flat.graph.call_function(torch.ops.fxmeg.split_experts.default,

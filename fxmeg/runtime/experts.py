@@ -19,6 +19,7 @@ and backward's ``ep dispatch grad`` / ``ep combine grad``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 
@@ -155,4 +156,6 @@ class RankExperts:
         backward (result, ``moe_split.SplitExperts``), outside any compiled graph as
         ``routed_experts_eager`` (traced into a compiled split forward, its state went stale:
         measured, a wrong loss from step 1)."""
-        return moe_split.SplitExperts.run(self.routed_experts, *args, group=group, **options)
+        again = self.drops.recomputation.again if self.drops.recomputation else None
+        return moe_split.SplitExperts.run(self.routed_experts, *args, group=group,
+                                          recomputing=again or contextlib.nullcontext, **options)

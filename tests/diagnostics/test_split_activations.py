@@ -60,12 +60,14 @@ def test_the_passes_own_nodes_are_told_by_module():
         assert held.get("", (0, 0))[1] < block / 4, held
 
 
-def test_a_hugging_face_split_is_told_by_its_blocks_and_counts_the_experts_state():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_hugging_face_split_is_told_by_its_blocks_and_counts_the_experts_state(recompute):
     """A Hugging Face model is captured through a wrapper, whose path export's module stacks
     keep (``model.model.layers.1`` for Mixtral's ``model.layers.1``): the split names every
     node by fxmeg's own module tag, so what a chunk holds is its blocks' (read by block,
     the search counted it as the head's). A split routed-experts block keeps its forward's
-    autograd graph, no tensor: it holds what ``routed_experts`` saves besides its output."""
+    autograd graph, no tensor: it holds what ``routed_experts`` saves besides its output,
+    from F until W; in a recompute region only from I (run again there) until W."""
     from fxmeg.diagnostics.saved_activations import routed_experts_bytes
     from fxmeg.interop.hugging_face import keyword_batch
     from fxmeg.ir import ops
@@ -73,12 +75,17 @@ def test_a_hugging_face_split_is_told_by_its_blocks_and_counts_the_experts_state
     model = make_model("moe-mixtral")
     ids, _ = make_batch(1, seed=0, seq=32)
     program = transform(meta_twin(model), keyword_batch(ids.to("meta"), ids.to("meta")),
-                        pp=2, dp=2, ep=2, schedule="zbh1", global_batch_size=2)
+                        pp=2, dp=2, ep=2, schedule="zbh1", global_batch_size=2,
+                        recompute=recompute)
     modules = dict(model.named_modules())
     for gm in program.chunks:
         held = split_held(gm)
         assert set(held) - {RECEIVED, SENT_GRADIENT} <= set(modules)
         states = [n for n in gm.zb_forward.graph.nodes if n.target is ops.routed_experts_split]
-        experts = [m for m in held if m.endswith(".mlp.experts")]
-        assert len(experts) == len(states) > 0
-        assert sum(held[m][0] for m in experts) == sum(map(routed_experts_bytes, states))
+        assert states and all(s.kwargs.get("again", False) == (recompute == "full")
+                              for s in states)
+        experts = [held.get(list(s.meta["nn_module_stack"])[-1], (0, 0)) for s in states]
+        kept = sum(map(routed_experts_bytes, states))
+        assert sum(e[0] for e in experts) == (0 if recompute == "full" else kept)
+        if gm is program.chunks[-1]:  # a chunk that receives hands the state from I to W
+            assert sum(e[1] for e in experts) == kept

@@ -25,13 +25,13 @@ expert split over tp), DeepSeek-V3 at tp=2 (latent attention: down projections w
 projections over heads), Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
 block's backward split into an input-gradient pass, the reverse all-to-alls, and a
 weight-gradient pass; ZB-H1 bit for bit like 1F1B), Mixtral under DualPipeV at ep=2 x
-pp=2 in one lane and with each paired unit's backward in a second lane (bit for bit
-alike), Mixtral's router loss at tp=2 with sequence parallelism (each block routes the
-tokens gathered whole), and Mixtral's router loss at ep=2 x pp=2, m=4, weighted per
-micro-batch, also with full activation recompute (each block's forward, its all-to-alls
-included, runs twice; the router loss counts once); in the 2-rank spawn, the same router
-loss at ep=2 folded over cp=2 (each cp rank's part of the loss over the whole sequence). Each rank
-holds exactly E / ep
+pp=2 with full recompute (each routed-experts block run again in its I) in one lane and
+with each paired unit's backward in a second lane (bit for bit alike), Mixtral's router
+loss at tp=2 with sequence parallelism (each block routes the tokens gathered whole), and
+Mixtral's router loss at ep=2 x pp=2, m=4, weighted per micro-batch, also with full
+activation recompute (each block's forward, its all-to-alls included, runs twice; the
+router loss counts once); in the 2-rank spawn, the same router loss at ep=2 folded over
+cp=2 (each cp rank's part of the loss over the whole sequence). Each rank holds exactly E / ep
 experts of every layer, and the expert gradients are reduced over the
 expert-data-parallel ranks only (the groups their buffers reduce over).
 
@@ -107,10 +107,12 @@ ZERO_BUBBLE = [
     Scenario("moe-mixtral", dp=2, pp=2, schedule="zbh1", options=(("ep", 2),)),
     Scenario("moe-gpt_oss", dp=2, pp=2, vpp=2, schedule="zbv", options=(("ep", 2),)),  # biases
 ]
-# DualPipeV, its paired units in one lane and in two (overlap_moe_expert_parallel_comm)
+# DualPipeV, its paired units in one lane and in two (overlap_moe_expert_parallel_comm), under
+# full recompute: each routed-experts block keeps its inputs and runs again in its I
 DUALPIPE = [
-    Scenario("moe-mixtral", dp=2, pp=2, vpp=2, schedule="dualpipev",
-             options=(("ep", 2), *((("overlap_moe_expert_parallel_comm", True),) if lanes else ())))
+    Scenario("moe-mixtral", dp=2, pp=2, vpp=2, schedule="dualpipev", options=(
+        ("ep", 2), ("recompute", "full"),
+        *((("overlap_moe_expert_parallel_comm", True),) if lanes else ())))
     for lanes in (False, True)
 ]
 FOUR = [
