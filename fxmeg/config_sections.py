@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from fxmeg.errors import ConfigError, closest
 from fxmeg.sharding_modes import OptimizerSharding, check_sharding, decide_sharding
 from fxmeg.sizes import Size, check_numbers
-
-if TYPE_CHECKING:
-    from fxmeg.config import ParallelConfig
 
 GRANULARITIES = ("none", "selective", "full")
 """Activation recompute: nothing, attention cores, or whole blocks."""
@@ -179,14 +176,15 @@ class MoEConfig:
                 + closest(kind, LOAD_BALANCING)
             )
 
-    def check_with(self, parallel: ParallelConfig, *, compile: bool) -> None:
-        """The rules that join these options to the layout and ``compile`` (called by
-        ``EngineConfig``, which holds all three)."""
+    def check_with(self, parallel, *, compile: bool) -> None:
+        """The rules that join these options to the layout (``parallel``, a
+        ``fxmeg.config.ParallelConfig``, which imports this module) and ``compile``
+        (called by ``EngineConfig``, which holds all three)."""
         self._check_lanes(parallel, compile)
         self._check_router_bias(parallel, compile)
         self._check_global_router_loss(parallel)
 
-    def _check_lanes(self, parallel: ParallelConfig, compile: bool) -> None:
+    def _check_lanes(self, parallel, compile: bool) -> None:
         """overlap_moe_expert_parallel_comm runs the backward of DualPipeV's paired units in
         a second lane (fxmeg/runtime/lanes.py): it needs those units, expert all-to-alls to
         hide, and eager graphs (zero=3, whose forward would gather parameters over the group
@@ -204,7 +202,7 @@ class MoEConfig:
             raise ConfigError(f"{name} does not run with compile=True: the second lane runs "
                               "eager graphs; set compile=False")
 
-    def _check_global_router_loss(self, parallel: ParallelConfig) -> None:
+    def _check_global_router_loss(self, parallel) -> None:
         """global_aux_loss's running tokens per expert advance in the forward the runtime
         runs (``ops.global_tokens``, fxmeg/runtime/expert_load.py), which a zero-bubble
         schedule traces into a graph of its own: measured 2026-12-05, Mixtral at pp2 x dp2
@@ -219,7 +217,7 @@ class MoEConfig:
                 "moe_router_load_balancing_type='aux_loss'"
             )
 
-    def _check_router_bias(self, parallel: ParallelConfig, compile: bool) -> None:
+    def _check_router_bias(self, parallel, compile: bool) -> None:
         """moe_router_bias_update_rate > 0 needs a forward whose routing the runtime can
         count (fxmeg/runtime/expert_load.py)."""
         rate = self.moe_router_bias_update_rate

@@ -363,10 +363,7 @@ class Composer:
         name = par.resolved_schedule
         where = par.placement
         held, host = self._held(chunks, name, par.vpp, m, mbs, split)
-        # DualPipe's second lane allocates from a pool of its own (a thread's malloc arena, a
-        # stream's cached blocks): one backward's carry, which the forward lane cannot reuse
-        lane = (split_weights(chunks, split, mbs)[1]
-                if config.moe.overlap_moe_expert_parallel_comm and split is not None else {})
+        lane = _lane_pool(chunks, config, split)
         stages = []
         for s in range(pp):
             mine = [c for c in range(par.num_chunks) if where[c] == s]
@@ -514,6 +511,16 @@ def _buckets(chunks: list[list[Part]], bucket_size: int | None) -> tuple[int, in
     if shared:
         return largest, min(outside, cap)
     return max(largest, min(outside, cap)), 0
+
+
+def _lane_pool(chunks: list[list[Part]], config: EngineConfig,
+               split: Mapping[str, tuple[int, int, int]] | None) -> dict[int, int]:
+    """Per chunk, what DualPipe's second lane holds in a pool of its own (a thread's malloc
+    arena, a stream's cached blocks), which the forward lane does not reuse: one
+    micro-batch's carry (``split_weights``); empty without the lane."""
+    if not config.moe.overlap_moe_expert_parallel_comm or split is None:
+        return {}
+    return split_weights(chunks, split, config.micro_batch_size)[1]
 
 
 def split_weights(chunks: list[list[Part]], split: Mapping[str, tuple[int, int, int]],
