@@ -191,12 +191,12 @@ class MoEConfig:
         the backward reduces over, is refused under every split backward)."""
         if not self.overlap_moe_expert_parallel_comm:
             return
-        par, name = parallel, "overlap_moe_expert_parallel_comm=True"
-        if par.ep == 1 or par.resolved_schedule != "dualpipev":
+        name, schedule = "overlap_moe_expert_parallel_comm=True", parallel.resolved_schedule
+        if parallel.ep == 1 or schedule != "dualpipev":
             raise ConfigError(
                 f"{name} overlaps the expert all-to-alls of DualPipeV's paired forward and "
-                f"backward: it needs ep > 1 and schedule='dualpipev'; got ep={par.ep}, "
-                f"schedule={par.resolved_schedule!r}"
+                f"backward: it needs ep > 1 and schedule='dualpipev'; got ep={parallel.ep}, "
+                f"schedule={schedule!r}"
             )
         if compile:
             raise ConfigError(f"{name} does not run with compile=True: the second lane runs "

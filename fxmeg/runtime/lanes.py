@@ -57,25 +57,23 @@ class Lane:
         self.device = device
         self._module = None if device.type == "cpu" else torch.get_device_module(device)
         self._stream = self._module.Stream(device=device) if self._module is not None else None
-        self._main = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fxmeg-lane",
                                         initializer=_enter, initargs=(dict(twins),))
 
     def start(self, work: Callable[[], None]) -> Future:
         """Run ``work`` in the lane, after what the calling lane's stream queued so far."""
         if self._stream is not None:
-            self._main = self._module.current_stream(self.device)
-            self._stream.wait_stream(self._main)
+            self._stream.wait_stream(self._module.current_stream(self.device))
         return self._pool.submit(self._run, work)
 
     def join(self, running: Future) -> None:
-        """Wait for ``running`` (raising what it raised); the calling stream then waits
-        for the lane's."""
+        """Wait for ``running`` (raising what it raised); the calling stream (the one that
+        started it: the same thread) then waits for the lane's."""
         try:
             running.result()
         finally:
             if self._stream is not None:
-                self._main.wait_stream(self._stream)
+                self._module.current_stream(self.device).wait_stream(self._stream)
 
     def record(self, tensors: Iterable, *, to_lane: bool) -> None:
         """Keep each tensor's memory from reuse until the lane's stream (``to_lane``) or

@@ -89,8 +89,9 @@ class Executor:
     ) -> None:
         self.chunks = chunks
         self.lane = lane
-        """With one: each forward followed by another chunk's backward with no compute
-        between (DualPipeV's paired units) runs beside that backward (``_pair``)."""
+        """With one: each schedule unit of one chunk's forward and another chunk's split
+        backward (DualPipeV's steady state) runs its backward here, beside the forward
+        (``_pair``)."""
         self._run = {
             c: torch.compile(gm, dynamic=False) if compile else gm for c, gm in chunks.items()
         }
