@@ -156,6 +156,11 @@ def predict(run: Run) -> dict:
             rows.append({"layout": str(layout), "refused": str(exc).split("\n")[0][:160]})
             continue
         verdict = memory_verdict(e.peak, found.device.memory, found.device.memory_error)
+        capped = s.capped(layout, found.device.memory) if verdict != "fits" else None
+        if capped is not None:  # the search's retry: fewer weight gradients deferred
+            rows.append({"layout": str(layout), "fits": False, "memory": verdict,
+                         "peak_gib": round(e.peak / 2**30, 1)})
+            (layout, e), verdict = capped, "fits"
         rows.append({"layout": str(layout), "fits": verdict == "fits", "memory": verdict,
                      "peak_gib": round(e.peak / 2**30, 1), "step_s": round(e.step, 3),
                      "tflops_per_gpu": round(e.mfu * peak_flops / 1e12, 1),

@@ -73,6 +73,10 @@ class ParallelConfig:
     schedule: str = "auto"
     """'auto', 'none' (pp=1), 'gpipe', '1f1b', 'interleaved' (vpp > 1), or zero bubble:
     'zbh1' (vpp=1), 'zbv' or 'dualpipev' (vpp=2, chunks placed in a V)."""
+    max_pending_w: int | None = None
+    """Under a zero-bubble schedule, the most micro-batches a pipeline rank holds between
+    their I and their W; beyond, a backward runs whole (``schedules.cap_pending``): less
+    memory, a longer bubble. None: as many as the schedule defers."""
     split_points: tuple[str, ...] | None = None
     """Pinned chunk starts, e.g. ('layers.2',): pp*vpp - 1 block names; None = balanced."""
     sequence_parallel: bool = False
@@ -98,6 +102,8 @@ class ParallelConfig:
         "expert_tensor_parallel_size": Size(
             1, "tensor-parallel size of the routed experts (1 or tp)", "tp"
         ),
+        "max_pending_w": Size(0, "most split backwards waiting for their W",
+                              "as many as the schedule defers"),
     }
     """The rule of each integer field (``fxmeg.sizes.check_numbers``)."""
 
@@ -111,6 +117,11 @@ class ParallelConfig:
         refusal = layout_refusal(self.schedule, pp=self.pp, vpp=self.vpp)
         if refusal:
             raise ConfigError(refusal)
+        if self.max_pending_w is not None and not self.splits_backward:
+            raise ConfigError(
+                f"max_pending_w={self.max_pending_w} caps the weight gradients a zero-bubble "
+                f"schedule defers, and schedule={self.resolved_schedule!r} defers none: use "
+                "schedule='zbh1', 'zbv' or 'dualpipev', or drop max_pending_w")
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
         self._check_cp_comm()

@@ -295,9 +295,8 @@ def plan_of(program: Program, config: EngineConfig | None = None, *,
     runtime may change only the global batch size)."""
     config = config or program.config
     par = config.parallel
-    schedule = schedules.build(
-        par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=config.num_microbatches
-    )
+    schedule = schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp,
+                               m=config.num_microbatches, max_pending_w=par.max_pending_w)
     # the in-flight count follows each rank's compute order alone, which p2p does not change
     lowered = schedules.lower(
         schedule,

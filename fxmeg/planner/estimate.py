@@ -262,11 +262,12 @@ class Composer:
         return max(took - c.hidden_by * mbs / self.rate, 0.0) if c.hidden_by else took
 
     def _simulate(self, shape: tuple, costs: tuple | None, latency: float):
-        """The simulator's run of schedule ``shape`` (name, pp, vpp, m) at ``costs``
-        (None: unit costs, for the micro-batches in flight), lowered once per shape."""
-        name, pp, vpp, m = shape
+        """The simulator's run of schedule ``shape`` (name, pp, vpp, m, max_pending_w) at
+        ``costs`` (None: unit costs, for the micro-batches in flight), lowered once per
+        shape."""
+        name, pp, vpp, m, pending = shape
         if shape not in self._lowered:
-            sched = schedules.build(name, pp=pp, vpp=vpp, m=m)
+            sched = schedules.build(name, pp=pp, vpp=vpp, m=m, max_pending_w=pending)
             place = placement(name, pp=pp, vpp=vpp)
             self._lowered[shape] = (schedules.lower(sched, num_chunks=pp * vpp, p2p="eager",
                                                     placement=place), place)
@@ -279,27 +280,29 @@ class Composer:
         return self._sims[key]
 
     def held(self, name: str, pp: int, vpp: int, m: int, weights: dict[int, float],
-             carry: dict[int, float] | None = None) -> dict[int, float]:
+             carry: dict[int, float] | None = None, pending: int | None = None
+             ) -> dict[int, float]:
         """Per pipeline rank, the most activation bytes held at once, each micro-batch
         weighing its chunk's ``weights``, and ``carry`` from its I until its W
         (``Simulation.peak_held_by``). They follow each rank's own compute order, not the
         costs: unit costs, 2 pp micro-batches, unless a rank then holds every one of them
-        (GPipe holds all m)."""
+        (GPipe holds all m). ``pending``: the schedule's ``max_pending_w``."""
         sim_m = simulated_microbatches(m, pp, name, held=True)
-        sim = self._simulate((name, pp, vpp, sim_m), None, 0.0)
+        sim = self._simulate((name, pp, vpp, sim_m, pending), None, 0.0)
         if sim_m < m and max(sim.peak_held.values()) >= sim_m:
-            sim = self._simulate((name, pp, vpp, m), None, 0.0)
+            sim = self._simulate((name, pp, vpp, m, pending), None, 0.0)
         return sim.peak_held_by(placement(name, pp=pp, vpp=vpp), weights, carry)
 
     def _held(self, chunks: list[list[Part]], name: str, vpp: int, m: int, mbs: int,
-              split: Mapping[str, tuple[int, int, int]] | None) -> tuple[dict[int, float], int]:
+              split: Mapping[str, tuple[int, int, int]] | None,
+              pending: int | None = None) -> tuple[dict[int, float], int]:
         """(``held`` per pipeline rank, the host bytes of the split graphs every rank holds:
         0 without a split)."""
         pp = len(chunks) // vpp
         if split is None:
             return self.held(name, pp, vpp, m, {
                 c: sum(p.activations for p in parts) * mbs for c, parts in enumerate(chunks)}), 0
-        held = self.held(name, pp, vpp, m, *split_weights(chunks, split, mbs))
+        held = self.held(name, pp, vpp, m, *split_weights(chunks, split, mbs), pending)
         return held, self.cluster.device.split_node_bytes * sum(
             split.get(p.name, (0, 0, 0))[2] for parts in chunks for p in parts)
 
@@ -325,18 +328,19 @@ class Composer:
         return f_cost, b_cost, comm_f, comm_b
 
     def pipeline(self, name: str, pp: int, vpp: int, m: int, f_cost: dict, b_cost: dict,
-                 latency: float) -> tuple[float, float, int]:
+                 latency: float, pending: int | None = None) -> tuple[float, float, int]:
         """(makespan, the busiest rank's busy seconds, that rank) of ``m`` micro-batches
         under schedule ``name``, each chunk's forward and backward costing ``f_cost[c]``,
         ``b_cost[c]`` (I and W half a backward each), each message ``latency``. The
         simulator runs ``simulated_microbatches``; the steady state then repeats: each
-        micro-batch beyond them adds the busiest rank's work for one."""
+        micro-batch beyond them adds the busiest rank's work for one. ``pending``: the
+        schedule's ``max_pending_w``."""
         sim_m = simulated_microbatches(m, pp, name)
         costs = []
         for c in range(pp * vpp):
             costs += [((c, Kind.F), f_cost[c]), ((c, Kind.B), b_cost[c]),
                       ((c, Kind.I), b_cost[c] / 2), ((c, Kind.W), b_cost[c] / 2)]
-        sim = self._simulate((name, pp, vpp, sim_m), tuple(costs), latency)
+        sim = self._simulate((name, pp, vpp, sim_m, pending), tuple(costs), latency)
         busiest = max(range(pp), key=lambda r: sim.busy[r])
         extra = (m - sim_m) * sim.busy[busiest] / sim_m
         return sim.makespan + extra, sim.busy[busiest] + extra, busiest
@@ -360,9 +364,8 @@ class Composer:
         pp_link = cl.link(tp * cp * dp, pp)
         boundary = max((ch[-1].boundary for ch in chunks[:-1]), default=0) * mbs
         latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
-        name = par.resolved_schedule
-        where = par.placement
-        held, host = self._held(chunks, name, par.vpp, m, mbs, split)
+        name, where = par.resolved_schedule, par.placement
+        held, host = self._held(chunks, name, par.vpp, m, mbs, split, par.max_pending_w)
         lane = _lane_pool(chunks, config, split)
         stages = []
         for s in range(pp):
@@ -375,7 +378,8 @@ class Composer:
             split = tuple(self.blocks[i] for i in self.cut(profile, par)[1:])
         if memory is not None and max(st.total for st in stages) > memory:
             return Estimate(math.inf, {}, tuple(stages), split, 0.0, 0.0, 0.0)
-        makespan, busy, busiest = self.pipeline(name, pp, par.vpp, m, f_cost, b_cost, latency)
+        makespan, busy, busiest = self.pipeline(name, pp, par.vpp, m, f_cost, b_cost, latency,
+                                                par.max_pending_w)
         dp_time, opt_time = 0.0, 0.0
         for s, stage in enumerate(stages):
             mine = [c for c in range(par.num_chunks) if where[c] == s]

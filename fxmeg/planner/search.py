@@ -7,7 +7,8 @@ legal when ``EngineConfig`` accepts it on the cluster's ranks, ``check_model`` a
 for the model, and the passes accept its intra-layer part on the model's twin (the
 profile's transform: fxmeg/planner/profile.py); one copy of the rules, the ones that run
 before training. Each legal layout is estimated (fxmeg/planner/estimate.py); those whose
-per-rank peak exceeds the device's memory are dropped; the rest are ranked.
+per-rank peak exceeds the device's memory are dropped; the rest are ranked. A zero-bubble
+layout over memory is tried again deferring fewer weight gradients (``Searcher.capped``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Layout:
     micro_batch_size: int = 1
     overlap_ep: bool = False
     """``overlap_moe_expert_parallel_comm`` (ep > 1 under dualpipev)."""
+    pending_w: int | None = None
+    """``max_pending_w`` (zero-bubble schedules): set by ``Searcher.capped`` only."""
 
     @property
     def key(self) -> Key:
@@ -68,7 +71,8 @@ class Layout:
                 "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule, "dp": self.dp,
                 "zero": self.zero, "recompute": self.recompute,
                 "micro_batch_size": self.micro_batch_size,
-                "overlap_moe_expert_parallel_comm": self.overlap_ep}
+                "overlap_moe_expert_parallel_comm": self.overlap_ep,
+                "max_pending_w": self.pending_w}
 
     @classmethod
     def of(cls, config: EngineConfig) -> Layout:
@@ -76,7 +80,7 @@ class Layout:
         return cls(par.tp, par.sequence_parallel, par.cp, par.ep, par.pp, par.vpp,
                    par.resolved_schedule, par.dp or 1, dpc.zero_stage,
                    config.recomputation.recompute, config.micro_batch_size,
-                   config.moe.overlap_moe_expert_parallel_comm)
+                   config.moe.overlap_moe_expert_parallel_comm, par.max_pending_w)
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
@@ -85,6 +89,7 @@ class Layout:
             parts.append(f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
                          + f" {self.schedule}")
         parts += ["ep-overlap"] if self.overlap_ep else []
+        parts += [f"pending-w{self.pending_w}"] if self.pending_w is not None else []
         parts += [f"dp{self.dp}", f"zero{self.zero}", f"rc:{self.recompute}",
                   f"mbs{self.micro_batch_size}"]
         return " ".join(parts)
@@ -322,6 +327,31 @@ class Searcher:
             split = check_split(self.twin, self.example, layout.key, self.base, self.loss_fn)
         return self.composer.estimate(prof, config, memory, split)
 
+    def capped(self, layout: Layout, memory: int) -> tuple[Layout, Estimate] | None:
+        """A zero-bubble ``layout`` that does not fit ``memory``, with the most pending Ws
+        (``max_pending_w``: ``pending_caps``) at which it fits (``memory_verdict``), and
+        its estimate; None when none fits, or the schedule defers no W."""
+        name = resolve(layout.schedule, pp=layout.pp, vpp=layout.vpp)
+        if layout.pending_w is not None or not SPECS[name].splits_backward:
+            return None
+        for k in pending_caps(layout.pp):
+            tried = dataclasses.replace(layout, pending_w=k)
+            est = self.estimate(tried, memory)
+            if memory_verdict(est.peak, memory, self.cluster.device.memory_error) == "fits":
+                return tried, est
+        return None
+
+
+def pending_caps(pp: int) -> list[int]:
+    """The ``max_pending_w`` values ``Searcher.capped`` tries, most first: pp / 2 halved
+    down to 1, then 0 (no W deferred; every backward whole). A zero-bubble rank defers at
+    most about pp Ws."""
+    caps, k = [], pp // 2
+    while k >= 1:
+        caps.append(k)
+        k //= 2
+    return [*caps, 0]
+
 
 def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,
            precision: str = "bf16", loss_fn=None, layout: Layout | None = None,
@@ -364,6 +394,9 @@ def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch
             continue
         legal += 1
         verdict = memory_verdict(est.peak, cap, cluster.device.memory_error)
+        fitting = s.capped(cand, cap) if verdict != "fits" else None
+        if fitting is not None:  # fewer Ws deferred: a longer bubble, but it fits
+            cand, est, verdict = *fitting, "fits"
         sorted_into[verdict].append(Ranked(cand, est))
         if time.perf_counter() - last > 2.0:
             last = time.perf_counter()

@@ -160,7 +160,8 @@ class RankContext:
 
     def build_schedule(self, m: int) -> schedules.Schedule:
         par = self.config.parallel
-        return schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=m)
+        return schedules.build(par.resolved_schedule, pp=par.pp, vpp=par.vpp, m=m,
+                               max_pending_w=par.max_pending_w)
 
 
 def build_context(program: Program, config: EngineConfig | None = None, *,

@@ -244,6 +244,10 @@ def test_zero_bubble_schedules_check_vpp_and_micro_batches():
         ParallelConfig(pp=2, vpp=2, schedule="zbh1")
     with pytest.raises(ConfigError, match="schedule='zbh1' needs pp > 1"):
         ParallelConfig(schedule="zbh1")
+    assert ParallelConfig(pp=2, schedule="zbh1", max_pending_w=0).max_pending_w == 0
+    with pytest.raises(ConfigError, match="schedule='interleaved' defers none: use "
+                       "schedule='zbh1', 'zbv' or 'dualpipev', or drop max_pending_w"):
+        ParallelConfig(pp=2, vpp=2, max_pending_w=1)
     dual = EngineConfig(
         micro_batch_size=1,
         global_batch_size=8,
@@ -364,6 +368,7 @@ CONTEXT = {
     "global_batch_size": {"micro_batch_size": 1},
     "sft_pad_multiple": {"sft": True, "tokenizer_model": "t"},
     "cp_a2a_size": {"cp": 4, "cp_comm_type": "a2a+p2p"},
+    "max_pending_w": {"pp": 2, "schedule": "zbh1"},
 }
 """Other fields that a field's least value needs to pass the cross-field rules."""
 NONE_CONTEXT = {"cp_a2a_size": {}}

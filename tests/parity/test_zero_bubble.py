@@ -2,7 +2,8 @@
 DualPipeV at pp=2 (two chunks per rank in a V), Hugging Face Llama and GPT-2 under ZB-H1
 (and GPT-2 under ZB-V, Llama under DualPipeV),
 with the tied embedding, the distributed
-optimizer at dp=2 and tp=2, recompute and compiled graphs: every step's loss and the final
+optimizer at dp=2 and tp=2, recompute, compiled graphs and fewer Ws deferred
+(``max_pending_w``): every step's loss and the final
 weights match single-device training, and GPT's match the same engine under 1F1B
 bitwise (the split graphs run the same kernels in the same order)."""
 
@@ -27,6 +28,10 @@ PARITY = [
     Scenario("gpt", pp=2, schedule="zbh1", options=(("recompute", "full"),)),
     Scenario("gpt", pp=2, schedule="zbh1", options=(("compile", True),)),
     Scenario("gpt", pp=4, schedule="zbh1", m=8),
+    # fewer Ws deferred than the schedule's own (cap_pending): those past it run whole
+    Scenario("gpt", pp=4, schedule="zbh1", m=8, options=(("max_pending_w", 1),)),
+    Scenario("gpt", pp=2, vpp=2, schedule="dualpipev", options=(("max_pending_w", 1),)),
+    Scenario("gpt", pp=2, schedule="zbh1", options=(("max_pending_w", 0),)),
     Scenario("gpt", pp=2, dp=2, schedule="zbh1", options=DIST_OPT),
     Scenario("gpt", pp=2, dp=2, schedule="1f1b", options=DIST_OPT),
     Scenario("llama", pp=2, tp=2, schedule="zbh1"),
@@ -52,7 +57,10 @@ def test_trains_like_single_device(results, sc):
     (Scenario("gpt", pp=2, schedule="zbh1"), Scenario("gpt", pp=2, schedule="1f1b")),
     (Scenario("gpt", pp=2, dp=2, schedule="zbh1", options=DIST_OPT),
      Scenario("gpt", pp=2, dp=2, schedule="1f1b", options=DIST_OPT)),
-], ids=["pp2", "pp2-dp2-distopt"])
+    # no W deferred: 1F1B's order, each backward whole
+    (Scenario("gpt", pp=2, schedule="zbh1", options=(("max_pending_w", 0),)),
+     Scenario("gpt", pp=2, schedule="1f1b")),
+], ids=["pp2", "pp2-dp2-distopt", "pp2-no-pending-w"])
 def test_bitwise_like_1f1b(results, zb, base):
     got, want = results[zb.world][0][zb.id], results[base.world][0][base.id]
     assert [s.loss for s in got["steps"]] == [s.loss for s in want["steps"]]

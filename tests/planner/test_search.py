@@ -2,6 +2,7 @@
 memory against what ``fxmeg.plan`` (the passes themselves) says, and the search's report.
 The predictions against measured runs: bench/search_check.py."""
 
+import dataclasses
 import json
 import random
 
@@ -269,3 +270,27 @@ def test_a_zero_bubble_rank_holds_the_split_graphs_where_its_memory_is_the_hosts
             assert grown == [0, 0]
         else:  # the 4-layer GPT's split graphs: hundreds of nodes, the same on each rank
             assert grown[0] == grown[1] and grown[0] % 1000 == 0 and grown[0] > 300_000
+
+
+def test_a_zero_bubble_layout_over_memory_fits_deferring_fewer_ws():
+    """``max_pending_w`` trades a zero-bubble schedule's bubble for what its deferred Ws
+    hold (under full recompute, nearly all a micro-batch holds): fewer Ws pending hold
+    less and run no faster. A search whose cap a layout misses by its deferred Ws finds it
+    again at the most pending Ws that fit (``Searcher.capped``): a layout ``parallelize``
+    takes as it is."""
+    bare = cluster("h100:reserved=0B")  # the tensors alone
+    base = Layout(pp=2, dp=4, schedule="zbh1", recompute="full")  # a node's 8 ranks, m = 8
+    s = Searcher(_gpt(), _example(), cluster=bare, global_batch_size=32, precision="fp32")
+    est = {k: s.estimate(dataclasses.replace(base, pending_w=k)) for k in (None, 1, 0)}
+    assert est[None].peak >= est[1].peak >= est[0].peak and est[0].peak < est[None].peak
+    assert est[None].step <= est[1].step <= est[0].step
+    cap = int(est[0].peak * 1.1) + 1
+    assert memory_verdict(est[None].peak, cap, 0.1) != "fits"
+    result = search(_gpt(), _example(), cluster=bare, global_batch_size=32, precision="fp32",
+                    memory=cap, space=lambda c: c == base)
+    (found,) = result.ranked
+    assert found.layout.pending_w in (0, 1) and found.estimate.peak * 1.1 <= cap
+    assert f"pending-w{found.layout.pending_w}" in str(found.layout)
+    config = s.config(found.layout)
+    assert config.parallel.max_pending_w == found.layout.pending_w
+    assert Layout.of(config) == found.layout

@@ -705,6 +705,12 @@ ROWS = {
         "moe_router_bias_update_rate=0.001 does not run with compile=True: the tokens per expert "
         "are counted outside the compiled graphs",
     ),
+    "max-pending-w": (
+        lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2, max_pending_w=1),
+        "max_pending_w=1 caps the weight gradients a zero-bubble schedule defers, and "
+        "schedule='1f1b' defers none: use schedule='zbh1', 'zbv' or 'dualpipev', or drop "
+        "max_pending_w",
+    ),
     "overlap-ep-comm": (
         lambda: fxmeg.parallelize(make_model("gpt"), _ex(), pp=2,
                                   overlap_moe_expert_parallel_comm=True),

@@ -31,11 +31,12 @@ ZERO_BUBBLE = {"zbh1": 1, "zbv": 2, "dualpipev": 2}  # name -> vpp
 UNIT = {"f_cost": 1, "b_cost": 2, "i_cost": 1, "w_cost": 1}
 
 
-def _run(name: str, pp: int, m: int, p2p: str = "paired"):
-    """(compute schedule, lowered, unit-cost simulation) of ``name`` at pp, m."""
+def _run(name: str, pp: int, m: int, p2p: str = "paired", pending: int | None = None):
+    """(compute schedule, lowered, unit-cost simulation) of ``name`` at pp, m (at most
+    ``pending`` Ws deferred)."""
     vpp = ZERO_BUBBLE.get(name, 2 if name == "interleaved" else 1)
     where = placement(name, pp=pp, vpp=vpp)
-    sched = build(name, pp=pp, vpp=vpp, m=m)
+    sched = build(name, pp=pp, vpp=vpp, m=m, max_pending_w=pending)
     lowered = lower(sched, num_chunks=pp * vpp, p2p=p2p, placement=where)
     return sched, lowered, simulate(lowered, pp=pp, placement=where, **UNIT)
 
@@ -75,6 +76,47 @@ def test_grid_runs_every_pass_once_in_order(name, pp, m, p2p):
         if c + 1 < pp * vpp:  # forwards down the chunks, input gradients back up
             assert start[Action(c + 1, Kind.F, i)] >= end[f]
             assert start[grad] >= end[_input_grad(end, c + 1, i)]
+
+
+def _most_pending(actions) -> int:
+    """The most micro-batches between their I and their W in one rank's ``actions``."""
+    pending, most = set(), 0
+    for a in actions:
+        if a.kind is Kind.I:
+            pending.add((a.chunk, a.mb))
+        elif a.kind is Kind.W:
+            pending.remove((a.chunk, a.mb))
+        most = max(most, len(pending))
+    return most
+
+
+@pytest.mark.parametrize("name,pp,m", [(n, pp, m) for n in ZERO_BUBBLE for pp in (2, 3, 4)
+                                       for m in (2 * pp, 2 * pp + 3)])
+def test_max_pending_w_runs_the_backwards_past_it_whole(name, pp, m):
+    """At most ``max_pending_w`` micro-batches wait for their W on a rank; past it an I
+    runs as its whole B (``cap_pending``): every pass still runs once and in order, peak
+    memory does not grow, the bubble does not shrink, and a cap the schedule never reaches
+    changes nothing."""
+    free, _, open_sim = _run(name, pp, m)
+    most = max(_most_pending(compute_actions(free, r)) for r in range(pp))
+    assert most >= 1
+    assert _run(name, pp, m, pending=most)[0] == free
+    vpp = ZERO_BUBBLE[name]
+    where = placement(name, pp=pp, vpp=vpp)
+    for cap in range(most):
+        sched, _, sim = _run(name, pp, m, pending=cap)  # the simulator checks the order
+        for rank in range(pp):
+            actions = compute_actions(sched, rank)
+            assert _most_pending(actions) <= cap
+            mine = {c for c in range(pp * vpp) if where[c] == rank}
+            passes = sorted((a.chunk, a.mb, k) for a in actions
+                            for k in ({"B": "IW"}.get(a.kind.value, a.kind.value)))
+            assert passes == sorted((c, i, k) for c in mine for i in range(m) for k in "FIW")
+            assert sim.peak_held[rank] <= open_sim.peak_held[rank]
+        assert _bubble(sim, pp) >= _bubble(open_sim, pp)
+    no_w, _, sim = _run(name, pp, m, pending=0)
+    assert not any(a.kind in (Kind.I, Kind.W) for r in no_w for a in compute_actions(no_w, r))
+    assert sim.peak_held == sim.peak_in_flight  # no micro-batch held from an I to a W
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", *ZERO_BUBBLE])

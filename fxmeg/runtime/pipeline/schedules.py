@@ -66,6 +66,7 @@ __all__ = [  # the vocabulary and the lowering, read from here by the rest of th
     "Step",
     "Unit",
     "build",
+    "cap_pending",
     "compute_actions",
     "fmt",
     "forward_only",
@@ -82,16 +83,51 @@ __all__ = [  # the vocabulary and the lowering, read from here by the rest of th
 # ---------------------------------------------------------------- builders
 
 
-def build(name: str, *, pp: int, vpp: int, m: int) -> Schedule:
+def build(name: str, *, pp: int, vpp: int, m: int, max_pending_w: int | None = None) -> Schedule:
     """Compute units per pipeline rank for schedule ``name`` ('auto' resolved), by the
-    builder its ``fxmeg.schedule_registry`` row names, after that row's checks."""
+    builder its ``fxmeg.schedule_registry`` row names, after that row's checks; with
+    ``max_pending_w``, no rank holds more split backwards waiting for their W
+    (``cap_pending``)."""
     name = schedule_registry.resolve(name, pp=pp, vpp=vpp)
     refusal = schedule_registry.layout_refusal(
         name, pp=pp, vpp=vpp
     ) or schedule_registry.batch_refusal(name, pp=pp, m=m)
     if refusal:
         raise ScheduleError(refusal)
-    return _BUILDERS[schedule_registry.SPECS[name].builder](pp, vpp, m)
+    built = _BUILDERS[schedule_registry.SPECS[name].builder](pp, vpp, m)
+    if max_pending_w is None:
+        return built
+    return {rank: cap_pending(units, max_pending_w) for rank, units in built.items()}
+
+
+def cap_pending(units: list[Unit], cap: int) -> list[Unit]:
+    """A rank's ``units`` with at most ``cap`` micro-batches between their I and their W
+    at any point (the zero-bubble paper's pending Ws; ``max_pending_w``). Requires: each
+    I's W later in ``units``. Ensures: an I that would make ``cap`` + 1 pending runs as
+    its whole backward B instead (B numbers its micro-batch as the I did) and its W is
+    dropped; every other action keeps its place. A W fills a bubble while others' inputs'
+    gradients travel, so the rank saves what those micro-batches hold from I until W and
+    loses that filling: the bubble grows by the Ws that became part of Bs."""
+    pending: set[tuple[int, int]] = set()
+    whole: set[tuple[int, int]] = set()
+    capped: list[Unit] = []
+    for unit in units:
+        kept = []
+        for a in unit:
+            key = (a.chunk, a.mb)
+            if a.kind is Kind.I and len(pending) >= cap:
+                whole.add(key)
+                a = Action(a.chunk, Kind.B, a.mb)
+            elif a.kind is Kind.I:
+                pending.add(key)
+            elif a.kind is Kind.W and key in whole:
+                continue
+            elif a.kind is Kind.W:
+                pending.discard(key)
+            kept.append(a)
+        if kept:
+            capped.append(tuple(kept))
+    return capped
 
 
 def forward_only(schedule: Schedule) -> Schedule:
