@@ -44,25 +44,25 @@ from fxmeg.diagnostics.devices import peak_resident  # noqa: E402
 SEQ, GBS = 256, 8
 
 
-def build(kind: str, device: str):
+def build(kind: str, device: str, seq: int = SEQ):
     with torch.device(device):
         torch.manual_seed(0)
         if kind == "gpt":
             from models.gpt import GPT, GPTConfig
 
-            return GPT(GPTConfig(vocab_size=8192, seq_len=SEQ, n_layer=4, n_head=8, n_embd=256))
+            return GPT(GPTConfig(vocab_size=8192, seq_len=seq, n_layer=4, n_head=8, n_embd=256))
         import transformers as T
 
         cfg = T.MixtralConfig(vocab_size=4096, hidden_size=128, intermediate_size=256,
                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                               num_local_experts=4, num_experts_per_tok=2,
-                              max_position_embeddings=SEQ)
+                              max_position_embeddings=seq)
         return T.AutoModelForCausalLM.from_config(cfg)
 
 
-def batch(kind: str, rows: int, device: str = "cpu"):
+def batch(kind: str, rows: int, device: str = "cpu", seq: int = SEQ):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 4096, (rows, SEQ), generator=g).to(device)
+    ids = torch.randint(0, 4096, (rows, seq), generator=g).to(device)
     labels = torch.roll(ids, -1, 1)
     if kind == "gpt":
         return ids, labels
@@ -87,10 +87,11 @@ def train(rank: int, world: int, kind: str, options: dict, split, args, out: str
     base = _rss()
     # built on meta, its values made by fxmeg (as `fxmeg train` does a large model): what the
     # rank holds is fxmeg's alone
-    model = build(kind, "meta")
+    seq = getattr(args, "seq", SEQ)
+    model = build(kind, "meta", seq)
     init = {"init_fn": model.init_weights} if kind == "gpt" else {}
     mbs = options["micro_batch_size"]
-    data = batch(kind, GBS)
+    data = batch(kind, GBS, seq=seq)
     engine = fxmeg.parallelize(
         model, _rows(data, 0, mbs), global_batch_size=GBS, split_points=split, seed=0, **init,
         **{k: v for k, v in options.items() if k != "micro_batch_size"},

@@ -356,14 +356,6 @@ class Composer:
         mbs, m = config.micro_batch_size, config.num_microbatches
         tp, cp, ep, pp, dp = par.tp, par.cp, par.ep, par.pp, par.dp
         chunks = self.chunks(profile, par)
-        scale = self._scale(profile, mbs)
-        extra = scale[2]
-        f_cost, b_cost, comm_f, comm_b = self._chunk_seconds(chunks, mbs, tp, cp, ep, scale)
-        if config.moe.overlap_moe_expert_parallel_comm and cl.overlap:
-            lanes.hide(f_cost, b_cost, comm_f, comm_b, pp, m)  # DualPipe's second lane
-        pp_link = cl.link(tp * cp * dp, pp)
-        boundary = max((ch[-1].boundary for ch in chunks[:-1]), default=0) * mbs
-        latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         name, where = par.resolved_schedule, par.placement
         held, host = self._held(chunks, name, par.vpp, m, mbs, split, par.max_pending_w)
         lane = _lane_pool(chunks, config, split)
@@ -378,6 +370,14 @@ class Composer:
             split = tuple(self.blocks[i] for i in self.cut(profile, par)[1:])
         if memory is not None and max(st.total for st in stages) > memory:
             return Estimate(math.inf, {}, tuple(stages), split, 0.0, 0.0, 0.0)
+        scale = self._scale(profile, mbs)
+        extra = scale[2]
+        f_cost, b_cost, comm_f, comm_b = self._chunk_seconds(chunks, mbs, tp, cp, ep, scale)
+        if config.moe.overlap_moe_expert_parallel_comm and cl.overlap:
+            lanes.hide(f_cost, b_cost, comm_f, comm_b, pp, m)  # DualPipe's second lane
+        pp_link = cl.link(tp * cp * dp, pp)
+        boundary = max((ch[-1].boundary for ch in chunks[:-1]), default=0) * mbs
+        latency = (boundary / pp_link.bandwidth + pp_link.latency) if pp > 1 else 0.0
         makespan, busy, busiest = self.pipeline(name, pp, par.vpp, m, f_cost, b_cost, latency,
                                                 par.max_pending_w)
         dp_time, opt_time = 0.0, 0.0

@@ -329,28 +329,25 @@ class Searcher:
 
     def capped(self, layout: Layout, memory: int) -> tuple[Layout, Estimate] | None:
         """A zero-bubble ``layout`` that does not fit ``memory``, with the most pending Ws
-        (``max_pending_w``: ``pending_caps``) at which it fits (``memory_verdict``), and
-        its estimate; None when none fits, or the schedule defers no W."""
+        (``max_pending_w``, bisected in [0, 2 pp): fewer hold no more) at which it fits
+        (``memory_verdict``), and its estimate; None when none fits, or the schedule defers
+        no W."""
         name = resolve(layout.schedule, pp=layout.pp, vpp=layout.vpp)
         if layout.pending_w is not None or not SPECS[name].splits_backward:
             return None
-        for k in pending_caps(layout.pp):
-            tried = dataclasses.replace(layout, pending_w=k)
-            est = self.estimate(tried, memory)
-            if memory_verdict(est.peak, memory, self.cluster.device.memory_error) == "fits":
-                return tried, est
-        return None
 
+        def fits(k: int) -> bool:  # memory only (a cap of 0 bytes): no time simulated
+            peak = self.estimate(dataclasses.replace(layout, pending_w=k), 0).peak
+            return memory_verdict(peak, memory, self.cluster.device.memory_error) == "fits"
 
-def pending_caps(pp: int) -> list[int]:
-    """The ``max_pending_w`` values ``Searcher.capped`` tries, most first: pp / 2 halved
-    down to 1, then 0 (no W deferred; every backward whole). A zero-bubble rank defers at
-    most about pp Ws."""
-    caps, k = [], pp // 2
-    while k >= 1:
-        caps.append(k)
-        k //= 2
-    return [*caps, 0]
+        if not fits(0):
+            return None
+        best, high = 0, 2 * layout.pp
+        while best + 1 < high:  # fits at best; not at high
+            mid = (best + high) // 2
+            best, high = (mid, high) if fits(mid) else (best, mid)
+        found = dataclasses.replace(layout, pending_w=best)
+        return found, self.estimate(found, memory)
 
 
 def search(model: nn.Module, example: Example, *, cluster: Cluster, global_batch_size: int,

@@ -205,6 +205,10 @@ def auto_layout(args, cfg):
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ConfigError("--layout auto searches before it starts the ranks: run fxmeg train "
                           "--layout auto without torchrun (add --nproc N for N ranks)")
+    if cfg.engine.parallel.max_pending_w is not None:
+        raise ConfigError("--layout auto sets max_pending_w itself (where a zero-bubble layout "
+                          "fits only deferring fewer Ws): drop --max-pending-w, or give the "
+                          "whole layout without --layout auto")
     found = _ranks(cluster(args.cluster), args.nproc)
     written = from_megatron({key.replace("-", "_"): value for key, value in
                              (read_config(args.config) if args.config else {}).items()})

@@ -1,6 +1,7 @@
 """`fxmeg train --layout auto`: the search's fastest layout for the ranks launched, the
 layout flags given held fixed, trained, with the prediction beside the first measured
-steps; refused under torchrun, where the ranks are already started."""
+steps; refused under torchrun, where the ranks are already started, and with
+--max-pending-w, which the search sets."""
 
 import os
 import subprocess
@@ -63,3 +64,7 @@ def test_layout_auto_under_torchrun_is_refused(corpus, tmp_path):
     out = _train(corpus, str(tmp_path / "run"), env={"RANK": "0", "WORLD_SIZE": "2"})
     assert out.returncode == 1
     assert "--layout auto searches before it starts the ranks" in out.stderr, out.stderr
+    out = _train(corpus, str(tmp_path / "run"), "--pp", "2", "--schedule", "zbh1",
+                 "--max-pending-w", "2")
+    assert out.returncode == 1
+    assert "--layout auto sets max_pending_w itself" in out.stderr, out.stderr
