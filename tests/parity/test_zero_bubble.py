@@ -32,6 +32,7 @@ PARITY = [
     Scenario("gpt", pp=4, schedule="zbh1", m=8, options=(("max_pending_w", 1),)),
     Scenario("gpt", pp=2, vpp=2, schedule="dualpipev", options=(("max_pending_w", 1),)),
     Scenario("gpt", pp=2, schedule="zbh1", options=(("max_pending_w", 0),)),
+    Scenario("hf-llama", pp=2, vpp=2, schedule="zbv", options=(("max_pending_w", 1),)),
     Scenario("gpt", pp=2, dp=2, schedule="zbh1", options=DIST_OPT),
     Scenario("gpt", pp=2, dp=2, schedule="1f1b", options=DIST_OPT),
     Scenario("llama", pp=2, tp=2, schedule="zbh1"),
