@@ -55,7 +55,8 @@ class Layout:
     overlap_ep: bool = False
     """``overlap_moe_expert_parallel_comm`` (ep > 1 under dualpipev)."""
     pending_w: int | None = None
-    """``max_pending_w`` (zero-bubble schedules): set by ``Searcher.capped`` only."""
+    """``max_pending_w`` (zero-bubble schedules): never a candidate's; ``Searcher.capped``
+    sets it on a layout over memory, ``Layout.of`` reads it from a config."""
 
     @property
     def key(self) -> Key:
