@@ -6,7 +6,12 @@ reading files only: no ranks, no training).
   docs/errors.md row that refuses it (``[`row`](docs/errors.md)``), the row exists, and the
   refusal exists in code (tests/repo/test_errors.py runs the row, or its message excerpt is in
   fxmeg/'s sources); every item of a "supported" cell names a test that runs it
-  (```tests/FILE.py``` or ```tests/FILE.py::TEST```), and the file and the test exist.
+  (```tests/FILE.py``` or ```tests/FILE.py::TEST```), the file and the test exist, and that
+  test uses what the item names in code spans (an option, a flag, a value): one cited test's
+  code (its source unparsed: no comments, no docstrings) contains every word of the span, a
+  hyphen read as an underscore (``--eod-mask-loss`` is the field ``eod_mask_loss``). Each
+  value of an enumerated option (CHOICES: ``cp_comm_type``'s) is named in its row's
+  supported cell, so an option that ships cannot be left out or called missing there.
 * Paths: every repository path named in README.md, docs/*.md (text and relative links,
   their #anchors included) and in the docstrings and comments of fxmeg/ exists, and so
   does every test a pytest id names (``tests/FILE.py::TEST``).
@@ -26,6 +31,8 @@ import re
 import tokenize
 
 import pytest
+
+from fxmeg.config import CP_COMM_TYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ["README.md"] + sorted(
@@ -50,6 +57,11 @@ ROW_LINK = re.compile(r"\[`([a-z0-9-]+)`\]\(docs/errors\.md\)")
 TEST_REF = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
 TEST_ID = re.compile(r"(tests/[\w/]+\.py)(?:::\w+)*::(\w+)")
 """A pytest id, ``tests/FILE.py::TEST`` or ``tests/FILE.py::Class::test``: the test must exist."""
+SPAN = re.compile(r"`([^`]+)`")
+WORD = re.compile(r"\w[\w+-]*")
+"""A word of a code span or of code: ``cp_comm_type``, ``a2a+p2p``, ``eod-mask-loss``."""
+CHOICES = {"context parallelism": ("cp_comm_type", CP_COMM_TYPES)}
+"""README row -> an option whose every value fxmeg accepts, read from fxmeg: the row names each."""
 
 
 def _read(path: str) -> str:
@@ -145,17 +157,41 @@ def test_each_not_yet_names_a_refusal_that_exists(area, cell):
             )
 
 
-def _test_exists(path: str, name: str | None) -> bool:
+def _test(path: str, name: str | None) -> ast.AST | None:
+    """The parsed file, or its function ``name``; None where either is gone."""
     if not _exists(path):
-        return False
+        return None
+    tree = ast.parse(_read(path))
     if name is None:
-        return True
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
-               for n in ast.walk(ast.parse(_read(path))))
+        return tree
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    functions = (n for n in ast.walk(tree) if isinstance(n, defs))
+    return next((n for n in functions if n.name == name), None)
+
+
+def _test_exists(path: str, name: str | None) -> bool:
+    return _test(path, name) is not None
+
+
+class _NoDocstrings(ast.NodeTransformer):
+    def visit_Expr(self, node: ast.Expr) -> ast.AST:
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return ast.Pass()
+        return node
+
+
+def _code(path: str, name: str | None) -> str:
+    """A test's code as words are looked up in it: unparsed (comments gone), its docstrings
+    (every bare string statement) gone, hyphens read as underscores."""
+    return ast.unparse(_NoDocstrings().visit(_test(path, name))).replace("-", "_")
+
+
+def _words(span: str) -> list[str]:
+    return [w.replace("-", "_") for w in WORD.findall(span)]
 
 
 @pytest.mark.parametrize("area, cell", [(a, s) for a, s, _ in CELLS], ids=[a for a, _, _ in CELLS])
-def test_each_supported_item_names_a_test_that_exists(area, cell):
+def test_each_supported_item_names_a_test_that_runs_it(area, cell):
     for item in _items(cell):
         refs = TEST_REF.findall(item)
         assert refs, (
@@ -165,6 +201,25 @@ def test_each_supported_item_names_a_test_that_exists(area, cell):
             assert _test_exists(path, name or None), (
                 f"README.md, {area}: {item!r} names {path}::{name}, which is gone"
             )
+        codes = [_code(path, name or None) for path, name in refs]
+        for span in SPAN.findall(item):
+            if not span.startswith("tests/"):
+                assert any(all(w in code for w in _words(span)) for code in codes), (
+                    f"README.md, {area}: {item!r} names `{span}`, which no test it cites uses "
+                    f"({', '.join('::'.join(filter(None, r)) for r in refs)}): cite one that does"
+                )
+
+
+@pytest.mark.parametrize("area", sorted(CHOICES))
+def test_each_value_of_an_option_is_in_its_row(area):
+    option, values = CHOICES[area]
+    supported = next(s for a, s, _ in CELLS if a == area)
+    named = {w for span in SPAN.findall(supported) for w in WORD.findall(span)}
+    missing = [v for v in values if v not in named]
+    assert not missing, (
+        f"README.md, {area}: fxmeg takes {option}={missing} but the supported cell does not "
+        f"name {'it' if len(missing) == 1 else 'them'} in a code span: add each, with its test"
+    )
 
 
 # --- paths ------------------------------------------------------------------------------
