@@ -1,5 +1,6 @@
 """Every bad input of docs/errors.md is refused with an FxmegError that names the cause,
-on real ranks, before any process group or collective (counted)."""
+on real ranks, before any process group or collective (every public function of
+torch.distributed that sends or makes a group is counted: COUNTED)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import argparse
 import os
 import re
 import tempfile
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 import fxmeg
@@ -26,9 +29,23 @@ from tests.passes.test_context_parallel import _Window
 from tests.passes.test_expert_parallel import BatchedExperts
 from tests.passes.test_tp_heads import _KeyReadWhole
 
-COUNTED = ["new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object",
-           "batch_isend_irecv", "isend", "irecv", "send", "recv", "reduce_scatter_tensor",
-           "all_gather_into_tensor", "gather", "scatter", "broadcast_object_list"]
+SENDS_NOTHING = {
+    "supports_complex": "whether a reduce op takes complex tensors",
+    "record_comm": "a context manager naming the collectives inside it for the profiler",
+}
+"""Public functions of torch.distributed that are neither collectives, point-to-point sends
+nor group set-up, besides the ``get_*`` and ``is_*`` queries; each with what it does."""
+COUNTED = sorted(
+    name
+    for name in c10d.__all__
+    # type(), not inspect: reading the deprecated ``reduce_op`` as an object warns
+    if type(getattr(c10d, name)) in (types.FunctionType, types.BuiltinFunctionType)
+    and not name.startswith(("get_", "is_"))
+    and name not in SENDS_NOTHING
+)
+"""Every other public function of torch.distributed, as torch lists it (a new one is counted
+unless named above): collectives and their object and coalesced forms, sends and receives,
+and what makes or ends a process group."""
 
 
 def _ex(rows=2, **kw):
@@ -836,13 +853,15 @@ SET_UP = {  # rows whose failing call needs a working engine first: counted from
 def run(rank: int) -> dict:
     counts = {name: 0 for name in COUNTED}
     for name in COUNTED:
-        original = getattr(dist, name)
+        original = getattr(c10d, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             counts[_name] += 1
             return _original(*args, **kwargs)
 
+        # torch.distributed re-exports c10d's functions: a call through either is counted
         setattr(dist, name, counted)
+        setattr(c10d, name, counted)
     out = {}
     for row, (make, _) in {**ROWS, **SET_UP}.items():
         call = make() if row in SET_UP else make
@@ -868,6 +887,21 @@ def test_refused_with_its_cause_before_any_collective(results, row):
         message, calls = rank[row]
         assert expected in message, message
         assert calls == {}, f"{row}: {calls} before failing"
+
+
+def test_every_collective_is_counted():
+    """COUNTED is read from torch: it holds the collectives this test counted by hand before
+    (and those it missed: all_to_all_single, reduce, gather_object, ...), and each name is
+    torch.distributed's own function."""
+    by_hand = {"new_group", "all_reduce", "broadcast", "barrier", "all_gather",
+               "all_gather_object", "batch_isend_irecv", "isend", "irecv", "send", "recv",
+               "reduce_scatter_tensor", "all_gather_into_tensor", "gather", "scatter",
+               "broadcast_object_list", "all_to_all", "all_to_all_single", "reduce",
+               "reduce_scatter", "gather_object", "scatter_object_list", "send_object_list",
+               "recv_object_list", "monitored_barrier", "all_reduce_coalesced"}
+    assert by_hand <= set(COUNTED), f"COUNTED lacks {sorted(by_hand - set(COUNTED))}"
+    assert all(getattr(dist, name) is getattr(c10d, name) for name in COUNTED)
+    assert set(SENDS_NOTHING) <= set(c10d.__all__), "a name torch no longer has: drop it"
 
 
 def test_the_table_in_docs_lists_every_row():
