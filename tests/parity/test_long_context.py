@@ -24,11 +24,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 
 import fxmeg
 from fxmeg.ir.ops import cp_positions
 from tests.harness.distributed import run_world
-from tests.harness.helpers import assert_losses_close, assert_weights_close, optimizer, reference
+from tests.harness.helpers import (
+    Run,
+    assert_run_close,
+    first_failure,
+    optimizer,
+    reference_run,
+    trained,
+)
 from tests.parity.scenarios import Scenario, check_parity, train_each
 from tests.parity.test_context_parallel import PADDED_MBS, Padded, window_batches
 from tests.passes.test_context_parallel import _Encoder, _Window
@@ -87,22 +95,44 @@ MASKED = [(_Window, "p2p"), (_Encoder, "p2p"), (_TwoHeads, "a2a"), (_TwoHeadEnco
 PADDED = Padded("left", "sdpa")
 
 
-def masked(model, comm: str) -> dict:
-    """A sliding-window SDPA, or one with no mask at all, at cp=2 under ``comm``."""
+def masked(rank: int, model, comm: str) -> dict:
+    """A sliding-window SDPA, or one with no mask at all, at cp=2 under ``comm``: ``trained``'s
+    report (every step's gradients, on rank 0)."""
     torch.manual_seed(0)
     batches = window_batches()
     engine = fxmeg.parallelize(model(), tuple(t[:2] for t in batches[0]), cp=2,
                                global_batch_size=8, optimizer=optimizer, cp_comm_type=comm)
-    return {"losses": [engine.train_step(b).loss for b in batches],
-            "state": engine.full_state_dict()}
+    return trained(engine, batches, rank)
 
 
-def padded_p2p() -> dict:
+def padded_p2p(rank: int) -> dict:
     data = PADDED.batches()
     engine = fxmeg.parallelize(PADDED.model(), {k: t[:PADDED_MBS] for k, t in data[0].items()},
                                cp=2, global_batch_size=PADDED.gbs, optimizer=optimizer,
                                cp_comm_type="p2p")
-    return {"losses": [engine.train_step(b).loss for b in data], "state": engine.full_state_dict()}
+    return trained(engine, data, rank)
+
+
+class _Positional(transformers.LlamaForCausalLM):
+    """PADDED's Llama called as ``reference_run`` calls a model, ``(inputs, labels)``, its
+    parameters' names unchanged: a dict batch's input_ids, attention_mask and position_ids
+    stacked in ``inputs`` (rows, 3, seq), rows first, so that the judge's row permutations
+    move a row's mask and positions with it."""
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ids, mask, positions = inputs.unbind(1)
+        return super().forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                               labels=labels, use_cache=False).loss
+
+
+def padded_reference() -> Run:
+    """Single-device training of PADDED's model on its dict batches: ``train_dicts``' loss,
+    optimizer and clipping, as a ``Run`` with its judge of rounding."""
+    model = PADDED.model()
+    model.__class__ = _Positional  # the same module; only forward's signature differs
+    keys = ("input_ids", "attention_mask", "position_ids")
+    return reference_run(model, [(torch.stack([b[k] for k in keys], 1), b["labels"])
+                                 for b in PADDED.batches()])
 
 
 def _mask(kind: str, seq: int) -> tuple[torch.Tensor | None, bool]:
@@ -170,8 +200,8 @@ def run(rank: int, scenarios: list[Scenario]) -> dict:
     if world in (2, 4):
         out["ops"] = ops_against_sdpa(rank)
     if world == 2:
-        out["masked"] = {(m.__name__, c): masked(m, c) for m, c in MASKED}
-        out["padded"] = padded_p2p()
+        out["masked"] = {(m.__name__, c): masked(rank, m, c) for m, c in MASKED}
+        out["padded"] = padded_p2p(rank)
     return out
 
 
@@ -200,17 +230,14 @@ def test_exchanged_attention_ops_match_whole_sequence_attention(results, world):
 
 @pytest.mark.parametrize("model,comm", MASKED, ids=lambda x: getattr(x, "__name__", x))
 def test_a_window_or_no_mask_matches_single_device(results, model, comm):
+    """Every step's loss, grad norm and gradients, and the final weights (the ranks agree)."""
     torch.manual_seed(0)
-    losses, _, state = reference(model(), window_batches())
-    for r in results[2]:
-        assert_losses_close(r["masked"][(model.__name__, comm)]["losses"], losses)
-    assert_weights_close(results[2][0]["masked"][(model.__name__, comm)]["state"], state)
+    plain, batches = model(), window_batches()
+    result = first_failure([r["masked"][(model.__name__, comm)] for r in results[2]])
+    assert_run_close(result, reference_run(plain, batches))
 
 
 def test_left_padded_batches_through_the_ring_match_single_device(results):
-    from tests.harness.helpers import train_dicts
-
-    losses, ref = train_dicts(PADDED.model(), PADDED.batches())
-    for r in results[2]:
-        assert_losses_close(r["padded"]["losses"], losses)
-    assert_weights_close(results[2][0]["padded"]["state"], ref.state_dict())
+    """Every step's loss, grad norm and gradients, and the final weights (the ranks agree)."""
+    result = first_failure([r["padded"] for r in results[2]])
+    assert_run_close(result, padded_reference())
