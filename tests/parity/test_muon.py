@@ -23,7 +23,8 @@ from fxmeg.runtime.optimizer.layerwise import assign
 from fxmeg.runtime.optimizer.optimizer import ADAMW_ONLY
 from fxmeg.weights.checkpoint import Checkpointer
 from tests.harness.distributed import run_world
-from tests.harness.helpers import assert_losses_close, reference
+from tests.harness.helpers import assert_losses_close, digests, reference_run
+from tests.harness.judge import SPREAD_FACTOR
 from tests.parity.mixed_precision import (
     assert_float64_rule_per_parameter,
     gather_masters,
@@ -55,7 +56,7 @@ def train(rank: int, sc: Scenario) -> dict:
     for b in sc.batches():
         step = engine.train_step(b, full_grads=True)  # collective: every rank gathers them
         steps.append(dataclasses.replace(step, grads=None))
-        grads.append(step.grads if rank == 0 else None)
+        grads.append(step.grads)
     state = engine.full_state_dict()
     opt = engine.context.optimizer
     held: dict[str, dict[str, dict[str, int]]] = {}
@@ -73,8 +74,10 @@ def train(rank: int, sc: Scenario) -> dict:
     groups = engine.context.groups
     return dict(
         steps=steps,
-        grads=grads,
+        grads=[g if rank == 0 else None for g in grads],
+        grad_digests=[digests(g) for g in grads],
         state=state if rank == 0 else None,
+        state_digests=digests(state),
         held=held,
         strays=strays,
         sharding=opt.sharding,
@@ -174,27 +177,31 @@ def test_bf16_parameters_with_full_fp32_matrix_masters_train_as_the_oracle(resul
     assert_losses_close([s.grad_norm for s in steps], ref["norms"], rtol=1e-2)
     masters = gather_masters(ranks, {n: p.shape for n, p in model.named_parameters()}, HALF.tp)
     assert_float64_rule_per_parameter(
-        masters, ref["masters"], exact["masters"], dict(model.named_parameters())
-    )
+        masters, ref, exact["masters"], dict(model.named_parameters()))
 
 
 def test_stock_bf16_muon_differs_from_float64_no_more_than_single_device(results):
-    """The float64 rule: both runs against a float64 run of the same training."""
+    """The float64 rule: fxmeg's run, against a float64 run of the same training (its
+    Newton-Schulz still bf16, stock Muon's), is no farther than SPREAD_FACTOR x the
+    farthest correct single-device run (the reference, and the reference with the rows
+    in other orders: tests.harness.judge), in final weights and in every step's loss."""
     ranks = [r[BF16.id] for r in results[BF16.world]]
     assert all(r["sharding"] == "layerwise" for r in ranks)
-    ref_losses, _, ref = reference(BF16.make_model(), BF16.batches(), opt=BF16.opt)
-    f64_losses, _, f64 = reference(BF16.make_model().double(), BF16.batches(), opt=BF16.opt)
-    got = ranks[0]["state"]
+    ref = reference_run(BF16.make_model(), BF16.batches(), opt=BF16.opt)
+    f64 = reference_run(BF16.make_model().double(), BF16.batches(), opt=BF16.opt)
+    correct = [ref, *ref.judge.variants]
 
     def distance(x: dict) -> float:
         return math.sqrt(
-            sum((x[k].double() - f64[k]).norm() ** 2 for k in f64)
-            / sum(v.norm() ** 2 for v in f64.values())
+            sum((x[k].double() - f64.state[k]).norm() ** 2 for k in f64.state)
+            / sum(v.norm() ** 2 for v in f64.state.values())
         )
 
-    assert distance(got) <= 2 * distance(ref), (distance(got), distance(ref))
-    noise = max(abs(a - b) for a, b in zip(ref_losses, f64_losses))
-    assert max(abs(s.loss - b) for s, b in zip(ranks[0]["steps"], f64_losses)) <= 2 * noise + 1e-6
+    got, spread = distance(ranks[0]["state"]), max(distance(r.state) for r in correct)
+    assert got <= SPREAD_FACTOR * spread, f"weights {got:.2e} from float64, correct {spread:.2e}"
+    noise = max(abs(a - b) for r in correct for a, b in zip(r.losses, f64.losses))
+    far = max(abs(s.loss - b) for s, b in zip(ranks[0]["steps"], f64.losses))
+    assert far <= SPREAD_FACTOR * noise, f"losses {far:.2e} from float64, correct runs {noise:.2e}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -22,6 +22,7 @@ from tests.harness.distributed import run_world
 from tests.harness.helpers import (
     assert_losses_close,
     assert_weights_close,
+    digests,
     make_batch,
     model_loss,
     optimizer,
@@ -120,7 +121,9 @@ def run(rank: int) -> dict:
         out[sc.id] = dict(
             steps=steps,
             grads=grads if rank == 0 else None,
+            grad_digests=[digests(g) for g in grads],
             state=state if rank == 0 else None,
+            state_digests=digests(state),
             feeds=feeds,
             eval=evaluated,
             compiled=[key for key, _ in engine.shapes.compiled],
