@@ -24,17 +24,16 @@ asserts each tp rank holds less than the whole.
 
 One 4-rank and one 2-rank spawn run every layout of every model: about 255 CPU seconds
 in all (about 2 minutes on 2 idle cores); the capture, not the steps, is the cost of a
-layout. A layout that fails is listed in KNOWN_GAPS with its error, and a test asserts it
-still fails that way."""
+layout. Each run reports what it ran (``ran``: its groups, chunks, schedule, sequence
+parallelism, dtype and optimizer shards), which test_axes_covered holds to its layout's options."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
 
 import fxmeg
+from fxmeg.runtime.pipeline.actions import COMPUTE, Kind
 from tests.harness.distributed import run_world
 from tests.harness.helpers import optimizer, trained
 from tests.parity.mixed_precision import float64_grad_failures, gather_masters, master_pieces
@@ -66,7 +65,7 @@ def train(name: str, layout: str, rank: int):
             **options,
         )
         first = master_pieces(engine) if "precision" in options else None
-        out = trained(engine, data, rank)
+        out = trained(engine, data, rank) | {"ran": ran(engine)}
         if "precision" in options:
             out |= dict(
                 first=first,
@@ -77,6 +76,40 @@ def train(name: str, layout: str, rank: int):
     except Exception as e:  # noqa: BLE001 (reported)
         out = f"{type(e).__name__}: {e}"
     return out
+
+
+def ran(engine) -> dict:
+    """What ``engine`` ran, read from the run, not from its options: each axis's process-group
+    size, this rank's chunks, whether its steps split backward in I and W (zero bubble),
+    whether a chunk cuts the sequence over tp (sequence parallelism), its parameters'
+    dtypes, and whether its optimizer holds a shard of their masters (distributed)."""
+    ctx, held = engine.context, engine.named_parameters.values()
+    actions = [a for step in ctx.steps for a in step]
+    return dict(
+        **{axis: 1 if (g := getattr(ctx.groups, axis)) is None else g.size()
+           for axis in ("tp", "cp", "dp", "pp")},
+        chunks=len({a.chunk for a in actions if a.kind in COMPUTE}),
+        zero_bubble=any(a.kind is Kind.W for a in actions),
+        sequence_parallel=any(str(n.target).startswith("fxmeg.sp_")
+                              for chunk in engine.program.chunks for n in chunk.graph.nodes),
+        dtypes={str(p.dtype) for p in held},
+        sharded_masters=(sum(p.hi - p.lo for p in ctx.optimizer.pieces)
+                         < sum(p.numel() for p in held)),
+    )
+
+
+def expected_run(layout: str) -> dict:
+    """What ``ran`` reports for a run at ``layout``, from its options."""
+    world, o = LAYOUTS[layout]
+    sizes = {axis: o.get(axis, 1) for axis in ("tp", "cp", "pp")}
+    return dict(
+        **sizes, dp=world // (sizes["tp"] * sizes["cp"] * sizes["pp"]),
+        chunks=o.get("vpp", 1),
+        zero_bubble=o.get("schedule") == "zbh1",
+        sequence_parallel=o.get("sequence_parallel", False),
+        dtypes={"torch.bfloat16" if o.get("precision") == "bf16" else "torch.float32"},
+        sharded_masters=o.get("distributed_optimizer", False),
+    )
 
 
 def train_all(rank: int, names: list[str], world: int) -> dict:
@@ -96,11 +129,6 @@ def spawned() -> dict:
 
 
 CASES = [(name, layout) for name in AXES_ZOO for layout in LAYOUTS]
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    # none: GPT-2's Conv1D flattens (batch, seq) before its addmm, which under sequence
-    # parallelism gathers the sequence whole there (sp_whole, then f), since issue 46
-}
-"""(zoo name, layout) -> a regular expression the failure (``Type: message``) matches."""
 BF16_LOSS_RTOL, FLOAT64_SLACK = 2e-3, 1.5
 """test_mixed_precision's bounds: losses within 2e-3 of the oracle's; with tp the masters
 no farther from a float64 run of the same training than the oracle's, within 1.5x."""
@@ -179,30 +207,25 @@ def failure(ranks: list, name: str, layout: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize(
-    "name,layout", [c for c in CASES if c not in KNOWN_GAPS], ids=lambda c: f"{c}"
-)
+@pytest.mark.parametrize("name,layout", CASES, ids=lambda c: f"{c}")
 def test_zoo_axis(spawned, name, layout):
     wrong = failure(spawned[name, layout], name, layout)
     assert wrong is None, wrong
 
 
-@pytest.mark.parametrize("name,layout", list(KNOWN_GAPS), ids=lambda c: f"{c}")
-def test_known_gap_still_fails(spawned, name, layout):
-    wrong = failure(spawned[name, layout], name, layout)
-    assert wrong is not None, (
-        f"{name} at {layout} now trains: move it from KNOWN_GAPS into the test"
-    )
-    assert re.search(KNOWN_GAPS[name, layout], wrong), wrong
-
-
-def test_axes_covered():
-    """The layouts cover every axis of issue 28 point 3; the subset spans 8 types."""
-    options = [o for _, o in LAYOUTS.values()]
-    assert any(o.get("sequence_parallel") for o in options)
-    assert any(o.get("distributed_optimizer") and o.get("dp") == 2 for o in options)
-    assert any(o.get("cp") == 2 for o in options)
-    assert any(o.get("vpp") == 2 for o in options)
-    assert any(o.get("schedule") == "zbh1" for o in options)
-    assert any(o.get("precision") == "bf16" and o.get("tp") == 2 for o in options)
-    assert len(set(AXES_ZOO)) >= 8 and set(AXES_ZOO) <= set(ZOO)
+def test_axes_covered(spawned):
+    """Every rank of every run ran what its layout asks (``ran``: an option fxmeg dropped or
+    resolved otherwise fails here, though the run trains), and so every model ran every axis
+    of issue 28 point 3: sequence parallelism, vpp2, cp2, dp2 with the distributed optimizer,
+    zbh1, bf16 at tp2."""
+    for (name, layout), ranks in spawned.items():
+        want = expected_run(layout)
+        for rank, r in enumerate(ranks):
+            got = r["ran"] if isinstance(r, dict) else r
+            assert got == want, f"{name} at {layout}, rank {rank}: ran {got}, not {want}"
+    runs = [r["ran"] for ranks in spawned.values() for r in ranks]
+    assert any(r["sequence_parallel"] for r in runs) and any(r["chunks"] == 2 for r in runs)
+    assert any(r["cp"] == 2 for r in runs) and any(r["zero_bubble"] for r in runs)
+    assert any(r["sharded_masters"] and r["dp"] == 2 for r in runs)
+    assert any(r["dtypes"] == {"torch.bfloat16"} and r["tp"] == 2 for r in runs)
+    assert {name for name, _ in spawned} == set(AXES_ZOO) and set(AXES_ZOO) <= set(ZOO)
