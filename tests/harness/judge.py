@@ -1,5 +1,6 @@
 """The judge of rounding: is a gradient that differs from the fp32 reference a bug, or
-rounding? (docs/contributing.md, "The rounding rule", says why it is built this way.)
+rounding? (docs/contributing.md, "Judging parity: the rule of rounding", says why it is built
+this way and what was measured.)
 
 A gradient within ``GRAD_RTOL`` of the reference's passes at once. Otherwise, at that step:
 
@@ -13,10 +14,12 @@ A gradient within ``GRAD_RTOL`` of the reference's passes at once. Otherwise, at
   numbers summed in other orders, their own trajectories drifting as fxmeg's does), the
   farthest of them; never below a **floor**, ``FLOOR_UNITS`` units of rounding of the
   exact gradient's norm over the parameter's block (its module's parent: a gradient that
-  is a small difference of the block's large terms carries their rounding, not its own);
+  is a small difference of the block's large terms carries their rounding, not its own)
+  times the square root of the step's tokens (a sum over them);
 * the gradient passes when it is finite and no farther from the exact one than
-  ``SPREAD_FACTOR`` x that spread, and never farther than the **ceiling**, ``CEILING`` of
-  the exact gradient's norm (or the floor, if larger), whatever the spread says.
+  ``SPREAD_FACTOR`` x that spread or the floor, and never farther than the **ceiling**,
+  ``CEILING`` of the exact gradient's norm (or the floor, if larger), whatever the spread
+  says.
 
 A router's top-k choice within rounding of a tie at the exact weights makes the gradient
 jump with rounding: the judge counts such choices (``Float64.near_ties``) and a failure
@@ -36,12 +39,16 @@ from torch.overrides import TorchFunctionMode
 GRAD_RTOL = 1e-4
 """A gradient this close to the reference's (relative to the reference's norm) passes
 without the judge."""
-SPREAD_FACTOR = 4.0
+SPREAD_FACTOR = 8.0
 """How much farther from the exact gradient than the farthest correct run a gradient may
-land. Measured (docs/contributing.md): correct fp32 runs under default, AVX2 and AVX-512
-kernels land within 2.2 x of each other's farthest."""
+land. The correct runs sample orders, not kernels: measured (docs/contributing.md), a
+correct run under ATen's default (scalar) kernels lands up to 5.7 x farther than this
+machine's AVX-512 runs do (a LayerNorm's weight and bias: sums over every token), under
+AVX2 up to 1.9 x; with 8, the worst of them uses 0.60 of what is allowed."""
 FLOOR_UNITS = 4.0
-"""The floor, in units of rounding of the block's gradient norm."""
+"""The floor, in units of rounding of the block's gradient norm times the square root of
+the step's tokens (a gradient is a sum over them, whose rounding grows with their number in
+the sequential sums of some kernels)."""
 CEILING = {torch.float32: 1e-2, torch.bfloat16: 0.5, torch.float16: 0.5}
 """The farthest a gradient may be from the exact one, as a share of its norm, by the
 precision of the arithmetic: rounding in fp32 never moves a gradient by 1% here; in
@@ -176,6 +183,14 @@ class Judge:
         return [self.again(permuted(self.batches, how, self.micro_batch_size), None, None)
                 for how in PERMUTATIONS]
 
+    def blocks(self, step: int) -> dict[str, float]:
+        """``block_norms`` of the exact gradients at ``step``."""
+        return self._blocks.setdefault(step, block_norms(self.exact[step]))
+
+    @functools.cached_property
+    def _blocks(self) -> dict[int, dict[str, float]]:
+        return {}
+
     @property
     def others(self) -> list[list[dict]]:
         """Each variant's gradients, step by step."""
@@ -207,11 +222,35 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
+@dataclass(frozen=True)
+class Allowance:
+    """How far from the exact gradient ``exact`` a gradient of one parameter may land at one
+    step (``allowed``), and why: the farthest correct run (``spread``), the ``floor``."""
+
+    exact: torch.Tensor
+    spread: float
+    floor: float
+    allowed: float
+    reference: float
+    """The reference's own distance."""
+
+
+def allowance(step: int, name: str, ref: torch.Tensor, judge: Judge) -> Allowance:
+    """The rule for parameter ``name`` at ``step`` (``ref``: the reference's gradient)."""
+    exact = judge.exact[step][name]
+    tokens = judge.batches[step][0].numel()
+    floor = FLOOR_UNITS * UNIT[judge.precision] * math.sqrt(tokens) * judge.blocks(step)[name]
+    runs = [ref, *(o[step][name] for o in judge.others)]
+    spread = max(d for d in (distance(r, exact) for r in runs) if math.isfinite(d))
+    norm = float(exact.double().norm())
+    allowed = min(max(SPREAD_FACTOR * spread, floor), max(CEILING[judge.precision] * norm, floor))
+    return Allowance(exact, spread, floor, allowed, distance(ref, exact))
+
+
 def step_failures(step: int, got: dict, want: dict, judge: Judge) -> list[str]:
     """The rule at one step: for each parameter of ``want`` (the reference's gradients),
     ``got``'s gradient passes or a line says why not."""
-    out, exact = [], None
-    unit, ceiling = UNIT[judge.precision], CEILING[judge.precision]
+    out = []
     for name, ref in want.items():
         g = got[name]
         if not torch.isfinite(g).all():
@@ -219,23 +258,15 @@ def step_failures(step: int, got: dict, want: dict, judge: Judge) -> list[str]:
             continue
         if relative(g, ref) <= GRAD_RTOL:
             continue
-        if exact is None:
-            exact, blocks = judge.exact[step], block_norms(judge.exact[step])
-        j = exact[name]
-        floor = FLOOR_UNITS * unit * blocks[name]
-        runs = [ref, *(o[step][name] for o in judge.others)]
-        spread = max(d for d in (distance(r, j) for r in runs) if math.isfinite(d))
-        norm = float(j.double().norm())
-        allowed = min(SPREAD_FACTOR * max(spread, floor), max(ceiling * norm, floor))
-        mine = distance(g, j)
-        if mine > allowed:
-            ties = judge.near_ties[step]
+        a = allowance(step, name, ref, judge)
+        mine = distance(g, a.exact)
+        if mine > a.allowed:
+            norm, ties = max(float(a.exact.double().norm()), 1e-300), judge.near_ties[step]
             out.append(
                 f"step {step}: gradient of {name} off by {relative(g, ref):.2e} of its norm "
-                f"({float(ref.norm()):.2e}); from float64 {mine / max(norm, 1e-300):.2e}, the "
-                f"farthest correct run {spread / max(norm, 1e-300):.2e} "
-                f"(the reference {distance(ref, j) / max(norm, 1e-300):.2e}), the floor "
-                f"{floor / max(norm, 1e-300):.2e}, allowed {allowed / max(norm, 1e-300):.2e}"
+                f"({float(ref.norm()):.2e}); from float64 {mine / norm:.2e}, the farthest "
+                f"correct run {a.spread / norm:.2e} (the reference {a.reference / norm:.2e}), "
+                f"the floor {a.floor / norm:.2e}, allowed {a.allowed / norm:.2e}"
                 + (f"; {ties} top-k choices within rounding of a tie at these weights"
                    if ties else "")
             )

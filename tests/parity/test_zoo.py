@@ -458,8 +458,8 @@ def train_zoo(rank: int, names: list[str], layout: str) -> dict:
 
 
 @functools.cache
-def single_device(name: str, layers: int | None = None, dtype: torch.dtype | None = None) -> Run:
-    return reference_run(make(name, layers), batches(name), dtype=dtype)
+def single_device(name: str, layers: int | None = None) -> Run:
+    return reference_run(make(name, layers), batches(name))
 
 
 def outcome(result, name: str, layers: int | None = None) -> str | None:
@@ -469,9 +469,7 @@ def outcome(result, name: str, layers: int | None = None) -> str | None:
     if isinstance(result, str):
         return result
     try:
-        assert_run_close(
-            result, single_device(name, layers), lambda: single_device(name, layers, torch.float64)
-        )
+        assert_run_close(result, single_device(name, layers))
     except AssertionError as e:
         return f"AssertionError: {e}"
     return None

@@ -35,8 +35,13 @@ import torch
 import fxmeg
 from fxmeg.runtime.pipeline.actions import COMPUTE, Kind
 from tests.harness.distributed import run_world
-from tests.harness.helpers import optimizer, trained
-from tests.parity.mixed_precision import float64_grad_failures, gather_masters, master_pieces
+from tests.harness.helpers import optimizer, replica_failures, trained
+from tests.parity.mixed_precision import (
+    float64_grad_failures,
+    gather_masters,
+    master_pieces,
+    masters_failure,
+)
 from tests.parity.mixed_precision import reference as mixed_reference
 from tests.parity.test_zoo import GBS, MBS, ZOO, batches, make, outcome
 
@@ -145,14 +150,6 @@ def mixed_oracle(name: str, dtype: torch.dtype) -> dict:
     return _MIXED[name, dtype]
 
 
-def _flat(masters: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([masters[n].double().flatten() for n in sorted(masters)])
-
-
-def _distance(got: dict, want: dict) -> float:
-    return float((_flat(got) - _flat(want)).norm() / _flat(want).norm())
-
-
 def bf16_failure(ranks: list[dict], name: str) -> str | None:
     """None when the bf16 run matches the mixed-precision oracle (test_mixed_precision's
     rule with tp: the masters all together, each parameter's every gradient); else what
@@ -172,10 +169,8 @@ def bf16_failure(ranks: list[dict], name: str) -> str | None:
     for n, m in masters.items():
         if not torch.equal(state[n], m.to(state[n].dtype)):
             return f"{n}: the bf16 parameter is not its master rounded"
-    got, want = _distance(masters, exact["masters"]), _distance(ref["masters"], exact["masters"])
-    if got > FLOAT64_SLACK * want:
-        return f"masters {got:.2e} from float64, the oracle's {want:.2e}"
-    return float64_grad_failures(ranks[0]["grads"], ref, exact)  # each parameter too, at every step
+    return masters_failure(masters, ref, exact, FLOAT64_SLACK) or float64_grad_failures(
+        ranks[0]["grads"], ref)  # each parameter too, at every step
 
 
 def failure(ranks: list, name: str, layout: str) -> str | None:
@@ -189,6 +184,9 @@ def failure(ranks: list, name: str, layout: str) -> str | None:
             return r
         if (r["losses"], r["norms"]) != (first["losses"], first["norms"]):
             return "AssertionError: ranks disagree"
+    replicas = replica_failures(ranks)
+    if replicas is not None:
+        return f"AssertionError: {replicas}"
     if "precision" in LAYOUTS[layout][1]:
         wrong = bf16_failure(ranks, name)
     else:
