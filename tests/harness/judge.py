@@ -183,13 +183,10 @@ class Judge:
         return [self.again(permuted(self.batches, how, self.micro_batch_size), None, None)
                 for how in PERMUTATIONS]
 
-    def blocks(self, step: int) -> dict[str, float]:
-        """``block_norms`` of the exact gradients at ``step``."""
-        return self._blocks.setdefault(step, block_norms(self.exact[step]))
-
     @functools.cached_property
-    def _blocks(self) -> dict[int, dict[str, float]]:
-        return {}
+    def blocks(self) -> list[dict[str, float]]:
+        """``block_norms`` of the exact gradients, step by step."""
+        return [block_norms(grads) for grads in self.exact]
 
     @property
     def others(self) -> list[list[dict]]:
@@ -239,7 +236,7 @@ def allowance(step: int, name: str, ref: torch.Tensor, judge: Judge) -> Allowanc
     """The rule for parameter ``name`` at ``step`` (``ref``: the reference's gradient)."""
     exact = judge.exact[step][name]
     tokens = judge.batches[step][0].numel()
-    floor = FLOOR_UNITS * UNIT[judge.precision] * math.sqrt(tokens) * judge.blocks(step)[name]
+    floor = FLOOR_UNITS * UNIT[judge.precision] * math.sqrt(tokens) * judge.blocks[step][name]
     runs = [ref, *(o[step][name] for o in judge.others)]
     spread = max(d for d in (distance(r, exact) for r in runs) if math.isfinite(d))
     norm = float(exact.double().norm())
