@@ -23,7 +23,9 @@ exact zeros, are not run), or with ``moe.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
 factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
-a chunk holding 3-D banks read by no recognised block raises PassError naming them.
+a chunk holding 3-D banks read by no recognised block raises PassError naming them (a
+bank: a trainable parameter of 3 or more dims whose values reach a matmul; a
+convolution's 3-D weight is not one and stays whole, replicated like any dense weight).
 With ``moe_router_load_balancing_type="global_aux_loss"``, in the chunk whose router loss
 ``fxmeg::scale_aux_loss`` weighs, the loss's tokens per expert (the factor of its product
 no gradient flows through) pass through ``ops.global_tokens`` (``_global_router_loss``).
@@ -52,6 +54,7 @@ from fxmeg.passes.graph_utils import (
     fake_eval,
     requires_grad_nodes,
     source,
+    users_reached,
     val,
 )
 from fxmeg.torch_private import op_schema
@@ -525,13 +528,39 @@ def _per_row(body: fx.GraphModule, rows: int) -> None:
             n.meta["val"] = fake_eval(n)
 
 
+_BANK_READS = _BANK_VIEWS | _INDEX_VIEWS | {
+    aten.select.int,
+    aten.index.Tensor,
+    aten.slice.Tensor,
+    aten.unbind.int,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten._unsafe_view.default,
+}
+"""What an expert bank's weights pass through on their way to a matmul: views, casts,
+transposes and the selection of one expert (an eager loop's ``bank[e]``)."""
+
+
+def _multiplies_like_experts(n: fx.Node) -> bool:
+    """Whether the values of get_attr ``n`` reach, through ``_BANK_READS`` only, a matmul
+    (grouped or not): what a bank of experts computes. A convolution's 3-D weight (a
+    depthwise ``conv1d`` of a state-space or linear-attention layer) does not."""
+    return any(
+        is_grouped_mm(u) or u.target in _MATMULS
+        for u in users_reached(n, through=lambda u: u.target in _BANK_READS)
+    )
+
+
 def _refuse_unfound_banks(gm: fx.GraphModule, chunk: ChunkInfo) -> None:
-    """A bank of experts (a trainable parameter of 3 or more dims) no block reads."""
+    """A bank of experts no block reads: a trainable parameter of 3 or more dims whose
+    values feed a matmul (``_multiplies_like_experts``), never one for its shape alone."""
     for n in gm.graph.nodes:
         if n.op != "get_attr" or has_tag(n, "ep"):
             continue
         t = attr(gm, n.target)
-        if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.dim() >= 3:
+        if (isinstance(t, torch.nn.Parameter) and t.requires_grad and t.dim() >= 3
+                and _multiplies_like_experts(n)):
             raise PassError(
                 f"ep > 1, but fxmeg cannot find the routed experts that read {n.target!r} (shape "
                 f"{list(t.shape)}, module {_module(n) or n.target.rpartition('.')[0]!r}, chunk "

@@ -186,6 +186,42 @@ def test_batched_experts_that_are_not_routed_are_refused_at_ep2_and_left_alone_a
     )
 
 
+class _StrayBank(nn.Module):
+    """A depthwise convolution (a 3-D weight, [16, 1, 3]) and, with ``bank``, a 3-D weight
+    read by a ``bmm`` with no routing: a bank of experts fxmeg cannot find."""
+
+    def __init__(self, bank: bool):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(128, 16), nn.Linear(16, 128)
+        self.conv = nn.Conv1d(16, 16, 3, groups=16, padding=2)
+        self.bank = nn.Parameter(torch.randn(2, 16, 16) * 0.1) if bank else None
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + self.conv(h.transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)
+        if self.bank is not None:
+            h = torch.bmm(h.view(2, -1, 16), self.bank).view_as(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_bank_is_what_multiplies_like_experts_never_a_3d_weight_for_its_shape():
+    """Issue 68: Qwen3.5-MoE's Gated DeltaNet conv1d weight ([C, 1, K]) was refused at ep=2
+    as an expert bank no block reads. A 3-D weight is taken for a bank only when its
+    values reach a matmul: the convolution's is left whole (ep=2 captures and splits the
+    real banks only), a 3-D weight multiplied with no routing is still refused by name."""
+    from fxmeg.errors import PassError
+
+    batch = make_batch(2, seed=0)
+    graph_after(_StrayBank(bank=False), batch, "expert_parallel", ep=2, dp=2)
+    with pytest.raises(PassError, match="cannot find the routed experts that read 'bank'"):
+        graph_after(_StrayBank(bank=True), batch, "expert_parallel", ep=2, dp=2)
+    after = graph_after(tiny_moe("qwen3_5_moe_text"), make_batch(2, seed=0, vocab=96),
+                        "expert_parallel", ep=2, dp=2)
+    banks = {n.target for n in _nodes(after, lambda n: "ep" in n.meta.get("fxmeg", {}))}
+    assert banks == {f"model.layers.{i}.mlp.experts.{b}" for i in (0, 1)
+                     for b in ("gate_up_proj", "down_proj")}, banks
+
+
 def test_the_routed_experts_signature_is_written_once():
     """The graph op, its runtime binding and the pass's node all take ``moe.routed_experts``'
     arguments (``moe.as_op``), its exchange replaced by a group name: a new option is
