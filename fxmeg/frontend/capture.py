@@ -136,7 +136,7 @@ def capture(
         with exportable_experts(model, grouped=grouped_experts):  # "eager" experts do not export
             ep = torch.export.export(root, example, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
-        raise CaptureError(_explain_export_failure(model, exc)) from exc
+        raise CaptureError(_explain_export_failure(model, exc, root, example)) from exc
     prefix = _PREFIX if root is not model else ""
     placeholders = names or (("input_ids", "labels") if isinstance(root, _HuggingFace) else None)
     gm, input_names = _unlift(ep, model, prefix, placeholders)
@@ -213,20 +213,108 @@ def owning_module(node: fx.Node) -> str:
     return tag(node, "module", "")
 
 
-def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
+_CONTROL_FLOW = (
+    "fxmeg needs a model whose forward has no data-dependent Python control flow "
+    "(branches or loops on tensor values), returns tensors (no caches or custom "
+    "objects) and runs on the example inputs. Fixes to try: make the branch depend "
+    "on shapes or config, use torch.where / torch.cond, disable caches "
+    "(use_cache=False), or pass loss_fn=... that calls the model the traceable way."
+)
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependent",
+                   "DynamicOutputShape", "DataDependentOutput", "unbacked")
+
+
+def _explain_export_failure(
+    model: nn.Module, exc: Exception, root: nn.Module, example: tuple[torch.Tensor, ...]
+) -> str:
+    """What failed, where, and the fix that applies: the advice on data-dependent control
+    flow only when tracing met a data-dependent value; otherwise what plain PyTorch does
+    with the same call (``_eager_failure``), and for an attention module that repeats its
+    keys, the heads its config gives."""
     reason = [line for line in str(exc).strip().splitlines() if line.strip()]
     first = reason[0] if reason else type(exc).__name__
     where = _failing_module(model, exc)
     place = f" in module {where}" if where else ""
+    head = (f"torch.export could not capture {type(model).__name__}{place}: "
+            f"{type(exc).__name__}: {first}\n")
+    if _data_dependent(exc):
+        return head + _CONTROL_FLOW
+    eager = _eager_failure(model, root, example)
+    if eager is None:
+        return head + (
+            "Tracing met no data-dependent value: an operation failed on the shapes or "
+            "values it was given, while plain PyTorch runs the same call on the example "
+            + ("(with no attention mask and with one that pads a token) "
+               if is_hugging_face(model) else "") + "without error. " + _CONTROL_FLOW)
+    call, error = eager
+    return head + (
+        f"This is not tracing: plain PyTorch fails too on {call} ({error}). "
+        + ("Under torch.export transformers builds the causal mask as a tensor, where an "
+           "eager call with no padding passes None, so the model runs its masked attention "
+           "path, which fails here; " if "attention mask" in call else "")
+        + "the model's code or configuration does not fit its example. "
+        + _heads_hint(model, where))
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is tracing meeting a
+    data-dependent value (a branch, a size or an output shape read from a tensor)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(k in f"{type(exc).__name__}: {exc}" for k in _DATA_DEPENDENT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _eager_failure(
+    model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ...]
+) -> tuple[str, str] | None:
+    """(the call, ``Type: message``) when plain PyTorch fails the call export traced: the
+    example itself, and for a Hugging Face model given ``input_ids`` and no
+    ``attention_mask`` the same call with a mask that pads the first token of the first row
+    (transformers drops an all-ones mask in eager mode, never while tracing: a padded one
+    takes the masked path tracing takes); None when both run, or on meta (nothing to run)."""
+    if on_meta(model) or any(t.is_meta for t in example):
+        return None
+    calls = [("the example", lambda: root(*example))]
+    names = getattr(root, "names", None) or ("input_ids", "labels")
+    if isinstance(root, _HuggingFace) and "attention_mask" not in names:
+        batch = dict(zip(names, example, strict=True))
+        ids = batch.get("input_ids")
+        if ids is not None and ids.dim() == 2:
+            mask = torch.ones_like(ids)
+            mask[0, 0] = 0
+            calls.append((
+                "the example with an attention mask that pads its first token",
+                lambda: model(**batch, attention_mask=mask, use_cache=False)))
+    for call, run in calls:
+        try:
+            with torch.no_grad():
+                run()
+        except Exception as e:  # noqa: BLE001 - reported as the model's own failure
+            return call, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _heads_hint(model: nn.Module, where: str) -> str:
+    """For a failing attention module that repeats its keys and values
+    (``num_key_value_groups`` > 1): the heads its config gives, and the fix for a
+    latent-attention model, whose keys already have one head per query head."""
+    fqn = where.split("'")[1] if where.count("'") >= 2 else None
+    module = dict(model.named_modules()).get(fqn) if fqn is not None else None
+    groups = getattr(module, "num_key_value_groups", 1)
+    config = getattr(module, "config", None)
+    if not isinstance(groups, int) or groups <= 1 or config is None:
+        return "Fix the model or its config so that plain PyTorch runs that call."
+    kv = getattr(config, "num_key_value_heads", None)
+    heads = getattr(config, "num_attention_heads", None)
     return (
-        f"torch.export could not capture {type(model).__name__}{place}: "
-        f"{type(exc).__name__}: {first}\n"
-        "fxmeg needs a model whose forward has no data-dependent Python control flow "
-        "(branches or loops on tensor values), returns tensors (no caches or custom "
-        "objects) and runs on the example inputs. Fixes to try: make the branch depend "
-        "on shapes or config, use torch.where / torch.cond, disable caches "
-        "(use_cache=False), or pass loss_fn=... that calls the model the traceable way."
-    )
+        f"Module {fqn!r} repeats its keys and values num_key_value_groups={groups} times "
+        f"(config num_key_value_heads={kv} of num_attention_heads={heads}); if its keys "
+        "already have one head per query head (latent attention: keys expanded from a "
+        "shared latent), set num_key_value_heads=num_attention_heads in the config.")
 
 
 def _failing_module(model: nn.Module, exc: BaseException) -> str:

@@ -221,6 +221,38 @@ def test_uncapturable_model_names_module_and_fix():
     assert "data-dependent" in msg and "torch.cond" in msg
 
 
+def _glm4_moe_lite(kv_heads: int) -> torch.nn.Module:
+    """GLM-4-MoE-Lite (latent attention: keys expanded per query head from a shared
+    latent) with ``kv_heads`` key/value heads in its config (issue 68's recipe gave 2)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        "glm4_moe_lite", vocab_size=96, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def test_a_shape_error_names_the_models_own_failure_not_control_flow():
+    """GLM-4-MoE-Lite with 2 key/value heads runs eagerly only while no mask is built
+    (transformers' sdpa then passes enable_gqa=True, keys and queries alike with 4 heads);
+    under export it builds the mask, repeats the keys 2x and fails. The error says plain
+    PyTorch fails too with a padded mask, and names the config's heads, not control flow;
+    with num_key_value_heads = num_attention_heads the same model is captured."""
+    batch = make_batch(2, seed=0, vocab=96)
+    with pytest.raises(CaptureError) as err:
+        capture(_glm4_moe_lite(2), batch)
+    msg = str(err.value)
+    assert "in module 'model.layers.0.self_attn' (Glm4MoeLiteAttention)" in msg, msg
+    assert "plain PyTorch fails too on the example with an attention mask" in msg, msg
+    assert "num_key_value_heads=2 of num_attention_heads=4" in msg, msg
+    assert "set num_key_value_heads=num_attention_heads" in msg, msg
+    assert "data-dependent Python control flow" not in msg, msg
+    assert capture(_glm4_moe_lite(4), batch).gm is not None
+
+
 def test_buffer_mutation_is_refused():
     class WithBatchNorm(torch.nn.Module):
         def __init__(self):
