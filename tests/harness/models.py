@@ -45,6 +45,38 @@ MOE: dict[str, dict] = {
     "afmoe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1
     ),
+    # issue 68: latent attention whose keys are expanded per query head (so as many
+    # key/value heads as heads: with 2 it fails in plain PyTorch once a mask is built),
+    # a shared expert, layer 0 dense
+    "glm4_moe_lite": dict(
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+    ),
+    # issue 68: Gated DeltaNet layers (a depthwise conv1d weight of 3 dims: not an expert
+    # bank) then attention, every layer's MLP routed with a gated shared expert
+    "qwen3_5_moe_text": dict(
+        full_attention_interval=2,  # linear, full, linear, full, ... at any depth
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=48,
+    ),
 }
 """Hugging Face mixtures of experts (config fields of AutoConfig.for_model): 4 experts, top-2."""
 

@@ -3,7 +3,9 @@ from other weights is refused at parallelize on every rank, naming the parameter
 the ranks (tensor- and data-parallel replicas, the holders of a tied weight);
 broadcast_params=True copies the first replica's values instead and then trains exactly
 like one device; a replica changed between steps stops the next step
-(check_replicas_interval). Frozen parameters and buffers are checked too. And the Program
+(check_replicas_interval). Frozen parameters and buffers are checked too, and a start-up
+check that passes whatever the ranks' timing (ModernBERT-decoder's rotary tables at tp=2,
+its ranks reaching parallelize seconds apart). And the Program
 replicas are built from: with the spawn's shared transform left out, every rank transforms
 a Mixtral at tp=2 x pp=2 x ep=2 by itself and all ranks make the same Program (its digest:
 graphs, specs, placement, buffer layouts, tp / ep specs; tests/harness/shared_transform.py)."""
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -155,8 +158,47 @@ def _transformed_alone(rank: int) -> dict:
             "placement": program.placement, "buffers": sum(len(b) for b in program.buffers)}
 
 
+APART_S = (0.0, 3.0, 6.0)
+"""How long after the other ranks each start of ``_apart`` sends its late rank to parallelize."""
+
+
+def _modernbert():
+    """ModernBERT-decoder (two rotary tables: a global and a sliding-window one, buffers the
+    start-up check compares over tp) and 2 steps' batches, as the zoo makes them."""
+    from tests.parity import test_zoo
+
+    return test_zoo.make("modernbert-decoder"), test_zoo.batches("modernbert-decoder")[:2]
+
+
+def _apart(rank: int) -> list:
+    """Issue 68: ModernBERT-decoder at tp=2 x dp=2 was refused at start-up ("'...rotary_emb.
+    sliding_attention_inv_freq' differs between tensor-parallel ranks") in 2 of 6 tries
+    when its ranks reached parallelize seconds apart, one having first trained a float64
+    copy. Here each of ``APART_S``'s starts has a late rank (rank 0, 3, 0), the first also
+    trains a float64 copy of its model first; each start's losses (2 steps) or its error."""
+    out = []
+    for i, delay in enumerate(APART_S):
+        (model, batches), late = _modernbert(), (0, 3, 0)[i]
+        if rank == late:
+            if i == 0:
+                copy = _modernbert()[0].double()
+                opt = torch.optim.AdamW(copy.parameters())
+                for ids, labels in batches:
+                    copy(input_ids=ids, labels=labels).loss.backward()
+                    opt.step()
+            time.sleep(delay)
+        try:
+            engine = fxmeg.parallelize(model, tuple(t[:MBS] for t in batches[0]), tp=2,
+                                       global_batch_size=GBS, optimizer=optimizer)
+            out.append([engine.train_step(b).loss for b in batches])
+        except ReplicaError as err:
+            out.append(str(err))
+    return out
+
+
 def run(rank: int) -> dict:
     return {
+        "apart": _apart(rank),
         "alone": _transformed_alone(rank),
         "state": _state(rank),
         # rank 3 = (tp 1, dp 1): its full wte differs from rank 2's, its shard from rank 1's
@@ -254,6 +296,18 @@ def test_the_collective_section_of_docs_errors_lists_these_rows(results):
     assert rows.keys() == raised.keys()
     for row, excerpt in rows.items():
         assert excerpt in raised[row], row
+
+
+def test_a_start_up_check_holds_whatever_the_ranks_timing(results):
+    """ModernBERT-decoder's rotary tables agree over tp whichever rank comes late (and by
+    how much, one after training a float64 copy): each start trains, every rank alike, with
+    the losses of single-device PyTorch."""
+    want = reference(*_modernbert())[0]
+    for i in range(len(APART_S)):
+        got = [r["apart"][i] for r in results]
+        assert all(isinstance(g, list) for g in got), (i, got)
+        assert all(g == got[0] for g in got), (i, got)
+        assert_losses_close(got[0], want)
 
 
 def test_frozen_parameters_and_buffers_must_agree_too(results):
