@@ -35,6 +35,7 @@ from torch import fx
 
 from fxmeg.errors import PassError
 from fxmeg.frontend.capture import owning_module
+from fxmeg.ir import ops
 from fxmeg.passes.graph_utils import attr, users_reached, val
 from fxmeg.passes.op_rules import in_family
 
@@ -46,6 +47,9 @@ _BANK_VIEWS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.
 _SCATTERS = {aten.scatter.src, aten.scatter_.src, aten.scatter.value, aten.scatter_.value}
 _FULLS = {aten.full_like.default, aten.full.default}  # their fill value: argument 1
 _FIX = ". Fix: train this model with ep=1 (every rank computes every expert)"
+_IDENTITY = {ops.fx_ops.tp_copy.default}
+"""Ops whose forward is the identity: Megatron's f, which the tensor-parallel pass puts on
+the scores of batched experts split over tp (fxmeg/passes/tp/experts.py)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def _top_k_index(scores: fx.Node, where: str) -> fx.Node:
     """The top-k index outside which ``scores`` are exactly zero (module docstring)."""
     chain, n = [], scores
     while n.op == "call_function" and n.target not in _SCATTERS and len(n.all_input_nodes) == 1 \
-            and in_family(n.target, "copy", "pointwise"):
+            and (in_family(n.target, "copy", "pointwise") or n.target in _IDENTITY):
         chain.append(n)
         n = n.all_input_nodes[0]
     fail = (
@@ -156,7 +160,7 @@ def _top_k_index(scores: fx.Node, where: str) -> fx.Node:
         raise PassError(fail)
     value = torch.tensor(float(n.args[0].args[1]))
     for c in reversed(chain):
-        if in_family(c.target, "copy"):
+        if in_family(c.target, "copy") or c.target in _IDENTITY:
             value = value.to(val(c).dtype)
         else:
             value = c.target(

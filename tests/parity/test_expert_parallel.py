@@ -22,7 +22,8 @@ ep=4 (one expert per rank), DeepSeek-V3 with the distributed optimizer and at pp
 OLMoE at tp=2, GPT-OSS at tp=2 (a down bias: each routed row summed over tp inside the block,
 before it), Qwen2-MoE at tp=2 with sequence parallelism (the tokens gathered whole, each
 expert split over tp), DeepSeek-V3 at tp=2 (latent attention: down projections whole, up
-projections over heads), Mixtral under ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
+projections over heads), Llama 4 at tp=2 (batched experts split over tp), Mixtral under
+ZB-H1 and GPT-OSS under ZB-V at ep=2 x pp=2 (each
 block's backward split into an input-gradient pass, the reverse all-to-alls, and a
 weight-gradient pass; ZB-H1 bit for bit like 1F1B; compiled), Mixtral under DualPipeV at ep=2 x
 pp=2 with full recompute (each routed-experts block run again in its I) in one lane and
@@ -141,6 +142,8 @@ FOUR = [
     *DUALPIPE,
     # latent attention at tp: its down projections whole, up projections over heads
     Scenario("moe-deepseek_v3", dp=2, tp=2, options=(("ep", 2),)),
+    # batched experts split over tp too (the f on the scores kept out of ep's top-k reading)
+    Scenario("moe-llama4_text", dp=2, tp=2, options=(("ep", 2),)),
 ]
 # compiled split graphs, the routed experts' forward, I and W eager in them (no recompile: raised)
 ZB_COMPILED = Scenario("moe-mixtral", dp=2, pp=2, schedule="zbh1",

@@ -27,7 +27,7 @@ def _layouts(gm) -> dict:
 
 
 # their first layer is dense
-@pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3", "afmoe"}))
+@pytest.mark.parametrize("kind", sorted(set(MOE) - {"deepseek_v3", "afmoe", "glm4_moe_lite"}))
 def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     """With expert_tensor_parallel_size=1 the experts stay whole on every tp rank, said."""
     with caplog.at_level(logging.INFO, logger="fxmeg.passes.tensor_parallel"):
@@ -37,7 +37,9 @@ def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
     block = "block_sparse_moe" if kind.startswith("granitemoe") else "mlp"  # Granite's MoE module
     router = "router" if kind == "gpt_oss" or kind.startswith("granitemoe") else "gate"
     assert tp[f"model.layers.0.{block}.{router}.weight"] == Replicate()
-    assert tp["model.layers.1.self_attn.q_proj.weight"] == Shard(0, (32,))
+    # Qwen3.5's query projection holds each head's query and output gate: 2 x 32 features
+    assert tp["model.layers.1.self_attn.q_proj.weight"] == Shard(
+        0, (64,) if kind == "qwen3_5_moe_text" else (32,))
     assert tp[f"model.layers.1.{block}.experts.down_proj"] == Replicate()
     if kind == "qwen2_moe":  # the shared expert is a dense MLP: split; its one-feature gate: whole
         assert tp["model.layers.0.mlp.shared_expert.up_proj.weight"] == Shard(0, (48,))
@@ -46,7 +48,8 @@ def test_routers_stay_whole_and_the_experts_are_named(kind, caplog):
         assert tp["model.layers.0.shared_mlp.input_linear.weight"] == Shard(0, (48, 48))
     said = [r for r in caplog.records if r.name == "fxmeg.passes.tensor_parallel"]
     (info,) = [r.getMessage() for r in said if r.levelno == logging.INFO]
-    assert f"tp=2 keeps {2 + 2 * (kind == 'qwen2_moe')} router linears whole" in info
+    gated = kind in ("qwen2_moe", "qwen3_5_moe_text")  # a one-feature shared-expert gate
+    assert f"tp=2 keeps {2 + 2 * gated} router linears whole" in info
     assert f"model.layers.*.{block}.{router}" in info
     (warning,) = [r.getMessage() for r in said if r.levelno == logging.WARNING]
     assert warning.startswith("tp=2 leaves") and f"'model.layers.*.{block}.experts' (" in warning

@@ -1,6 +1,12 @@
 """Expert tensor parallelism: each routed expert's MLP split over tp ranks as a dense MLP
 is (Megatron-Core's ``expert_tensor_parallel_size`` = tp, its default).
 
+Batched experts (Llama 4's: every expert over every token, ``bmm`` over [E, T, H] slots
+scaled by the scores before the first matmul; fxmeg/passes/ep_batched.py) split the same
+way; the hidden states and the scores enter through f (their gradients, each rank's share
+of the experts', summed over tp), and the partial output is summed after the block's
+result, the sum over the experts.
+
 A Hugging Face grouped-experts block (recognised as the expert-parallel pass recognises it:
 fxmeg/passes/expert_parallel.py ``routed_blocks``) runs ``rows @ W_up[e]``, the model's
 activation, then ``@ W_down[e]`` with one grouped matmul each. Under expert tp:
@@ -53,7 +59,8 @@ class ExpertBlocks:
 
     def __init__(self, tp) -> None:
         self.tp = tp
-        blocks = [b for b in routed_blocks(tp.gm, strict=False) if is_grouped_mm(b.up)]
+        blocks = [b for b in routed_blocks(tp.gm, strict=False)
+                  if is_grouped_mm(b.up) or b.scores is not None]  # grouped or batched
         self.ups = {b.up: b for b in blocks}
         self.downs = {b.down: b for b in blocks}
 
@@ -80,10 +87,14 @@ class ExpertBlocks:
         if block.b_up is not None:  # its rows, gathered before this matmul, are split alike
             tp._spec(block.b_up, 1, parts, node)
             tp.place[next(a for a in block.up_out.args if a is not node)] = split
+        inside = block.inner()
+        if block.scores is not None:  # batched: every expert's slot of every token, scaled
+            for value in (block.hidden, block.scores):  # before the matmul by the scores
+                _synced(tp, value, [u for u in value.users if u in inside])
+            return split
         rows = source(node.args[0], CASTS)  # hidden[tokens of the sorted (token, slot) pairs]
         _synced(tp, block.hidden, [rows])
         if block.b_down is None:  # the weights multiply the partial rows (_down)
-            inside = block.inner()
             _synced(tp, block.top_k_weights, [u for u in block.top_k_weights.users if u in inside])
         return split
 
