@@ -420,9 +420,10 @@ ZOO["flex_olmo"] = (hf("flex_olmo", num_experts=4, num_experts_per_tok=2), {}, -
 # ranks at start-up; also at plain tp2 with its ranks started seconds apart
 # (test_a_start_up_check_holds_whatever_the_ranks_timing)
 ZOO["modernbert-decoder"] = (hf("modernbert-decoder"), {}, -100)
-W1_CASES = ("jetmoe", *WORLD1_MOE)
+W1_CASES = ("jetmoe", *WORLD1_MOE, "glm4_moe_lite", "qwen3_5_moe_text", "modernbert-decoder")
 """Also at world size 1: JetMoE (issue 44: data-dependent sizes, captured and costed);
-Granite's mixtures of experts only there."""
+Granite's mixtures of experts only there; issue 68's three (one rank, tp2 x pp2 and, for
+the MoE, ep2 in tests/parity/test_expert_parallel.py)."""
 CASES = ([(name, "tp2-pp2") for name in ZOO if name not in EAGER_REPEATS and name not in WORLD1_MOE]
          + [(name, "tp2") for name in ISSUE_CASES]
          + [(name, "w1") for name in ZOO if name in EAGER_REPEATS or name in W1_CASES])
