@@ -23,9 +23,8 @@ exact zeros, are not run), or with ``moe.moe_capacity_factor`` the
 same less the (token, slot) pairs over an expert's capacity (its kwargs carry the
 factor and the block's module name); its banks' get_attr nodes carry
 ``meta["fxmeg"]["ep"] = ExpertShard(E)`` and this rank's local shapes ([E / ep, ...]);
-a chunk holding 3-D banks read by no recognised block raises PassError naming them (a
-bank: a trainable parameter of 3 or more dims whose values reach a matmul; a
-convolution's 3-D weight is not one and stays whole, replicated like any dense weight).
+a chunk holding banks read by no recognised block raises PassError naming them (a bank:
+a 3-D trainable weight whose values reach a matmul: ``_multiplies_like_experts``).
 With ``moe_router_load_balancing_type="global_aux_loss"``, in the chunk whose router loss
 ``fxmeg::scale_aux_loss`` weighs, the loss's tokens per expert (the factor of its product
 no gradient flows through) pass through ``ops.global_tokens`` (``_global_router_loss``).

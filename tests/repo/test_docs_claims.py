@@ -114,8 +114,9 @@ def _error_rows() -> dict[str, str]:
 
 
 def _tested_rows() -> set[str]:
-    """The rows tests/repo/test_errors.py runs: the keys of its ROWS and SET_UP."""
-    tree = ast.parse(_read("tests/repo/test_errors.py"))
+    """The rows tests/repo/test_errors.py runs: the keys of ROWS and SET_UP
+    (tests/repo/refusals.py)."""
+    tree = ast.parse(_read("tests/repo/refusals.py"))
     keys = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(

@@ -1,11 +1,8 @@
 """Expert tensor parallelism: each routed expert's MLP split over tp ranks as a dense MLP
 is (Megatron-Core's ``expert_tensor_parallel_size`` = tp, its default).
 
-Batched experts (Llama 4's: every expert over every token, ``bmm`` over [E, T, H] slots
-scaled by the scores before the first matmul; fxmeg/passes/ep_batched.py) split the same
-way; the hidden states and the scores enter through f (their gradients, each rank's share
-of the experts', summed over tp), and the partial output is summed after the block's
-result, the sum over the experts.
+Batched experts (Llama 4's) split alike, the hidden states and scores entering through f
+(docs/parallelism.md, "Expert parallelism").
 
 A Hugging Face grouped-experts block (recognised as the expert-parallel pass recognises it:
 fxmeg/passes/expert_parallel.py ``routed_blocks``) runs ``rows @ W_up[e]``, the model's
