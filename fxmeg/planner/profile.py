@@ -446,7 +446,7 @@ def _params(program, gm, blocks, side) -> dict[str, dict[str, tuple[int, int]]]:
 
 
 def _banks(program) -> frozenset[str]:
-    from fxmeg.diagnostics.layout_plan import expert_banks
+    from fxmeg.diagnostics.expert_banks import expert_banks
 
     return expert_banks(program)
 
