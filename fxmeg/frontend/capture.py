@@ -233,8 +233,8 @@ def _explain_export_failure(
     keys, the heads its config gives."""
     reason = [line for line in str(exc).strip().splitlines() if line.strip()]
     first = reason[0] if reason else type(exc).__name__
-    where = _failing_module(model, exc)
-    place = f" in module {where}" if where else ""
+    fqn, module = _failing_module(model, exc)
+    place = f" in module {fqn or '<root>'!r} ({type(module).__name__})" if module else ""
     head = (f"torch.export could not capture {type(model).__name__}{place}: "
             f"{type(exc).__name__}: {first}\n")
     if _data_dependent(exc):
@@ -253,7 +253,7 @@ def _explain_export_failure(
            "eager call with no padding passes None, so the model runs its masked attention "
            "path, which fails here; " if "attention mask" in call else "")
         + "the model's code or configuration does not fit its example. "
-        + _heads_hint(model, where))
+        + _heads_hint(fqn, module))
 
 
 def _data_dependent(exc: BaseException) -> bool:
@@ -298,12 +298,10 @@ def _eager_failure(
     return None
 
 
-def _heads_hint(model: nn.Module, where: str) -> str:
+def _heads_hint(fqn: str, module: nn.Module | None) -> str:
     """For a failing attention module that repeats its keys and values
     (``num_key_value_groups`` > 1): the heads its config gives, and the fix for a
     latent-attention model, whose keys already have one head per query head."""
-    fqn = where.split("'")[1] if where.count("'") >= 2 else None
-    module = dict(model.named_modules()).get(fqn) if fqn is not None else None
     groups = getattr(module, "num_key_value_groups", 1)
     config = getattr(module, "config", None)
     if not isinstance(groups, int) or groups <= 1 or config is None:
@@ -317,14 +315,15 @@ def _heads_hint(model: nn.Module, where: str) -> str:
         "shared latent), set num_key_value_heads=num_attention_heads in the config.")
 
 
-def _failing_module(model: nn.Module, exc: BaseException) -> str:
-    """'fqn (Class)' of the innermost module whose forward was running when export failed."""
+def _failing_module(model: nn.Module, exc: BaseException) -> tuple[str, nn.Module | None]:
+    """(fqn, module) of the innermost module whose forward was running when export failed
+    (``("", None)`` when none was)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
-    tb, found = exc.__traceback__, ""
+    tb, found = exc.__traceback__, ("", None)
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
         if tb.tb_frame.f_code.co_name == "_call_impl" and id(owner) in names:
-            found = f"{names[id(owner)] or '<root>'!r} ({type(owner).__name__})"
+            found = (names[id(owner)], owner)
         tb = tb.tb_next
     return found
 
